@@ -1,0 +1,3 @@
+"""kvguard chaos package."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""kvguard engine package."""
+
+__all__: list[str] = []

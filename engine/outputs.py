@@ -1,0 +1,41 @@
+"""What one engine step returns: new tokens per request and the exact iteration record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["IterationRecord", "RequestOutput", "StepResult"]
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One engine iteration, exactly as executed. The guard fits its latency model on these.
+
+    ``num_context_tokens`` is the total KV length (tokens already cached before this step) over
+    the decoding sequences; ``duration_s`` is the wall time of the forward pass + sampling (for
+    the sim backend: the scaled predicted time it waited).
+    """
+
+    batch_id: int
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_context_tokens: int
+    duration_s: float
+    end_s: float = 0.0  # time.monotonic() when the step ended
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int
+    num_output_tokens: int
+    batch_id: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: tuple[RequestOutput, ...]
+    iteration: IterationRecord | None  # None when nothing was scheduled

@@ -1,0 +1,3 @@
+"""kvguard guard package."""
+
+__all__: list[str] = []

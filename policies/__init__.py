@@ -1,0 +1,3 @@
+"""kvguard policies package."""
+
+__all__: list[str] = []

@@ -1,0 +1,48 @@
+"""What a policy answers: admit to a replica, queue until a time, or shed with a reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Admit", "Queue", "Shed", "Decision", "CompletionSample"]
+
+
+@dataclass(frozen=True)
+class Admit:
+    replica_id: str
+    predicted_ttft_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Queue:
+    until_s: float  # re-evaluate no later than this; past it the request is shed
+    reason: str = "queued"
+    predicted_ttft_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Shed:
+    status: int  # 429 tenant budget/limit, 503 overload
+    reason: str  # short machine-readable reason, sent as x-kvguard-reason
+    retry_after_s: float | None = None  # None: the guard derives it from the drain rate
+    should_retry: bool = True
+
+
+Decision = Admit | Queue | Shed
+
+
+@dataclass(frozen=True)
+class CompletionSample:
+    """What a policy learns from when a request finishes (released exactly once)."""
+
+    request_id: str
+    tenant: str
+    class_name: str
+    replica_id: str
+    now_s: float
+    ttft_s: float | None
+    max_itl_s: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    ok: bool  # completed without error
+    met_slo: bool

@@ -1,0 +1,73 @@
+"""Immutable load state a policy decides against: one snapshot per replica plus the whole view."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from policies.step_time import StepTimeModel
+
+__all__ = ["SeqLoad", "ReplicaSnapshot", "LoadSnapshot"]
+
+
+@dataclass(frozen=True)
+class SeqLoad:
+    """One request on a replica as the engine (or the guard's reservation) reports it."""
+
+    num_context_tokens: int  # tokens in the KV cache now (prompt computed so far + output)
+    num_prefill_tokens_remaining: int  # prompt tokens not yet prefilled
+    num_remaining_output_tokens: int  # expected decode tokens still to come
+    itl_s: float | None = None  # ITL limit of its class if known (guard-admitted requests)
+
+
+@dataclass(frozen=True)
+class ReplicaSnapshot:
+    """A replica's state at ``observed_s`` plus the guard's in-flight reservations.
+
+    ``reserved`` are requests this guard admitted that the replica has not reported yet (closes
+    the scrape-lag hole); ``num_reserved_blocks`` are their worst-case blocks.
+    """
+
+    replica_id: str
+    observed_s: float
+    block_size: int
+    num_total_blocks: int
+    num_free_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    running: tuple[SeqLoad, ...] = ()
+    waiting: tuple[SeqLoad, ...] = ()
+    reserved: tuple[SeqLoad, ...] = ()
+    num_reserved_blocks: int = 0
+    num_inflight: int = 0  # requests this guard has admitted and not yet released on it
+    healthy: bool = True
+
+    @property
+    def num_available_blocks(self) -> int:
+        return max(0, self.num_free_blocks - self.num_reserved_blocks)
+
+    @property
+    def kv_usage_ratio(self) -> float:
+        if self.num_total_blocks <= 0:
+            return 1.0
+        return 1.0 - self.num_available_blocks / self.num_total_blocks
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """Everything a policy sees at decision time. ``now_s`` is the guard's clock."""
+
+    now_s: float
+    replicas: tuple[ReplicaSnapshot, ...]
+    step_time: StepTimeModel
+    num_queued: int = 0
+    max_staleness_s: float = 2.0
+    drain_rate_rps: float = 0.0  # measured completions per second, for Retry-After
+    tenant_retry_ratio: dict[str, float] = field(default_factory=dict)
+
+    def fresh_replicas(self) -> tuple[ReplicaSnapshot, ...]:
+        return tuple(
+            r
+            for r in self.replicas
+            if r.healthy and self.now_s - r.observed_s <= self.max_staleness_s
+        )

@@ -1,0 +1,27 @@
+"""The import direction DESIGN.md fixes: guard and policies never pull in torch."""
+
+import subprocess
+import sys
+
+
+def test_guard_and_policies_do_not_import_torch():
+    code = (
+        "import sys, guard, policies, guard.cli\n"
+        "import importlib, pkgutil\n"
+        "for pkg in (guard, policies):\n"
+        "    for m in pkgutil.iter_modules(pkg.__path__):\n"
+        "        importlib.import_module(pkg.__name__ + '.' + m.name)\n"
+        "assert 'torch' not in sys.modules, sorted(k for k in sys.modules if 'torch' in k)\n"
+        "assert 'engine' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_engine_does_not_import_guard():
+    code = (
+        "import sys, importlib, pkgutil, engine\n"
+        "for m in pkgutil.iter_modules(engine.__path__):\n"
+        "    importlib.import_module('engine.' + m.name)\n"
+        "assert 'guard' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
