@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
+from policies.replica_load import ReplicaLoad, SeqTotals
 from policies.step_time import StepTimeModel
 
 __all__ = ["SeqLoad", "ReplicaSnapshot", "LoadSnapshot"]
@@ -51,6 +53,32 @@ class ReplicaSnapshot:
         if self.num_total_blocks <= 0:
             return 1.0
         return 1.0 - self.num_available_blocks / self.num_total_blocks
+
+    @cached_property
+    def running_totals(self) -> SeqTotals:
+        return SeqTotals.of(self.running, self.block_size, self.max_num_batched_tokens)
+
+    @cached_property
+    def waiting_totals(self) -> SeqTotals:
+        return SeqTotals.of(self.waiting, self.block_size, self.max_num_batched_tokens)
+
+    @cached_property
+    def load(self) -> ReplicaLoad:
+        """Sums over this replica's sequences, computed on first use and kept (frozen state)."""
+        reserved = SeqTotals.of(self.reserved, self.block_size, self.max_num_batched_tokens)
+        return ReplicaLoad(self.running_totals, self.waiting_totals, reserved)
+
+    def with_reservations(
+        self, reserved: tuple[SeqLoad, ...], num_reserved_blocks: int, num_inflight: int
+    ) -> ReplicaSnapshot:
+        """This engine state with other guard reservations, keeping the engine groups' sums."""
+        new = replace(
+            self, reserved=reserved, num_reserved_blocks=num_reserved_blocks, num_inflight=num_inflight
+        )
+        for name in ("running_totals", "waiting_totals"):
+            if name in self.__dict__:
+                new.__dict__[name] = self.__dict__[name]
+        return new
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,446 @@
+"""The guard's configuration: frozen dataclasses, a TOML loader and ``KVGUARD_*`` env overrides.
+
+Only :func:`load_config` reads files and the environment; everything else receives a validated
+:class:`GuardConfig` (or the part of it it needs).
+
+TOML layout (see ``docs/guard-config.example.toml``)::
+
+    policy = "slo"
+    max_body_bytes = 1048576
+    [policy_params]            # passed to the policy as-is
+    [classes.interactive]      # merged over the built-in class of the same name
+    ttft_s = 1.0
+    itl_s = 0.08
+    [[tenants]]
+    name = "acme"
+    key_sha256 = "<hex sha256 of the API key>"   # or api_key = "..." (hashed at load)
+    [[replicas]]
+    replica_id = "r0"
+    url = "http://127.0.0.1:8001"
+    state_source = "kvguard"   # "kvguard" | "vllm" | "asgi"
+
+Environment: ``KVGUARD_CONFIG`` names the TOML file; ``KVGUARD_<FIELD>`` overrides any scalar
+field (``KVGUARD_POLICY=cap``, ``KVGUARD_MAX_BODY_BYTES=65536``, ``KVGUARD_TRACE_PATH=...``);
+``KVGUARD_UPSTREAMS`` (comma-separated URLs) replaces the replicas, whose state source is
+``KVGUARD_UPSTREAM_STATE_SOURCE`` (default ``kvguard``); ``KVGUARD_POLICY_PARAMS`` is a JSON
+object. Unknown ``KVGUARD_*`` variables are ignored (other components own them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import tomllib
+
+from policies.cost import RequestClass
+
+__all__ = [
+    "GuardConfig",
+    "TenantConfig",
+    "ReplicaConfig",
+    "ANONYMOUS_TENANT",
+    "DEFAULT_CLASSES",
+    "STATE_SOURCES",
+    "hash_api_key",
+    "load_config",
+]
+
+ANONYMOUS_TENANT = "anonymous"
+STATE_SOURCES = ("kvguard", "vllm", "asgi")
+DEFAULT_CLASSES = (
+    RequestClass("interactive", ttft_s=1.0, itl_s=0.080, priority=0),
+    RequestClass("batch", ttft_s=30.0, itl_s=1.0, priority=2),
+)
+
+
+def hash_api_key(api_key: str) -> str:
+    """The sha256 hex digest under which an API key is stored."""
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+def _is_sha256_hex(value: str) -> bool:
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant. ``default_class`` None means the guard's ``default_class``."""
+
+    name: str
+    key_sha256: str
+    default_class: str | None = None
+    may_choose_class: bool = False
+    tokens_per_minute: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("tenants.name: must be a non-empty string")
+        if not isinstance(self.key_sha256, str) or not _is_sha256_hex(self.key_sha256.lower()):
+            raise ValueError(f"tenants[{self.name!r}].key_sha256: must be 64 hex characters")
+        object.__setattr__(self, "key_sha256", self.key_sha256.lower())
+        if self.tokens_per_minute is not None and self.tokens_per_minute <= 0:
+            raise ValueError(f"tenants[{self.name!r}].tokens_per_minute: must be > 0 or absent")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """One upstream replica. ``url`` None means the wrapped ASGI app itself (in-process).
+
+    ``max_model_len`` is only needed for ``vllm`` replicas (their metrics do not carry it);
+    without it the guard leaves context-length checks to the upstream.
+    """
+
+    replica_id: str
+    url: str | None = None
+    state_source: str = "kvguard"
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.replica_id:
+            raise ValueError("replicas.replica_id: must be a non-empty string")
+        if self.state_source not in STATE_SOURCES:
+            raise ValueError(
+                f"replicas[{self.replica_id!r}].state_source: must be one of {STATE_SOURCES}, "
+                f"got {self.state_source!r}"
+            )
+        if self.url is None and self.state_source != "asgi":
+            raise ValueError(f"replicas[{self.replica_id!r}].url: required unless state_source is 'asgi'")
+        if self.max_model_len is not None and (
+            isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int)
+            or self.max_model_len < 1
+        ):
+            raise ValueError(f"replicas[{self.replica_id!r}].max_model_len: must be an integer >= 1")
+        if self.url is not None:
+            if not self.url.startswith(("http://", "https://")):
+                raise ValueError(f"replicas[{self.replica_id!r}].url: must start with http:// or https://")
+            object.__setattr__(self, "url", self.url.rstrip("/"))
+
+
+def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}: must be a number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Everything the guard needs. Build with :meth:`from_dict` or :func:`load_config`."""
+
+    classes: tuple[RequestClass, ...] = DEFAULT_CLASSES
+    default_class: str = "interactive"
+    tenants: tuple[TenantConfig, ...] = ()
+    allow_anonymous: bool = True
+    anonymous_may_choose_class: bool = False
+    policy: str = "slo"
+    policy_params: Mapping[str, Any] = field(default_factory=dict)
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 256
+    default_expected_output_tokens: int = 128
+    max_queue_len: int = 512
+    max_queue_wait_s: float = 30.0
+    refresh_interval_s: float = 0.1
+    max_staleness_s: float = 2.0
+    state_timeout_s: float = 1.0
+    unhealthy_after_errors: int = 3
+    replicas: tuple[ReplicaConfig, ...] = ()
+    tokenizer: str | None = None  # a tokenizer.json path (guard.pricing.tokenizer_counter)
+    initial_chars_per_token: float = 4.0
+    retry_shed_ratio: float = 0.10
+    idempotency_ttl_s: float = 600.0
+    max_idempotency_keys: int = 100_000
+    trace_path: str | None = None
+    max_tenant_labels: int = 20
+    redis_url: str | None = None
+    class_header: str = "x-kvguard-class"
+    deadline_header: str = "x-kvguard-deadline-ms"
+    _classes_by_name: Mapping[str, RequestClass] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        self._check_classes()
+        self._check_tenants()
+        self._check_numbers()
+        if not isinstance(self.policy, str) or not self.policy:
+            raise ValueError("policy: must be a non-empty string")
+        object.__setattr__(self, "policy_params", types.MappingProxyType(dict(self.policy_params)))
+        ids = [r.replica_id for r in self.replicas]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"replicas: duplicate replica_id in {ids}")
+        for name in ("class_header", "deadline_header"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value or value != value.strip():
+                raise ValueError(f"{name}: must be a non-empty header name")
+            object.__setattr__(self, name, value.lower())
+
+    def _check_classes(self) -> None:
+        by_name = {c.name: c for c in self.classes}
+        if not by_name:
+            raise ValueError("classes: at least one request class is required")
+        if len(by_name) != len(self.classes):
+            raise ValueError("classes: duplicate class name")
+        if self.default_class not in by_name:
+            raise ValueError(f"default_class: {self.default_class!r} is not a configured class")
+        object.__setattr__(self, "_classes_by_name", types.MappingProxyType(by_name))
+
+    def _check_tenants(self) -> None:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names) or ANONYMOUS_TENANT in names:
+            raise ValueError(f"tenants: names must be unique and not {ANONYMOUS_TENANT!r}")
+        keys = [t.key_sha256 for t in self.tenants]
+        if len(set(keys)) != len(keys):
+            raise ValueError("tenants: two tenants share one API key")
+        for t in self.tenants:
+            if t.default_class is not None and t.default_class not in self._classes_by_name:
+                raise ValueError(f"tenants[{t.name!r}].default_class: unknown class {t.default_class!r}")
+
+    def _check_numbers(self) -> None:
+        for name in ("max_body_bytes", "default_max_tokens", "default_expected_output_tokens",
+                     "max_queue_len", "unhealthy_after_errors", "max_idempotency_keys",
+                     "max_tenant_labels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        for name in ("max_queue_wait_s", "refresh_interval_s", "max_staleness_s",
+                     "state_timeout_s", "idempotency_ttl_s"):
+            _positive(name, getattr(self, name))
+        _positive("initial_chars_per_token", self.initial_chars_per_token)
+        if not 1.0 <= self.initial_chars_per_token <= 8.0:
+            raise ValueError("initial_chars_per_token: must be within [1, 8]")
+        ratio = self.retry_shed_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"retry_shed_ratio: must be within [0, 1], got {ratio!r}")
+
+    # --- lookups used on the request path -------------------------------------------------
+
+    def request_class(self, name: str) -> RequestClass | None:
+        """The class called ``name``, or None when no such class is configured."""
+        return self._classes_by_name.get(name)
+
+    @property
+    def in_process(self) -> bool:
+        """True when no replicas are configured: the wrapped ASGI app is the one replica."""
+        return not self.replicas
+
+    def match_tenant(self, api_key: str | None) -> TenantConfig | None:
+        """The tenant whose key is ``api_key``, comparing every tenant in constant time."""
+        if not api_key:
+            return None
+        digest = hash_api_key(api_key)
+        found = None
+        for tenant in self.tenants:  # no early exit: the time does not depend on which matched
+            if hmac.compare_digest(digest, tenant.key_sha256):
+                found = tenant
+        return found
+
+    def resolve_tenant(self, api_key: str | None) -> TenantConfig | None:
+        """The tenant for a request, the anonymous tenant, or None (answer 401).
+
+        Anonymous is allowed when no tenants are configured or ``allow_anonymous`` is set.
+        """
+        tenant = self.match_tenant(api_key)
+        if tenant is not None:
+            return tenant
+        if self.allow_anonymous or not self.tenants:
+            return self.anonymous_tenant
+        return None
+
+    @property
+    def anonymous_tenant(self) -> TenantConfig:
+        return TenantConfig(
+            name=ANONYMOUS_TENANT,
+            key_sha256="0" * 64,
+            default_class=self.default_class,
+            may_choose_class=self.anonymous_may_choose_class,
+        )
+
+    # --- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GuardConfig:
+        """Build from a TOML-shaped mapping. Unknown keys raise ValueError naming the key."""
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown configuration key")
+        if "classes" in data:
+            data["classes"] = _classes_from(data["classes"])
+        if "tenants" in data:
+            data["tenants"] = tuple(_tenant_from(i, t) for i, t in enumerate(_list("tenants", data["tenants"])))
+        if "replicas" in data:
+            data["replicas"] = tuple(_replica_from(i, r) for i, r in enumerate(_list("replicas", data["replicas"])))
+        if "policy_params" in data and not isinstance(data["policy_params"], Mapping):
+            raise ValueError("policy_params: must be a table")
+        for name, (wanted, nullable) in _SCALAR_FIELDS.items():
+            if name in data and not (nullable and data[name] is None):
+                data[name] = _check_type(name, data[name], wanted)
+        return cls(**data)
+
+
+def _list(key: str, value: Any) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{key}: must be an array of tables")
+    return list(value)
+
+
+def _table(key: str, value: Any, allowed: set[str]) -> dict:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key}: must be a table")
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ValueError(f"{key}.{unknown[0]}: unknown key")
+    return dict(value)
+
+
+def _classes_from(value: Any) -> tuple[RequestClass, ...]:
+    if not isinstance(value, Mapping):
+        raise ValueError("classes: must be a table of class tables")
+    merged = {c.name: c for c in DEFAULT_CLASSES}
+    for name, table in value.items():
+        key = f"classes.{name}"
+        spec = _table(key, table, {"ttft_s", "itl_s", "priority"})
+        base = merged.get(name)
+        if base is None and not {"ttft_s", "itl_s"} <= set(spec):
+            raise ValueError(f"{key}: a new class needs ttft_s and itl_s")
+        fields = {"ttft_s": float, "itl_s": float, "priority": int}
+        for fname, ftype in fields.items():
+            if fname in spec:
+                spec[fname] = _check_type(f"{key}.{fname}", spec[fname], ftype)
+        try:
+            merged[name] = dataclasses.replace(base, **spec) if base else RequestClass(name, **spec)
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+    return tuple(merged.values())
+
+
+def _tenant_from(index: int, value: Any) -> TenantConfig:
+    key = f"tenants[{index}]"
+    spec = _table(key, value, {"name", "key_sha256", "api_key", "default_class",
+                               "may_choose_class", "tokens_per_minute"})
+    if "api_key" in spec:
+        if "key_sha256" in spec:
+            raise ValueError(f"{key}.api_key: give api_key or key_sha256, not both")
+        spec["key_sha256"] = hash_api_key(_check_type(f"{key}.api_key", spec.pop("api_key"), str))
+    if "name" not in spec or "key_sha256" not in spec:
+        raise ValueError(f"{key}: needs name and key_sha256 (or api_key)")
+    types_ = {"name": str, "key_sha256": str, "default_class": str,
+              "may_choose_class": bool, "tokens_per_minute": int}
+    for fname, ftype in types_.items():
+        if fname in spec:
+            spec[fname] = _check_type(f"{key}.{fname}", spec[fname], ftype)
+    return TenantConfig(**spec)
+
+
+def _replica_from(index: int, value: Any) -> ReplicaConfig:
+    key = f"replicas[{index}]"
+    spec = _table(key, value, {"replica_id", "url", "state_source", "max_model_len"})
+    spec.setdefault("replica_id", f"r{index}")
+    for fname in spec:
+        wanted = int if fname == "max_model_len" else str
+        spec[fname] = _check_type(f"{key}.{fname}", spec[fname], wanted)
+    return ReplicaConfig(**spec)
+
+
+def _check_type(key: str, value: Any, wanted: type) -> Any:
+    """``value`` converted to ``wanted`` where lossless (int → float), else ValueError naming key."""
+    if wanted is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if wanted is int and isinstance(value, bool):
+        raise ValueError(f"{key}: expected an integer, got {value!r}")
+    if not isinstance(value, wanted):
+        raise ValueError(f"{key}: expected {wanted.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+# scalar fields: name -> (type, nullable). Used for type checks and env overrides.
+_SCALAR_FIELDS: dict[str, tuple[type, bool]] = {
+    "default_class": (str, False), "allow_anonymous": (bool, False),
+    "anonymous_may_choose_class": (bool, False), "policy": (str, False),
+    "max_body_bytes": (int, False), "default_max_tokens": (int, False),
+    "default_expected_output_tokens": (int, False), "max_queue_len": (int, False),
+    "max_queue_wait_s": (float, False), "refresh_interval_s": (float, False),
+    "max_staleness_s": (float, False), "state_timeout_s": (float, False),
+    "unhealthy_after_errors": (int, False), "tokenizer": (str, True),
+    "initial_chars_per_token": (float, False), "retry_shed_ratio": (float, False),
+    "idempotency_ttl_s": (float, False), "max_idempotency_keys": (int, False),
+    "trace_path": (str, True), "max_tenant_labels": (int, False), "redis_url": (str, True),
+    "class_header": (str, False), "deadline_header": (str, False),
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse_env(var: str, text: str, wanted: type, nullable: bool) -> Any:
+    if nullable and text.strip().lower() in {"", "none", "null"}:
+        return None
+    try:
+        if wanted is bool:
+            low = text.strip().lower()
+            if low not in _TRUE | _FALSE:
+                raise ValueError
+            return low in _TRUE
+        return wanted(text.strip()) if wanted is not str else text
+    except ValueError:
+        raise ValueError(f"{var}: expected {wanted.__name__}, got {text!r}") from None
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (wanted, nullable) in _SCALAR_FIELDS.items():
+        var = "KVGUARD_" + name.upper()
+        if var in env:
+            out[name] = _parse_env(var, env[var], wanted, nullable)
+    if "KVGUARD_POLICY_PARAMS" in env:
+        try:
+            params = json.loads(env["KVGUARD_POLICY_PARAMS"])
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"KVGUARD_POLICY_PARAMS: invalid JSON ({exc.msg})") from None
+        if not isinstance(params, dict):
+            raise ValueError("KVGUARD_POLICY_PARAMS: must be a JSON object")
+        out["policy_params"] = params
+    if "KVGUARD_UPSTREAMS" in env:
+        source = env.get("KVGUARD_UPSTREAM_STATE_SOURCE", "kvguard")
+        urls = [u.strip() for u in env["KVGUARD_UPSTREAMS"].split(",") if u.strip()]
+        try:
+            out["replicas"] = tuple(ReplicaConfig(f"r{i}", u, source) for i, u in enumerate(urls))
+        except ValueError as exc:
+            raise ValueError(f"KVGUARD_UPSTREAMS: {exc}") from None
+    return out
+
+
+def load_config(path: str | os.PathLike | None = None,
+                env: Mapping[str, str] | None = None) -> GuardConfig:
+    """The TOML file at ``path`` (or ``$KVGUARD_CONFIG``), then ``KVGUARD_*`` env overrides.
+
+    With neither a path nor ``KVGUARD_CONFIG`` the defaults apply (plus env overrides).
+    """
+    env = os.environ if env is None else env
+    path = path if path is not None else env.get("KVGUARD_CONFIG") or None
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ValueError(f"KVGUARD_CONFIG: cannot read {str(path)!r}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: invalid TOML: {exc}") from None
+    config = GuardConfig.from_dict(data)
+    overrides = _env_overrides(env)
+    if not overrides:
+        return config
+    try:
+        return dataclasses.replace(config, **overrides)
+    except ValueError as exc:
+        raise ValueError(f"KVGUARD_* environment override: {exc}") from None

@@ -1,0 +1,134 @@
+"""guard.latency_model: prior, online fit, non-negativity, self-measured error."""
+
+import numpy as np
+import pytest
+
+from guard.latency_model import StepTimeFitter, prior_from_timing_model, roofline_prior
+from policies.step_time import StepTimeModel
+
+TRUE = StepTimeModel(base_s=0.004, per_prefill_token_s=2e-5, per_decode_seq_s=3e-4,
+                     per_context_token_s=1e-7)
+PRIOR = StepTimeModel(base_s=0.010, per_prefill_token_s=1e-4, per_decode_seq_s=1e-4,
+                      per_context_token_s=1e-6)
+
+
+def mixed_samples(n, seed=0, noise=0.0):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        prefill = int(rng.choice([0, 0, 0, rng.integers(16, 2048)]))
+        decode = int(rng.integers(1, 64))
+        context = int(decode * rng.integers(10, 2000))
+        duration = TRUE.step_s(prefill, decode, context) * (1 + noise * rng.standard_normal())
+        yield prefill, decode, context, duration
+
+
+def test_recovers_known_coefficients_from_exact_samples():
+    fitter = StepTimeFitter(PRIOR, window=256, min_samples=16)
+    for s in mixed_samples(256):
+        fitter.add(*s)
+    np.testing.assert_allclose(fitter.model().as_tuple(), TRUE.as_tuple(), rtol=0.02)
+
+
+def test_recovers_coefficients_with_noise_and_error_shrinks():
+    fitter = StepTimeFitter(PRIOR, window=256, min_samples=16)
+    for s in mixed_samples(600, seed=1, noise=0.03):
+        fitter.add(*s)
+    fitted = fitter.model()
+    for prefill, decode, context in [(0, 8, 4000), (512, 4, 1000), (2000, 32, 30000)]:
+        assert fitted.step_s(prefill, decode, context) == pytest.approx(
+            TRUE.step_s(prefill, decode, context), rel=0.05)
+    error = fitter.prediction_error()
+    assert error.num_samples == 256
+    assert error.median_abs_rel < 0.05  # the last 256 were predicted by an already-good model
+
+
+def test_stays_at_prior_with_too_few_samples():
+    fitter = StepTimeFitter(PRIOR, min_samples=16)
+    assert fitter.model() == PRIOR
+    for s in list(mixed_samples(15)):
+        fitter.add(*s)
+    assert fitter.model() == PRIOR
+    fitter.add(*next(mixed_samples(1, seed=9)))
+    assert fitter.model() != PRIOR
+
+
+def test_decode_only_window_keeps_prefill_coefficient_at_prior():
+    fitter = StepTimeFitter(PRIOR, window=64, min_samples=16)
+    for _prefill, decode, context, _ in mixed_samples(200, seed=2):
+        fitter.add(0, decode, context, TRUE.step_s(0, decode, context))
+    model = fitter.model()
+    assert model.per_prefill_token_s == pytest.approx(PRIOR.per_prefill_token_s)
+    assert model.per_decode_seq_s == pytest.approx(TRUE.per_decode_seq_s, rel=0.05)
+
+
+def test_coefficients_never_negative():
+    fitter = StepTimeFitter(PRIOR, window=64, min_samples=16)
+    rng = np.random.default_rng(3)
+    for _ in range(64):  # duration falls with context: the unconstrained fit would go negative
+        context = int(rng.integers(100, 10000))
+        decode = int(rng.integers(1, 16))
+        fitter.add(0, decode, context, 0.05 - 4e-6 * context + 1e-4 * decode)
+    model = fitter.model()
+    assert all(c >= 0 for c in model.as_tuple())
+    assert model.per_context_token_s == 0.0
+
+
+def test_refit_is_lazy_and_periodic():
+    fitter = StepTimeFitter(PRIOR, window=64, min_samples=16, refit_every=8)
+    samples = list(mixed_samples(40))
+    for s in samples[:16]:
+        fitter.add(*s)
+    first = fitter.model()
+    for s in samples[16:20]:
+        fitter.add(*s)
+    assert fitter.model() is first  # fewer than refit_every new samples: the cached model
+    for s in samples[20:24]:
+        fitter.add(*s)
+    assert fitter.model() is not first
+
+
+def test_batch_id_dedupe_and_unusable_samples():
+    fitter = StepTimeFitter(PRIOR)
+    assert fitter.add(0, 4, 100, 0.01, batch_id=7)
+    assert not fitter.add(0, 4, 100, 0.01, batch_id=7)
+    assert fitter.num_samples == 1
+    assert not fitter.add(0, 0, 0, 0.01)  # an empty step
+    assert not fitter.add(0, 4, 100, 0.0)
+    fitter.forget_batch_ids()  # replica restart
+    assert fitter.add(0, 4, 100, 0.01, batch_id=7)
+
+
+def test_prediction_error_is_measured_before_fitting():
+    fitter = StepTimeFitter(PRIOR, min_samples=16)
+    assert fitter.prediction_error() is None
+    fitter.add(0, 10, 1000, 0.010)  # prior predicts 0.010 + 0.001 + 0.001 = 0.012
+    error = fitter.prediction_error()
+    assert error.num_samples == 1
+    assert error.median_abs_rel == pytest.approx(0.2)
+
+
+def test_roofline_prior_reference_model():
+    prior = roofline_prior()
+    # 14 GB of bf16 weights read at 2 TB/s = 7 ms, plus 2 ms overhead
+    assert prior.base_s == pytest.approx(0.009)
+    assert prior.per_context_token_s == pytest.approx(131072 / 2.0e12)
+    assert prior.per_prefill_token_s == pytest.approx(2 * 7e9 / 156e12)
+    assert all(c > 0 for c in prior.as_tuple())
+
+
+def test_prior_from_timing_model():
+    tm = {"base_s": 0.002, "per_prefill_token_s": 1e-5, "per_decode_seq_s": 1e-4,
+          "per_context_token_s": 1e-8, "extra": "ignored"}
+    assert prior_from_timing_model(tm) == StepTimeModel(0.002, 1e-5, 1e-4, 1e-8)
+    scaled = prior_from_timing_model(tm, time_scale=10.0)
+    assert scaled.base_s == pytest.approx(0.02)
+    assert prior_from_timing_model(None) is None
+    assert prior_from_timing_model({"base_s": 0.1}) is None
+    assert prior_from_timing_model({**tm, "base_s": -1}) is None
+
+
+def test_rejects_bad_parameters():
+    with pytest.raises(ValueError):
+        StepTimeFitter(PRIOR, window=8, min_samples=16)
+    with pytest.raises(ValueError):
+        StepTimeFitter(PRIOR, refit_every=0)

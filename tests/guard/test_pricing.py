@@ -1,0 +1,344 @@
+"""guard.pricing: body limit, validation, token counting, class/deadline/retry, online learning."""
+
+import asyncio
+import json
+import math
+import time
+
+import pytest
+
+from guard.config import GuardConfig, TenantConfig
+from guard.pricing import (
+    BodyTooLarge,
+    ClientDisconnected,
+    Pricer,
+    PricingError,
+    RecentKeys,
+    headers_from_scope,
+    read_body,
+    tokenizer_counter,
+)
+
+COMP = "/v1/completions"
+CHAT = "/v1/chat/completions"
+ANON = GuardConfig().anonymous_tenant
+CHOOSER = TenantConfig("acme", "a" * 64, default_class="interactive", may_choose_class=True)
+FIXED = TenantConfig("fixed", "b" * 64, default_class="batch", may_choose_class=False)
+
+
+def price(pricer, body, path=COMP, headers=None, tenant=ANON, now_s=100.0, max_model_len=4096,
+          block_size=16):
+    return pricer.price(body, path, headers or {}, tenant, now_s, max_model_len=max_model_len,
+                        block_size=block_size, request_id="req-1")
+
+
+def raises(pricer, body, reason, path=COMP, status=400, **kw):
+    with pytest.raises(PricingError) as info:
+        price(pricer, body, path, **kw)
+    assert info.value.status == status and info.value.reason == reason
+    return info.value
+
+
+# --- read_body --------------------------------------------------------------------------------
+
+
+class Chunks:
+    """An ASGI receive() that serves fixed chunks and counts calls."""
+
+    def __init__(self, chunks, disconnect_at=None):
+        self.chunks = chunks
+        self.calls = 0
+        self.disconnect_at = disconnect_at
+
+    async def __call__(self):
+        i = self.calls
+        self.calls += 1
+        if i == self.disconnect_at:
+            return {"type": "http.disconnect"}
+        return {"type": "http.request", "body": self.chunks[i],
+                "more_body": i < len(self.chunks) - 1}
+
+
+def test_read_body_joins_chunks():
+    receive = Chunks([b"ab", b"", b"cd"])
+    assert asyncio.run(read_body(receive, 10)) == b"abcd"
+    assert receive.calls == 3
+
+
+def test_read_body_stops_as_soon_as_the_limit_is_passed():
+    receive = Chunks([b"x" * 40] * 100)
+    with pytest.raises(BodyTooLarge) as info:
+        asyncio.run(read_body(receive, 100))
+    assert receive.calls == 3  # 40, 80, 120 > 100: the other 97 chunks are never read
+    assert info.value.status == 413 and info.value.reason == "body_too_large"
+
+
+def test_read_body_refuses_declared_content_length_without_reading():
+    receive = Chunks([b"x"])
+    with pytest.raises(BodyTooLarge):
+        asyncio.run(read_body(receive, 100, content_length=101))
+    assert receive.calls == 0
+    assert asyncio.run(read_body(Chunks([b"x" * 100]), 100, content_length=100)) == b"x" * 100
+
+
+def test_read_body_disconnect():
+    with pytest.raises(ClientDisconnected):
+        asyncio.run(read_body(Chunks([b"a", b"b"], disconnect_at=1), 100))
+
+
+def test_headers_from_scope_lowercases():
+    scope = {"headers": [(b"X-KVGuard-Class", b"batch"), (b"authorization", b"Bearer k")]}
+    assert headers_from_scope(scope) == {"x-kvguard-class": "batch", "authorization": "Bearer k"}
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "reason", "param"),
+    [
+        (b"{not json", "invalid_json", None),
+        (b"\xff\xfe", "invalid_json", None),
+        (b"[1, 2]", "invalid_json", None),
+        ({"model": "m"}, "invalid_request", "prompt"),
+        ({"prompt": 12}, "invalid_request", "prompt"),
+        ({"prompt": []}, "invalid_request", "prompt"),
+        ({"prompt": ["a", "b"]}, "invalid_request", "prompt"),
+        ({"prompt": [1, -2]}, "invalid_request", "prompt"),
+        ({"prompt": [1, True]}, "invalid_request", "prompt"),
+        ({"prompt": "hi", "max_tokens": 0}, "invalid_request", "max_tokens"),
+        ({"prompt": "hi", "max_tokens": "10"}, "invalid_request", "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 1.5}, "invalid_request", "max_tokens"),
+        ({"prompt": "hi", "max_completion_tokens": -3}, "invalid_request", "max_completion_tokens"),
+        ({"prompt": "hi", "stream": "yes"}, "invalid_request", "stream"),
+        ({"prompt": "hi", "n": 0}, "invalid_request", "n"),
+        ({"prompt": "hi", "temperature": "hot"}, "invalid_request", "temperature"),
+        ({"prompt": "hi", "temperature": 3}, "invalid_request", "temperature"),
+        ({"prompt": "hi", "model": 7}, "invalid_request", "model"),
+    ],
+)
+def test_completions_validation(body, reason, param):
+    err = raises(Pricer(GuardConfig()), body, reason)
+    assert err.param == param
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": "hello"}, "messages"),
+        ({"messages": ["hello"]}, "messages[0]"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+         "messages[0].content[0].text"),
+    ],
+)
+def test_chat_validation(body, param):
+    err = raises(Pricer(GuardConfig()), body, "invalid_request", path=CHAT)
+    assert err.param == param
+
+
+def test_unknown_path_is_not_priced():
+    raises(Pricer(GuardConfig()), {"prompt": "x"}, "unknown_endpoint", path="/v1/embeddings",
+           status=404)
+
+
+# --- counting and blocks -----------------------------------------------------------------------
+
+
+def test_token_id_prompt_is_exact_and_blocks_are_worst_case():
+    cost = price(Pricer(GuardConfig()), {"prompt": list(range(100)), "max_tokens": 29})
+    assert cost.num_prompt_tokens == 100 and cost.max_tokens == 29
+    assert cost.num_blocks == math.ceil(129 / 16) == 9
+    assert cost.request_id == "req-1" and cost.tenant == "anonymous"
+    assert cost.num_expected_output_tokens == 29  # min(max_tokens, default 128)
+
+
+def test_text_prompt_estimate_uses_chars_per_token():
+    pricer = Pricer(GuardConfig(initial_chars_per_token=4.0))
+    assert price(pricer, {"prompt": "x" * 401, "max_tokens": 10}).num_prompt_tokens == 101
+    assert price(pricer, {"prompt": ["x" * 8], "max_tokens": 10}).num_prompt_tokens == 2
+    assert price(pricer, json.dumps({"prompt": [[1, 2, 3]]}).encode()).num_prompt_tokens == 3
+
+
+def test_injected_tokenizer_counts_text():
+    pricer = Pricer(GuardConfig(), tokenizer=lambda text: len(text.split()))
+    priced = pricer.price_request({"prompt": "one two three", "max_tokens": 5}, COMP, {}, ANON,
+                                  0.0, max_model_len=100, block_size=4)
+    assert priced.cost.num_prompt_tokens == 3 and priced.is_exact
+
+
+def test_tokenizer_counter_from_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    count = tokenizer_counter(str(path))
+    assert count("hello world hello") == 3 and count("") == 0
+
+
+def test_chat_counts_content_plus_template_overhead():
+    pricer = Pricer(GuardConfig(initial_chars_per_token=4.0))
+    body = {"messages": [{"role": "system", "content": "x" * 40},
+                         {"role": "user", "content": [{"type": "text", "text": "y" * 40},
+                                                      {"type": "image_url", "image_url": {}}]},
+                         {"role": "assistant", "content": None}],
+            "max_completion_tokens": 7, "stream": True}
+    priced = pricer.price_request(body, CHAT, {}, ANON, 0.0, max_model_len=4096, block_size=16)
+    assert priced.num_prompt_chars == 80 and priced.num_overhead_tokens == 3 * 4 + 3
+    assert priced.cost.num_prompt_tokens == 20 + 15
+    assert priced.cost.max_tokens == 7 and priced.is_stream and not priced.max_tokens_defaulted
+
+
+def test_missing_max_tokens_uses_default_and_fits_the_context():
+    pricer = Pricer(GuardConfig(default_max_tokens=256))
+    priced = pricer.price_request({"prompt": [1] * 100}, COMP, {}, ANON, 0.0, max_model_len=4096,
+                                  block_size=16)
+    assert priced.cost.max_tokens == 256 and priced.max_tokens_defaulted
+    near_full = price(pricer, {"prompt": [1] * 4000}, max_model_len=4096)
+    assert near_full.max_tokens == 96  # what is left of the context, not a 400
+
+
+def test_n_multiplies_blocks_and_expected_output():
+    cost = price(Pricer(GuardConfig()), {"prompt": [1] * 16, "max_tokens": 16, "n": 3})
+    assert cost.num_blocks == 3 * 2 and cost.num_expected_output_tokens == 3 * 16
+
+
+def test_context_overflow_is_400_never_retry():
+    pricer = Pricer(GuardConfig())
+    err = raises(pricer, {"prompt": [1] * 4000, "max_tokens": 97}, "context_length_exceeded")
+    assert "4096" in err.message and err.param == "prompt"
+    assert price(pricer, {"prompt": [1] * 4000, "max_tokens": 96}).max_tokens == 96
+    raises(pricer, {"prompt": [1] * 5000}, "context_length_exceeded")  # even with no max_tokens
+    # no known context (black-box upstream): no check
+    assert price(pricer, {"prompt": [1] * 5000, "max_tokens": 9}, max_model_len=None).max_tokens == 9
+
+
+def test_estimated_prompt_gets_a_tolerance_before_overflow():
+    pricer = Pricer(GuardConfig(initial_chars_per_token=4.0))
+    # about 1000 tokens estimated; rejected only when 90 % of it plus max_tokens overflows
+    assert price(pricer, {"prompt": "x" * 4000, "max_tokens": 100}, max_model_len=1000)
+    raises(pricer, {"prompt": "x" * 4000, "max_tokens": 101}, "context_length_exceeded",
+           max_model_len=1000)
+
+
+# --- class, deadline, retry --------------------------------------------------------------------
+
+
+def test_class_header_honoured_only_when_tenant_may_choose():
+    pricer = Pricer(GuardConfig())
+    h = {"x-kvguard-class": "batch"}
+    assert price(pricer, {"prompt": "x"}, headers=h, tenant=CHOOSER).request_class.name == "batch"
+    assert price(pricer, {"prompt": "x"}, tenant=CHOOSER).request_class.name == "interactive"
+    assert price(pricer, {"prompt": "x"}, headers=h, tenant=ANON).request_class.name == "interactive"
+    fixed = price(pricer, {"prompt": "x"}, headers={"x-kvguard-class": "interactive"}, tenant=FIXED)
+    assert fixed.request_class.name == "batch"
+    err = raises(pricer, {"prompt": "x"}, "unknown_class", headers={"x-kvguard-class": "gold"},
+                 tenant=CHOOSER)
+    assert err.param == "x-kvguard-class"
+
+
+def test_deadline_from_class_and_client_headers():
+    pricer = Pricer(GuardConfig())
+    assert price(pricer, {"prompt": "x"}, now_s=10.0).deadline_s == pytest.approx(11.0)
+    assert price(pricer, {"prompt": "x"}, tenant=FIXED, now_s=10.0).deadline_s == pytest.approx(40.0)
+    sdk = {"x-stainless-read-timeout": "0.25"}
+    assert price(pricer, {"prompt": "x"}, headers=sdk, now_s=10.0).deadline_s == pytest.approx(10.25)
+    late = {"x-stainless-read-timeout": "600"}  # later than the class TTFT: the class wins
+    assert price(pricer, {"prompt": "x"}, headers=late, now_s=10.0).deadline_s == pytest.approx(11.0)
+    ours = {"x-kvguard-deadline-ms": "300", "x-stainless-read-timeout": "0.5"}
+    assert price(pricer, {"prompt": "x"}, headers=ours, now_s=10.0).deadline_s == pytest.approx(10.3)
+    junk = {"x-stainless-read-timeout": "soon"}
+    assert price(pricer, {"prompt": "x"}, headers=junk, now_s=10.0).deadline_s == pytest.approx(11.0)
+    for bad in ("soon", "-5", "0", "nan"):
+        raises(pricer, {"prompt": "x"}, "invalid_header", headers={"x-kvguard-deadline-ms": bad})
+
+
+def test_retry_from_sdk_counter_and_repeated_idempotency_key():
+    pricer = Pricer(GuardConfig())
+    assert not price(pricer, {"prompt": "x"}).is_retry
+    assert not price(pricer, {"prompt": "x"}, headers={"x-stainless-retry-count": "0"}).is_retry
+    assert price(pricer, {"prompt": "x"}, headers={"x-stainless-retry-count": "2"}).is_retry
+    key = {"idempotency-key": "abc"}
+    assert not price(pricer, {"prompt": "x"}, headers=key, now_s=0.0).is_retry
+    assert price(pricer, {"prompt": "x"}, headers=key, now_s=5.0).is_retry
+    assert not price(pricer, {"prompt": "x"}, headers=key, tenant=CHOOSER, now_s=6.0).is_retry
+    # after the TTL the key is forgotten
+    assert not price(pricer, {"prompt": "x"}, headers=key, now_s=5.0 + 601.0).is_retry
+
+
+def test_recent_keys_bounded_and_expiring():
+    keys = RecentKeys(ttl_s=10.0, max_keys=3)
+    for i, k in enumerate("abcd"):
+        assert not keys.seen(k, float(i))
+    assert len(keys) == 3 and not keys.seen("a", 4.0)  # "a" was evicted by the bound
+    assert keys.seen("d", 5.0)
+    assert not keys.seen("b", 100.0) and len(keys) == 1  # everything else expired
+
+
+# --- learning ----------------------------------------------------------------------------------
+
+
+def test_chars_per_token_calibrates_toward_the_true_ratio():
+    pricer = Pricer(GuardConfig(initial_chars_per_token=4.0))
+    for _ in range(300):
+        pricer.observe_usage(num_prompt_chars=2500, num_prompt_tokens=1000)  # true ratio 2.5
+    assert pricer.chars_per_token == pytest.approx(2.5, rel=0.02)
+    assert price(pricer, {"prompt": "x" * 250, "max_tokens": 1}).num_prompt_tokens == 100
+    for _ in range(2000):
+        pricer.observe_usage(100, 1)  # absurd upstream counts stay bounded
+    assert pricer.chars_per_token == 8.0
+    pricer.observe_usage(0, 10)
+    pricer.observe_usage(10, 0)  # ignored, no division by zero
+    assert pricer.chars_per_token == 8.0
+
+
+def test_observe_completion_subtracts_chat_overhead_and_skips_exact_counts():
+    pricer = Pricer(GuardConfig(initial_chars_per_token=4.0))
+    body = {"messages": [{"role": "user", "content": "z" * 300}], "max_tokens": 4}
+    priced = pricer.price_request(body, CHAT, {}, ANON, 0.0, max_model_len=4096, block_size=16)
+    for _ in range(300):  # true text ratio 3.0: 100 text tokens + 7 overhead tokens
+        pricer.observe_completion(priced, num_prompt_tokens=107, num_output_tokens=None)
+    assert pricer.chars_per_token == pytest.approx(3.0, rel=0.02)
+    exact = pricer.price_request({"prompt": [1, 2], "max_tokens": 4}, COMP, {}, ANON, 0.0,
+                                 max_model_len=4096, block_size=16)
+    pricer.observe_completion(exact, num_prompt_tokens=2, num_output_tokens=None)
+    assert pricer.chars_per_token == pytest.approx(3.0, rel=0.02)
+
+
+def test_expected_output_learned_per_class():
+    pricer = Pricer(GuardConfig(default_expected_output_tokens=128))
+    assert pricer.expected_output_tokens("interactive", 1000) == 128
+    assert pricer.expected_output_tokens("interactive", 50) == 50
+    for _ in range(7):
+        pricer.observe_output("interactive", 40)
+    assert pricer.expected_output_tokens("interactive", 1000) == 128  # not learned yet
+    pricer.observe_output("interactive", 40)
+    assert pricer.expected_output_tokens("interactive", 1000) == 40
+    assert pricer.expected_output_tokens("interactive", 30) == 30  # never above max_tokens
+    assert pricer.expected_output_tokens("batch", 1000) == 128  # per class
+    for _ in range(200):
+        pricer.observe_output("interactive", 300)  # drift is tracked
+    assert pricer.expected_output_tokens("interactive", 1000) == pytest.approx(300, abs=5)
+    assert price(pricer, {"prompt": "x", "max_tokens": 1000}).num_expected_output_tokens > 290
+
+
+def test_pricing_is_fast():
+    """Not a timing assertion: prints the per-request cost for the report."""
+    pricer = Pricer(GuardConfig())
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}],
+                       "max_tokens": 64, "stream": True}).encode()
+    headers = {"x-stainless-retry-count": "0", "idempotency-key": "k"}
+    n = 2000
+    start = time.perf_counter()
+    for i in range(n):
+        pricer.price(body, CHAT, headers, ANON, float(i), max_model_len=4096, block_size=16,
+                     request_id="r")
+    per_us = (time.perf_counter() - start) / n * 1e6
+    print(f"\nprice(): {per_us:.1f} us per chat request")
