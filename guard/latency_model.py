@@ -61,11 +61,15 @@ def prior_from_timing_model(timing_model: Mapping[str, Any] | None,
                             time_scale: float = 1.0) -> StepTimeModel | None:
     """The prior given by a replica's ``/kvguard/state`` ``timing_model``, or None.
 
-    Expects the four :class:`StepTimeModel` coefficient names (seconds, unscaled); the result is
+    Expects the four :class:`StepTimeModel` coefficient names (seconds, unscaled), at the top
+    level or under ``step_time_prior`` (as the sim backend reports them); the result is
     multiplied by ``time_scale`` so it predicts the durations the replica reports.
     """
     if not isinstance(timing_model, Mapping):
         return None
+    nested = timing_model.get("step_time_prior")  # the sim backend nests its linear prior
+    if isinstance(nested, Mapping):
+        timing_model = nested
     values = [timing_model.get(name) for name in _FIELDS]
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in values):
         return None

@@ -132,3 +132,11 @@ def test_rejects_bad_parameters():
         StepTimeFitter(PRIOR, window=8, min_samples=16)
     with pytest.raises(ValueError):
         StepTimeFitter(PRIOR, refit_every=0)
+
+
+def test_prior_from_sim_timing_model_nested_shape():
+    """The sim backend reports its linear prior under ``step_time_prior``."""
+    tm = {"kind": "roofline", "overhead_s": 1e-4,
+          "step_time_prior": {"base_s": 0.004, "per_prefill_token_s": 2e-5,
+                              "per_decode_seq_s": 1e-5, "per_context_token_s": 1e-8}}
+    assert prior_from_timing_model(tm, time_scale=2.0) == StepTimeModel(0.008, 4e-5, 2e-5, 2e-8)
