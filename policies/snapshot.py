@@ -66,15 +66,14 @@ class ReplicaSnapshot:
     def load(self) -> ReplicaLoad:
         """Sums over this replica's sequences, computed on first use and kept (frozen state)."""
         reserved = SeqTotals.of(self.reserved, self.block_size, self.max_num_batched_tokens)
-        return ReplicaLoad(self.running_totals, self.waiting_totals, reserved)
+        return ReplicaLoad.of(self.running_totals, self.waiting_totals, reserved)
 
     def with_reservations(
         self, reserved: tuple[SeqLoad, ...], num_reserved_blocks: int, num_inflight: int
     ) -> ReplicaSnapshot:
         """This engine state with other guard reservations, keeping the engine groups' sums."""
-        new = replace(
-            self, reserved=reserved, num_reserved_blocks=num_reserved_blocks, num_inflight=num_inflight
-        )
+        new = replace(self, reserved=reserved, num_reserved_blocks=num_reserved_blocks,
+                      num_inflight=num_inflight)
         for name in ("running_totals", "waiting_totals"):
             if name in self.__dict__:
                 new.__dict__[name] = self.__dict__[name]

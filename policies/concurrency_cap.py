@@ -1,0 +1,46 @@
+"""A fixed cap on in-flight requests: TGI's ``--max-concurrent-requests``.
+
+TGI answers 429 ("Model is overloaded") once that many requests are in flight and keeps no
+queue in front of the cap. Here the in-flight count is the guard's own (``num_inflight``
+summed over every replica, healthy or not: a request on a dying replica still holds a slot).
+Admitted requests go to the least-loaded healthy replica.
+"""
+
+from __future__ import annotations
+
+from policies.always_admit import NO_REPLICA
+from policies.cost import RequestCost
+from policies.decision import Admit, CompletionSample, Decision, Shed
+from policies.least_loaded import least_loaded
+from policies.param_check import check_int
+from policies.snapshot import LoadSnapshot
+
+__all__ = ["ConcurrencyCap", "CONCURRENCY_LIMIT", "num_inflight"]
+
+CONCURRENCY_LIMIT = "concurrency_limit"
+
+
+def num_inflight(snapshot: LoadSnapshot) -> int:
+    """Requests this guard has admitted and not yet released, over all replicas."""
+    return sum(r.num_inflight for r in snapshot.replicas)
+
+
+class ConcurrencyCap:
+    name = "concurrency-cap"
+
+    def __init__(self, max_concurrency: int = 128) -> None:
+        self.max_concurrency = check_int("max_concurrency", max_concurrency, 1)
+
+    def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
+        if num_inflight(snapshot) >= self.max_concurrency:
+            return Shed(429, CONCURRENCY_LIMIT)
+        replica = least_loaded(r for r in snapshot.replicas if r.healthy)
+        if replica is None:
+            return Shed(503, NO_REPLICA)
+        return Admit(replica.replica_id)
+
+    def admitted(self, cost: RequestCost, replica_id: str, now_s: float) -> None:
+        pass
+
+    def observe(self, sample: CompletionSample) -> None:
+        pass

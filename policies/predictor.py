@@ -1,0 +1,137 @@
+"""TTFT and step-time prediction for one request on one replica (pure, used by the SLO policy).
+
+For a request dispatched to a replica now, the first token arrives after
+
+1. the wait for resources: enough KV blocks for its worst case (``cost.num_blocks``) and a
+   sequence slot (``max_num_seqs``). Running and waiting sequences have a committed future
+   (the blocks their remaining prompt and expected output will still take), so the blocks
+   effectively free now are ``free - reserved - committed``. When that is short, sequences are
+   taken in order of expected finish (remaining prefill chunks + remaining output tokens), each
+   returning its final block count, until the deficit is covered; the wait is that many
+   decode steps at the current decode step time;
+2. the prefill work queued ahead of it (prompt tokens not yet prefilled by running, waiting and
+   reserved sequences), then its own prompt, processed in chunks of
+   ``max_num_batched_tokens - num_decode_seqs`` tokens, each chunk step costing
+   ``step_s(chunk, num_decode_seqs, running context)``. The first token is sampled by the step
+   that finishes its prompt.
+
+So ``ttft_s = wait_s + queued_prefill_s + own_prefill_s``, counted from dispatch (the guard
+adds the time already spent since arrival). The sum is conservative: it does not overlap the
+resource wait with the queued prefill. ``join_step_s`` is the decode step of the batch once it
+has joined: every sequence on the replica plus this one, with all prompts in.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import NamedTuple
+
+from policies.cost import RequestCost
+from policies.replica_load import ReplicaLoad
+from policies.snapshot import ReplicaSnapshot
+from policies.step_time import StepTimeModel
+
+__all__ = ["TtftForecast", "forecast", "predict_ttft_s", "prefill_s", "never_fits"]
+
+
+class TtftForecast(NamedTuple):
+    """One request's forecast on one replica (a NamedTuple: built on the decision hot path)."""
+
+    num_missing_blocks: int  # blocks short right now (0: the request fits now)
+    num_missing_seqs: int  # sequence slots short right now
+    wait_s: float  # until both the blocks and a slot are free
+    queued_prefill_s: float
+    own_prefill_s: float
+    join_step_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.wait_s + self.queued_prefill_s + self.own_prefill_s
+
+    @property
+    def is_blocked(self) -> bool:
+        """Dispatching now would leave it waiting inside the engine for blocks or a slot."""
+        return self.num_missing_blocks > 0 or self.num_missing_seqs > 0
+
+
+def never_fits(cost: RequestCost, replica: ReplicaSnapshot) -> bool:
+    """The request cannot run on this replica even when it is empty."""
+    return (
+        cost.num_reserved_tokens > replica.max_model_len
+        or cost.num_blocks > replica.num_total_blocks
+    )
+
+
+def forecast(
+    cost: RequestCost, replica: ReplicaSnapshot, step_time: StepTimeModel
+) -> TtftForecast | None:
+    """Predict ``cost`` on ``replica`` if dispatched now; ``None`` when it can never fit there."""
+    if never_fits(cost, replica):
+        return None
+    load = replica.load
+    decode_s = step_time.step_s(0, load.num_decode_seqs, load.num_running_context_tokens)
+    missing_blocks = cost.num_blocks - (replica.num_available_blocks - load.num_committed_blocks)
+    missing_seqs = load.num_seqs + 1 - replica.max_num_seqs
+    wait_steps = 0
+    if missing_blocks > 0 or missing_seqs > 0:
+        wait_steps = max(
+            _steps_until_freed(load, missing_blocks), _steps_until_finished(load, missing_seqs)
+        )
+    chunk = max(1, replica.max_num_batched_tokens - load.num_decode_seqs)
+    queued_s = _prefill_s(load.num_queued_prefill_tokens, chunk, decode_s, step_time)
+    total_s = _prefill_s(
+        load.num_queued_prefill_tokens + cost.num_prompt_tokens, chunk, decode_s, step_time
+    )
+    num_join_seqs = min(replica.max_num_seqs, load.num_seqs + 1)
+    return TtftForecast(
+        num_missing_blocks=max(0, missing_blocks),
+        num_missing_seqs=max(0, missing_seqs),
+        wait_s=wait_steps * decode_s,
+        queued_prefill_s=queued_s,
+        own_prefill_s=total_s - queued_s,
+        join_step_s=step_time.step_s(
+            0, num_join_seqs, load.num_context_tokens + cost.num_prompt_tokens
+        ),
+    )
+
+
+def predict_ttft_s(
+    cost: RequestCost, replica: ReplicaSnapshot, step_time: StepTimeModel
+) -> float | None:
+    """Seconds from dispatch to first token on ``replica``; ``None`` when it can never fit there."""
+    result = forecast(cost, replica, step_time)
+    return None if result is None else result.ttft_s
+
+
+def prefill_s(num_tokens: int, replica: ReplicaSnapshot, step_time: StepTimeModel) -> float:
+    """Time to prefill ``num_tokens`` in chunks beside the replica's running decode batch."""
+    load = replica.load
+    chunk = max(1, replica.max_num_batched_tokens - load.num_decode_seqs)
+    decode_s = step_time.step_s(0, load.num_decode_seqs, load.num_running_context_tokens)
+    return _prefill_s(num_tokens, chunk, decode_s, step_time)
+
+
+def _prefill_s(num_tokens: int, chunk: int, decode_s: float, step_time: StepTimeModel) -> float:
+    """Each chunk step costs the decode step plus its prefill tokens."""
+    if num_tokens <= 0:
+        return 0.0
+    return -(-num_tokens // chunk) * decode_s + step_time.per_prefill_token_s * num_tokens
+
+
+def _steps_until_freed(load: ReplicaLoad, num_missing_blocks: int) -> int:
+    if num_missing_blocks <= 0:
+        return 0
+    schedule = load.finish_schedule
+    if not schedule.num_steps:
+        return 0  # no known sequence holds the blocks: nothing to predict a wait from
+    i = bisect_left(schedule.num_freed_blocks, num_missing_blocks)
+    return schedule.num_steps[min(i, len(schedule.num_steps) - 1)]
+
+
+def _steps_until_finished(load: ReplicaLoad, num_missing_seqs: int) -> int:
+    if num_missing_seqs <= 0:
+        return 0
+    steps = load.finish_schedule.num_steps
+    if not steps:
+        return 0  # max_num_seqs < 1: nothing running will make room
+    return steps[min(num_missing_seqs, len(steps)) - 1]

@@ -1,0 +1,118 @@
+"""Hand-computed forecasts. STEP: 10 ms + 0.1 ms per prefill token + 1 ms per decoding seq."""
+
+import pytest
+from policy_builders import STEP, decoding, make_cost, make_replica, prompt_waiting
+
+from policies.predictor import forecast, predict_ttft_s, prefill_s
+from policies.snapshot import SeqLoad
+
+
+def test_idle_replica_ttft_is_one_prefill_step():
+    # 32 prompt tokens in one chunk: 10 ms + 32 * 0.1 ms.
+    assert predict_ttft_s(make_cost(), make_replica(), STEP) == pytest.approx(0.0132)
+    f = forecast(make_cost(), make_replica(), STEP)
+    assert (f.num_missing_blocks, f.num_missing_seqs, f.wait_s, f.queued_prefill_s) == (
+        0,
+        0,
+        0.0,
+        0.0,
+    )
+    assert f.join_step_s == pytest.approx(0.011)  # a batch of one
+
+
+def test_running_batch_slows_each_prefill_step_and_sets_the_join_step():
+    replica = make_replica(running=[decoding(), decoding()])
+    f = forecast(make_cost(), replica, STEP)
+    assert f.own_prefill_s == pytest.approx(0.012 + 0.0032)  # step with 2 decoding seqs + tokens
+    assert f.join_step_s == pytest.approx(0.013)  # 3 seqs decoding
+    assert not f.is_blocked
+
+
+def test_queued_prefill_is_chunked_at_the_token_budget_minus_the_decode_batch():
+    # Chunk = 64 - 2 = 62 tokens. Ahead: 100 tokens = 2 steps; with ours 132 tokens = 3 steps.
+    replica = make_replica(running=[decoding(), decoding()], waiting=[prompt_waiting(100)])
+    f = forecast(make_cost(), replica, STEP)
+    assert f.queued_prefill_s == pytest.approx(2 * 0.012 + 100 * 0.0001)
+    assert f.own_prefill_s == pytest.approx(0.012 + 32 * 0.0001)
+    assert f.ttft_s == pytest.approx(3 * 0.012 + 132 * 0.0001)
+    assert prefill_s(0, replica, STEP) == 0.0
+
+
+def test_reserved_requests_count_as_queued_prefill():
+    reserved = SeqLoad(
+        num_context_tokens=0, num_prefill_tokens_remaining=50, num_remaining_output_tokens=8
+    )
+    replica = make_replica(reserved=[reserved], reserved_blocks=4)
+    f = forecast(make_cost(), replica, STEP)
+    # No decode batch: chunk 64. Ahead 50 tokens = 1 step; with ours 82 = 2 steps.
+    assert f.queued_prefill_s == pytest.approx(0.010 + 0.005)
+    assert f.ttft_s == pytest.approx(0.020 + 0.0082)
+
+
+def test_kv_wait_until_enough_blocks_free():
+    # Running seqs will grow into 1 + 1 + 3 = 5 more blocks, so 5 free blocks are all committed.
+    # Finish order: 16 steps (3 blocks), 16 steps (3 blocks), 40 steps (4 blocks). The request
+    # needs 4 blocks: after the second finisher (6 >= 4), i.e. 16 steps of 13 ms.
+    running = [decoding(32, 16), decoding(32, 16), decoding(16, 40)]
+    replica = make_replica(free=5, running=running)
+    f = forecast(make_cost(), replica, STEP)
+    assert (f.num_missing_blocks, f.num_missing_seqs) == (4, 0)
+    assert f.is_blocked
+    assert f.wait_s == pytest.approx(16 * 0.013)
+    assert f.ttft_s == pytest.approx(16 * 0.013 + 0.013 + 0.0032)
+
+
+def test_guard_reservations_take_blocks_first():
+    replica = make_replica(free=10, reserved_blocks=8)
+    f = forecast(make_cost(), replica, STEP)
+    assert f.num_missing_blocks == 2
+
+
+def test_no_free_blocks_and_nothing_running_has_no_wait_to_predict():
+    f = forecast(make_cost(), make_replica(free=0), STEP)
+    assert (f.num_missing_blocks, f.wait_s) == (4, 0.0)
+    assert f.is_blocked
+
+
+def test_seq_slot_wait_when_max_num_seqs_is_reached():
+    replica = make_replica(max_num_seqs=2, running=[decoding(32, 40), decoding(32, 10)])
+    f = forecast(make_cost(), replica, STEP)
+    assert (f.num_missing_blocks, f.num_missing_seqs) == (0, 1)
+    assert f.wait_s == pytest.approx(10 * 0.012)
+    assert f.join_step_s == pytest.approx(0.012)  # the batch stays at max_num_seqs
+
+
+def test_context_tokens_enter_the_step_time():
+    from policies.step_time import StepTimeModel
+
+    step = StepTimeModel(
+        base_s=0.0, per_prefill_token_s=0.0, per_decode_seq_s=0.0, per_context_token_s=0.001
+    )
+    replica = make_replica(running=[decoding(ctx=100)], waiting=[prompt_waiting(50)])
+    f = forecast(make_cost(), replica, step)
+    assert f.join_step_s == pytest.approx((100 + 50 + 32) * 0.001)
+    assert f.own_prefill_s == pytest.approx(0.1)  # one chunk step beside the 100-token batch
+
+
+@pytest.mark.parametrize(
+    ("cost", "replica"),
+    [
+        (make_cost(num_blocks=101), make_replica(total=100)),  # more blocks than the replica has
+        (make_cost(prompt=1000, max_tokens=100), make_replica(max_model_len=1024, total=1000)),
+    ],
+)
+def test_never_fits_is_none(cost, replica):
+    assert forecast(cost, replica, STEP) is None
+    assert predict_ttft_s(cost, replica, STEP) is None
+
+
+def test_aggregates_are_computed_once_per_snapshot():
+    replica = make_replica(running=[decoding()])
+    assert replica.load is replica.load
+    assert replica.load.finish_schedule is replica.load.finish_schedule
+
+
+def test_degenerate_limits_do_not_crash():
+    f = forecast(make_cost(), make_replica(max_num_seqs=0), STEP)
+    assert (f.num_missing_seqs, f.wait_s) == (1, 0.0)
+    assert f.is_blocked

@@ -1,0 +1,200 @@
+"""SloPolicy table tests. STEP: 10 ms + 0.1 ms per prefill token + 1 ms per decoding seq.
+
+Interactive class: TTFT 1.0 s, ITL 80 ms; a default cost arrives at 0 with deadline 1.0 and
+needs 4 blocks (32 prompt + 32 max tokens)."""
+
+import pytest
+from policy_builders import (
+    BATCH,
+    INTERACTIVE,
+    decoding,
+    make_cost,
+    make_replica,
+    make_snapshot,
+    prompt_waiting,
+)
+
+from policies.cost import RequestClass
+from policies.decision import Admit, Queue, Shed
+from policies.slo import SloPolicy, shed_order
+
+# Three running seqs commit the replica's 5 free blocks; the next 4 free after 16 steps of 13 ms.
+KV_SHORT = dict(free=5, running=[decoding(32, 16), decoding(32, 16), decoding(16, 40)])
+KV_WAIT_S = 16 * 0.013
+KV_OWN_PREFILL_S = 0.013 + 0.0032
+
+
+def decide(*replicas, cost=None, now_s=0.0, policy=None, **snapshot_args):
+    policy = policy or SloPolicy()
+    return policy.decide(
+        cost or make_cost(), make_snapshot(*replicas, now_s=now_s, **snapshot_args)
+    )
+
+
+def test_idle_replica_admits_with_the_predicted_ttft_since_arrival():
+    d = decide(make_replica("a"), cost=make_cost(arrival_s=0.2), now_s=0.25)
+    assert d == Admit("a", pytest.approx(0.05 + 0.0132))
+
+
+def test_chooses_the_replica_with_the_lowest_predicted_ttft_not_the_fewest_requests():
+    backlog = make_replica("a", waiting=[prompt_waiting(500)])  # 1 request, 532 tokens to prefill
+    busy = make_replica("b", running=[decoding()] * 4)  # 4 requests, all decoding
+    assert decide(backlog, busy) == Admit("b", pytest.approx(0.014 + 0.0032))
+    assert decide(busy, backlog) == Admit("b", pytest.approx(0.014 + 0.0032))
+
+
+def test_refuses_a_replica_whose_join_would_push_a_running_stream_past_its_itl():
+    strict = make_replica("a", running=[decoding(itl_s=0.0115)])  # join step 12 ms > 11.5 ms
+    slower = make_replica("b", waiting=[prompt_waiting(500)])
+    assert decide(strict, slower) == Admit("b", pytest.approx(9 * 0.010 + 0.0532))
+    # Alone, it waits for the batch to shrink, until the deadline minus its own prefill.
+    assert decide(strict) == Queue(pytest.approx(1.0 - 0.0142), "itl_wait", pytest.approx(0.0142))
+
+
+def test_a_stream_exactly_at_its_itl_limit_is_not_pushed_past_it():
+    at_limit = make_replica("a", running=[decoding(itl_s=0.012)])
+    assert decide(at_limit) == Admit("a", pytest.approx(0.0142))
+
+
+def test_joined_step_over_the_class_itl_queues_if_the_request_alone_would_meet_it():
+    tight = RequestClass("tight", ttft_s=1.0, itl_s=0.012)
+    replica = make_replica("a", running=[decoding()] * 3)  # join step 14 ms
+    assert isinstance(decide(replica, cost=make_cost(klass=tight)), Queue)
+    impossible = RequestClass("impossible", ttft_s=1.0, itl_s=0.005)  # alone: 11 ms
+    assert decide(replica, cost=make_cost(klass=impossible)) == Shed(503, "slo_unattainable")
+
+
+def test_no_free_blocks_queues_while_blocks_will_free_before_the_deadline():
+    d = decide(make_replica("a", **KV_SHORT))
+    assert d == Queue(
+        pytest.approx(1.0 - KV_OWN_PREFILL_S),
+        "kv_wait",
+        pytest.approx(KV_WAIT_S + KV_OWN_PREFILL_S),
+    )
+
+
+def test_no_free_blocks_sheds_with_the_predicted_free_time_when_too_late():
+    d = decide(make_replica("a", **KV_SHORT), now_s=0.9)
+    assert d == Shed(503, "no_kv_capacity", retry_after_s=pytest.approx(KV_WAIT_S))
+
+
+def test_prefers_a_replica_that_can_start_now_over_a_faster_one_that_must_wait():
+    short = make_replica("a", **KV_SHORT)  # would give 0.224 s, after the blocks free
+    backlog = make_replica("b", total=300, free=200, waiting=[prompt_waiting(2000)])  # 32 steps
+    assert decide(short, backlog) == Admit("b", pytest.approx(32 * 0.010 + 0.2032))
+
+
+def test_backlog_past_the_deadline_is_unattainable():
+    flooded = make_replica("a", total=2000, free=1500, waiting=[prompt_waiting(20000)])
+    assert decide(flooded) == Shed(503, "slo_unattainable")
+
+
+def test_deadline_already_past_is_unattainable():
+    assert decide(make_replica("a"), now_s=1.0) == Shed(503, "slo_unattainable")
+
+
+def test_no_healthy_replica():
+    assert decide(make_replica("a", healthy=False)) == Shed(503, "no_replica")
+    assert decide() == Shed(503, "no_replica")
+
+
+@pytest.mark.parametrize(
+    ("cost", "expected"),
+    [
+        (make_cost(num_blocks=101), Shed(400, "no_kv_capacity", should_retry=False)),
+        (
+            make_cost(prompt=1000, max_tokens=100),
+            Shed(400, "context_length_exceeded", should_retry=False),
+        ),
+    ],
+)
+def test_request_larger_than_any_replica_is_never_retried(cost, expected):
+    replicas = (make_replica("a", total=100), make_replica("b", total=100, healthy=False))
+    assert decide(*replicas, cost=cost) == expected
+
+
+def test_fresh_replicas_too_small_but_another_could_fit_is_retryable():
+    small = make_replica("a", total=2, free=2, observed_s=9.0)
+    stale_big = make_replica("b", total=100, observed_s=0.0)
+    cost = make_cost(arrival_s=9.0)
+    assert decide(small, stale_big, cost=cost, now_s=9.0) == Shed(503, "no_kv_capacity")
+
+
+@pytest.mark.parametrize(
+    ("inflight", "deadline_s", "expected"),
+    [
+        (3, 10.0, Admit("b")),  # under 4 per healthy replica: least loaded, no prediction
+        (4, 10.0, Queue(5.5, "stale_state")),  # queue briefly for a refresh
+        (4, 5.2, Queue(5.2, "stale_state")),  # never past the deadline
+    ],
+)
+def test_stale_state_falls_back_to_a_small_inflight_bound(inflight, deadline_s, expected):
+    # Two healthy replicas x 2 per replica = 4; the unhealthy one adds nothing to the bound.
+    a = make_replica("a", inflight=inflight, running=[decoding()], observed_s=0.0)
+    b = make_replica("b", observed_s=0.0)
+    down = make_replica("c", observed_s=0.0, healthy=False)
+    cost = make_cost(arrival_s=4.9, deadline_s=deadline_s)
+    policy = SloPolicy(stale_max_inflight_per_replica=2)
+    assert decide(a, b, down, cost=cost, now_s=5.0, policy=policy) == expected
+
+
+def test_stale_state_without_queue_time_sheds():
+    replica = make_replica("a", inflight=4, observed_s=0.0)
+    cost = make_cost(arrival_s=4.9, deadline_s=10.0)
+    d = decide(replica, cost=cost, now_s=5.0, policy=SloPolicy(stale_queue_s=0.0))
+    assert d == Shed(503, "stale_state")
+
+
+@pytest.mark.parametrize(
+    ("ratio", "is_retry", "expected_type", "reason"),
+    [
+        (0.2, True, Shed, "retry_shed"),  # loaded, retry-heavy tenant: shed first
+        (0.1, True, Queue, "kv_wait"),  # at the ratio, not over it
+        (0.2, False, Queue, "kv_wait"),  # a first attempt from the same tenant
+    ],
+)
+def test_retries_over_the_tenant_ratio_are_shed_when_they_would_queue(
+    ratio, is_retry, expected_type, reason
+):
+    cost = make_cost(is_retry=is_retry)
+    d = decide(make_replica("a", **KV_SHORT), cost=cost, retry_ratio={"acme": ratio})
+    assert type(d) is expected_type and d.reason == reason
+
+
+def test_retries_are_admitted_when_the_system_is_not_loaded():
+    d = decide(make_replica("a"), cost=make_cost(is_retry=True), retry_ratio={"acme": 0.9})
+    assert isinstance(d, Admit)
+
+
+def test_stale_and_full_retry_over_the_ratio_is_shed():
+    replica = make_replica("a", inflight=4, observed_s=0.0)
+    cost = make_cost(arrival_s=4.9, deadline_s=10.0, is_retry=True)
+    assert decide(replica, cost=cost, now_s=5.0, retry_ratio={"acme": 0.5}) == Shed(
+        503, "retry_shed"
+    )
+
+
+def test_shed_order_is_lowest_class_first_then_latest_deadline():
+    costs = [
+        make_cost("i-late", klass=INTERACTIVE, deadline_s=5.0),
+        make_cost("b-early", klass=BATCH, deadline_s=2.0),
+        make_cost("i-early", klass=INTERACTIVE, deadline_s=1.0),
+        make_cost("b-late", klass=BATCH, deadline_s=9.0),
+    ]
+    assert [c.request_id for c in shed_order(costs)] == ["b-late", "b-early", "i-late", "i-early"]
+    assert shed_order([]) == []
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"retry_shed_ratio": 1.5},
+        {"retry_shed_ratio": -0.1},
+        {"stale_max_inflight_per_replica": -1},
+        {"stale_max_inflight_per_replica": 1.5},
+        {"stale_queue_s": -1.0},
+    ],
+)
+def test_rejects_bad_parameters(params):
+    with pytest.raises(ValueError):
+        SloPolicy(**params)
