@@ -1,0 +1,45 @@
+"""``kvguard bench TARGET ...``: a thin dispatcher to the benchmark modules.
+
+Each target module exposes ``configure(parser)`` and ``run(args) -> int`` and is imported only
+when its target runs (``engine`` pulls in torch; ``guard`` must not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+__all__ = ["TARGETS", "configure", "run"]
+
+TARGETS: dict[str, tuple[str, str]] = {
+    "engine": ("engine.bench", "engine throughput/latency (torch backend)"),
+    "guard": ("guard.bench", "guard decision time and proxy overhead"),
+    "sim": ("engine.sim_bench", "the simulated backend against its timing model"),
+    "overload": ("chaos.overload", "the reference overload, every policy side by side"),
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", choices=sorted(TARGETS),
+                        help="; ".join(f"{k}: {v[1]}" for k, v in TARGETS.items()))
+    parser.add_argument("target_args", nargs=argparse.REMAINDER,
+                        help="arguments for the target (see kvguard bench TARGET --help)")
+
+
+def _load(target: str):
+    module_name = TARGETS[target][0]
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_name.startswith(exc.name):
+            raise ValueError(f"benchmark {target!r} is not available: module {module_name} "
+                             "does not exist in this install") from None
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    module = _load(args.target)
+    parser = argparse.ArgumentParser(prog=f"kvguard bench {args.target}",
+                                     description=TARGETS[args.target][1])
+    module.configure(parser)
+    return int(module.run(parser.parse_args(args.target_args)) or 0)

@@ -1,0 +1,214 @@
+"""The open-loop runner: fire every planned request at its scheduled time, whatever happens.
+
+Requests are launched by one dispatcher coroutine that sleeps until each arrival and starts a
+task for it; it never waits for a response. After the schedule ends, in-flight requests get
+``drain_timeout_s`` to finish, then the stragglers are canceled (recorded as ``canceled``).
+
+The runner also proves it was not the bottleneck: it reports the achieved send rate against
+the schedule's, the send lag, and its own CPU use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+
+from chaos.client import CompletionClient, make_http_client, request_body, require_loopback
+from chaos.records import OUTCOMES, RequestRecord, RequestSpec
+from chaos.schedule import prompt_token_ids
+from chaos.stats import distribution
+
+__all__ = ["LoadConfig", "LoadResult", "LiveCounts", "run_load", "rate_of"]
+
+MAX_RATE_SHORTFALL_RATIO = 0.02
+MAX_CPU_PERCENT = 85.0
+MAX_CPU_WAIT_RATIO = 0.10
+_SCHEDSTAT = "/proc/self/schedstat"  # Linux: cpu ns, run-queue wait ns, time slices
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    url: str
+    duration_s: float
+    seed: int = 0
+    model: str | None = None
+    timeout_s: float = 60.0
+    drain_timeout_s: float = 30.0
+    max_connections: int = 4096
+    class_header: str = "x-kvguard-class"
+
+    def __post_init__(self) -> None:
+        require_loopback(self.url)
+        if self.duration_s <= 0 or self.timeout_s <= 0 or self.drain_timeout_s < 0:
+            raise ValueError("duration_s and timeout_s must be > 0, drain_timeout_s >= 0")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+
+
+class LiveCounts:
+    """Running tallies for the progress display (mutated only on the event loop)."""
+
+    def __init__(self, num_planned: int) -> None:
+        self.num_planned = num_planned
+        self.num_sent = 0
+        self.by_outcome = dict.fromkeys(OUTCOMES, 0)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.num_sent - sum(self.by_outcome.values())
+
+
+def rate_of(times_s: list[float]) -> float | None:
+    """Events per second over the span of ``times_s`` ((n - 1) / span); None under 2 events."""
+    if len(times_s) < 2:
+        return None
+    span_s = max(times_s) - min(times_s)
+    return (len(times_s) - 1) / span_s if span_s > 0 else None
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    records: tuple[RequestRecord, ...]
+    duration_s: float          # declared schedule length
+    wall_s: float              # from start to the last request finishing or being canceled
+    cpu_s: float               # this process's user + system CPU over the run
+    scheduled_rate_per_s: float | None
+    achieved_rate_per_s: float | None
+    cpu_wait_s: float | None = None  # runnable but kept off a CPU by the OS (Linux only)
+
+    @property
+    def cpu_percent(self) -> float:
+        return 100.0 * self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def rate_shortfall_ratio(self) -> float | None:
+        if not self.scheduled_rate_per_s or self.achieved_rate_per_s is None:
+            return None
+        return 1.0 - self.achieved_rate_per_s / self.scheduled_rate_per_s
+
+    def lag_s(self) -> dict:
+        return distribution([r.lag_s for r in self.records if r.lag_s is not None])
+
+    def warnings(self) -> list[str]:
+        out = []
+        short = self.rate_shortfall_ratio
+        if short is not None and abs(short) > MAX_RATE_SHORTFALL_RATIO:
+            out.append(f"load generator off its schedule: achieved "
+                       f"{self.achieved_rate_per_s:.2f} req/s vs scheduled "
+                       f"{self.scheduled_rate_per_s:.2f} req/s ({100 * short:+.1f}% short)")
+        if self.cpu_percent > MAX_CPU_PERCENT:
+            out.append(f"load generator used {self.cpu_percent:.0f}% of a core: it may be "
+                       "the bottleneck")
+        if self.cpu_wait_s is not None and self.cpu_wait_s > MAX_CPU_WAIT_RATIO * self.wall_s:
+            out.append(f"the OS kept the load generator waiting for a CPU {self.cpu_wait_s:.1f}"
+                       f" s of {self.wall_s:.1f} s: the machine is oversubscribed, so latencies "
+                       "and send times include that wait")
+        return out
+
+
+def _cpu_wait_s() -> float | None:
+    """Seconds this process's main thread has waited on a run queue (None off Linux)."""
+    try:
+        with open(_SCHEDSTAT) as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    """Make room for one socket per concurrent request (best effort)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass
+
+
+def _bodies(specs: list[RequestSpec], cfg: LoadConfig) -> list[bytes]:
+    return [request_body(cfg.model, json.dumps(prompt_token_ids(cfg.seed, s)), s.max_tokens)
+            for s in specs]
+
+
+async def _counted(client: CompletionClient, spec: RequestSpec, body: bytes, t0_s: float,
+                   counts: LiveCounts) -> RequestRecord:
+    record = await client.send(spec, body, t0_s)
+    counts.by_outcome[record.outcome] += 1
+    return record
+
+
+async def _dispatch(client, specs, bodies, t0_s, counts, clock) -> list[asyncio.Task]:
+    tasks = []
+    for spec, body in zip(specs, bodies, strict=True):
+        delay_s = t0_s + spec.scheduled_s - clock()
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        counts.num_sent += 1
+        tasks.append(asyncio.create_task(_counted(client, spec, body, t0_s, counts)))
+    return tasks
+
+
+def _never_sent(spec: RequestSpec) -> RequestRecord:
+    return RequestRecord(index=spec.index, request_class=spec.request_class, tenant=spec.tenant,
+                         num_prompt_tokens=spec.num_prompt_tokens, max_tokens=spec.max_tokens,
+                         scheduled_s=spec.scheduled_s, sent_s=None, outcome="canceled",
+                         error="canceled at drain deadline before sending")
+
+
+async def _drain(tasks: list[asyncio.Task], specs: list[RequestSpec], deadline_s: float,
+                 clock) -> list[RequestRecord]:
+    pending = [t for t in tasks if not t.done()]
+    if pending:
+        _, still = await asyncio.wait(pending, timeout=max(0.0, deadline_s - clock()))
+        for t in still:
+            t.cancel()
+        if still:
+            await asyncio.wait(still)
+    return [_never_sent(s) if t.cancelled() else t.result()
+            for t, s in zip(tasks, specs, strict=True)]
+
+
+async def run_load(specs: list[RequestSpec], cfg: LoadConfig,
+                   on_tick: Callable[[LiveCounts, float], None] | None = None,
+                   tick_s: float = 0.5, clock: Callable[[], float] = time.monotonic,
+                   ) -> LoadResult:
+    """Run the schedule against ``cfg.url``; ``on_tick(counts, elapsed_s)`` reports progress."""
+    _raise_fd_limit(cfg.max_connections + 256)
+    bodies = _bodies(specs, cfg)
+    counts = LiveCounts(len(specs))
+    proc = psutil.Process()
+    async with make_http_client(cfg.max_connections) as http:
+        client = CompletionClient(http, cfg.url, model=cfg.model, timeout_s=cfg.timeout_s,
+                                  class_header=cfg.class_header, clock=clock)
+        cpu0, wait0, t0_s = sum(proc.cpu_times()[:2]), _cpu_wait_s(), clock()
+        ticker = asyncio.create_task(_tick(on_tick, counts, t0_s, tick_s, clock))
+        try:
+            tasks = await _dispatch(client, specs, bodies, t0_s, counts, clock)
+            records = await _drain(tasks, specs, t0_s + cfg.duration_s + cfg.drain_timeout_s,
+                                   clock)
+        finally:
+            ticker.cancel()
+        wall_s, cpu_s, wait1 = clock() - t0_s, sum(proc.cpu_times()[:2]) - cpu0, _cpu_wait_s()
+    if on_tick is not None:
+        on_tick(counts, wall_s)
+    return LoadResult(
+        records=tuple(records), duration_s=cfg.duration_s, wall_s=wall_s, cpu_s=cpu_s,
+        scheduled_rate_per_s=rate_of([s.scheduled_s for s in specs]),
+        achieved_rate_per_s=rate_of([r.sent_s for r in records if r.sent_s is not None]),
+        cpu_wait_s=None if wait0 is None or wait1 is None else wait1 - wait0,
+    )
+
+
+async def _tick(on_tick, counts: LiveCounts, t0_s: float, tick_s: float, clock) -> None:
+    if on_tick is None:
+        return
+    while True:
+        await asyncio.sleep(tick_s)
+        on_tick(counts, clock() - t0_s)

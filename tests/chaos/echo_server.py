@@ -1,0 +1,79 @@
+"""A tiny OpenAI-shaped SSE echo server for load-generator tests.
+
+Run as ``python echo_server.py PORT``. ``POST /v1/completions`` streams ``max_tokens`` fake
+token chunks, a usage chunk, then ``data: [DONE]``. The tenant picks a behaviour:
+A body that is not what ``kvguard load`` must send (token-id prompt, ``stream``, ``ignore_eos``,
+``include_usage``) gets a 400. ``chaos-tenant-1`` gets a 503 with the guard's retry headers, ``chaos-tenant-2`` a stream cut
+before ``[DONE]``; class ``slow`` sleeps 0.1 s per token. ``GET /metrics`` counts requests.
+"""
+
+import asyncio
+import json
+import sys
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+COUNTS = {"requests": 0}
+REJECT_HEADERS = {"retry-after": "2", "retry-after-ms": "1500", "x-should-retry": "true",
+                  "x-kvguard-reason": "overloaded"}
+
+
+def _check(body: dict) -> str | None:
+    """What the load generator must always send: token-id prompts, streaming with usage."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not all(1000 <= t < 20000 for t in prompt):
+        return "prompt must be a list of token ids in [1000, 20000)"
+    if body.get("stream") is not True or body.get("ignore_eos") is not True:
+        return "stream and ignore_eos must be true"
+    if body.get("stream_options") != {"include_usage": True}:
+        return "stream_options.include_usage must be true"
+    return None
+
+
+async def completions(request: Request):
+    body = await request.json()
+    COUNTS["requests"] += 1
+    problem = _check(body)
+    if problem:
+        return JSONResponse({"error": {"message": problem}}, status_code=400)
+    tenant = request.headers.get("authorization", "")
+    if tenant.endswith("chaos-tenant-1"):
+        return JSONResponse({"error": {"message": "overloaded"}}, status_code=503,
+                            headers=REJECT_HEADERS)
+    n = int(body.get("max_tokens", 4))
+    num_prompt = len(body.get("prompt", []))
+    delay_s = 0.1 if request.headers.get("x-kvguard-class") == "slow" else 0.0
+    cut = tenant.endswith("chaos-tenant-2")
+
+    async def events():
+        for i in range(n):
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            reason = "length" if i == n - 1 else None
+            chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": reason}]}
+            yield f"data: {json.dumps(chunk)}\n\n"
+            if cut and i == 1:
+                return
+        usage = {"prompt_tokens": num_prompt, "completion_tokens": n,
+                 "total_tokens": num_prompt + n}
+        yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"x-kvguard-queue-ms": "1.5"})
+
+
+async def metrics(request: Request):
+    return PlainTextResponse(f"echo_requests_total {COUNTS['requests']}\n")
+
+
+app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                        Route("/metrics", metrics)])
+
+if __name__ == "__main__":
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
+                access_log=False)

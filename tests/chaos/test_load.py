@@ -1,0 +1,140 @@
+"""The open-loop load generator against a real SSE echo server on loopback."""
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from chaos.client import require_loopback
+from chaos.load import LoadConfig, rate_of, run_load
+from chaos.schedule import ClassShare, LengthDist, ScheduleConfig, build_schedule
+from guard.cli import main as kvguard
+
+
+def _run(url, **kw):
+    sched = dict(rate_per_s=50.0, duration_s=1.0, shape="constant",
+                 output_tokens=LengthDist("fixed", 8, 8))
+    load = dict(timeout_s=10.0, drain_timeout_s=5.0)
+    for k in list(kw):
+        if k in ("timeout_s", "drain_timeout_s"):
+            load[k] = kw.pop(k)
+    sched.update(kw)
+    specs = build_schedule(ScheduleConfig(**sched))
+    cfg = LoadConfig(url=url, duration_s=sched["duration_s"], **load)
+    return specs, asyncio.run(run_load(specs, cfg))
+
+
+def _fitted_rate(sent_s):
+    """1 / slope of a least-squares line through (index, send time): the sustained rate,
+    not moved much by one late send on a busy machine (the span-based rate is)."""
+    n = len(sent_s)
+    mean_i, mean_t = (n - 1) / 2, sum(sent_s) / n
+    cov = sum((i - mean_i) * (t - mean_t) for i, t in enumerate(sent_s))
+    var = sum((i - mean_i) ** 2 for i in range(n))
+    return var / cov
+
+
+def test_achieved_rate_matches_declared_within_2_percent(echo_url):
+    specs, result = _run(echo_url, rate_per_s=50.0, duration_s=4.0,
+                         prompt_tokens=LengthDist("fixed", 16, 16),
+                         output_tokens=LengthDist("fixed", 4, 4))
+    assert len(result.records) == len(specs) == 200
+    sent = [r.sent_s for r in result.records]
+    assert sent == sorted(sent)
+    print(f"fitted {_fitted_rate(sent):.2f} req/s, span {result.achieved_rate_per_s:.2f} req/s, "
+          f"lag {result.lag_s()}, cpu {result.cpu_percent:.0f}%, wait {result.cpu_wait_s}")
+    assert _fitted_rate(sent) == pytest.approx(50.0, rel=0.02)
+    assert result.achieved_rate_per_s == pytest.approx(50.0, rel=0.05)
+    assert Counter(r.outcome for r in result.records) == {"completed": 200}
+
+
+def test_records_carry_tokens_gaps_usage_and_headers(echo_url):
+    _, result = _run(echo_url, rate_per_s=20.0)
+    for r in result.records:
+        assert r.outcome == "completed" and r.saw_done and r.status == 200
+        assert r.num_tokens_received == 8 and len(r.itl_s) == 7
+        assert r.usage == {"prompt_tokens": 128, "completion_tokens": 8, "total_tokens": 136}
+        assert r.finish_reason == "length" and r.queue_ms == 1.5
+        assert 0 < r.ttft_s <= r.e2e_s and r.lag_s >= 0
+
+
+def test_rejections_and_truncated_streams_are_told_apart(echo_url):
+    _, result = _run(echo_url, rate_per_s=40.0, num_tenants=3)
+    by_tenant = {}
+    for r in result.records:
+        by_tenant.setdefault(r.tenant, set()).add(r.outcome)
+    assert by_tenant == {"chaos-tenant-0": {"completed"}, "chaos-tenant-1": {"rejected"},
+                         "chaos-tenant-2": {"failed"}}
+    rejected = next(r for r in result.records if r.outcome == "rejected")
+    assert (rejected.status, rejected.reason, rejected.should_retry) == (503, "overloaded", "true")
+    assert (rejected.retry_after_s, rejected.retry_after_ms) == (2.0, 1500.0)
+    cut = next(r for r in result.records if r.outcome == "failed")
+    assert cut.truncated and cut.num_tokens_received == 2 and "truncated" in cut.error
+
+
+def test_client_timeout_and_drain_deadline_cancel(echo_url):
+    slow = (ClassShare("slow"),)
+    _, timed_out = _run(echo_url, rate_per_s=10.0, duration_s=0.5, classes=slow, timeout_s=0.3)
+    assert {r.outcome for r in timed_out.records} == {"canceled"}
+    assert all("client timeout" in r.error for r in timed_out.records)
+    _, drained = _run(echo_url, rate_per_s=10.0, duration_s=0.5, classes=slow,
+                      drain_timeout_s=0.2)
+    assert {r.outcome for r in drained.records} == {"canceled"}
+    assert all("drain" in r.error for r in drained.records)
+    assert drained.wall_s < 2.0    # 0.5 s schedule + 0.2 s drain, not 8 tokens x 0.1 s
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://example.com", "https://8.8.8.8"])
+def test_non_loopback_urls_are_refused(url):
+    with pytest.raises(ValueError, match="non-loopback"):
+        require_loopback(url)
+    with pytest.raises(ValueError, match="non-loopback"):
+        LoadConfig(url=url, duration_s=1.0)
+
+
+def test_cli_refuses_non_loopback(capsys):
+    assert kvguard(["load", "--url", "http://example.com", "--rate", "1", "--duration", "1"]) == 2
+    assert "non-loopback" in capsys.readouterr().err
+
+
+def test_bench_reports_a_missing_target(capsys):
+    import importlib.util
+    if importlib.util.find_spec("chaos.overload") is not None:
+        pytest.skip("chaos.overload exists now")
+    assert kvguard(["bench", "overload"]) == 2
+    assert "not available" in capsys.readouterr().err
+
+
+def test_self_report_warns_when_off_schedule_or_starved():
+    from chaos.load import LoadResult
+    ok = LoadResult(records=(), duration_s=10.0, wall_s=10.0, cpu_s=2.0,
+                    scheduled_rate_per_s=50.0, achieved_rate_per_s=49.5, cpu_wait_s=0.5)
+    assert ok.warnings() == [] and ok.cpu_percent == pytest.approx(20.0)
+    bad = LoadResult(records=(), duration_s=10.0, wall_s=10.0, cpu_s=9.0,
+                     scheduled_rate_per_s=50.0, achieved_rate_per_s=48.0, cpu_wait_s=3.0)
+    text = " | ".join(bad.warnings())
+    assert "off its schedule" in text and "4.0% short" in text
+    assert "90% of a core" in text and "oversubscribed" in text
+
+
+def test_rate_of_send_times():
+    assert rate_of([0.0, 0.5, 1.0, 1.5]) == pytest.approx(2.0)
+    assert rate_of([3.0]) is None and rate_of([1.0, 1.0]) is None
+
+
+def test_plain_progress_prints_a_few_lines():
+    import io
+
+    from chaos.load import LiveCounts
+    from chaos.progress import progress
+    counts = LiveCounts(num_planned=10)
+    counts.num_sent, counts.by_outcome["completed"] = 4, 3
+    stream = io.StringIO()
+    with progress(stream, is_tty=False) as on_tick:
+        for t in (0.5, 1.0, 5.0, 10.6, 11.0):
+            on_tick(counts, t)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2          # at 0.5 s and 10.6 s: one line per 10 s
+    assert "sent 4/10 in-flight 1 completed 3" in lines[0]
+    with progress(stream, quiet=True) as on_tick:
+        assert on_tick is None
