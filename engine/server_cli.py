@@ -1,0 +1,234 @@
+"""``kvguard engine``: serve one engine replica over OpenAI-compatible HTTP.
+
+Prints ``kvguard engine listening on http://HOST:PORT`` once it accepts connections (``--port 0``
+prints the port the OS chose). SIGTERM/SIGINT: stop admitting (new requests get 503), let
+in-flight requests finish for ``--shutdown-timeout-s``, abort the rest, exit 0; a second signal
+exits at once.
+
+``--middleware module:Class`` wraps the app with any ASGI middleware class taking ``app`` as
+its only required argument (repeatable; the first listed is the outermost). ``--guard CONFIG``
+is shorthand for ``--middleware guard.middleware:AdmissionMiddleware`` with ``KVGUARD_CONFIG``
+set to CONFIG, mounted outermost; the engine package itself never imports ``guard``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import os
+import signal
+import socket
+import sys
+
+__all__ = ["configure", "run", "load_middleware"]
+
+GUARD_MIDDLEWARE = "guard.middleware:AdmissionMiddleware"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model preset (tiny, smollm2-135m, "
+                        "llama-7b, ...)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="name clients send as 'model' (default: --model)")
+    parser.add_argument("--backend", choices=("torch", "sim"), default="torch")
+    parser.add_argument("--gpu", default="h100-80g", help="GPU the sim backend models")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="sim backend: wall seconds per simulated second (0: no waiting)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="append one JSON line per request to FILE")
+    parser.add_argument("--middleware", action="append", default=[], metavar="MODULE:CLASS",
+                        help="ASGI middleware to wrap the app with (repeatable)")
+    parser.add_argument("--guard", default=None, metavar="CONFIG",
+                        help="mount the kvguard admission middleware with this config file")
+    parser.add_argument("--shutdown-timeout-s", type=float, default=10.0)
+    parser.add_argument("--log-level", default="warning")
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    names = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+             "max_model_len", "seed")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def _build_engine(args: argparse.Namespace):
+    if args.backend == "sim":
+        from engine.sim_runner import build_sim_engine
+
+        return build_sim_engine(args.model, gpu=args.gpu, time_scale=args.time_scale,
+                                **_overrides(args))
+    from engine.llm_engine import LLMEngine
+
+    overrides = _overrides(args)
+    if args.device is not None:
+        overrides["device"] = args.device
+    if args.dtype is not None:
+        overrides["dtype"] = args.dtype
+    return LLMEngine.from_preset(args.model, **overrides)
+
+
+class _FoldedVocab:
+    """A tokenizer whose ids are folded into a smaller model vocabulary (sim models only:
+    their tokens carry no meaning, so any in-range id will do)."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [i % self._vocab_size for i in self._tokenizer.encode(text, add_special_tokens)]
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+
+def _tokenizer_for(engine, backend: str):
+    """The engine's own tokenizer, else SmolLM2's (the tiny preset shares its vocabulary),
+    else None (token-id prompts only)."""
+    if engine.tokenizer is not None:
+        return engine.tokenizer
+    try:
+        from engine.gguf_loader import find_smollm2_gguf
+        from engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_gguf(find_smollm2_gguf())
+    except (ImportError, OSError, ValueError) as exc:
+        print(f"kvguard engine: no tokenizer ({exc}); prompts must be token ids",
+              file=sys.stderr)
+        return None
+    vocab_size = engine.config.model.vocab_size
+    if tokenizer.vocab_size <= vocab_size:
+        return tokenizer
+    return _FoldedVocab(tokenizer, vocab_size) if backend == "sim" else None
+
+
+def load_middleware(spec: str):
+    """``module:Class`` → the class (ValueError with a clear message otherwise)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--middleware must look like module:Class, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import middleware module {module_name!r}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot bind {host}:{port}: {exc}") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _server_class():
+    import uvicorn
+
+    class ReplicaServer(uvicorn.Server):
+        """uvicorn with a drain-first shutdown and the readiness line."""
+
+        def __init__(self, config, async_engine, shutdown_timeout_s: float, url: str) -> None:
+            super().__init__(config)
+            self.async_engine = async_engine
+            self.shutdown_timeout_s = shutdown_timeout_s
+            self.url = url
+            self._drain: asyncio.Task | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._on_signal)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+        def _on_signal(self) -> None:
+            if self._drain is not None:  # second signal: go now
+                self.should_exit = self.force_exit = True
+                return
+            self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+        async def _drain_then_exit(self) -> None:
+            try:
+                num_aborted = await self.async_engine.shutdown(self.shutdown_timeout_s)
+                if num_aborted:
+                    print(f"kvguard engine: aborted {num_aborted} request(s) at shutdown",
+                          file=sys.stderr, flush=True)
+            finally:
+                self.should_exit = True
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                print(f"kvguard engine listening on {self.url}", flush=True)
+
+    return ReplicaServer
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from engine.async_engine import AsyncEngine
+    from engine.metrics import EngineMetrics
+    from engine.server import build_app
+    from engine.trace import TraceWriter
+
+    specs = list(args.middleware)
+    if args.guard is not None:
+        os.environ["KVGUARD_CONFIG"] = args.guard
+        specs.insert(0, GUARD_MIDDLEWARE)  # outermost: it sees every request first
+    middlewares = [load_middleware(s) for s in specs]
+    if args.time_scale < 0:
+        raise ValueError(f"--time-scale must be >= 0, got {args.time_scale}")
+    engine = _build_engine(args)
+    tokenizer = _tokenizer_for(engine, args.backend)
+    name = args.served_model_name or args.model
+    metrics = EngineMetrics(CollectorRegistry(), name)
+
+    def on_step(result, state) -> None:
+        num_prefill = result.iteration.num_prefill_tokens if result.iteration else 0
+        metrics.record_tokens(num_prefill, sum(len(o.new_token_ids) for o in result.outputs))
+
+    trace = TraceWriter.open(args.trace) if args.trace else None
+    async_engine = AsyncEngine(engine, on_step=on_step)
+    app = build_app(async_engine, name, tokenizer, metrics, trace)
+    for middleware in reversed(middlewares):
+        app.add_middleware(middleware)
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=max(1, int(args.shutdown_timeout_s)))
+    server = _server_class()(config, async_engine, args.shutdown_timeout_s, url)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        if trace is not None:
+            trace.close()
+    return 0

@@ -1,0 +1,93 @@
+"""Request trace of one engine replica: one JSON line per finished request.
+
+Every timestamp is the replica's ``time.monotonic()`` in seconds (``*_s``), the clock that
+``/kvguard/state`` reports as ``now_s``, so a reader joins traces by request id and compares only
+differences. One line looks like::
+
+    {"source": "engine", "request_id": "r1", "arrival_s": 10.0, "enqueue_s": 10.001,
+     "prefill_start_s": 10.002, "prefill_end_s": 10.010, "first_token_s": 10.010,
+     "first_byte_s": 10.011, "completion_s": 10.5, "finish_reason": "length",
+     "num_prompt_tokens": 12, "num_output_tokens": 8, "stream": true,
+     "iterations": [[3, 10.010], [4, 10.02], ...]}
+
+``arrival_s``: the HTTP request reached the replica; ``enqueue_s``: the engine thread added it to
+the scheduler; ``prefill_start_s``: first step that scheduled it (the end of the step before);
+``prefill_end_s``/``first_token_s``: end of the step that sampled its first token;
+``first_byte_s``: the first content chunk was handed to the transport; ``iterations``: each
+engine step it took part in as ``[batch_id, step_end_s]``. Missing stages are ``null`` (e.g. a
+request aborted while waiting). ``finish_reason`` is ``stop``/``length``/``abort``/``error``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import TextIO
+
+__all__ = ["RequestTimeline", "TraceWriter"]
+
+
+@dataclass
+class RequestTimeline:
+    """Mutable per-request timestamps; the engine thread and the server each fill their own."""
+
+    request_id: str
+    arrival_s: float
+    stream: bool = False
+    enqueue_s: float | None = None
+    prefill_start_s: float | None = None
+    prefill_end_s: float | None = None
+    first_token_s: float | None = None
+    first_byte_s: float | None = None
+    completion_s: float | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    iterations: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def queue_s(self) -> float | None:
+        if self.enqueue_s is None or self.prefill_start_s is None:
+            return None
+        return max(self.prefill_start_s - self.enqueue_s, 0.0)
+
+    def to_json(self) -> dict:
+        return {
+            "source": "engine",
+            "request_id": self.request_id,
+            "arrival_s": self.arrival_s,
+            "enqueue_s": self.enqueue_s,
+            "prefill_start_s": self.prefill_start_s,
+            "prefill_end_s": self.prefill_end_s,
+            "first_token_s": self.first_token_s,
+            "first_byte_s": self.first_byte_s,
+            "completion_s": self.completion_s,
+            "finish_reason": self.finish_reason,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "stream": self.stream,
+            "iterations": [list(it) for it in self.iterations],
+        }
+
+
+class TraceWriter:
+    """Appends one JSON line per request to a text stream and flushes it (thread-safe)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, path: str) -> TraceWriter:
+        return cls(open(path, "a", encoding="utf-8"))  # noqa: SIM115 - closed by close()
+
+    def write(self, timeline: RequestTimeline) -> None:
+        line = json.dumps(timeline.to_json(), separators=(",", ":"))
+        with self._lock:
+            self._out.write(line + "\n")
+            self._out.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._out.close()
