@@ -1,3 +1,62 @@
-"""kvguard guard package."""
+"""kvguard's guard: admission control in front of LLM replicas (never imports torch or engine).
 
-__all__: list[str] = []
+The public names are imported lazily on first use, so ``import guard`` (and the ``kvguard``
+console script, which lives in ``guard.cli``) stays cheap::
+
+    from guard import AdmissionMiddleware, load_config
+    app.add_middleware(AdmissionMiddleware, config=load_config("guard.toml"))
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "AdmissionMiddleware",
+    "AdmissionQueue",
+    "GuardConfig",
+    "GuardMetrics",
+    "LoadState",
+    "Pricer",
+    "PricingError",
+    "Rejection",
+    "ReplicaConfig",
+    "RetryAdvisor",
+    "TenantConfig",
+    "Ticket",
+    "TicketBook",
+    "TraceWriter",
+    "load_config",
+]
+
+_HOMES = {
+    "AdmissionMiddleware": "guard.middleware",
+    "AdmissionQueue": "guard.admission_queue",
+    "GuardConfig": "guard.config",
+    "GuardMetrics": "guard.metrics",
+    "LoadState": "guard.load_state",
+    "Pricer": "guard.pricing",
+    "PricingError": "guard.pricing",
+    "Rejection": "guard.rejection",
+    "ReplicaConfig": "guard.config",
+    "RetryAdvisor": "guard.rejection",
+    "TenantConfig": "guard.config",
+    "Ticket": "guard.ticket",
+    "TicketBook": "guard.ticket",
+    "TraceWriter": "guard.trace",
+    "load_config": "guard.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'guard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

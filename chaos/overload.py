@@ -1,0 +1,300 @@
+"""``kvguard bench overload``: the headline comparison, all in one run and one report.
+
+1. Start a sim replica of the reference model (``llama-7b`` on an H100 timing model), probe its
+   saturation throughput S with a closed burst, then sweep open-loop rates (multiples of S) to
+   measure capacity C: the highest rate whose goodput stays >= 90 % of offered.
+2. Replay the same seeded arrival schedule at each load multiple of C (default 0.74, 1.16 and
+   2.0) against a fresh replica per policy, with the guard mounted in-process and the policy
+   chosen by its config: ``always_admit``, ``concurrency_cap``, ``saturation``, ``gradient``,
+   ``token_rate``, ``slo``.
+3. One table (goodput, goodput / C, TTFT p50/p99, rejection rate, wasted work) as markdown and
+   JSON, and a plot of goodput / C per policy and load.
+
+Time scale. The sim stretches every GPU step by ``--time-scale`` K so the whole run fits a
+2-core machine; every duration of the scenario (the class SLO, the run length, the warm-up and
+the client timeout) is stretched by the same K, so the queueing dynamics are those of the GPU
+at real speed. All times in the report are wall seconds at that scale; rates are per wall
+second. The default workload is prefill-heavy (prompts 512-2048 tokens, answers 16-64): it
+keeps the streamed-token rate low enough that the load generator is never the bottleneck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from chaos.goodput import meets_slo
+from chaos.load_cli import configure as configure_load
+from chaos.load_cli import run_once
+from chaos.replica import ReplicaProcess, write_guard_config
+from chaos.report import read_records
+from chaos.schedule import LengthDist
+from chaos.stats import percentile
+from chaos.sweep import SweepPoint, capacity, sweep_rates
+from policies.cost import RequestClass
+
+__all__ = ["configure", "run", "POLICIES", "Scenario", "probe_saturation", "policy_params"]
+
+POLICIES: tuple[str, ...] = ("always_admit", "concurrency_cap", "saturation", "gradient",
+                             "token_rate", "slo")
+
+
+class Scenario:
+    """The scaled scenario every run of one bench shares (model, SLO, lengths, timing)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        if args.time_scale <= 0:
+            raise ValueError("--time-scale must be > 0")
+        self.args = args
+        self.scale = args.time_scale
+        self.request_class = RequestClass("interactive", args.ttft * self.scale,
+                                          args.itl * self.scale)
+        self.duration_s = args.duration * self.scale
+        self.warmup_s = args.warmup * self.scale
+        self.timeout_s = args.client_timeout * self.scale
+        self.prompt = LengthDist.parse(args.prompt_tokens)
+        self.output = LengthDist.parse(args.output_tokens)
+
+    def engine_args(self) -> list[str]:
+        a = self.args
+        return ["--model", a.model, "--backend", "sim", "--gpu", a.gpu,
+                "--time-scale", repr(self.scale), "--max-num-seqs", str(a.max_num_seqs)]
+
+    def load_args(self, url: str, rate: float, out: Path, duration_s: float | None = None,
+                  warmup_s: float | None = None, shape: str = "poisson") -> argparse.Namespace:
+        p = argparse.ArgumentParser()
+        configure_load(p)
+        c = self.request_class
+        return p.parse_args([
+            "--url", url, "--rate", repr(rate), "--shape", shape,
+            "--duration", repr(duration_s or self.duration_s),
+            "--warmup", repr(self.warmup_s if warmup_s is None else warmup_s),
+            "--prompt-tokens", self.args.prompt_tokens,
+            "--output-tokens", self.args.output_tokens,
+            "--class", c.name, "--ttft", repr(c.ttft_s), "--itl", repr(c.itl_s),
+            "--seed", str(self.args.seed), "--timeout", repr(self.timeout_s),
+            "--drain-timeout", repr(self.timeout_s), "--out", str(out), "--quiet"])
+
+    def mean_request_tokens(self) -> float:
+        return _mean(self.prompt) + _mean(self.output)
+
+
+def _mean(dist: LengthDist) -> float:
+    return (dist.low + dist.high) / 2 if dist.kind != "lognormal" else float(dist.median)
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-7b")
+    p.add_argument("--gpu", default="h100-80g")
+    p.add_argument("--time-scale", type=float, default=2.0,
+                   help="stretch every GPU step (and every scenario time) by this factor")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--prompt-tokens", default="512:2048")
+    p.add_argument("--output-tokens", default="16:64")
+    p.add_argument("--ttft", type=float, default=1.0, help="class TTFT limit, GPU seconds")
+    p.add_argument("--itl", type=float, default=0.08, help="class ITL limit, GPU seconds")
+    p.add_argument("--duration", type=float, default=16.0, help="run length, GPU seconds")
+    p.add_argument("--warmup", type=float, default=3.0, help="left out of goodput, GPU s")
+    p.add_argument("--client-timeout", type=float, default=6.0,
+                   help="clients give up after this many GPU seconds")
+    p.add_argument("--loads", default="0.74,1.16,2.0", help="multiples of capacity C")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--sweep", default="0.5:1.1:0.1",
+                   help="capacity sweep, multiples of the saturation throughput S")
+    p.add_argument("--capacity", type=float, default=None,
+                   help="skip the probe and sweep; use this C (req/s at this time scale)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output folder (default runs/overload-<time>)")
+
+
+def probe_saturation(scenario: Scenario, url: str, out: Path, num_requests: int = 48) -> float:
+    """Completions per second of a replica kept saturated by a closed burst.
+
+    All ``num_requests`` arrive within 0.2 s; the rate is measured between the 25th and the
+    75th percentile completion, when the batch is full and the burst's ramp is over.
+    """
+    args = scenario.load_args(url, num_requests / 0.2, out, duration_s=0.2, warmup_s=0.0,
+                              shape="constant")
+    args.timeout = args.drain_timeout = 600.0
+    run_once(args, args.rate, out, None)
+    ends = sorted(r.sent_s + r.e2e_s for r in read_records(out / "requests.jsonl")
+                  if r.successful and r.e2e_s is not None and r.sent_s is not None)
+    if len(ends) < 8:
+        raise RuntimeError(f"saturation probe: only {len(ends)} requests completed; see {out}")
+    lo, hi = len(ends) // 4, (3 * len(ends)) // 4
+    return (hi - lo) / (ends[hi] - ends[lo])
+
+
+def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = httpx.get(url + "/kvguard/state", timeout=5.0, trust_env=False).json()
+        if not state["running"] and not state["waiting"]:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"replica at {url} did not drain within {timeout_s:.0f} s")
+
+
+def measure_capacity(scenario: Scenario, out: Path, log) -> tuple[float, float, list[dict]]:
+    """(S, C, sweep points) on one plain replica (no guard: the engine's own queue)."""
+    with ReplicaProcess.start(scenario.engine_args()) as replica:
+        sat = probe_saturation(scenario, replica.base_url, out / "probe")
+        log(f"saturation throughput S = {sat:.2f} req/s")
+        points = []
+        for rate in sweep_rates(scenario.args.sweep, sat):
+            _wait_idle(replica.base_url)
+            run_dir = out / f"sweep-{rate:.2f}"
+            summary = run_once(scenario.load_args(replica.base_url, rate, run_dir), rate,
+                               run_dir, None)
+            t = summary["goodput"]["total"]
+            points.append(SweepPoint(rate, t["num_offered"], t["offered_per_s"],
+                                     t["completed_per_s"], t["goodput_per_s"]["strict"],
+                                     t["goodput_ratio"]["strict"], str(run_dir)))
+            log(f"  sweep {rate:6.2f} req/s: goodput {t['goodput_per_s']['strict']:.2f} req/s "
+                f"({100 * (t['goodput_ratio']['strict'] or 0):.0f}% of offered)")
+    cap = capacity(points)
+    if cap is None:
+        raise RuntimeError("no sweep rate kept goodput >= 90% of offered: lower --sweep")
+    return sat, cap, [p.to_dict() for p in points]
+
+
+def policy_params(name: str, scenario: Scenario, cap_rps: float) -> dict:
+    """Each baseline as an operator would deploy it: its documented defaults, except the
+    token-rate limit, which needs a number — set at the measured capacity, in tokens/minute."""
+    if name == "token_rate":
+        return {"tokens_per_minute": int(cap_rps * scenario.mean_request_tokens() * 60)}
+    return {}
+
+
+def run_policy(scenario: Scenario, policy: str | None, rate: float, cap_rps: float,
+               out: Path) -> dict:
+    """One fresh replica with the guard (``policy``; None: no guard at all) mounted, one
+    open-loop run at ``rate``. Returns the table row."""
+    out.mkdir(parents=True, exist_ok=True)
+    engine_args = scenario.engine_args()
+    if policy is not None:
+        c = scenario.request_class
+        config = write_guard_config(str(out / "guard.toml"), policy=policy, ttft_s=c.ttft_s,
+                                    itl_s=c.itl_s,
+                                    policy_params=policy_params(policy, scenario, cap_rps))
+        engine_args += ["--guard", config]
+    with ReplicaProcess.start(engine_args) as replica:
+        summary = run_once(scenario.load_args(replica.base_url, rate, out), rate, out, None)
+    return row_from_run(summary, read_records(out / "requests.jsonl"), scenario, cap_rps)
+
+
+def row_from_run(summary: dict, records: Sequence, scenario: Scenario, cap_rps: float) -> dict:
+    """The table row: goodput, goodput / C, TTFT percentiles, rejections, wasted work."""
+    t = summary["goodput"]["total"]
+    window = summary["goodput"]["window_s"]
+    inside = [r for r in records if window[0] <= r.scheduled_s < window[1]]
+    ttfts = [r.ttft_s for r in inside if r.successful and r.ttft_s is not None]
+    wasted = sum(r.num_tokens_received for r in inside
+                 if not meets_slo(r, scenario.request_class))
+    produced = sum(r.num_tokens_received for r in inside)
+    counts = summary["counts"]
+    return {
+        "goodput_rps": t["goodput_per_s"]["strict"],
+        "goodput_over_c": t["goodput_per_s"]["strict"] / cap_rps,
+        "goodput_p99_gap_rps": t["goodput_per_s"]["p99_gap"],
+        "offered_rps": t["offered_per_s"],
+        "completed_rps": t["completed_per_s"],
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+        "rejected_ratio": counts["rejected"] / counts["offered"] if counts["offered"] else 0.0,
+        "canceled_ratio": counts["canceled"] / counts["offered"] if counts["offered"] else 0.0,
+        "wasted_tokens": wasted,
+        "wasted_ratio": wasted / produced if produced else 0.0,
+        "warnings": summary["warnings"],
+    }
+
+
+def _fmt(x, digits: int = 2) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def render_table(rows: list[dict]) -> str:
+    head = ("| load (× C) | policy | goodput (req/s) | goodput ÷ C | TTFT p50 (s) | "
+            "TTFT p99 (s) | rejected | timed out | wasted tokens |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r['load']:.2f} | {r['policy']} | {_fmt(r['goodput_rps'])} | "
+            f"{_fmt(r['goodput_over_c'])} | {_fmt(r['ttft_p50_s'])} | {_fmt(r['ttft_p99_s'])} | "
+            f"{100 * r['rejected_ratio']:.0f}% | {100 * r['canceled_ratio']:.0f}% | "
+            f"{r['wasted_tokens']} ({100 * r['wasted_ratio']:.0f}%) |")
+    return "\n".join(lines)
+
+
+def plot_goodput(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = sorted({r["load"] for r in rows})
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    width = 0.8 / max(len(policies), 1)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for i, pol in enumerate(policies):
+        ys = [next((r["goodput_over_c"] for r in rows
+                    if r["policy"] == pol and r["load"] == load), 0.0) for load in loads]
+        ax.bar([j + i * width for j in range(len(loads))], ys, width, label=pol)
+    ax.axhline(0.9, color="k", linestyle="--", linewidth=1, label="0.9 C")
+    ax.set_xticks([j + width * (len(policies) - 1) / 2 for j in range(len(loads))])
+    ax.set_xticklabels([f"{load:.2f} × C" for load in loads])
+    ax.set_ylabel("goodput ÷ capacity C")
+    ax.set_title("Goodput under overload, per admission policy (same arrivals)")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    scenario = Scenario(args)
+    loads = [float(x) for x in args.loads.split(",") if x.strip()]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = set(policies) - set(POLICIES)
+    if unknown or not loads or any(x <= 0 for x in loads):
+        raise ValueError(f"bad --policies {sorted(unknown)} or --loads {args.loads!r}")
+    out = Path(args.out or f"runs/overload-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    log(f"kvguard bench overload: {args.model} on {args.gpu} (sim, time scale {scenario.scale}); "
+        f"SLO TTFT {scenario.request_class.ttft_s:g} s, ITL {scenario.request_class.itl_s:g} s "
+        f"(wall); output in {out}")
+    if args.capacity:
+        sat, cap, sweep = None, args.capacity, []
+    else:
+        sat, cap, sweep = measure_capacity(scenario, out, log)
+    log(f"capacity C = {cap:.2f} req/s")
+    rows = []
+    for load in loads:
+        for policy in policies:
+            log(f"load {load:.2f} × C = {load * cap:.2f} req/s, policy {policy} ...")
+            row = run_policy(scenario, policy, load * cap, cap, out / f"{policy}-{load:.2f}")
+            rows.append({"load": load, "policy": policy, **row})
+            log(f"  goodput {row['goodput_rps']:.2f} req/s = {row['goodput_over_c']:.2f} C, "
+                f"rejected {100 * row['rejected_ratio']:.0f}%")
+    table = render_table(rows)
+    plot_goodput(rows, out / "overload.png")
+    result = {"command": " ".join(["kvguard", "bench", "overload", *sys.argv[3:]]),
+              "scenario": {k: v for k, v in vars(args).items()},
+              "saturation_rps": sat, "capacity_rps": cap, "sweep": sweep, "rows": rows}
+    (out / "overload.json").write_text(json.dumps(result, indent=1))
+    (out / "overload.md").write_text(
+        f"# kvguard bench overload\n\nS = {_fmt(sat)} req/s, C = {cap:.2f} req/s\n\n{table}\n\n"
+        "![goodput](overload.png)\n")
+    log("\n" + table)
+    log(f"\nreport: {out / 'overload.md'}  plot: {out / 'overload.png'}")
+    return 0

@@ -1,0 +1,132 @@
+"""A bounded admission queue, ordered by class priority then deadline.
+
+Each waiter is an asyncio future. :meth:`AdmissionQueue.pump` re-runs the admission decision
+for every waiter in order (the caller's ``decide`` takes a fresh snapshot and, on admit, takes
+the reservation itself, synchronously, so two waiters can never be admitted into the same
+blocks); it resolves admitted and shed waiters and evicts those past their deadline with a
+503 ``queue_timeout``. :meth:`AdmissionQueue.run` pumps on every :meth:`wake` (a completion or
+a state refresh) and at least every ``interval_s``. A full queue sheds its worst entry (lowest
+priority, latest deadline) or the newcomer, whichever is worse, with a 503 ``queue_full``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies.cost import RequestCost
+from policies.decision import Queue, Shed
+
+__all__ = ["AdmissionQueue", "Waiter", "QUEUE_FULL", "QUEUE_TIMEOUT"]
+
+QUEUE_FULL = "queue_full"
+QUEUE_TIMEOUT = "queue_timeout"
+
+# decide(cost, now_s) -> Queue (keep waiting), Shed (reject), or anything else (admitted).
+Decide = Callable[[RequestCost, float], Any]
+
+
+@dataclass(order=True)
+class Waiter:
+    sort_key: tuple[int, float, int]
+    cost: RequestCost = field(compare=False)
+    until_s: float = field(compare=False)
+    enqueued_s: float = field(compare=False)
+    future: asyncio.Future = field(compare=False, repr=False)
+
+
+class AdmissionQueue:
+    def __init__(self, max_len: int, clock: Callable[[], float], interval_s: float = 0.02) -> None:
+        if max_len < 0:
+            raise ValueError(f"max_len must be >= 0, got {max_len}")
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.max_len = max_len
+        self.interval_s = interval_s
+        self._clock = clock
+        self._waiters: list[Waiter] = []  # kept sorted
+        self._seq = itertools.count()
+        self._wake: asyncio.Event | None = None
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def waiters(self) -> tuple[Waiter, ...]:
+        return tuple(self._waiters)
+
+    def push(self, cost: RequestCost, until_s: float, now_s: float) -> Waiter | Shed:
+        """Enqueue ``cost``; a full queue sheds its worst entry or returns a Shed for ``cost``."""
+        key = (cost.request_class.priority, cost.deadline_s, next(self._seq))
+        if len(self._waiters) >= self.max_len:
+            if not self._waiters or key > self._waiters[-1].sort_key:
+                return Shed(503, QUEUE_FULL)
+            worst = self._waiters.pop()
+            _resolve(worst, Shed(503, QUEUE_FULL))
+        waiter = Waiter(key, cost, until_s, now_s, asyncio.get_running_loop().create_future())
+        bisect.insort(self._waiters, waiter)
+        self.wake()
+        return waiter
+
+    def remove(self, waiter: Waiter) -> bool:
+        """Drop a waiter whose client went away. ``False`` if it had already left the queue."""
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            return False
+        return True
+
+    def pump(self, decide: Decide, now_s: float) -> int:
+        """Re-decide every waiter in order; return how many left the queue."""
+        kept: list[Waiter] = []
+        num_left = 0
+        for waiter in self._waiters:
+            if waiter.future.done():  # canceled by its owner
+                num_left += 1
+                continue
+            result = _decide_one(waiter, decide, now_s)
+            if result is None:
+                kept.append(waiter)
+                continue
+            _resolve(waiter, result)
+            num_left += 1
+        self._waiters = kept
+        return num_left
+
+    def wake(self) -> None:
+        """Re-evaluate soon (a completion or a state refresh); free while nobody waits."""
+        if self._wake is not None and self._waiters:
+            self._wake.set()
+
+    async def run(self, decide: Decide) -> None:
+        """Pump on every wake and at least every ``interval_s`` while anyone waits."""
+        loop = asyncio.get_running_loop()
+        self._wake = wake = asyncio.Event()
+        while True:
+            timer = loop.call_later(self.interval_s, wake.set) if self._waiters else None
+            try:
+                await wake.wait()
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            wake.clear()
+            if self._waiters:
+                self.pump(decide, self._clock())
+
+
+def _decide_one(waiter: Waiter, decide: Decide, now_s: float) -> Any:
+    if now_s >= waiter.until_s:
+        return Shed(503, QUEUE_TIMEOUT)
+    result = decide(waiter.cost, now_s)
+    if isinstance(result, Queue):
+        waiter.until_s = result.until_s
+        return Shed(503, QUEUE_TIMEOUT) if now_s >= result.until_s else None
+    return result
+
+
+def _resolve(waiter: Waiter, result: Any) -> None:
+    if not waiter.future.done():
+        waiter.future.set_result(result)

@@ -1,0 +1,223 @@
+"""One ticket per admission, released exactly once: stream end, disconnect or error.
+
+A :class:`Ticket` spans the whole upstream response. While the response streams through the
+guard the ticket records what the client saw (status, first byte, first content token, the
+largest gap between content chunks, whether the stream finished). ``release(outcome)`` runs
+the book's listeners (free the load-state reservation, feed the policy a
+:class:`~policies.decision.CompletionSample`, update metrics, wake the admission queue) the
+first time only; later calls return ``False`` and do nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Any, Literal
+
+from policies.cost import RequestCost
+from policies.decision import CompletionSample
+
+__all__ = ["Ticket", "TicketBook", "Outcome", "OUTCOMES", "ReleaseListener"]
+
+Outcome = Literal["completed", "canceled", "failed"]
+OUTCOMES: frozenset[str] = frozenset({"completed", "canceled", "failed"})
+
+_log = logging.getLogger(__name__)
+# A non-empty "text" (completions) or "content" (chat) string value: a chunk that carries tokens.
+_CONTENT = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')
+_DONE = b"data: [DONE]"
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_OUTPUT_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+class Ticket:
+    """An admitted request's permit plus what its response stream looked like."""
+
+    __slots__ = (
+        "cost", "replica_id", "dispatch_s", "predicted_ttft_s", "status", "is_stream",
+        "first_byte_s", "first_token_s", "last_token_s", "max_itl_s", "num_content_chunks",
+        "done_seen", "body_complete", "client_disconnected", "outcome", "released_s", "_book",
+        "enqueue_s", "priced", "num_usage_prompt_tokens", "num_usage_output_tokens", "ok",
+        "slo_met",
+    )
+
+    def __init__(self, book: TicketBook, cost: RequestCost, replica_id: str, dispatch_s: float,
+                 predicted_ttft_s: float | None = None) -> None:
+        self._book = book
+        self.cost = cost
+        self.replica_id = replica_id
+        self.dispatch_s = dispatch_s
+        self.predicted_ttft_s = predicted_ttft_s
+        self.status: int | None = None
+        self.is_stream = False
+        self.first_byte_s: float | None = None
+        self.first_token_s: float | None = None
+        self.last_token_s: float | None = None
+        self.max_itl_s: float | None = None
+        self.num_content_chunks = 0
+        self.done_seen = False
+        self.body_complete = False
+        self.client_disconnected = False
+        self.outcome: str | None = None
+        self.released_s: float | None = None
+        self.enqueue_s: float | None = None  # set by the owner when the request waited in a queue
+        self.priced: Any = None  # the owner's pricing record, for learning at release
+        self.num_usage_prompt_tokens: int | None = None  # from the upstream's "usage", if seen
+        self.num_usage_output_tokens: int | None = None
+        self.ok = False  # set at release: completed and the whole response went out
+        self.slo_met = False  # set at release: ok and within the class TTFT and ITL
+
+    @property
+    def request_id(self) -> str:
+        return self.cost.request_id
+
+    @property
+    def released(self) -> bool:
+        return self.outcome is not None
+
+    # -- observing the response -------------------------------------------------------------
+    def on_start(self, status: int, content_type: bytes) -> None:
+        self.status = status
+        self.is_stream = content_type.startswith(b"text/event-stream")
+
+    def on_body(self, chunk: bytes, more_body: bool, now_s: float) -> float | None:
+        """Record one body chunk; return the inter-token gap it closed (``None`` if none)."""
+        if self.first_byte_s is None and chunk:
+            self.first_byte_s = now_s
+        if not more_body:
+            self.body_complete = True
+        if not chunk:
+            return None
+        if self.is_stream and _DONE in chunk:
+            self.done_seen = True
+        if b'"usage"' in chunk:
+            self._usage(chunk)
+        if self.is_stream and _CONTENT.search(chunk) is None:
+            return None
+        return self._content_chunk(now_s)
+
+    def _usage(self, chunk: bytes) -> None:
+        prompt = _PROMPT_TOKENS.search(chunk)
+        output = _OUTPUT_TOKENS.search(chunk)
+        if prompt is not None:
+            self.num_usage_prompt_tokens = int(prompt.group(1))
+        if output is not None:
+            self.num_usage_output_tokens = int(output.group(1))
+
+    def _content_chunk(self, now_s: float) -> float | None:
+        self.num_content_chunks += 1
+        gap_s = None
+        if self.first_token_s is None:
+            self.first_token_s = now_s
+        else:
+            gap_s = now_s - self.last_token_s
+            if self.max_itl_s is None or gap_s > self.max_itl_s:
+                self.max_itl_s = gap_s
+        self.last_token_s = now_s
+        return gap_s
+
+    # -- judging it -------------------------------------------------------------------------
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_s is None:
+            return None
+        return self.first_token_s - self.cost.arrival_s
+
+    def finished_ok(self) -> bool:
+        """2xx and the whole response went out: ``[DONE]`` for a stream, the last body chunk
+        otherwise."""
+        if self.status is None or not 200 <= self.status < 300 or not self.body_complete:
+            return False
+        return self.done_seen if self.is_stream else True
+
+    def natural_outcome(self) -> Outcome:
+        """The outcome when the inner app returned normally."""
+        if self.client_disconnected and not self.body_complete:
+            return "canceled"
+        return "completed" if self.finished_ok() else "failed"
+
+    def met_slo(self) -> bool:
+        """Goodput: completed OK, TTFT within the class limit, every content gap within ITL."""
+        if self.outcome != "completed" or not self.finished_ok():
+            return False
+        klass = self.cost.request_class
+        ttft_s = self.ttft_s
+        if ttft_s is None or ttft_s > klass.ttft_s:
+            return False
+        return self.max_itl_s is None or self.max_itl_s <= klass.itl_s
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Upstream-reported completion tokens, else the content chunks relayed."""
+        if self.num_usage_output_tokens is not None:
+            return self.num_usage_output_tokens
+        return self.num_content_chunks
+
+    def sample(self) -> CompletionSample:
+        assert self.outcome is not None and self.released_s is not None
+        return CompletionSample(
+            request_id=self.request_id, tenant=self.cost.tenant,
+            class_name=self.cost.request_class.name, replica_id=self.replica_id,
+            now_s=self.released_s, ttft_s=self.ttft_s, max_itl_s=self.max_itl_s,
+            num_prompt_tokens=self.cost.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            ok=self.ok, met_slo=self.slo_met,
+        )
+
+    # -- releasing ------------------------------------------------------------------------
+    def release(self, outcome: str) -> bool:
+        """Release once; ``False`` (and nothing else) on every later call."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"ticket outcome must be one of {sorted(OUTCOMES)}, got {outcome!r}")
+        if self.outcome is not None:
+            return False
+        self.outcome = outcome
+        self.released_s = self._book.clock()
+        self.ok = outcome == "completed" and self.finished_ok()
+        self.slo_met = self.ok and self.met_slo()
+        self._book._released(self)
+        return True
+
+    def __repr__(self) -> str:
+        return f"Ticket({self.request_id!r}, replica={self.replica_id!r}, outcome={self.outcome!r})"
+
+
+ReleaseListener = Callable[[Ticket], None]
+
+
+class TicketBook:
+    """Issues tickets and runs the release listeners (in order) when each is released.
+
+    A listener that raises is logged and skipped; the others still run and the ticket still
+    counts as released, so one faulty component never leaks a permit.
+    """
+
+    def __init__(self, clock: Callable[[], float], listeners: tuple[ReleaseListener, ...] = ()) -> None:
+        self.clock = clock
+        self._listeners: list[ReleaseListener] = list(listeners)
+        self._held: dict[int, Ticket] = {}
+
+    def add_listener(self, listener: ReleaseListener) -> None:
+        self._listeners.append(listener)
+
+    def issue(self, cost: RequestCost, replica_id: str, dispatch_s: float,
+              predicted_ttft_s: float | None = None) -> Ticket:
+        ticket = Ticket(self, cost, replica_id, dispatch_s, predicted_ttft_s)
+        self._held[id(ticket)] = ticket
+        return ticket
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def held(self) -> tuple[Ticket, ...]:
+        return tuple(self._held.values())
+
+    def _released(self, ticket: Ticket) -> None:
+        self._held.pop(id(ticket), None)
+        for listener in self._listeners:
+            try:
+                listener(ticket)
+            except Exception:  # noqa: BLE001 - a listener must never leak the permit
+                _log.exception("ticket release listener %r failed for %s", listener, ticket)

@@ -1,0 +1,89 @@
+"""The guard's request trace: one JSON line per request that reached the guard.
+
+Timestamps are the guard's monotonic clock in seconds (``*_s``); readers join with the engine's
+trace (``engine/trace.py``) on ``request_id`` (the ``x-request-id`` the guard sends upstream)
+and compare only differences within one trace. One line looks like::
+
+    {"source": "guard", "request_id": "g-1a2b", "tenant": "acme", "class": "interactive",
+     "replica": "local", "upstream_request_id": "g-1a2b", "decision": "admit",
+     "arrival_s": 10.0, "decision_s": 10.0001, "enqueue_s": null, "dispatch_s": 10.0001,
+     "first_byte_s": 10.2, "first_token_s": 10.2, "completion_s": 10.9,
+     "predicted_ttft_s": 0.18, "outcome": "completed", "status": 200, "met_slo": true}
+
+``decision`` is ``admit``, ``queue`` (then admitted or shed from the queue) or ``shed``;
+``outcome`` is ``completed``, ``canceled``, ``failed`` or ``rejected``. Lines are buffered
+(at most ``max_buffered``) and written in batches; :meth:`TraceWriter.close` flushes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TextIO
+
+from guard.ticket import Ticket
+
+__all__ = ["TraceWriter", "ticket_record", "rejection_record"]
+
+
+class TraceWriter:
+    def __init__(self, out: TextIO, max_buffered: int = 256) -> None:
+        if max_buffered < 1:
+            raise ValueError(f"max_buffered must be >= 1, got {max_buffered}")
+        self._out = out
+        self._buffer: list[str] = []
+        self.max_buffered = max_buffered
+        self.closed = False
+
+    @classmethod
+    def open(cls, path: str, max_buffered: int = 256) -> TraceWriter:
+        return cls(open(path, "a", encoding="utf-8"), max_buffered)  # noqa: SIM115 - close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        self._buffer.append(json.dumps(record, separators=(",", ":")))
+        if len(self._buffer) >= self.max_buffered:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buffer:
+            self._out.write("\n".join(self._buffer) + "\n")
+            self._buffer.clear()
+        self._out.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.flush()
+        self.closed = True
+        self._out.close()
+
+
+def ticket_record(ticket: Ticket, decision: str, decision_s: float,
+                  enqueue_s: float | None) -> dict[str, Any]:
+    cost = ticket.cost
+    return {
+        "source": "guard", "request_id": cost.request_id, "tenant": cost.tenant,
+        "class": cost.request_class.name, "replica": ticket.replica_id,
+        "upstream_request_id": cost.request_id, "decision": decision,
+        "arrival_s": cost.arrival_s, "decision_s": decision_s, "enqueue_s": enqueue_s,
+        "dispatch_s": ticket.dispatch_s, "first_byte_s": ticket.first_byte_s,
+        "first_token_s": ticket.first_token_s, "completion_s": ticket.released_s,
+        "predicted_ttft_s": ticket.predicted_ttft_s, "outcome": ticket.outcome,
+        "status": ticket.status, "met_slo": ticket.slo_met,
+        "num_prompt_tokens": cost.num_prompt_tokens, "num_content_chunks": ticket.num_content_chunks,
+    }
+
+
+def rejection_record(request_id: str, tenant: str, class_name: str | None, arrival_s: float,
+                     decision_s: float, enqueue_s: float | None, status: int,
+                     reason: str, outcome: str = "rejected") -> dict[str, Any]:
+    return {
+        "source": "guard", "request_id": request_id, "tenant": tenant, "class": class_name,
+        "replica": None, "upstream_request_id": None,
+        "decision": "queue" if enqueue_s is not None else "shed",
+        "arrival_s": arrival_s, "decision_s": decision_s, "enqueue_s": enqueue_s,
+        "dispatch_s": None, "first_byte_s": None, "first_token_s": None,
+        "completion_s": decision_s, "predicted_ttft_s": None, "outcome": outcome,
+        "status": status, "reason": reason, "met_slo": False,
+    }

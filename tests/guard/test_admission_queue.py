@@ -1,0 +1,108 @@
+import asyncio
+
+from admission_helpers import BATCH, INTERACTIVE, FakeClock, make_cost
+
+from guard.admission_queue import QUEUE_FULL, QUEUE_TIMEOUT, AdmissionQueue
+from policies.decision import Queue, Shed
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_order_is_priority_then_deadline_and_pump_admits_in_order():
+    async def main():
+        q = AdmissionQueue(8, FakeClock())
+        late = q.push(make_cost("late", deadline_s=5.0), until_s=9.0, now_s=0.0)
+        batch = q.push(make_cost("batch", klass=BATCH, deadline_s=1.0), until_s=9.0, now_s=0.0)
+        early = q.push(make_cost("early", deadline_s=2.0), until_s=9.0, now_s=0.0)
+        assert [w.cost.request_id for w in q.waiters()] == ["early", "late", "batch"]
+        seen = []
+
+        def decide(cost, now_s):  # room for exactly one: the first asked is admitted
+            seen.append(cost.request_id)
+            return "ticket" if len(seen) == 1 else Queue(until_s=9.0)
+
+        assert q.pump(decide, 1.0) == 1
+        assert seen == ["early", "late", "batch"]
+        assert early.future.result() == "ticket"
+        assert not late.future.done() and not batch.future.done() and len(q) == 2
+    run(main())
+
+
+def test_deadline_evicts_with_queue_timeout_without_asking_the_policy():
+    async def main():
+        q = AdmissionQueue(8, FakeClock())
+        w = q.push(make_cost("a"), until_s=2.0, now_s=0.0)
+        asked = []
+        q.pump(lambda c, t: asked.append(c) or Queue(until_s=2.0), 1.0)
+        assert not w.future.done() and len(asked) == 1
+        q.pump(lambda c, t: asked.append(c) or "ticket", 2.0)
+        assert w.future.result() == Shed(503, QUEUE_TIMEOUT) and len(asked) == 1 and len(q) == 0
+    run(main())
+
+
+def test_policy_shed_resolves_waiter():
+    async def main():
+        q = AdmissionQueue(8, FakeClock())
+        w = q.push(make_cost("a"), until_s=5.0, now_s=0.0)
+        q.pump(lambda c, t: Shed(503, "overloaded"), 0.5)
+        assert w.future.result() == Shed(503, "overloaded") and len(q) == 0
+    run(main())
+
+
+def test_full_queue_sheds_worst_entry_or_newcomer():
+    async def main():
+        q = AdmissionQueue(2, FakeClock())
+        a = q.push(make_cost("a", deadline_s=1.0), 9.0, 0.0)
+        b = q.push(make_cost("b", klass=BATCH, deadline_s=1.0), 9.0, 0.0)
+        # newcomer better than the batch entry: the batch entry is shed
+        c = q.push(make_cost("c", deadline_s=3.0), 9.0, 0.0)
+        assert b.future.result() == Shed(503, QUEUE_FULL)
+        assert [w.cost.request_id for w in q.waiters()] == ["a", "c"]
+        # newcomer worse than everyone: the newcomer is shed, the queue is unchanged
+        d = q.push(make_cost("d", deadline_s=7.0), 9.0, 0.0)
+        assert d == Shed(503, QUEUE_FULL)
+        assert not a.future.done() and not c.future.done() and len(q) == 2
+    run(main())
+
+
+def test_zero_length_queue_sheds_everyone():
+    async def main():
+        q = AdmissionQueue(0, FakeClock())
+        assert q.push(make_cost(), 9.0, 0.0) == Shed(503, QUEUE_FULL)
+    run(main())
+
+
+def test_remove_and_canceled_futures_leave_the_queue():
+    async def main():
+        q = AdmissionQueue(4, FakeClock())
+        a = q.push(make_cost("a"), 9.0, 0.0)
+        b = q.push(make_cost("b", deadline_s=2.0), 9.0, 0.0)
+        assert q.remove(a) is True and q.remove(a) is False
+        b.future.cancel()
+        asked = []
+        assert q.pump(lambda c, t: asked.append(c), 0.1) == 1
+        assert asked == [] and len(q) == 0
+    run(main())
+
+
+def test_run_pumps_on_wake_and_on_interval():
+    async def main():
+        clock = FakeClock()
+        q = AdmissionQueue(4, clock, interval_s=0.005)
+        room = {"free": False}
+
+        def decide(cost, now_s):
+            return "ticket" if room["free"] else Queue(until_s=99.0)
+
+        task = asyncio.ensure_future(q.run(decide))
+        await asyncio.sleep(0)
+        w = q.push(make_cost("a", klass=INTERACTIVE), 99.0, 0.0)
+        await asyncio.sleep(0.02)
+        assert not w.future.done()
+        room["free"] = True
+        q.wake()
+        assert await asyncio.wait_for(w.future, 1.0) == "ticket"
+        task.cancel()
+    run(main())

@@ -1,0 +1,100 @@
+from admission_helpers import FakeClock, make_cost
+
+from guard.ticket import TicketBook
+
+SSE = b"text/event-stream"
+
+
+def _book(clock, calls):
+    return TicketBook(clock, (lambda t: calls.append((t.request_id, t.outcome)),))
+
+
+def test_release_runs_listeners_exactly_once():
+    clock, calls = FakeClock(5.0), []
+    book = _book(clock, calls)
+    ticket = book.issue(make_cost("a"), "local", dispatch_s=5.0)
+    assert book.num_held == 1
+    assert ticket.release("canceled") is True
+    assert ticket.release("completed") is False
+    assert ticket.release("failed") is False
+    assert calls == [("a", "canceled")]
+    assert ticket.outcome == "canceled" and ticket.released_s == 5.0
+    assert book.num_held == 0
+
+
+def test_bad_outcome_is_a_value_error_and_keeps_the_ticket():
+    book = _book(FakeClock(), [])
+    ticket = book.issue(make_cost(), "local", 0.0)
+    try:
+        ticket.release("ok")
+    except ValueError as exc:
+        assert "outcome" in str(exc)
+    else:
+        raise AssertionError("expected ValueError")
+    assert book.num_held == 1 and not ticket.released
+
+
+def test_failing_listener_still_releases_and_runs_the_rest():
+    clock, calls = FakeClock(), []
+
+    def boom(ticket):
+        raise RuntimeError("listener bug")
+
+    book = TicketBook(clock, (boom, lambda t: calls.append(t.outcome)))
+    ticket = book.issue(make_cost(), "local", 0.0)
+    assert ticket.release("failed") is True
+    assert calls == ["failed"] and book.num_held == 0
+
+
+def test_stream_observation_and_goodput():
+    clock = FakeClock()
+    book = _book(clock, [])
+    ticket = book.issue(make_cost(arrival_s=0.0), "local", 0.0, predicted_ttft_s=0.4)
+    ticket.on_start(200, SSE)
+    assert ticket.on_body(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n', True, 0.1) is None
+    assert ticket.first_byte_s == 0.1 and ticket.first_token_s is None
+    assert ticket.on_body(b'data: {"choices":[{"text":"hi"}]}\n\n', True, 0.5) is None
+    gap = ticket.on_body(b'data: {"choices":[{"text":" there"}]}\n\n', True, 0.57)
+    assert abs(gap - 0.07) < 1e-9
+    ticket.on_body(b"data: [DONE]\n\n", False, 0.6)
+    assert ticket.ttft_s == 0.5 and ticket.num_content_chunks == 2 and ticket.done_seen
+    assert ticket.natural_outcome() == "completed"
+    clock.now_s = 0.6
+    ticket.release(ticket.natural_outcome())
+    assert ticket.met_slo()
+    sample = ticket.sample()
+    assert sample.ok and sample.met_slo and sample.ttft_s == 0.5 and sample.num_output_tokens == 2
+
+
+def test_slow_gap_or_late_first_token_is_not_goodput():
+    book = _book(FakeClock(), [])
+    slow_gap = book.issue(make_cost(arrival_s=0.0), "local", 0.0)
+    slow_gap.on_start(200, SSE)
+    slow_gap.on_body(b'data: {"text":"a"}\n\n', True, 0.1)
+    slow_gap.on_body(b'data: {"text":"b"}\n\n', True, 0.3)  # 200 ms > 80 ms ITL
+    slow_gap.on_body(b"data: [DONE]\n\n", False, 0.31)
+    slow_gap.release("completed")
+    assert not slow_gap.met_slo() and slow_gap.sample().ok
+
+    late = book.issue(make_cost(arrival_s=0.0), "local", 0.0)
+    late.on_start(200, b"application/json")
+    late.on_body(b'{"choices":[{"text":"x"}]}', False, 1.5)  # TTFT 1.5 s > 1.0 s
+    late.release(late.natural_outcome())
+    assert late.outcome == "completed" and not late.met_slo()
+
+
+def test_truncated_stream_or_error_status_is_failed():
+    book = _book(FakeClock(), [])
+    cut = book.issue(make_cost(), "local", 0.0)
+    cut.on_start(200, SSE)
+    cut.on_body(b'data: {"text":"a"}\n\n', True, 0.1)
+    cut.on_body(b"", False, 0.2)  # stream ended without [DONE]
+    assert cut.natural_outcome() == "failed"
+    err = book.issue(make_cost("e"), "local", 0.0)
+    err.on_start(500, b"application/json")
+    err.on_body(b'{"error":{}}', False, 0.1)
+    assert err.natural_outcome() == "failed"
+    gone = book.issue(make_cost("g"), "local", 0.0)
+    gone.on_start(200, SSE)
+    gone.client_disconnected = True
+    assert gone.natural_outcome() == "canceled"
