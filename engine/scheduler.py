@@ -1,0 +1,197 @@
+"""Iteration-level scheduler with chunked prefill and preemption by recompute.
+
+One rule, as in vLLM v1: each step gives every scheduled request tokens until its computed
+tokens catch up with its known tokens (prompt + generated), within a token budget. Running
+requests are served first, in priority order; waiting ones are admitted after them while the
+budget, ``max_num_seqs`` and the block pool allow. When a running request needs a block and
+none is free, the least important running request (highest priority value, then latest
+arrival) is preempted: its blocks are freed and it waits to be recomputed from scratch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 eos_token_ids: Iterable[int] = (),
+                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.detokenize = detokenize
+        self.waiting: list[Sequence] = []  # sorted by key, most important first
+        self.running: list[Sequence] = []  # sorted by key, most important first
+        self.num_preemptions = 0
+        self._seqs: dict[str, Sequence] = {}
+        self._next_batch_id = 0
+        self._released_ids: list[str] = []
+        self._key = Sequence.priority_key if config.policy == "priority" else Sequence.fcfs_key
+
+    # ---- queue management -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request id {seq.request_id!r} is already in the engine")
+        self._seqs[seq.request_id] = seq
+        self._enqueue(seq)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting
+        queue.remove(seq)
+        del self._seqs[seq.request_id]
+        self.block_manager.free(seq.request_id)
+        seq.status = status
+        self._released_ids.append(seq.request_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._released_ids.append(seq.request_id)
+        self._enqueue(seq)
+
+    # ---- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's work. Mutates block tables and queues, not token counts."""
+        budget = self.config.max_num_batched_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        num_preemptions_before = self.num_preemptions
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if self._allocate_or_preempt(seq, num_new):
+                chosen.append((seq, num_new))
+                budget -= num_new
+        if self.num_preemptions == num_preemptions_before:
+            self._admit_waiting(budget, chosen)
+        return self._build_output(chosen)
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int) -> bool:
+        """Blocks for ``num_new`` more tokens of ``seq``, preempting the least important
+        running sequences as needed. False when ``seq`` itself had to go."""
+        while self.block_manager.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
+            victim = self.running[-1]  # never one already chosen: those precede ``seq``
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, chosen: list[tuple[Sequence, int]]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = seq.num_uncomputed_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                return
+            num_new = min(num_new, budget)
+            if self.block_manager.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
+                return
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=self._key)
+            chosen.append((seq, num_new))
+            budget -= num_new
+
+    def _build_output(self, chosen: list[tuple[Sequence, int]]) -> SchedulerOutput:
+        scheduled = tuple(self._scheduled_seq(seq, n) for seq, n in chosen)
+        output = SchedulerOutput(batch_id=self._next_batch_id, scheduled=scheduled,
+                                 finished_request_ids=tuple(self._released_ids),
+                                 block_size=self.block_manager.block_size)
+        if scheduled:  # keep released ids for the next step a runner will actually see
+            self._released_ids = []
+            self._next_batch_id += 1
+        return output
+
+    def _scheduled_seq(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return ScheduledSeq(
+            request_id=seq.request_id,
+            token_ids=seq.token_slice(start, start + num_new),
+            num_computed_tokens=start,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            block_ids=tuple(self.block_manager.block_table(seq.request_id)),
+            samples=start + num_new == seq.num_tokens,
+            params=seq.params,
+        )
+
+    # ---- after the runner ---------------------------------------------------------------
+    def update(self, output: SchedulerOutput,
+               sampled: dict[str, int]) -> list[tuple[Sequence, tuple[int, ...]]]:
+        """Advance token counts, append sampled tokens, finish stopped sequences.
+        Returns (sequence, new token ids) for every sequence that sampled."""
+        results = []
+        for entry in output.scheduled:
+            seq = self._seqs.get(entry.request_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += entry.num_new_tokens
+            if not entry.samples:
+                continue
+            token = sampled[entry.request_id]
+            seq.output_token_ids.append(token)
+            status = self._stop_status(seq, token)
+            if status is not None:
+                self._finish(seq, status)
+            results.append((seq, (token,)))
+        return results
+
+    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return SequenceStatus.FINISHED_STOPPED
+        if params.stop and self.detokenize is not None:
+            text = self.detokenize(seq.output_token_ids)
+            if any(stop in text for stop in params.stop):
+                return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    # ---- invariants ---------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Cheap consistency checks; raises AssertionError on a broken invariant."""
+        running_ids = {s.request_id for s in self.running}
+        waiting_ids = {s.request_id for s in self.waiting}
+        assert not running_ids & waiting_ids, "a sequence is both waiting and running"
+        assert len(running_ids) == len(self.running) and len(waiting_ids) == len(self.waiting)
+        assert running_ids | waiting_ids == set(self._seqs), "queues disagree with the index"
+        assert len(self.running) <= self.config.max_num_seqs, "too many running sequences"
+        assert all(s.status is SequenceStatus.RUNNING for s in self.running)
+        assert all(s.status is SequenceStatus.WAITING for s in self.waiting)
+        assert self.running == sorted(self.running, key=self._key), "running out of order"
+        assert self.waiting == sorted(self.waiting, key=self._key), "waiting out of order"
+        for seq in self._seqs.values():
+            table = self.block_manager.block_table(seq.request_id)
+            assert 0 <= seq.num_computed_tokens <= seq.num_tokens
+            assert len(table) >= self.block_manager.num_blocks_for(seq.num_computed_tokens)
+        assert set(self.block_manager.holders()) <= running_ids | waiting_ids, "leaked blocks"
+        self.block_manager.check_invariants()
