@@ -151,6 +151,8 @@ async def measure_breakdown(policy: str, num: int = 3000) -> dict[str, float]:
         "price (pricing)": price,
         "snapshot, idle (load_state)": lambda: guard.load_state.snapshot(now_s),
         "decide (policy)": lambda: guard.policy.decide(cost, snapshot),
+        "reserve+release (load_state)": lambda: _reserve_release(guard, cost, now_s),
+        "ticket issue+release (listeners)": lambda: _issue_release(guard, cost, now_s),
         "decide+reserve+ticket+release": lambda: _cycle(guard, cost, now_s),
     }
     out = {name: _median_us(fn, num) for name, fn in stages.items()}
@@ -162,6 +164,15 @@ def _cycle(guard, cost, now_s: float) -> None:
     ticket = guard._decide(cost, now_s)
     if hasattr(ticket, "release"):
         ticket.release("completed")
+
+
+def _reserve_release(guard, cost, now_s: float) -> None:
+    guard.load_state.reserve("local", cost.request_id, cost, now_s)
+    guard.load_state.release(cost.request_id)
+
+
+def _issue_release(guard, cost, now_s: float) -> None:
+    guard.tickets.issue(cost, "local", now_s).release("completed")
 
 
 def _median_us(fn: Callable[[], object], num: int) -> float:

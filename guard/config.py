@@ -29,6 +29,7 @@ object. Unknown ``KVGUARD_*`` variables are ignored (other components own them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -254,8 +255,9 @@ class GuardConfig:
             return self.anonymous_tenant
         return None
 
-    @property
+    @functools.cached_property
     def anonymous_tenant(self) -> TenantConfig:
+        """The tenant of requests without a known key (built once per config)."""
         return TenantConfig(
             name=ANONYMOUS_TENANT,
             key_sha256="0" * 64,

@@ -25,8 +25,10 @@ class DrainRate:
         """``count`` requests finished at ``now_s``."""
         if self._started_s is None:
             self._started_s = now_s
-        for _ in range(count):
+        if count == 1:
             self._times_s.append(now_s)
+        else:
+            self._times_s.extend([now_s] * count)
 
     def rate_rps(self, now_s: float) -> float:
         cutoff_s = now_s - self._window_s

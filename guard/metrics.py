@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -186,6 +186,14 @@ class GuardMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def send_response(self, send: Callable[[dict], Awaitable[None]]) -> None:
+        """Answer an ASGI request with :meth:`render` in the Prometheus text format."""
+        body = self.render()
+        headers = [(b"content-type", CONTENT_TYPE_LATEST.encode()),
+                   (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     # --- scrape time ---------------------------------------------------------------------
     def families(self) -> Iterator:

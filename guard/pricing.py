@@ -163,12 +163,22 @@ def _is_number(value: Any) -> bool:
 def _parse(body: dict | bytes) -> dict:
     if isinstance(body, (bytes, bytearray)):
         try:
-            body = json.loads(body)
+            body = _loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise _bad(f"request body is not valid JSON: {exc}", reason="invalid_json") from None
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object", reason="invalid_json")
     return body
+
+
+def _loads(body: bytes | bytearray) -> Any:
+    """``json.loads(body)``, taking the UTF-8 text path first (it skips the encoding sniff);
+    anything that path refuses (a BOM, UTF-16/32, bad JSON) goes through ``json.loads(body)``
+    itself, so results and error messages are exactly its."""
+    try:
+        return json.loads(body.decode())
+    except ValueError:
+        return json.loads(body)
 
 
 def _optional_int(body: dict, name: str, minimum: int) -> int | None:

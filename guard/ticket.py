@@ -141,6 +141,9 @@ class Ticket:
         """Goodput: completed OK, TTFT within the class limit, every content gap within ITL."""
         if self.outcome != "completed" or not self.finished_ok():
             return False
+        return self._within_slo()
+
+    def _within_slo(self) -> bool:
         klass = self.cost.request_class
         ttft_s = self.ttft_s
         if ttft_s is None or ttft_s > klass.ttft_s:
@@ -174,8 +177,8 @@ class Ticket:
             return False
         self.outcome = outcome
         self.released_s = self._book.clock()
-        self.ok = outcome == "completed" and self.finished_ok()
-        self.slo_met = self.ok and self.met_slo()
+        self.ok = ok = outcome == "completed" and self.finished_ok()
+        self.slo_met = ok and self._within_slo()  # met_slo() without re-checking ok
         self._book._released(self)
         return True
 

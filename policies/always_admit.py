@@ -19,6 +19,7 @@ NO_REPLICA = "no_replica"
 
 class AlwaysAdmit:
     name = "always-admit"
+    observes_completions = False  # observe() ignores its sample: the guard need not build it
 
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
         replica = least_loaded(r for r in snapshot.replicas if r.healthy)

@@ -27,6 +27,7 @@ def num_inflight(snapshot: LoadSnapshot) -> int:
 
 class ConcurrencyCap:
     name = "concurrency-cap"
+    observes_completions = False  # observe() ignores its sample: the guard need not build it
 
     def __init__(self, max_concurrency: int = 128) -> None:
         self.max_concurrency = check_int("max_concurrency", max_concurrency, 1)

@@ -1,4 +1,9 @@
-"""The policy protocol every admission algorithm implements."""
+"""The policy protocol every admission algorithm implements.
+
+A policy whose ``observe`` ignores its sample may say so with a class attribute
+``observes_completions = False``; the guard then skips building the
+:class:`~policies.decision.CompletionSample` on every release. Absent, it counts as true.
+"""
 
 from __future__ import annotations
 

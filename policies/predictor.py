@@ -69,7 +69,8 @@ def forecast(
     if never_fits(cost, replica):
         return None
     load = replica.load
-    decode_s = step_time.step_s(0, load.num_decode_seqs, load.num_running_context_tokens)
+    num_decode_seqs = load.num_decode_seqs
+    decode_s = step_time.step_s(0, num_decode_seqs, load.num_running_context_tokens)
     missing_blocks = cost.num_blocks - (replica.num_available_blocks - load.num_committed_blocks)
     missing_seqs = load.num_seqs + 1 - replica.max_num_seqs
     wait_steps = 0
@@ -77,21 +78,19 @@ def forecast(
         wait_steps = max(
             _steps_until_freed(load, missing_blocks), _steps_until_finished(load, missing_seqs)
         )
-    chunk = max(1, replica.max_num_batched_tokens - load.num_decode_seqs)
-    queued_s = _prefill_s(load.num_queued_prefill_tokens, chunk, decode_s, step_time)
-    total_s = _prefill_s(
-        load.num_queued_prefill_tokens + cost.num_prompt_tokens, chunk, decode_s, step_time
-    )
+    chunk = max(1, replica.max_num_batched_tokens - num_decode_seqs)
+    num_queued = load.num_queued_prefill_tokens
+    num_prompt = cost.num_prompt_tokens
+    queued_s = _prefill_s(num_queued, chunk, decode_s, step_time)
+    total_s = _prefill_s(num_queued + num_prompt, chunk, decode_s, step_time)
     num_join_seqs = min(replica.max_num_seqs, load.num_seqs + 1)
     return TtftForecast(
-        num_missing_blocks=max(0, missing_blocks),
-        num_missing_seqs=max(0, missing_seqs),
-        wait_s=wait_steps * decode_s,
-        queued_prefill_s=queued_s,
-        own_prefill_s=total_s - queued_s,
-        join_step_s=step_time.step_s(
-            0, num_join_seqs, load.num_context_tokens + cost.num_prompt_tokens
-        ),
+        max(0, missing_blocks),
+        max(0, missing_seqs),
+        wait_steps * decode_s,
+        queued_s,
+        total_s - queued_s,
+        step_time.step_s(0, num_join_seqs, load.num_context_tokens + num_prompt),
     )
 
 

@@ -5,8 +5,9 @@ each completion and state refresh), so the sums over a replica's sequences are c
 lazily, per group: ``running`` and ``waiting`` (what the engine reported, unchanged between
 refreshes) and ``reserved`` (the guard's unreported admissions, which change on every admission).
 ``ReplicaSnapshot.with_reservations`` keeps the engine groups' sums when only the reservations
-change. The finish schedule (a sort) is computed only when a request must wait for KV blocks
-or a sequence slot.
+change, and :meth:`ReplicaLoad.with_reserved` adds a reserved group (whose sums the guard keeps
+incrementally) on top of the engine-only load without re-summing anything. The finish schedule
+(a sort) is computed only when a request must wait for KV blocks or a sequence slot.
 """
 
 from __future__ import annotations
@@ -128,6 +129,26 @@ class ReplicaLoad:
             num_context_tokens=num_context + num_prefill,
             num_queued_prefill_tokens=num_prefill,
             num_committed_blocks=running.num_committed_blocks + waiting.num_committed_blocks,
+            min_itl_s=min(itls) if itls else None,
+        )
+
+    def with_reserved(self, reserved: SeqTotals) -> ReplicaLoad:
+        """This load with ``reserved`` as its reserved group: equal to
+        ``ReplicaLoad.of(self.running, self.waiting, reserved)``, from this load's sums."""
+        if self.reserved.seqs:  # not engine-only: start from the engine groups
+            return ReplicaLoad.of(self.running, self.waiting, reserved)
+        itls = [x for x in (self.min_itl_s, reserved.min_itl_s) if x is not None]
+        num_prefill = reserved.num_prefill_tokens
+        return ReplicaLoad(
+            self.running,
+            self.waiting,
+            reserved,
+            num_seqs=self.num_seqs + len(reserved.seqs),
+            num_decode_seqs=self.num_decode_seqs,
+            num_running_context_tokens=self.num_running_context_tokens,
+            num_context_tokens=self.num_context_tokens + reserved.num_context_tokens + num_prefill,
+            num_queued_prefill_tokens=self.num_queued_prefill_tokens + num_prefill,
+            num_committed_blocks=self.num_committed_blocks,
             min_itl_s=min(itls) if itls else None,
         )
 

@@ -37,6 +37,7 @@ def reported_kv_usage_ratio(replica: ReplicaSnapshot) -> float:
 
 class Saturation:
     name = "saturation"
+    observes_completions = False  # observe() ignores its sample: the guard need not build it
 
     def __init__(self, max_waiting: int = 5, max_kv_usage_ratio: float = 0.8) -> None:
         if not 0.0 < max_kv_usage_ratio <= 1.0:

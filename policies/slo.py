@@ -74,6 +74,7 @@ def shed_order(costs: Iterable[RequestCost]) -> list[RequestCost]:
 
 class SloPolicy:
     name = "slo"
+    observes_completions = False  # observe() ignores its sample: the guard need not build it
 
     def __init__(
         self,
@@ -103,9 +104,8 @@ class SloPolicy:
         fresh = snapshot.fresh_replicas()
         if not fresh:
             return self._decide_stale(cost, snapshot, healthy)
-        options = [
-            (r, f) for r in fresh if (f := forecast(cost, r, snapshot.step_time)) is not None
-        ]
+        step_time = snapshot.step_time
+        options = [(r, f) for r in fresh if (f := forecast(cost, r, step_time)) is not None]
         return _admit(cost, snapshot.now_s, options) or self._queue_or_shed(cost, snapshot, options)
 
     def admitted(self, cost: RequestCost, replica_id: str, now_s: float) -> None:
@@ -153,28 +153,39 @@ class SloPolicy:
 
 
 def _never_servable(cost: RequestCost, replicas: tuple[ReplicaSnapshot, ...]) -> Shed | None:
-    if not replicas or not all(never_fits(cost, r) for r in replicas):
+    if not replicas:
         return None
+    for r in replicas:
+        if not never_fits(cost, r):
+            return None
     if any(cost.num_reserved_tokens <= r.max_model_len for r in replicas):
         return Shed(400, NO_KV_CAPACITY, should_retry=False)
     return Shed(400, CONTEXT_LENGTH_EXCEEDED, should_retry=False)
 
 
 def _admit(cost: RequestCost, now_s: float, options: list[_Option]) -> Admit | None:
-    fits = [(r, f) for r, f in options if _fits_now(cost, now_s, r, f)]
-    if not fits:
+    """The lowest predicted TTFT among the replicas that fit now (the first one on a tie)."""
+    best: _Option | None = None
+    best_ttft_s = 0.0
+    for replica, f in options:
+        ttft_s = f.wait_s + f.queued_prefill_s + f.own_prefill_s  # f.ttft_s, inlined
+        if (best is None or ttft_s < best_ttft_s) and _fits_now(cost, now_s, replica, f, ttft_s):
+            best, best_ttft_s = (replica, f), ttft_s
+    if best is None:
         return None
-    replica, best = min(fits, key=lambda o: o[1].ttft_s)
-    return Admit(replica.replica_id, _since_arrival(cost, now_s, best))
+    return Admit(best[0].replica_id, max(0.0, now_s - cost.arrival_s) + best_ttft_s)
 
 
-def _fits_now(cost: RequestCost, now_s: float, replica: ReplicaSnapshot, f: TtftForecast) -> bool:
-    if f.is_blocked or now_s + f.ttft_s > cost.deadline_s:
+def _fits_now(
+    cost: RequestCost, now_s: float, replica: ReplicaSnapshot, f: TtftForecast, ttft_s: float
+) -> bool:
+    if f.num_missing_blocks > 0 or f.num_missing_seqs > 0 or now_s + ttft_s > cost.deadline_s:
         return False
-    if f.join_step_s > cost.request_class.itl_s:
+    join_step_s = f.join_step_s
+    if join_step_s > cost.request_class.itl_s:
         return False
     min_itl_s = replica.load.min_itl_s
-    return min_itl_s is None or f.join_step_s <= min_itl_s
+    return min_itl_s is None or join_step_s <= min_itl_s
 
 
 def _itl_attainable(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from policies.replica_load import ReplicaLoad, SeqTotals
@@ -27,6 +27,10 @@ class ReplicaSnapshot:
 
     ``reserved`` are requests this guard admitted that the replica has not reported yet (closes
     the scrape-lag hole); ``num_reserved_blocks`` are their worst-case blocks.
+
+    ``capacity_known`` is False for a replica that publishes no load state (an arbitrary ASGI
+    app or upstream without ``/kvguard/state``): it is healthy but never fresh, so policies
+    that predict fall back to their stale-state rule for it.
     """
 
     replica_id: str
@@ -43,6 +47,7 @@ class ReplicaSnapshot:
     num_reserved_blocks: int = 0
     num_inflight: int = 0  # requests this guard has admitted and not yet released on it
     healthy: bool = True
+    capacity_known: bool = True
 
     @property
     def num_available_blocks(self) -> int:
@@ -69,14 +74,28 @@ class ReplicaSnapshot:
         return ReplicaLoad.of(self.running_totals, self.waiting_totals, reserved)
 
     def with_reservations(
-        self, reserved: tuple[SeqLoad, ...], num_reserved_blocks: int, num_inflight: int
+        self,
+        reserved: tuple[SeqLoad, ...],
+        num_reserved_blocks: int,
+        num_inflight: int,
+        reserved_totals: SeqTotals | None = None,
     ) -> ReplicaSnapshot:
-        """This engine state with other guard reservations, keeping the engine groups' sums."""
-        new = replace(self, reserved=reserved, num_reserved_blocks=num_reserved_blocks,
-                      num_inflight=num_inflight)
-        for name in ("running_totals", "waiting_totals"):
-            if name in self.__dict__:
-                new.__dict__[name] = self.__dict__[name]
+        """This engine state with other guard reservations, keeping the engine groups' sums.
+
+        ``reserved_totals`` (the sums over ``reserved``, when the caller keeps them) lets the
+        new snapshot's ``load`` be this one's engine sums plus the reserved group, with no
+        re-summing. Called on the guard's hot path, so it copies the instance dict instead of
+        going through ``dataclasses.replace`` (every field comes from this validated snapshot).
+        """
+        new = object.__new__(ReplicaSnapshot)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields.pop("load", None)
+        fields["reserved"] = reserved
+        fields["num_reserved_blocks"] = num_reserved_blocks
+        fields["num_inflight"] = num_inflight
+        if reserved_totals is not None and not self.reserved:
+            fields["load"] = self.load.with_reserved(reserved_totals)
         return new
 
 
@@ -93,8 +112,8 @@ class LoadSnapshot:
     tenant_retry_ratio: dict[str, float] = field(default_factory=dict)
 
     def fresh_replicas(self) -> tuple[ReplicaSnapshot, ...]:
-        return tuple(
-            r
-            for r in self.replicas
-            if r.healthy and self.now_s - r.observed_s <= self.max_staleness_s
-        )
+        now_s, max_staleness_s = self.now_s, self.max_staleness_s
+        return tuple([
+            r for r in self.replicas
+            if r.healthy and r.capacity_known and now_s - r.observed_s <= max_staleness_s
+        ])

@@ -3,6 +3,8 @@
 Interactive class: TTFT 1.0 s, ITL 80 ms; a default cost arrives at 0 with deadline 1.0 and
 needs 4 blocks (32 prompt + 32 max tokens)."""
 
+import dataclasses
+
 import pytest
 from policy_builders import (
     BATCH,
@@ -136,6 +138,23 @@ def test_stale_state_falls_back_to_a_small_inflight_bound(inflight, deadline_s, 
     cost = make_cost(arrival_s=4.9, deadline_s=deadline_s)
     policy = SloPolicy(stale_max_inflight_per_replica=2)
     assert decide(a, b, down, cost=cost, now_s=5.0, policy=policy) == expected
+
+
+@pytest.mark.parametrize(
+    ("inflight", "now_s", "expected"),
+    [
+        (3, 5.0, Admit("a")),  # fresh by its clock, but capacity unknown: the stale bound
+        (4, 5.0, Queue(5.5, "stale_state")),
+        (4, 5.85, Queue(5.9, "stale_state")),  # never past the deadline
+    ],
+)
+def test_unknown_capacity_replica_falls_under_the_stale_rule(inflight, now_s, expected):
+    unknown = dataclasses.replace(
+        make_replica("a", free=1 << 30, total=1 << 30, inflight=inflight, observed_s=now_s),
+        capacity_known=False,
+    )
+    cost = make_cost(arrival_s=4.9, deadline_s=5.9)
+    assert decide(unknown, cost=cost, now_s=now_s) == expected
 
 
 def test_stale_state_without_queue_time_sheds():

@@ -1,0 +1,230 @@
+"""Refreshing every replica's load state: :class:`StatePoller` and the sources it reads.
+
+:class:`HttpStateSource` reads ``GET {url}/kvguard/state`` (or ``{url}/metrics`` for a vLLM
+upstream) over httpx; :class:`AsgiStateSource` does an in-process ``GET /kvguard/state`` on the
+wrapped ASGI app. A source whose replica answers but publishes no state (404, or a body that is
+not a JSON object) raises :class:`StateUnavailable`; the poller then registers the replica as
+healthy with unknown capacity (:meth:`guard.load_state.LoadState.mark_unknown_capacity`) instead
+of counting an error, so the guard works in front of any ASGI app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import httpx
+
+from guard.config import ReplicaConfig
+
+if TYPE_CHECKING:  # load_state re-exports this module's names
+    from guard.load_state import LoadState
+
+__all__ = [
+    "AsgiStateSource",
+    "HttpStateSource",
+    "StatePoller",
+    "StateSource",
+    "StateUnavailable",
+    "state_sources",
+]
+
+log = logging.getLogger(__name__)
+
+
+class StateUnavailable(RuntimeError):
+    """The replica answered, but it publishes no load state (404, or not a JSON object)."""
+
+
+class StateSource(Protocol):
+    kind: str  # "kvguard" (JSON dict) or "vllm" (metrics text)
+
+    async def fetch(self) -> Any:
+        """One state document. :class:`StateUnavailable` when the replica has none; any other
+        exception counts as a failed refresh."""
+        ...
+
+
+class HttpStateSource:
+    """``GET {url}/kvguard/state`` (kind ``kvguard``) or ``GET {url}/metrics`` (kind ``vllm``)."""
+
+    def __init__(self, url: str, kind: str = "kvguard", *, client: httpx.AsyncClient,
+                 timeout_s: float = 1.0, max_model_len: int | None = None):
+        if kind not in ("kvguard", "vllm"):
+            raise ValueError(f"HttpStateSource: kind must be 'kvguard' or 'vllm', got {kind!r}")
+        self.kind = kind
+        self.url = url.rstrip("/") + ("/kvguard/state" if kind == "kvguard" else "/metrics")
+        self._client = client
+        self._timeout_s = timeout_s
+        self.max_model_len = max_model_len  # vllm only: its metrics lack the context length
+
+    async def fetch(self) -> Any:
+        response = await self._client.get(self.url, timeout=self._timeout_s)
+        if self.kind == "kvguard" and response.status_code == 404:
+            raise StateUnavailable(f"{self.url} answered 404")
+        response.raise_for_status()
+        if self.kind != "kvguard":
+            return response.text
+        return _state_document(response.content, self.url)
+
+
+class AsgiStateSource:
+    """Reads ``/kvguard/state`` from an ASGI app in-process: a synthetic GET, no network."""
+
+    kind = "kvguard"
+
+    def __init__(self, app: Callable, path: str = "/kvguard/state"):
+        self._app = app
+        self._path = path
+
+    async def fetch(self) -> Any:
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+            "scheme": "http", "path": self._path, "raw_path": self._path.encode(),
+            "root_path": "", "query_string": b"", "headers": [(b"host", b"kvguard.internal")],
+            "client": ("127.0.0.1", 0), "server": ("kvguard.internal", 80),
+        }
+        status: list[int] = []
+        chunks: list[bytes] = []
+        sent = False
+
+        async def receive() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await asyncio.Event().wait()  # never: the app should not read past the body
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self._app(scope, receive, send)
+        if status[:1] == [404]:
+            raise StateUnavailable(f"in-process {self._path} answered 404")
+        if not status or status[0] != 200:
+            raise RuntimeError(f"in-process {self._path} answered {status[:1] or 'nothing'}")
+        return _state_document(b"".join(chunks), f"in-process {self._path}")
+
+
+def _state_document(body: bytes, where: str) -> dict:
+    """A ``/kvguard/state`` body as a dict; StateUnavailable when it is not a JSON object."""
+    try:
+        state = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise StateUnavailable(f"{where} is not JSON") from None
+    if not isinstance(state, dict):
+        raise StateUnavailable(f"{where} is not a JSON object")
+    return state
+
+
+def state_sources(replicas: tuple[ReplicaConfig, ...], client: httpx.AsyncClient,
+                  app: Callable | None = None, timeout_s: float = 1.0,
+                  local_replica_id: str = "local") -> dict[str, StateSource]:
+    """One source per configured replica; no replicas means ``app`` itself is the one replica."""
+    if not replicas:
+        if app is None:
+            raise ValueError("state_sources: in-process mode needs the wrapped ASGI app")
+        return {local_replica_id: AsgiStateSource(app)}
+    sources: dict[str, StateSource] = {}
+    for replica in replicas:
+        if replica.state_source == "asgi":
+            if app is None:
+                raise ValueError(f"replica {replica.replica_id!r}: state_source 'asgi' needs the app")
+            sources[replica.replica_id] = AsgiStateSource(app)
+        else:
+            sources[replica.replica_id] = HttpStateSource(
+                replica.url, replica.state_source, client=client, timeout_s=timeout_s,
+                max_model_len=replica.max_model_len)
+    return sources
+
+
+class StatePoller:
+    """Refreshes every replica's state each ``interval_s``; never lets an exception escape.
+
+    After ``unhealthy_after_errors`` consecutive failures a replica is marked unhealthy; one good
+    refresh makes it healthy again. ``on_refresh`` (optional, sync) runs after every round — the
+    admission queue re-evaluates there.
+    """
+
+    def __init__(self, load_state: LoadState, sources: Mapping[str, StateSource],
+                 interval_s: float, *, clock: Callable[[], float] = time.monotonic,
+                 unhealthy_after_errors: int = 3, timeout_s: float = 2.0,
+                 on_refresh: Callable[[], None] | None = None):
+        if interval_s <= 0 or unhealthy_after_errors < 1:
+            raise ValueError("StatePoller: interval_s must be > 0, unhealthy_after_errors >= 1")
+        self._load_state = load_state
+        self._sources = dict(sources)
+        self._interval_s = interval_s
+        self._clock = clock
+        self._unhealthy_after = unhealthy_after_errors
+        self._timeout_s = timeout_s
+        self._on_refresh = on_refresh
+        self._errors = dict.fromkeys(self._sources, 0)
+        self._task: asyncio.Task | None = None
+        self.num_refreshes = 0
+
+    def consecutive_errors(self, replica_id: str) -> int:
+        return self._errors[replica_id]
+
+    async def refresh_now(self) -> None:
+        """Refresh all replicas once, concurrently."""
+        await asyncio.gather(*(self._refresh_one(rid, src) for rid, src in self._sources.items()))
+        self.num_refreshes += 1
+        if self._on_refresh is not None:
+            try:
+                self._on_refresh()
+            except Exception:
+                log.exception("state poller: on_refresh callback failed")
+
+    async def _refresh_one(self, replica_id: str, source: StateSource) -> None:
+        try:
+            payload = await asyncio.wait_for(source.fetch(), self._timeout_s)
+            now_s = self._clock()
+            if source.kind == "kvguard":
+                self._load_state.update_from_kvguard_state(replica_id, payload, now_s)
+            else:
+                self._load_state.update_from_vllm_metrics(
+                    replica_id, payload, now_s, max_model_len=getattr(source, "max_model_len", None))
+            self._errors[replica_id] = 0
+        except asyncio.CancelledError:
+            raise
+        except StateUnavailable as exc:
+            self._errors[replica_id] = 0
+            log.debug("state poller: %s publishes no state: %s", replica_id, exc)
+            self._load_state.mark_unknown_capacity(replica_id, self._clock())
+        except Exception as exc:
+            self._errors[replica_id] += 1
+            log.debug("state poller: %s refresh failed: %r", replica_id, exc)
+            if self._errors[replica_id] >= self._unhealthy_after:
+                self._load_state.mark_unhealthy(replica_id, self._clock())
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            started_s = time.monotonic()
+            try:
+                await self.refresh_now()
+            except Exception:  # refresh_now catches per replica; this is the last line
+                log.exception("state poller: refresh round failed")
+            await asyncio.sleep(max(0.0, self._interval_s - (time.monotonic() - started_s)))
+
+    async def stop(self) -> None:
+        """Cancel the polling task and wait for it to end."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,133 @@
+"""A replica that publishes no /kvguard/state: healthy, unknown capacity, the stale-state rule."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from guard.config import GuardConfig
+from guard.load_state import LoadState, StatePoller
+from guard.middleware import AdmissionMiddleware
+from guard.state_poller import AsgiStateSource, HttpStateSource, StateUnavailable
+
+
+def sse(text: str) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"text": text}]}).encode() + b"\n\n"
+
+
+def plain_app(num_calls: dict) -> Starlette:
+    """Any Starlette app: a streaming completions route and nothing kvguard-specific."""
+
+    async def completions(request):
+        body = await request.json()
+        num_calls["n"] += 1
+
+        async def stream():
+            for i in range(body["max_tokens"]):
+                yield sse(f"t{i}")
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def state_text(request):
+        return PlainTextResponse("no state here")
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/text/kvguard/state", state_text)])
+
+
+class Server:
+    """uvicorn in a thread on a free loopback port; stopped by the test that started it."""
+
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.server.started
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+def test_middleware_on_a_plain_starlette_app_admits_and_streams():
+    num_calls = {"n": 0}
+    guard = AdmissionMiddleware(plain_app(num_calls), GuardConfig(), registry=CollectorRegistry())
+
+    async def one(client: httpx.AsyncClient, url: str) -> tuple[int, list[bytes], str]:
+        body = {"model": "any", "prompt": "hello", "max_tokens": 3, "stream": True}
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            chunks = [line async for line in response.aiter_lines() if line]
+            return response.status_code, chunks, response.headers.get("x-request-id", "")
+
+    async def main(url: str):
+        async with httpx.AsyncClient(timeout=10) as client:
+            first = await one(client, url)
+            together = await asyncio.gather(*(one(client, url) for _ in range(3)))
+        return [first, *together]
+
+    with Server(guard) as server:
+        results = asyncio.run(main(server.url))
+    for status, chunks, request_id in results:
+        assert status == 200
+        assert chunks == [sse(f"t{i}").decode().strip() for i in range(3)] + ["data: [DONE]"]
+        assert request_id.startswith("g-")
+    assert num_calls["n"] == 4
+    replica = guard.load_state.replica_snapshot("local")
+    assert replica.healthy and not replica.capacity_known
+    assert guard.tickets.num_held == 0 and guard.load_state.num_inflight("local") == 0
+    assert guard.registry.get_sample_value(
+        "kvguard_requests_completed_total", {"class": "interactive", "tenant": "anonymous"}) == 4
+
+
+def test_sources_raise_state_unavailable_for_404_and_non_json():
+    async def main(url: str):
+        app = plain_app({"n": 0})
+        with pytest.raises(StateUnavailable, match="404"):
+            await AsgiStateSource(app).fetch()
+        with pytest.raises(StateUnavailable, match="not JSON"):
+            await AsgiStateSource(app, "/text/kvguard/state").fetch()
+        async with httpx.AsyncClient() as client:
+            with pytest.raises(StateUnavailable, match="404"):
+                await HttpStateSource(url, client=client).fetch()
+            with pytest.raises(StateUnavailable, match="not JSON"):
+                await HttpStateSource(url + "/text", client=client).fetch()
+
+    with Server(plain_app({"n": 0})) as server:
+        asyncio.run(main(server.url))
+
+
+def test_poller_registers_unknown_capacity_without_counting_errors():
+    async def main():
+        load_state = LoadState()
+        poller = StatePoller(load_state, {"local": AsgiStateSource(plain_app({"n": 0}))},
+                             interval_s=1.0, clock=lambda: 5.0, unhealthy_after_errors=1)
+        await poller.refresh_now()
+        await poller.refresh_now()
+        return load_state, poller
+
+    load_state, poller = asyncio.run(main())
+    assert poller.consecutive_errors("local") == 0 and load_state.is_healthy("local")
+    replica = load_state.replica_snapshot("local")
+    assert (replica.capacity_known, replica.observed_s) == (False, 5.0)
+    assert load_state.snapshot(5.0).fresh_replicas() == ()
