@@ -34,7 +34,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._seqs: dict[str, Sequence] = {}
         self._next_batch_id = 0
-        self._released_ids: list[str] = []
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
         self._key = Sequence.priority_key if config.policy == "priority" else Sequence.fcfs_key
 
     # ---- queue management -------------------------------------------------------------
@@ -66,7 +67,7 @@ class Scheduler:
         del self._seqs[seq.request_id]
         self.block_manager.free(seq.request_id)
         seq.status = status
-        self._released_ids.append(seq.request_id)
+        self._finished_ids.append(seq.request_id)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -74,7 +75,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self._released_ids.append(seq.request_id)
+        self._preempted_ids.append(seq.request_id)
         self._enqueue(seq)
 
     # ---- one step ---------------------------------------------------------------------
@@ -124,10 +125,11 @@ class Scheduler:
     def _build_output(self, chosen: list[tuple[Sequence, int]]) -> SchedulerOutput:
         scheduled = tuple(self._scheduled_seq(seq, n) for seq, n in chosen)
         output = SchedulerOutput(batch_id=self._next_batch_id, scheduled=scheduled,
-                                 finished_request_ids=tuple(self._released_ids),
+                                 finished_request_ids=tuple(self._finished_ids),
+                                 preempted_request_ids=tuple(self._preempted_ids),
                                  block_size=self.block_manager.block_size)
-        if scheduled:  # keep released ids for the next step a runner will actually see
-            self._released_ids = []
+        if scheduled:  # keep the ids for the next step a runner will actually see
+            self._finished_ids, self._preempted_ids = [], []
             self._next_batch_id += 1
         return output
 
@@ -148,6 +150,10 @@ class Scheduler:
                sampled: dict[str, int]) -> list[tuple[Sequence, tuple[int, ...]]]:
         """Advance token counts, append sampled tokens, finish stopped sequences.
         Returns (sequence, new token ids) for every sequence that sampled."""
+        missing = [e.request_id for e in output.scheduled
+                   if e.samples and e.request_id not in sampled]
+        if missing:
+            raise RuntimeError(f"runner returned no token for sampling requests {missing}")
         results = []
         for entry in output.scheduled:
             seq = self._seqs.get(entry.request_id)

@@ -47,14 +47,16 @@ class ScheduledSeq:
 class SchedulerOutput:
     """Everything a runner needs for one step.
 
-    ``finished_request_ids``: requests that finished, were aborted, or were preempted since the
-    previous output — a runner may drop per-request state for them (a preempted request that
-    returns is scheduled again from position 0).
+    ``finished_request_ids``: requests that finished or were aborted since the previous
+    output; a runner may drop all per-request state for them. ``preempted_request_ids``:
+    requests whose blocks were taken back since the previous output; they will be scheduled
+    again from position 0 (their KV is gone, their sampling state should be kept).
     """
 
     batch_id: int
     scheduled: tuple[ScheduledSeq, ...]
     finished_request_ids: tuple[str, ...] = ()
+    preempted_request_ids: tuple[str, ...] = ()
     block_size: int = 16
 
     @property

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.llm_engine import LLMEngine
 from engine.reference import reference_greedy
 from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Small models run faster on one thread, and far faster on a CPU shared with other jobs."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def tiny_engine(**overrides) -> LLMEngine:
@@ -172,21 +182,27 @@ def test_state_and_iteration_records_are_exact():
     assert [it["batch_id"] for it in state["iterations"]] == [0, 1, 2]
 
 
-def test_seeded_sampling_does_not_depend_on_batch_company():
+def test_seeded_sampling_does_not_depend_on_batch_company_or_preemption():
     params = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=42)
-    alone = tiny_engine(num_blocks=32)
-    crowded = tiny_engine(num_blocks=32)
     got = {}
-    for engine, company in ((alone, 0), (crowded, 3)):
+    for scenario, company, num_blocks in (("alone", 0, 32), ("crowded", 3, 32),
+                                          ("preempted", 2, 8)):
+        # priority policy: "seeded" is the least important, so it is the one preempted
+        engine = tiny_engine(block_size=4, num_blocks=num_blocks, policy="priority")
+        engine.add_request("seeded", prompt_of(9, 9), params, priority=5)
         for i in range(company):
             engine.add_request(f"other{i}", prompt_of(7 + i, i), SamplingParams(max_tokens=6))
-        engine.add_request("seeded", prompt_of(9, 9), params)
         tokens = []
         while engine.has_unfinished_requests():
-            tokens += [t for o in engine.step().outputs if o.request_id == "seeded"
-                       for t in o.new_token_ids]
-        got[company] = tokens
-    assert got[0] == got[3] and len(got[0]) == 6
+            step_tokens = [t for o in engine.step().outputs if o.request_id == "seeded"
+                           for t in o.new_token_ids]
+            seq = engine.scheduler.get("seeded")
+            if seq is not None and seq.num_preemptions and not tokens:
+                raise AssertionError("preempted before it sampled: the test proves nothing")
+            tokens += step_tokens
+        got[scenario] = tokens
+        assert (engine.num_preemptions > 0) == (scenario == "preempted")
+    assert got["alone"] == got["crowded"] == got["preempted"] and len(got["alone"]) == 6
 
 
 def test_stop_string_through_the_detokenize_callback():
@@ -229,3 +245,55 @@ def test_engine_drives_any_runner_of_the_protocol():
     assert (state["backend"], state["timing_model"], state["time_scale"]) == (
         "fake", {"kind": "constant"}, 2.0)
     assert state["num_total_blocks"] == 10 and state["max_model_len"] == 4096
+
+
+# ---- the attention function alone ----------------------------------------------------------
+
+@pytest.mark.parametrize("max_group_tokens", [None, 20])
+def test_paged_attention_equals_dense_causal_attention(max_group_tokens):
+    from engine.attention import build_metadata, paged_attention
+
+    gen = torch.Generator().manual_seed(0)
+    block_size, num_kv_heads, num_heads, head_dim = 4, 2, 4, 8
+    # (cached tokens, new tokens): two decodes, a fresh prefill, a chunk after a prefix, decode
+    shapes = [(5, 1), (9, 1), (0, 6), (7, 3), (3, 1)]
+    tables = [[9, 2, 7], [0, 11, 4], [3, 8], [1, 10, 6], [5]]
+    k_cache = torch.randn(12, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(12, block_size, num_kv_heads, head_dim, generator=gen)
+    total = sum(n for _, n in shapes)
+    q = torch.randn(total, num_heads, head_dim, generator=gen)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+    dense_k, dense_v = _dense_histories(k_cache, v_cache, tables, shapes, k, v, block_size)
+    meta = build_metadata([n for _, n in shapes], [c + n for c, n in shapes], tables,
+                          block_size, torch.device("cpu"), max_group_tokens)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=head_dim ** -0.5)
+    start = 0
+    for b, (cached, new) in enumerate(shapes):
+        want = _dense_attention(q[start : start + new], dense_k[b], dense_v[b], cached)
+        torch.testing.assert_close(out[start : start + new], want, rtol=1e-5, atol=1e-5)
+        start += new
+    if max_group_tokens:
+        assert len(meta.groups) > 3
+
+
+def _dense_histories(k_cache, v_cache, tables, shapes, k, v, block_size):
+    """Each sequence's full K/V: its cached prefix read slot by slot, then its new tokens."""
+    keys, values, start = [], [], 0
+    for table, (cached, new) in zip(tables, shapes, strict=True):
+        slots = [(table[p // block_size], p % block_size) for p in range(cached)]
+        prefix_k = [k_cache[b, o] for b, o in slots]
+        prefix_v = [v_cache[b, o] for b, o in slots]
+        keys.append(torch.stack(prefix_k + list(k[start : start + new])))
+        values.append(torch.stack(prefix_v + list(v[start : start + new])))
+        start += new
+    return keys, values
+
+
+def _dense_attention(q, keys, values, num_cached):
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) / q.shape[-1] ** 0.5
+    allowed = torch.arange(keys.shape[0])[None, :] <= num_cached + torch.arange(q.shape[0])[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, values)

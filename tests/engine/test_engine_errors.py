@@ -99,3 +99,15 @@ def test_request_id_is_reusable_after_finishing():
     for _ in range(2):
         eng.add_request("same", [5, 6], SamplingParams.greedy_params(1))
         assert eng.step().outputs[0].finished
+
+
+def test_pool_size_from_count_or_memory_budget():
+    # tiny, fp32: K+V x 2 layers x 2 KV heads x 16 dims x 4 bytes = 512 bytes per token
+    per_block = 16 * 512
+    assert EngineConfig.from_preset("tiny", device="cpu", num_blocks=7).num_kv_blocks() == 7
+    config = EngineConfig.from_preset("tiny", device="cpu", kv_cache_bytes=10 * per_block + 5)
+    assert config.num_kv_blocks() == 10
+    small = EngineConfig.from_preset("tiny", device="cpu", max_num_seqs=2)
+    assert small.num_kv_blocks() == 2 * (1024 // 16)  # default: max_num_seqs full sequences
+    with pytest.raises(ValueError, match="holds no"):
+        EngineConfig.from_preset("tiny", device="cpu", kv_cache_bytes=100).num_kv_blocks()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
+
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
@@ -111,7 +113,7 @@ def test_preemption_by_recompute_frees_the_latest_arrival_and_replays_its_tokens
                                                         ("b", 7, 1, (2, 3), True)]
     out = step(sched, {"a": 13})  # a needs a third block: b is preempted
     assert entries(out) == [("a", 8, 1, (0, 1, 2), True)]
-    assert out.finished_request_ids == ("b",)  # the runner may drop b's per-request state
+    assert out.preempted_request_ids == ("b",) and out.finished_request_ids == ()
     assert sched.num_preemptions == 1
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
     assert b.output_token_ids == [21, 22] and bm.block_table("b") == []
@@ -203,3 +205,14 @@ def test_invariants_hold_under_random_load_with_aborts():
         while sched.has_unfinished():
             step(sched)
         assert_empty(sched, bm)
+
+
+def test_a_runner_that_skips_a_sampling_request_is_an_error_not_corruption():
+    sched, _ = make(num_blocks=8)
+    a = seq("a", 3)
+    sched.add(a)
+    out = sched.schedule()
+    with pytest.raises(RuntimeError, match="no token"):
+        sched.update(out, {})
+    assert a.num_computed_tokens == 0 and a.output_token_ids == []
+    sched.check_invariants()
