@@ -10,7 +10,10 @@ prefill and the decode step of the batch once it joins. Then, in order:
 3. every healthy replica's state older than ``max_staleness_s``: the conservative stale rule
    below;
 4. admit to the replica with the lowest predicted TTFT among those where the request needs no
-   wait for blocks or a slot, its first token lands by ``cost.deadline_s``, the joined decode
+   wait for blocks or a slot, its first token lands by ``cost.deadline_s`` even if the
+   forecast is short by the headroom ``ttft_safety_ratio`` (default 1.2: the forecast × 1.2
+   must fit — measured forecasts are within ~20 %, and a request admitted on the edge of its
+   deadline misses it on any error), the joined decode
    step is within the class ITL limit and within every declared ITL limit of the sequences
    already there (no running stream is pushed past its ITL);
 5. otherwise the request would have to wait. A retry from a tenant whose retry ratio is over
@@ -81,6 +84,7 @@ class SloPolicy:
         retry_shed_ratio: float = 0.10,
         stale_max_inflight_per_replica: int = 4,
         stale_queue_s: float = 0.5,
+        ttft_safety_ratio: float = 1.2,
     ) -> None:
         if not 0.0 <= retry_shed_ratio <= 1.0:
             raise ValueError(f"retry_shed_ratio must be in [0, 1], got {retry_shed_ratio!r}")
@@ -91,6 +95,9 @@ class SloPolicy:
             "stale_max_inflight_per_replica", stale_max_inflight_per_replica, 0
         )
         self.stale_queue_s = stale_queue_s
+        if not 1.0 <= ttft_safety_ratio <= 10.0:
+            raise ValueError(f"ttft_safety_ratio must be in [1, 10], got {ttft_safety_ratio!r}")
+        self.ttft_safety_ratio = ttft_safety_ratio
 
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
         never = _never_servable(cost, snapshot.replicas)
@@ -106,7 +113,8 @@ class SloPolicy:
             return self._decide_stale(cost, snapshot, healthy)
         step_time = snapshot.step_time
         options = [(r, f) for r in fresh if (f := forecast(cost, r, step_time)) is not None]
-        return _admit(cost, snapshot.now_s, options) or self._queue_or_shed(cost, snapshot, options)
+        return (_admit(cost, snapshot.now_s, options, self.ttft_safety_ratio)
+                or self._queue_or_shed(cost, snapshot, options))
 
     def admitted(self, cost: RequestCost, replica_id: str, now_s: float) -> None:
         pass
@@ -135,11 +143,12 @@ class SloPolicy:
         later = [
             (r, f)
             for r, f in options
-            if now_s + f.ttft_s <= cost.deadline_s and _itl_attainable(cost, snapshot, r)
+            if now_s + f.ttft_s * self.ttft_safety_ratio <= cost.deadline_s
+            and _itl_attainable(cost, snapshot, r)
         ]
         if later:
             _, best = min(later, key=lambda o: o[1].ttft_s)
-            until_s = cost.deadline_s - best.own_prefill_s
+            until_s = cost.deadline_s - best.own_prefill_s * self.ttft_safety_ratio
             if until_s > now_s:
                 reason = KV_WAIT if best.is_blocked else ITL_WAIT
                 return Queue(until_s, reason, _since_arrival(cost, now_s, best))
@@ -163,13 +172,16 @@ def _never_servable(cost: RequestCost, replicas: tuple[ReplicaSnapshot, ...]) ->
     return Shed(400, CONTEXT_LENGTH_EXCEEDED, should_retry=False)
 
 
-def _admit(cost: RequestCost, now_s: float, options: list[_Option]) -> Admit | None:
-    """The lowest predicted TTFT among the replicas that fit now (the first one on a tie)."""
+def _admit(cost: RequestCost, now_s: float, options: list[_Option],
+           safety_ratio: float) -> Admit | None:
+    """The lowest predicted TTFT among the replicas that fit now (the first one on a tie);
+    the prediction times ``safety_ratio`` must land by the deadline."""
     best: _Option | None = None
     best_ttft_s = 0.0
     for replica, f in options:
         ttft_s = f.wait_s + f.queued_prefill_s + f.own_prefill_s  # f.ttft_s, inlined
-        if (best is None or ttft_s < best_ttft_s) and _fits_now(cost, now_s, replica, f, ttft_s):
+        if (best is None or ttft_s < best_ttft_s) and _fits_now(
+                cost, now_s, replica, f, ttft_s * safety_ratio):
             best, best_ttft_s = (replica, f), ttft_s
     if best is None:
         return None

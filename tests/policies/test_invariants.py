@@ -50,7 +50,7 @@ costs = st.builds(
 
 
 @settings(max_examples=150, deadline=None)
-@given(costs, st.lists(replicas, max_size=4), st.floats(0.0, 0.5))
+@given(costs, st.lists(replicas, max_size=4, unique_by=lambda r: r.replica_id), st.floats(0.0, 0.5))
 def test_decisions_are_well_formed_and_slo_admits_only_what_fits(cost, reps, retry_ratio):
     snapshot = LoadSnapshot(
         now_s=10.0, replicas=tuple(reps), step_time=STEP, tenant_retry_ratio={"acme": retry_ratio}

@@ -27,7 +27,8 @@ KV_OWN_PREFILL_S = 0.013 + 0.0032
 
 
 def decide(*replicas, cost=None, now_s=0.0, policy=None, **snapshot_args):
-    policy = policy or SloPolicy()
+    # The tables below check the forecast arithmetic exactly, so no headroom on top of it.
+    policy = policy or SloPolicy(ttft_safety_ratio=1.0)
     return policy.decide(
         cost or make_cost(), make_snapshot(*replicas, now_s=now_s, **snapshot_args)
     )
@@ -136,7 +137,7 @@ def test_stale_state_falls_back_to_a_small_inflight_bound(inflight, deadline_s, 
     b = make_replica("b", observed_s=0.0)
     down = make_replica("c", observed_s=0.0, healthy=False)
     cost = make_cost(arrival_s=4.9, deadline_s=deadline_s)
-    policy = SloPolicy(stale_max_inflight_per_replica=2)
+    policy = SloPolicy(stale_max_inflight_per_replica=2, ttft_safety_ratio=1.0)
     assert decide(a, b, down, cost=cost, now_s=5.0, policy=policy) == expected
 
 
@@ -160,7 +161,7 @@ def test_unknown_capacity_replica_falls_under_the_stale_rule(inflight, now_s, ex
 def test_stale_state_without_queue_time_sheds():
     replica = make_replica("a", inflight=4, observed_s=0.0)
     cost = make_cost(arrival_s=4.9, deadline_s=10.0)
-    d = decide(replica, cost=cost, now_s=5.0, policy=SloPolicy(stale_queue_s=0.0))
+    d = decide(replica, cost=cost, now_s=5.0, policy=SloPolicy(stale_queue_s=0.0, ttft_safety_ratio=1.0))
     assert d == Shed(503, "stale_state")
 
 
@@ -217,3 +218,17 @@ def test_shed_order_is_lowest_class_first_then_latest_deadline():
 def test_rejects_bad_parameters(params):
     with pytest.raises(ValueError):
         SloPolicy(**params)
+
+
+def test_ttft_headroom_refuses_a_forecast_that_fits_only_without_it():
+    """Admitted on the very edge of its deadline, any forecast error misses the SLO: the
+    default policy wants the forecast × ``ttft_safety_ratio`` to fit."""
+    idle = make_replica("a")
+    forecast_s = decide(idle).predicted_ttft_s  # from arrival at 0.0, decided at 0.0
+    edge = make_cost(arrival_s=0.0, deadline_s=forecast_s * 1.1)
+    assert isinstance(decide(idle, cost=edge), Admit)  # no headroom: fits
+    tight = SloPolicy(ttft_safety_ratio=1.2)
+    assert not isinstance(decide(idle, cost=edge, policy=tight), Admit)
+    roomy = make_cost(arrival_s=0.0, deadline_s=forecast_s * 1.3)
+    assert isinstance(decide(idle, cost=roomy, policy=tight), Admit)
+    assert isinstance(SloPolicy().decide(edge, make_snapshot(idle, now_s=0.0)), Queue | Shed)
