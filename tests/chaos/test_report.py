@@ -44,13 +44,14 @@ def test_load_against_the_sim_engine_reconciles_with_its_metrics(tmp_path):
         pytest.skip("tests/engine/server_helpers.py is not there yet")
     helpers = _server_helpers()
     out = tmp_path / "run"
-    with helpers.start_engine(["--model", "llama-7b", "--backend", "sim", "--gpu", "h100-80g"],
-                              timeout_s=60.0) as eng:
-        # prompts up to 4500 tokens: some exceed max_model_len 4096 -> 400 (rejected);
-        # outputs up to 200 tokens (~20 ms each when batched) with a 2 s client timeout -> some canceled.
+    with helpers.start_engine(["--model", "llama-7b", "--backend", "sim", "--gpu", "h100-80g",
+                               "--time-scale", "5"], timeout_s=60.0) as eng:
+        # prompts up to 6000 tokens: some exceed max_model_len 4096 -> 400 (rejected);
+        # ~20k prompt tokens/s offered against ~7k/s of prefill at time scale 5: the first
+        # requests finish, the queue then grows past the 2 s client timeout -> some canceled.
         rc = kvguard(["load", "--url", eng.base_url, "--rate", "10", "--duration", "3",
                       "--warmup", "0.5", "--prompt-tokens", "16:6000", "--output-tokens",
-                      "4:200", "--timeout", "2.0", "--drain-timeout", "1", "--seed", "3",
+                      "4:40", "--timeout", "2.0", "--drain-timeout", "1", "--seed", "3",
                       "--out", str(out), "--quiet"])
     assert rc == 0, eng.output()[-2000:]
     summary = _assert_run_files(out)

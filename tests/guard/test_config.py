@@ -38,7 +38,7 @@ def test_example_file_loads():
     assert [r.replica_id for r in c.replicas] == ["r0", "r1"]
     assert c.replicas[0].url == "http://127.0.0.1:8001" and not c.in_process
     assert c.match_tenant("acme-secret-key").name == "acme"
-    assert c.policy_params["headroom_ratio"] == 0.9
+    assert c.policy_params["ttft_safety_ratio"] == 1.2
 
 
 def test_toml_then_env_overrides(tmp_path):
