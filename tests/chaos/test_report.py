@@ -45,13 +45,14 @@ def test_load_against_the_sim_engine_reconciles_with_its_metrics(tmp_path):
     helpers = _server_helpers()
     out = tmp_path / "run"
     with helpers.start_engine(["--model", "llama-7b", "--backend", "sim", "--gpu", "h100-80g",
-                               "--time-scale", "5"], timeout_s=60.0) as eng:
+                               "--time-scale", "5", "--max-num-batched-tokens", "512"],
+                              timeout_s=60.0) as eng:
         # prompts up to 6000 tokens: some exceed max_model_len 4096 -> 400 (rejected);
         # ~20k prompt tokens/s offered against ~7k/s of prefill at time scale 5: the first
         # requests finish, the queue then grows past the 2 s client timeout -> some canceled.
         rc = kvguard(["load", "--url", eng.base_url, "--rate", "10", "--duration", "3",
                       "--warmup", "0.5", "--prompt-tokens", "16:6000", "--output-tokens",
-                      "4:40", "--timeout", "2.0", "--drain-timeout", "1", "--seed", "3",
+                      "1:12", "--timeout", "2.0", "--drain-timeout", "1", "--seed", "3",
                       "--out", str(out), "--quiet"])
     assert rc == 0, eng.output()[-2000:]
     summary = _assert_run_files(out)
