@@ -16,7 +16,7 @@ from pathlib import Path
 
 from chaos.overload import Scenario, _fmt, probe_saturation, run_policy
 from chaos.overload import configure as configure_overload
-from chaos.replica import ReplicaProcess
+from chaos.replica import ReplicaProcess, exit_on_sigterm
 
 __all__ = ["configure", "run"]
 
@@ -42,6 +42,7 @@ def _table(rows: list[tuple[str, dict]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    exit_on_sigterm()
     scenario = Scenario(args)
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ import httpx
 from chaos.goodput import meets_slo
 from chaos.load_cli import configure as configure_load
 from chaos.load_cli import run_once
-from chaos.replica import ReplicaProcess, write_guard_config
+from chaos.replica import ReplicaProcess, exit_on_sigterm, write_guard_config
 from chaos.report import read_records
 from chaos.schedule import LengthDist
 from chaos.stats import percentile
@@ -120,19 +120,20 @@ def configure(p: argparse.ArgumentParser) -> None:
 def probe_saturation(scenario: Scenario, url: str, out: Path, num_requests: int = 48) -> float:
     """Completions per second of a replica kept saturated by a closed burst.
 
-    All ``num_requests`` arrive within 0.2 s; the rate is measured between the 25th and the
-    75th percentile completion, when the batch is full and the burst's ramp is over.
+    All ``num_requests`` arrive within 0.2 s; the rate is the number completed over the time
+    from the first send to the last completion (the whole burst served at full batching).
     """
     args = scenario.load_args(url, num_requests / 0.2, out, duration_s=0.2, warmup_s=0.0,
                               shape="constant")
     args.timeout = args.drain_timeout = 600.0
     run_once(args, args.rate, out, None)
-    ends = sorted(r.sent_s + r.e2e_s for r in read_records(out / "requests.jsonl")
-                  if r.successful and r.e2e_s is not None and r.sent_s is not None)
+    records = read_records(out / "requests.jsonl")
+    ends = [r.sent_s + r.e2e_s for r in records
+            if r.successful and r.e2e_s is not None and r.sent_s is not None]
     if len(ends) < 8:
         raise RuntimeError(f"saturation probe: only {len(ends)} requests completed; see {out}")
-    lo, hi = len(ends) // 4, (3 * len(ends)) // 4
-    return (hi - lo) / (ends[hi] - ends[lo])
+    first_send_s = min(r.sent_s for r in records if r.sent_s is not None)
+    return len(ends) / (max(ends) - first_send_s)
 
 
 def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
@@ -262,6 +263,7 @@ def plot_goodput(rows: list[dict], path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    exit_on_sigterm()
     scenario = Scenario(args)
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

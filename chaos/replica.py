@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-__all__ = ["ReplicaProcess", "write_guard_config"]
+__all__ = ["ReplicaProcess", "write_guard_config", "exit_on_sigterm"]
 
 _READY = re.compile(r"kvguard engine listening on (http://\S+)")
 
@@ -89,6 +90,12 @@ class ReplicaProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.wait(timeout_s)
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so ``finally`` blocks stop the replicas this process
+    started (Python's default SIGTERM handling would end it without unwinding)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def write_guard_config(path: str, *, policy: str, ttft_s: float, itl_s: float,

@@ -206,12 +206,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"smoke test: {QUICK_WORKLOAD.num_requests} short requests")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the transformers generate() reference")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for both systems (default: torch's choice; "
+                             "1 is steadier on a CPU shared with other work)")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     concurrencies = _parse_concurrency(args.concurrency)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     workload = QUICK_WORKLOAD if args.quick else Workload(num_requests=args.num_requests,
                                                           seed=args.seed)
     engine = _build_engine(args.model, workload, max(concurrencies), args.device)
@@ -225,9 +232,11 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for c in concurrencies:
         ours = run_engine(engine, [_renamed(r, c) for r in requests], c)
+        print(f"  concurrency {c}: kvguard {ours.wall_s:.1f} s", flush=True)
         ref = run_hf(model, [_renamed(r, c) for r in requests], c, 0) if model else None
+        if ref is not None:
+            print(f"  concurrency {c}: transformers {ref.wall_s:.1f} s", flush=True)
         rows.append((ours, ref))
-        print(f"  done: concurrency {c}", flush=True)
     print(format_table(rows))
     if skip_reason:
         print(f"reference: skipped ({skip_reason})")
