@@ -109,7 +109,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="clients give up after this many GPU seconds")
     p.add_argument("--loads", default="0.74,1.16,2.0", help="multiples of capacity C")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--sweep", default="0.5:1.1:0.1",
+    p.add_argument("--sweep", default="0.8:1.6:0.1",
                    help="capacity sweep, multiples of the saturation throughput S")
     p.add_argument("--capacity", type=float, default=None,
                    help="skip the probe and sweep; use this C (req/s at this time scale)")
@@ -118,22 +118,40 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def probe_saturation(scenario: Scenario, url: str, out: Path, num_requests: int = 48) -> float:
-    """Completions per second of a replica kept saturated by a closed burst.
+    """Completions per second of a replica whose queue never runs dry.
 
-    All ``num_requests`` arrive within 0.2 s; the rate is the number completed over the time
-    from the first send to the last completion (the whole burst served at full batching).
+    A closed burst of ``num_requests`` (all sent within 0.2 s) gives a first, low estimate S0
+    (its ramp-down tail runs at small batches). Then open-loop arrivals at 2 × S0 keep the
+    queue growing for ``scenario.duration_s``; the completions that land in the second half of
+    that period, divided by its length, are the saturation throughput.
     """
-    args = scenario.load_args(url, num_requests / 0.2, out, duration_s=0.2, warmup_s=0.0,
-                              shape="constant")
-    args.timeout = args.drain_timeout = 600.0
+    burst = scenario.load_args(url, num_requests / 0.2, out / "burst", duration_s=0.2,
+                               warmup_s=0.0, shape="constant")
+    burst.timeout = burst.drain_timeout = 600.0
+    rough = _completion_rate(burst, out / "burst", None)
+    _wait_idle(url)
+    flood = scenario.load_args(url, 2.0 * rough, out / "flood", shape="constant")
+    flood.timeout, flood.drain_timeout = 3.0 * scenario.duration_s, 1.0  # then cancel the rest
+    return _completion_rate(flood, out / "flood", (scenario.duration_s / 2, scenario.duration_s))
+
+
+def _completion_rate(args: argparse.Namespace, out: Path,
+                     window_s: tuple[float, float] | None) -> float:
+    """Completions per second of one run: inside ``window_s`` (run-relative completion times),
+    or over the whole run from the first send to the last completion."""
     run_once(args, args.rate, out, None)
     records = read_records(out / "requests.jsonl")
     ends = [r.sent_s + r.e2e_s for r in records
             if r.successful and r.e2e_s is not None and r.sent_s is not None]
-    if len(ends) < 8:
-        raise RuntimeError(f"saturation probe: only {len(ends)} requests completed; see {out}")
-    first_send_s = min(r.sent_s for r in records if r.sent_s is not None)
-    return len(ends) / (max(ends) - first_send_s)
+    if window_s is None:
+        start_s = min((r.sent_s for r in records if r.sent_s is not None), default=0.0)
+        lo_s, hi_s = start_s, max(ends, default=start_s)
+    else:
+        lo_s, hi_s = window_s
+    num = sum(lo_s <= t < hi_s for t in ends)
+    if num < 8 or hi_s <= lo_s:
+        raise RuntimeError(f"saturation probe: only {num} requests completed; see {out}")
+    return num / (hi_s - lo_s)
 
 
 def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
@@ -166,6 +184,9 @@ def measure_capacity(scenario: Scenario, out: Path, log) -> tuple[float, float, 
     cap = capacity(points)
     if cap is None:
         raise RuntimeError("no sweep rate kept goodput >= 90% of offered: lower --sweep")
+    if cap == points[-1].rate_per_s:
+        log(f"WARNING: the top of the sweep still kept goodput >= 90%: C >= {cap:.2f} is a "
+            "lower bound; raise --sweep")
     return sat, cap, [p.to_dict() for p in points]
 
 

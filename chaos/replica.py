@@ -38,12 +38,14 @@ class ReplicaProcess:
 
     @classmethod
     @contextlib.contextmanager
-    def start(cls, args: Sequence[str], *, env: dict | None = None,
-              timeout_s: float = 90.0) -> Iterator[ReplicaProcess]:
-        cmd = [sys.executable, "-m", "guard.cli", "engine", "--host", "127.0.0.1",
-               "--port", "0", *args]
+    def start(cls, args: Sequence[str], *, env: dict | None = None, timeout_s: float = 90.0,
+              cwd: str | None = None) -> Iterator[ReplicaProcess]:
+        """Run ``kvguard engine ARGS --host 127.0.0.1 --port 0`` until the block exits."""
+        cmd = [sys.executable, "-m", "guard.cli", "engine", *args, "--host", "127.0.0.1",
+               "--port", "0"]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env={**os.environ, **(env or {})})
+                                text=True, cwd=cwd,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         replica = cls(proc)
         try:
             replica._wait_ready(timeout_s)

@@ -11,21 +11,14 @@ returns what the process printed so far (stdout and stderr), for assertion messa
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
-import httpx
+from chaos.replica import ReplicaProcess
 
 __all__ = ["EngineProcess", "HELPERS_DIR", "StampMiddleware", "start_engine", "wait_until"]
 
-_READY = re.compile(r"kvguard engine listening on (http://\S+)")
 HELPERS_DIR = os.path.dirname(os.path.abspath(__file__))
 _REPO_ROOT = os.path.dirname(os.path.dirname(HELPERS_DIR))
 
@@ -47,24 +40,7 @@ class StampMiddleware:
         await self.app(scope, receive, stamped if scope["type"] == "http" else send)
 
 
-@dataclass
-class EngineProcess:
-    proc: subprocess.Popen
-    base_url: str = ""
-    lines: list[str] = field(default_factory=list)
-
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def stop(self, timeout_s: float = 15.0) -> int:
-        """SIGTERM, wait up to ``timeout_s``, then SIGKILL. Returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                return self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait(timeout_s)
+EngineProcess = ReplicaProcess  # .proc, .base_url, .output(), .stop()
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):
@@ -77,41 +53,8 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):
         time.sleep(interval_s)
 
 
-def _pump(eng: EngineProcess, ready: threading.Event) -> None:
-    for line in eng.proc.stdout:
-        eng.lines.append(line)
-        match = _READY.search(line)
-        if match and not eng.base_url:
-            eng.base_url = match.group(1)
-            ready.set()
-    ready.set()  # the process exited
-
-
-def _healthy(base_url: str) -> bool:
-    try:
-        return httpx.get(base_url + "/health", timeout=2.0, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-@contextlib.contextmanager
 def start_engine(args: Sequence[str], *, timeout_s: float = 90.0,
-                 env: dict[str, str] | None = None) -> Iterator[EngineProcess]:
-    """Run ``kvguard engine ARGS --host 127.0.0.1 --port 0`` until the block exits."""
-    cmd = [sys.executable, "-m", "guard.cli", "engine", *args, "--host", "127.0.0.1",
-           "--port", "0"]
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, cwd=_REPO_ROOT)
-    eng = EngineProcess(proc)
-    ready = threading.Event()
-    threading.Thread(target=_pump, args=(eng, ready), daemon=True).start()
-    try:
-        ready.wait(timeout_s)
-        if not eng.base_url:
-            raise RuntimeError(f"kvguard engine did not start: {eng.output()[-3000:]}")
-        if not wait_until(lambda: _healthy(eng.base_url), timeout_s=30.0):
-            raise RuntimeError(f"kvguard engine never became healthy: {eng.output()[-3000:]}")
-        yield eng
-    finally:
-        eng.stop()
+                 env: dict[str, str] | None = None):
+    """Run ``kvguard engine ARGS --host 127.0.0.1 --port 0`` until the block exits (the
+    chaos suite's own replica launcher, run from the repo root)."""
+    return ReplicaProcess.start(args, env=env, timeout_s=timeout_s, cwd=_REPO_ROOT)

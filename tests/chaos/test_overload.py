@@ -1,0 +1,97 @@
+"""The overload bench's arithmetic (pure) and the demo end to end (real replicas, loopback)."""
+
+import argparse
+import json
+
+import pytest
+
+from chaos.goodput import Window
+from chaos.load import LoadResult
+from chaos.overload import Scenario, configure, policy_params, render_table, row_from_run
+from chaos.records import RequestRecord, classify_outcome
+from chaos.summary import build_summary
+from guard.cli import main as kvguard
+from policies.cost import RequestClass
+
+
+def scenario(*argv: str) -> Scenario:
+    p = argparse.ArgumentParser()
+    configure(p)
+    return Scenario(p.parse_args(list(argv)))
+
+
+def rec(index, scheduled_s, *, status=200, ttft_s=0.5, itl_s=(0.05, 0.05), tokens=3,
+        canceled=False):
+    saw_done = status == 200 and not canceled
+    error = None if saw_done else ("timeout" if canceled else f"HTTP {status}")
+    return RequestRecord(index=index, request_class="interactive", tenant="t",
+                         num_prompt_tokens=8, max_tokens=tokens, scheduled_s=scheduled_s,
+                         sent_s=scheduled_s, outcome=classify_outcome(status, error, saw_done,
+                                                                      canceled),
+                         status=status, error=error, ttft_s=ttft_s if saw_done or canceled
+                         else None, itl_s=tuple(itl_s), e2e_s=1.0, saw_done=saw_done,
+                         num_tokens_received=tokens if status == 200 else 0)
+
+
+def test_scenario_stretches_every_time_by_the_time_scale():
+    s = scenario("--time-scale", "4", "--ttft", "1.0", "--itl", "0.08", "--duration", "10",
+                 "--warmup", "2", "--client-timeout", "5")
+    assert (s.request_class.ttft_s, s.request_class.itl_s) == (4.0, 0.32)
+    assert (s.duration_s, s.warmup_s, s.timeout_s) == (40.0, 8.0, 20.0)
+    assert "--time-scale" in s.engine_args() and "4.0" in s.engine_args()
+    args = s.load_args("http://127.0.0.1:1", 3.5, __import__("pathlib").Path("/tmp/x"))
+    assert (args.rate, args.ttft, args.itl, args.timeout) == (3.5, 4.0, 0.32, 20.0)
+    with pytest.raises(ValueError):
+        scenario("--time-scale", "0")
+
+
+def test_token_rate_baseline_is_set_at_the_measured_capacity():
+    s = scenario("--prompt-tokens", "100:300", "--output-tokens", "20")
+    assert policy_params("token_rate", s, 2.0) == {"tokens_per_minute": int(2.0 * 220 * 60)}
+    assert policy_params("slo", s, 2.0) == {}
+
+
+def test_row_counts_goodput_rejections_and_wasted_tokens_inside_the_window():
+    s = scenario("--time-scale", "1", "--ttft", "1.0", "--itl", "0.1")
+    records = [
+        rec(0, 0.5),                            # warm-up: outside the window
+        rec(1, 1.0),                            # good: 3 useful tokens
+        rec(2, 2.0, ttft_s=1.5, tokens=5),      # late first token: 5 wasted tokens
+        rec(3, 3.0, itl_s=(0.05, 0.4), tokens=4),  # one slow gap: 4 wasted
+        rec(4, 4.0, status=503, itl_s=()),      # shed: nothing generated
+        rec(5, 5.0, canceled=True, tokens=2),   # client gave up after 2 tokens: wasted
+    ]
+    result = LoadResult(records=tuple(records), duration_s=6.0, wall_s=6.0, cpu_s=0.1,
+                        scheduled_rate_per_s=1.0, achieved_rate_per_s=1.0)
+    classes = {"interactive": RequestClass("interactive", 1.0, 0.1)}
+    summary = build_summary(result, declared_rate_per_s=1.0, shape="constant",
+                            classes=classes, window=Window(1.0, 6.0))
+    row = row_from_run(summary, records, s, cap_rps=0.5)
+    assert row["goodput_rps"] == pytest.approx(1 / 5)
+    assert row["goodput_over_c"] == pytest.approx(0.4)
+    assert row["rejected_ratio"] == pytest.approx(1 / 6)
+    assert row["canceled_ratio"] == pytest.approx(1 / 6)
+    assert row["wasted_tokens"] == 5 + 4 + 2
+    assert row["wasted_ratio"] == pytest.approx(11 / 14)
+    assert row["ttft_p50_s"] == pytest.approx(0.5)
+    table = render_table([{"load": 2.0, "policy": "slo", **row}])
+    assert "| 2.00 | slo | 0.20 | 0.40 |" in table
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end_and_writes_its_table(tmp_path, capsys):
+    out = tmp_path / "demo"
+    rc = kvguard(["demo", "--duration", "4", "--warmup", "1", "--time-scale", "4",
+                  "--prompt-tokens", "256:512", "--output-tokens", "8:16", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "| no guard |" in printed and "| kvguard (slo) |" in printed
+    result = json.loads((out / "demo.json").read_text())
+    assert result["saturation_rps"] > 0
+    assert set(result["rows"]) == {"no guard", "kvguard (slo)"}
+    for folder in ("no-guard", "guard-slo"):
+        summary = json.loads((out / folder / "summary.json").read_text())
+        assert summary["reconciles"] and summary["counts"]["offered"] > 0
+        assert (out / folder / "timeline.png").stat().st_size > 0
+    guarded = json.loads((out / "guard-slo" / "summary.json").read_text())
+    assert guarded["server"]["outcomes"]["kind"] == "guard"
