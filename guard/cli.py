@@ -18,7 +18,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.generate_cli", "stream a completion from the built-in engine"),
     "engine": ("engine.server_cli", "serve one engine replica (OpenAI-compatible HTTP)"),
     "plan": ("engine.plan_cli", "KV memory plan and serving roofline for a model on a GPU"),
-    "proxy": ("guard.proxy_cli", "run the guard as a standalone proxy in front of replicas"),
     "timeline": ("guard.timeline", "join guard and engine traces into per-stage latencies"),
     "load": ("chaos.load_cli", "open-loop load test with a goodput report"),
     "bench": ("chaos.bench_cli", "benchmarks: engine, overload, guard overhead"),
@@ -27,7 +26,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvguard", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="kvguard",
+        description="kvguard: admission control and overload protection for LLM serving")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)

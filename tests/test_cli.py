@@ -1,0 +1,24 @@
+"""Every ``kvguard`` subcommand the help lists is real: its module imports and has the hooks."""
+
+import argparse
+import importlib
+
+import pytest
+
+from guard.cli import SUBCOMMANDS, main
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_subcommand_module_builds_its_parser(name):
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"kvguard {name}")
+    module.configure(parser)
+    assert callable(module.run)
+    assert parser.format_help()
+
+
+def test_unknown_subcommand_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["no-such-command"])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
