@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from chaos.overload import Scenario, _fmt, probe_saturation, run_policy
+from chaos.overload import Scenario, fmt_num, probe_saturation, run_policy
 from chaos.overload import configure as configure_overload
 from chaos.replica import ReplicaProcess, exit_on_sigterm
 
@@ -34,8 +34,8 @@ def _table(rows: list[tuple[str, dict]]) -> str:
     for name, r in rows:
         ratio = r["goodput_rps"] / r["offered_rps"] if r["offered_rps"] else 0.0
         lines.append(
-            f"| {name} | {_fmt(r['offered_rps'])} | {_fmt(r['goodput_rps'])} | "
-            f"{100 * ratio:.0f}% | {_fmt(r['ttft_p50_s'])} | {_fmt(r['ttft_p99_s'])} | "
+            f"| {name} | {fmt_num(r['offered_rps'])} | {fmt_num(r['goodput_rps'])} | "
+            f"{100 * ratio:.0f}% | {fmt_num(r['ttft_p50_s'])} | {fmt_num(r['ttft_p99_s'])} | "
             f"{100 * r['rejected_ratio']:.0f}% | {100 * r['canceled_ratio']:.0f}% | "
             f"{100 * r['wasted_ratio']:.0f}% |")
     return "\n".join(lines)

@@ -39,7 +39,8 @@ from chaos.stats import percentile
 from chaos.sweep import SweepPoint, capacity, sweep_rates
 from policies.cost import RequestClass
 
-__all__ = ["configure", "run", "POLICIES", "Scenario", "probe_saturation", "policy_params"]
+__all__ = ["configure", "run", "POLICIES", "Scenario", "fmt_num", "probe_saturation", "policy_params",
+           "render_table", "row_from_run", "run_policy"]
 
 POLICIES: tuple[str, ...] = ("always_admit", "concurrency_cap", "saturation", "gradient",
                              "token_rate", "slo")
@@ -240,7 +241,7 @@ def row_from_run(summary: dict, records: Sequence, scenario: Scenario, cap_rps: 
     }
 
 
-def _fmt(x, digits: int = 2) -> str:
+def fmt_num(x, digits: int = 2) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
@@ -250,8 +251,8 @@ def render_table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * 9]
     for r in rows:
         lines.append(
-            f"| {r['load']:.2f} | {r['policy']} | {_fmt(r['goodput_rps'])} | "
-            f"{_fmt(r['goodput_over_c'])} | {_fmt(r['ttft_p50_s'])} | {_fmt(r['ttft_p99_s'])} | "
+            f"| {r['load']:.2f} | {r['policy']} | {fmt_num(r['goodput_rps'])} | "
+            f"{fmt_num(r['goodput_over_c'])} | {fmt_num(r['ttft_p50_s'])} | {fmt_num(r['ttft_p99_s'])} | "
             f"{100 * r['rejected_ratio']:.0f}% | {100 * r['canceled_ratio']:.0f}% | "
             f"{r['wasted_tokens']} ({100 * r['wasted_ratio']:.0f}%) |")
     return "\n".join(lines)
@@ -320,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
               "saturation_rps": sat, "capacity_rps": cap, "sweep": sweep, "rows": rows}
     (out / "overload.json").write_text(json.dumps(result, indent=1))
     (out / "overload.md").write_text(
-        f"# kvguard bench overload\n\nS = {_fmt(sat)} req/s, C = {cap:.2f} req/s\n\n{table}\n\n"
+        f"# kvguard bench overload\n\nS = {fmt_num(sat)} req/s, C = {cap:.2f} req/s\n\n{table}\n\n"
         "![goodput](overload.png)\n")
     log("\n" + table)
     log(f"\nreport: {out / 'overload.md'}  plot: {out / 'overload.png'}")
