@@ -209,7 +209,8 @@ class LoadState:
         Counted in the replica's snapshot until the replica reports it or it is released.
         Reserving an id that already holds a reservation replaces it.
         """
-        self.release(request_id)
+        if request_id in self._reservations:
+            self.release(request_id)
         reserved_s = cost.arrival_s if now_s is None else now_s
         reservation = Reservation(replica_id, cost, reserved_s)
         self._reservations[request_id] = reservation
@@ -262,9 +263,13 @@ class LoadState:
     def snapshot(self, now_s: float, num_queued: int = 0, drain_rate_rps: float = 0.0,
                  tenant_retry_ratio: Mapping[str, float] | None = None) -> LoadSnapshot:
         replicas = self._snapshots
-        if replicas is None:
-            replicas = self._snapshots = tuple(
-                s for rid in self._replicas if (s := self.replica_snapshot(rid)))
+        if replicas is None:  # rebuilt after every reserve/release: a plain loop, no generator
+            built = []
+            for rid in self._replicas:
+                s = self.replica_snapshot(rid)
+                if s:
+                    built.append(s)
+            replicas = self._snapshots = tuple(built)
         return LoadSnapshot(
             now_s=now_s,
             replicas=replicas,

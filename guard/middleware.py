@@ -161,7 +161,8 @@ class AdmissionMiddleware:
         except ClientDisconnected:
             return self.rejecter.count_early(request_id, tenant, arrival_s, None, "canceled")
         cost = priced.cost
-        counters = self.metrics.counters(cost.request_class.name, cost.tenant)
+        class_name = cost.request_class.name
+        counters = self.metrics.counters(class_name, cost.tenant)
         counters.offered.value += 1
         self._retry_ratio.record(cost.tenant, cost.is_retry)
         result = self._decide(cost, arrival_s)
@@ -176,7 +177,7 @@ class AdmissionMiddleware:
         result.enqueue_s = enqueue_s
         result.priced = priced
         await relay(self.app, scope, receive, send, body, result, pending, self.clock,
-                    self.metrics.histograms(cost.request_class.name).itl)
+                    self.metrics.histograms(class_name).itl)
 
     def _tenant(self, authorization: str | None) -> TenantConfig | None:
         """``config.resolve_tenant`` with the anonymous tenant built once."""

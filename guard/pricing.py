@@ -96,7 +96,10 @@ async def read_body(receive: Receive, max_bytes: int, content_length: int | None
 
 def headers_from_scope(scope: Mapping[str, Any]) -> dict[str, str]:
     """ASGI ``scope["headers"]`` as a dict of lower-case names (last value wins)."""
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+    headers = {}  # a plain loop: a comprehension is one more call per request
+    for name, value in scope.get("headers", ()):
+        headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+    return headers
 
 
 def tokenizer_counter(path: str) -> Callable[[str], int]:
@@ -171,12 +174,15 @@ def _parse(body: dict | bytes) -> dict:
     return body
 
 
+_JSON_DECODER = json.JSONDecoder()  # stateless; what json.loads uses by default
+
+
 def _loads(body: bytes | bytearray) -> Any:
     """``json.loads(body)``, taking the UTF-8 text path first (it skips the encoding sniff);
     anything that path refuses (a BOM, UTF-16/32, bad JSON) goes through ``json.loads(body)``
     itself, so results and error messages are exactly its."""
     try:
-        return json.loads(body.decode())
+        return _JSON_DECODER.decode(body.decode())  # json.loads(text) minus its wrapper
     except ValueError:
         return json.loads(body)
 
@@ -213,8 +219,7 @@ class Pricer:
         self._chars_sum = cpt * CALIBRATION_PRIOR_TOKENS
         self._tokens_sum = CALIBRATION_PRIOR_TOKENS
         self._chars_per_token = cpt
-        self._output_mean: dict[str, float] = {}
-        self._output_count: dict[str, int] = {}
+        self._outputs: dict[str, list] = {}  # class -> [completions seen, mean output tokens]
         self._recent_keys = RecentKeys(config.idempotency_ttl_s, config.max_idempotency_keys)
 
     # --- learning ---------------------------------------------------------------------------
@@ -237,11 +242,13 @@ class Pricer:
 
     def observe_output(self, class_name: str, num_output_tokens: int) -> None:
         """A request of ``class_name`` completed with ``num_output_tokens`` generated."""
-        n = self._output_count.get(class_name, 0) + 1
+        learned = self._outputs.get(class_name)
+        if learned is None:
+            self._outputs[class_name] = [1, float(num_output_tokens)]
+            return
+        n = learned[0] = learned[0] + 1
         weight = max(1.0 / n, 0.05)  # a plain mean at first, then an EWMA that tracks drift
-        mean = self._output_mean.get(class_name, float(num_output_tokens))
-        self._output_mean[class_name] = mean + weight * (num_output_tokens - mean)
-        self._output_count[class_name] = n
+        learned[1] += weight * (num_output_tokens - learned[1])
 
     def observe_completion(self, priced: PricedRequest, num_prompt_tokens: int | None,
                            num_output_tokens: int | None) -> None:
@@ -253,9 +260,10 @@ class Pricer:
             self.observe_output(priced.cost.request_class.name, num_output_tokens)
 
     def expected_output_tokens(self, class_name: str, max_tokens: int) -> int:
-        if self._output_count.get(class_name, 0) < MIN_OUTPUT_SAMPLES:
+        learned = self._outputs.get(class_name)
+        if learned is None or learned[0] < MIN_OUTPUT_SAMPLES:
             return min(max_tokens, self._config.default_expected_output_tokens)
-        return max(1, min(max_tokens, round(self._output_mean[class_name])))
+        return max(1, min(max_tokens, round(learned[1])))
 
     # --- pricing ----------------------------------------------------------------------------
 

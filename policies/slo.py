@@ -100,19 +100,26 @@ class SloPolicy:
         self.ttft_safety_ratio = ttft_safety_ratio
 
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
-        never = _never_servable(cost, snapshot.replicas)
+        replicas = snapshot.replicas
+        never = _never_servable(cost, replicas)
         if never is not None:
             return never
-        healthy = [r for r in snapshot.replicas if r.healthy]
-        if not healthy:
+        for r in replicas:  # plain loops here: a comprehension is one more call per request
+            if r.healthy:
+                break
+        else:
             return Shed(503, NO_REPLICA)
         if snapshot.now_s >= cost.deadline_s:
             return Shed(503, SLO_UNATTAINABLE)
         fresh = snapshot.fresh_replicas()
         if not fresh:
-            return self._decide_stale(cost, snapshot, healthy)
+            return self._decide_stale(cost, snapshot, [r for r in replicas if r.healthy])
         step_time = snapshot.step_time
-        options = [(r, f) for r in fresh if (f := forecast(cost, r, step_time)) is not None]
+        options = []
+        for r in fresh:
+            f = forecast(cost, r, step_time)
+            if f is not None:
+                options.append((r, f))
         return (_admit(cost, snapshot.now_s, options, self.ttft_safety_ratio)
                 or self._queue_or_shed(cost, snapshot, options))
 
