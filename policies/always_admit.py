@@ -8,13 +8,12 @@ engine's waiting queue and the engine preempts when KV blocks run out. The only 
 from __future__ import annotations
 
 from policies.cost import RequestCost
-from policies.decision import Admit, CompletionSample, Decision, Shed
-from policies.least_loaded import least_loaded
+from policies.decision import CompletionSample, Decision
+from policies.least_loaded import NO_REPLICA, route_least_loaded
 from policies.snapshot import LoadSnapshot
 
 __all__ = ["AlwaysAdmit", "NO_REPLICA"]
 
-NO_REPLICA = "no_replica"
 
 
 class AlwaysAdmit:
@@ -22,10 +21,7 @@ class AlwaysAdmit:
     observes_completions = False  # observe() ignores its sample: the guard need not build it
 
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
-        replica = least_loaded(r for r in snapshot.replicas if r.healthy)
-        if replica is None:
-            return Shed(503, NO_REPLICA)
-        return Admit(replica.replica_id)
+        return route_least_loaded(snapshot)
 
     def admitted(self, cost: RequestCost, replica_id: str, now_s: float) -> None:
         pass

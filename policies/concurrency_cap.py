@@ -8,10 +8,9 @@ Admitted requests go to the least-loaded healthy replica.
 
 from __future__ import annotations
 
-from policies.always_admit import NO_REPLICA
 from policies.cost import RequestCost
-from policies.decision import Admit, CompletionSample, Decision, Shed
-from policies.least_loaded import least_loaded
+from policies.decision import CompletionSample, Decision, Shed
+from policies.least_loaded import route_least_loaded
 from policies.param_check import check_int
 from policies.snapshot import LoadSnapshot
 
@@ -35,10 +34,7 @@ class ConcurrencyCap:
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
         if num_inflight(snapshot) >= self.max_concurrency:
             return Shed(429, CONCURRENCY_LIMIT)
-        replica = least_loaded(r for r in snapshot.replicas if r.healthy)
-        if replica is None:
-            return Shed(503, NO_REPLICA)
-        return Admit(replica.replica_id)
+        return route_least_loaded(snapshot)
 
     def admitted(self, cost: RequestCost, replica_id: str, now_s: float) -> None:
         pass

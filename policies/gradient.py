@@ -22,11 +22,10 @@ without the measure are ignored, as Netflix's limiter ignores dropped calls.
 
 from __future__ import annotations
 
-from policies.always_admit import NO_REPLICA
 from policies.concurrency_cap import CONCURRENCY_LIMIT, num_inflight
 from policies.cost import RequestCost
-from policies.decision import Admit, CompletionSample, Decision, Shed
-from policies.least_loaded import least_loaded
+from policies.decision import CompletionSample, Decision, Shed
+from policies.least_loaded import route_least_loaded
 from policies.param_check import check
 from policies.snapshot import LoadSnapshot
 
@@ -82,10 +81,7 @@ class Gradient:
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
         if num_inflight(snapshot) >= int(self.limit):
             return Shed(503, CONCURRENCY_LIMIT)
-        replica = least_loaded(r for r in snapshot.replicas if r.healthy)
-        if replica is None:
-            return Shed(503, NO_REPLICA)
-        return Admit(replica.replica_id)
+        return route_least_loaded(snapshot)
 
     def admitted(self, cost: RequestCost, replica_id: str, now_s: float) -> None:
         self._inflight += 1

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies.snapshot import ReplicaSnapshot
+from policies.decision import Admit, Shed
+from policies.snapshot import LoadSnapshot, ReplicaSnapshot
 
-__all__ = ["least_loaded", "num_requests"]
+__all__ = ["NO_REPLICA", "least_loaded", "num_requests", "route_least_loaded"]
+
+NO_REPLICA = "no_replica"
 
 
 def num_requests(replica: ReplicaSnapshot) -> int:
@@ -21,3 +24,11 @@ def least_loaded(replicas: Iterable[ReplicaSnapshot]) -> ReplicaSnapshot | None:
         key=lambda r: (num_requests(r), r.kv_usage_ratio, r.replica_id),
         default=None,
     )
+
+
+def route_least_loaded(snapshot: LoadSnapshot) -> Admit | Shed:
+    """Admit to the least-loaded healthy replica; 503 ``no_replica`` when none is healthy."""
+    replica = least_loaded(r for r in snapshot.replicas if r.healthy)
+    if replica is None:
+        return Shed(503, NO_REPLICA)
+    return Admit(replica.replica_id)

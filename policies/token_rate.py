@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import math
 
-from policies.always_admit import NO_REPLICA
 from policies.cost import RequestCost
-from policies.decision import Admit, CompletionSample, Decision, Shed
-from policies.least_loaded import least_loaded
+from policies.decision import CompletionSample, Decision, Shed
+from policies.least_loaded import route_least_loaded
 from policies.param_check import check_int
 from policies.snapshot import LoadSnapshot
 
@@ -54,10 +53,7 @@ class TokenRate:
         ):
             window_end_s = (_window_of(now_s) + 1) * WINDOW_S
             return Shed(429, TPM_LIMIT, retry_after_s=window_end_s - now_s)
-        replica = least_loaded(r for r in snapshot.replicas if r.healthy)
-        if replica is None:
-            return Shed(503, NO_REPLICA)
-        return Admit(replica.replica_id)
+        return route_least_loaded(snapshot)
 
     def admitted(self, cost: RequestCost, replica_id: str, now_s: float) -> None:
         window = self._roll(now_s)
