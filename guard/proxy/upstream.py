@@ -15,6 +15,7 @@ answer to the client:
 * any other 5xx answer: 502 ``upstream_failed`` (the upstream's status in the message);
 * a stream cut mid-way ends for the client with ``data: {"error": {...}}`` (no ``[DONE]``), so
   the ticket is released ``failed``;
+* every relayed response names its replica in ``x-kvguard-replica``;
 * the client's disconnect cancels the forwarding at once and aborts the upstream connection
   (the replica sees its client go and frees the sequence's KV blocks).
 
@@ -40,7 +41,9 @@ from guard.proxy.transports import (
 )
 from guard.rejection import Rejection, send_rejection
 
-__all__ = ["Forwarder", "sse_error_event"]
+__all__ = ["Forwarder", "sse_error_event", "REPLICA_HEADER"]
+
+REPLICA_HEADER = b"x-kvguard-replica"  # which replica answered, on every relayed response
 
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -142,12 +145,14 @@ class Forwarder:
                     str(exc), should_retry=True))
                 return
             self._health.record_success(replica_id)
-            headers = [*response.headers, (b"content-length", str(len(body)).encode())]
+            headers = [*response.headers, (REPLICA_HEADER, replica_id.encode()),
+                       (b"content-length", str(len(body)).encode())]
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
         self._health.record_success(replica_id)
-        await send({"type": "http.response.start", "status": status, "headers": response.headers})
+        headers = [*response.headers, (REPLICA_HEADER, replica_id.encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         try:
             async for chunk in response.chunks():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
