@@ -81,7 +81,7 @@ class ProxyApp:
             proxy.upstream_client, proxy.connect_timeout_s, proxy.read_timeout_s,
             proxy.max_upstream_connections)
         self.health = ReplicaHealth(self.urls, proxy.eject_after_failures, proxy.probe_interval_s,
-                                    self._mark_unhealthy, self._probe)
+                                    self._mark_unhealthy, self._probe, self.clock)
         self._state_client = httpx.AsyncClient(trust_env=False)
         self.admission = _Admission(self._inner, config, sources=self._sources(),
                                     registry=registry, clock=self.clock,

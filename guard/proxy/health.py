@@ -8,8 +8,9 @@ Two signals make a replica unroutable:
 * :class:`ReplicaHealth` ejects it after ``eject_after_failures`` consecutive request failures
   (connect errors, timeouts, 5xx answers). An ejected replica is marked unhealthy in the load
   state at once, its state source is gated (every poll fails while it is ejected, so a good poll
-  in flight cannot make it routable again), and its ``GET /health`` is probed every
-  ``probe_interval_s``; the first 2xx re-admits it, and the next state poll makes it routable.
+  in flight cannot make it routable again), and from ``probe_interval_s`` after the ejection
+  its ``GET /health`` is probed every ``probe_interval_s``; the first 2xx re-admits it, and the
+  next state poll makes it routable.
 
 Policies only pick healthy replicas, so no request is routed to an ejected one.
 """
@@ -73,15 +74,16 @@ class ReplicaHealth:
 
     def __init__(self, replica_ids: Iterable[str], eject_after_failures: int,
                  probe_interval_s: float, mark_unhealthy: Callable[[str], None],
-                 probe: Probe) -> None:
+                 probe: Probe, clock: Callable[[], float]) -> None:
         if eject_after_failures < 1 or not probe_interval_s > 0:
             raise ValueError("ReplicaHealth: eject_after_failures >= 1, probe_interval_s > 0")
         self._failures = dict.fromkeys(replica_ids, 0)
-        self._ejected: set[str] = set()
+        self._ejected: dict[str, float] = {}  # replica id -> when it may be probed next
         self._eject_after = eject_after_failures
         self._probe_interval_s = probe_interval_s
         self._mark_unhealthy = mark_unhealthy
         self._probe = probe
+        self._clock = clock
         self._task: asyncio.Task | None = None
         self.num_ejections = dict.fromkeys(self._failures, 0)
         self.num_readmissions = dict.fromkeys(self._failures, 0)
@@ -100,7 +102,7 @@ class ReplicaHealth:
         self._failures[replica_id] += 1
         if replica_id in self._ejected or self._failures[replica_id] < self._eject_after:
             return False
-        self._ejected.add(replica_id)
+        self._ejected[replica_id] = self._clock() + self._probe_interval_s
         self.num_ejections[replica_id] += 1
         self._mark_unhealthy(replica_id)
         log.warning("proxy: replica %s ejected after %d consecutive failures", replica_id,
@@ -111,13 +113,16 @@ class ReplicaHealth:
         return GatedSource(replica_id, source, self)
 
     async def probe_ejected(self) -> None:
-        """Probe every ejected replica once; re-admit those that answer."""
-        ejected = sorted(self._ejected)
-        results = await asyncio.gather(*(self._probe(rid) for rid in ejected),
+        """Probe each ejected replica that is due; re-admit those that answer."""
+        now_s = self._clock()
+        due = sorted(rid for rid, probe_s in self._ejected.items() if probe_s <= now_s)
+        results = await asyncio.gather(*(self._probe(rid) for rid in due),
                                        return_exceptions=True)
-        for replica_id, ok in zip(ejected, results, strict=True):
-            if ok is True:
-                self._ejected.discard(replica_id)
+        for replica_id, ok in zip(due, results, strict=True):
+            if ok is not True:
+                self._ejected[replica_id] = self._clock() + self._probe_interval_s
+                continue
+            if self._ejected.pop(replica_id, None) is not None:
                 self._failures[replica_id] = 0
                 self.num_readmissions[replica_id] += 1
                 log.warning("proxy: replica %s answers again: re-admitted", replica_id)
@@ -128,7 +133,7 @@ class ReplicaHealth:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._probe_interval_s)
+            await asyncio.sleep(max(0.02, self._probe_interval_s / 4))
             if self._ejected:
                 try:
                     await self.probe_ejected()

@@ -21,17 +21,17 @@ unhealthy_after_errors = 2
 connect_timeout_s = 0.5
 read_timeout_s = {read_timeout_s}
 eject_after_failures = 2
-probe_interval_s = 0.2
+probe_interval_s = {probe_interval_s}
 drain_timeout_s = 20.0
 upstream_client = "{client}"
 """
 
 
 def write_config(directory: Path, *, policy: str = "slo", read_timeout_s: float = 2.0,
-                 client: str = "aiohttp") -> str:
+                 client: str = "aiohttp", probe_interval_s: float = 0.2) -> str:
     path = directory / f"proxy-{policy}-{client}.toml"
     path.write_text(PROXY_CONFIG.format(policy=policy, read_timeout_s=read_timeout_s,
-                                        client=client))
+                                        client=client, probe_interval_s=probe_interval_s))
     return str(path)
 
 
