@@ -18,9 +18,8 @@ that cannot reach its backend logs, counts, and lets the lease expire).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 __all__ = ["BudgetLimits", "BudgetStore", "Denied", "Grant", "DENY_REASONS"]
 
