@@ -154,7 +154,9 @@ class LLMEngine:
                         for seq, toks in results]
             if self.config.check_invariants:
                 self.check_invariants()
-            return StepResult(outputs=tuple(outputs), iteration=record)
+            scheduled_ids = tuple(e.request_id for e in sched_out.scheduled)
+            return StepResult(outputs=tuple(outputs), iteration=record,
+                              scheduled_request_ids=scheduled_ids)
 
     @staticmethod
     def _output(seq: Sequence, new_token_ids: tuple[int, ...], batch_id: int,

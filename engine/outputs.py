@@ -44,3 +44,4 @@ class RequestOutput:
 class StepResult:
     outputs: tuple[RequestOutput, ...]
     iteration: IterationRecord | None  # None when nothing was scheduled
+    scheduled_request_ids: tuple[str, ...] = ()  # every request in this step's batch
