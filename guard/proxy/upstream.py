@@ -9,7 +9,7 @@ answer to the client:
 * a failure **before any response** (connect refused or timed out, connection closed, garbage
   status line, or the replica's own 503) is re-dispatched once to another routable replica
   (``redispatch``) and counted; if there is none, or the second try fails too: 502
-  ``upstream_failed``;
+  ``upstream_failed`` (a replica's 503 is relayed as it is, with its own Retry-After);
 * an upstream that stays silent past ``read_timeout_s``: 504 ``upstream_timeout`` before the
   response began, an SSE error event after;
 * any other 5xx answer: 502 ``upstream_failed`` (the upstream's status in the message);
@@ -113,8 +113,12 @@ class Forwarder:
             else:
                 if response.status != 503:
                     return response
-                failure = f"replica {replica_id} answered 503"
+                self._fail(replica_id, "status")
+                if attempt == 1 or self._redispatch(ticket, replica_id) is None:
+                    return response  # the replica's own 503 (and Retry-After) goes to the client
                 await response.aclose()
+                self._counters.redispatched(replica_id)
+                continue
             self._fail(replica_id, "unreachable")
             if attempt == 0 and self._redispatch(ticket, replica_id) is not None:
                 self._counters.redispatched(replica_id)
@@ -127,7 +131,7 @@ class Forwarder:
 
     async def _relay(self, replica_id: str, response: UpstreamResponse, send: Send) -> None:
         status = response.status
-        if status >= 500:
+        if status >= 500 and status != 503:
             self._fail(replica_id, "status")
             await send_rejection(send, Rejection(
                 502, "upstream_failed", f"replica {replica_id} answered HTTP {status}",
@@ -144,13 +148,15 @@ class Forwarder:
                     504 if timeout else 502, "upstream_timeout" if timeout else "upstream_failed",
                     str(exc), should_retry=True))
                 return
-            self._health.record_success(replica_id)
+            if status < 500:  # a relayed 503 was counted as a failure already
+                self._health.record_success(replica_id)
             headers = [*response.headers, (REPLICA_HEADER, replica_id.encode()),
                        (b"content-length", str(len(body)).encode())]
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
-        self._health.record_success(replica_id)
+        if status < 500:
+            self._health.record_success(replica_id)
         headers = [*response.headers, (REPLICA_HEADER, replica_id.encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         try:
