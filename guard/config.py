@@ -41,6 +41,8 @@ from typing import Any
 
 import tomllib
 
+from guard.budget.config import LIMIT_KEYS, BudgetConfig
+from guard.budget.store import BudgetLimits
 from policies.cost import RequestClass
 
 __all__ = [
@@ -80,6 +82,8 @@ class TenantConfig:
     default_class: str | None = None
     may_choose_class: bool = False
     tokens_per_minute: int | None = None
+    requests_per_minute: int | None = None
+    max_concurrent: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -87,8 +91,15 @@ class TenantConfig:
         if not isinstance(self.key_sha256, str) or not _is_sha256_hex(self.key_sha256.lower()):
             raise ValueError(f"tenants[{self.name!r}].key_sha256: must be 64 hex characters")
         object.__setattr__(self, "key_sha256", self.key_sha256.lower())
-        if self.tokens_per_minute is not None and self.tokens_per_minute <= 0:
-            raise ValueError(f"tenants[{self.name!r}].tokens_per_minute: must be > 0 or absent")
+        try:
+            self.own_limits  # noqa: B018 - validates the budget axes
+        except ValueError as exc:
+            raise ValueError(f"tenants[{self.name!r}].{str(exc).removeprefix('budget ')}") from None
+
+    @property
+    def own_limits(self) -> BudgetLimits:
+        """This tenant's own budget limits (unset axes fall back to ``[budget]``)."""
+        return BudgetLimits(self.tokens_per_minute, self.requests_per_minute, self.max_concurrent)
 
 
 @dataclass(frozen=True)
@@ -161,6 +172,7 @@ class GuardConfig:
     trace_path: str | None = None
     max_tenant_labels: int = 20
     redis_url: str | None = None
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
     class_header: str = "x-kvguard-class"
     deadline_header: str = "x-kvguard-deadline-ms"
     _classes_by_name: Mapping[str, RequestClass] = field(
@@ -174,6 +186,10 @@ class GuardConfig:
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError("policy: must be a non-empty string")
         object.__setattr__(self, "policy_params", types.MappingProxyType(dict(self.policy_params)))
+        if self.redis_url is not None and not str(self.redis_url).startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url: must start with redis://, rediss:// or unix://, "
+                             f"got {self.redis_url!r}")
         ids = [r.replica_id for r in self.replicas]
         if len(set(ids)) != len(ids):
             raise ValueError(f"replicas: duplicate replica_id in {ids}")
@@ -265,6 +281,20 @@ class GuardConfig:
             may_choose_class=self.anonymous_may_choose_class,
         )
 
+    def budget_limits(self, tenant_name: str) -> BudgetLimits:
+        """The budget of ``tenant_name``: its own limits over the ``[budget]`` defaults."""
+        return self._budget_limits.get(tenant_name, self.budget.default_limits)
+
+    @functools.cached_property
+    def _budget_limits(self) -> Mapping[str, BudgetLimits]:
+        return types.MappingProxyType({t.name: self.budget.limits(t.own_limits) for t in self.tenants})
+
+    @property
+    def budgets_enabled(self) -> bool:
+        """True when any tenant (or the default) has a budget limit."""
+        return not (self.budget.default_limits.unlimited
+                    and all(limits.unlimited for limits in self._budget_limits.values()))
+
     # --- construction ----------------------------------------------------------------------
 
     @classmethod
@@ -281,6 +311,8 @@ class GuardConfig:
             data["tenants"] = tuple(_tenant_from(i, t) for i, t in enumerate(_list("tenants", data["tenants"])))
         if "replicas" in data:
             data["replicas"] = tuple(_replica_from(i, r) for i, r in enumerate(_list("replicas", data["replicas"])))
+        if "budget" in data:
+            data["budget"] = BudgetConfig.from_dict(data["budget"])
         if "policy_params" in data and not isinstance(data["policy_params"], Mapping):
             raise ValueError("policy_params: must be a table")
         for name, (wanted, nullable) in _SCALAR_FIELDS.items():
@@ -328,7 +360,7 @@ def _classes_from(value: Any) -> tuple[RequestClass, ...]:
 def _tenant_from(index: int, value: Any) -> TenantConfig:
     key = f"tenants[{index}]"
     spec = _table(key, value, {"name", "key_sha256", "api_key", "default_class",
-                               "may_choose_class", "tokens_per_minute"})
+                               "may_choose_class", *LIMIT_KEYS})
     if "api_key" in spec:
         if "key_sha256" in spec:
             raise ValueError(f"{key}.api_key: give api_key or key_sha256, not both")
@@ -336,7 +368,7 @@ def _tenant_from(index: int, value: Any) -> TenantConfig:
     if "name" not in spec or "key_sha256" not in spec:
         raise ValueError(f"{key}: needs name and key_sha256 (or api_key)")
     types_ = {"name": str, "key_sha256": str, "default_class": str,
-              "may_choose_class": bool, "tokens_per_minute": int}
+              "may_choose_class": bool, **dict.fromkeys(LIMIT_KEYS, int)}
     for fname, ftype in types_.items():
         if fname in spec:
             spec[fname] = _check_type(f"{key}.{fname}", spec[fname], ftype)

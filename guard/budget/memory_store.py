@@ -115,6 +115,15 @@ class MemoryStore:
             return float(limits.tokens_per_minute)
         return self._levels(state, limits, self._clock())[0]
 
+    def remaining_by_tenant(self) -> dict[str, float]:
+        """Tokens left for every tenant seen so far that has a token limit."""
+        out = {}
+        for tenant in self._tenants:
+            remaining = self.remaining_tokens(tenant)
+            if remaining is not None:
+                out[tenant] = remaining
+        return out
+
     def num_leases(self, tenant: str) -> int:
         state = self._tenants.get(tenant)
         return len(state.leases) if state else 0
