@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
@@ -38,6 +38,14 @@ __all__ = ["FallbackStore"]
 
 log = logging.getLogger("kvguard.budget")
 PROBE_TIMEOUT_S = 0.5  # reconnect probes (not on the request path) may wait this long
+
+
+async def _bounded(work: Awaitable[Any], timeout_s: float) -> Any:
+    """``work`` or TimeoutError after ``timeout_s`` (3.11+: ``asyncio.timeout``, no extra task)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout_s):
+            return await work
+    return await asyncio.wait_for(work, timeout_s)
 
 
 def _share(limits: BudgetLimits, num_guards: int) -> BudgetLimits:
@@ -77,8 +85,8 @@ class FallbackStore:
         self._ensure_started()
         if not self.breaker.is_open and self.redis is not None:
             try:
-                outcome = await asyncio.wait_for(self.redis.reserve(tenant, tokens, lease_s),
-                                                 self._config.redis_timeout_s)
+                outcome = await _bounded(self.redis.reserve(tenant, tokens, lease_s),
+                                         self._config.redis_timeout_s)
             except Exception as exc:  # noqa: BLE001 - any Redis trouble: serve locally
                 log.debug("budget reserve on redis failed: %r", exc)
                 self.breaker.record_failure()
@@ -175,6 +183,7 @@ class FallbackStore:
                                     settle_delay_s=self._config.settle_delay_s,
                                     on_reclaim=self._reclaimed, on_rtt=self._rtt)
         await asyncio.wait_for(self.redis.scripts.load(self.redis.client), PROBE_TIMEOUT_S)
+        await asyncio.wait_for(self.redis.warm(), PROBE_TIMEOUT_S)
         await self._heartbeat()
         await asyncio.wait_for(self.redis.flush(), PROBE_TIMEOUT_S)
         self.breaker.close()

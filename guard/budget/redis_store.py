@@ -33,6 +33,8 @@ __all__ = ["RedisStore", "MAX_PENDING"]
 
 log = logging.getLogger("kvguard.budget")
 MAX_PENDING = 10_000  # queued settles per tenant kept while Redis is unreachable
+MAX_IN_FLIGHT = 16  # concurrent script calls: a burst reuses warm connections instead of
+                    # opening one each (a cold connect costs several round trips)
 
 
 def _limit_args(limits: BudgetLimits) -> list[int]:
@@ -58,6 +60,7 @@ class RedisStore:
         self._pending: dict[str, list[tuple[str, int]]] = {}
         self._flusher: asyncio.TimerHandle | None = None
         self._flushing: set[asyncio.Task] = set()
+        self._slots: asyncio.Semaphore | None = None
         self.remaining: dict[str, float] = {}  # tenant -> tokens left after its last reserve
 
     async def reserve(self, tenant: str, tokens: int, lease_s: float) -> Grant | Denied:
@@ -126,16 +129,23 @@ class RedisStore:
         close = getattr(self.client, "aclose", None) or self.client.close
         await close()
 
+    async def warm(self) -> None:
+        """Open the connections a burst will use (``MAX_IN_FLIGHT`` concurrent PINGs)."""
+        await asyncio.gather(*(self.client.ping() for _ in range(MAX_IN_FLIGHT)))
+
     def num_pending(self) -> int:
         return sum(len(items) for items in self._pending.values())
 
     # --- internals ------------------------------------------------------------------------
 
     async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        start_s = time.perf_counter()
-        reply = await self.scripts.call(self.client, name, keys, args)
-        if self._on_rtt is not None:
-            self._on_rtt(time.perf_counter() - start_s)
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+        async with self._slots:
+            start_s = time.perf_counter()
+            reply = await self.scripts.call(self.client, name, keys, args)
+            if self._on_rtt is not None:
+                self._on_rtt(time.perf_counter() - start_s)
         return reply
 
     async def _queue(self, grant: Grant, used: int) -> None:

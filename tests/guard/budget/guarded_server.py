@@ -24,9 +24,11 @@ def completion_app(hold_s: float):
             return
         while (await receive()).get("more_body"):
             pass
-        if scope["path"] == "/health":
-            body = b"ok"
-        else:
+        if scope["method"] != "POST":  # no /kvguard/state: a replica of unknown capacity
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if True:
             await asyncio.sleep(hold_s)
             body = json.dumps({"id": "c", "object": "text_completion", "model": "m",
                                "choices": [{"index": 0, "text": " hi", "finish_reason": "stop"}],
