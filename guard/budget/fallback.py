@@ -72,6 +72,7 @@ class FallbackStore:
         self.local = MemoryStore(self._local_limits, clock, on_reclaim=self._reclaimed)
         self.redis: RedisStore | None = None
         self._local_ids: set[str] = set()
+        self.num_local_reserves = 0  # reserves decided on the local share (Redis unusable)
         self._shares: dict[str, BudgetLimits] = {}
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -93,6 +94,7 @@ class FallbackStore:
             else:
                 self.breaker.record_success()
                 return outcome
+        self.num_local_reserves += 1
         outcome = self.local.reserve_now(tenant, tokens, lease_s)
         if isinstance(outcome, Grant):
             self._local_ids.add(outcome.grant_id)
