@@ -149,6 +149,14 @@ class PricedRequest:
     num_overhead_tokens: int  # estimated chat-template tokens included in the prompt count
     is_exact: bool  # prompt tokens counted (token ids or tokenizer), not estimated
     max_tokens_defaulted: bool  # the client sent no max_tokens; cost.max_tokens is the guard's
+    raw: bytes = b""  # the body as the client sent it
+
+    def forward_body(self) -> bytes:
+        """The body to send upstream: as sent, or with the priced ``max_tokens`` filled in when
+        the client sent none, so the replica runs exactly what the guard priced."""
+        if not self.max_tokens_defaulted and self.raw:
+            return self.raw
+        return json.dumps({**self.body, "max_tokens": self.cost.max_tokens}).encode()
 
 
 def _bad(message: str, param: str | None = None, reason: str = "invalid_request") -> PricingError:
@@ -299,7 +307,9 @@ class Pricer:
             deadline_s=self._deadline_s(headers, now_s, request_class.ttft_s),
             is_retry=self._is_retry(headers, tenant.name, now_s),
         )
-        return PricedRequest(cost, data, bool(data.get("stream")), chars, overhead, exact, defaulted)
+        raw = body if isinstance(body, bytes) else b""
+        return PricedRequest(cost, data, bool(data.get("stream")), chars, overhead, exact, defaulted,
+                             raw)
 
     def _max_tokens(self, data: dict, num_prompt_tokens: int, exact: bool,
                     max_model_len: int | None) -> tuple[int, bool]:
@@ -326,9 +336,9 @@ class Pricer:
 
     def _count_prompt(self, data: dict, path: str) -> tuple[int, int, int, bool]:
         """(prompt chars, prompt tokens, chat overhead tokens, exact?)"""
-        if path == COMPLETIONS_PATH:
+        if path.endswith(COMPLETIONS_PATH) and not path.endswith(CHAT_PATH):
             return self._count_completion_prompt(data)
-        if path == CHAT_PATH:
+        if path.endswith(CHAT_PATH):
             texts = _chat_texts(data)
             overhead = CHAT_TOKENS_PER_MESSAGE * len(data["messages"]) + CHAT_TOKENS_PER_REPLY
             chars = sum(len(t) for t in texts)

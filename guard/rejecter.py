@@ -10,22 +10,19 @@ bodies and headers themselves are :mod:`guard.rejection`'s.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from guard.admission_queue import AdmissionQueue
 from guard.config import GuardConfig, TenantConfig
 from guard.drain_rate import DrainRate
 from guard.metrics import GuardMetrics
 from guard.pricing import PricingError
-from guard.rejection import Rejection, RetryAdvisor, send_rejection
+from guard.rejection import Rejection, RetryAdvisor
 from guard.ticket import TicketBook
 from guard.trace import TraceWriter, rejection_record
 from policies.cost import RequestCost
 from policies.decision import Shed
 
 __all__ = ["Rejecter", "client_timeout_s"]
-
-Send = Callable[[dict], Any]
 
 _SHED_MESSAGES = {
     429: "Rate limit reached for this tenant; retry after the indicated time.",
@@ -51,14 +48,15 @@ class Rejecter:
         self._service_s = service_s
         self.trace = trace
 
-    async def shed(self, send: Send, cost: RequestCost, shed: Shed, headers: dict[str, str],
-                   enqueue_s: float | None) -> None:
+    def shed(self, cost: RequestCost, shed: Shed, headers: dict[str, str],
+             enqueue_s: float | None) -> Rejection:
+        """Count and trace a shed; the rejection to send."""
         now_s = self._clock()
         if shed.status < 500 and shed.status != 429:  # the policy says: never servable
             error = PricingError(shed.status, shed.reason, "This request can never be served "
                                  "as sent: it does not fit any replica.")
-            return await self.reject_early(send, cost.request_id, cost.tenant, cost.arrival_s,
-                                           error, cost.request_class.name, counted=True)
+            return self.reject_early(cost.request_id, cost.tenant, cost.arrival_s,
+                                     error, cost.request_class.name, counted=True)
         num_ahead = len(self._queue)
         wait_s = self._retry_advisor.retry_after_s(
             num_ahead=num_ahead, drain_rate_rps=self._drain_rate.rate_rps(now_s),
@@ -75,7 +73,17 @@ class Rejecter:
         if self.trace is not None:
             self.trace.write(rejection_record(cost.request_id, cost.tenant, cost.request_class.name,
                                                cost.arrival_s, now_s, enqueue_s, shed.status, shed.reason))
-        await send_rejection(send, rejection)
+        return rejection
+
+    def deny(self, cost: RequestCost, reason: str, retry_after_s: float | None) -> Rejection:
+        """The tenant's budget said no (429): a wait only when the store gave one."""
+        self._metrics.rejected(cost.request_class.name, cost.tenant, reason).inc()
+        if self.trace is not None:
+            self.trace.write(rejection_record(cost.request_id, cost.tenant, cost.request_class.name,
+                                               cost.arrival_s, self._clock(), None, 429, reason))
+        return Rejection(429, reason, _SHED_MESSAGES[429] if retry_after_s is not None else
+                         "This request exceeds the tenant's budget and can never fit it.",
+                         retry_after_s, retry_after_s is not None)
 
     def _expected_free_s(self, now_s: float, num_ahead: int) -> float | None:
         """When the ``num_ahead + 1``-th in-flight request is expected to finish, from each
@@ -88,15 +96,14 @@ class Rejecter:
         index = min(num_ahead, len(finishes_s) - 1)
         return max(0.0, finishes_s[index] - now_s)
 
-    async def reject_early(self, send: Send, request_id: str, tenant: TenantConfig | str | None,
-                           arrival_s: float, error: PricingError, class_name: str | None = None,
-                           counted: bool = False) -> None:
-        """Never servable as sent (400/401/413): no budget, no blocks, never retry."""
+    def reject_early(self, request_id: str, tenant: TenantConfig | str | None,
+                     arrival_s: float, error: PricingError, class_name: str | None = None,
+                     counted: bool = False) -> Rejection:
+        """Never servable as sent (400/401/404/413): no budget, no blocks, never retry."""
         self.count_early(request_id, tenant, arrival_s, class_name, "rejected",
                          reason=error.reason, status=error.status, counted=counted)
-        rejection = Rejection(error.status, error.reason, error.message, None, False,
-                              getattr(error, "param", None))
-        await send_rejection(send, rejection)
+        return Rejection(error.status, error.reason, error.message, None, False,
+                         getattr(error, "param", None))
 
     def count_early(self, request_id: str, tenant: TenantConfig | str | None, arrival_s: float,
                     class_name: str | None, outcome: str, enqueue_s: float | None = None,

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # load_state re-exports this module's names
 __all__ = [
     "AsgiStateSource",
     "HttpStateSource",
+    "NoStateSource",
     "StatePoller",
     "StateSource",
     "StateUnavailable",
@@ -71,6 +72,15 @@ class HttpStateSource:
         if self.kind != "kvguard":
             return response.text
         return _state_document(response.content, self.url)
+
+
+class NoStateSource:
+    """A replica configured with ``state_source = "none"``: never asked, unknown capacity."""
+
+    kind = "kvguard"
+
+    async def fetch(self) -> Any:
+        raise StateUnavailable("state_source is 'none'")
 
 
 class AsgiStateSource:
@@ -136,7 +146,9 @@ def state_sources(replicas: tuple[ReplicaConfig, ...], client: httpx.AsyncClient
         return {local_replica_id: AsgiStateSource(app)}
     sources: dict[str, StateSource] = {}
     for replica in replicas:
-        if replica.state_source == "asgi":
+        if replica.state_source == "none":
+            sources[replica.replica_id] = NoStateSource()
+        elif replica.state_source == "asgi":
             if app is None:
                 raise ValueError(f"replica {replica.replica_id!r}: state_source 'asgi' needs the app")
             sources[replica.replica_id] = AsgiStateSource(app)

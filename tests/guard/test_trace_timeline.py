@@ -46,10 +46,10 @@ def test_middleware_traces_admitted_and_shed_requests():
 
     async def main():
         guard = make_guard(_stream_app, policy=SlotPolicy(num_slots=1, queue_s=None))
-        guard._trace = TraceWriter(out, max_buffered=100)
+        guard.controller.trace = TraceWriter(out, max_buffered=100)
         ok = Client(PROMPT)
         await guard(http_scope(), ok.receive, ok.send)
-        guard.policy.num_slots = 0
+        guard.controller.policy.num_slots = 0
         shed = Client(PROMPT)
         await guard(http_scope(), shed.receive, shed.send)
         bad = Client(b"{nope")
