@@ -35,7 +35,7 @@ _HOMES = {
     "AdmissionQueue": "guard.admission_queue",
     "GuardConfig": "guard.config",
     "GuardMetrics": "guard.metrics",
-    "LoadState": "guard.load_state",
+    "LoadState": "guard.replicas.load_state",
     "Pricer": "guard.pricing",
     "PricingError": "guard.pricing",
     "Rejection": "guard.rejection",

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from guard.state_poller import StatePoller
+from guard.replicas.poller import StatePoller
 
 __all__ = ["Background"]
 

@@ -66,14 +66,14 @@ from guard.background import Background
 from guard.budget.store import BudgetStore, Denied, Grant
 from guard.config import GuardConfig, TenantConfig
 from guard.drain_rate import DrainRate
-from guard.load_state import LoadState
 from guard.metrics import GaugeValues, GuardMetrics
 from guard.pricing import ClientDisconnected, PricedRequest, Pricer, PricingError, tokenizer_counter
 from guard.rejecter import Rejecter
 from guard.rejection import Rejection, RetryAdvisor
 from guard.release import ReleaseListeners
+from guard.replicas.load_state import LoadState
+from guard.replicas.poller import StatePoller, StateSource
 from guard.retry_ratio import RetryRatio
-from guard.state_poller import StatePoller, StateSource
 from guard.ticket import Ticket, TicketBook
 from guard.trace import TraceWriter
 from policies import make_policy
@@ -145,7 +145,7 @@ class AdmissionController:
         """A controller over ``config.replicas`` (URL replicas, polled over HTTP)."""
         import httpx
 
-        from guard.state_poller import state_sources
+        from guard.replicas.poller import state_sources
 
         if not config.replicas:
             raise ValueError("replicas: at least one [[replicas]] entry is needed")

@@ -32,11 +32,11 @@ from prometheus_client import CollectorRegistry
 from guard.admission import Admission
 from guard.config import GuardConfig, load_config
 from guard.controller import AdmissionController
-from guard.load_state import LoadState
 from guard.pricing import Pricer, headers_from_scope, read_body
 from guard.rejection import send_rejection
 from guard.relay import relay
-from guard.state_poller import AsgiStateSource
+from guard.replicas.load_state import LoadState
+from guard.replicas.poller import AsgiStateSource
 from guard.trace import TraceWriter
 
 __all__ = ["AdmissionMiddleware", "GUARD_METRICS_PATH", "LOCAL_REPLICA"]

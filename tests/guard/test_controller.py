@@ -3,15 +3,15 @@
 import asyncio
 import json
 
-from admission_helpers import FakeClock, SlotPolicy, state_doc
 from prometheus_client import CollectorRegistry
 
 from guard.admission import Admission
 from guard.budget.store import Denied, Grant
 from guard.config import GuardConfig, hash_api_key
 from guard.controller import AdmissionController
-from guard.load_state import LoadState
 from guard.rejection import Rejection
+from guard.replicas.load_state import LoadState
+from tests.support.admission import FakeClock, SlotPolicy, state_doc
 
 ACME = {"tenants": ({"name": "acme", "api_key": "sk-acme"},)}
 HEADERS = {"authorization": "Bearer sk-acme", "content-type": "application/json"}

@@ -4,9 +4,9 @@ import asyncio
 import json
 
 import pytest
-from admission_helpers import PROMPT, Client, FakeClock, SlotPolicy, http_scope, make_guard
 
 from guard.config import hash_api_key
+from tests.support.admission import PROMPT, Client, FakeClock, SlotPolicy, http_scope, make_guard
 
 
 def run(coro):
@@ -277,11 +277,11 @@ def test_lifespan_passes_through_and_shutdown_stops_background_tasks():
 
 
 def test_in_process_state_is_polled_from_the_wrapped_app():
-    from admission_helpers import state_doc
     from prometheus_client import CollectorRegistry
 
     from guard.config import GuardConfig
     from guard.middleware import AdmissionMiddleware
+    from tests.support.admission import state_doc
 
     async def main():
         inner = StreamApp()

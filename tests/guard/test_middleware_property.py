@@ -3,9 +3,10 @@
 import asyncio
 import time
 
-from admission_helpers import PROMPT, Client, SlotPolicy, http_scope, make_guard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.support.admission import PROMPT, Client, SlotPolicy, http_scope, make_guard
 
 BEHAVIOURS = ("complete", "disconnect", "error", "leave_early", "cancel")
 

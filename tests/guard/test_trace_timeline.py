@@ -6,10 +6,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from admission_helpers import PROMPT, Client, SlotPolicy, http_scope, make_guard
 
 from guard import cli, timeline
 from guard.trace import TraceWriter
+from tests.support.admission import PROMPT, Client, SlotPolicy, http_scope, make_guard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from server_helpers import start_engine  # noqa: E402

@@ -4,7 +4,7 @@
 upstream) over httpx; :class:`AsgiStateSource` does an in-process ``GET /kvguard/state`` on the
 wrapped ASGI app. A source whose replica answers but publishes no state (404, or a body that is
 not a JSON object) raises :class:`StateUnavailable`; the poller then registers the replica as
-healthy with unknown capacity (:meth:`guard.load_state.LoadState.mark_unknown_capacity`) instead
+healthy with unknown capacity (:meth:`guard.replicas.load_state.LoadState.mark_unknown_capacity`) instead
 of counting an error, so the guard works in front of any ASGI app.
 """
 
@@ -23,7 +23,7 @@ import httpx
 from guard.config import ReplicaConfig
 
 if TYPE_CHECKING:  # load_state re-exports this module's names
-    from guard.load_state import LoadState
+    from guard.replicas.load_state import LoadState
 
 __all__ = [
     "AsgiStateSource",

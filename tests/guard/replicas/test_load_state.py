@@ -1,4 +1,4 @@
-"""guard.load_state: snapshots from /kvguard/state and vLLM metrics, reservations, the poller."""
+"""guard.replicas.load_state: snapshots from /kvguard/state and vLLM metrics, reservations, the poller."""
 
 import asyncio
 import socket
@@ -13,8 +13,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from guard.config import ReplicaConfig
-from guard.latency_model import StepTimeFitter
-from guard.load_state import (
+from guard.replicas.load_state import (
     UNKNOWN_MAX_MODEL_LEN,
     AsgiStateSource,
     HttpStateSource,
@@ -23,6 +22,7 @@ from guard.load_state import (
     parse_vllm_metrics,
     state_sources,
 )
+from guard.replicas.step_time_fitter import StepTimeFitter
 from policies.cost import RequestClass, RequestCost
 from policies.snapshot import SeqLoad
 from policies.step_time import StepTimeModel

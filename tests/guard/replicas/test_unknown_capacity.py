@@ -15,9 +15,9 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from guard.config import GuardConfig
-from guard.load_state import LoadState, StatePoller
 from guard.middleware import AdmissionMiddleware
-from guard.state_poller import AsgiStateSource, HttpStateSource, StateUnavailable
+from guard.replicas.load_state import LoadState, StatePoller
+from guard.replicas.poller import AsgiStateSource, HttpStateSource, StateUnavailable
 
 
 def sse(text: str) -> bytes:
