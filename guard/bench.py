@@ -134,7 +134,7 @@ async def measure_in_process(iterations: int, block: int, policy: str) -> dict:
 
 async def measure_breakdown(policy: str, num: int = 3000) -> dict[str, float]:
     """Median µs of each stage of the guarded path, timed alone (after a warm-up)."""
-    from guard.pricing import headers_from_scope
+    from guard.body import headers_from_scope
 
     guard = _guarded(policy)
     await _drive(guard, 200, [])

@@ -65,15 +65,14 @@ from guard.admission_queue import AdmissionQueue
 from guard.background import Background
 from guard.budget.store import BudgetStore, Denied, Grant
 from guard.config import GuardConfig, TenantConfig
-from guard.drain_rate import DrainRate
+from guard.errors import ClientDisconnected, PricingError
 from guard.metrics import GaugeValues, GuardMetrics
-from guard.pricing import ClientDisconnected, PricedRequest, Pricer, PricingError, tokenizer_counter
-from guard.rejecter import Rejecter
-from guard.rejection import Rejection, RetryAdvisor
+from guard.pricing import PricedRequest, Pricer, tokenizer_counter
 from guard.release import ReleaseListeners
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import StatePoller, StateSource
 from guard.retry_ratio import RetryRatio
+from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
 from guard.ticket import Ticket, TicketBook
 from guard.trace import TraceWriter
 from policies import make_policy

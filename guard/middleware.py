@@ -30,13 +30,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from guard.admission import Admission
+from guard.body import headers_from_scope, read_body
 from guard.config import GuardConfig, load_config
 from guard.controller import AdmissionController
-from guard.pricing import Pricer, headers_from_scope, read_body
-from guard.rejection import send_rejection
+from guard.pricing import Pricer
 from guard.relay import relay
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import AsgiStateSource
+from guard.shedding import send_rejection
 from guard.trace import TraceWriter
 
 __all__ = ["AdmissionMiddleware", "GUARD_METRICS_PATH", "LOCAL_REPLICA"]

@@ -1,10 +1,6 @@
-"""Request pricing: read the body under a byte limit, validate it, and price it in tokens and blocks.
+"""Request pricing: validate a body and price it in tokens and blocks.
 
-Exceptions (the whole tree)::
-
-    PricingError(status, reason, message, param)   never servable: 400 / 413, x-should-retry false
-      └─ BodyTooLarge                              413, raised before the rest is buffered
-    ClientDisconnected                             the client went away while we read its body
+A request that can never be served as sent raises :class:`guard.errors.PricingError`.
 
 Prompt tokens are counted exactly for token-id prompts, with the injected tokenizer (a callable
 ``text -> int``) when there is one, else estimated as ``ceil(chars / chars_per_token)`` where
@@ -17,23 +13,19 @@ import json
 import math
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from guard.config import GuardConfig, TenantConfig
+from guard.errors import PricingError
 from policies.cost import RequestClass, RequestCost
 
 __all__ = [
     "PRICED_PATHS",
-    "BodyTooLarge",
-    "ClientDisconnected",
     "PricedRequest",
     "Pricer",
-    "PricingError",
     "RecentKeys",
-    "headers_from_scope",
-    "read_body",
     "tokenizer_counter",
 ]
 
@@ -47,59 +39,6 @@ MIN_CHARS_PER_TOKEN, MAX_CHARS_PER_TOKEN = 1.0, 8.0
 CALIBRATION_DECAY = 0.02  # weight of each new usage observation in the decayed sums
 CALIBRATION_PRIOR_TOKENS = 200.0  # the initial ratio counts as this many observed tokens
 MIN_OUTPUT_SAMPLES = 8  # completions of a class before its learned output length is used
-
-
-class PricingError(Exception):
-    """A request that can never be served as sent (400, or 413 for an oversized body)."""
-
-    def __init__(self, status: int, reason: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-        self.message = message
-        self.param = param
-
-
-class BodyTooLarge(PricingError):
-    def __init__(self, max_bytes: int):
-        super().__init__(413, "body_too_large", f"request body exceeds {max_bytes} bytes")
-
-
-class ClientDisconnected(Exception):
-    """The client disconnected before its request body was complete."""
-
-
-Receive = Callable[[], Awaitable[dict]]
-
-
-async def read_body(receive: Receive, max_bytes: int, content_length: int | None = None) -> bytes:
-    """The whole ASGI request body; BodyTooLarge as soon as it passes ``max_bytes``.
-
-    A declared ``content_length`` over the limit is refused before anything is read.
-    """
-    if content_length is not None and content_length > max_bytes:
-        raise BodyTooLarge(max_bytes)
-    chunks: list[bytes] = []
-    total = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnected()
-        chunk = message.get("body", b"")
-        total += len(chunk)
-        if total > max_bytes:
-            raise BodyTooLarge(max_bytes)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def headers_from_scope(scope: Mapping[str, Any]) -> dict[str, str]:
-    """ASGI ``scope["headers"]`` as a dict of lower-case names (last value wins)."""
-    headers = {}  # a plain loop: a comprehension is one more call per request
-    for name, value in scope.get("headers", ()):
-        headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-    return headers
 
 
 def tokenizer_counter(path: str) -> Callable[[str], int]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httpx
 
 from guard.config import ReplicaConfig
+from guard.errors import StateUnavailable
 
 if TYPE_CHECKING:  # load_state re-exports this module's names
     from guard.replicas.load_state import LoadState
@@ -36,10 +37,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class StateUnavailable(RuntimeError):
-    """The replica answered, but it publishes no load state (404, or not a JSON object)."""
 
 
 class StateSource(Protocol):

@@ -9,8 +9,8 @@ from guard.admission import Admission
 from guard.budget.store import Denied, Grant
 from guard.config import GuardConfig, hash_api_key
 from guard.controller import AdmissionController
-from guard.rejection import Rejection
 from guard.replicas.load_state import LoadState
+from guard.shedding import Rejection
 from tests.support.admission import FakeClock, SlotPolicy, state_doc
 
 ACME = {"tenants": ({"name": "acme", "api_key": "sk-acme"},)}

@@ -7,15 +7,12 @@ import time
 
 import pytest
 
+from guard.body import headers_from_scope, read_body
 from guard.config import GuardConfig, TenantConfig
+from guard.errors import BodyTooLarge, ClientDisconnected, PricingError
 from guard.pricing import (
-    BodyTooLarge,
-    ClientDisconnected,
     Pricer,
-    PricingError,
     RecentKeys,
-    headers_from_scope,
-    read_body,
     tokenizer_counter,
 )
 
