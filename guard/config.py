@@ -149,7 +149,6 @@ class GuardConfig:
     policy_params: Mapping[str, Any] = field(default_factory=dict)
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
-    default_expected_output_tokens: int = 128
     max_queue_len: int = 512
     max_queue_wait_s: float = 30.0
     refresh_interval_s: float = 0.1
@@ -238,7 +237,7 @@ class GuardConfig:
                 raise ValueError(f"tenants[{t.name!r}].default_class: unknown class {t.default_class!r}")
 
     def _check_numbers(self) -> None:
-        for name in ("max_body_bytes", "default_max_tokens", "default_expected_output_tokens",
+        for name in ("max_body_bytes", "default_max_tokens",
                      "max_queue_len", "unhealthy_after_errors", "max_idempotency_keys",
                      "max_tenant_labels"):
             value = getattr(self, name)
@@ -404,7 +403,7 @@ _SCALAR_FIELDS: dict[str, tuple[type, bool]] = {
     "default_class": (str, False), "allow_anonymous": (bool, False),
     "anonymous_may_choose_class": (bool, False), "policy": (str, False),
     "max_body_bytes": (int, False), "default_max_tokens": (int, False),
-    "default_expected_output_tokens": (int, False), "max_queue_len": (int, False),
+    "max_queue_len": (int, False),
     "max_queue_wait_s": (float, False), "refresh_interval_s": (float, False),
     "max_staleness_s": (float, False), "state_timeout_s": (float, False),
     "unhealthy_after_errors": (int, False), "tokenizer": (str, True),

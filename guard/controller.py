@@ -113,6 +113,7 @@ class AdmissionController:
         if tokenizer is None and config.tokenizer is not None:
             tokenizer = _tokenizer_from(config.tokenizer)
         self.pricer = pricer if pricer is not None else Pricer(config, tokenizer)
+        self.load_state.on_preemptions = lambda _replica, num: self.pricer.observe_preemptions(num)
         self.queue = AdmissionQueue(config.max_queue_len, self.clock)
         self.drain_rate = DrainRate()
         if trace is None and config.trace_path:

@@ -194,7 +194,7 @@ class Pricer:
             self._outputs[class_name] = [1, float(num_output_tokens)]
             return
         n = learned[0] = learned[0] + 1
-        weight = max(1.0 / n, 0.05)  # a plain mean at first, then an EWMA that tracks drift
+        weight = max(1.0 / n, 0.05) if n > 1 else 0.5  # after a reset the old mean counts half  # a plain mean at first, then an EWMA that tracks drift
         learned[1] += weight * (num_output_tokens - learned[1])
 
     def observe_completion(self, priced: PricedRequest, num_prompt_tokens: int | None,
@@ -207,10 +207,20 @@ class Pricer:
             self.observe_output(priced.cost.request_class.name, num_output_tokens)
 
     def expected_output_tokens(self, class_name: str, max_tokens: int) -> int:
+        """``max_tokens`` until the class has ``MIN_OUTPUT_SAMPLES`` completions (KV cost is
+        never underestimated before anything is learned), then the learned mean, capped."""
         learned = self._outputs.get(class_name)
         if learned is None or learned[0] < MIN_OUTPUT_SAMPLES:
-            return min(max_tokens, self._config.default_expected_output_tokens)
+            return max_tokens
         return max(1, min(max_tokens, round(learned[1])))
+
+    def observe_preemptions(self, num_new: int) -> None:
+        """A replica preempted ``num_new`` sequences: the learned output lengths let the guard
+        admit more than fits, so every class goes back to ``max_tokens`` until it has
+        ``MIN_OUTPUT_SAMPLES`` fresh completions (the learned mean is kept as their start)."""
+        if num_new > 0:
+            for learned in self._outputs.values():
+                learned[0] = 0
 
     # --- pricing ----------------------------------------------------------------------------
 

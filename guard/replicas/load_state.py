@@ -67,6 +67,7 @@ class _Replica:
     base: ReplicaSnapshot | None = None  # the replica's own state, without reservations
     last_batch_id: int = -1
     last_step_count: int = -1
+    num_preemptions: int | None = None  # the replica's counter at the last refresh
     previous_observed_s: float = float("-inf")
     combined: ReplicaSnapshot | None = None  # base + reservations, rebuilt lazily when dirty
 
@@ -96,6 +97,8 @@ class LoadState:
         self._books: dict[str, ReplicaReservations] = {}  # per replica id, made on first reserve
         self._step_time: StepTimeModel | None = None  # the mean model, reset on every update
         self._snapshots: tuple[ReplicaSnapshot, ...] | None = None  # every replica's, until dirty
+        # called with (replica id, new preemptions) when a replica's counter rises
+        self.on_preemptions: Callable[[str, int], None] | None = None
 
     # --- replica state -----------------------------------------------------------------------
 
@@ -121,6 +124,7 @@ class LoadState:
         listed = {s["request_id"] for s in (*state["running"], *state["waiting"])}
         base = kvguard_snapshot(replica_id, state, now_s, self._our_cost)
         self._feed_iterations(replica, state)
+        self._count_preemptions(replica_id, replica, state.get("num_preemptions"))
         book = self._books.get(replica_id)
         if book is not None:
             for request_id, reservation in list(book.pending.items()):
@@ -131,6 +135,14 @@ class LoadState:
     def _our_cost(self, request_id: str) -> RequestCost | None:
         reservation = self._reservations.get(request_id)
         return reservation.cost if reservation is not None else None
+
+    def _count_preemptions(self, replica_id: str, replica: _Replica, counter: Any) -> None:
+        """Report a rise of the replica's preemption counter (a restart resets the baseline)."""
+        if not isinstance(counter, int) or isinstance(counter, bool):
+            return
+        previous, replica.num_preemptions = replica.num_preemptions, counter
+        if previous is not None and counter > previous and self.on_preemptions is not None:
+            self.on_preemptions(replica_id, counter - previous)
 
     def _feed_iterations(self, replica: _Replica, state: Mapping[str, Any]) -> None:
         step_count = int(state.get("step_count", -1))

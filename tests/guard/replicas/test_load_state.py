@@ -403,3 +403,13 @@ def test_drain_rate_over_sliding_window():
     assert rate.rate_rps(200.5) == pytest.approx(0.5)
     with pytest.raises(ValueError):
         DrainRate(window_s=0)
+
+
+def test_rising_preemption_counter_is_reported():
+    from tests.support.admission import state_doc
+
+    state, seen = LoadState(), []
+    state.on_preemptions = lambda replica_id, num: seen.append((replica_id, num))
+    for counter in (5, 5, 7, 0, 2):  # the first is a baseline; 0 is a restart
+        state.update_from_kvguard_state("r0", {**state_doc(), "num_preemptions": counter}, 1.0)
+    assert seen == [("r0", 2), ("r0", 2)]
