@@ -31,6 +31,7 @@ from guard.ticket import TicketBook
 from guard.trace import TraceWriter, rejection_record
 from policies.cost import RequestCost
 from policies.decision import Shed
+from policies.shed_reasons import NEVER_RETRY, RETRY_SHED
 
 __all__ = ["DrainRate", "Rejecter", "Rejection", "RetryAdvisor", "client_timeout_s",
            "error_type", "send_rejection"]
@@ -64,6 +65,8 @@ class Rejection:
             raise ValueError("rejection needs a machine-readable reason")
         if self.retry_after_s is not None and self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.retry_after_s is not None and not self.should_retry:
+            raise ValueError("a rejection advises a wait only together with should_retry")
 
     def body(self) -> bytes:
         error = {"message": self.message, "type": error_type(self.status),
@@ -96,10 +99,10 @@ async def send_rejection(send: Send, rejection: Rejection,
 
 
 class RetryAdvisor:
-    """Retry-After from the drain rate: ``(num_ahead + 1) / drain_rate_rps`` with ±jitter.
+    """The wait before a retry can be served: the queue's drain estimate (never less than the
+    policy's own estimate), jittered upwards so retries spread out but never come early.
 
-    With no measured drain rate yet it falls back to ``fallback_s`` (the caller passes a
-    measured service time when it has one). The RNG is injected so tests are exact.
+    The RNG is injected so tests are exact.
     """
 
     def __init__(self, rng: random.Random, jitter_ratio: float = 0.2,
@@ -113,24 +116,35 @@ class RetryAdvisor:
         self.min_s = min_s
         self.max_s = max_s
 
+    @staticmethod
+    def queue_drain_s(*, num_ahead: int, drain_rate_rps: float, num_in_flight: int = 0,
+                      service_s: float = 1.0, expected_free_s: float | None = None) -> float:
+        """When the ``num_ahead + 1``-th slot frees: the largest of the measured drain rate's
+        ``(num_ahead + 1) / drain_rate_rps``, the in-flight turnover's
+        ``(num_ahead + 1) * service_s / num_in_flight`` (known from the first request on, before
+        any completion is measured) and ``expected_free_s`` (a batch finishing together makes
+        the average rate understate the wait); ``(num_ahead + 1) * service_s`` with none."""
+        ahead = max(0, num_ahead) + 1
+        estimates = []
+        if drain_rate_rps > 0:
+            estimates.append(ahead / drain_rate_rps)
+        if num_in_flight > 0:
+            estimates.append(ahead * service_s / num_in_flight)
+        if expected_free_s is not None:
+            estimates.append(expected_free_s)
+        return max(estimates) if estimates else ahead * service_s
+
     def retry_after_s(self, *, num_ahead: int, drain_rate_rps: float,
                       policy_retry_after_s: float | None = None,
-                      expected_free_s: float | None = None, fallback_s: float = 1.0) -> float:
-        """The jittered wait before a retry can be served.
-
-        The policy's own estimate wins. Otherwise the larger of two measurements: the drain
-        rate's ``(num_ahead + 1) / drain_rate_rps`` and ``expected_free_s``, when a slot is
-        expected to free from the in-flight requests' measured service time (completions come
-        in bursts when a batch finishes together, and the average rate then understates the
-        wait). ``fallback_s`` only when neither is known.
-        """
+                      expected_free_s: float | None = None, num_in_flight: int = 0,
+                      service_s: float = 1.0) -> float:
+        """The jittered wait: at least :meth:`queue_drain_s` and the policy's estimate."""
+        base_s = self.queue_drain_s(num_ahead=num_ahead, drain_rate_rps=drain_rate_rps,
+                                    num_in_flight=num_in_flight, service_s=service_s,
+                                    expected_free_s=expected_free_s)
         if policy_retry_after_s is not None:
-            base_s = policy_retry_after_s
-        else:
-            drain_s = (max(0, num_ahead) + 1) / drain_rate_rps if drain_rate_rps > 0 else None
-            known = [w for w in (drain_s, expected_free_s) if w is not None]
-            base_s = max(known) if known else fallback_s
-        jitter = 1.0 + self._rng.uniform(-self.jitter_ratio, self.jitter_ratio)
+            base_s = max(base_s, policy_retry_after_s)
+        jitter = 1.0 + self._rng.uniform(0.0, self.jitter_ratio)
         return min(self.max_s, max(self.min_s, base_s * jitter))
 
     @staticmethod
@@ -174,6 +188,10 @@ class DrainRate:
         return len(self._times_s) / span_s
 
 
+_NO_RETRY_MESSAGES = {
+    RETRY_SHED: "The service is overloaded and sheds retries first; do not retry this request.",
+    None: "The service cannot serve this request within its latency objective; do not retry.",
+}
 _SHED_MESSAGES = {
     429: "Rate limit reached for this tenant; retry after the indicated time.",
     503: "The service is overloaded; retry after the indicated time.",
@@ -207,23 +225,35 @@ class Rejecter:
                                  "as sent: it does not fit any replica.")
             return self.reject_early(cost.request_id, cost.tenant, cost.arrival_s,
                                      error, cost.request_class.name, counted=True)
-        num_ahead = len(self._queue)
-        wait_s = self._retry_advisor.retry_after_s(
-            num_ahead=num_ahead, drain_rate_rps=self._drain_rate.rate_rps(now_s),
-            policy_retry_after_s=shed.retry_after_s,
-            expected_free_s=self._expected_free_s(now_s, num_ahead),
-            fallback_s=self._service_s())
-        remaining_s = client_timeout_s(headers, self._config.deadline_header)
-        if remaining_s is not None:
-            remaining_s -= now_s - cost.arrival_s
-        should_retry = shed.should_retry and RetryAdvisor.should_retry(wait_s, remaining_s)
+        wait_s = self.advise(cost, shed, headers, now_s)
         message = _SHED_MESSAGES.get(shed.status, _SHED_MESSAGES[503])
-        rejection = Rejection(shed.status, shed.reason, message, wait_s, should_retry)
+        if wait_s is None:
+            message = _NO_RETRY_MESSAGES.get(shed.reason, _NO_RETRY_MESSAGES[None])
+        rejection = Rejection(shed.status, shed.reason, message, wait_s, wait_s is not None)
         self._metrics.rejected(cost.request_class.name, cost.tenant, shed.reason).inc()
         if self.trace is not None:
             self.trace.write(rejection_record(cost.request_id, cost.tenant, cost.request_class.name,
                                                cost.arrival_s, now_s, enqueue_s, shed.status, shed.reason))
         return rejection
+
+    def advise(self, cost: RequestCost, shed: Shed, headers: dict[str, str],
+               now_s: float) -> float | None:
+        """The one place retry advice is computed: the wait to advertise, or None for "do not
+        retry" (the policy says never, the reason is one a retry cannot help, or the wait
+        outlasts the client's own deadline)."""
+        if not shed.should_retry or shed.reason in NEVER_RETRY:
+            return None
+        num_ahead = len(self._queue)
+        service_s = self._service_s()
+        wait_s = self._retry_advisor.retry_after_s(
+            num_ahead=num_ahead, drain_rate_rps=self._drain_rate.rate_rps(now_s),
+            policy_retry_after_s=shed.retry_after_s,
+            expected_free_s=self._expected_free_s(now_s, num_ahead, service_s),
+            num_in_flight=self._tickets.num_held, service_s=service_s)
+        remaining_s = client_timeout_s(headers, self._config.deadline_header)
+        if remaining_s is not None:
+            remaining_s -= now_s - cost.arrival_s
+        return wait_s if RetryAdvisor.should_retry(wait_s, remaining_s) else None
 
     def deny(self, cost: RequestCost, reason: str, retry_after_s: float | None) -> Rejection:
         """The tenant's budget said no (429): a wait only when the store gave one."""
@@ -235,16 +265,15 @@ class Rejecter:
                          "This request exceeds the tenant's budget and can never fit it.",
                          retry_after_s, retry_after_s is not None)
 
-    def _expected_free_s(self, now_s: float, num_ahead: int) -> float | None:
+    def _expected_free_s(self, now_s: float, num_ahead: int, service_s: float) -> float | None:
         """When the ``num_ahead + 1``-th in-flight request is expected to finish, from each
-        ticket's dispatch time and the measured service time; None with nothing in flight."""
+        ticket's dispatch time and the measured service time; None with nothing in flight or
+        more requests ahead than in flight (the turnover estimate covers that)."""
         held = self._tickets.held()
-        if not held:
+        if not held or num_ahead >= len(held):
             return None
-        service_s = self._service_s()
         finishes_s = sorted(t.dispatch_s + service_s for t in held)
-        index = min(num_ahead, len(finishes_s) - 1)
-        return max(0.0, finishes_s[index] - now_s)
+        return max(0.0, finishes_s[num_ahead] - now_s)
 
     def reject_early(self, request_id: str, tenant: TenantConfig | str | None,
                      arrival_s: float, error: PricingError, class_name: str | None = None,
