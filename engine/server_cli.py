@@ -9,6 +9,12 @@ exits at once.
 its only required argument (repeatable; the first listed is the outermost). ``--guard CONFIG``
 is shorthand for ``--middleware guard.middleware:AdmissionMiddleware`` with ``KVGUARD_CONFIG``
 set to CONFIG, mounted outermost; the engine package itself never imports ``guard``.
+
+Slow or greedy clients are bounded by ``serving.ServerLimits`` (``--header-timeout-s``,
+``--body-timeout-s``, ``--keep-alive-timeout-s``, ``--max-connections``,
+``--max-connections-per-client``); connections it closes are counted in
+``kvguard_engine_connections_closed_total{reason}``. Writes to clients that went away are
+counted and summarised in one log line a minute, not logged one by one.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import os
 import signal
 import socket
 import sys
+
+from serving import add_limit_arguments, install_send_error_filter, limits_from_args
 
 __all__ = ["configure", "run", "load_middleware"]
 
@@ -57,6 +65,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "the guard's max_body_bytes)")
     parser.add_argument("--shutdown-timeout-s", type=float, default=10.0)
     parser.add_argument("--log-level", default="warning")
+    add_limit_arguments(parser)
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -193,14 +202,15 @@ def _server_class():
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
     from prometheus_client import CollectorRegistry
 
     from engine.async_engine import AsyncEngine
     from engine.metrics import EngineMetrics
     from engine.server import build_app
     from engine.trace import TraceWriter
+    from serving.limited_protocol import ConnectionTable, uvicorn_config
 
+    limits = limits_from_args(args)
     specs = list(args.middleware)
     if args.guard is not None:
         os.environ["KVGUARD_CONFIG"] = args.guard
@@ -226,8 +236,11 @@ def run(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on",
+    table = ConnectionTable(limits, on_close=metrics.record_connection_closed)
+    config = uvicorn_config(app, table, log_level=args.log_level, access_log=False,
+                            lifespan="on",
                             timeout_graceful_shutdown=max(1, int(args.shutdown_timeout_s)))
+    install_send_error_filter()
     server = _server_class()(config, async_engine, args.shutdown_timeout_s, url)
     try:
         server.run(sockets=[sock])
