@@ -124,7 +124,9 @@ class _Replica:
                                            model_name=self.model_name, tokenizer=self.tokenizer,
                                            max_model_len=self.max_model_len,
                                            max_pool_tokens=self.max_pool_tokens)
-            timeline = RequestTimeline(request_id, arrival_s=arrival_s, stream=gen.stream)
+            tokens = [] if self.trace is not None and gen.stream else None
+            timeline = RequestTimeline(request_id, arrival_s=arrival_s, stream=gen.stream,
+                                       tokens=tokens)
             stream = await self.engine.add_request(request_id, list(gen.prompt_token_ids),
                                                    gen.params, priority=gen.priority,
                                                    timeline=timeline)
@@ -180,7 +182,10 @@ class _Replica:
                      outcome: _Outcome) -> AsyncIterator:
         """Text pieces of one request; sets ``outcome`` when the request finished."""
         text = TextStream(self.tokenizer, gen.stop)
+        timeline = stream.timeline  # per-token records only while tracing a stream
         async for out in stream:
+            if timeline.tokens is not None:
+                timeline.token_handed(out, self.clock())
             piece = text.push(out.new_token_ids, out.finished)
             outcome.num_output_tokens = out.num_output_tokens
             if piece.finish_reason is None and out.finished:
@@ -347,6 +352,8 @@ class _SSEResponse(Response):
                 if self.replica.trace is not None and self.stream.timeline.first_byte_s is None:
                     self.stream.timeline.first_byte_s = self.replica.clock()
                 await self._body(send, fmt.piece(piece))
+                if self.stream.timeline.tokens is not None:
+                    self.stream.timeline.token_written(self.replica.clock())
         except EngineStepError as exc:
             outcome.finish_reason = "error"
             await self._body(send, fmt.error(ApiError(500, str(exc), type="server_error",
