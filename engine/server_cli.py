@@ -1,9 +1,10 @@
 """``kvguard engine``: serve one engine replica over OpenAI-compatible HTTP.
 
 Prints ``kvguard engine listening on http://HOST:PORT`` once it accepts connections (``--port 0``
-prints the port the OS chose). SIGTERM/SIGINT: stop admitting (new requests get 503), let
-in-flight requests finish for ``--shutdown-timeout-s``, abort the rest, exit 0; a second signal
-exits at once.
+prints the port the OS chose). SIGTERM/SIGINT: first run the drain hooks that middleware
+registered (``serving.drain_hooks``: the guard stops admitting and lets its streams finish),
+then stop admitting (new requests get 503), let in-flight requests finish for
+``--shutdown-timeout-s``, abort the rest, exit 0; a second signal exits at once.
 
 ``--middleware module:Class`` wraps the app with any ASGI middleware class taking ``app`` as
 its only required argument (repeatable; the first listed is the outermost). ``--guard CONFIG``
@@ -160,9 +161,11 @@ def _server_class():
     class ReplicaServer(uvicorn.Server):
         """uvicorn with a drain-first shutdown and the readiness line."""
 
-        def __init__(self, config, async_engine, shutdown_timeout_s: float, url: str) -> None:
+        def __init__(self, config, async_engine, shutdown_timeout_s: float, url: str,
+                     drain_hooks) -> None:
             super().__init__(config)
             self.async_engine = async_engine
+            self.drain_hooks = drain_hooks
             self.shutdown_timeout_s = shutdown_timeout_s
             self.url = url
             self._drain: asyncio.Task | None = None
@@ -185,8 +188,14 @@ def _server_class():
             self._drain = asyncio.ensure_future(self._drain_then_exit())
 
         async def _drain_then_exit(self) -> None:
+            loop = asyncio.get_running_loop()
+            deadline_s = loop.time() + self.shutdown_timeout_s
+            try:  # the guard (a drain hook) stops admitting first, then the engine drains
+                await asyncio.wait_for(self.drain_hooks.run_hooks(), self.shutdown_timeout_s)
+            except asyncio.TimeoutError:
+                pass
             try:
-                num_aborted = await self.async_engine.shutdown(self.shutdown_timeout_s)
+                num_aborted = await self.async_engine.shutdown(max(0.0, deadline_s - loop.time()))
                 if num_aborted:
                     print(f"kvguard engine: aborted {num_aborted} request(s) at shutdown",
                           file=sys.stderr, flush=True)
@@ -208,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.metrics import EngineMetrics
     from engine.server import build_app
     from engine.trace import TraceWriter
+    from serving.drain_hooks import DrainHooks
     from serving.limited_protocol import ConnectionTable, uvicorn_config
 
     limits = limits_from_args(args)
@@ -233,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes)
     for middleware in reversed(middlewares):
         app.add_middleware(middleware)
+    app = DrainHooks(app)  # outermost: it publishes the hook list in the lifespan state
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -241,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
                             lifespan="on",
                             timeout_graceful_shutdown=max(1, int(args.shutdown_timeout_s)))
     install_send_error_filter()
-    server = _server_class()(config, async_engine, args.shutdown_timeout_s, url)
+    server = _server_class()(config, async_engine, args.shutdown_timeout_s, url, app)
     try:
         server.run(sockets=[sock])
     finally:
