@@ -63,6 +63,7 @@ from prometheus_client import CollectorRegistry
 from guard.admission import Admission
 from guard.admission_queue import AdmissionQueue
 from guard.background import Background
+from guard.budget.factory import build_budget_store
 from guard.budget.store import BudgetStore, Denied, Grant
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import ClientDisconnected, PricingError
@@ -90,7 +91,8 @@ class AdmissionController:
 
     Collaborators may be injected (tests, the bench): ``policy``, ``load_state``, ``pricer``,
     ``rng`` (Retry-After jitter), ``trace``, ``tokenizer`` (else ``config.tokenizer``),
-    ``budget`` (a :class:`~guard.budget.store.BudgetStore`; None: no tenant budgets).
+    ``budget`` (a :class:`~guard.budget.store.BudgetStore`; None: the store the config asks for,
+    see :func:`guard.budget.build_budget_store` — none at all when no tenant has a budget).
     """
 
     def __init__(self, config: GuardConfig, sources: Mapping[str, StateSource] | None = None, *,
@@ -99,7 +101,8 @@ class AdmissionController:
                  tokenizer: Callable[[str], int] | None = None, policy: Any = None,
                  load_state: LoadState | None = None, pricer: Pricer | None = None,
                  rng: random.Random | None = None, trace: TraceWriter | None = None,
-                 budget: BudgetStore | None = None, budget_lease_s: float = 30.0) -> None:
+                 budget: BudgetStore | None = None, budget_lease_s: float | None = None) -> None:
+        budget_lease_s = config.budget.lease_s if budget_lease_s is None else budget_lease_s
         if budget_lease_s <= 0:
             raise ValueError(f"budget_lease_s: must be > 0, got {budget_lease_s!r}")
         self.config = config
@@ -136,6 +139,10 @@ class AdmissionController:
         self._limits: tuple[int | None, int] = (None, 16)  # (max_model_len, block_size)
         self._sources = dict(sources) if sources is not None else None
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # run by aclose (owned clients)
+        if budget is None:  # the store the config asks for (None: no tenant has a budget)
+            budget = self.budget = build_budget_store(config, self.clock, self.registry)
+            if budget is not None:
+                self.on_close.append(budget.aclose)
         self.background = Background(lambda: self.queue.run(self._decide),
                                      self._make_poller if self._sources else None,
                                      self._update_limits, self._housekeeping)

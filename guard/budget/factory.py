@@ -35,7 +35,4 @@ def build_budget_store(config: GuardConfig, clock: Callable[[], float],
         if metrics is not None:
             metrics.watch_remaining(store.remaining_by_tenant)
         return store
-    fallback = FallbackStore(config.redis_url, config.budget_limits, config.budget, clock, metrics)
-    if metrics is not None:
-        metrics.watch_remaining(fallback.remaining_tokens)
-    return fallback
+    return FallbackStore(config.redis_url, config.budget_limits, config.budget, clock, metrics)

@@ -76,6 +76,8 @@ class FallbackStore:
         self._shares: dict[str, BudgetLimits] = {}
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        if metrics is not None:
+            metrics.watch_remaining(self.remaining_tokens)
 
     @property
     def backend(self) -> str:

@@ -160,3 +160,31 @@ def test_grants_made_locally_are_settled_locally_after_recovery():
         run(go())
     finally:
         server.kill()
+
+
+def test_metrics_rtt_reclaimed_leases_and_bounded_remaining_tokens():
+    server = RedisServer().start()
+    registry = CollectorRegistry()
+
+    async def go():
+        config = BudgetConfig(**SETTINGS)
+        store = FallbackStore(server.url, lambda t: BudgetLimits(tokens_per_minute=1000), config,
+                              time.monotonic, BudgetMetrics(registry, max_tenant_labels=2))
+        store.start()
+        await until(lambda: store.backend == "redis")
+        assert isinstance(await store.reserve("a", 100, 0.3), Grant)  # never renewed
+        await asyncio.sleep(0.5)
+        for tenant in ("a", "b", "c"):
+            assert isinstance(await store.reserve(tenant, 10, 5.0), Grant)
+        assert registry.get_sample_value("kvguard_budget_lease_expiries_reclaimed_total") == 1
+        assert registry.get_sample_value("kvguard_budget_redis_rtt_seconds_count") >= 4
+        assert registry.get_sample_value("kvguard_budget_live_guards") == 1
+        remaining = {t: registry.get_sample_value("kvguard_budget_remaining_tokens", {"tenant": t})
+                     for t in ("a", "b", "c")}
+        assert remaining["a"] is not None and 985 <= remaining["a"] <= 1000
+        assert sum(v is not None for v in remaining.values()) == 2  # bounded label set
+        await store.aclose()
+    try:
+        run(go())
+    finally:
+        server.kill()

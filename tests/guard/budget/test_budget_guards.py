@@ -18,8 +18,6 @@ from redis_servers import RedisServer, free_port
 from guard.budget.keys import tenant_keys
 
 pytestmark = pytest.mark.slow
-# the guard builds its budget store from the config in the AdmissionController
-pytest.importorskip("guard.controller")
 
 SERVER = Path(__file__).with_name("guarded_server.py")
 PROMPT_TOKENS, MAX_TOKENS = 10, 20  # usage: 10 prompt + 5 completion (guarded_server.py)
