@@ -193,3 +193,23 @@ def test_redis_killed_mid_window_local_share_then_back_on_redis(tmp_path, redis_
         assert statuses.count(200) == 30 and int(server.cli("exists", tenant_keys("acme")[0])) == 1
     finally:
         guards.stop()
+
+
+def test_redis_hung_guards_keep_answering_then_sigcont_brings_redis_back(tmp_path,
+                                                                        redis_for_guards):
+    server = redis_for_guards
+    guards = Guards(write_config(tmp_path / "guard.toml", server.url, "requests_per_minute = 1000"),
+                    hold_s=0.1)
+    try:
+        guards.wait_backend("redis")
+        server.signal(signal.SIGSTOP)  # hung: connections open, nothing answers
+        try:
+            hung = asyncio.run(burst(guards.urls(), 60))
+            assert hung.count(200) == 60  # served on the local share, nobody stuck on Redis
+            guards.wait_backend("local")
+        finally:
+            server.signal(signal.SIGCONT)
+        guards.wait_backend("redis")
+        assert asyncio.run(burst(guards.urls(), 30)).count(200) == 30
+    finally:
+        guards.stop()
