@@ -68,10 +68,10 @@ from guard.config import GuardConfig, TenantConfig
 from guard.errors import ClientDisconnected, PricingError
 from guard.metrics import GaugeValues, GuardMetrics
 from guard.pricing import PricedRequest, Pricer, tokenizer_counter
-from guard.request_rules import ReplicaRules
 from guard.release import ReleaseListeners
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import StatePoller, StateSource
+from guard.request_rules import ReplicaRules
 from guard.retry_ratio import RetryRatio
 from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
 from guard.ticket import Ticket, TicketBook
