@@ -4,8 +4,9 @@ policies/ import (torch and the engine's parsers are the ``engine`` extra)."""
 import ast
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+from guard.config import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST_NAMES = {"prometheus_client": "prometheus-client"}
