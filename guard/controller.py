@@ -220,6 +220,8 @@ class AdmissionController:
                                     enqueue_s=enqueue_s, priced=priced, grant=grant)
         if client_gone is not None and enqueue_s is not None and client_gone().done():
             ticket.on_disconnect()  # admitted in the same instant the client left
+        if self.trace is not None:
+            ticket.chunks_s = []  # when each content chunk went out, for the trace
         return Admission(ticket, priced.forward_body(), self.clock,
                          self.metrics.histograms(cost.request_class.name).itl)
 
