@@ -41,7 +41,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package
+    import tomli as tomllib
 
 from guard.budget.config import LIMIT_KEYS, BudgetConfig
 from guard.budget.store import BudgetLimits
@@ -169,7 +172,6 @@ class GuardConfig:
     replicas: tuple[ReplicaConfig, ...] = ()
     tokenizer: str | None = None  # a tokenizer.json path (guard.pricing.tokenizer_counter)
     initial_chars_per_token: float = 4.0
-    retry_shed_ratio: float = 0.10
     idempotency_ttl_s: float = 600.0
     max_idempotency_keys: int = 100_000
     trace_path: str | None = None
@@ -265,9 +267,6 @@ class GuardConfig:
         _positive("initial_chars_per_token", self.initial_chars_per_token)
         if not 1.0 <= self.initial_chars_per_token <= 8.0:
             raise ValueError("initial_chars_per_token: must be within [1, 8]")
-        ratio = self.retry_shed_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"retry_shed_ratio: must be within [0, 1], got {ratio!r}")
 
     # --- lookups used on the request path -------------------------------------------------
 
@@ -439,8 +438,7 @@ _SCALAR_FIELDS: dict[str, tuple[type, bool]] = {
     "max_queue_wait_s": (float, False), "refresh_interval_s": (float, False),
     "max_staleness_s": (float, False), "state_timeout_s": (float, False),
     "unhealthy_after_errors": (int, False), "tokenizer": (str, True),
-    "initial_chars_per_token": (float, False), "retry_shed_ratio": (float, False),
-    "idempotency_ttl_s": (float, False), "max_idempotency_keys": (int, False),
+    "initial_chars_per_token": (float, False), "idempotency_ttl_s": (float, False), "max_idempotency_keys": (int, False),
     "trace_path": (str, True), "max_tenant_labels": (int, False), "redis_url": (str, True),
     "class_header": (str, False), "deadline_header": (str, False),
 }
