@@ -20,6 +20,7 @@ from typing import Any
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import PricingError
 from policies.cost import RequestClass, RequestCost
+from serving.json_body import MAX_JSON_DEPTH, nesting_depth_exceeds
 
 __all__ = [
     "PRICED_PATHS",
@@ -112,8 +113,13 @@ def _is_number(value: Any) -> bool:
 
 def _parse(body: dict | bytes) -> dict:
     if isinstance(body, (bytes, bytearray)):
+        if nesting_depth_exceeds(body, MAX_JSON_DEPTH):  # json recurses per level
+            raise _bad(f"request body nests deeper than {MAX_JSON_DEPTH} levels",
+                       reason="invalid_json")
         try:
             body = _loads(body)
+        except RecursionError:  # a backstop behind the depth check
+            raise _bad("request body nests too deeply", reason="invalid_json") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise _bad(f"request body is not valid JSON: {exc}", reason="invalid_json") from None
     if not isinstance(body, dict):
@@ -132,6 +138,15 @@ def _loads(body: bytes | bytearray) -> Any:
         return _JSON_DECODER.decode(body.decode())  # json.loads(text) minus its wrapper
     except ValueError:
         return json.loads(body)
+
+
+def _overflow_param(data: dict, num_prompt_tokens: int, max_model_len: int) -> str:
+    """The field to blame for a request over the context: the prompt when it fills the context
+    by itself, else the completion limit the client asked for."""
+    if num_prompt_tokens >= max_model_len:
+        return "messages" if "messages" in data else "prompt"
+    return "max_completion_tokens" if data.get("max_completion_tokens") is not None \
+        else "max_tokens"
 
 
 def _optional_int(body: dict, name: str, minimum: int) -> int | None:
@@ -278,8 +293,7 @@ class Pricer:
                 f"this model's maximum context length is {max_model_len} tokens; the request has "
                 f"{'' if exact else 'about '}{num_prompt_tokens} prompt tokens plus "
                 f"{requested} completion tokens",
-                "messages" if "messages" in data else "prompt",
-                reason="context_length_exceeded",
+                _overflow_param(data, lower, max_model_len), reason="context_length_exceeded",
             )
         return requested, False
 
@@ -380,10 +394,16 @@ def _chat_texts(data: dict) -> list[str]:
             texts.append(content)
         elif isinstance(content, list):
             texts.extend(_content_part_texts(content, f"{param}.content"))
-        elif content is not None or message["role"] != "assistant":
+        elif content is not None or not _may_omit_content(message):
             raise _bad(f"{param}.content must be a string or a list of content parts",
                        f"{param}.content")
     return texts
+
+
+def _may_omit_content(message: dict) -> bool:
+    """OpenAI: an assistant message may leave out its content only when it calls a tool."""
+    return message["role"] == "assistant" and bool(
+        message.get("tool_calls") or message.get("function_call"))
 
 
 def _content_part_texts(parts: list, param: str) -> list[str]:

@@ -51,6 +51,9 @@ CASES = [
     ("missing messages", "/v1/chat/completions", b'{"model": "tiny"}', AUTH, 400, "invalid_request"),
     ("bad role", "/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', AUTH, 400, "invalid_request"),
     ("over the context", "/v1/completions", b'{"prompt": [1, 2, 3], "max_tokens": 100000}', AUTH, 400, "context_length_exceeded"),
+    # the two 500s of the reliability battery (RecursionError, TypeError in the chat template)
+    ("nested 1,100 deep", "/v1/completions", b'{"prompt": ' + b"[" * 1100 + b"]" * 1100 + b"}", AUTH, 400, "invalid_json"),
+    ("assistant without content", "/v1/chat/completions", b'{"messages": [{"role": "assistant"}]}', AUTH, 400, "invalid_request"),
     ("body over the limit", "/v1/completions", b'{"prompt": "' + b"x" * 5000 + b'"}', AUTH, 413, "body_too_large"),
     ("unknown tenant key", "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}', {"authorization": "Bearer sk-nope"}, 401, "invalid_api_key"),
     ("no key", "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}', {}, 401, "invalid_api_key"),

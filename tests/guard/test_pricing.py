@@ -185,7 +185,9 @@ def test_chat_counts_content_plus_template_overhead():
     body = {"messages": [{"role": "system", "content": "x" * 40},
                          {"role": "user", "content": [{"type": "text", "text": "y" * 40},
                                                       {"type": "image_url", "image_url": {}}]},
-                         {"role": "assistant", "content": None}],
+                         {"role": "assistant", "content": None,
+                          "tool_calls": [{"id": "c1", "type": "function",
+                                          "function": {"name": "f", "arguments": "{}"}}]}],
             "max_completion_tokens": 7, "stream": True}
     priced = pricer.price_request(body, CHAT, {}, ANON, 0.0, max_model_len=4096, block_size=16)
     assert priced.num_prompt_chars == 80 and priced.num_overhead_tokens == 3 * 4 + 3
@@ -210,9 +212,15 @@ def test_n_multiplies_blocks_and_expected_output():
 def test_context_overflow_is_400_never_retry():
     pricer = Pricer(GuardConfig())
     err = raises(pricer, {"prompt": [1] * 4000, "max_tokens": 97}, "context_length_exceeded")
-    assert "4096" in err.message and err.param == "prompt"
+    assert "4096" in err.message and err.param == "max_tokens"  # the prompt alone fits
     assert price(pricer, {"prompt": [1] * 4000, "max_tokens": 96}).max_tokens == 96
-    raises(pricer, {"prompt": [1] * 5000}, "context_length_exceeded")  # even with no max_tokens
+    err = raises(pricer, {"prompt": [1] * 5000}, "context_length_exceeded")  # no max_tokens
+    assert err.param == "prompt"  # the prompt alone is over
+    err = raises(pricer, {"prompt": [1, 2], "max_tokens": 10**9}, "context_length_exceeded")
+    assert err.param == "max_tokens"
+    err = raises(pricer, {"messages": [{"role": "user", "content": "hi"}],
+                          "max_completion_tokens": 10**9}, "context_length_exceeded", path=CHAT)
+    assert err.param == "max_completion_tokens"
     # no known context (black-box upstream): no check
     assert price(pricer, {"prompt": [1] * 5000, "max_tokens": 9}, max_model_len=None).max_tokens == 9
 
@@ -353,3 +361,24 @@ def test_pricing_is_fast():
                      request_id="r")
     per_us = (time.perf_counter() - start) / n * 1e6
     print(f"\nprice(): {per_us:.1f} us per chat request")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": [{"role": "assistant"}]}, "messages[0].content"),  # was a 500 upstream
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]},
+     "messages[1].content"),
+])
+def test_never_servable_shapes_are_400(body, param):
+    with pytest.raises(PricingError) as info:
+        Pricer(GuardConfig()).price_request(body, CHAT if "messages" in body else COMP, {}, ANON,
+                                            0.0, max_model_len=4096, block_size=16)
+    assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("depth", [65, 1100, 100_000])
+def test_deep_json_is_a_400_not_a_recursion_error(depth):
+    raw = b'{"prompt": ' + b"[" * depth + b"1" + b"]" * depth + b"}"
+    with pytest.raises(PricingError) as info:
+        Pricer(GuardConfig()).price_request(raw, COMP, {}, ANON, 0.0, max_model_len=4096,
+                                            block_size=16)
+    assert (info.value.status, info.value.reason) == (400, "invalid_json")
