@@ -12,7 +12,6 @@ from guard.config import GuardConfig, TenantConfig
 from guard.errors import BodyTooLarge, ClientDisconnected, PricingError
 from guard.pricing import (
     Pricer,
-    RecentKeys,
     tokenizer_counter,
 )
 
@@ -276,15 +275,6 @@ def test_retry_from_sdk_counter_and_repeated_idempotency_key():
     assert not price(pricer, {"prompt": "x"}, headers=key, tenant=CHOOSER, now_s=6.0).is_retry
     # after the TTL the key is forgotten
     assert not price(pricer, {"prompt": "x"}, headers=key, now_s=5.0 + 601.0).is_retry
-
-
-def test_recent_keys_bounded_and_expiring():
-    keys = RecentKeys(ttl_s=10.0, max_keys=3)
-    for i, k in enumerate("abcd"):
-        assert not keys.seen(k, float(i))
-    assert len(keys) == 3 and not keys.seen("a", 4.0)  # "a" was evicted by the bound
-    assert keys.seen("d", 5.0)
-    assert not keys.seen("b", 100.0) and len(keys) == 1  # everything else expired
 
 
 # --- learning ----------------------------------------------------------------------------------
