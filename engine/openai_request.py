@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from serving.json_body import JsonBodyError, decode_json_object
 from engine.sampling_params import SamplingParams
 from engine.unsupported_params import first_unsupported
+from serving.json_body import JsonBodyError, decode_json_object
 
 __all__ = ["ApiError", "GenerationRequest", "parse_generation_request"]
 

@@ -37,8 +37,8 @@ from prometheus_client import CollectorRegistry
 from guard.admission import Admission
 from guard.body import headers_from_scope, read_body
 from guard.config import GuardConfig, load_config
-from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.controller import AdmissionController
+from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.pricing import Pricer
 from guard.relay import relay
 from guard.replicas.load_state import LoadState
