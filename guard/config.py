@@ -42,7 +42,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package
+    import tomli as tomllib
 
 from policies.cost import RequestClass
 
@@ -159,7 +162,6 @@ class GuardConfig:
     replicas: tuple[ReplicaConfig, ...] = ()
     tokenizer: str | None = None  # a tokenizer.json path (guard.pricing.tokenizer_counter)
     initial_chars_per_token: float = 4.0
-    retry_shed_ratio: float = 0.10
     idempotency_ttl_s: float = 600.0
     max_idempotency_bytes: int = 16 << 20  # hashed keys, ~200 B each: ~84,000 keys
     trace_path: str | None = None
@@ -281,9 +283,6 @@ class GuardConfig:
         _positive("initial_chars_per_token", self.initial_chars_per_token)
         if not 1.0 <= self.initial_chars_per_token <= 8.0:
             raise ValueError("initial_chars_per_token: must be within [1, 8]")
-        ratio = self.retry_shed_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"retry_shed_ratio: must be within [0, 1], got {ratio!r}")
 
     # --- lookups used on the request path -------------------------------------------------
 
@@ -444,8 +443,8 @@ _SCALAR_FIELDS: dict[str, tuple[type, bool]] = {
     "max_queue_wait_s": (float, False), "refresh_interval_s": (float, False),
     "max_staleness_s": (float, False), "state_timeout_s": (float, False),
     "unhealthy_after_errors": (int, False), "tokenizer": (str, True),
-    "initial_chars_per_token": (float, False), "retry_shed_ratio": (float, False),
-    "idempotency_ttl_s": (float, False), "max_idempotency_bytes": (int, False),
+    "initial_chars_per_token": (float, False), "idempotency_ttl_s": (float, False),
+    "max_idempotency_bytes": (int, False),
     "trace_path": (str, True), "max_tenant_labels": (int, False), "redis_url": (str, True),
     "class_header": (str, False), "deadline_header": (str, False),
     "admin_key_sha256": (str, True), "protect_operational_endpoints": (bool, True),
