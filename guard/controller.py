@@ -34,6 +34,8 @@ ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy anot
   - :class:`~guard.shedding.Rejection`: send it as is (status, OpenAI-style body, retry
     headers); it is already counted and traced.
   - ``None``: the client left before a decision; nothing to send (already counted canceled).
+* Drain (SIGTERM): :meth:`begin_drain` makes every decision, queued ones included, a 503
+  ``shutting_down`` with retry advice; :meth:`wait_drained` returns once no ticket is held.
 * Lifecycle: :meth:`start` on the serving event loop (``admit`` starts it on first use);
   :meth:`aclose` stops the background work, waits for budget settlements and flushes the
   trace; :meth:`close` closes the trace file.
@@ -80,10 +82,12 @@ from guard.trace import TraceWriter
 from policies import make_policy
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
+from policies.shed_reasons import SHUTTING_DOWN
 
 __all__ = ["AdmissionController", "INVALID_KEY"]
 
 INVALID_KEY = ("invalid_api_key", "Incorrect or missing API key.")
+_DRAINING = Shed(503, SHUTTING_DOWN, retry_after_s=1.0)  # a floor: another replica can serve it
 Headers = Mapping[str, str]
 
 
@@ -139,6 +143,7 @@ class AdmissionController:
         self._next_id = itertools.count(1)
         self.rules = ReplicaRules()  # what the replicas accept, from their latest state
         self._sources = dict(sources) if sources is not None else None
+        self.draining = False  # begin_drain: every decision sheds shutting_down
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # run by aclose (owned clients)
         if budget is None:  # the store the config asks for (None: no tenant has a budget)
             budget = self.budget = build_budget_store(config, self.clock, self.registry)
@@ -242,7 +247,9 @@ class AdmissionController:
 
     def _decide(self, cost: RequestCost, now_s: float) -> Admit | Queue | Shed:
         """Decide on a fresh snapshot; on admit take the replica reservation (synchronously, so
-        two decisions can never share the same blocks)."""
+        two decisions can never share the same blocks). Draining: shed, never admit."""
+        if self.draining:
+            return _DRAINING
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
                                             self._retry_ratio.ratios)
         decision = self.policy.decide(cost, snapshot)
@@ -286,6 +293,18 @@ class AdmissionController:
             self.rejecter.count_early(cost.request_id, cost.tenant, cost.arrival_s,
                                       cost.request_class.name, "canceled", waiter.enqueued_s)
         future.cancel()
+
+    # --- drain --------------------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """Stop admitting (SIGTERM): new and queued requests are shed 503 ``shutting_down`` with
+        retry advice; admitted requests run on."""
+        self.draining = True
+        self.queue.wake()
+
+    async def wait_drained(self, poll_s: float = 0.05) -> None:
+        """Return once no admitted request holds a ticket (callers bound the wait)."""
+        while self.tickets.num_held:
+            await asyncio.sleep(poll_s)
 
     # --- budget grants ------------------------------------------------------------------------
     def _drop_grant(self, grant: Grant | None) -> None:
