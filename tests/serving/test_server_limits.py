@@ -6,8 +6,8 @@ import logging
 import pytest
 
 from serving import RepeatedLineFilter, ServerLimits, add_limit_arguments, limits_from_args
-from serving.quiet_log import SEND_ERROR_MESSAGE, install_quiet_logging
 from serving.limited_protocol import ConnectionTable
+from serving.quiet_log import SEND_ERROR_MESSAGE, install_quiet_logging
 
 
 @pytest.mark.parametrize("kwargs", [
