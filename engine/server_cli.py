@@ -222,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
     from serving.limited_protocol import ConnectionTable, uvicorn_config
 
     limits = limits_from_args(args)
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     specs = list(args.middleware)
     if args.guard is not None:
         os.environ["KVGUARD_CONFIG"] = args.guard
