@@ -90,3 +90,18 @@ def test_quiet_logging_covers_send_errors_and_invalid_requests():
     finally:
         logging.getLogger("asyncio").removeFilter(sends)
         logging.getLogger("uvicorn.error").removeFilter(invalid)
+
+
+def test_the_protocol_base_is_uvicorns_choice():
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from serving.limited_protocol import limited_protocol_class
+
+    table = ConnectionTable(ServerLimits())
+    assert issubclass(limited_protocol_class(table, "h11"), H11Protocol)
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        assert issubclass(limited_protocol_class(table, "auto"), H11Protocol)
+    with pytest.raises(ValueError, match="http must be"):
+        limited_protocol_class(table, "h2")
