@@ -34,6 +34,8 @@ ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy anot
   - :class:`~guard.shedding.Rejection`: send it as is (status, OpenAI-style body, retry
     headers); it is already counted and traced.
   - ``None``: the client left before a decision; nothing to send (already counted canceled).
+* Drain (SIGTERM): :meth:`begin_drain` makes every decision, queued ones included, a 503
+  ``shutting_down`` with retry advice; :meth:`wait_drained` returns once no ticket is held.
 * Lifecycle: :meth:`start` on the serving event loop (``admit`` starts it on first use);
   :meth:`aclose` stops the background work, waits for budget settlements and flushes the
   trace; :meth:`close` closes the trace file.
@@ -63,6 +65,7 @@ from prometheus_client import CollectorRegistry
 from guard.admission import Admission
 from guard.admission_queue import AdmissionQueue
 from guard.background import Background
+from guard.budget.factory import build_budget_store
 from guard.budget.store import BudgetStore, Denied, Grant
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import ClientDisconnected, PricingError
@@ -71,6 +74,7 @@ from guard.pricing import PricedRequest, Pricer, tokenizer_counter
 from guard.release import ReleaseListeners
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import StatePoller, StateSource
+from guard.request_rules import ReplicaRules
 from guard.retry_ratio import RetryRatio
 from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
 from guard.ticket import Ticket, TicketBook
@@ -78,10 +82,12 @@ from guard.trace import TraceWriter
 from policies import make_policy
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
+from policies.shed_reasons import SHUTTING_DOWN
 
 __all__ = ["AdmissionController", "INVALID_KEY"]
 
 INVALID_KEY = ("invalid_api_key", "Incorrect or missing API key.")
+_DRAINING = Shed(503, SHUTTING_DOWN, retry_after_s=1.0)  # a floor: another replica can serve it
 Headers = Mapping[str, str]
 
 
@@ -90,7 +96,8 @@ class AdmissionController:
 
     Collaborators may be injected (tests, the bench): ``policy``, ``load_state``, ``pricer``,
     ``rng`` (Retry-After jitter), ``trace``, ``tokenizer`` (else ``config.tokenizer``),
-    ``budget`` (a :class:`~guard.budget.store.BudgetStore`; None: no tenant budgets).
+    ``budget`` (a :class:`~guard.budget.store.BudgetStore`; None: the store the config asks for,
+    see :func:`guard.budget.build_budget_store` — none at all when no tenant has a budget).
     """
 
     def __init__(self, config: GuardConfig, sources: Mapping[str, StateSource] | None = None, *,
@@ -99,7 +106,8 @@ class AdmissionController:
                  tokenizer: Callable[[str], int] | None = None, policy: Any = None,
                  load_state: LoadState | None = None, pricer: Pricer | None = None,
                  rng: random.Random | None = None, trace: TraceWriter | None = None,
-                 budget: BudgetStore | None = None, budget_lease_s: float = 30.0) -> None:
+                 budget: BudgetStore | None = None, budget_lease_s: float | None = None) -> None:
+        budget_lease_s = config.budget.lease_s if budget_lease_s is None else budget_lease_s
         if budget_lease_s <= 0:
             raise ValueError(f"budget_lease_s: must be > 0, got {budget_lease_s!r}")
         self.config = config
@@ -133,9 +141,14 @@ class AdmissionController:
         self._anonymous = config.anonymous_tenant
         self._id_prefix = f"g-{os.urandom(3).hex()}-"
         self._next_id = itertools.count(1)
-        self._limits: tuple[int | None, int] = (None, 16)  # (max_model_len, block_size)
+        self.rules = ReplicaRules()  # what the replicas accept, from their latest state
         self._sources = dict(sources) if sources is not None else None
+        self.draining = False  # begin_drain: every decision sheds shutting_down
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # run by aclose (owned clients)
+        if budget is None:  # the store the config asks for (None: no tenant has a budget)
+            budget = self.budget = build_budget_store(config, self.clock, self.registry)
+            if budget is not None:
+                self.on_close.append(budget.aclose)
         self.background = Background(lambda: self.queue.run(self._decide),
                                      self._make_poller if self._sources else None,
                                      self._update_limits, self._housekeeping)
@@ -177,10 +190,8 @@ class AdmissionController:
             return self.rejecter.reject_early(request_id, None, arrival_s, PricingError(401, *INVALID_KEY))
         try:
             body = await read_body()
-            max_model_len, block_size = self._limits
             priced = self.pricer.price_request(body, path, headers, tenant, arrival_s,
-                                               max_model_len=max_model_len, block_size=block_size,
-                                               request_id=request_id)
+                                               request_id=request_id, rules=self.rules)
         except PricingError as error:
             return self.rejecter.reject_early(request_id, tenant, arrival_s, error)
         except ClientDisconnected:
@@ -236,7 +247,9 @@ class AdmissionController:
 
     def _decide(self, cost: RequestCost, now_s: float) -> Admit | Queue | Shed:
         """Decide on a fresh snapshot; on admit take the replica reservation (synchronously, so
-        two decisions can never share the same blocks)."""
+        two decisions can never share the same blocks). Draining: shed, never admit."""
+        if self.draining:
+            return _DRAINING
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
                                             self._retry_ratio.ratios)
         decision = self.policy.decide(cost, snapshot)
@@ -280,6 +293,18 @@ class AdmissionController:
             self.rejecter.count_early(cost.request_id, cost.tenant, cost.arrival_s,
                                       cost.request_class.name, "canceled", waiter.enqueued_s)
         future.cancel()
+
+    # --- drain --------------------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """Stop admitting (SIGTERM): new and queued requests are shed 503 ``shutting_down`` with
+        retry advice; admitted requests run on."""
+        self.draining = True
+        self.queue.wake()
+
+    async def wait_drained(self, poll_s: float = 0.05) -> None:
+        """Return once no admitted request holds a ticket (callers bound the wait)."""
+        while self.tickets.num_held:
+            await asyncio.sleep(poll_s)
 
     # --- budget grants ------------------------------------------------------------------------
     def _drop_grant(self, grant: Grant | None) -> None:
@@ -334,9 +359,12 @@ class AdmissionController:
 
     def _update_limits(self) -> None:
         replicas = self.load_state.snapshot(self.clock()).replicas
+        if not replicas:
+            return
         lengths = [r.max_model_len for r in replicas if r.max_model_len > 0]
-        if replicas:
-            self._limits = (min(lengths) if lengths else None, replicas[0].block_size)
+        served = self.load_state.served_models()
+        self.rules = ReplicaRules(min(lengths) if lengths else None, replicas[0].block_size,
+                                  served, strict=served is not None)
 
     async def aclose(self) -> None:
         """Stop the background work, let budget settlements finish, flush the trace."""
