@@ -133,8 +133,11 @@ async def _drain(users: _Users, tasks, specs, kinds, deadline_s, cfg, clock) -> 
 
 async def run_users(specs: Sequence[RequestSpec], kinds: Sequence[str],
                     client_cfgs: Mapping[str, ClientConfig], cfg: UserRunConfig,
-                    clock: Callable[[], float] = time.monotonic) -> UserRunResult:
-    """Run every user of ``specs`` (client kind ``kinds[i]``) against ``cfg.entry_urls``."""
+                    clock: Callable[[], float] = time.monotonic,
+                    on_start: Callable[[float], None] | None = None) -> UserRunResult:
+    """Run every user of ``specs`` (client kind ``kinds[i]``) against ``cfg.entry_urls``.
+    ``on_start(t0_s)`` is called with the run start (on ``clock``) once the clients are built,
+    so that a fault plan can share the run clock."""
     if len(kinds) != len(specs) or set(kinds) - set(client_cfgs):
         raise ValueError("every user needs a client kind that has a ClientConfig")
     _raise_fd_limit(cfg.max_connections + 256)
@@ -146,6 +149,8 @@ async def run_users(specs: Sequence[RequestSpec], kinds: Sequence[str],
                    for k, c in client_cfgs.items() if k in set(kinds)}
         users = _Users(clients, client_cfgs)
         cpu0, wait0, t0_s = sum(proc.cpu_times()[:2]), _cpu_wait_s(), clock()
+        if on_start is not None:
+            on_start(t0_s)
         try:
             tasks = await _dispatch(users, specs, kinds, cfg.seed, t0_s, clock)
             records = await _drain(users, tasks, list(specs), list(kinds),
