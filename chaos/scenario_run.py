@@ -131,8 +131,9 @@ def fault_window(spec: ScenarioSpec, settings: RunSettings,
     done = [e.t_s for e in events if e.action in ("healthy", "cont", "rate down")]
     end = max([hi, *done])
     run_end = spec.duration_s * k
+    first = min(f.at_s for f in spec.faults) * k
     return FaultWindow(spec.warmup_s * k, lo, min(max(end, lo + 1e-3), run_end), run_end,
-                       spec.replicas, spec.num_surviving)
+                       spec.replicas, spec.num_surviving, pre_end_s=min(first, lo))
 
 
 @dataclass(frozen=True)

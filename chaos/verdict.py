@@ -29,7 +29,7 @@ from chaos.user_record import USER_OUTCOMES, UserRecord
 from policies.cost import RequestClass
 
 __all__ = ["THRESHOLDS", "FaultWindow", "Budget", "good_fraction", "recovery_s", "build_verdict",
-           "over_admission_ratio"]
+           "over_admission_ratio", "per_second", "series"]
 
 THRESHOLDS: dict[str, dict] = {
     "goodput_over_surviving_capacity": {"min": 0.9, "policy": "slo"},
@@ -52,12 +52,19 @@ class FaultWindow:
     run_end_s: float
     num_replicas: int
     num_surviving: int
+    pre_end_s: float | None = None  # end of the pre-fault level (the first fault); default start
 
     def __post_init__(self) -> None:
         if not 0 <= self.warmup_s <= self.start_s < self.end_s <= self.run_end_s:
             raise ValueError(f"need 0 <= warmup <= start < end <= run end, got {self}")
+        if self.pre_end_s is not None and not self.warmup_s < self.pre_end_s <= self.start_s:
+            raise ValueError(f"need warmup < pre_end <= start, got {self}")
         if not 0 <= self.num_surviving <= self.num_replicas:
             raise ValueError("need 0 <= num_surviving <= num_replicas")
+
+    @property
+    def pre_fault_s(self) -> tuple[float, float]:
+        return self.warmup_s, self.start_s if self.pre_end_s is None else self.pre_end_s
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,7 @@ def good_fraction(users: Sequence[UserRecord], cls: RequestClass, lo_s: float,
 def recovery_s(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow,
                slide_s: float) -> float | None:
     """Seconds from ``w.end_s`` until the good fraction stays ≥ 0.9 × its pre-fault level."""
-    pre = good_fraction(users, cls, w.warmup_s, w.start_s)
+    pre = good_fraction(users, cls, *w.pre_fault_s)
     if pre is None or pre == 0.0 or w.run_end_s - w.end_s < slide_s:
         return None
     step_s = slide_s / 4
@@ -137,7 +144,7 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
         "good_in_fault_rps": good_rps,
         "surviving_capacity_rps": surviving_rps,
         "goodput_over_surviving_capacity": good_rps / servable_rps if servable_rps > 0 else None,
-        "pre_fault_good_fraction": good_fraction(users, cls, w.warmup_s, w.start_s),
+        "pre_fault_good_fraction": good_fraction(users, cls, *w.pre_fault_s),
         "recovery_s": recovery_s(users, cls, w, slide_s),
         "attempts_per_user": _attempts_per_user(measured),
         "attempts_per_sdk_user": _attempts_per_user(sdk),
