@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.generate_cli", "stream a completion from the built-in engine"),
     "engine": ("engine.server_cli", "serve one engine replica (OpenAI-compatible HTTP)"),
     "plan": ("engine.plan_cli", "KV memory plan and serving roofline for a model on a GPU"),
+    "proxy": ("guard.proxy.cli", "the standalone proxy in front of N replicas"),
+    "fleet": ("chaos.fleet_cli", "start N sim replicas and proxies on loopback, stop on Ctrl-C"),
     "timeline": ("guard.timeline", "join guard and engine traces into per-stage latencies"),
     "load": ("chaos.load_cli", "open-loop load test with a goodput report"),
     "bench": ("chaos.bench_cli", "benchmarks: engine, overload, guard overhead"),

@@ -17,7 +17,8 @@ TOML layout (see ``docs/guard-config.example.toml``)::
     [[replicas]]
     replica_id = "r0"
     url = "http://127.0.0.1:8001"
-    state_source = "kvguard"   # "kvguard" | "vllm" | "asgi"
+    state_source = "kvguard"   # "kvguard" | "vllm" | "none" | "asgi"
+    [proxy]                    # the standalone proxy's settings (guard.proxy.config)
 
 Environment: ``KVGUARD_CONFIG`` names the TOML file; ``KVGUARD_<FIELD>`` overrides any scalar
 field (``KVGUARD_POLICY=cap``, ``KVGUARD_MAX_BODY_BYTES=65536``, ``KVGUARD_TRACE_PATH=...``);
@@ -41,6 +42,7 @@ from typing import Any
 
 import tomllib
 
+from guard.proxy.config import ProxyConfig
 from policies.cost import RequestClass
 
 __all__ = [
@@ -55,7 +57,7 @@ __all__ = [
 ]
 
 ANONYMOUS_TENANT = "anonymous"
-STATE_SOURCES = ("kvguard", "vllm", "asgi")
+STATE_SOURCES = ("kvguard", "vllm", "none", "asgi")
 DEFAULT_CLASSES = (
     RequestClass("interactive", ttft_s=1.0, itl_s=0.080, priority=0),
     RequestClass("batch", ttft_s=30.0, itl_s=1.0, priority=2),
@@ -94,6 +96,9 @@ class TenantConfig:
 @dataclass(frozen=True)
 class ReplicaConfig:
     """One upstream replica. ``url`` None means the wrapped ASGI app itself (in-process).
+
+    ``state_source``: ``kvguard`` (``GET /kvguard/state``), ``vllm`` (``GET /metrics``), ``none``
+    (no load state is read: a replica of unknown capacity) or ``asgi`` (the wrapped app).
 
     ``max_model_len`` is only needed for ``vllm`` replicas (their metrics do not carry it);
     without it the guard leaves context-length checks to the upstream.
@@ -163,6 +168,7 @@ class GuardConfig:
     redis_url: str | None = None
     class_header: str = "x-kvguard-class"
     deadline_header: str = "x-kvguard-deadline-ms"
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
     _classes_by_name: Mapping[str, RequestClass] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
@@ -281,6 +287,8 @@ class GuardConfig:
             data["tenants"] = tuple(_tenant_from(i, t) for i, t in enumerate(_list("tenants", data["tenants"])))
         if "replicas" in data:
             data["replicas"] = tuple(_replica_from(i, r) for i, r in enumerate(_list("replicas", data["replicas"])))
+        if "proxy" in data and not isinstance(data["proxy"], ProxyConfig):
+            data["proxy"] = ProxyConfig.from_dict(data["proxy"])
         if "policy_params" in data and not isinstance(data["policy_params"], Mapping):
             raise ValueError("policy_params: must be a table")
         for name, (wanted, nullable) in _SCALAR_FIELDS.items():
