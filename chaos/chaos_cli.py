@@ -25,7 +25,7 @@ from chaos.scenario_run import NOMINAL_REPLICA_CAPACITY_GPU_RPS, RunSettings, ru
 from chaos.scenarios import ScenarioSpec, catalogue, missing_dependencies, quick_variant
 from chaos.verdict import THRESHOLDS
 
-__all__ = ["configure", "run", "run_scenario"]
+__all__ = ["configure", "run", "run_scenario", "measure_capacity_rps", "BASE_POLICIES"]
 
 BASE_POLICIES: tuple[str, ...] = ("always_admit", "slo")
 
@@ -61,11 +61,13 @@ def _list() -> int:
     return 0
 
 
-def _capacity(settings: RunSettings, args, quick: bool, out: Path, log) -> tuple[float, str]:
-    if args.capacity is not None:
-        if args.capacity <= 0:
+def measure_capacity_rps(settings: RunSettings, quick: bool, given_rps: float | None,
+                         out: Path, log) -> tuple[float, str]:
+    """One replica's capacity (req/s at this time scale) and where the number came from."""
+    if given_rps is not None:
+        if given_rps <= 0:
             raise ValueError("--capacity must be > 0")
-        return args.capacity, "given (--capacity)"
+        return given_rps, "given (--capacity)"
     if quick:
         return NOMINAL_REPLICA_CAPACITY_GPU_RPS / settings.time_scale, "nominal (--quick)"
     from chaos.overload import Scenario, measure_capacity
@@ -75,16 +77,17 @@ def _capacity(settings: RunSettings, args, quick: bool, out: Path, log) -> tuple
     return cap, "measured (probe + sweep of one replica)"
 
 
-def run_scenario(spec: ScenarioSpec, policies: list[str], settings: RunSettings, args,
-                 out: Path, log) -> dict:
-    """Every policy's run of ``spec`` and the combined verdict (also written to ``out``)."""
-    cap, how = _capacity(settings, args, args.quick, out, log)
+def run_scenario(spec: ScenarioSpec, policies: list[str], settings: RunSettings, out: Path,
+                 log, *, quick: bool, capacity: tuple[float, str]) -> dict:
+    """Every policy's run of ``spec`` and the combined verdict (also written to ``out``);
+    ``capacity`` is one replica's (req/s at this time scale) and its source."""
+    cap, how = capacity
     log(f"capacity per replica {cap:.2f} req/s ({how}); fleet C = {cap * spec.replicas:.2f}")
     runs = {p: run_policy(spec, settings, p, cap, out / p, log) for p in policies}
     verdicts = {p: r.verdict for p, r in runs.items()}
     redis_down = any(f.kind in ("redis_kill", "redis_hang") for f in spec.faults)
     result = {
-        "scenario": spec.name, "summary": spec.summary, "quick": args.quick,
+        "scenario": spec.name, "summary": spec.summary, "quick": quick,
         "command": "kvguard chaos " + " ".join(sys.argv[2:]),
         "time_scale": settings.time_scale, "seed": settings.seed,
         "capacity_per_replica_rps": cap, "capacity_source": how,
@@ -127,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
         (lambda m: print(m, flush=True))
     log(f"kvguard chaos {spec.name}{' (quick)' if args.quick else ''}: {spec.summary}; "
         f"output in {out}")
-    result = run_scenario(spec, policies, settings, args, out, log)
+    capacity = measure_capacity_rps(settings, args.quick, args.capacity, out, log)
+    result = run_scenario(spec, policies, settings, out, log, quick=args.quick,
+                          capacity=capacity)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
