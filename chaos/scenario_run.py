@@ -32,6 +32,7 @@ __all__ = ["RunSettings", "PolicyRun", "run_policy", "client_configs", "schedule
 # (12.0 req/s measured at time scale 2 by `kvguard bench overload`); quick runs use it as C.
 NOMINAL_REPLICA_CAPACITY_GPU_RPS = 24.0
 TENANT = "chaos-tenant-0"
+BUDGETED_TENANT = "chaos-budgeted"  # one user in four in the budget scenarios
 
 
 @dataclass(frozen=True)
@@ -93,22 +94,31 @@ def schedule_for(spec: ScenarioSpec, settings: RunSettings, fleet_rps: float) ->
     return ScheduleConfig(rate_per_s=spec.base_load * fleet_rps, duration_s=spec.duration_s * k,
                           seed=settings.seed, prompt_tokens=LengthDist.parse(settings.prompt_tokens),
                           output_tokens=LengthDist.parse(settings.output_tokens),
-                          tenant_keys=(TENANT,), **burst)
+                          tenant_keys=_tenants(spec), **burst)
+
+
+def _tenants(spec: ScenarioSpec) -> tuple[str, ...]:
+    """The API keys users are drawn from, uniformly (the budgeted tenant is one in four)."""
+    return (TENANT,) if spec.budget_ratio is None else (TENANT, TENANT, TENANT, BUDGETED_TENANT)
 
 
 def budget_for(spec: ScenarioSpec, sched: ScheduleConfig) -> Budget | None:
     if spec.budget_ratio is None:
         return None
-    offered_per_min = sched.expected_count() / sched.duration_s * 60.0
+    share = _tenants(spec).count(BUDGETED_TENANT) / len(_tenants(spec))
+    offered_per_min = share * sched.expected_count() / sched.duration_s * 60.0
     down = any(f.kind in ("redis_kill", "redis_hang") for f in spec.faults)
-    return Budget(TENANT, max(1, round(offered_per_min / spec.budget_ratio)), down)
+    return Budget(BUDGETED_TENANT, max(1, round(offered_per_min / spec.budget_ratio)), down)
 
 
 def _guard_toml(path: Path, policy: str, settings: RunSettings, budget: Budget | None) -> str:
     extra = ""
     if budget is not None:
-        extra = (f'[[tenants]]\nname = "{budget.tenant}"\napi_key = "{budget.tenant}"\n'
-                 f"may_choose_class = true\nrequests_per_minute = {budget.requests_per_minute}")
+        extra = "\n\n".join(
+            f'[[tenants]]\nname = "{name}"\napi_key = "{name}"\nmay_choose_class = true' + (
+                f"\nrequests_per_minute = {budget.requests_per_minute}"
+                if name == budget.tenant else "")
+            for name in (TENANT, budget.tenant))
     c = settings.request_class
     return write_guard_config(str(path), policy=policy, ttft_s=c.ttft_s, itl_s=c.itl_s,
                               extra_toml=extra)

@@ -41,7 +41,7 @@ class ScenarioSpec:
     burst_load: float | None = None    # × C inside the rate_step fault, if there is one
     clients: Mapping[str, float] = field(default_factory=lambda: dict(SDK_ONLY))
     redis: bool = False
-    budget_ratio: float | None = None  # budgeted tenant's limit: its offered rate ÷ this
+    budget_ratio: float | None = None  # a budgeted tenant (1 user in 4) offers this × its limit
 
     def __post_init__(self) -> None:
         lo, hi = self.fault_window_s
@@ -90,13 +90,14 @@ def catalogue() -> dict[str, ScenarioSpec]:
         ScenarioSpec("proxy-kill", "SIGKILL one of 2 proxies behind the clients' round-robin, "
                      "restart it 6 s later", 2, 2, 24.0, 4.0, 0.74,
                      (Fault("proxy_kill", 8.0, 6.0, 0),), (8.0, 14.0), 2),
-        ScenarioSpec("redis-kill", "SIGKILL the budgets' Redis for 6 s under 2 proxies, one "
-                     "tenant at 80 % of its budget", 2, 2, 24.0, 4.0, 0.74,
-                     (Fault("redis_kill", 8.0, 6.0),), (8.0, 14.0), 2, redis=True,
-                     budget_ratio=0.8),
-        ScenarioSpec("redis-hang", "SIGSTOP the budgets' Redis for 6 s under 2 proxies", 2, 2,
-                     24.0, 4.0, 0.74, (Fault("redis_hang", 8.0, 6.0),), (8.0, 14.0), 2,
-                     redis=True, budget_ratio=0.8),
+        ScenarioSpec("redis-kill", "SIGKILL the budgets' Redis for 6 s under 2 proxies; one "
+                     "user in 4 is a tenant offering 1.25 × its requests-per-minute budget", 2, 2,
+                     24.0, 4.0, 0.74, (Fault("redis_kill", 8.0, 6.0),), (8.0, 14.0), 2,
+                     redis=True, budget_ratio=1.25),
+        ScenarioSpec("redis-hang", "SIGSTOP the budgets' Redis for 6 s under 2 proxies; one "
+                     "user in 4 is a tenant offering 1.25 × its budget", 2, 2, 24.0, 4.0, 0.74,
+                     (Fault("redis_hang", 8.0, 6.0),), (8.0, 14.0), 2, redis=True,
+                     budget_ratio=1.25),
         ScenarioSpec("seed", "the reference overload: 0.74 C, a burst to 1.16 C, one of 4 "
                      "replicas lost during it, clients retrying", 4, 1, 32.0, 4.0, 0.74,
                      (_step(10.0, 10.0), Fault("replica_kill", 12.0, 10.0, 1)),

@@ -4,7 +4,8 @@ Figures, each with the threshold it is held to (``THRESHOLDS``):
 
 - ``goodput_over_surviving_capacity``: good users per second among those who *arrived* during
   the fault window, divided by what the surviving replicas could serve within SLO — the smaller
-  of the offered rate in that window and ``capacity_per_replica × surviving replicas``.
+  of the offered rate in that window (less users refused only for their tenant's budget) and
+  ``capacity_per_replica × surviving replicas``.
 - ``recovery_s``: from the end of the fault/burst until the good fraction of arrivals (good ÷
   offered, over a sliding window) stays ≥ 0.9 × its pre-fault level to the end of the run;
   None when it never does. Measured as a fraction so the post-fault base rate (equal to the
@@ -29,7 +30,8 @@ from chaos.user_record import USER_OUTCOMES, UserRecord
 from policies.cost import RequestClass
 
 __all__ = ["THRESHOLDS", "FaultWindow", "Budget", "good_fraction", "recovery_s", "build_verdict",
-           "over_admission_ratio", "per_second", "series"]
+           "over_admission_ratio", "per_second", "series", "budget_denied",
+           "BUDGET_REASONS"]
 
 THRESHOLDS: dict[str, dict] = {
     "goodput_over_surviving_capacity": {"min": 0.9, "policy": "slo"},
@@ -40,6 +42,13 @@ THRESHOLDS: dict[str, dict] = {
     "over_admission_ratio": {"max_redis_up": 0.0, "max_redis_down": 0.10, "policy": "any"},
 }
 RECOVERY_LEVEL_RATIO = 0.9
+BUDGET_REASONS: frozenset[str] = frozenset({"tpm_limit", "rpm_limit", "concurrency_limit"})
+
+
+def budget_denied(user: UserRecord) -> bool:
+    """Every attempt was refused for the tenant's budget (not servable by design)."""
+    return bool(user.attempts) and all(a.status == 429 and a.reason in BUDGET_REASONS
+                                       for a in user.attempts)
 
 
 @dataclass(frozen=True)
@@ -132,7 +141,8 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
     offered_rps = len(in_fault) / fault_s
     good_rps = sum(u.outcome(cls) == "good" for u in in_fault) / fault_s
     surviving_rps = capacity_per_replica_rps * w.num_surviving
-    servable_rps = min(offered_rps, surviving_rps)
+    within_budget_rps = sum(not budget_denied(u) for u in in_fault) / fault_s
+    servable_rps = min(within_budget_rps, surviving_rps)
     sdk = [u for u in measured if u.client == "sdk"]
     return {
         "valid": not generator_warnings,
@@ -141,6 +151,7 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
         "outcomes": {o: outcomes.count(o) for o in USER_OUTCOMES},
         "fault_window_s": [w.start_s, w.end_s],
         "offered_in_fault_rps": offered_rps,
+        "offered_within_budget_in_fault_rps": within_budget_rps,
         "good_in_fault_rps": good_rps,
         "surviving_capacity_rps": surviving_rps,
         "goodput_over_surviving_capacity": good_rps / servable_rps if servable_rps > 0 else None,

@@ -1,5 +1,7 @@
 """Per-user judgement and the verdict's figures on hand-built users: exact values."""
 
+import dataclasses
+
 import pytest
 
 from chaos.records import RequestRecord, classify_outcome
@@ -141,3 +143,13 @@ def test_pre_fault_level_can_end_before_the_judged_window():
     assert build_verdict(users, CLS, w, 4.0, slide_s=2.0)["pre_fault_good_fraction"] == 1.0
     with pytest.raises(ValueError):
         _window(pre_end_s=5.0)
+
+
+def test_users_refused_for_their_budget_are_not_servable():
+    users = _users_with_dip(4.0)                                   # all good
+    for i in range(40, 50):                                        # 10 budget refusals in the window
+        a = attempt(i / 10, status=429, e2e_s=0.01)
+        users[i] = user(i / 10, dataclasses.replace(a, reason="rpm_limit"), index=i)
+    v = build_verdict(users, CLS, _window(num_surviving=2), 20.0, slide_s=2.0)
+    assert v["offered_in_fault_rps"] == 10.0 and v["offered_within_budget_in_fault_rps"] == 5.0
+    assert v["goodput_over_surviving_capacity"] == 1.0
