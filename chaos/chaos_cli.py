@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from chaos.chaos_report import checks, plot_timelines, render_table
+from chaos.chaos_report import checks, plot_timelines, render_report, render_table
 from chaos.overload import POLICIES
 from chaos.replica import exit_on_sigterm
 from chaos.scenario_run import NOMINAL_REPLICA_CAPACITY_GPU_RPS, RunSettings, run_policy
@@ -96,16 +96,12 @@ def run_scenario(spec: ScenarioSpec, policies: list[str], settings: RunSettings,
     }
     result["passed"] = all(c["pass"] for group in result["checks"].values()
                            for c in ([group] if "pass" in group else group.values()))
-    table = render_table(verdicts)
     plot_timelines({p: (r.result.users, r.events, r.verdict) for p, r in runs.items()},
                    settings.request_class, spec.duration_s * settings.time_scale + 2.0,
                    0.5 * settings.time_scale, out / "timeline.png",
                    f"kvguard chaos {spec.name}: {spec.summary}")
     (out / "verdict.json").write_text(json.dumps(result, indent=1))
-    (out / "report.md").write_text(
-        f"# kvguard chaos {spec.name}\n\n{spec.summary}. Capacity per replica {cap:.2f} req/s "
-        f"({how}), time scale {settings.time_scale:g}.\n\n{table}\n\n"
-        f"All checks passed: **{result['passed']}**\n\n![timeline](timeline.png)\n")
+    (out / "report.md").write_text(render_report(result))
     return result
 
 

@@ -19,7 +19,7 @@ from chaos.user_record import UserRecord
 from chaos.verdict import THRESHOLDS, series
 from policies.cost import RequestClass
 
-__all__ = ["checks", "render_table", "plot_timelines"]
+__all__ = ["checks", "render_table", "render_report", "plot_timelines"]
 
 _SERIES_STYLE = (("offered_users", "offered users/s", "grey", ":"),
                  ("attempts", "upstream attempts/s", "tab:orange", "-"),
@@ -81,6 +81,43 @@ def render_table(verdicts: Mapping[str, Mapping]) -> str:
             f"{o['good']} | {o['late']} | {o['error']} | {o['lost']} | {o['hung']} | "
             f"{_fmt(v['over_admission_ratio'])} |")
     return "\n".join(lines)
+
+
+def _generator_table(verdicts: Mapping[str, Mapping]) -> str:
+    lines = ["| policy | scheduled (users/s) | achieved | send lag p99 (ms) | CPU (% of a core) "
+             "| waited for a CPU (s) | warnings |", "|" + "---|" * 7]
+    for p, v in verdicts.items():
+        g = v["generator"]
+        lag = g["send_lag_s"].get("p99")
+        lines.append(f"| {p} | {_fmt(g['scheduled_rate_per_s'])} | "
+                     f"{_fmt(g['achieved_rate_per_s'])} | "
+                     f"{'—' if lag is None else f'{1000 * lag:.0f}'} | "
+                     f"{g['cpu_percent_of_one_core']:.0f} | {_fmt(g['cpu_wait_s'], 1)} | "
+                     f"{'; '.join(v['generator_warnings']) or 'none'} |")
+    return "\n".join(lines)
+
+
+def _check_lines(result: Mapping) -> list[str]:
+    out = []
+    for group, items in result["checks"].items():
+        for name, c in ([("", items)] if "pass" in items else items.items()):
+            mark = "pass" if c["pass"] else "**FAIL**"
+            out.append(f"- {group}{'.' + name if name else ''}: {c['value']} "
+                       f"(target {c['threshold']}) {mark}")
+    return out
+
+
+def render_report(result: Mapping) -> str:
+    """``report.md``: the table, every check, and the load generator's own account."""
+    return "\n".join([
+        f"# kvguard chaos {result['scenario']}{' (quick)' if result['quick'] else ''}", "",
+        f"{result['summary']}. Capacity per replica {result['capacity_per_replica_rps']:.2f} "
+        f"req/s ({result['capacity_source']}), fleet C {result['fleet_capacity_rps']:.2f} req/s, "
+        f"time scale {result['time_scale']:g}, seed {result['seed']}.", "",
+        f"Command: `{result['command']}`", "", render_table(result["policies"]), "",
+        "## Checks", "", *_check_lines(result), "",
+        f"All checks passed: **{result['passed']}**", "", "## Load generator", "",
+        _generator_table(result["policies"]), "", "![timeline](timeline.png)", ""])
 
 
 def _markers(ax, events: Sequence[FaultEvent], window_s: Sequence[float]) -> None:
