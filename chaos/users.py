@@ -96,13 +96,15 @@ class _Users:
         ids = prompt_token_ids(seed, spec)
         return asyncio.create_task(self.clients[kind].serve(spec, ids, t0_s, progress))
 
-    def salvage(self, spec: RequestSpec, kind: str, i: int, now_s: float,
-                grace_s: float) -> UserRecord:
+    def overdue(self, kind: str, i: int, now_s: float, grace_s: float) -> bool:
+        """Inside an attempt older than its own limit + ``grace_s``."""
+        p = self.progress[i]
+        return p.attempt_started_s is not None and \
+            now_s - p.attempt_started_s > self.cfgs[kind].attempt_limit_s + grace_s
+
+    def salvage(self, spec: RequestSpec, kind: str, i: int, hung: bool) -> UserRecord:
         """The record of a user whose client had to be canceled."""
-        p, cfg = self.progress[i], self.cfgs[kind]
-        hung = p.attempt_started_s is not None and \
-            now_s - p.attempt_started_s > cfg.attempt_limit_s + grace_s
-        return user_record(spec, cfg, p.attempts, hung=hung,
+        return user_record(spec, self.cfgs[kind], self.progress[i].attempts, hung=hung,
                            final_error="canceled at drain deadline")
 
 
@@ -117,13 +119,25 @@ async def _dispatch(users: _Users, specs, kinds, seed, t0_s, clock) -> list[asyn
 
 
 async def _drain(users: _Users, tasks, specs, kinds, deadline_s, cfg, clock) -> list[UserRecord]:
+    """Wait until the deadline; cancel the rest. A client that looks overdue gets one more
+    grace period (stretched by however late this loop woke: a starved event loop fires
+    timeouts late) to end on its own before it is called hung."""
     pending = [t for t in tasks if not t.done()]
     if pending:
         await asyncio.wait(pending, timeout=max(0.0, deadline_s - clock()))
     now_s = clock()
-    salvaged = {i: users.salvage(specs[i], kinds[i], i, now_s, cfg.hang_grace_s)
-                for i, t in enumerate(tasks) if not t.done()}
-    still = [tasks[i] for i in salvaged]
+    lag_s = max(0.0, now_s - deadline_s)
+    overdue = {i for i, t in enumerate(tasks)
+               if not t.done() and users.overdue(kinds[i], i, now_s, cfg.hang_grace_s)}
+    salvaged = {i: users.salvage(specs[i], kinds[i], i, hung=False)
+                for i, t in enumerate(tasks) if not t.done() and i not in overdue}
+    for i in salvaged:
+        tasks[i].cancel()
+    if overdue:
+        await asyncio.wait([tasks[i] for i in overdue], timeout=cfg.hang_grace_s + lag_s)
+        salvaged |= {i: users.salvage(specs[i], kinds[i], i, hung=True)
+                     for i in overdue if not tasks[i].done()}
+    still = [tasks[i] for i in salvaged if not tasks[i].done()]
     for t in still:
         t.cancel()
     if still:
