@@ -35,6 +35,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="guard TOML (default: $KVGUARD_CONFIG, else built-in defaults)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000, help="0 picks a free port")
+    parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                        help="uvicorn event loop (auto: uvloop when installed)")
+    parser.add_argument("--http", choices=("auto", "h11", "httptools"), default="auto",
+                        help="uvicorn HTTP parser (auto: httptools when installed)")
     parser.add_argument("--log-level", default="warning")
 
 
@@ -51,7 +55,7 @@ def _config(args: argparse.Namespace):
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio then sets TCP_NODELAY
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -117,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on",
+                            loop=args.loop, http=args.http,
                             timeout_graceful_shutdown=max(1, int(app.config.proxy.drain_timeout_s)))
     server = _server_class()(config, app, url)
     try:
