@@ -7,7 +7,9 @@
 as ``kvguard bench overload`` does; ``--quick`` uses the nominal capacity instead, ``--capacity``
 a given one), then serves the same seeded users once per policy — ``always_admit``, ``slo``
 and any ``--policy`` — each against a fresh topology with the scenario's faults, and writes
-``verdict.json``, ``report.md`` and ``timeline.png`` into the output folder.
+``verdict.json``, ``report.md`` and ``timeline.png`` into the output folder. The exit code is
+0 when every check passed, 1 when one failed (or a run was invalid), 2 for a usage error or a
+scenario this build cannot run.
 """
 
 from __future__ import annotations
@@ -138,4 +140,4 @@ def run(args: argparse.Namespace) -> int:
                   if not c["pass"]]
         print(f"\nchecks: {'all passed' if not failed else 'FAILED ' + ', '.join(failed)}")
         print(f"report: {out / 'report.md'}  plot: {out / 'timeline.png'}")
-    return 0
+    return 0 if result["passed"] else 1
