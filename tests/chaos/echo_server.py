@@ -11,7 +11,8 @@ Retry behaviours for the chaos clients (attempts counted per tenant and prompt):
 attempts, then the stream; ``chaos-tenant-4`` 429 + ``x-should-retry: false``;
 ``chaos-tenant-5`` 503 + ``retry-after: 200`` (past the SDK's 120 s cap); ``chaos-tenant-6``
 never answers (hangs 60 s); ``chaos-tenant-7`` a bare 503 (no retry headers);
-``chaos-tenant-8`` an SSE error event after two tokens. ``GET /attempts`` returns the counts
+``chaos-tenant-8`` an SSE error event after two tokens; ``chaos-tenant-9`` 503 +
+``retry-after: 100`` (the SDK waits it out). ``GET /attempts`` returns the counts
 and the last ``x-stainless-retry-count`` seen per tenant.
 """
 
@@ -100,6 +101,8 @@ async def _retry_behaviour(tenant: str, body: dict, headers) -> JSONResponse | N
         return JSONResponse(error, status_code=503, headers={"retry-after": "200"})
     if name == "chaos-tenant-6":
         await asyncio.sleep(60)
+    if name == "chaos-tenant-9":
+        return JSONResponse(error, status_code=503, headers={"retry-after": "100"})
     if name == "chaos-tenant-7":
         return JSONResponse(error, status_code=503)
     return None

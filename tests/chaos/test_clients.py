@@ -129,6 +129,15 @@ def test_a_client_past_its_own_timeout_is_hung(echo_url):
     assert not own.hung and own.outcome(CLS) == "lost"
 
 
+def test_a_client_waiting_out_a_retry_after_is_canceled_not_hung(echo_url):
+    """At the drain deadline the SDK is asleep on retry-after: 100; the harness cancels it.
+    Its user got an explicit 503 in time: an error, not lost, not hung."""
+    user = _serve(echo_url, 9, "sdk", drain_timeout_s=0.5, hang_grace_s=0.2)
+    assert [a.status for a in user.attempts] == [503]
+    assert not user.hung and user.final_error == "canceled at drain deadline"
+    assert user.outcome(CLS) == "error"
+
+
 def test_entry_picker_round_robins_and_refuses_remote_hosts():
     p = EntryPicker(["http://127.0.0.1:1/", "http://127.0.0.1:2"])
     assert [p.next() for _ in range(4)] == ["http://127.0.0.1:1", "http://127.0.0.1:2"] * 2
