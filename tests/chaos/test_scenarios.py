@@ -95,3 +95,11 @@ def test_run_refuses_unknown_and_unavailable_scenarios(capsys, monkeypatch):
                         {k: v for k, v in guard.cli.SUBCOMMANDS.items() if k != "proxy"})
     assert kvguard(["chaos", "run", "replica-kill", "--quick"]) == 2
     assert "cannot run in this build" in capsys.readouterr().err
+
+
+def test_fleet_demo_refuses_without_the_proxy(capsys, monkeypatch):
+    import guard.cli
+    monkeypatch.setattr(guard.cli, "SUBCOMMANDS",
+                        {k: v for k, v in guard.cli.SUBCOMMANDS.items() if k != "proxy"})
+    assert kvguard(["demo", "--scenario", "seed"]) == 2
+    assert "demo --scenario seed cannot run" in capsys.readouterr().err
