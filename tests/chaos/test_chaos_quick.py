@@ -21,7 +21,9 @@ from chaos.scenarios import catalogue, missing_dependencies, quick_variant
 from chaos.user_record import USER_OUTCOMES, UserRecord
 from guard.cli import SUBCOMMANDS
 
-pytestmark = pytest.mark.slow
+# One scenario run (two fleets) happens inside the first test that needs it: ~1 min on an idle
+# 2-core machine, several under heavy contention; the suite's 300 s per-test guard is too short.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 QUICK = ["burst", "retry-storm", "replica-kill", "redis-kill"]
 _RUNS: dict = {}
 
