@@ -39,7 +39,7 @@ from chaos.stats import percentile
 from chaos.sweep import SweepPoint, capacity, sweep_rates
 from policies.cost import RequestClass
 
-__all__ = ["configure", "run", "POLICIES", "Scenario", "fmt_num", "probe_saturation", "policy_params",
+__all__ = ["configure", "configure_scenario", "run", "POLICIES", "Scenario", "fmt_num", "probe_saturation", "policy_params",
            "render_table", "row_from_run", "run_policy"]
 
 POLICIES: tuple[str, ...] = ("always_admit", "concurrency_cap", "saturation", "gradient",
@@ -91,7 +91,8 @@ def _mean(dist: LengthDist) -> float:
     return (dist.low + dist.high) / 2 if dist.kind != "lognormal" else float(dist.median)
 
 
-def configure(p: argparse.ArgumentParser) -> None:
+def configure_scenario(p: argparse.ArgumentParser, out_default: str) -> None:
+    """The scenario's flags (replica, traffic, SLO, seed, output folder)."""
     p.add_argument("--model", default="llama-7b")
     p.add_argument("--gpu", default="h100-80g")
     p.add_argument("--time-scale", type=float, default=2.0,
@@ -108,14 +109,18 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=float, default=3.0, help="left out of goodput, GPU s")
     p.add_argument("--client-timeout", type=float, default=6.0,
                    help="clients give up after this many GPU seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help=f"output folder (default {out_default})")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    configure_scenario(p, "runs/overload-<time>")
     p.add_argument("--loads", default="0.74,1.16,2.0", help="multiples of capacity C")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--sweep", default="0.8:1.6:0.1",
                    help="capacity sweep, multiples of the saturation throughput S")
     p.add_argument("--capacity", type=float, default=None,
                    help="skip the probe and sweep; use this C (req/s at this time scale)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="output folder (default runs/overload-<time>)")
 
 
 def probe_saturation(scenario: Scenario, url: str, out: Path, num_requests: int = 48) -> float:

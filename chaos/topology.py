@@ -32,7 +32,7 @@ import httpx
 
 from chaos.child import ChildProcess
 
-__all__ = ["Topology", "TopologySpec", "SIM_REPLICA_ARGS", "http_health", "redis_health"]
+__all__ = ["Topology", "TopologySpec", "SIM_REPLICA_ARGS", "free_port", "http_health", "redis_health"]
 
 SIM_REPLICA_ARGS = ("--model", "llama-7b", "--backend", "sim")
 _ENGINE_READY = r"kvguard engine listening on (http://\S+)"
@@ -145,7 +145,7 @@ class Topology:
             http_health, ready_pattern=_PROXY_READY, env=env)
 
     def _redis_child(self) -> ChildProcess:
-        port = _free_port()
+        port = free_port()
         child = ChildProcess(
             "redis", lambda p: ["redis-server", "--port", str(p), "--bind", "127.0.0.1",
                                 "--save", "", "--appendonly", "no"],
@@ -174,7 +174,7 @@ class Topology:
                 child.terminate()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A port that was free a moment ago (redis cannot pick its own and report it)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

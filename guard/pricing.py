@@ -1,10 +1,6 @@
-"""Request pricing: read the body under a byte limit, validate it, and price it in tokens and blocks.
+"""Request pricing: validate a body and price it in tokens and blocks.
 
-Exceptions (the whole tree)::
-
-    PricingError(status, reason, message, param)   never servable: 400 / 413, x-should-retry false
-      └─ BodyTooLarge                              413, raised before the rest is buffered
-    ClientDisconnected                             the client went away while we read its body
+A request that can never be served as sent raises :class:`guard.errors.PricingError`.
 
 Prompt tokens are counted exactly for token-id prompts, with the injected tokenizer (a callable
 ``text -> int``) when there is one, else estimated as ``ceil(chars / chars_per_token)`` where
@@ -16,24 +12,27 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from guard.config import GuardConfig, TenantConfig
+from guard.errors import PricingError
+from guard.idempotency_keys import IdempotencyKeys
+from guard.request_rules import (
+    ReplicaRules,
+    chat_texts,
+    check_common,
+    completion_prompt,
+    optional_int,
+    parse_body,
+)
 from policies.cost import RequestClass, RequestCost
 
 __all__ = [
     "PRICED_PATHS",
-    "BodyTooLarge",
-    "ClientDisconnected",
     "PricedRequest",
     "Pricer",
-    "PricingError",
-    "RecentKeys",
-    "headers_from_scope",
-    "read_body",
     "tokenizer_counter",
 ]
 
@@ -49,93 +48,12 @@ CALIBRATION_PRIOR_TOKENS = 200.0  # the initial ratio counts as this many observ
 MIN_OUTPUT_SAMPLES = 8  # completions of a class before its learned output length is used
 
 
-class PricingError(Exception):
-    """A request that can never be served as sent (400, or 413 for an oversized body)."""
-
-    def __init__(self, status: int, reason: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-        self.message = message
-        self.param = param
-
-
-class BodyTooLarge(PricingError):
-    def __init__(self, max_bytes: int):
-        super().__init__(413, "body_too_large", f"request body exceeds {max_bytes} bytes")
-
-
-class ClientDisconnected(Exception):
-    """The client disconnected before its request body was complete."""
-
-
-Receive = Callable[[], Awaitable[dict]]
-
-
-async def read_body(receive: Receive, max_bytes: int, content_length: int | None = None) -> bytes:
-    """The whole ASGI request body; BodyTooLarge as soon as it passes ``max_bytes``.
-
-    A declared ``content_length`` over the limit is refused before anything is read.
-    """
-    if content_length is not None and content_length > max_bytes:
-        raise BodyTooLarge(max_bytes)
-    chunks: list[bytes] = []
-    total = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnected()
-        chunk = message.get("body", b"")
-        total += len(chunk)
-        if total > max_bytes:
-            raise BodyTooLarge(max_bytes)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def headers_from_scope(scope: Mapping[str, Any]) -> dict[str, str]:
-    """ASGI ``scope["headers"]`` as a dict of lower-case names (last value wins)."""
-    headers = {}  # a plain loop: a comprehension is one more call per request
-    for name, value in scope.get("headers", ()):
-        headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-    return headers
-
-
 def tokenizer_counter(path: str) -> Callable[[str], int]:
     """A prompt-token counter from a ``tokenizer.json`` (the ``tokenizers`` package, no torch)."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(path)
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
-
-
-class RecentKeys:
-    """A bounded TTL set of keys: ``seen(key, now_s)`` says whether key was seen within ``ttl_s``."""
-
-    def __init__(self, ttl_s: float, max_keys: int):
-        self._ttl_s = ttl_s
-        self._max_keys = max_keys
-        self._seen_s: OrderedDict[Any, float] = OrderedDict()
-
-    def seen(self, key: Any, now_s: float) -> bool:
-        self._expire(now_s)
-        was_seen = key in self._seen_s
-        self._seen_s[key] = now_s
-        self._seen_s.move_to_end(key)
-        if len(self._seen_s) > self._max_keys:
-            self._seen_s.popitem(last=False)
-        return was_seen
-
-    def _expire(self, now_s: float) -> None:
-        while self._seen_s:
-            oldest_s = next(iter(self._seen_s.values()))
-            if now_s - oldest_s <= self._ttl_s:
-                return
-            self._seen_s.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._seen_s)
 
 
 @dataclass(frozen=True)
@@ -149,64 +67,14 @@ class PricedRequest:
     num_overhead_tokens: int  # estimated chat-template tokens included in the prompt count
     is_exact: bool  # prompt tokens counted (token ids or tokenizer), not estimated
     max_tokens_defaulted: bool  # the client sent no max_tokens; cost.max_tokens is the guard's
+    raw: bytes = b""  # the body as the client sent it
 
-
-def _bad(message: str, param: str | None = None, reason: str = "invalid_request") -> PricingError:
-    return PricingError(400, reason, message, param)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _parse(body: dict | bytes) -> dict:
-    if isinstance(body, (bytes, bytearray)):
-        try:
-            body = _loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise _bad(f"request body is not valid JSON: {exc}", reason="invalid_json") from None
-    if not isinstance(body, dict):
-        raise _bad("request body must be a JSON object", reason="invalid_json")
-    return body
-
-
-_JSON_DECODER = json.JSONDecoder()  # stateless; what json.loads uses by default
-
-
-def _loads(body: bytes | bytearray) -> Any:
-    """``json.loads(body)``, taking the UTF-8 text path first (it skips the encoding sniff);
-    anything that path refuses (a BOM, UTF-16/32, bad JSON) goes through ``json.loads(body)``
-    itself, so results and error messages are exactly its."""
-    try:
-        return _JSON_DECODER.decode(body.decode())  # json.loads(text) minus its wrapper
-    except ValueError:
-        return json.loads(body)
-
-
-def _optional_int(body: dict, name: str, minimum: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise _bad(f"{name} must be an integer", name)
-    if value < minimum:
-        raise _bad(f"{name} must be >= {minimum}, got {value}", name)
-    return value
-
-
-def _check_common(body: dict) -> None:
-    if "model" in body and not isinstance(body["model"], str):
-        raise _bad("model must be a string", "model")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise _bad("stream must be a boolean", "stream")
-    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-        value = body.get(name)
-        if value is not None and (not _is_number(value) or not low <= value <= high):
-            raise _bad(f"{name} must be a number within [{low}, {high}]", name)
+    def forward_body(self) -> bytes:
+        """The body to send upstream: as sent, or with the priced ``max_tokens`` filled in when
+        the client sent none, so the replica runs exactly what the guard priced."""
+        if not self.max_tokens_defaulted and self.raw:
+            return self.raw
+        return json.dumps({**self.body, "max_tokens": self.cost.max_tokens}).encode()
 
 
 class Pricer:
@@ -220,7 +88,7 @@ class Pricer:
         self._tokens_sum = CALIBRATION_PRIOR_TOKENS
         self._chars_per_token = cpt
         self._outputs: dict[str, list] = {}  # class -> [completions seen, mean output tokens]
-        self._recent_keys = RecentKeys(config.idempotency_ttl_s, config.max_idempotency_keys)
+        self._recent_keys = IdempotencyKeys(config.idempotency_ttl_s, config.max_idempotency_bytes)
 
     # --- learning ---------------------------------------------------------------------------
 
@@ -247,7 +115,7 @@ class Pricer:
             self._outputs[class_name] = [1, float(num_output_tokens)]
             return
         n = learned[0] = learned[0] + 1
-        weight = max(1.0 / n, 0.05)  # a plain mean at first, then an EWMA that tracks drift
+        weight = max(1.0 / n, 0.05) if n > 1 else 0.5  # after a reset the old mean counts half  # a plain mean at first, then an EWMA that tracks drift
         learned[1] += weight * (num_output_tokens - learned[1])
 
     def observe_completion(self, priced: PricedRequest, num_prompt_tokens: int | None,
@@ -260,10 +128,20 @@ class Pricer:
             self.observe_output(priced.cost.request_class.name, num_output_tokens)
 
     def expected_output_tokens(self, class_name: str, max_tokens: int) -> int:
+        """``max_tokens`` until the class has ``MIN_OUTPUT_SAMPLES`` completions (KV cost is
+        never underestimated before anything is learned), then the learned mean, capped."""
         learned = self._outputs.get(class_name)
         if learned is None or learned[0] < MIN_OUTPUT_SAMPLES:
-            return min(max_tokens, self._config.default_expected_output_tokens)
+            return max_tokens
         return max(1, min(max_tokens, round(learned[1])))
+
+    def observe_preemptions(self, num_new: int) -> None:
+        """A replica preempted ``num_new`` sequences: the learned output lengths let the guard
+        admit more than fits, so every class goes back to ``max_tokens`` until it has
+        ``MIN_OUTPUT_SAMPLES`` fresh completions (the learned mean is kept as their start)."""
+        if num_new > 0:
+            for learned in self._outputs.values():
+                learned[0] = 0
 
     # --- pricing ----------------------------------------------------------------------------
 
@@ -275,16 +153,20 @@ class Pricer:
                                   block_size=block_size, request_id=request_id).cost
 
     def price_request(self, body: dict | bytes, path: str, headers: Mapping[str, str],
-                      tenant: TenantConfig, now_s: float, *, max_model_len: int | None,
-                      block_size: int, request_id: str | None = None) -> PricedRequest:
+                      tenant: TenantConfig, now_s: float, *, max_model_len: int | None = None,
+                      block_size: int = 16, request_id: str | None = None,
+                      rules: ReplicaRules | None = None) -> PricedRequest:
         """Like :meth:`price`, with the parsed body and the counts the middleware learns from.
 
-        ``headers`` has lower-case names (see :func:`headers_from_scope`).
+        ``headers`` has lower-case names (see :func:`guard.body.headers_from_scope`);
+        ``rules`` (when given) replaces ``max_model_len`` and ``block_size``.
         """
-        data = _parse(body)
-        _check_common(data)
-        chars, tokens, overhead, exact = self._count_prompt(data, path)
-        n = _optional_int(data, "n", 1) or 1
+        if rules is None:
+            rules = ReplicaRules(max_model_len, block_size)
+        max_model_len, block_size = rules.max_model_len, rules.block_size
+        data = parse_body(body)
+        n = check_common(data, rules)
+        chars, tokens, overhead, exact = self._count_prompt(data, path, rules)
         max_tokens, defaulted = self._max_tokens(data, tokens, exact, max_model_len)
         request_class = self._resolve_class(headers, tenant)
         cost = RequestCost(
@@ -299,13 +181,18 @@ class Pricer:
             deadline_s=self._deadline_s(headers, now_s, request_class.ttft_s),
             is_retry=self._is_retry(headers, tenant.name, now_s),
         )
-        return PricedRequest(cost, data, bool(data.get("stream")), chars, overhead, exact, defaulted)
+        raw = body if isinstance(body, bytes) else b""
+        return PricedRequest(cost, data, bool(data.get("stream")), chars, overhead, exact, defaulted,
+                             raw)
 
     def _max_tokens(self, data: dict, num_prompt_tokens: int, exact: bool,
                     max_model_len: int | None) -> tuple[int, bool]:
-        requested = _optional_int(data, "max_completion_tokens", 1)
-        legacy = _optional_int(data, "max_tokens", 1)
-        requested = requested if requested is not None else legacy
+        # max_completion_tokens is chat's (it wins there); completions read max_tokens only
+        name = "max_completion_tokens"
+        requested = optional_int(data, name, 1) if "messages" in data else None
+        if requested is None:
+            name = "max_tokens"
+            requested = optional_int(data, name, 1)
         lower = num_prompt_tokens if exact else math.floor(num_prompt_tokens * (1 - ESTIMATE_TOLERANCE_RATIO))
         if requested is None:
             default = self._config.default_max_tokens
@@ -315,21 +202,20 @@ class Pricer:
                 return default, True
             requested = 1
         if max_model_len is not None and lower + requested > max_model_len:
-            raise _bad(
-                f"this model's maximum context length is {max_model_len} tokens; the request has "
+            raise PricingError(
+                400, "context_length_exceeded",
+                f"This model's maximum context length is {max_model_len} tokens; the request has "
                 f"{'' if exact else 'about '}{num_prompt_tokens} prompt tokens plus "
-                f"{requested} completion tokens",
-                "messages" if "messages" in data else "prompt",
-                reason="context_length_exceeded",
-            )
+                f"{requested} completion tokens", name)
         return requested, False
 
-    def _count_prompt(self, data: dict, path: str) -> tuple[int, int, int, bool]:
+    def _count_prompt(self, data: dict, path: str,
+                      rules: ReplicaRules) -> tuple[int, int, int, bool]:
         """(prompt chars, prompt tokens, chat overhead tokens, exact?)"""
-        if path == COMPLETIONS_PATH:
+        if path.endswith(COMPLETIONS_PATH) and not path.endswith(CHAT_PATH):
             return self._count_completion_prompt(data)
-        if path == CHAT_PATH:
-            texts = _chat_texts(data)
+        if path.endswith(CHAT_PATH):
+            texts = chat_texts(data, rules)
             overhead = CHAT_TOKENS_PER_MESSAGE * len(data["messages"]) + CHAT_TOKENS_PER_REPLY
             chars = sum(len(t) for t in texts)
             if self._tokenizer is not None:
@@ -338,19 +224,12 @@ class Pricer:
         raise PricingError(404, "unknown_endpoint", f"{path} is not a priced endpoint")
 
     def _count_completion_prompt(self, data: dict) -> tuple[int, int, int, bool]:
-        prompt = data.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            if self._tokenizer is not None:
-                return len(prompt), self._tokenizer(prompt), 0, True
-            return len(prompt), self._estimate(len(prompt)), 0, False
-        if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        prompt = completion_prompt(data)
+        if not isinstance(prompt, str):
             return 0, len(prompt), 0, True
-        if prompt is None:
-            raise _bad("prompt is required", "prompt")
-        raise _bad("prompt must be a string, a non-empty list of token ids, or a list of one "
-                   "string", "prompt")
+        if self._tokenizer is not None:
+            return len(prompt), self._tokenizer(prompt), 0, True
+        return len(prompt), self._estimate(len(prompt)), 0, False
 
     def _estimate(self, num_chars: int) -> int:
         return math.ceil(num_chars / self._chars_per_token)
@@ -362,8 +241,8 @@ class Pricer:
             name = wanted.strip()
         request_class = self._config.request_class(name)
         if request_class is None:
-            raise _bad(f"unknown request class {name!r}", self._config.class_header,
-                       reason="unknown_class")
+            raise PricingError(400, "unknown_class", f"unknown request class {name!r}",
+                               self._config.class_header)
         return request_class
 
     def _deadline_s(self, headers: Mapping[str, str], now_s: float, ttft_s: float) -> float:
@@ -383,8 +262,8 @@ class Pricer:
             except ValueError:
                 deadline_ms = -1.0
             if not 0 < deadline_ms < math.inf:
-                raise _bad(f"{self._config.deadline_header} must be a positive number of "
-                           "milliseconds", self._config.deadline_header, reason="invalid_header")
+                raise PricingError(400, "invalid_header", f"{self._config.deadline_header} must be "
+                                   "a positive number of milliseconds", self._config.deadline_header)
             deadline_s = min(deadline_s, now_s + deadline_ms / 1000.0)
         return deadline_s
 
@@ -398,42 +277,5 @@ class Pricer:
                 retry = False
         key = headers.get("idempotency-key")
         if key:  # always record the key, so a later repeat is seen as a retry
-            retry = self._recent_keys.seen((tenant, key), now_s) or retry
+            retry = self._recent_keys.seen(tenant, key, now_s) or retry
         return retry
-
-
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-
-
-def _chat_texts(data: dict) -> list[str]:
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages must be a non-empty list", "messages")
-    texts: list[str] = []
-    for i, message in enumerate(messages):
-        param = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise _bad(f"{param} must be an object", param)
-        if message.get("role") not in _ROLES:
-            raise _bad(f"{param}.role must be one of {sorted(_ROLES)}", f"{param}.role")
-        content = message.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            texts.extend(_content_part_texts(content, f"{param}.content"))
-        elif content is not None or message["role"] != "assistant":
-            raise _bad(f"{param}.content must be a string or a list of content parts",
-                       f"{param}.content")
-    return texts
-
-
-def _content_part_texts(parts: list, param: str) -> list[str]:
-    texts = []
-    for j, part in enumerate(parts):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise _bad(f"{param}[{j}] must be an object with a type", f"{param}[{j}]")
-        if part["type"] == "text":
-            if not isinstance(part.get("text"), str):
-                raise _bad(f"{param}[{j}].text must be a string", f"{param}[{j}].text")
-            texts.append(part["text"])
-    return texts

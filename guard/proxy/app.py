@@ -2,7 +2,8 @@
 
 Routes:
 
-* ``POST /v1/completions``, ``POST /v1/chat/completions``: admission (tenant → price → policy →
+* ``POST`` to an admitted path (``admitted_paths``; by default any path ending in
+  ``/v1/completions`` or ``/v1/chat/completions``): admission (tenant → price → policy →
   admit | queue | shed) and, once admitted, :class:`guard.proxy.upstream.Forwarder` relays the
   request to the replica the policy picked (``Admit(replica_id)``: for ``slo`` the lowest
   predicted TTFT where the request fits, least-loaded for the baselines). Bad input is answered
@@ -18,6 +19,10 @@ Each replica's load comes from its ``/kvguard/state`` (``state_source = "kvguard
 ``refresh_interval_s``; :class:`guard.proxy.health.ReplicaHealth` ejects replicas that fail
 requests and probes them back. ``drain()`` (SIGTERM) stops admitting: new requests get 503
 ``shutting_down`` while admitted ones finish.
+
+The admission flow is :class:`guard.controller.AdmissionController`'s (this app is its second
+adapter, beside the middleware). The operational endpoints are gated like the middleware's
+(:class:`guard.operational_access.OperationalAccess`).
 """
 
 from __future__ import annotations
@@ -31,15 +36,18 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
+from guard.admission import Admission
+from guard.body import content_length, headers_from_scope, read_body
 from guard.config import GuardConfig
-from guard.load_state import LoadState
-from guard.middleware import ADMITTED_PATHS, AdmissionMiddleware
-from guard.proxy.health import NoStateSource, ReplicaHealth
+from guard.controller import AdmissionController
+from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
+from guard.proxy.health import ReplicaHealth
 from guard.proxy.metrics import ProxyMetrics
 from guard.proxy.transports import HOP_BY_HOP, Transport, UpstreamError, make_transport
 from guard.proxy.upstream import Forwarder
-from guard.rejection import Rejection, send_rejection
-from guard.state_poller import HttpStateSource, StatePoller, StateSource
+from guard.relay import REQUEST_ID_HEADER
+from guard.replicas.poller import state_sources
+from guard.shedding import Rejection, send_rejection
 
 __all__ = ["ProxyApp"]
 
@@ -47,28 +55,17 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-
-class _Admission(AdmissionMiddleware):
-    """The guard's admission flow with the proxy's replicas as its load-state sources."""
-
-    def __init__(self, app: Callable, config: GuardConfig, *, sources: dict[str, StateSource],
-                 **kwargs: Any) -> None:
-        super().__init__(app, config, poll_state=True, **kwargs)
-        self._sources = sources
-
-    def _make_poller(self) -> StatePoller:
-        return StatePoller(self.load_state, self._sources, self.config.refresh_interval_s,
-                           clock=self.clock, timeout_s=self.config.state_timeout_s,
-                           unhealthy_after_errors=self.config.unhealthy_after_errors,
-                           on_refresh=self._on_state_refresh)
+GUARD_METRICS_PATH = "/kvguard/metrics"
+_GATED_PATHS = ADMIN_PATHS | {MODELS_PATH}
 
 
 class ProxyApp:
-    """ASGI app of ``kvguard proxy``. ``transport`` and ``registry`` may be injected."""
+    """ASGI app of ``kvguard proxy``. ``transport``, ``registry`` and ``budget`` (a budget
+    store; None: the controller builds what the config asks for) may be injected."""
 
     def __init__(self, config: GuardConfig, *, registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] | None = None,
-                 transport: Transport | None = None) -> None:
+                 clock: Callable[[], float] | None = None, transport: Transport | None = None,
+                 budget: Any = None) -> None:
         if not config.replicas or any(r.url is None for r in config.replicas):
             raise ValueError("replicas: the proxy needs at least one replica with a url "
                              "(--upstream URL or [[replicas]])")
@@ -76,34 +73,24 @@ class ProxyApp:
         self.clock = clock or time.monotonic
         proxy = config.proxy
         self.urls = {r.replica_id: r.url for r in config.replicas}
-        self.load_state = LoadState(config.max_staleness_s)
         self.transport = transport or make_transport(
             proxy.upstream_client, proxy.connect_timeout_s, proxy.read_timeout_s,
             proxy.max_upstream_connections)
         self.health = ReplicaHealth(self.urls, proxy.eject_after_failures, proxy.probe_interval_s,
                                     self._mark_unhealthy, self._probe, self.clock)
         self._state_client = httpx.AsyncClient(trust_env=False)
-        self.admission = _Admission(self._inner, config, sources=self._sources(),
-                                    registry=registry, clock=self.clock,
-                                    load_state=self.load_state)
-        self.metrics = ProxyMetrics(self.admission.registry, list(self.urls), self.routable,
+        sources = state_sources(config.replicas, self._state_client,
+                                timeout_s=config.state_timeout_s)
+        gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
+        self.controller = AdmissionController(config, gated, registry=registry, clock=self.clock,
+                                              budget=budget)
+        self.load_state = self.controller.load_state
+        self.metrics = ProxyMetrics(self.controller.registry, list(self.urls), self.routable,
                                     self.health.num_ejections.__getitem__)
         self.forwarder = Forwarder(self.urls, self.transport, self.health, self._redispatch,
                                    self.metrics)
-        self.draining = False
-
-    def _sources(self) -> dict[str, StateSource]:
-        sources: dict[str, StateSource] = {}
-        for replica in self.config.replicas:
-            if replica.state_source == "none":
-                inner: StateSource = NoStateSource()
-            else:
-                inner = HttpStateSource(replica.url, replica.state_source,
-                                        client=self._state_client,
-                                        timeout_s=self.config.state_timeout_s,
-                                        max_model_len=replica.max_model_len)
-            sources[replica.replica_id] = self.health.gate(replica.replica_id, inner)
-        return sources
+        self._access = OperationalAccess(config)
+        self._is_admitted = config.is_admitted_path
 
     # --- routing facts ------------------------------------------------------------------------
     def routable(self, replica_id: str) -> bool:
@@ -120,17 +107,11 @@ class ProxyApp:
             return False
         return 200 <= status < 300
 
-    def _redispatch(self, ticket: Any, failed_replica_id: str) -> str | None:
-        """Move an admitted request whose replica failed before answering to the routable
-        replica with the fewest of our requests in flight; None when there is none."""
-        candidates = [rid for rid in self.urls if rid != failed_replica_id and self.routable(rid)]
-        if not candidates:
-            return None
-        replica_id = min(candidates, key=self.load_state.num_inflight)
-        self.load_state.release(ticket.request_id)
-        self.load_state.reserve(replica_id, ticket.request_id, ticket.cost, self.clock())
-        ticket.replica_id = replica_id
-        return replica_id
+    def _redispatch(self, admission: Admission, failed_replica_id: str) -> str | None:
+        """The policy re-decides an admission whose replica failed before answering, among
+        the other routable replicas (the controller moves its reservation)."""
+        others = [rid for rid in self.urls if rid != failed_replica_id and self.routable(rid)]
+        return self.controller.redispatch(admission, others) if others else None
 
     # --- ASGI ---------------------------------------------------------------------------------
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
@@ -139,33 +120,42 @@ class ProxyApp:
             return await self._lifespan(receive, send)
         if kind != "http":
             return
-        if self.draining and scope["path"] in ADMITTED_PATHS:
-            return await send_rejection(send, Rejection(
-                503, "shutting_down", "this kvguard proxy is shutting down", should_retry=True))
-        await self.admission(scope, receive, send)
-
-    async def _inner(self, scope: dict, receive: Receive, send: Send) -> None:
-        """What the admission flow wraps: forwarding, and the proxy's own GET routes."""
         path, method = scope["path"], scope["method"]
-        if path in ADMITTED_PATHS and method == "POST":
-            return await self._forward(scope, receive, send)
+        if method == "POST" and self._is_admitted(path):
+            return await self._admit(scope, receive, send)
+        if path in _GATED_PATHS and self._access.enabled:
+            rejection = self._access.check(path, headers_from_scope(scope))
+            if rejection is not None:
+                return await send_rejection(send, rejection)
         if method == "GET" and path == "/health":
-            ok = not self.draining and any(self.routable(rid) for rid in self.urls)
+            ok = not self.controller.draining and any(self.routable(rid) for rid in self.urls)
             return await _send_json(send, 200 if ok else 503,
-                                    {"status": "ok" if ok else "unavailable"})
-        if method == "GET" and path == "/v1/models":
+                                    {"ok": ok, "draining": self.controller.draining})
+        if method == "GET" and path == MODELS_PATH:
             return await self._models(send)
         if method == "GET" and path == "/kvguard/state":
             return await _send_json(send, 200, self.state())
+        if method == "GET" and path in (GUARD_METRICS_PATH, "/metrics"):
+            return await self.controller.metrics.send_response(send)
         await _send_json(send, 404, {"error": {"message": f"no route {method} {path}",
                                                "type": "invalid_request_error",
                                                "param": None, "code": "not_found"}})
 
-    async def _forward(self, scope: dict, receive: Receive, send: Send) -> None:
-        first = await receive()  # the admission flow replays the body it already read
-        headers = [(n, v) for n, v in scope["headers"] if n not in HOP_BY_HOP]
-        await self.forwarder.forward(_ticket_of(send), scope["path"], headers,
-                                     first.get("body", b""), receive, send)
+    async def _admit(self, scope: dict, receive: Receive, send: Send) -> None:
+        """Admission by the controller, then the forwarder; bad input never leaves here."""
+        headers = headers_from_scope(scope)
+        exchange = _Exchange(receive, self.config.max_body_bytes, content_length(headers))
+        try:
+            result = await self.controller.admit(scope["path"], headers, exchange.read_body,
+                                                 exchange.client_gone)
+            if isinstance(result, Admission):
+                return await self.forwarder.forward(
+                    result, scope["path"], _upstream_headers(scope, result.request_id),
+                    exchange.client_gone(), send)
+            if result is not None:
+                await send_rejection(send, result)
+        finally:
+            exchange.stop()
 
     async def _models(self, send: Send) -> None:
         routable = [rid for rid in self.urls if self.routable(rid)]
@@ -205,9 +195,9 @@ class ProxyApp:
                 "num_reserved_blocks": self.load_state.num_reserved_blocks(rid),
                 "num_inflight": self.load_state.num_inflight(rid),
             })
-        return {"admitting": not self.draining, "policy": self.config.policy,
-                "num_in_flight": self.admission.tickets.num_held,
-                "num_queued": len(self.admission.queue), "replicas": replicas}
+        return {"admitting": not self.controller.draining, "policy": self.config.policy,
+                "num_in_flight": self.num_in_flight, "num_queued": len(self.controller.queue),
+                "replicas": replicas}
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -223,28 +213,67 @@ class ProxyApp:
 
     async def start(self) -> None:
         """First state poll, then the poller, the queue pump and the probes."""
-        await self.admission.background.start()
+        await self.controller.start()
         self.health.start()
 
     def drain(self) -> None:
-        """Stop admitting; admitted requests run on."""
-        self.draining = True
+        """Stop admitting (new and queued requests: 503 ``shutting_down``, ``/health`` 503);
+        admitted requests run on."""
+        self.controller.begin_drain()
 
     @property
     def num_in_flight(self) -> int:
-        return self.admission.tickets.num_held
+        return self.controller.tickets.num_held
 
     async def aclose(self) -> None:
         await self.health.stop()
-        await self.admission.aclose()
-        self.admission.close()
+        await self.controller.aclose()
+        self.controller.close()
         await self.transport.aclose()
         await self._state_client.aclose()
 
 
-def _ticket_of(send: Send) -> Any:
-    """The admitted request's ticket: the admission flow hands its relay's bound ``send``."""
-    return send.__self__.ticket  # type: ignore[attr-defined]
+def _upstream_headers(scope: dict, request_id: str) -> list[tuple[bytes, bytes]]:
+    """The client's end-to-end headers with the guard's ``x-request-id`` (the body may have
+    been rewritten, so its length is the transport's to set)."""
+    headers = []
+    for name, value in scope["headers"]:
+        if name not in HOP_BY_HOP and name != REQUEST_ID_HEADER:
+            headers.append((name, value))
+    headers.append((REQUEST_ID_HEADER, request_id.encode()))
+    return headers
+
+
+class _Exchange:
+    """One request's body reader and disconnect watch, in the controller's terms."""
+
+    __slots__ = ("_receive", "_max_bytes", "_content_length", "gone")
+
+    def __init__(self, receive: Receive, max_bytes: int, declared: int | None) -> None:
+        self._receive = receive
+        self._max_bytes = max_bytes
+        self._content_length = declared
+        self.gone: asyncio.Future | None = None
+
+    def read_body(self) -> Awaitable[bytes]:
+        return read_body(self._receive, self._max_bytes, self._content_length)
+
+    def client_gone(self) -> asyncio.Future:
+        """Completes with the client's ``http.disconnect`` (made on first use)."""
+        if self.gone is None:
+            self.gone = asyncio.ensure_future(_until_disconnect(self._receive))
+        return self.gone
+
+    def stop(self) -> None:
+        if self.gone is not None and not self.gone.done():
+            self.gone.cancel()
+
+
+async def _until_disconnect(receive: Receive) -> Message:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return message
 
 
 async def _send_json(send: Send, status: int, payload: dict) -> None:

@@ -2,7 +2,7 @@
 
 Two signals make a replica unroutable:
 
-* the state poller (:class:`guard.state_poller.StatePoller`) marks it unhealthy after
+* the state poller (:class:`guard.replicas.poller.StatePoller`) marks it unhealthy after
   ``unhealthy_after_errors`` consecutive failed state polls, and healthy again on the next good
   one;
 * :class:`ReplicaHealth` ejects it after ``eject_after_failures`` consecutive request failures
@@ -23,9 +23,9 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from guard.state_poller import StateSource, StateUnavailable
+from guard.replicas.poller import StateSource
 
-__all__ = ["ReplicaHealth", "GatedSource", "NoStateSource", "ReplicaEjected"]
+__all__ = ["ReplicaHealth", "GatedSource", "ReplicaEjected"]
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +35,6 @@ Probe = Callable[[str], Awaitable[bool]]
 
 class ReplicaEjected(RuntimeError):
     """The replica is ejected: its state is not read until a probe re-admits it."""
-
-
-class NoStateSource:
-    """``state_source = "none"``: the replica publishes no load state (unknown capacity)."""
-
-    kind = "kvguard"
-
-    async def fetch(self) -> Any:
-        raise StateUnavailable("state_source is 'none'")
 
 
 class GatedSource:

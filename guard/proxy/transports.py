@@ -38,6 +38,9 @@ Headers = list[tuple[bytes, bytes]]
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-connection",
                         b"proxy-authorization", b"te", b"trailer", b"transfer-encoding",
                         b"upgrade", b"host", b"content-length"})
+# Idle pooled connections are dropped before uvicorn's default 5 s keep-alive would close them
+# under us (a request sent on a connection the server is closing fails before any byte).
+_KEEPALIVE_S = 4.0
 # the proxy's own server writes these on every response
 _SERVER_WRITTEN = HOP_BY_HOP | {b"date", b"server"}
 
@@ -138,7 +141,7 @@ class AiohttpTransport:
     def _client(self) -> Any:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
-                                             keepalive_timeout=30.0)
+                                             keepalive_timeout=_KEEPALIVE_S)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s,
                                             sock_read=self._read_timeout_s)
             self._session = aiohttp.ClientSession(
@@ -207,7 +210,8 @@ class HttpxTransport:
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=max_connections,
-                                max_keepalive_connections=max_connections),
+                                max_keepalive_connections=max_connections,
+                                keepalive_expiry=_KEEPALIVE_S),
             trust_env=False, follow_redirects=False)
 
     async def send(self, url: str, headers: Headers, body: bytes) -> UpstreamResponse:

@@ -75,3 +75,37 @@ def test_a_failed_start_ends_what_was_already_started():
             pytest.fail("a fleet whose replica cannot start must not enter its block")
     assert fleet.redis is not None and fleet.redis.num_starts == 1
     assert not fleet.redis.alive and not fleet.replicas
+
+
+@pytest.mark.slow
+def test_kvguard_fleet_prints_urls_and_stops_everything_on_sigint():
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "guard.cli", "fleet", "--replicas", "2",
+                             "--proxies", "1"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines = []
+        deadline_s = time.monotonic() + 120  # hang guard
+        while time.monotonic() < deadline_s:
+            line = proc.stdout.readline()
+            if not line or line.startswith("fleet ready"):
+                break
+            lines.append(line.split())
+        names = [fields[0] for fields in lines]
+        assert names == ["replica-0", "replica-1", "proxy-0"], lines
+        assert http_health(lines[2][1])
+        models = httpx.get(lines[2][1] + "/v1/models", timeout=10, trust_env=False).json()
+        assert [m["id"] for m in models["data"]] == ["llama-7b"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        for fields in lines:
+            with pytest.raises(ProcessLookupError):
+                os.kill(int(fields[3]), 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -7,15 +7,11 @@ import time
 
 import pytest
 
+from guard.body import headers_from_scope, read_body
 from guard.config import GuardConfig, TenantConfig
+from guard.errors import BodyTooLarge, ClientDisconnected, PricingError
 from guard.pricing import (
-    BodyTooLarge,
-    ClientDisconnected,
     Pricer,
-    PricingError,
-    RecentKeys,
-    headers_from_scope,
-    read_body,
     tokenizer_counter,
 )
 
@@ -100,21 +96,21 @@ def test_headers_from_scope_lowercases():
         (b"{not json", "invalid_json", None),
         (b"\xff\xfe", "invalid_json", None),
         (b"[1, 2]", "invalid_json", None),
-        ({"model": "m"}, "invalid_request", "prompt"),
-        ({"prompt": 12}, "invalid_request", "prompt"),
-        ({"prompt": []}, "invalid_request", "prompt"),
-        ({"prompt": ["a", "b"]}, "invalid_request", "prompt"),
-        ({"prompt": [1, -2]}, "invalid_request", "prompt"),
-        ({"prompt": [1, True]}, "invalid_request", "prompt"),
-        ({"prompt": "hi", "max_tokens": 0}, "invalid_request", "max_tokens"),
-        ({"prompt": "hi", "max_tokens": "10"}, "invalid_request", "max_tokens"),
-        ({"prompt": "hi", "max_tokens": 1.5}, "invalid_request", "max_tokens"),
-        ({"prompt": "hi", "max_completion_tokens": -3}, "invalid_request", "max_completion_tokens"),
-        ({"prompt": "hi", "stream": "yes"}, "invalid_request", "stream"),
-        ({"prompt": "hi", "n": 0}, "invalid_request", "n"),
-        ({"prompt": "hi", "temperature": "hot"}, "invalid_request", "temperature"),
-        ({"prompt": "hi", "temperature": 3}, "invalid_request", "temperature"),
-        ({"prompt": "hi", "model": 7}, "invalid_request", "model"),
+        ({"model": "m"}, "missing_required_parameter", "prompt"),
+        ({"prompt": 12}, "invalid_type", "prompt"),
+        ({"prompt": []}, "invalid_value", "prompt"),
+        ({"prompt": ["a", "b"]}, "unsupported_value", "prompt"),
+        ({"prompt": [1, -2]}, "invalid_type", "prompt"),
+        ({"prompt": [1, True]}, "invalid_type", "prompt"),
+        ({"prompt": "hi", "max_tokens": 0}, "invalid_value", "max_tokens"),
+        ({"prompt": "hi", "max_tokens": "10"}, "invalid_type", "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 1.5}, "invalid_type", "max_tokens"),
+        ({"prompt": "", "max_tokens": 3}, "invalid_value", "prompt"),
+        ({"prompt": "hi", "stream": "yes"}, "invalid_type", "stream"),
+        ({"prompt": "hi", "n": 0}, "invalid_value", "n"),
+        ({"prompt": "hi", "temperature": "hot"}, "invalid_type", "temperature"),
+        ({"prompt": "hi", "temperature": 3}, "invalid_value", "temperature"),
+        ({"prompt": "hi", "model": 7}, "invalid_type", "model"),
     ],
 )
 def test_completions_validation(body, reason, param):
@@ -123,22 +119,24 @@ def test_completions_validation(body, reason, param):
 
 
 @pytest.mark.parametrize(
-    ("body", "param"),
+    ("body", "reason", "param"),
     [
-        ({}, "messages"),
-        ({"messages": []}, "messages"),
-        ({"messages": "hello"}, "messages"),
-        ({"messages": ["hello"]}, "messages[0]"),
-        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user"}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0]"),
+        ({}, "missing_required_parameter", "messages"),
+        ({"messages": []}, "invalid_type", "messages"),
+        ({"messages": "hello"}, "invalid_type", "messages"),
+        ({"messages": ["hello"]}, "invalid_type", "messages[0].role"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "invalid_type", "messages[0].role"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "invalid_type", "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "invalid_type", "messages[0].content"),
+        ({"messages": [{"role": "user", "content": 5}]}, "invalid_type", "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "invalid_type",
+         "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
-         "messages[0].content[0].text"),
+         "invalid_type", "messages[0].content"),
     ],
 )
-def test_chat_validation(body, param):
-    err = raises(Pricer(GuardConfig()), body, "invalid_request", path=CHAT)
+def test_chat_validation(body, reason, param):
+    err = raises(Pricer(GuardConfig()), body, reason, path=CHAT)
     assert err.param == param
 
 
@@ -213,7 +211,7 @@ def test_n_multiplies_blocks_and_expected_output():
 def test_context_overflow_is_400_never_retry():
     pricer = Pricer(GuardConfig())
     err = raises(pricer, {"prompt": [1] * 4000, "max_tokens": 97}, "context_length_exceeded")
-    assert "4096" in err.message and err.param == "prompt"
+    assert "4096" in err.message and err.param == "max_tokens"
     assert price(pricer, {"prompt": [1] * 4000, "max_tokens": 96}).max_tokens == 96
     raises(pricer, {"prompt": [1] * 5000}, "context_length_exceeded")  # even with no max_tokens
     # no known context (black-box upstream): no check
@@ -273,15 +271,6 @@ def test_retry_from_sdk_counter_and_repeated_idempotency_key():
     assert not price(pricer, {"prompt": "x"}, headers=key, now_s=5.0 + 601.0).is_retry
 
 
-def test_recent_keys_bounded_and_expiring():
-    keys = RecentKeys(ttl_s=10.0, max_keys=3)
-    for i, k in enumerate("abcd"):
-        assert not keys.seen(k, float(i))
-    assert len(keys) == 3 and not keys.seen("a", 4.0)  # "a" was evicted by the bound
-    assert keys.seen("d", 5.0)
-    assert not keys.seen("b", 100.0) and len(keys) == 1  # everything else expired
-
-
 # --- learning ----------------------------------------------------------------------------------
 
 
@@ -312,21 +301,35 @@ def test_observe_completion_subtracts_chat_overhead_and_skips_exact_counts():
     assert pricer.chars_per_token == pytest.approx(3.0, rel=0.02)
 
 
-def test_expected_output_learned_per_class():
-    pricer = Pricer(GuardConfig(default_expected_output_tokens=128))
-    assert pricer.expected_output_tokens("interactive", 1000) == 128
+def test_expected_output_is_max_tokens_until_learned_per_class():
+    pricer = Pricer(GuardConfig())
+    assert pricer.expected_output_tokens("interactive", 1000) == 1000  # worst case first
     assert pricer.expected_output_tokens("interactive", 50) == 50
     for _ in range(7):
         pricer.observe_output("interactive", 40)
-    assert pricer.expected_output_tokens("interactive", 1000) == 128  # not learned yet
+    assert pricer.expected_output_tokens("interactive", 1000) == 1000  # not learned yet
     pricer.observe_output("interactive", 40)
     assert pricer.expected_output_tokens("interactive", 1000) == 40
     assert pricer.expected_output_tokens("interactive", 30) == 30  # never above max_tokens
-    assert pricer.expected_output_tokens("batch", 1000) == 128  # per class
+    assert pricer.expected_output_tokens("batch", 1000) == 1000  # per class
     for _ in range(200):
         pricer.observe_output("interactive", 300)  # drift is tracked
     assert pricer.expected_output_tokens("interactive", 1000) == pytest.approx(300, abs=5)
     assert price(pricer, {"prompt": "x", "max_tokens": 1000}).num_expected_output_tokens > 290
+
+
+def test_preemptions_send_every_class_back_to_max_tokens():
+    pricer = Pricer(GuardConfig())
+    for _ in range(8):
+        pricer.observe_output("interactive", 40)
+    assert pricer.expected_output_tokens("interactive", 1000) == 40
+    pricer.observe_preemptions(0)
+    assert pricer.expected_output_tokens("interactive", 1000) == 40
+    pricer.observe_preemptions(3)  # the estimate was too low: worst case again
+    assert pricer.expected_output_tokens("interactive", 1000) == 1000
+    for _ in range(8):
+        pricer.observe_output("interactive", 200)
+    assert 40 < pricer.expected_output_tokens("interactive", 1000) <= 200
 
 
 def test_pricing_is_fast():
@@ -342,3 +345,12 @@ def test_pricing_is_fast():
                      request_id="r")
     per_us = (time.perf_counter() - start) / n * 1e6
     print(f"\nprice(): {per_us:.1f} us per chat request")
+
+
+@pytest.mark.parametrize("depth", [65, 1100, 100_000])
+def test_deep_json_is_a_400_not_a_recursion_error(depth):
+    raw = b'{"prompt": ' + b"[" * depth + b"1" + b"]" * depth + b"}"
+    with pytest.raises(PricingError) as info:
+        Pricer(GuardConfig()).price_request(raw, COMP, {}, ANON, 0.0, max_model_len=4096,
+                                            block_size=16)
+    assert (info.value.status, info.value.reason) == (400, "invalid_json")

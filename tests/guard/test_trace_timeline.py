@@ -6,10 +6,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from admission_helpers import PROMPT, Client, SlotPolicy, http_scope, make_guard
 
 from guard import cli, timeline
 from guard.trace import TraceWriter
+from tests.support.admission import PROMPT, Client, SlotPolicy, http_scope, make_guard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from server_helpers import start_engine  # noqa: E402
@@ -46,10 +46,10 @@ def test_middleware_traces_admitted_and_shed_requests():
 
     async def main():
         guard = make_guard(_stream_app, policy=SlotPolicy(num_slots=1, queue_s=None))
-        guard._trace = TraceWriter(out, max_buffered=100)
+        guard.controller.trace = TraceWriter(out, max_buffered=100)
         ok = Client(PROMPT)
         await guard(http_scope(), ok.receive, ok.send)
-        guard.policy.num_slots = 0
+        guard.controller.policy.num_slots = 0
         shed = Client(PROMPT)
         await guard(http_scope(), shed.receive, shed.send)
         bad = Client(b"{nope")
@@ -121,3 +121,21 @@ def test_real_engine_and_guard_traces_join(tmp_path):
     assert len(guard) == 3 and set(guard) == set(engine)
     summary = timeline.summarize(timeline.join(guard, engine))
     assert summary["stages"]["prefill"]["n"] == 3 and summary["stages"]["delivery"]["n"] == 3
+
+
+def test_trace_lines_reach_the_file_within_a_second_and_on_shutdown():
+    import io
+
+    from guard.trace import TraceWriter
+    from tests.support.admission import FakeClock
+
+    clock, out = FakeClock(0.0), io.StringIO()
+    trace = TraceWriter(out, max_buffered=100, clock=clock)
+    trace.write({"request_id": "a"})
+    assert out.getvalue() == ""  # buffered
+    clock.advance(1.0)
+    trace.write({"request_id": "b"})  # a second after the last flush: both go out
+    assert out.getvalue().count("\n") == 2
+    trace.write({"request_id": "c"})
+    trace.flush()  # what the controller does every second and at shutdown
+    assert out.getvalue().count("\n") == 3

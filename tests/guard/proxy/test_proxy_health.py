@@ -6,8 +6,8 @@ import pytest
 
 from guard.config import GuardConfig
 from guard.proxy.config import ProxyConfig
-from guard.proxy.health import NoStateSource, ReplicaEjected, ReplicaHealth
-from guard.state_poller import StateUnavailable
+from guard.proxy.health import ReplicaEjected, ReplicaHealth
+from guard.replicas.poller import NoStateSource, StateUnavailable
 
 
 class Clock:
