@@ -103,12 +103,17 @@ def _tenants(spec: ScenarioSpec) -> tuple[str, ...]:
 
 
 def budget_for(spec: ScenarioSpec, sched: ScheduleConfig) -> Budget | None:
+    """The budgeted tenant's requests-per-minute limit R, set so that its users over the whole
+    run are ``budget_ratio`` × what a bucket of R (starting full, refilling R a minute) allows
+    over the run — so the budget binds even in a run shorter than a minute."""
     if spec.budget_ratio is None:
         return None
     share = _tenants(spec).count(BUDGETED_TENANT) / len(_tenants(spec))
-    offered_per_min = share * sched.expected_count() / sched.duration_s * 60.0
+    offered = share * sched.expected_count()
+    allowance_per_rpm = 1.0 + sched.duration_s / 60.0
     down = any(f.kind in ("redis_kill", "redis_hang") for f in spec.faults)
-    return Budget(BUDGETED_TENANT, max(1, round(offered_per_min / spec.budget_ratio)), down)
+    rpm = max(1, round(offered / (spec.budget_ratio * allowance_per_rpm)))
+    return Budget(BUDGETED_TENANT, rpm, down)
 
 
 def _guard_toml(path: Path, policy: str, settings: RunSettings, budget: Budget | None) -> str:

@@ -41,7 +41,7 @@ class ScenarioSpec:
     burst_load: float | None = None    # × C inside the rate_step fault, if there is one
     clients: Mapping[str, float] = field(default_factory=lambda: dict(SDK_ONLY))
     redis: bool = False
-    budget_ratio: float | None = None  # a budgeted tenant (1 user in 4) offers this × its limit
+    budget_ratio: float | None = None  # a budgeted tenant (1 user in 4) asks this × its allowance
 
     def __post_init__(self) -> None:
         lo, hi = self.fault_window_s
@@ -91,11 +91,11 @@ def catalogue() -> dict[str, ScenarioSpec]:
                      "restart it 6 s later", 2, 2, 24.0, 4.0, 0.74,
                      (Fault("proxy_kill", 8.0, 6.0, 0),), (8.0, 14.0), 2),
         ScenarioSpec("redis-kill", "SIGKILL the budgets' Redis for 6 s under 2 proxies; one "
-                     "user in 4 is a tenant offering 1.25 × its requests-per-minute budget", 2, 2,
+                     "user in 4 is a tenant asking 1.25 × what its requests-per-minute budget allows", 2, 2,
                      24.0, 4.0, 0.74, (Fault("redis_kill", 8.0, 6.0),), (8.0, 14.0), 2,
                      redis=True, budget_ratio=1.25),
         ScenarioSpec("redis-hang", "SIGSTOP the budgets' Redis for 6 s under 2 proxies; one "
-                     "user in 4 is a tenant offering 1.25 × its budget", 2, 2, 24.0, 4.0, 0.74,
+                     "user in 4 is a tenant asking 1.25 × its budget", 2, 2, 24.0, 4.0, 0.74,
                      (Fault("redis_hang", 8.0, 6.0),), (8.0, 14.0), 2, redis=True,
                      budget_ratio=1.25),
         ScenarioSpec("seed", "the reference overload: 0.74 C, a burst to 1.16 C, one of 4 "

@@ -49,7 +49,8 @@ def test_schedule_is_scaled_and_seeded():
     redis = catalogue()["redis-kill"]
     b = budget_for(redis, schedule_for(redis, settings, 10.0))
     assert b.redis_down and b.tenant == "chaos-budgeted"
-    assert b.requests_per_minute == round(0.25 * 7.4 * 60 / 1.25)   # 1 user in 4, 1.25 × limit
+    sched = schedule_for(redis, settings, 10.0)              # 1 user in 4, 1.25 × the allowance
+    assert b.requests_per_minute == round(0.25 * sched.expected_count() / (1.25 * (1 + 48 / 60)))
 
 
 def test_client_knobs_scale_with_time():
