@@ -139,13 +139,21 @@ def _topology(spec: ScenarioSpec, settings: RunSettings, toml: str) -> TopologyS
 
 def fault_window(spec: ScenarioSpec, settings: RunSettings,
                  events: Sequence[FaultEvent]) -> FaultWindow:
-    """The judged window (scaled); recovery counts from the later of its end and the last
-    recovery action that actually happened (a restarted child healthy, SIGCONT, rate down)."""
+    """The judged window (scaled), as the faults actually happened: it starts no earlier than
+    the first action of every fault planned by its start (a starved event loop acts late) and
+    ends at the later of its planned end and the last recovery action (a restarted child
+    healthy, SIGCONT, rate down); recovery counts from there."""
     k = settings.time_scale
     lo, hi = (x * k for x in spec.fault_window_s)
+    run_end = spec.duration_s * k
+    due = {f.kind for f in spec.faults if f.at_s * k <= lo}
+    struck = {}
+    for e in events:
+        if e.kind in due and e.action in ("kill", "stop", "rate up"):
+            struck.setdefault(e.kind, e.t_s)
+    lo = min(max([lo, *struck.values()]), run_end - 2e-3)
     done = [e.t_s for e in events if e.action in ("healthy", "cont", "rate down")]
     end = max([hi, *done])
-    run_end = spec.duration_s * k
     first = min(f.at_s for f in spec.faults) * k
     return FaultWindow(spec.warmup_s * k, lo, min(max(end, lo + 1e-3), run_end), run_end,
                        spec.replicas, spec.num_surviving, pre_end_s=min(first, lo))

@@ -104,3 +104,18 @@ def test_fleet_demo_refuses_without_the_proxy(capsys, monkeypatch):
                         {k: v for k, v in guard.cli.SUBCOMMANDS.items() if k != "proxy"})
     assert kvguard(["demo", "--scenario", "seed"]) == 2
     assert "demo --scenario seed cannot run" in capsys.readouterr().err
+
+
+def test_fault_window_follows_the_faults_as_they_happened():
+    from chaos.faults import FaultEvent
+    from chaos.scenario_run import fault_window
+    spec, settings = catalogue()["seed"], RunSettings(time_scale=2.0)
+    planned = fault_window(spec, settings, [])
+    assert (planned.start_s, planned.end_s, planned.pre_fault_s) == (24.0, 40.0, (8.0, 20.0))
+    late = [FaultEvent(21.0, "rate_step", "rate", "rate up"),
+            FaultEvent(30.0, "replica_kill", "replica-1", "kill"),
+            FaultEvent(40.5, "rate_step", "rate", "rate down"),
+            FaultEvent(49.0, "replica_kill", "replica-1", "restart"),
+            FaultEvent(55.0, "replica_kill", "replica-1", "healthy")]
+    w = fault_window(spec, settings, late)
+    assert (w.start_s, w.end_s, w.num_surviving) == (30.0, 55.0, 3)
