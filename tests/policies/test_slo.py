@@ -226,6 +226,7 @@ def test_shed_order_puts_retries_before_first_attempts_of_the_same_class():
         {"stale_max_inflight_per_replica": -1},
         {"stale_max_inflight_per_replica": 1.5},
         {"stale_queue_s": -1.0},
+        {"pressure_hold_s": -1.0},
     ],
 )
 def test_rejects_bad_parameters(params):
@@ -239,18 +240,32 @@ def test_the_retry_ratio_parameter_is_gone():
         SloPolicy(retry_shed_ratio=0.1)
 
 
-def test_ttft_headroom_refuses_a_forecast_that_fits_only_without_it():
-    """Admitted on the very edge of its deadline, any forecast error misses the SLO: the
-    default policy wants the forecast × ``ttft_safety_ratio`` to fit."""
+def test_ttft_headroom_under_pressure_refuses_a_forecast_that_fits_only_without_it():
+    """At capacity a request admitted on the very edge of its deadline misses on any forecast
+    error and displaces one with slack: after an overload shed the default policy wants the
+    forecast × ``ttft_safety_ratio`` to fit."""
     idle = make_replica("a")
     forecast_s = decide(idle).predicted_ttft_s  # from arrival at 0.0, decided at 0.0
     edge = make_cost(arrival_s=0.0, deadline_s=forecast_s * 1.1)
-    assert isinstance(decide(idle, cost=edge), Admit)  # no headroom: fits
-    tight = SloPolicy(ttft_safety_ratio=1.2)
-    assert not isinstance(decide(idle, cost=edge, policy=tight), Admit)
     roomy = make_cost(arrival_s=0.0, deadline_s=forecast_s * 1.3)
+    tight = SloPolicy(ttft_safety_ratio=1.2)
+    assert isinstance(decide(idle, cost=edge, policy=tight), Admit)  # no pressure yet
+    flooded = make_replica("b", total=2000, free=1500, waiting=[prompt_waiting(20000)])
+    assert decide(flooded, policy=tight) == Shed(503, "slo_unattainable")  # pressure
+    assert tight.headroom_ratio(0.0) == 1.2
+    assert not isinstance(decide(idle, cost=edge, policy=tight), Admit)
     assert isinstance(decide(idle, cost=roomy, policy=tight), Admit)
-    assert isinstance(SloPolicy().decide(edge, make_snapshot(idle, now_s=0.0)), Queue | Shed)
+
+
+def test_pressure_ends_pressure_hold_s_after_the_last_overload_shed():
+    policy = SloPolicy(ttft_safety_ratio=1.2, pressure_hold_s=5.0)
+    flooded = make_replica("a", total=2000, free=1500, waiting=[prompt_waiting(20000)])
+    assert isinstance(decide(flooded, policy=policy, now_s=0.0), Shed)
+    assert [policy.headroom_ratio(t) for t in (0.0, 4.9, 5.1)] == [1.2, 1.2, 1.0]
+    idle = make_replica("a", observed_s=10.0)
+    forecast_s = decide(idle, now_s=10.0, cost=make_cost(arrival_s=10.0)).predicted_ttft_s
+    edge = make_cost(arrival_s=10.0, deadline_s=10.0 + forecast_s * 1.1)
+    assert isinstance(decide(idle, cost=edge, now_s=10.0, policy=policy), Admit)
 
 
 # --- the fast no: forecast the earliest start, behind the guard's own queue -----------------
