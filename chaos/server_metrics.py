@@ -16,11 +16,11 @@ __all__ = ["parse_metrics", "scrape", "counter_deltas", "server_outcomes", "fami
 
 # outcome -> sample name (summed over labels), per kind of server
 _ENGINE = {
-    "offered": "kvguard:requests_received_total",
+    "offered": "kvguard_engine_requests_received_total",
     "completed": "vllm:request_success_total",
-    "rejected": "kvguard:requests_rejected_total",
-    "failed": "kvguard:requests_failed_total",
-    "canceled": "kvguard:requests_aborted_total",
+    "rejected": "kvguard_engine_requests_rejected_total",
+    "failed": "kvguard_engine_requests_failed_total",
+    "canceled": "kvguard_engine_requests_aborted_total",
 }
 _GUARD = {
     "offered": "kvguard_requests_offered_total",

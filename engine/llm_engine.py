@@ -150,18 +150,23 @@ class LLMEngine:
                 duration_s=end_s - start_s, end_s=end_s)
             self._iterations.append(record)
             self._step_count += 1
-            outputs += [self._output(seq, toks, sched_out.batch_id) for seq, toks in results]
+            outputs += [self._output(seq, toks, sched_out.batch_id, start_s, end_s)
+                        for seq, toks in results]
             if self.config.check_invariants:
                 self.check_invariants()
-            return StepResult(outputs=tuple(outputs), iteration=record)
+            scheduled_ids = tuple(e.request_id for e in sched_out.scheduled)
+            return StepResult(outputs=tuple(outputs), iteration=record,
+                              scheduled_request_ids=scheduled_ids)
 
     @staticmethod
-    def _output(seq: Sequence, new_token_ids: tuple[int, ...], batch_id: int) -> RequestOutput:
+    def _output(seq: Sequence, new_token_ids: tuple[int, ...], batch_id: int,
+                step_start_s: float | None = None,
+                step_end_s: float | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=new_token_ids,
             finished=seq.status.finished, finish_reason=seq.status.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            batch_id=batch_id)
+            batch_id=batch_id, step_start_s=step_start_s, step_end_s=step_end_s)
 
     def check_invariants(self) -> None:
         with self._lock:

@@ -8,9 +8,9 @@ few finer low buckets added because the CPU test models step in well under 10 ms
 
 kvguard adds KV block gauges and request outcome counters so a client can reconcile::
 
-    kvguard:requests_received = vllm:request_success (stop + length)
-                              + kvguard:requests_rejected + kvguard:requests_failed
-                              + kvguard:requests_aborted + (requests still in flight)
+    kvguard_engine_requests_received = vllm:request_success (stop + length)
+                              + kvguard_engine_requests_rejected + kvguard_engine_requests_failed
+                              + kvguard_engine_requests_aborted + (requests still in flight)
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ class EngineMetrics:
         self._kv_usage = Gauge("vllm:kv_cache_usage_perc",
                                "KV-cache usage. 1 means 100 percent usage", labels,
                                registry=registry)
-        self._total_blocks = Gauge("kvguard:num_total_kv_blocks", "KV blocks in the pool",
+        self._total_blocks = Gauge("kvguard_engine_num_total_kv_blocks", "KV blocks in the pool",
                                    labels, registry=registry)
-        self._free_blocks = Gauge("kvguard:num_free_kv_blocks", "KV blocks free now",
+        self._free_blocks = Gauge("kvguard_engine_num_free_kv_blocks", "KV blocks free now",
                                   labels, registry=registry)
         self._preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions",
                                     labels, registry=registry)
@@ -72,15 +72,15 @@ class EngineMetrics:
                                 buckets=_E2E_BUCKETS_S, registry=registry)
         self._cache_info = Gauge("vllm:cache_config_info", "Information of the engine CacheConfig",
                                  ["block_size", "num_gpu_blocks"], registry=registry)
-        self._received = Counter("kvguard:requests_received", "Generation requests received",
+        self._received = Counter("kvguard_engine_requests_received", "Generation requests received",
                                  labels, registry=registry)
-        self._rejected = Counter("kvguard:requests_rejected",
+        self._rejected = Counter("kvguard_engine_requests_rejected",
                                  "Requests refused before reaching the engine (validation, "
                                  "shutdown)", labels + ["status"], registry=registry)
-        self._aborted = Counter("kvguard:requests_aborted",
+        self._aborted = Counter("kvguard_engine_requests_aborted",
                                 "Requests canceled by the client (disconnect) or by shutdown",
                                 labels, registry=registry)
-        self._failed = Counter("kvguard:requests_failed", "Requests failed by an engine error",
+        self._failed = Counter("kvguard_engine_requests_failed", "Requests failed by an engine error",
                                labels, registry=registry)
         self._last_num_preemptions = 0
         for metric in (self._running, self._waiting, self._kv_usage, self._total_blocks,

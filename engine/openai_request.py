@@ -6,7 +6,10 @@ Supported: ``prompt`` (string, token id list, or a one-element list of either), 
 ``model`` (must be the served name, else 404 ``model_not_found``), ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``n`` (1),
 ``stream``, ``stream_options.include_usage``, and the vLLM extensions ``ignore_eos`` and
-``priority``. Unknown fields are ignored, as vLLM does.
+``priority``. Every message needs string (or text-part) content. Fields this server cannot
+honour (``best_of``, ``tools``, ``logit_bias``, ...: ``engine/unsupported_params.py``) are a
+400 ``unsupported_parameter`` unless neutral; other unknown fields are ignored, as vLLM does.
+The body nests at most ``MAX_JSON_DEPTH`` levels (``engine/json_body.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from engine.json_body import JsonBodyError, decode_json_object
 from engine.sampling_params import SamplingParams
+from engine.unsupported_params import first_unsupported
 
 __all__ = ["ApiError", "GenerationRequest", "parse_generation_request"]
 
@@ -69,12 +74,13 @@ def _ranged(body: dict, name: str, low: float, high: float, default: float) -> f
 
 def _decode_body(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _bad(f"We could not parse the JSON body of your request: {exc}", None,
-                   "invalid_json") from None
-    if not isinstance(body, dict):
-        raise _bad("The request body must be a JSON object.", None, "invalid_json")
+        body = decode_json_object(raw)
+    except JsonBodyError as exc:
+        raise _bad(exc.message, None, exc.code) from None
+    unsupported = first_unsupported(body)
+    if unsupported is not None:
+        raise _bad(f"'{unsupported}' is not supported by this server", unsupported,
+                   "unsupported_parameter")
     return body
 
 
@@ -110,8 +116,8 @@ def _prompt_ids(body: dict, tokenizer) -> tuple[int, ...]:
     raise _bad("'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
 
 
-def _message_text(content, index: int):
-    if content is None or isinstance(content, str):
+def _message_text(content, index: int) -> str:
+    if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -137,7 +143,7 @@ def _chat_ids(body: dict, tokenizer) -> tuple[int, ...]:
                    "messages", "unsupported_value")
     try:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
-    except ValueError as exc:
+    except Exception as exc:  # the shapes were checked above: whatever is left is the input's
         raise _bad(f"cannot render the chat template: {exc}", "messages") from None
     return _encode(tokenizer, text, "messages")
 

@@ -26,6 +26,9 @@ class IterationRecord:
 
 @dataclass(frozen=True)
 class RequestOutput:
+    """New tokens of one request from one step. ``step_start_s``/``step_end_s``: the engine
+    clock around the step that produced them (None for an abort reported between steps)."""
+
     request_id: str
     new_token_ids: tuple[int, ...]
     finished: bool
@@ -33,9 +36,12 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     batch_id: int
+    step_start_s: float | None = None
+    step_end_s: float | None = None
 
 
 @dataclass(frozen=True)
 class StepResult:
     outputs: tuple[RequestOutput, ...]
     iteration: IterationRecord | None  # None when nothing was scheduled
+    scheduled_request_ids: tuple[str, ...] = ()  # every request in this step's batch

@@ -1,11 +1,19 @@
 """Iteration-level scheduler with chunked prefill and preemption by recompute.
 
 One rule, as in vLLM v1: each step gives every scheduled request tokens until its computed
-tokens catch up with its known tokens (prompt + generated), within a token budget. Running
-requests are served first, in priority order; waiting ones are admitted after them while the
-budget, ``max_num_seqs`` and the block pool allow. When a running request needs a block and
-none is free, the least important running request (highest priority value, then latest
-arrival) is preempted: its blocks are freed and it waits to be recomputed from scratch.
+tokens catch up with its known tokens (prompt + generated), within a token budget.
+
+Stall-free batching (as Sarathi-Serve does): every running *decode* (one token left to compute)
+is scheduled first, in priority order; prefill chunks share what budget is left — running
+requests still prefilling (or recomputing after preemption) first, then waiting ones admitted
+while the budget, the sequence cap and the block pool allow. The sequence cap is
+``min(max_num_seqs, max_num_batched_tokens)``, so the running decodes always fit the budget.
+Hence the invariant: **a decoding sequence that is neither preempted nor finished is scheduled
+in every step**, however long the prompts competing for the budget are.
+
+When a request needs a block and none is free, the least important running request not yet
+scheduled this step (highest priority value, then latest arrival) is preempted: its blocks are
+freed and it waits to be recomputed from scratch. A decode never loses its place to a prefill.
 """
 
 from __future__ import annotations
@@ -79,36 +87,47 @@ class Scheduler:
         self._enqueue(seq)
 
     # ---- one step ---------------------------------------------------------------------
+    @property
+    def max_running_seqs(self) -> int:
+        """The sequence cap: each running decode needs one token of the step's budget."""
+        return min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's work. Mutates block tables and queues, not token counts."""
+        """Choose this step's work: every running decode, then prefill chunks (running ones,
+        then waiting ones) within the budget left. Mutates block tables and queues, not token
+        counts."""
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
+        chosen_ids: set[str] = set()
         num_preemptions_before = self.num_preemptions
-        for seq in list(self.running):
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if self._allocate_or_preempt(seq, num_new):
+            if self._allocate_or_preempt(seq, num_new, chosen_ids):
                 chosen.append((seq, num_new))
+                chosen_ids.add(seq.request_id)
                 budget -= num_new
         if self.num_preemptions == num_preemptions_before:
             self._admit_waiting(budget, chosen)
         return self._build_output(chosen)
 
-    def _allocate_or_preempt(self, seq: Sequence, num_new: int) -> bool:
-        """Blocks for ``num_new`` more tokens of ``seq``, preempting the least important
-        running sequences as needed. False when ``seq`` itself had to go."""
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, chosen_ids: set[str]) -> bool:
+        """Blocks for ``num_new`` more tokens of ``seq``, preempting the least important running
+        sequences not chosen yet this step. False when ``seq`` itself had to go."""
         while self.block_manager.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
-            victim = self.running[-1]  # never one already chosen: those precede ``seq``
-            self._preempt(victim)
+            victim = next(s for s in reversed(self.running) if s.request_id not in chosen_ids)
+            self._preempt(victim)  # ``seq`` is unchosen, so the search stops at it at the latest
             if victim is seq:
                 return False
         return True
 
     def _admit_waiting(self, budget: int, chosen: list[tuple[Sequence, int]]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running_seqs:
             seq = self.waiting[0]
             num_new = seq.num_uncomputed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -190,7 +209,7 @@ class Scheduler:
         assert not running_ids & waiting_ids, "a sequence is both waiting and running"
         assert len(running_ids) == len(self.running) and len(waiting_ids) == len(self.waiting)
         assert running_ids | waiting_ids == set(self._seqs), "queues disagree with the index"
-        assert len(self.running) <= self.config.max_num_seqs, "too many running sequences"
+        assert len(self.running) <= self.max_running_seqs, "too many running sequences"
         assert all(s.status is SequenceStatus.RUNNING for s in self.running)
         assert all(s.status is SequenceStatus.WAITING for s in self.waiting)
         assert self.running == sorted(self.running, key=self._key), "running out of order"

@@ -2,7 +2,8 @@
 
 ``build_app(async_engine, model_name, tokenizer, metrics, trace=None)`` serves
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``), ``GET /v1/models``,
-``GET /health``, ``GET /kvguard/state`` and ``GET /metrics``.
+``GET /health``, ``GET /kvguard/state`` and ``GET /metrics``. A generation body is read up to
+``max_body_bytes`` (413 ``body_too_large`` beyond, before buffering the rest).
 
 Every generation request ends in exactly one of: rejected (4xx/503 before the engine saw it),
 completed (``stop``/``length``), aborted (the client went away, or shutdown), failed (engine
@@ -36,7 +37,9 @@ from engine.openai_request import ApiError, GenerationRequest, parse_generation_
 from engine.text_stream import TextStream
 from engine.trace import RequestTimeline, TraceWriter
 
-__all__ = ["build_app"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app"]
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # the guard's max_body_bytes default
 
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -64,8 +67,9 @@ class _Replica:
 
     def __init__(self, async_engine: AsyncEngine, model_name: str, tokenizer,
                  metrics: EngineMetrics, trace: TraceWriter | None,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], max_body_bytes: int) -> None:
         self.engine = async_engine
+        self.max_body_bytes = max_body_bytes
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -115,11 +119,14 @@ class _Replica:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         self.metrics.record_received()
         try:
-            gen = parse_generation_request(await request.body(), chat=chat,
+            gen = parse_generation_request(await _read_body(request, self.max_body_bytes),
+                                           chat=chat,
                                            model_name=self.model_name, tokenizer=self.tokenizer,
                                            max_model_len=self.max_model_len,
                                            max_pool_tokens=self.max_pool_tokens)
-            timeline = RequestTimeline(request_id, arrival_s=arrival_s, stream=gen.stream)
+            tokens = [] if self.trace is not None and gen.stream else None
+            timeline = RequestTimeline(request_id, arrival_s=arrival_s, stream=gen.stream,
+                                       tokens=tokens)
             stream = await self.engine.add_request(request_id, list(gen.prompt_token_ids),
                                                    gen.params, priority=gen.priority,
                                                    timeline=timeline)
@@ -175,7 +182,10 @@ class _Replica:
                      outcome: _Outcome) -> AsyncIterator:
         """Text pieces of one request; sets ``outcome`` when the request finished."""
         text = TextStream(self.tokenizer, gen.stop)
+        timeline = stream.timeline  # per-token records only while tracing a stream
         async for out in stream:
+            if timeline.tokens is not None:
+                timeline.token_handed(out, self.clock())
             piece = text.push(out.new_token_ids, out.finished)
             outcome.num_output_tokens = out.num_output_tokens
             if piece.finish_reason is None and out.finished:
@@ -206,6 +216,23 @@ class _Replica:
             self.metrics.record_aborted()
         if self.trace is not None:
             self.trace.write(timeline)
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refused with 413 as soon as it would pass ``max_bytes`` (a declared
+    Content-Length over the limit is refused before anything is read)."""
+    too_large = ApiError(413, f"The request body exceeds {max_bytes} bytes.",
+                         code="body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, num_bytes = [], 0
+    async for chunk in request.stream():
+        num_bytes += len(chunk)
+        if num_bytes > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _wait_disconnect(receive) -> None:
@@ -325,6 +352,8 @@ class _SSEResponse(Response):
                 if self.replica.trace is not None and self.stream.timeline.first_byte_s is None:
                     self.stream.timeline.first_byte_s = self.replica.clock()
                 await self._body(send, fmt.piece(piece))
+                if self.stream.timeline.tokens is not None:
+                    self.stream.timeline.token_written(self.replica.clock())
         except EngineStepError as exc:
             outcome.finish_reason = "error"
             await self._body(send, fmt.error(ApiError(500, str(exc), type="server_error",
@@ -342,10 +371,14 @@ class _SSEResponse(Response):
 
 def build_app(async_engine: AsyncEngine, model_name: str, tokenizer, metrics: EngineMetrics,
               trace: TraceWriter | None = None, *,
-              clock: Callable[[], float] = time.monotonic) -> Starlette:
+              clock: Callable[[], float] = time.monotonic,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
     """The replica's ASGI app. The engine thread starts with the app (lifespan) or on the first
-    request, whichever comes first."""
-    replica = _Replica(async_engine, model_name, tokenizer, metrics, trace, clock)
+    request, whichever comes first. A generation body over ``max_body_bytes`` is a 413."""
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    replica = _Replica(async_engine, model_name, tokenizer, metrics, trace, clock,
+                       max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -52,6 +52,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="ASGI middleware to wrap the app with (repeatable)")
     parser.add_argument("--guard", default=None, metavar="CONFIG",
                         help="mount the kvguard admission middleware with this config file")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                        help="largest generation request body; more is a 413 (default 1 MiB, "
+                        "the guard's max_body_bytes)")
     parser.add_argument("--shutdown-timeout-s", type=float, default=10.0)
     parser.add_argument("--log-level", default="warning")
 
@@ -216,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
 
     trace = TraceWriter.open(args.trace) if args.trace else None
     async_engine = AsyncEngine(engine, on_step=on_step)
-    app = build_app(async_engine, name, tokenizer, metrics, trace)
+    app = build_app(async_engine, name, tokenizer, metrics, trace,
+                    max_body_bytes=args.max_body_bytes)
     for middleware in reversed(middlewares):
         app.add_middleware(middleware)
     sock = _bind(args.host, args.port)

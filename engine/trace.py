@@ -8,7 +8,8 @@ differences. One line looks like::
      "prefill_start_s": 10.002, "prefill_end_s": 10.010, "first_token_s": 10.010,
      "first_byte_s": 10.011, "completion_s": 10.5, "finish_reason": "length",
      "num_prompt_tokens": 12, "num_output_tokens": 8, "stream": true,
-     "iterations": [[3, 10.010], [4, 10.02], ...]}
+     "iterations": [[3, 10.010], [4, 10.02], ...],
+     "tokens": [[3, 10.002, 10.010, 10.0102, 10.0108], [4, 10.011, 10.02, ...], ...]}
 
 ``arrival_s``: the HTTP request reached the replica; ``enqueue_s``: the engine thread added it to
 the scheduler; ``prefill_start_s``: first step that scheduled it (the end of the step before);
@@ -16,6 +17,15 @@ the scheduler; ``prefill_start_s``: first step that scheduled it (the end of the
 ``first_byte_s``: the first content chunk was handed to the transport; ``iterations``: each
 engine step it took part in as ``[batch_id, step_end_s]``. Missing stages are ``null`` (e.g. a
 request aborted while waiting). ``finish_reason`` is ``stop``/``length``/``abort``/``error``.
+
+``tokens`` (streamed requests only; ``null`` otherwise) is the delivery record of every streamed
+token, in order: ``[batch_id, step_start_s, step_end_s, handed_s, written_s]`` — the engine step
+that produced it and the engine clock around that step, when the event loop handed it to the
+response (the response coroutine took it from the engine's hand-off queue), and when the
+server's ``send`` of the SSE chunk carrying it returned (the bytes are with the transport; with
+the guard mounted in-process this includes the guard's relay). ``written_s`` is ``null`` for a
+token whose chunk was never written (the client went away). Recorded only while a trace is
+written: with no ``--trace`` the server takes no per-token timestamps.
 """
 
 from __future__ import annotations
@@ -25,7 +35,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import TextIO
 
-__all__ = ["RequestTimeline", "TraceWriter"]
+__all__ = ["RequestTimeline", "TOKEN_FIELDS", "TraceWriter"]
+
+TOKEN_FIELDS = ("batch_id", "step_start_s", "step_end_s", "handed_s", "written_s")
 
 
 @dataclass
@@ -45,6 +57,20 @@ class RequestTimeline:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     iterations: list[tuple[int, float]] = field(default_factory=list)
+    tokens: list[list] | None = None  # per-token delivery records; None: not recorded
+
+    def token_handed(self, output, now_s: float) -> None:
+        """Loop thread: the response took ``output`` (a ``RequestOutput``) at ``now_s``."""
+        for _ in output.new_token_ids:
+            self.tokens.append([output.batch_id, output.step_start_s, output.step_end_s,
+                                now_s, None])
+
+    def token_written(self, now_s: float) -> None:
+        """Loop thread: the chunk carrying every handed, unwritten token was sent at ``now_s``."""
+        for record in reversed(self.tokens):
+            if record[4] is not None:
+                return
+            record[4] = now_s
 
     @property
     def queue_s(self) -> float | None:
@@ -68,6 +94,7 @@ class RequestTimeline:
             "num_output_tokens": self.num_output_tokens,
             "stream": self.stream,
             "iterations": [list(it) for it in self.iterations],
+            "tokens": self.tokens,
         }
 
 

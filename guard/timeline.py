@@ -15,7 +15,10 @@ delivery       the guard's dispatch → release, minus the engine's arrival → 
 total          guard arrival → release (or engine arrival → completion, engine-only lines)
 =============  ==========================================================================
 
-Prints p50/p90/p99 milliseconds per stage (``--json`` for machine-readable output).
+Prints p50/p90/p99 milliseconds per stage (``--json`` for machine-readable output). When the
+engine trace carries per-token delivery records (streamed requests), it also prints the
+per-token stage table and attributes every inter-token gap over the limit to engine step,
+between steps, event-loop hand-off, server write and relay (``guard/token_gaps.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
+from guard.token_gaps import render_delivery, summarize_delivery
+
 __all__ = ["configure", "run", "load_traces", "join", "stage_ms", "summarize", "percentile",
            "STAGES"]
 
@@ -35,15 +40,21 @@ STAGES = ("guard_queue", "waiting", "prefill", "decode", "delivery", "total")
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("traces", nargs="+", metavar="TRACE", help="guard and/or engine JSONL traces")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--itl-limit-ms", type=float, default=80.0,
+                        help="inter-token gap limit for requests whose guard line names none "
+                             "(default: %(default)s, the default class's)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.itl_limit_ms > 0:
+        raise ValueError(f"--itl-limit-ms must be > 0, got {args.itl_limit_ms}")
     guard, engine = load_traces(args.traces)
     rows = join(guard, engine)
     summary = summarize(rows)
     summary["num_joined"] = sum(1 for g, e in rows if g is not None and e is not None)
     summary["num_guard_only"] = sum(1 for g, e in rows if e is None)
     summary["num_engine_only"] = sum(1 for g, e in rows if g is None)
+    summary["delivery"] = summarize_delivery(rows, args.itl_limit_ms / 1e3, percentile)
     print(json.dumps(summary, indent=2) if args.json else render(summary))
     return 0
 
@@ -128,4 +139,6 @@ def render(summary: dict) -> str:
     lines.append(f"requests: {summary['num_requests']} (joined {summary.get('num_joined', 0)}, "
                  f"guard only {summary.get('num_guard_only', 0)}, "
                  f"engine only {summary.get('num_engine_only', 0)})")
+    if summary.get("delivery"):
+        lines += render_delivery(summary["delivery"])
     return "\n".join(lines)

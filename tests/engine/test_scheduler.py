@@ -216,3 +216,81 @@ def test_a_runner_that_skips_a_sampling_request_is_an_error_not_corruption():
         sched.update(out, {})
     assert a.num_computed_tokens == 0 and a.output_token_ids == []
     sched.check_invariants()
+
+
+def _short(sched: Scheduler, out: SchedulerOutput) -> list[tuple]:
+    return [(e.request_id, e.num_computed_tokens, e.num_new_tokens, e.samples)
+            for e in out.scheduled]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_stall_free_long_prompts_arriving_over_running_decodes(policy):
+    """Running decodes are scheduled every step; long prompts (more important ones too, under
+    the priority policy) get only the budget the decodes leave, in chunks."""
+    sched, bm = make(num_blocks=64, max_num_batched_tokens=8, policy=policy)
+    sched.add(seq("a", 3, max_tokens=8, arrival_s=0.0, priority=1))
+    sched.add(seq("b", 3, max_tokens=8, arrival_s=0.1, priority=1))
+    assert _short(sched, step(sched)) == [("a", 0, 3, True), ("b", 0, 3, True)]
+    sched.add(seq("long1", 14, arrival_s=1.0, priority=0))
+    assert _short(sched, step(sched)) == [("a", 3, 1, True), ("b", 3, 1, True),
+                                          ("long1", 0, 6, False)]
+    sched.add(seq("long2", 9, arrival_s=2.0, priority=0))
+    assert _short(sched, step(sched)) == [("a", 4, 1, True), ("b", 4, 1, True),
+                                          ("long1", 6, 6, False)]
+    assert _short(sched, step(sched)) == [("a", 5, 1, True), ("b", 5, 1, True),
+                                          ("long1", 12, 2, True), ("long2", 0, 4, False)]
+    decodes = [("a", 6, 1, True), ("b", 6, 1, True), ("long1", 14, 1, True)]
+    if policy == "priority":  # decodes in priority order: long1 is the most important
+        decodes = decodes[2:] + decodes[:2]
+    assert _short(sched, step(sched)) == [*decodes, ("long2", 4, 5, True)]
+    decodes = [("a", 7, 1, True), ("b", 7, 1, True), ("long1", 15, 1, True),
+               ("long2", 9, 1, True)]
+    if policy == "priority":
+        decodes = decodes[2:] + decodes[:2]
+    assert _short(sched, step(sched)) == decodes
+    while sched.has_unfinished():
+        step(sched)
+    assert_empty(sched, bm)
+
+
+def test_a_recomputing_earlier_arrival_does_not_stall_later_decodes():
+    """After preemption the victim re-prefills; running decodes that arrived after it still
+    run every step while its recompute takes the leftover budget."""
+    sched, bm = make(num_blocks=64, max_num_batched_tokens=6)
+    old = seq("old", 10, max_tokens=8, arrival_s=0.0)
+    sched.add(old)
+    step(sched)
+    step(sched)  # old: prompt done, first token sampled
+    sched.add(seq("new", 2, max_tokens=8, arrival_s=1.0))
+    step(sched)
+    sched._preempt(old)  # as a block shortage would: its KV is gone, its 2 tokens kept
+    out = step(sched)
+    assert _short(sched, out) == [("new", 2, 1, True), ("old", 0, 5, False)]
+    assert _short(sched, step(sched)) == [("new", 3, 1, True), ("old", 5, 5, False)]
+    assert _short(sched, step(sched)) == [("new", 4, 1, True), ("old", 10, 2, True)]
+
+
+def test_running_sequences_are_capped_by_the_token_budget_so_decodes_fit():
+    sched, bm = make(num_blocks=64, max_num_batched_tokens=3, max_num_seqs=8)
+    for i in range(5):
+        sched.add(seq(f"r{i}", 1, max_tokens=4, arrival_s=float(i)))
+    assert [e.request_id for e in step(sched).scheduled] == ["r0", "r1", "r2"]
+    assert [e.request_id for e in step(sched).scheduled] == ["r0", "r1", "r2"]
+
+
+def test_stall_free_invariant_under_random_long_prompts_and_preemption():
+    rng = random.Random(7)
+    sched, bm = make(num_blocks=24, max_num_batched_tokens=10, max_num_seqs=6,
+                     policy="priority")
+    for i in range(300):
+        if rng.random() < 0.3:
+            sched.add(seq(f"q{i}", rng.choice([2, 5, 30, 60]), max_tokens=rng.randint(1, 12),
+                          arrival_s=float(i), priority=rng.randint(0, 2)))
+        decoding = {s.request_id for s in sched.running if s.num_uncomputed_tokens == 1}
+        preempted_before = sched.num_preemptions
+        out = step(sched)
+        scheduled = {e.request_id for e in out.scheduled}
+        stalled = decoding - scheduled - set(out.preempted_request_ids)
+        assert not stalled, f"step {i}: decodes {stalled} were skipped"
+        if sched.num_preemptions == preempted_before:
+            assert decoding <= scheduled

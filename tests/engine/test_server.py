@@ -174,8 +174,8 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(url, engine_server):
             assert _state(url)["num_free_blocks"] < NUM_BLOCKS
     assert wait_until(lambda: _all_free(url), 10.0), _state(url)
     after = _metrics(url)
-    assert _value(after, "kvguard:requests_aborted_total") == \
-        _value(before, "kvguard:requests_aborted_total") + 1
+    assert _value(after, "kvguard_engine_requests_aborted_total") == \
+        _value(before, "kvguard_engine_requests_aborted_total") + 1
     line = wait_until(lambda: next((t for t in _trace_lines(engine_server)
                                     if t["request_id"] == "gone-mid-stream"), None), 5.0)
     assert line["finish_reason"] == "abort" and line["num_output_tokens"] < LONG_TOKENS
@@ -188,8 +188,8 @@ def test_non_streaming_client_that_gives_up_frees_blocks(url, engine_server):
         httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30.0, read=0.5),
                    headers={"x-request-id": "gave-up"})
     assert wait_until(lambda: _all_free(url), 10.0), _state(url)
-    assert _value(_metrics(url), "kvguard:requests_aborted_total") == \
-        _value(before, "kvguard:requests_aborted_total") + 1
+    assert _value(_metrics(url), "kvguard_engine_requests_aborted_total") == \
+        _value(before, "kvguard_engine_requests_aborted_total") + 1
     line = wait_until(lambda: next((t for t in _trace_lines(engine_server)
                                     if t["request_id"] == "gave-up"), None), 5.0)
     assert line["finish_reason"] == "abort" and line["num_output_tokens"] < LONG_TOKENS
@@ -224,6 +224,48 @@ _CASES = [
     ("chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      400, "max_completion_tokens"),
 ]
+
+
+_DEEP = b'{"prompt": ' + b"[" * 1100 + b"]" * 1100 + b"}"  # a RecursionError in json.loads
+
+# (endpoint, body, status, param, code): hostile or unsupported input, never a 500
+_HOSTILE_CASES = [
+    ("completions", _DEEP, 400, None, "invalid_json"),
+    ("chat", b'{"messages": [{"role": "user", "content": ' + b"[" * 1100 + b"]" * 1100 + b"}]}",
+     400, None, "invalid_json"),
+    ("chat", {"messages": [{"role": "assistant"}]}, 400, "messages[0].content", "invalid_type"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant",
+                                                             "content": None}]},
+     400, "messages[1].content", "invalid_type"),
+    ("completions", {"prompt": [1, 2], "best_of": 3}, 400, "best_of", "unsupported_parameter"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}],
+              "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools", "unsupported_parameter"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+     400, "functions", "unsupported_parameter"),
+    ("completions", {"prompt": [1, 2], "logit_bias": {"5": 100}}, 400, "logit_bias",
+     "unsupported_parameter"),
+    ("completions", b'{"prompt": "' + b"x" * (1 << 20) + b'"}', 413, None, "body_too_large"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "status", "param", "code"), _HOSTILE_CASES)
+def test_hostile_and_unsupported_input_is_a_clean_4xx(url, endpoint, body, status, param, code):
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = httpx.post(url + path, content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code)
+    assert "Traceback" not in resp.text
+    assert wait_until(lambda: _all_free(url), 10.0)
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(url):
+    body = {"prompt": [1, 2], "max_tokens": 2, "best_of": 1, "logit_bias": {}, "tools": [],
+            "presence_penalty": 0, "frequency_penalty": 0.0, "user": "u1"}
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=30.0)
+    assert resp.status_code == 200, resp.text
 
 
 @pytest.mark.parametrize(("endpoint", "body", "status", "param"), _CASES)
@@ -266,24 +308,24 @@ def test_metrics_parse_and_reconcile(url, client):
     def delta(name, **labels):
         return _value(after, name, **labels) - _value(before, name, **labels)
 
-    assert delta("kvguard:requests_received_total") == 5
+    assert delta("kvguard_engine_requests_received_total") == 5
     assert delta("vllm:request_success_total", finished_reason="length") == 3
-    assert delta("kvguard:requests_rejected_total", status="400") == 2
+    assert delta("kvguard_engine_requests_rejected_total", status="400") == 2
     assert delta("vllm:generation_tokens_total") == 6
     assert delta("vllm:prompt_tokens_total") == 6
     assert delta("vllm:time_to_first_token_seconds_count") == 3
     assert delta("vllm:e2e_request_latency_seconds_count") == 3
-    received = _value(after, "kvguard:requests_received_total")
+    received = _value(after, "kvguard_engine_requests_received_total")
     ended = sum(_value(after, n) for n in ("vllm:request_success_total",
-                                           "kvguard:requests_rejected_total",
-                                           "kvguard:requests_aborted_total",
-                                           "kvguard:requests_failed_total"))
+                                           "kvguard_engine_requests_rejected_total",
+                                           "kvguard_engine_requests_aborted_total",
+                                           "kvguard_engine_requests_failed_total"))
     assert received == ended
     labels = {k: v for (n, lbls), _ in after.items() if n == "vllm:cache_config_info"
               for k, v in lbls}
     assert labels == {"block_size": "16", "num_gpu_blocks": str(NUM_BLOCKS)}
-    assert _value(after, "kvguard:num_total_kv_blocks") == NUM_BLOCKS
-    assert _value(after, "kvguard:num_free_kv_blocks") == NUM_BLOCKS
+    assert _value(after, "kvguard_engine_num_total_kv_blocks") == NUM_BLOCKS
+    assert _value(after, "kvguard_engine_num_free_kv_blocks") == NUM_BLOCKS
     assert _value(after, "vllm:kv_cache_usage_perc") == 0.0
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:num_preemptions_total"):

@@ -1,0 +1,165 @@
+"""The Redis budget store: the same buckets and leases as the memory store, shared by guards.
+
+One Lua script per operation (``lua/reserve.lua``, ``settle.lua``, ``renew.lua``), time from
+Redis ``TIME``, every key written with its TTL in the same script, keys hash-tagged per tenant
+(works on a single server and on Redis Cluster).
+
+Round trips: a reserve is one EVALSHA. Settles and releases are idempotent, so they are queued
+and carried by the tenant's next reserve (or flushed after ``settle_delay_s``); under steady
+traffic an admitted request costs one round trip in all. With ``settle_delay_s = 0`` each settle
+is its own call.
+
+Errors: :meth:`reserve` raises the client's exception (``redis.exceptions.RedisError``,
+``OSError``, ``asyncio.TimeoutError``) — :class:`~guard.budget.fallback.FallbackStore` turns that
+into local enforcement. Settles and releases never raise: a failed flush is queued again
+(bounded), and anything lost is reclaimed by lease expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from guard.budget.keys import tenant_keys
+from guard.budget.memory_store import check_reserve_args
+from guard.budget.scripts import ScriptSet
+from guard.budget.store import BudgetLimits, Denied, Grant
+
+__all__ = ["RedisStore", "MAX_PENDING"]
+
+log = logging.getLogger("kvguard.budget")
+MAX_PENDING = 10_000  # queued settles per tenant kept while Redis is unreachable
+
+
+def _limit_args(limits: BudgetLimits) -> list[int]:
+    return [limits.tokens_per_minute or 0, limits.requests_per_minute or 0,
+            limits.max_concurrent or 0]
+
+
+class RedisStore:
+    """:class:`~guard.budget.store.BudgetStore` on a ``redis.asyncio`` client (or RedisCluster)."""
+
+    def __init__(self, client: Any, limits_for: Callable[[str], BudgetLimits],
+                 scripts: ScriptSet | None = None, settle_delay_s: float = 0.02,
+                 on_reclaim: Callable[[int], None] | None = None,
+                 on_rtt: Callable[[float], None] | None = None) -> None:
+        if settle_delay_s < 0:
+            raise ValueError(f"settle_delay_s: must be >= 0, got {settle_delay_s!r}")
+        self.client = client
+        self.scripts = scripts or ScriptSet()
+        self._limits_for = limits_for
+        self._settle_delay_s = settle_delay_s
+        self._on_reclaim = on_reclaim
+        self._on_rtt = on_rtt
+        self._pending: dict[str, list[tuple[str, int]]] = {}
+        self._flusher: asyncio.TimerHandle | None = None
+        self._flushing: set[asyncio.Task] = set()
+        self.remaining: dict[str, float] = {}  # tenant -> tokens left after its last reserve
+
+    async def reserve(self, tenant: str, tokens: int, lease_s: float) -> Grant | Denied:
+        check_reserve_args(tenant, tokens, lease_s)
+        limits = self._limits_for(tenant)
+        grant_id = uuid.uuid4().hex
+        pending = self._pending.pop(tenant, [])
+        args: list[Any] = [*_limit_args(limits), tokens, max(1, int(lease_s * 1000)), grant_id]
+        for gid, used in pending:
+            args += [gid, used]
+        try:
+            reply = await self._call("reserve", tenant_keys(tenant), args)
+        except BaseException:
+            self._requeue(tenant, pending)
+            raise
+        granted, reason, retry_ms, reclaimed, remaining = reply
+        if int(reclaimed) and self._on_reclaim is not None:
+            self._on_reclaim(int(reclaimed))
+        if limits.tokens_per_minute is not None:
+            self.remaining[tenant] = float(remaining)
+        if int(granted):
+            return Grant(tenant, grant_id, tokens)
+        retry_ms = int(retry_ms)
+        return Denied(str(reason), None if retry_ms < 0 else retry_ms / 1000)
+
+    async def settle(self, grant: Grant, used_tokens: int) -> None:
+        await self._queue(grant, max(0, int(used_tokens)))
+
+    async def release(self, grant: Grant) -> None:
+        await self._queue(grant, -1)
+
+    async def renew(self, grants: Sequence[Grant], lease_s: float) -> None:
+        """Extend the leases of ``grants`` (one call per tenant). Raises on Redis trouble."""
+        by_tenant: dict[str, list[str]] = {}
+        for grant in grants:
+            by_tenant.setdefault(grant.tenant, []).append(grant.grant_id)
+        lease_ms = max(1, int(lease_s * 1000))
+        for tenant, ids in by_tenant.items():
+            await self._call("renew", tenant_keys(tenant), [lease_ms, *ids])
+
+    async def flush(self) -> None:
+        """Send every queued settle and release now (errors: queued again, logged)."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+            self._flusher = None
+        pending, self._pending = self._pending, {}
+        for tenant, items in pending.items():
+            limits = self._limits_for(tenant)
+            args: list[Any] = _limit_args(limits)[:2]
+            for gid, used in items:
+                args += [gid, used]
+            try:
+                await self._call("settle", tenant_keys(tenant), args)
+            except Exception as exc:  # noqa: BLE001 - never raise from settle; leases expire
+                log.debug("budget settle for %s deferred: %r", tenant, exc)
+                self._requeue(tenant, items)
+                self._schedule(max(1.0, self._settle_delay_s))
+
+    async def aclose(self) -> None:
+        try:
+            await asyncio.wait_for(self.flush(), timeout=1.0)
+        except (asyncio.TimeoutError, OSError):
+            pass
+        for task in list(self._flushing):
+            task.cancel()
+        close = getattr(self.client, "aclose", None) or self.client.close
+        await close()
+
+    def num_pending(self) -> int:
+        return sum(len(items) for items in self._pending.values())
+
+    # --- internals ------------------------------------------------------------------------
+
+    async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        start_s = time.perf_counter()
+        reply = await self.scripts.call(self.client, name, keys, args)
+        if self._on_rtt is not None:
+            self._on_rtt(time.perf_counter() - start_s)
+        return reply
+
+    async def _queue(self, grant: Grant, used: int) -> None:
+        self._requeue(grant.tenant, [(grant.grant_id, used)])
+        if self._settle_delay_s == 0:
+            await self.flush()
+        else:
+            self._schedule(self._settle_delay_s)
+
+    def _schedule(self, delay_s: float) -> None:
+        if self._flusher is None:
+            loop = asyncio.get_running_loop()
+            self._flusher = loop.call_later(delay_s, self._start_flush)
+
+    def _start_flush(self) -> None:
+        self._flusher = None
+        task = asyncio.get_running_loop().create_task(self.flush())
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
+
+    def _requeue(self, tenant: str, items: list[tuple[str, int]]) -> None:
+        if not items:
+            return
+        queue = self._pending.setdefault(tenant, [])
+        queue.extend(items)
+        if len(queue) > MAX_PENDING:  # the oldest go: their leases expire and refund in Redis
+            del queue[: len(queue) - MAX_PENDING]

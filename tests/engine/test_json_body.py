@@ -1,0 +1,34 @@
+"""The depth-limited JSON body decoder (pure)."""
+
+import pytest
+
+from engine.json_body import JsonBodyError, decode_json_object, nesting_depth_exceeds
+
+
+@pytest.mark.parametrize(("raw", "max_depth", "exceeds"), [
+    (b'{"a": [1, 2]}', 2, False),
+    (b'{"a": [[1]]}', 2, True),
+    (b'{"a": "[[[[[[[[[[{{{{{{{{"}', 2, False),  # brackets inside strings do not count
+    (b'{"a": "\\"[[[[[["}', 1, False),  # nor after an escaped quote
+    (b'[{}, {}, {}, {}, {}, []]', 2, False),  # many brackets, little depth
+    (b"[" * 65 + b"]" * 65, 64, True),
+    (b"[" * 64 + b"]" * 64, 64, False),
+])
+def test_nesting_depth(raw, max_depth, exceeds):
+    assert nesting_depth_exceeds(raw, max_depth) is exceeds
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": ' + b"[" * 1100 + b"]" * 1100 + b"}",  # json.loads alone: RecursionError
+    b"[" * 100_000,  # unbalanced and deep
+    b"{not json", b"[1, 2]", b"null", b"\xff\xfe\x00", b"",
+])
+def test_bad_bodies_raise_one_error_type(raw):
+    with pytest.raises(JsonBodyError) as info:
+        decode_json_object(raw)
+    assert info.value.code == "invalid_json" and info.value.message
+
+
+def test_a_plain_object_decodes():
+    assert decode_json_object(b'{"prompt": [1, 2], "x": {"y": "[["}}') == {
+        "prompt": [1, 2], "x": {"y": "[["}}
