@@ -19,7 +19,11 @@ So ``ttft_s = wait_s + queued_prefill_s + own_prefill_s``, counted from dispatch
 adds the time already spent since arrival). ``ahead`` (the requests in the guard's own queue
 that will be admitted before this one) adds their blocks, slots and prompt tokens to what this
 request waits for: without it every queued request forecasts as if it were first in line, and
-a flood queues until its deadlines instead of being told no at once. A deficit larger than what
+a flood queues until its deadlines instead of being told no at once. Given ``now_s``, the
+prefill queued on the replica is what is still pending *now*: the backlog it reported, drained
+since it was observed, plus the guard's admissions since (:func:`policies.prefill_pacing.
+pending_prefill_tokens`); the state is up to one refresh old, and counting all of it again
+made the forecast pessimistic by up to a refresh's worth of prefill. A deficit larger than what
 every known sequence returns is extrapolated from the finish schedule (the same turnover again). The sum is conservative: it does not overlap the
 resource wait with the queued prefill. ``join_step_s`` is the decode step of the batch once it
 has joined: every sequence on the replica plus this one, with all prompts in.
@@ -31,6 +35,7 @@ from bisect import bisect_left
 from typing import NamedTuple
 
 from policies.cost import RequestCost
+from policies.prefill_pacing import pending_prefill_tokens
 from policies.replica_load import ReplicaLoad
 from policies.snapshot import NOTHING_AHEAD, QueuedAhead, ReplicaSnapshot
 from policies.step_time import StepTimeModel
@@ -68,7 +73,7 @@ def never_fits(cost: RequestCost, replica: ReplicaSnapshot) -> bool:
 
 def forecast(
     cost: RequestCost, replica: ReplicaSnapshot, step_time: StepTimeModel,
-    ahead: QueuedAhead = NOTHING_AHEAD,
+    ahead: QueuedAhead = NOTHING_AHEAD, now_s: float | None = None,
 ) -> TtftForecast | None:
     """Predict ``cost`` on ``replica`` if dispatched now, behind ``ahead``; ``None`` when it
     can never fit there."""
@@ -86,7 +91,9 @@ def forecast(
             _steps_until_freed(load, missing_blocks), _steps_until_finished(load, missing_seqs)
         )
     chunk = max(1, replica.max_num_batched_tokens - num_decode_seqs)
-    num_queued = load.num_queued_prefill_tokens + ahead.num_prefill_tokens
+    num_queued = (load.num_queued_prefill_tokens if now_s is None
+                  else pending_prefill_tokens(replica, step_time, now_s))
+    num_queued += ahead.num_prefill_tokens
     num_prompt = cost.num_prompt_tokens
     queued_s = _prefill_s(num_queued, chunk, decode_s, step_time)
     total_s = _prefill_s(num_queued + num_prompt, chunk, decode_s, step_time)

@@ -134,7 +134,7 @@ class SloPolicy:
         step_time = snapshot.step_time
         options = []
         for r in fresh:
-            f = forecast(cost, r, step_time)
+            f = forecast(cost, r, step_time, now_s=snapshot.now_s)
             if f is not None:
                 options.append((r, f))
         ratio = self.headroom_ratio(snapshot.now_s)
@@ -178,7 +178,7 @@ class SloPolicy:
         if ahead.num_requests:  # the fast no: forecast the earliest start, behind the queue
             options = []
             for r in fresh:
-                f = forecast(cost, r, snapshot.step_time, ahead)
+                f = forecast(cost, r, snapshot.step_time, ahead, now_s)
                 if f is not None:
                     options.append((r, f))
         later = [

@@ -9,6 +9,7 @@ import pytest
 from policy_builders import STEP, decoding, make_cost, make_replica, make_snapshot, prompt_waiting
 
 from policies.decision import Admit, Queue
+from policies.predictor import forecast
 from policies.prefill_pacing import (
     max_step_prefill_tokens,
     pending_prefill_tokens,
@@ -81,3 +82,15 @@ def test_admissions_within_one_refresh_are_paced_not_prefilled_together():
     d = decide(r, second)
     assert isinstance(d, Queue) and d.reason == "itl_wait"
     assert isinstance(decide(r, second, now_s=0.04), Admit)  # 300 tokens drain in 32 ms
+
+
+def test_the_ttft_forecast_counts_only_the_prefill_still_pending_now():
+    """The state is up to a refresh old: 0.1 s after it was observed ~936 of the 2,000 waiting
+    prompt tokens are in, and the forecast queues this request behind the rest only."""
+    r = replica(waiting=(prompt_waiting(2000),))
+    cost = make_cost(prompt=100)
+    assert forecast(cost, r, STEP) == forecast(cost, r, STEP, now_s=0.0)
+    later = forecast(cost, r, STEP, now_s=0.1)
+    pending = 2000 - int(0.1 * DRAIN_TOKENS_PER_S)
+    assert later.queued_prefill_s == pytest.approx(0.014 + 0.0001 * pending, rel=1e-3)
+    assert later.ttft_s < forecast(cost, r, STEP).ttft_s
