@@ -1,0 +1,80 @@
+"""The overload bench's table and plot: one row per (load, policy), same arrivals per load.
+
+Columns: goodput and goodput ÷ C; goodput ÷ the bare replica's at the same load (the "no harm
+below capacity" check, where a ``bare`` row ran); TTFT p50/p99; rejected and timed-out shares;
+among admitted requests, the share that missed the SLO and the share that missed only on an
+inter-token gap; the TTFT forecast's predicted ÷ actual (median and p90); wasted tokens; and,
+where users on the OpenAI SDK ran, their upstream attempts per user and user goodput ÷ C.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["BARE", "fmt_num", "render_table", "plot_goodput", "add_bare_ratios"]
+
+BARE = "bare"  # the replica with no guard at all: the reference below capacity
+
+
+def fmt_num(x, digits: int = 2) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _pct(x) -> str:
+    return "—" if x is None else f"{100 * x:.0f}%"
+
+
+def add_bare_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's goodput ÷ the ``bare`` row's at the same load (None without one)."""
+    bare = {r["load"]: r["goodput_rps"] for r in rows if r["policy"] == BARE}
+    for r in rows:
+        ref = bare.get(r["load"])
+        r["goodput_over_bare"] = r["goodput_rps"] / ref if ref else None
+    return rows
+
+
+def render_table(rows: list[dict]) -> str:
+    head = ("| load (× C) | policy | goodput (req/s) | goodput ÷ C | ÷ bare | TTFT p50 (s) | "
+            "TTFT p99 (s) | rejected | timed out | admitted missed (gap) | "
+            "TTFT forecast ÷ actual p50 / p90 | wasted tokens | SDK attempts/user | "
+            "SDK user goodput ÷ C |")
+    lines = [head, "|" + "---|" * 14]
+    for r in rows:
+        forecast = r.get("forecast") or {}
+        sdk = r.get("sdk") or {}
+        lines.append(
+            f"| {r['load']:.2f} | {r['policy']} | {fmt_num(r['goodput_rps'])} | "
+            f"{fmt_num(r['goodput_over_c'])} | {fmt_num(r.get('goodput_over_bare'))} | "
+            f"{fmt_num(r['ttft_p50_s'])} | {fmt_num(r['ttft_p99_s'])} | "
+            f"{_pct(r['rejected_ratio'])} | {_pct(r['canceled_ratio'])} | "
+            f"{_pct(r.get('missed_share'))} ({_pct(r.get('gap_miss_share'))}) | "
+            f"{fmt_num(forecast.get('ratio_p50'))} / {fmt_num(forecast.get('ratio_p90'))} | "
+            f"{r['wasted_tokens']} ({100 * r['wasted_ratio']:.0f}%) | "
+            f"{fmt_num(sdk.get('attempts_per_user'))} | {fmt_num(sdk.get('goodput_over_c'))} |")
+    return "\n".join(lines)
+
+
+def plot_goodput(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = sorted({r["load"] for r in rows})
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    width = 0.8 / max(len(policies), 1)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for i, pol in enumerate(policies):
+        ys = [next((r["goodput_over_c"] for r in rows
+                    if r["policy"] == pol and r["load"] == load), 0.0) for load in loads]
+        ax.bar([j + i * width for j in range(len(loads))], ys, width, label=pol)
+    ax.axhline(0.9, color="k", linestyle="--", linewidth=1, label="0.9 C")
+    ax.set_xticks([j + width * (len(policies) - 1) / 2 for j in range(len(loads))])
+    ax.set_xticklabels([f"{load:.2f} × C" for load in loads])
+    ax.set_ylabel("goodput ÷ capacity C")
+    ax.set_title("Goodput under overload, per admission policy (same arrivals)")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
