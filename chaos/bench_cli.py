@@ -16,6 +16,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "guard": ("guard.bench", "guard decision time and proxy overhead"),
     "sim": ("engine.sim_bench", "the simulated backend against its timing model"),
     "overload": ("chaos.overload", "the reference overload, every policy side by side"),
+    "sheds": ("chaos.shed_bench", "shed latency and event-loop lag under a 2,000 req/s flood"),
 }
 
 
