@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 
 from chaos.overload import Scenario, fmt_num, probe_saturation, run_policy
-from chaos.overload import configure as configure_overload
+from chaos.overload import configure_scenario
 from chaos.replica import ReplicaProcess, exit_on_sigterm
 
 __all__ = ["configure", "run"]
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    configure_overload(p)
+    configure_scenario(p, "runs/demo-<time>")
     p.set_defaults(duration=12.0, warmup=2.0)
     p.add_argument("--load", type=float, default=1.2,
                    help="offered load as a multiple of the measured saturation throughput S")

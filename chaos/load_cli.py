@@ -24,7 +24,7 @@ from chaos.report import write_run
 from chaos.schedule import SHAPES, ClassShare, LengthDist, ScheduleConfig, build_schedule
 from chaos.server_metrics import counter_deltas, scrape, server_outcomes
 from chaos.summary import build_summary
-from chaos.sweep import MIN_GOODPUT_RATIO, SweepPoint, capacity, sweep_rates
+from chaos.sweep import MIN_GOODPUT_RATIO, SweepPoint, capacity, capacity_label, sweep_rates
 from policies.cost import RequestClass
 
 __all__ = ["configure", "run", "run_once", "parse_mix"]
@@ -205,11 +205,13 @@ def _run_sweep(args, out_dir: Path, model: str | None) -> int:
     plot_sweep([p.rate_per_s for p in points], [p.offered_per_s for p in points],
                [p.completed_per_s for p in points], [p.goodput_per_s for p in points],
                out_dir / "sweep.png", cap)
-    doc = {"capacity_rate_per_s": cap, "min_goodput_ratio": MIN_GOODPUT_RATIO,
+    label = capacity_label(points, cap)
+    doc = {"capacity_rate_per_s": cap, "capacity_is_lower_bound": label.startswith("≥"),
+           "min_goodput_ratio": MIN_GOODPUT_RATIO,
            "points": [p.to_dict() for p in points]}
     (out_dir / "sweep.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"capacity (goodput >= {MIN_GOODPUT_RATIO:.0%} of offered): "
-          f"{'none' if cap is None else f'{cap:g} req/s'}; see {out_dir / 'sweep.png'}")
+          f"{label}; see {out_dir / 'sweep.png'}")
     return 0
 
 

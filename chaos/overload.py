@@ -45,9 +45,9 @@ from chaos.stats import percentile
 from chaos.sweep import SweepPoint, capacity, sweep_rates
 from policies.cost import RequestClass
 
-__all__ = ["configure", "run", "POLICIES", "REFERENCE_POLICIES", "Scenario", "fmt_num",
-           "probe_saturation", "policy_params", "render_table", "row_from_run", "run_policy",
-           "plan_runs"]
+__all__ = ["configure", "configure_scenario", "run", "POLICIES", "REFERENCE_POLICIES", "Scenario",
+           "fmt_num", "probe_saturation", "policy_params", "render_table", "row_from_run",
+           "run_policy", "plan_runs"]
 
 
 
@@ -96,7 +96,8 @@ def _mean(dist: LengthDist) -> float:
     return (dist.low + dist.high) / 2 if dist.kind != "lognormal" else float(dist.median)
 
 
-def configure(p: argparse.ArgumentParser) -> None:
+def configure_scenario(p: argparse.ArgumentParser, out_default: str) -> None:
+    """The scenario's flags (replica, traffic, SLO, seed, output folder)."""
     p.add_argument("--model", default="llama-7b")
     p.add_argument("--gpu", default="h100-80g")
     p.add_argument("--time-scale", type=float, default=2.0,
@@ -115,6 +116,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="clients give up after this many GPU seconds")
     p.add_argument("--shape", choices=("poisson", "constant"), default="poisson",
                    help="arrival process of every run (the capacity probe is fixed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help=f"output folder (default {out_default})")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    configure_scenario(p, "runs/overload-<time>")
     p.add_argument("--loads", default="0.74,1.16,2.0,4.0", help="multiples of capacity C")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help=f"policies at --loads ({BARE!r}: the replica with no guard)")
@@ -126,8 +133,6 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="capacity sweep, multiples of the saturation throughput S")
     p.add_argument("--capacity", type=float, default=None,
                    help="skip the probe and sweep; use this C (req/s at this time scale)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="output folder (default runs/overload-<time>)")
 
 
 def probe_saturation(scenario: Scenario, url: str, out: Path, num_requests: int = 48) -> float:

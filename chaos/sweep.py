@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SweepPoint", "sweep_rates", "capacity"]
+__all__ = ["SweepPoint", "sweep_rates", "capacity", "capacity_label"]
 
 MIN_GOODPUT_RATIO = 0.9
 
@@ -53,3 +53,12 @@ def capacity(points: Sequence[SweepPoint], min_ratio: float = MIN_GOODPUT_RATIO)
             break
         best = p.rate_per_s
     return best
+
+
+def capacity_label(points: Sequence[SweepPoint], cap: float | None) -> str:
+    """``cap`` for people: ``none``, ``12 req/s``, or ``≥ 16 req/s`` when every swept rate kept
+    its goodput (the knee lies beyond the sweep, so the capacity is only a lower bound)."""
+    if cap is None:
+        return "none"
+    top = max(p.rate_per_s for p in points)
+    return f"{'≥ ' if cap >= top else ''}{cap:g} req/s"

@@ -82,6 +82,11 @@ class EngineMetrics:
                                 labels, registry=registry)
         self._failed = Counter("kvguard_engine_requests_failed", "Requests failed by an engine error",
                                labels, registry=registry)
+        self._connections_closed = Counter(
+            "kvguard_engine_connections_closed", "Connections the server closed or refused "
+            "(header_timeout, body_timeout, over_capacity)", ["reason"], registry=registry)
+        for reason in ("header_timeout", "body_timeout", "over_capacity"):
+            self._connections_closed.labels(reason=reason)
         self._last_num_preemptions = 0
         for metric in (self._running, self._waiting, self._kv_usage, self._total_blocks,
                        self._free_blocks, self._preemptions, self._prompt_tokens,
@@ -125,6 +130,9 @@ class EngineMetrics:
 
     def record_aborted(self) -> None:
         self._m(self._aborted).inc()
+
+    def record_connection_closed(self, reason: str) -> None:
+        self._connections_closed.labels(reason=reason).inc()
 
     def record_failed(self) -> None:
         self._m(self._failed).inc()

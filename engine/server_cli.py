@@ -1,14 +1,21 @@
 """``kvguard engine``: serve one engine replica over OpenAI-compatible HTTP.
 
 Prints ``kvguard engine listening on http://HOST:PORT`` once it accepts connections (``--port 0``
-prints the port the OS chose). SIGTERM/SIGINT: stop admitting (new requests get 503), let
-in-flight requests finish for ``--shutdown-timeout-s``, abort the rest, exit 0; a second signal
-exits at once.
+prints the port the OS chose). SIGTERM/SIGINT: first run the drain hooks that middleware
+registered (``serving.drain_hooks``: the guard stops admitting and lets its streams finish),
+then stop admitting (new requests get 503), let in-flight requests finish for
+``--shutdown-timeout-s``, abort the rest, exit 0; a second signal exits at once.
 
 ``--middleware module:Class`` wraps the app with any ASGI middleware class taking ``app`` as
 its only required argument (repeatable; the first listed is the outermost). ``--guard CONFIG``
 is shorthand for ``--middleware guard.middleware:AdmissionMiddleware`` with ``KVGUARD_CONFIG``
 set to CONFIG, mounted outermost; the engine package itself never imports ``guard``.
+
+Slow or greedy clients are bounded by ``serving.ServerLimits`` (``--header-timeout-s``,
+``--body-timeout-s``, ``--keep-alive-timeout-s``, ``--max-connections``,
+``--max-connections-per-client``); connections it closes are counted in
+``kvguard_engine_connections_closed_total{reason}``. Writes to clients that went away are
+counted and summarised in one log line a minute, not logged one by one.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import os
 import signal
 import socket
 import sys
+
+from serving import add_limit_arguments, install_send_error_filter, limits_from_args
 
 __all__ = ["configure", "run", "load_middleware"]
 
@@ -57,6 +66,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "the guard's max_body_bytes)")
     parser.add_argument("--shutdown-timeout-s", type=float, default=10.0)
     parser.add_argument("--log-level", default="warning")
+    add_limit_arguments(parser)
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -151,9 +161,11 @@ def _server_class():
     class ReplicaServer(uvicorn.Server):
         """uvicorn with a drain-first shutdown and the readiness line."""
 
-        def __init__(self, config, async_engine, shutdown_timeout_s: float, url: str) -> None:
+        def __init__(self, config, async_engine, shutdown_timeout_s: float, url: str,
+                     drain_hooks) -> None:
             super().__init__(config)
             self.async_engine = async_engine
+            self.drain_hooks = drain_hooks
             self.shutdown_timeout_s = shutdown_timeout_s
             self.url = url
             self._drain: asyncio.Task | None = None
@@ -176,8 +188,14 @@ def _server_class():
             self._drain = asyncio.ensure_future(self._drain_then_exit())
 
         async def _drain_then_exit(self) -> None:
+            loop = asyncio.get_running_loop()
+            deadline_s = loop.time() + self.shutdown_timeout_s
+            try:  # the guard (a drain hook) stops admitting first, then the engine drains
+                await asyncio.wait_for(self.drain_hooks.run_hooks(), self.shutdown_timeout_s)
+            except asyncio.TimeoutError:
+                pass
             try:
-                num_aborted = await self.async_engine.shutdown(self.shutdown_timeout_s)
+                num_aborted = await self.async_engine.shutdown(max(0.0, deadline_s - loop.time()))
                 if num_aborted:
                     print(f"kvguard engine: aborted {num_aborted} request(s) at shutdown",
                           file=sys.stderr, flush=True)
@@ -193,14 +211,16 @@ def _server_class():
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
     from prometheus_client import CollectorRegistry
 
     from engine.async_engine import AsyncEngine
     from engine.metrics import EngineMetrics
     from engine.server import build_app
     from engine.trace import TraceWriter
+    from serving.drain_hooks import DrainHooks
+    from serving.limited_protocol import ConnectionTable, uvicorn_config
 
+    limits = limits_from_args(args)
     specs = list(args.middleware)
     if args.guard is not None:
         os.environ["KVGUARD_CONFIG"] = args.guard
@@ -223,12 +243,16 @@ def run(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes)
     for middleware in reversed(middlewares):
         app.add_middleware(middleware)
+    app = DrainHooks(app)  # outermost: it publishes the hook list in the lifespan state
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on",
+    table = ConnectionTable(limits, on_close=metrics.record_connection_closed)
+    config = uvicorn_config(app, table, log_level=args.log_level, access_log=False,
+                            lifespan="on",
                             timeout_graceful_shutdown=max(1, int(args.shutdown_timeout_s)))
-    server = _server_class()(config, async_engine, args.shutdown_timeout_s, url)
+    install_send_error_filter()
+    server = _server_class()(config, async_engine, args.shutdown_timeout_s, url, app)
     try:
         server.run(sockets=[sock])
     finally:

@@ -20,11 +20,10 @@ from typing import Any
 
 from policies.cost import RequestCost
 from policies.decision import Queue, Shed
+from policies.shed_reasons import QUEUE_FULL, QUEUE_TIMEOUT
 
 __all__ = ["AdmissionQueue", "Waiter", "QUEUE_FULL", "QUEUE_TIMEOUT"]
 
-QUEUE_FULL = "queue_full"
-QUEUE_TIMEOUT = "queue_timeout"
 
 # decide(cost, now_s) -> Queue (keep waiting), Shed (reject), or anything else (admitted).
 Decide = Callable[[RequestCost, float], Any]

@@ -12,11 +12,11 @@ from policies.cost import RequestCost
 from policies.decision import CompletionSample, Decision, Shed
 from policies.least_loaded import route_least_loaded
 from policies.param_check import check_int
+from policies.shed_reasons import CONCURRENCY_LIMIT
 from policies.snapshot import LoadSnapshot
 
 __all__ = ["ConcurrencyCap", "CONCURRENCY_LIMIT", "num_inflight"]
 
-CONCURRENCY_LIMIT = "concurrency_limit"
 
 
 def num_inflight(snapshot: LoadSnapshot) -> int:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from policies.decision import Admit, Shed
+from policies.shed_reasons import NO_REPLICA
 from policies.snapshot import LoadSnapshot, ReplicaSnapshot
 
 __all__ = ["NO_REPLICA", "least_loaded", "num_requests", "route_least_loaded"]
 
-NO_REPLICA = "no_replica"
 
 
 def num_requests(replica: ReplicaSnapshot) -> int:

@@ -21,11 +21,11 @@ from policies.always_admit import NO_REPLICA
 from policies.cost import RequestCost
 from policies.decision import Admit, CompletionSample, Decision, Shed
 from policies.param_check import check_int
+from policies.shed_reasons import SATURATED
 from policies.snapshot import LoadSnapshot, ReplicaSnapshot
 
 __all__ = ["Saturation", "SATURATED", "reported_kv_usage_ratio"]
 
-SATURATED = "saturated"
 
 
 def reported_kv_usage_ratio(replica: ReplicaSnapshot) -> float:

@@ -58,6 +58,15 @@ from policies.least_loaded import least_loaded
 from policies.param_check import check_int
 from policies.predictor import TtftForecast, forecast, never_fits
 from policies.prefill_pacing import prefill_fits_gaps
+from policies.shed_reasons import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ITL_WAIT,
+    KV_WAIT,
+    NO_KV_CAPACITY,
+    RETRY_SHED,
+    SLO_UNATTAINABLE,
+    STALE_STATE,
+)
 from policies.snapshot import LoadSnapshot, ReplicaSnapshot
 
 __all__ = [
@@ -72,13 +81,6 @@ __all__ = [
     "ITL_WAIT",
 ]
 
-SLO_UNATTAINABLE = "slo_unattainable"
-NO_KV_CAPACITY = "no_kv_capacity"
-STALE_STATE = "stale_state"
-RETRY_SHED = "retry_shed"
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-KV_WAIT = "kv_wait"
-ITL_WAIT = "itl_wait"
 
 _Option = tuple[ReplicaSnapshot, TtftForecast]
 RETRY_OVER_BUDGET = Shed(503, RETRY_SHED, should_retry=False)  # no wait: the client should stop
@@ -193,6 +195,9 @@ class SloPolicy:
             if until_s > now_s:
                 reason = KV_WAIT if best.is_blocked else ITL_WAIT
                 return Queue(until_s, reason, _since_arrival(cost, now_s, best))
+        if options and not any(_itl_attainable(cost, snapshot, r) for r, _ in options):
+            # even alone on an idle replica one decode step exceeds the class ITL: never
+            return Shed(503, SLO_UNATTAINABLE, should_retry=False)
         self._last_overload_shed_s = now_s
         return _shed(options)
 

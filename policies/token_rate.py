@@ -18,11 +18,11 @@ from policies.cost import RequestCost
 from policies.decision import CompletionSample, Decision, Shed
 from policies.least_loaded import route_least_loaded
 from policies.param_check import check_int
+from policies.shed_reasons import TPM_LIMIT
 from policies.snapshot import LoadSnapshot
 
 __all__ = ["TokenRate", "TPM_LIMIT", "WINDOW_S"]
 
-TPM_LIMIT = "tpm_limit"
 WINDOW_S = 60.0
 _ALL_TENANTS = "*"
 

@@ -22,3 +22,13 @@ def test_unknown_subcommand_is_a_usage_error(capsys):
         main(["no-such-command"])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_demo_help_names_its_own_folder_and_only_its_own_flags():
+    module = importlib.import_module(SUBCOMMANDS["demo"][0])
+    parser = argparse.ArgumentParser(prog="kvguard demo")
+    module.configure(parser)
+    text = parser.format_help()
+    assert "runs/demo-<time>" in text and "overload" not in text
+    for flag in ("--loads", "--policies", "--sweep", "--capacity"):  # the bake-off's, not demo's
+        assert flag not in text

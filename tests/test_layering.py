@@ -25,3 +25,14 @@ def test_engine_does_not_import_guard():
         "assert 'guard' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_serving_imports_neither_torch_nor_engine_nor_guard():
+    code = (
+        "import sys, importlib, pkgutil, serving\n"
+        "for m in pkgutil.iter_modules(serving.__path__):\n"
+        "    importlib.import_module('serving.' + m.name)\n"
+        "bad = [k for k in ('torch', 'engine', 'guard', 'uvicorn') if k in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -11,7 +11,7 @@ from chaos.goodput import Window
 from chaos.load import LoadResult
 from chaos.report import RUN_FILES, read_records, write_run
 from chaos.summary import build_summary
-from chaos.sweep import SweepPoint, capacity, sweep_rates
+from chaos.sweep import SweepPoint, capacity, capacity_label, sweep_rates
 from guard.cli import main as kvguard
 from policies.cost import RequestClass
 
@@ -108,9 +108,12 @@ def test_sweep_rates_and_capacity_knee():
            [(20, 1.0), (40, 0.95), (60, 0.85), (80, 0.92)]]
     assert capacity(pts) == 40          # 80 recovers, but goodput already fell at 60
     assert capacity(pts[2:3]) is None
+    assert capacity_label(pts, capacity(pts)) == "40 req/s"
+    assert capacity_label(pts[:2], capacity(pts[:2])) == "≥ 40 req/s"  # every rate passed
+    assert capacity_label(pts[2:3], None) == "none"
 
 
-def test_sweep_cli_writes_the_curve(tmp_path, echo_url):
+def test_sweep_cli_writes_the_curve(tmp_path, echo_url, capsys):
     out = tmp_path / "sweep"
     rc = kvguard(["load", "--url", echo_url, "--duration", "1", "--sweep", "0.5:1:0.5",
                   "--base-rate", "20", "--output-tokens", "4", "--metrics-url", "none",
@@ -118,7 +121,8 @@ def test_sweep_cli_writes_the_curve(tmp_path, echo_url):
     assert rc == 0
     doc = json.loads((out / "sweep.json").read_text())
     assert [p["rate_per_s"] for p in doc["points"]] == [10.0, 20.0]
-    assert doc["capacity_rate_per_s"] == 20.0
+    assert doc["capacity_rate_per_s"] == 20.0 and doc["capacity_is_lower_bound"]
+    assert "of offered): ≥ 20 req/s" in capsys.readouterr().out
     assert (out / "sweep.png").read_bytes()[:8] == PNG_MAGIC
     for sub in ("rate_10", "rate_20"):
         _assert_run_files(out / sub)

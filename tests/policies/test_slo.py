@@ -65,7 +65,8 @@ def test_joined_step_over_the_class_itl_queues_if_the_request_alone_would_meet_i
     replica = make_replica("a", running=[decoding()] * 3)  # join step 14 ms
     assert isinstance(decide(replica, cost=make_cost(klass=tight)), Queue)
     impossible = RequestClass("impossible", ttft_s=1.0, itl_s=0.005)  # alone: 11 ms
-    assert decide(replica, cost=make_cost(klass=impossible)) == Shed(503, "slo_unattainable")
+    never = Shed(503, "slo_unattainable", should_retry=False)  # not even alone: never retry
+    assert decide(replica, cost=make_cost(klass=impossible)) == never
 
 
 def test_no_free_blocks_queues_while_blocks_will_free_before_the_deadline():

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from guard.rejection import Rejection, RetryAdvisor, send_rejection
+from guard.shedding import Rejection, RetryAdvisor, send_rejection
 
 
 def _send_and_collect(rejection):
@@ -55,14 +55,18 @@ def test_drain_rate_wait_with_jitter_bounds_and_seeded():
     b = RetryAdvisor(random.Random(7))
     waits = [a.retry_after_s(num_ahead=9, drain_rate_rps=5.0) for _ in range(200)]
     assert waits == [b.retry_after_s(num_ahead=9, drain_rate_rps=5.0) for _ in range(200)]
-    assert all(1.6 <= w <= 2.4 for w in waits)  # (9 + 1) / 5 = 2 s ± 20 %
+    assert all(2.0 <= w <= 2.4 for w in waits)  # (9 + 1) / 5 = 2 s, up to 20 % later
     assert len(set(waits)) > 100  # jittered, not a constant
 
 
-def test_policy_estimate_wins_and_fallback_used_without_drain_rate():
+def test_policy_estimate_is_a_floor_and_the_queue_counts_before_any_completion():
     adv = RetryAdvisor(random.Random(1), jitter_ratio=0.0)
-    assert adv.retry_after_s(num_ahead=3, drain_rate_rps=1.0, policy_retry_after_s=0.5) == 0.5
-    assert adv.retry_after_s(num_ahead=3, drain_rate_rps=0.0, fallback_s=0.7) == 0.7
+    assert adv.retry_after_s(num_ahead=3, drain_rate_rps=1.0, policy_retry_after_s=0.5) == 4.0
+    assert adv.retry_after_s(num_ahead=3, drain_rate_rps=1.0, policy_retry_after_s=9.0) == 9.0
+    # no completion measured yet: 4 in flight turning over every 2 s, 511 queued ahead
+    assert adv.retry_after_s(num_ahead=511, drain_rate_rps=0.0, num_in_flight=4,
+                             service_s=2.0) == 256.0
+    assert adv.retry_after_s(num_ahead=3, drain_rate_rps=0.0, service_s=0.7) == 4 * 0.7
 
 
 def test_should_retry_rules():

@@ -1,0 +1,168 @@
+"""uvicorn's h11 protocol with the ``ServerLimits`` enforced on each connection.
+
+Why a protocol layer and not ASGI middleware: an ASGI app is called only once the request head
+is complete, so it can never see a client that trickles its headers or opens a connection and
+sends nothing; and uvicorn arms its keep-alive timer only after a first response. Here each
+connection moves through phases, one deadline at a time:
+
+    head     accepted, or the first byte of the next request arrived: head within header_timeout_s
+    body     head complete, body still arriving: body within body_timeout_s (total)
+    serving  the request is read; the response streams for as long as it takes
+    idle     response complete: uvicorn's keep-alive timer (keep_alive_timeout_s) runs
+
+A deadline that passes closes the connection; the app then sees ``http.disconnect``, which frees
+whatever the request held. A connection over ``max_connections`` or over
+``max_connections_per_client`` is answered 503 (``Retry-After: 1``) and closed before uvicorn
+sees it.
+
+``ConnectionTable`` counts the open connections per client address and the closes by reason
+(``header_timeout``, ``body_timeout``, ``over_capacity``); ``uvicorn_config(app, table)`` builds
+the uvicorn ``Config`` that uses this protocol.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from serving.server_limits import ServerLimits
+
+__all__ = ["REFUSAL_LINGER_S", "ConnectionTable", "limited_protocol_class", "uvicorn_config"]
+
+_REFUSAL_BODY = json.dumps({"error": {
+    "message": "Too many open connections; retry shortly.", "type": "server_error",
+    "param": None, "code": "too_many_connections"}}).encode()
+_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            b"retry-after: 1\r\nconnection: close\r\ncontent-length: "
+            + str(len(_REFUSAL_BODY)).encode() + b"\r\n\r\n" + _REFUSAL_BODY)
+REFUSAL_LINGER_S = 1.0
+_TIMEOUT_REASONS = {"head": "header_timeout", "body": "body_timeout"}
+
+
+class ConnectionTable:
+    """Open connections per client address, and connections closed by reason (one per server)."""
+
+    def __init__(self, limits: ServerLimits,
+                 on_close: Callable[[str], None] | None = None) -> None:
+        self.limits = limits
+        self.num_open = 0
+        self.num_open_by_client: Counter[str] = Counter()
+        self.num_closed_by_reason: Counter[str] = Counter()
+        self._on_close = on_close
+
+    def try_open(self, client: str) -> bool:
+        """Count a new connection from ``client``; False (nothing counted) when over a cap."""
+        cap, per_client = self.limits.max_connections, self.limits.max_connections_per_client
+        if (cap and self.num_open >= cap) or (
+                per_client and self.num_open_by_client[client] >= per_client):
+            self.closed("over_capacity")
+            return False
+        self.num_open += 1
+        self.num_open_by_client[client] += 1
+        return True
+
+    def release(self, client: str) -> None:
+        self.num_open -= 1
+        self.num_open_by_client[client] -= 1
+        if self.num_open_by_client[client] <= 0:
+            del self.num_open_by_client[client]
+
+    def closed(self, reason: str) -> None:
+        self.num_closed_by_reason[reason] += 1
+        if self._on_close is not None:
+            self._on_close(reason)
+
+
+def limited_protocol_class(table: ConnectionTable) -> type:
+    """A subclass of uvicorn's ``H11Protocol`` bound to ``table`` (one class per server)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    limits = table.limits
+
+    class LimitedH11Protocol(H11Protocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._client_addr: str | None = None  # set once counted in the table
+            self._phase = "head"
+            self._deadline = None  # asyncio.TimerHandle of the current phase
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            peer = transport.get_extra_info("peername")
+            client = str(peer[0]) if peer else "unknown"
+            if not table.try_open(client):
+                self._refuse(transport)
+                return
+            self._client_addr = client
+            super().connection_made(transport)
+            self._arm("head", limits.header_timeout_s)
+
+        def _refuse(self, transport) -> None:
+            """503, then a lingering close: half-close, discard what the client still sends,
+            close when it does or after ``REFUSAL_LINGER_S`` (closing at once with its request
+            unread would reset the connection and lose the 503)."""
+            transport.write(_REFUSAL)
+            if transport.can_write_eof():
+                transport.write_eof()
+            self._deadline = self.loop.call_later(REFUSAL_LINGER_S, transport.close)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._client_addr is None:  # refused: uvicorn never saw it
+                self._cancel()
+                return
+            self._cancel()
+            table.release(self._client_addr)
+            self._client_addr = None
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._client_addr is None:
+                return
+            if self._phase == "idle":  # the first byte of the next request
+                self._arm("head", limits.header_timeout_s)
+            super().data_received(data)
+            self._follow_request()
+
+        def on_response_complete(self) -> None:
+            self._arm("idle", None)  # uvicorn's keep-alive timer takes over
+            super().on_response_complete()
+            self._follow_request()  # a pipelined request may have started
+
+        def _follow_request(self) -> None:
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:
+                return  # still reading a head (or idle)
+            if cycle.more_body:
+                if self._phase == "head":
+                    self._arm("body", limits.body_timeout_s)
+            elif self._phase in ("head", "body"):
+                self._arm("serving", None)
+
+        def _arm(self, phase: str, timeout_s: float | None) -> None:
+            self._cancel()
+            self._phase = phase
+            if timeout_s is not None:
+                self._deadline = self.loop.call_later(timeout_s, self._expire, phase)
+
+        def _cancel(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self, phase: str) -> None:
+            self._deadline = None
+            if self._phase != phase or self.transport is None or self.transport.is_closing():
+                return
+            table.closed(_TIMEOUT_REASONS[phase])
+            self.transport.close()
+
+    return LimitedH11Protocol
+
+
+def uvicorn_config(app, table: ConnectionTable, **kwargs: Any):
+    """A ``uvicorn.Config`` serving ``app`` with ``table.limits`` enforced (h11 only)."""
+    import uvicorn
+
+    return uvicorn.Config(app, http=limited_protocol_class(table),
+                          timeout_keep_alive=table.limits.keep_alive_timeout_s, **kwargs)
