@@ -1,6 +1,6 @@
-"""The guard's background work: the admission-queue pump and, in-process, the state poller.
+"""The guard's background work: the admission-queue pump, the state poller and housekeeping.
 
-Both run on whichever event loop serves the guard. :meth:`Background.start` starts them on the
+All run on whichever event loop serves the guard. :meth:`Background.start` starts them on the
 first request (or at ASGI lifespan startup): the pump task, then one state refresh awaited
 before the first decision, then the poller's own task. A request arriving on a new event loop
 (tests, a restarted server) starts them again there; what ran on the old loop is dropped.
@@ -13,19 +13,22 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from guard.state_poller import StatePoller
+from guard.replicas.poller import StatePoller
 
 __all__ = ["Background"]
 
 
 class Background:
     """``pump()`` makes the queue pump's coroutine; ``make_poller`` (None: no polling) the
-    state poller; ``on_started`` runs once the first refresh is in."""
+    state poller; ``on_started`` runs once the first refresh is in; ``housekeeping()`` (optional)
+    makes one more long-running coroutine (trace flush, lease renewal)."""
 
     def __init__(self, pump: Callable[[], Coroutine[Any, Any, None]],
                  make_poller: Callable[[], StatePoller] | None,
-                 on_started: Callable[[], None]) -> None:
+                 on_started: Callable[[], None],
+                 housekeeping: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
         self._pump = pump
+        self._housekeeping = housekeeping
         self._make_poller = make_poller
         self._on_started = on_started
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -47,6 +50,8 @@ class Background:
             self.poller = None
         self.loop, self.ready = loop, loop.create_future()
         self.tasks = [loop.create_task(self._pump())]
+        if self._housekeeping is not None:
+            self.tasks.append(loop.create_task(self._housekeeping()))
         try:
             if self._make_poller is not None:
                 self.poller = self.poller or self._make_poller()

@@ -125,7 +125,7 @@ async def measure_in_process(iterations: int, block: int, policy: str) -> dict:
         n = min(block, iterations - done)
         await _drive(trivial_app, n, bare_ns)
         await _drive(guard, n, guarded_ns)
-    held = guard.tickets.num_held
+    held = guard.controller.tickets.num_held
     await guard.aclose()
     if held:
         raise RuntimeError(f"bench left {held} tickets held")
@@ -134,23 +134,23 @@ async def measure_in_process(iterations: int, block: int, policy: str) -> dict:
 
 async def measure_breakdown(policy: str, num: int = 3000) -> dict[str, float]:
     """Median µs of each stage of the guarded path, timed alone (after a warm-up)."""
-    from guard.pricing import headers_from_scope
+    from guard.body import headers_from_scope
 
     guard = _guarded(policy)
     await _drive(guard, 200, [])
-    now_s = guard.clock()
+    now_s = guard.controller.clock()
     headers = headers_from_scope(_SCOPE)
-    price = lambda: guard.pricer.price_request(  # noqa: E731
-        _BODY, "/v1/completions", headers, guard._anonymous, now_s, max_model_len=4096,
+    price = lambda: guard.controller.pricer.price_request(  # noqa: E731
+        _BODY, "/v1/completions", headers, guard.controller._anonymous, now_s, max_model_len=4096,
         block_size=16, request_id="bench")
     cost = price().cost
-    snapshot = guard.load_state.snapshot(now_s)
+    snapshot = guard.controller.load_state.snapshot(now_s)
     stages = {
         "python reference (dict of 8)": lambda: dict(a=1, b=2, c=3, d=4, e=5, f=6, g=7, h=8),
         "headers (pricing)": lambda: headers_from_scope(_SCOPE),
         "price (pricing)": price,
-        "snapshot, idle (load_state)": lambda: guard.load_state.snapshot(now_s),
-        "decide (policy)": lambda: guard.policy.decide(cost, snapshot),
+        "snapshot, idle (load_state)": lambda: guard.controller.load_state.snapshot(now_s),
+        "decide (policy)": lambda: guard.controller.policy.decide(cost, snapshot),
         "reserve+release (load_state)": lambda: _reserve_release(guard, cost, now_s),
         "ticket issue+release (listeners)": lambda: _issue_release(guard, cost, now_s),
         "decide+reserve+ticket+release": lambda: _cycle(guard, cost, now_s),
@@ -161,18 +161,20 @@ async def measure_breakdown(policy: str, num: int = 3000) -> dict[str, float]:
 
 
 def _cycle(guard, cost, now_s: float) -> None:
-    ticket = guard._decide(cost, now_s)
-    if hasattr(ticket, "release"):
-        ticket.release("completed")
+    from policies.decision import Admit
+
+    decision = guard.controller._decide(cost, now_s)
+    if isinstance(decision, Admit):
+        guard.controller.tickets.issue(cost, decision.replica_id, now_s).release("completed")
 
 
 def _reserve_release(guard, cost, now_s: float) -> None:
-    guard.load_state.reserve("local", cost.request_id, cost, now_s)
-    guard.load_state.release(cost.request_id)
+    guard.controller.load_state.reserve("local", cost.request_id, cost, now_s)
+    guard.controller.load_state.release(cost.request_id)
 
 
 def _issue_release(guard, cost, now_s: float) -> None:
-    guard.tickets.issue(cost, "local", now_s).release("completed")
+    guard.controller.tickets.issue(cost, "local", now_s).release("completed")
 
 
 def _median_us(fn: Callable[[], object], num: int) -> float:

@@ -17,7 +17,7 @@ TOML layout (see ``docs/guard-config.example.toml``)::
     [[replicas]]
     replica_id = "r0"
     url = "http://127.0.0.1:8001"
-    state_source = "kvguard"   # "kvguard" | "vllm" | "asgi"
+    state_source = "kvguard"   # "kvguard" | "vllm" | "none" | "asgi"
 
 Environment: ``KVGUARD_CONFIG`` names the TOML file; ``KVGUARD_<FIELD>`` overrides any scalar
 field (``KVGUARD_POLICY=cap``, ``KVGUARD_MAX_BODY_BYTES=65536``, ``KVGUARD_TRACE_PATH=...``);
@@ -29,11 +29,13 @@ object. Unknown ``KVGUARD_*`` variables are ignored (other components own them).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import hashlib
 import hmac
 import json
 import os
+import re
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,7 +57,9 @@ __all__ = [
 ]
 
 ANONYMOUS_TENANT = "anonymous"
-STATE_SOURCES = ("kvguard", "vllm", "asgi")
+STATE_SOURCES = ("kvguard", "vllm", "none", "asgi")
+# glob patterns (fnmatch) of the POST paths the guard admits; the rest pass straight through
+DEFAULT_ADMITTED_PATHS = ("*/v1/completions", "*/v1/chat/completions")
 DEFAULT_CLASSES = (
     RequestClass("interactive", ttft_s=1.0, itl_s=0.080, priority=0),
     RequestClass("batch", ttft_s=30.0, itl_s=1.0, priority=2),
@@ -145,7 +149,6 @@ class GuardConfig:
     policy_params: Mapping[str, Any] = field(default_factory=dict)
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
-    default_expected_output_tokens: int = 128
     max_queue_len: int = 512
     max_queue_wait_s: float = 30.0
     refresh_interval_s: float = 0.1
@@ -163,9 +166,11 @@ class GuardConfig:
     redis_url: str | None = None
     class_header: str = "x-kvguard-class"
     deadline_header: str = "x-kvguard-deadline-ms"
+    admitted_paths: tuple[str, ...] = DEFAULT_ADMITTED_PATHS
     _classes_by_name: Mapping[str, RequestClass] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
+    _path_patterns: tuple = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
         self._check_classes()
@@ -177,11 +182,38 @@ class GuardConfig:
         ids = [r.replica_id for r in self.replicas]
         if len(set(ids)) != len(ids):
             raise ValueError(f"replicas: duplicate replica_id in {ids}")
+        self._check_paths()
         for name in ("class_header", "deadline_header"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value or value != value.strip():
                 raise ValueError(f"{name}: must be a non-empty header name")
             object.__setattr__(self, name, value.lower())
+
+    def _check_paths(self) -> None:
+        paths = self.admitted_paths
+        if isinstance(paths, str) or not isinstance(paths, (tuple, list)) or not paths:
+            raise ValueError("admitted_paths: must be a non-empty array of path patterns")
+        for pattern in paths:
+            if not isinstance(pattern, str) or not pattern.startswith(("/", "*")):
+                raise ValueError(f"admitted_paths: {pattern!r} must be a path pattern "
+                                 "starting with / or *")
+            if not pattern.endswith(("/v1/completions", "/v1/chat/completions")):
+                raise ValueError(f"admitted_paths: {pattern!r} must end in /v1/completions or "
+                                 "/v1/chat/completions (the guard prices those two bodies)")
+        object.__setattr__(self, "admitted_paths", tuple(paths))
+        patterns = tuple(re.compile(fnmatch.translate(p)) for p in paths)
+        exact = frozenset(p for p in paths if not any(c in p for c in "*?["))
+        object.__setattr__(self, "_path_patterns", (exact, patterns))
+
+    def is_admitted_path(self, path: str) -> bool:
+        """True when a POST to ``path`` goes through admission (``admitted_paths``)."""
+        exact, patterns = self._path_patterns
+        if path in exact:
+            return True
+        for pattern in patterns:
+            if pattern.match(path):
+                return True
+        return False
 
     def _check_classes(self) -> None:
         by_name = {c.name: c for c in self.classes}
@@ -205,7 +237,7 @@ class GuardConfig:
                 raise ValueError(f"tenants[{t.name!r}].default_class: unknown class {t.default_class!r}")
 
     def _check_numbers(self) -> None:
-        for name in ("max_body_bytes", "default_max_tokens", "default_expected_output_tokens",
+        for name in ("max_body_bytes", "default_max_tokens",
                      "max_queue_len", "unhealthy_after_errors", "max_idempotency_keys",
                      "max_tenant_labels"):
             value = getattr(self, name)
@@ -281,6 +313,8 @@ class GuardConfig:
             data["tenants"] = tuple(_tenant_from(i, t) for i, t in enumerate(_list("tenants", data["tenants"])))
         if "replicas" in data:
             data["replicas"] = tuple(_replica_from(i, r) for i, r in enumerate(_list("replicas", data["replicas"])))
+        if "admitted_paths" in data:
+            data["admitted_paths"] = tuple(_list("admitted_paths", data["admitted_paths"]))
         if "policy_params" in data and not isinstance(data["policy_params"], Mapping):
             raise ValueError("policy_params: must be a table")
         for name, (wanted, nullable) in _SCALAR_FIELDS.items():
@@ -369,7 +403,7 @@ _SCALAR_FIELDS: dict[str, tuple[type, bool]] = {
     "default_class": (str, False), "allow_anonymous": (bool, False),
     "anonymous_may_choose_class": (bool, False), "policy": (str, False),
     "max_body_bytes": (int, False), "default_max_tokens": (int, False),
-    "default_expected_output_tokens": (int, False), "max_queue_len": (int, False),
+    "max_queue_len": (int, False),
     "max_queue_wait_s": (float, False), "refresh_interval_s": (float, False),
     "max_staleness_s": (float, False), "state_timeout_s": (float, False),
     "unhealthy_after_errors": (int, False), "tokenizer": (str, True),

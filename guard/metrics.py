@@ -41,6 +41,7 @@ _COUNTERS = {
     "canceled": "Requests whose client went away",
     "failed": "Admitted requests that errored",
     "completed": "Admitted requests that completed",
+    "rejected_upstream": "Admitted requests the upstream refused with a 4xx",
 }
 # histogram attribute -> (metric name, help, buckets); all labelled by class
 _HISTOGRAMS = {
@@ -87,7 +88,8 @@ class _Histogram:
 class _Counters:
     """One (class, tenant)'s outcome counters."""
 
-    __slots__ = ("offered", "admitted", "queued", "canceled", "failed", "completed", "goodput")
+    __slots__ = ("offered", "admitted", "queued", "canceled", "failed", "completed",
+                 "rejected_upstream", "goodput")
 
     def __init__(self) -> None:
         for name in self.__slots__:
@@ -172,6 +174,8 @@ class GuardMetrics:
                 counters.goodput.value += 1
         elif outcome == "canceled":
             counters.canceled.value += 1
+        elif outcome == "rejected_upstream":
+            counters.rejected_upstream.value += 1
         else:
             counters.failed.value += 1
         hist = self.histograms(cost.request_class.name)

@@ -1,10 +1,6 @@
-"""Request pricing: read the body under a byte limit, validate it, and price it in tokens and blocks.
+"""Request pricing: validate a body and price it in tokens and blocks.
 
-Exceptions (the whole tree)::
-
-    PricingError(status, reason, message, param)   never servable: 400 / 413, x-should-retry false
-      └─ BodyTooLarge                              413, raised before the rest is buffered
-    ClientDisconnected                             the client went away while we read its body
+A request that can never be served as sent raises :class:`guard.errors.PricingError`.
 
 Prompt tokens are counted exactly for token-id prompts, with the injected tokenizer (a callable
 ``text -> int``) when there is one, else estimated as ``ceil(chars / chars_per_token)`` where
@@ -17,23 +13,19 @@ import json
 import math
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from guard.config import GuardConfig, TenantConfig
+from guard.errors import PricingError
 from policies.cost import RequestClass, RequestCost
 
 __all__ = [
     "PRICED_PATHS",
-    "BodyTooLarge",
-    "ClientDisconnected",
     "PricedRequest",
     "Pricer",
-    "PricingError",
     "RecentKeys",
-    "headers_from_scope",
-    "read_body",
     "tokenizer_counter",
 ]
 
@@ -47,59 +39,6 @@ MIN_CHARS_PER_TOKEN, MAX_CHARS_PER_TOKEN = 1.0, 8.0
 CALIBRATION_DECAY = 0.02  # weight of each new usage observation in the decayed sums
 CALIBRATION_PRIOR_TOKENS = 200.0  # the initial ratio counts as this many observed tokens
 MIN_OUTPUT_SAMPLES = 8  # completions of a class before its learned output length is used
-
-
-class PricingError(Exception):
-    """A request that can never be served as sent (400, or 413 for an oversized body)."""
-
-    def __init__(self, status: int, reason: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-        self.message = message
-        self.param = param
-
-
-class BodyTooLarge(PricingError):
-    def __init__(self, max_bytes: int):
-        super().__init__(413, "body_too_large", f"request body exceeds {max_bytes} bytes")
-
-
-class ClientDisconnected(Exception):
-    """The client disconnected before its request body was complete."""
-
-
-Receive = Callable[[], Awaitable[dict]]
-
-
-async def read_body(receive: Receive, max_bytes: int, content_length: int | None = None) -> bytes:
-    """The whole ASGI request body; BodyTooLarge as soon as it passes ``max_bytes``.
-
-    A declared ``content_length`` over the limit is refused before anything is read.
-    """
-    if content_length is not None and content_length > max_bytes:
-        raise BodyTooLarge(max_bytes)
-    chunks: list[bytes] = []
-    total = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnected()
-        chunk = message.get("body", b"")
-        total += len(chunk)
-        if total > max_bytes:
-            raise BodyTooLarge(max_bytes)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def headers_from_scope(scope: Mapping[str, Any]) -> dict[str, str]:
-    """ASGI ``scope["headers"]`` as a dict of lower-case names (last value wins)."""
-    headers = {}  # a plain loop: a comprehension is one more call per request
-    for name, value in scope.get("headers", ()):
-        headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-    return headers
 
 
 def tokenizer_counter(path: str) -> Callable[[str], int]:
@@ -149,6 +88,14 @@ class PricedRequest:
     num_overhead_tokens: int  # estimated chat-template tokens included in the prompt count
     is_exact: bool  # prompt tokens counted (token ids or tokenizer), not estimated
     max_tokens_defaulted: bool  # the client sent no max_tokens; cost.max_tokens is the guard's
+    raw: bytes = b""  # the body as the client sent it
+
+    def forward_body(self) -> bytes:
+        """The body to send upstream: as sent, or with the priced ``max_tokens`` filled in when
+        the client sent none, so the replica runs exactly what the guard priced."""
+        if not self.max_tokens_defaulted and self.raw:
+            return self.raw
+        return json.dumps({**self.body, "max_tokens": self.cost.max_tokens}).encode()
 
 
 def _bad(message: str, param: str | None = None, reason: str = "invalid_request") -> PricingError:
@@ -247,7 +194,7 @@ class Pricer:
             self._outputs[class_name] = [1, float(num_output_tokens)]
             return
         n = learned[0] = learned[0] + 1
-        weight = max(1.0 / n, 0.05)  # a plain mean at first, then an EWMA that tracks drift
+        weight = max(1.0 / n, 0.05) if n > 1 else 0.5  # after a reset the old mean counts half  # a plain mean at first, then an EWMA that tracks drift
         learned[1] += weight * (num_output_tokens - learned[1])
 
     def observe_completion(self, priced: PricedRequest, num_prompt_tokens: int | None,
@@ -260,10 +207,20 @@ class Pricer:
             self.observe_output(priced.cost.request_class.name, num_output_tokens)
 
     def expected_output_tokens(self, class_name: str, max_tokens: int) -> int:
+        """``max_tokens`` until the class has ``MIN_OUTPUT_SAMPLES`` completions (KV cost is
+        never underestimated before anything is learned), then the learned mean, capped."""
         learned = self._outputs.get(class_name)
         if learned is None or learned[0] < MIN_OUTPUT_SAMPLES:
-            return min(max_tokens, self._config.default_expected_output_tokens)
+            return max_tokens
         return max(1, min(max_tokens, round(learned[1])))
+
+    def observe_preemptions(self, num_new: int) -> None:
+        """A replica preempted ``num_new`` sequences: the learned output lengths let the guard
+        admit more than fits, so every class goes back to ``max_tokens`` until it has
+        ``MIN_OUTPUT_SAMPLES`` fresh completions (the learned mean is kept as their start)."""
+        if num_new > 0:
+            for learned in self._outputs.values():
+                learned[0] = 0
 
     # --- pricing ----------------------------------------------------------------------------
 
@@ -299,7 +256,9 @@ class Pricer:
             deadline_s=self._deadline_s(headers, now_s, request_class.ttft_s),
             is_retry=self._is_retry(headers, tenant.name, now_s),
         )
-        return PricedRequest(cost, data, bool(data.get("stream")), chars, overhead, exact, defaulted)
+        raw = body if isinstance(body, bytes) else b""
+        return PricedRequest(cost, data, bool(data.get("stream")), chars, overhead, exact, defaulted,
+                             raw)
 
     def _max_tokens(self, data: dict, num_prompt_tokens: int, exact: bool,
                     max_model_len: int | None) -> tuple[int, bool]:
@@ -326,9 +285,9 @@ class Pricer:
 
     def _count_prompt(self, data: dict, path: str) -> tuple[int, int, int, bool]:
         """(prompt chars, prompt tokens, chat overhead tokens, exact?)"""
-        if path == COMPLETIONS_PATH:
+        if path.endswith(COMPLETIONS_PATH) and not path.endswith(CHAT_PATH):
             return self._count_completion_prompt(data)
-        if path == CHAT_PATH:
+        if path.endswith(CHAT_PATH):
             texts = _chat_texts(data)
             overhead = CHAT_TOKENS_PER_MESSAGE * len(data["messages"]) + CHAT_TOKENS_PER_REPLY
             chars = sum(len(t) for t in texts)

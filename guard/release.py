@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from guard.admission_queue import AdmissionQueue
-from guard.drain_rate import DrainRate
-from guard.load_state import LoadState
 from guard.metrics import GuardMetrics
 from guard.pricing import Pricer
+from guard.replicas.load_state import LoadState
+from guard.shedding import DrainRate
 from guard.ticket import ReleaseListener, Ticket
 from guard.trace import TraceWriter, ticket_record
 

@@ -20,13 +20,15 @@ from policies.decision import CompletionSample
 
 __all__ = ["Ticket", "TicketBook", "Outcome", "OUTCOMES", "ReleaseListener"]
 
-Outcome = Literal["completed", "canceled", "failed"]
-OUTCOMES: frozenset[str] = frozenset({"completed", "canceled", "failed"})
+Outcome = Literal["completed", "canceled", "failed", "rejected_upstream"]
+OUTCOMES: frozenset[str] = frozenset({"completed", "canceled", "failed", "rejected_upstream"})
 
 _log = logging.getLogger(__name__)
 # A non-empty "text" (completions) or "content" (chat) string value: a chunk that carries tokens.
 _CONTENT = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')
 _DONE = b"data: [DONE]"
+# The replica ended the sequence itself (shutdown, engine error): never a good completion.
+_ABORTED = re.compile(rb'"finish_reason"\s*:\s*"(?:abort|error)"')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _OUTPUT_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
@@ -38,12 +40,13 @@ class Ticket:
         "cost", "replica_id", "dispatch_s", "predicted_ttft_s", "status", "is_stream",
         "first_byte_s", "first_token_s", "last_token_s", "max_itl_s", "num_content_chunks",
         "done_seen", "body_complete", "client_disconnected", "outcome", "released_s", "_book",
-        "enqueue_s", "priced", "num_usage_prompt_tokens", "num_usage_output_tokens", "ok",
-        "slo_met",
+        "enqueue_s", "priced", "grant", "num_usage_prompt_tokens", "num_usage_output_tokens",
+        "ok", "slo_met", "aborted",
     )
 
     def __init__(self, book: TicketBook, cost: RequestCost, replica_id: str, dispatch_s: float,
-                 predicted_ttft_s: float | None = None) -> None:
+                 predicted_ttft_s: float | None = None, *, enqueue_s: float | None = None,
+                 priced: Any = None, grant: Any = None) -> None:
         self._book = book
         self.cost = cost
         self.replica_id = replica_id
@@ -61,8 +64,10 @@ class Ticket:
         self.client_disconnected = False
         self.outcome: str | None = None
         self.released_s: float | None = None
-        self.enqueue_s: float | None = None  # set by the owner when the request waited in a queue
-        self.priced: Any = None  # the owner's pricing record, for learning at release
+        self.enqueue_s = enqueue_s  # when the request entered the admission queue, if it did
+        self.priced = priced  # the owner's pricing record, for learning at release
+        self.grant = grant  # the budget store's grant, settled or released with the ticket
+        self.aborted = False  # the upstream said finish_reason "abort" or "error"
         self.num_usage_prompt_tokens: int | None = None  # from the upstream's "usage", if seen
         self.num_usage_output_tokens: int | None = None
         self.ok = False  # set at release: completed and the whole response went out
@@ -93,6 +98,8 @@ class Ticket:
             self.done_seen = True
         if b'"usage"' in chunk:
             self._usage(chunk)
+        if b'"finish_reason"' in chunk and _ABORTED.search(chunk) is not None:
+            self.aborted = True
         if self.is_stream and _CONTENT.search(chunk) is None:
             return None
         return self._content_chunk(now_s)
@@ -124,17 +131,28 @@ class Ticket:
             return None
         return self.first_token_s - self.cost.arrival_s
 
+    def on_disconnect(self) -> None:
+        """The client went away; after the last body chunk it no longer matters."""
+        if not self.body_complete:
+            self.client_disconnected = True
+
     def finished_ok(self) -> bool:
-        """2xx and the whole response went out: ``[DONE]`` for a stream, the last body chunk
-        otherwise."""
+        """2xx, not aborted by the upstream, and the whole response went out: ``[DONE]`` for a
+        stream, the last body chunk otherwise."""
         if self.status is None or not 200 <= self.status < 300 or not self.body_complete:
+            return False
+        if self.aborted:
             return False
         return self.done_seen if self.is_stream else True
 
     def natural_outcome(self) -> Outcome:
-        """The outcome when the inner app returned normally."""
-        if self.client_disconnected and not self.body_complete:
+        """The outcome when the upstream answered: ``canceled`` once the client left before
+        the end (whatever the upstream answered afterwards), ``rejected_upstream`` for a 4xx,
+        ``completed`` only for a whole, unaborted 2xx response, else ``failed``."""
+        if self.client_disconnected:
             return "canceled"
+        if self.status is not None and 400 <= self.status < 500:
+            return "rejected_upstream"
         return "completed" if self.finished_ok() else "failed"
 
     def met_slo(self) -> bool:
@@ -205,8 +223,11 @@ class TicketBook:
         self._listeners.append(listener)
 
     def issue(self, cost: RequestCost, replica_id: str, dispatch_s: float,
-              predicted_ttft_s: float | None = None) -> Ticket:
-        ticket = Ticket(self, cost, replica_id, dispatch_s, predicted_ttft_s)
+              predicted_ttft_s: float | None = None, *, enqueue_s: float | None = None,
+              priced: Any = None, grant: Any = None) -> Ticket:
+        """A complete ticket: nothing is written onto it afterwards but what the response shows."""
+        ticket = Ticket(self, cost, replica_id, dispatch_s, predicted_ttft_s, enqueue_s=enqueue_s,
+                        priced=priced, grant=grant)
         self._held[id(ticket)] = ticket
         return ticket
 

@@ -11,13 +11,17 @@ and compare only differences within one trace. One line looks like::
      "predicted_ttft_s": 0.18, "outcome": "completed", "status": 200, "met_slo": true}
 
 ``decision`` is ``admit``, ``queue`` (then admitted or shed from the queue) or ``shed``;
-``outcome`` is ``completed``, ``canceled``, ``failed`` or ``rejected``. Lines are buffered
-(at most ``max_buffered``) and written in batches; :meth:`TraceWriter.close` flushes.
+``outcome`` is ``completed``, ``canceled``, ``failed``, ``rejected_upstream`` or ``rejected``.
+Lines are buffered and written in batches: when ``max_buffered`` lines wait, when a write comes
+``flush_interval_s`` after the last flush, and whenever the owner calls :meth:`TraceWriter.flush`
+(the controller does once a second and on shutdown); :meth:`TraceWriter.close` flushes.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from guard.ticket import Ticket
@@ -26,26 +30,41 @@ __all__ = ["TraceWriter", "ticket_record", "rejection_record"]
 
 
 class TraceWriter:
-    def __init__(self, out: TextIO, max_buffered: int = 256) -> None:
+    def __init__(self, out: TextIO, max_buffered: int = 256, *, flush_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if max_buffered < 1:
             raise ValueError(f"max_buffered must be >= 1, got {max_buffered}")
+        if flush_interval_s <= 0:
+            raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
         self._out = out
         self._buffer: list[str] = []
         self.max_buffered = max_buffered
+        self.flush_interval_s = flush_interval_s
+        self._clock = clock
+        self._flushed_s = clock()
         self.closed = False
 
     @classmethod
-    def open(cls, path: str, max_buffered: int = 256) -> TraceWriter:
-        return cls(open(path, "a", encoding="utf-8"), max_buffered)  # noqa: SIM115 - close()
+    def open(cls, path: str, max_buffered: int = 256, *, flush_interval_s: float = 1.0,
+             clock: Callable[[], float] = time.monotonic) -> TraceWriter:
+        try:
+            out = open(path, "a", encoding="utf-8")  # noqa: SIM115 - close()
+        except OSError as exc:
+            raise ValueError(f"trace_path: cannot open {path!r}: {exc.strerror}") from None
+        return cls(out, max_buffered, flush_interval_s=flush_interval_s, clock=clock)
 
     def write(self, record: dict[str, Any]) -> None:
         if self.closed:
             return
         self._buffer.append(json.dumps(record, separators=(",", ":")))
-        if len(self._buffer) >= self.max_buffered:
+        if (len(self._buffer) >= self.max_buffered
+                or self._clock() - self._flushed_s >= self.flush_interval_s):
             self.flush()
 
     def flush(self) -> None:
+        if self.closed:
+            return
+        self._flushed_s = self._clock()
         if self._buffer:
             self._out.write("\n".join(self._buffer) + "\n")
             self._buffer.clear()

@@ -1,9 +1,8 @@
 import asyncio
 
-from admission_helpers import BATCH, INTERACTIVE, FakeClock, make_cost
-
 from guard.admission_queue import QUEUE_FULL, QUEUE_TIMEOUT, AdmissionQueue
 from policies.decision import Queue, Shed
+from tests.support.admission import BATCH, INTERACTIVE, FakeClock, make_cost
 
 
 def run(coro):

@@ -1,8 +1,8 @@
-from admission_helpers import FakeClock, make_cost
 from prometheus_client import CollectorRegistry
 
 from guard.metrics import GuardMetrics
 from guard.ticket import TicketBook
+from tests.support.admission import FakeClock, make_cost
 
 
 def _value(registry, name, **labels):

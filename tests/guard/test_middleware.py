@@ -4,9 +4,9 @@ import asyncio
 import json
 
 import pytest
-from admission_helpers import PROMPT, Client, FakeClock, SlotPolicy, http_scope, make_guard
 
 from guard.config import hash_api_key
+from tests.support.admission import PROMPT, Client, FakeClock, SlotPolicy, http_scope, make_guard
 
 
 def run(coro):
@@ -48,14 +48,14 @@ class StreamApp:
 
 
 def assert_at_rest(guard):
-    assert guard.tickets.num_held == 0
-    assert guard.load_state.num_reserved_blocks("local") == 0
-    assert guard.load_state.num_inflight("local") == 0
-    assert len(guard.queue) == 0
+    assert guard.controller.tickets.num_held == 0
+    assert guard.controller.load_state.num_reserved_blocks("local") == 0
+    assert guard.controller.load_state.num_inflight("local") == 0
+    assert len(guard.controller.queue) == 0
 
 
 def sample(guard, name, **labels):
-    return guard.registry.get_sample_value(name, labels) or 0.0
+    return guard.controller.registry.get_sample_value(name, labels) or 0.0
 
 
 def test_stream_passes_through_unbuffered_with_guard_headers():
@@ -72,7 +72,7 @@ def test_stream_passes_through_unbuffered_with_guard_headers():
         assert client.status == 200 and "x-kvguard-queue-ms" in client.headers
         rid = app.seen_headers[b"x-request-id"].decode()
         assert client.headers["x-request-id"] == rid
-        assert guard.policy.samples[0].request_id == rid and guard.policy.samples[0].ok
+        assert guard.controller.policy.samples[0].request_id == rid and guard.controller.policy.samples[0].ok
         assert_at_rest(guard)
         lab = {"class": "interactive", "tenant": "anonymous"}
         assert sample(guard, "kvguard_requests_completed_total", **lab) == 1
@@ -89,7 +89,7 @@ def test_disconnect_mid_stream_cancels_upstream_and_releases_once():
         client.on_send = lambda m: client.disconnect() if m.get("body") == sse("a") else None
         await guard(http_scope(), client.receive, client.send)
         assert app.saw_disconnect
-        assert [s.ok for s in guard.policy.samples] == [False]
+        assert [s.ok for s in guard.controller.policy.samples] == [False]
         lab = {"class": "interactive", "tenant": "anonymous"}
         assert sample(guard, "kvguard_requests_canceled_total", **lab) == 1
         assert sample(guard, "kvguard_requests_completed_total", **lab) == 0
@@ -104,7 +104,7 @@ def test_exception_releases_once_and_reraises():
         client = Client(PROMPT)
         with pytest.raises(RuntimeError, match="blew up"):
             await guard(http_scope(), client.receive, client.send)
-        assert len(guard.policy.samples) == 1
+        assert len(guard.controller.policy.samples) == 1
         lab = {"class": "interactive", "tenant": "anonymous"}
         assert sample(guard, "kvguard_requests_failed_total", **lab) == 1
         assert_at_rest(guard)
@@ -120,7 +120,7 @@ def test_cancelled_task_releases_as_canceled():
         task = asyncio.ensure_future(guard(http_scope(), client.receive, client.send))
         while not client.sent:
             await asyncio.sleep(0)
-        assert guard.tickets.num_held == 1
+        assert guard.controller.tickets.num_held == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -141,7 +141,7 @@ def test_queued_request_is_admitted_when_capacity_frees():
         while not first.sent:
             await asyncio.sleep(0)
         t2 = asyncio.ensure_future(guard(http_scope(), second.receive, second.send))
-        while len(guard.queue) == 0:
+        while len(guard.controller.queue) == 0:
             await asyncio.sleep(0)
         assert app.num_calls == 1  # the second waits in the guard, not in the app
         clock.advance(0.25)
@@ -167,11 +167,11 @@ def test_disconnect_while_queued_is_canceled_and_never_reaches_the_app():
         while not first.sent:
             await asyncio.sleep(0)
         t2 = asyncio.ensure_future(guard(http_scope(), second.receive, second.send))
-        while len(guard.queue) == 0:
+        while len(guard.controller.queue) == 0:
             await asyncio.sleep(0)
         second.disconnect()
         await t2
-        assert second.sent == [] and len(guard.queue) == 0 and app.num_calls == 1
+        assert second.sent == [] and len(guard.controller.queue) == 0 and app.num_calls == 1
         gate.put_nowait(1)
         await t1
         lab = {"class": "interactive", "tenant": "anonymous"}
@@ -210,7 +210,7 @@ def test_unknown_key_is_401_when_anonymous_not_allowed():
         good = Client(PROMPT)
         await guard(http_scope(headers=[(b"authorization", b"Bearer sk-good")]), good.receive, good.send)
         assert good.status == 200 and app.num_calls == 1
-        assert guard.policy.samples[0].tenant == "acme"
+        assert guard.controller.policy.samples[0].tenant == "acme"
         await guard.aclose()
     run(main())
 
@@ -259,7 +259,7 @@ def test_lifespan_passes_through_and_shutdown_stops_background_tasks():
         guard = make_guard(app)
         c = Client(PROMPT)
         await guard(http_scope(), c.receive, c.send)
-        assert guard._tasks
+        assert guard.controller.background.tasks
         inbox = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
         out = []
 
@@ -272,16 +272,16 @@ def test_lifespan_passes_through_and_shutdown_stops_background_tasks():
         await guard({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send)
         assert seen == ["lifespan.startup", "lifespan.shutdown"]
         assert out == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
-        assert guard._tasks == []
+        assert guard.controller.background.tasks == []
     run(main())
 
 
 def test_in_process_state_is_polled_from_the_wrapped_app():
-    from admission_helpers import state_doc
     from prometheus_client import CollectorRegistry
 
     from guard.config import GuardConfig
     from guard.middleware import AdmissionMiddleware
+    from tests.support.admission import state_doc
 
     async def main():
         inner = StreamApp()
@@ -303,14 +303,14 @@ def test_in_process_state_is_polled_from_the_wrapped_app():
         c = Client(PROMPT)
         await guard(http_scope(), c.receive, c.send)
         assert c.status == 200
-        replica = guard.load_state.replica_snapshot("local")
+        replica = guard.controller.load_state.replica_snapshot("local")
         assert replica.num_free_blocks == 77 and replica.healthy
-        assert guard._poller is not None and guard._poller.num_refreshes >= 1
-        return guard._poller
+        assert guard.controller.background.poller is not None and guard.controller.background.poller.num_refreshes >= 1
+        return guard.controller.background.poller
 
     first = run(one_request())
     second = run(one_request())  # a new event loop (no aclose): the poller starts over on it
-    assert second is not first and guard.tickets.num_held == 0
+    assert second is not first and guard.controller.tickets.num_held == 0
     run(guard.aclose())
 
 
@@ -321,7 +321,7 @@ def test_no_arg_construction_reads_kvguard_config(tmp_path, monkeypatch):
     path.write_text('policy = "always-admit"\nmax_body_bytes = 4096\n')
     monkeypatch.setenv("KVGUARD_CONFIG", str(path))
     guard = AdmissionMiddleware(StreamApp())
-    assert guard.config.max_body_bytes == 4096 and guard.policy.name == "always-admit"
+    assert guard.config.max_body_bytes == 4096 and guard.controller.policy.name == "always-admit"
 
 
 def test_retry_ratio_reaches_the_snapshot():

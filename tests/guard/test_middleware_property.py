@@ -3,9 +3,10 @@
 import asyncio
 import time
 
-from admission_helpers import PROMPT, Client, SlotPolicy, http_scope, make_guard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.support.admission import PROMPT, Client, SlotPolicy, http_scope, make_guard
 
 BEHAVIOURS = ("complete", "disconnect", "error", "leave_early", "cancel")
 
@@ -73,11 +74,11 @@ def test_random_disconnects_and_errors_leave_nothing_held(requests, num_slots, q
         app.plans.extend(requests * 2)
         await asyncio.wait_for(
             asyncio.gather(*(one_request(guard, b, n) for b, n in requests)), 5)
-        assert guard.tickets.num_held == 0
-        assert guard.load_state.num_reserved_blocks("local") == 0
-        assert guard.load_state.num_inflight("local") == 0
-        assert len(guard.queue) == 0
-        reg = guard.registry
+        assert guard.controller.tickets.num_held == 0
+        assert guard.controller.load_state.num_reserved_blocks("local") == 0
+        assert guard.controller.load_state.num_inflight("local") == 0
+        assert len(guard.controller.queue) == 0
+        reg = guard.controller.registry
         lab = {"class": "interactive", "tenant": "anonymous"}
         offered = reg.get_sample_value("kvguard_requests_offered_total", lab) or 0
         ended = sum(reg.get_sample_value(f"kvguard_requests_{o}_total", lab) or 0

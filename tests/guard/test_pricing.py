@@ -7,15 +7,12 @@ import time
 
 import pytest
 
+from guard.body import headers_from_scope, read_body
 from guard.config import GuardConfig, TenantConfig
+from guard.errors import BodyTooLarge, ClientDisconnected, PricingError
 from guard.pricing import (
-    BodyTooLarge,
-    ClientDisconnected,
     Pricer,
-    PricingError,
     RecentKeys,
-    headers_from_scope,
-    read_body,
     tokenizer_counter,
 )
 
@@ -312,21 +309,35 @@ def test_observe_completion_subtracts_chat_overhead_and_skips_exact_counts():
     assert pricer.chars_per_token == pytest.approx(3.0, rel=0.02)
 
 
-def test_expected_output_learned_per_class():
-    pricer = Pricer(GuardConfig(default_expected_output_tokens=128))
-    assert pricer.expected_output_tokens("interactive", 1000) == 128
+def test_expected_output_is_max_tokens_until_learned_per_class():
+    pricer = Pricer(GuardConfig())
+    assert pricer.expected_output_tokens("interactive", 1000) == 1000  # worst case first
     assert pricer.expected_output_tokens("interactive", 50) == 50
     for _ in range(7):
         pricer.observe_output("interactive", 40)
-    assert pricer.expected_output_tokens("interactive", 1000) == 128  # not learned yet
+    assert pricer.expected_output_tokens("interactive", 1000) == 1000  # not learned yet
     pricer.observe_output("interactive", 40)
     assert pricer.expected_output_tokens("interactive", 1000) == 40
     assert pricer.expected_output_tokens("interactive", 30) == 30  # never above max_tokens
-    assert pricer.expected_output_tokens("batch", 1000) == 128  # per class
+    assert pricer.expected_output_tokens("batch", 1000) == 1000  # per class
     for _ in range(200):
         pricer.observe_output("interactive", 300)  # drift is tracked
     assert pricer.expected_output_tokens("interactive", 1000) == pytest.approx(300, abs=5)
     assert price(pricer, {"prompt": "x", "max_tokens": 1000}).num_expected_output_tokens > 290
+
+
+def test_preemptions_send_every_class_back_to_max_tokens():
+    pricer = Pricer(GuardConfig())
+    for _ in range(8):
+        pricer.observe_output("interactive", 40)
+    assert pricer.expected_output_tokens("interactive", 1000) == 40
+    pricer.observe_preemptions(0)
+    assert pricer.expected_output_tokens("interactive", 1000) == 40
+    pricer.observe_preemptions(3)  # the estimate was too low: worst case again
+    assert pricer.expected_output_tokens("interactive", 1000) == 1000
+    for _ in range(8):
+        pricer.observe_output("interactive", 200)
+    assert 40 < pricer.expected_output_tokens("interactive", 1000) <= 200
 
 
 def test_pricing_is_fast():

@@ -1,6 +1,5 @@
-from admission_helpers import FakeClock, make_cost
-
 from guard.ticket import TicketBook
+from tests.support.admission import FakeClock, make_cost
 
 SSE = b"text/event-stream"
 

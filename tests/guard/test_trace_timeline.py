@@ -6,10 +6,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from admission_helpers import PROMPT, Client, SlotPolicy, http_scope, make_guard
 
 from guard import cli, timeline
 from guard.trace import TraceWriter
+from tests.support.admission import PROMPT, Client, SlotPolicy, http_scope, make_guard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from server_helpers import start_engine  # noqa: E402
@@ -46,10 +46,10 @@ def test_middleware_traces_admitted_and_shed_requests():
 
     async def main():
         guard = make_guard(_stream_app, policy=SlotPolicy(num_slots=1, queue_s=None))
-        guard._trace = TraceWriter(out, max_buffered=100)
+        guard.controller.trace = TraceWriter(out, max_buffered=100)
         ok = Client(PROMPT)
         await guard(http_scope(), ok.receive, ok.send)
-        guard.policy.num_slots = 0
+        guard.controller.policy.num_slots = 0
         shed = Client(PROMPT)
         await guard(http_scope(), shed.receive, shed.send)
         bad = Client(b"{nope")

@@ -3,7 +3,7 @@
 :class:`LoadState` turns each replica's ``/kvguard/state`` JSON (or, for black-box vLLM
 upstreams, its Prometheus ``/metrics`` text) into an immutable
 :class:`policies.snapshot.ReplicaSnapshot`, feeds the replica's iteration records to its
-:class:`guard.latency_model.StepTimeFitter`, and adds the requests this guard admitted that the
+:class:`guard.replicas.step_time_fitter.StepTimeFitter`, and adds the requests this guard admitted that the
 replica has not reported yet (reservations). ``snapshot(now_s)`` is the whole
 :class:`~policies.snapshot.LoadSnapshot`.
 
@@ -12,7 +12,7 @@ Reservations end early when the replica's state lists the request id (the guard 
 scrape that started after it was made has been applied (the request is counted there).
 
 The per-request path is incremental: a reserve or release adds or removes one reservation's
-contribution (:class:`guard.reservations.ReplicaReservations`), and the replica's snapshot
+contribution (:class:`guard.replicas.reservations.ReplicaReservations`), and the replica's snapshot
 (engine state + reservations) is rebuilt lazily, only when a policy asks for it, from the
 engine-side sums computed once per state refresh plus the reserved group's running sums. With
 no reservation in flight the combined snapshot is the engine snapshot itself.
@@ -20,9 +20,9 @@ no reservation in flight the combined snapshot is the engine snapshot itself.
 A replica that publishes no load state (``/kvguard/state`` answers 404 or non-JSON: any ASGI
 app) is registered by :meth:`LoadState.mark_unknown_capacity` as healthy with unknown capacity.
 
-Building a replica's own snapshot from each kind of document is :mod:`guard.replica_state`'s;
-the poller and its sources live in :mod:`guard.state_poller`, the vLLM ``/metrics`` parser in
-:mod:`guard.vllm_metrics` (re-exported here, with the ``UNKNOWN_*`` constants).
+Building a replica's own snapshot from each kind of document is :mod:`guard.replicas.documents`'s;
+the poller and its sources live in :mod:`guard.replicas.poller`, the vLLM ``/metrics`` parser in
+:mod:`guard.replicas.vllm_metrics` (re-exported here, with the ``UNKNOWN_*`` constants).
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from guard.latency_model import StepTimeFitter, prior_from_timing_model, roofline_prior
-from guard.replica_state import (
+from guard.replicas.documents import (
     UNKNOWN_MAX_MODEL_LEN,
     UNKNOWN_NUM_BLOCKS,
     kvguard_snapshot,
     unknown_capacity_snapshot,
     vllm_snapshot,
 )
-from guard.reservations import ReplicaReservations, Reservation
-from guard.vllm_metrics import parse_vllm_metrics
+from guard.replicas.reservations import ReplicaReservations, Reservation
+from guard.replicas.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
+from guard.replicas.vllm_metrics import parse_vllm_metrics
 from policies.cost import RequestCost
 from policies.snapshot import LoadSnapshot, ReplicaSnapshot
 from policies.step_time import StepTimeModel
@@ -67,6 +67,7 @@ class _Replica:
     base: ReplicaSnapshot | None = None  # the replica's own state, without reservations
     last_batch_id: int = -1
     last_step_count: int = -1
+    num_preemptions: int | None = None  # the replica's counter at the last refresh
     previous_observed_s: float = float("-inf")
     combined: ReplicaSnapshot | None = None  # base + reservations, rebuilt lazily when dirty
 
@@ -96,6 +97,8 @@ class LoadState:
         self._books: dict[str, ReplicaReservations] = {}  # per replica id, made on first reserve
         self._step_time: StepTimeModel | None = None  # the mean model, reset on every update
         self._snapshots: tuple[ReplicaSnapshot, ...] | None = None  # every replica's, until dirty
+        # called with (replica id, new preemptions) when a replica's counter rises
+        self.on_preemptions: Callable[[str, int], None] | None = None
 
     # --- replica state -----------------------------------------------------------------------
 
@@ -121,6 +124,7 @@ class LoadState:
         listed = {s["request_id"] for s in (*state["running"], *state["waiting"])}
         base = kvguard_snapshot(replica_id, state, now_s, self._our_cost)
         self._feed_iterations(replica, state)
+        self._count_preemptions(replica_id, replica, state.get("num_preemptions"))
         book = self._books.get(replica_id)
         if book is not None:
             for request_id, reservation in list(book.pending.items()):
@@ -131,6 +135,14 @@ class LoadState:
     def _our_cost(self, request_id: str) -> RequestCost | None:
         reservation = self._reservations.get(request_id)
         return reservation.cost if reservation is not None else None
+
+    def _count_preemptions(self, replica_id: str, replica: _Replica, counter: Any) -> None:
+        """Report a rise of the replica's preemption counter (a restart resets the baseline)."""
+        if not isinstance(counter, int) or isinstance(counter, bool):
+            return
+        previous, replica.num_preemptions = replica.num_preemptions, counter
+        if previous is not None and counter > previous and self.on_preemptions is not None:
+            self.on_preemptions(replica_id, counter - previous)
 
     def _feed_iterations(self, replica: _Replica, state: Mapping[str, Any]) -> None:
         step_count = int(state.get("step_count", -1))
@@ -300,7 +312,7 @@ class LoadState:
 
 
 # The poller, its sources and the vLLM metrics parser moved out; their old import path still works.
-from guard.state_poller import (  # noqa: E402  (state_poller does not import this module)
+from guard.replicas.poller import (  # noqa: E402  (state_poller does not import this module)
     AsgiStateSource,
     HttpStateSource,
     StatePoller,

@@ -1,9 +1,9 @@
-"""guard.latency_model: prior, online fit, non-negativity, self-measured error."""
+"""guard.replicas.step_time_fitter: prior, online fit, non-negativity, self-measured error."""
 
 import numpy as np
 import pytest
 
-from guard.latency_model import StepTimeFitter, prior_from_timing_model, roofline_prior
+from guard.replicas.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
 from policies.step_time import StepTimeModel
 
 TRUE = StepTimeModel(base_s=0.004, per_prefill_token_s=2e-5, per_decode_seq_s=3e-4,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from guard.vllm_metrics import parse_vllm_metrics
+from guard.replicas.vllm_metrics import parse_vllm_metrics
 from policies.cost import RequestCost
 from policies.snapshot import ReplicaSnapshot, SeqLoad
 
@@ -70,7 +70,7 @@ def vllm_snapshot(replica_id: str, text: str, now_s: float, *, max_model_len: in
                   max_num_seqs: int, max_num_batched_tokens: int, assumed_output_tokens: int,
                   assumed_prompt_tokens: int) -> ReplicaSnapshot:
     """One vLLM ``/metrics`` scrape; limits missing from its ``*_info`` labels come from the
-    keyword arguments (see :meth:`guard.load_state.LoadState.update_from_vllm_metrics`)."""
+    keyword arguments (see :meth:`guard.replicas.load_state.LoadState.update_from_vllm_metrics`)."""
     m = parse_vllm_metrics(text)
     block_size = int(m.get("block_size", 16))
     total = int(m["num_gpu_blocks"])

@@ -73,8 +73,8 @@ def make_guard(app, policy=None, clock=None, **config):
     from prometheus_client import CollectorRegistry
 
     from guard.config import GuardConfig
-    from guard.load_state import LoadState
     from guard.middleware import AdmissionMiddleware
+    from guard.replicas.load_state import LoadState
 
     clock = clock or FakeClock(1.0)
     load_state = LoadState()

@@ -15,9 +15,9 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from guard.config import GuardConfig
-from guard.load_state import LoadState, StatePoller
 from guard.middleware import AdmissionMiddleware
-from guard.state_poller import AsgiStateSource, HttpStateSource, StateUnavailable
+from guard.replicas.load_state import LoadState, StatePoller
+from guard.replicas.poller import AsgiStateSource, HttpStateSource, StateUnavailable
 
 
 def sse(text: str) -> bytes:
@@ -93,10 +93,10 @@ def test_middleware_on_a_plain_starlette_app_admits_and_streams():
         assert chunks == [sse(f"t{i}").decode().strip() for i in range(3)] + ["data: [DONE]"]
         assert request_id.startswith("g-")
     assert num_calls["n"] == 4
-    replica = guard.load_state.replica_snapshot("local")
+    replica = guard.controller.load_state.replica_snapshot("local")
     assert replica.healthy and not replica.capacity_known
-    assert guard.tickets.num_held == 0 and guard.load_state.num_inflight("local") == 0
-    assert guard.registry.get_sample_value(
+    assert guard.controller.tickets.num_held == 0 and guard.controller.load_state.num_inflight("local") == 0
+    assert guard.controller.registry.get_sample_value(
         "kvguard_requests_completed_total", {"class": "interactive", "tenant": "anonymous"}) == 4
 
 

@@ -1,4 +1,4 @@
-"""guard.load_state: snapshots from /kvguard/state and vLLM metrics, reservations, the poller."""
+"""guard.replicas.load_state: snapshots from /kvguard/state and vLLM metrics, reservations, the poller."""
 
 import asyncio
 import socket
@@ -13,8 +13,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from guard.config import ReplicaConfig
-from guard.latency_model import StepTimeFitter
-from guard.load_state import (
+from guard.replicas.load_state import (
     UNKNOWN_MAX_MODEL_LEN,
     AsgiStateSource,
     HttpStateSource,
@@ -23,6 +22,7 @@ from guard.load_state import (
     parse_vllm_metrics,
     state_sources,
 )
+from guard.replicas.step_time_fitter import StepTimeFitter
 from policies.cost import RequestClass, RequestCost
 from policies.snapshot import SeqLoad
 from policies.step_time import StepTimeModel
@@ -388,7 +388,7 @@ def test_fetch_timeout_counts_as_failure():
 
 
 def test_drain_rate_over_sliding_window():
-    from guard.drain_rate import DrainRate
+    from guard.shedding import DrainRate
 
     rate = DrainRate(window_s=10.0)
     assert rate.rate_rps(0.0) == 0.0
@@ -403,3 +403,13 @@ def test_drain_rate_over_sliding_window():
     assert rate.rate_rps(200.5) == pytest.approx(0.5)
     with pytest.raises(ValueError):
         DrainRate(window_s=0)
+
+
+def test_rising_preemption_counter_is_reported():
+    from tests.support.admission import state_doc
+
+    state, seen = LoadState(), []
+    state.on_preemptions = lambda replica_id, num: seen.append((replica_id, num))
+    for counter in (5, 5, 7, 0, 2):  # the first is a baseline; 0 is a restart
+        state.update_from_kvguard_state("r0", {**state_doc(), "num_preemptions": counter}, 1.0)
+    assert seen == [("r0", 2), ("r0", 2)]

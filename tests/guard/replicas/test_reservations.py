@@ -1,10 +1,10 @@
-"""guard.reservations + LoadState's incremental snapshots: equal to a rebuild from scratch."""
+"""guard.replicas.reservations + LoadState's incremental snapshots: equal to a rebuild from scratch."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guard.load_state import LoadState
-from guard.reservations import ReplicaReservations, Reservation, reserved_load
+from guard.replicas.load_state import LoadState
+from guard.replicas.reservations import ReplicaReservations, Reservation, reserved_load
 from policies.cost import RequestClass, RequestCost
 from policies.replica_load import ReplicaLoad, SeqTotals
 from policies.snapshot import ReplicaSnapshot

@@ -4,7 +4,7 @@
 upstream) over httpx; :class:`AsgiStateSource` does an in-process ``GET /kvguard/state`` on the
 wrapped ASGI app. A source whose replica answers but publishes no state (404, or a body that is
 not a JSON object) raises :class:`StateUnavailable`; the poller then registers the replica as
-healthy with unknown capacity (:meth:`guard.load_state.LoadState.mark_unknown_capacity`) instead
+healthy with unknown capacity (:meth:`guard.replicas.load_state.LoadState.mark_unknown_capacity`) instead
 of counting an error, so the guard works in front of any ASGI app.
 """
 
@@ -21,13 +21,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httpx
 
 from guard.config import ReplicaConfig
+from guard.errors import StateUnavailable
 
 if TYPE_CHECKING:  # load_state re-exports this module's names
-    from guard.load_state import LoadState
+    from guard.replicas.load_state import LoadState
 
 __all__ = [
     "AsgiStateSource",
     "HttpStateSource",
+    "NoStateSource",
     "StatePoller",
     "StateSource",
     "StateUnavailable",
@@ -35,10 +37,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class StateUnavailable(RuntimeError):
-    """The replica answered, but it publishes no load state (404, or not a JSON object)."""
 
 
 class StateSource(Protocol):
@@ -71,6 +69,15 @@ class HttpStateSource:
         if self.kind != "kvguard":
             return response.text
         return _state_document(response.content, self.url)
+
+
+class NoStateSource:
+    """A replica configured with ``state_source = "none"``: never asked, unknown capacity."""
+
+    kind = "kvguard"
+
+    async def fetch(self) -> Any:
+        raise StateUnavailable("state_source is 'none'")
 
 
 class AsgiStateSource:
@@ -136,7 +143,9 @@ def state_sources(replicas: tuple[ReplicaConfig, ...], client: httpx.AsyncClient
         return {local_replica_id: AsgiStateSource(app)}
     sources: dict[str, StateSource] = {}
     for replica in replicas:
-        if replica.state_source == "asgi":
+        if replica.state_source == "none":
+            sources[replica.replica_id] = NoStateSource()
+        elif replica.state_source == "asgi":
             if app is None:
                 raise ValueError(f"replica {replica.replica_id!r}: state_source 'asgi' needs the app")
             sources[replica.replica_id] = AsgiStateSource(app)

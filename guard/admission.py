@@ -1,0 +1,76 @@
+"""What an adapter holds for one admitted request: :class:`Admission`.
+
+The controller returns one from :meth:`guard.controller.AdmissionController.admit`. The adapter
+forwards :attr:`Admission.body` to :attr:`Admission.replica_id`, reports what the upstream
+answered (:meth:`on_start`, :meth:`on_body` per chunk, :meth:`on_disconnect`) and ends it with
+:meth:`finish` exactly once (later calls do nothing). Everything else (metrics, learning, the
+budget grant, the trace line, waking the queue) happens in the controller when the ticket is
+released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from guard.ticket import Ticket
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    """One admitted request: its ticket, the body to forward, the class's ITL histogram."""
+
+    __slots__ = ("ticket", "body", "_clock", "_itl")
+
+    def __init__(self, ticket: Ticket, body: bytes, clock: Callable[[], float], itl: Any) -> None:
+        self.ticket = ticket
+        self.body = body  # the request as priced (max_tokens filled in when the client sent none)
+        self._clock = clock
+        self._itl = itl
+
+    @property
+    def request_id(self) -> str:
+        """The id to send upstream as ``x-request-id``."""
+        return self.ticket.cost.request_id
+
+    @property
+    def body_rewritten(self) -> bool:
+        """The body differs from what the client sent (send a new ``content-length``)."""
+        priced = self.ticket.priced
+        return priced is not None and self.body is not priced.raw
+
+    @property
+    def replica_id(self) -> str:
+        return self.ticket.replica_id
+
+    @property
+    def queue_ms(self) -> float:
+        """Arrival → dispatch, for the ``x-kvguard-queue-ms`` response header."""
+        ticket = self.ticket
+        return (ticket.dispatch_s - ticket.cost.arrival_s) * 1000.0
+
+    def on_start(self, status: int, content_type: bytes) -> None:
+        """The upstream's response status and content type (before any body)."""
+        self.ticket.on_start(status, content_type)
+
+    def on_body(self, chunk: bytes, more_body: bool) -> None:
+        """One response body chunk as it goes to the client (first token, gaps, usage, end)."""
+        gap_s = self.ticket.on_body(chunk, more_body, self._clock())
+        if gap_s is not None:
+            self._itl.observe(gap_s)
+
+    def on_disconnect(self) -> None:
+        """The client went away (before the end of the response: the request is canceled)."""
+        self.ticket.on_disconnect()
+
+    def finish(self, error: BaseException | None = None) -> bool:
+        """Release exactly once: the natural outcome when the upstream answered, ``canceled``
+        (client gone, or our task cancelled) or ``failed`` when relaying raised ``error``.
+        ``False`` when it was already finished."""
+        ticket = self.ticket
+        if error is None:
+            return ticket.release(ticket.natural_outcome())
+        gone = ticket.client_disconnected or isinstance(error, asyncio.CancelledError)
+        return ticket.release("canceled" if gone else "failed")

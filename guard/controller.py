@@ -1,0 +1,383 @@
+"""``AdmissionController``: the whole admission flow, behind every front end (no ASGI here).
+
+Per request: tenant (``Authorization: Bearer``) → body (bounded) → price → tenant budget
+reserve (when a budget store is configured) → policy decision on a fresh load snapshot →
+admit (reserve the replica's blocks, issue the ticket complete) | queue (wait, watching for the
+client to leave) | shed (429/503 with retry advice) → the adapter relays → release exactly once.
+The controller also owns the background work (state poller, queue pump, trace flush, budget
+lease renewal), the metrics and the trace.
+
+ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy another)::
+
+    controller = AdmissionController(config, sources, registry=..., budget=...)
+    result = await controller.admit(path, headers, read_body, client_gone)
+
+* ``path``: the request path (the adapter decides which paths are admitted, with
+  :meth:`GuardConfig.is_admitted_path`); ``headers``: lower-case names → values
+  (:func:`guard.body.headers_from_scope` for ASGI);
+  ``read_body()``: an awaitable returning the whole body, raising
+  :class:`~guard.errors.BodyTooLarge` past ``config.max_body_bytes`` or
+  :class:`~guard.errors.ClientDisconnected`; it is only called once the tenant is known.
+* ``client_gone()``: returns one future (the same one on every call; made on first use) that
+  completes when the client disconnects. The controller calls it only when the request must
+  wait in the queue; it never consumes the future, so the adapter can keep watching it later.
+* The result is one of:
+  - :class:`~guard.admission.Admission`: forward ``admission.body`` to
+    ``admission.replica_id`` with ``x-request-id: admission.request_id``; report
+    ``on_start(status, content_type)``, ``on_body(chunk, more_body)`` for every chunk in the
+    order the client gets them (first token, each inter-token gap, ``usage`` and
+    ``finish_reason`` are read from the chunks), ``on_disconnect()`` when the client leaves;
+    then call ``finish()`` (or ``finish(exc)`` when relaying raised) exactly once. Outcomes:
+    completed (whole 2xx, not aborted), canceled (client left, or the adapter's task was
+    cancelled), failed (error, truncated, ``finish_reason`` abort/error), rejected_upstream
+    (upstream 4xx).
+  - :class:`~guard.shedding.Rejection`: send it as is (status, OpenAI-style body, retry
+    headers); it is already counted and traced.
+  - ``None``: the client left before a decision; nothing to send (already counted canceled).
+* Lifecycle: :meth:`start` on the serving event loop (``admit`` starts it on first use);
+  :meth:`aclose` stops the background work, waits for budget settlements and flushes the
+  trace; :meth:`close` closes the trace file.
+
+Building one: in-process (one local ASGI replica) pass
+``sources={"local": AsgiStateSource(app)}``; for URL replicas use
+:meth:`AdmissionController.for_replicas`, which makes one
+:class:`~guard.replicas.poller.HttpStateSource` per :class:`~guard.config.ReplicaConfig`
+(``state_source`` ``kvguard`` → ``/kvguard/state``, ``vllm`` → ``/metrics``, ``none`` → unknown
+capacity, never polled over the network). ``sources=None`` means the caller feeds
+``load_state`` itself (tests, benchmarks). Health, ejection and the HTTP relay belong to the
+proxy on top.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from guard.admission import Admission
+from guard.admission_queue import AdmissionQueue
+from guard.background import Background
+from guard.budget.store import BudgetStore, Denied, Grant
+from guard.config import GuardConfig, TenantConfig
+from guard.errors import ClientDisconnected, PricingError
+from guard.metrics import GaugeValues, GuardMetrics
+from guard.pricing import PricedRequest, Pricer, tokenizer_counter
+from guard.release import ReleaseListeners
+from guard.replicas.load_state import LoadState
+from guard.replicas.poller import StatePoller, StateSource
+from guard.retry_ratio import RetryRatio
+from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
+from guard.ticket import Ticket, TicketBook
+from guard.trace import TraceWriter
+from policies import make_policy
+from policies.cost import RequestCost
+from policies.decision import Admit, Queue, Shed
+
+__all__ = ["AdmissionController", "INVALID_KEY"]
+
+INVALID_KEY = ("invalid_api_key", "Incorrect or missing API key.")
+Headers = Mapping[str, str]
+
+
+class AdmissionController:
+    """One guard's admission flow. See the module docstring for the adapter contract.
+
+    Collaborators may be injected (tests, the bench): ``policy``, ``load_state``, ``pricer``,
+    ``rng`` (Retry-After jitter), ``trace``, ``tokenizer`` (else ``config.tokenizer``),
+    ``budget`` (a :class:`~guard.budget.store.BudgetStore`; None: no tenant budgets).
+    """
+
+    def __init__(self, config: GuardConfig, sources: Mapping[str, StateSource] | None = None, *,
+                 registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] | None = None,
+                 tokenizer: Callable[[str], int] | None = None, policy: Any = None,
+                 load_state: LoadState | None = None, pricer: Pricer | None = None,
+                 rng: random.Random | None = None, trace: TraceWriter | None = None,
+                 budget: BudgetStore | None = None, budget_lease_s: float = 30.0) -> None:
+        if budget_lease_s <= 0:
+            raise ValueError(f"budget_lease_s: must be > 0, got {budget_lease_s!r}")
+        self.config = config
+        self.clock = clock or time.monotonic
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = GuardMetrics(self.registry, config.max_tenant_labels)
+        self.metrics.gauges = self._gauge_values
+        self.policy = policy if policy is not None else make_policy(config.policy,
+                                                                    **config.policy_params)
+        self.load_state = load_state if load_state is not None else LoadState(config.max_staleness_s)
+        if tokenizer is None and config.tokenizer is not None:
+            tokenizer = _tokenizer_from(config.tokenizer)
+        self.pricer = pricer if pricer is not None else Pricer(config, tokenizer)
+        self.load_state.on_preemptions = lambda _replica, num: self.pricer.observe_preemptions(num)
+        self.queue = AdmissionQueue(config.max_queue_len, self.clock)
+        self.drain_rate = DrainRate()
+        if trace is None and config.trace_path:
+            trace = TraceWriter.open(config.trace_path, clock=self.clock)
+        self.releases = ReleaseListeners(self.load_state, self.policy, self.metrics,
+                                         self.drain_rate, self.pricer, self.queue, trace)
+        self.tickets = TicketBook(self.clock, (*self.releases.listeners(), self._end_grant))
+        self.rejecter = Rejecter(config, self.clock, self.metrics, self.queue, self.tickets,
+                                 self.drain_rate,
+                                 RetryAdvisor(rng if rng is not None else random.Random()),
+                                 lambda: self.releases.service_s, trace)
+        self.budget = budget
+        self.budget_lease_s = budget_lease_s
+        self._grants: dict[str, Grant] = {}  # held budget grants (queued or in flight)
+        self._settling: set[asyncio.Task] = set()
+        self._retry_ratio = RetryRatio()
+        self._anonymous = config.anonymous_tenant
+        self._id_prefix = f"g-{os.urandom(3).hex()}-"
+        self._next_id = itertools.count(1)
+        self._limits: tuple[int | None, int] = (None, 16)  # (max_model_len, block_size)
+        self._sources = dict(sources) if sources is not None else None
+        self.on_close: list[Callable[[], Awaitable[None]]] = []  # run by aclose (owned clients)
+        self.background = Background(lambda: self.queue.run(self._decide),
+                                     self._make_poller if self._sources else None,
+                                     self._update_limits, self._housekeeping)
+
+    @classmethod
+    def for_replicas(cls, config: GuardConfig, **kwargs: Any) -> AdmissionController:
+        """A controller over ``config.replicas`` (URL replicas, polled over HTTP)."""
+        import httpx
+
+        from guard.replicas.poller import state_sources
+
+        if not config.replicas:
+            raise ValueError("replicas: at least one [[replicas]] entry is needed")
+        client = httpx.AsyncClient()
+        sources = state_sources(config.replicas, client, timeout_s=config.state_timeout_s)
+        controller = cls(config, sources, **kwargs)
+        controller.on_close.append(client.aclose)
+        return controller
+
+    @property
+    def trace(self) -> TraceWriter | None:
+        return self.releases.trace
+
+    @trace.setter
+    def trace(self, trace: TraceWriter | None) -> None:
+        self.releases.trace = self.rejecter.trace = trace
+
+    # --- the flow ---------------------------------------------------------------------------
+    async def admit(self, path: str, headers: Headers, read_body: Callable[[], Awaitable[bytes]],
+                    client_gone: Callable[[], asyncio.Future] | None = None
+                    ) -> Admission | Rejection | None:
+        """Price, budget, decide and (maybe) wait: see the module docstring."""
+        arrival_s = self.clock()
+        if not self.background.is_running_here():
+            await self.background.start()
+        request_id = self._id_prefix + format(next(self._next_id), "x")
+        tenant = self.tenant(headers.get("authorization"))
+        if tenant is None:
+            return self.rejecter.reject_early(request_id, None, arrival_s, PricingError(401, *INVALID_KEY))
+        try:
+            body = await read_body()
+            max_model_len, block_size = self._limits
+            priced = self.pricer.price_request(body, path, headers, tenant, arrival_s,
+                                               max_model_len=max_model_len, block_size=block_size,
+                                               request_id=request_id)
+        except PricingError as error:
+            return self.rejecter.reject_early(request_id, tenant, arrival_s, error)
+        except ClientDisconnected:
+            self.rejecter.count_early(request_id, tenant, arrival_s, None, "canceled")
+            return None
+        cost = priced.cost
+        self.metrics.counters(cost.request_class.name, cost.tenant).offered.value += 1
+        self._retry_ratio.record(cost.tenant, cost.is_retry)
+        grant = None
+        if self.budget is not None:
+            outcome = await self.budget.reserve(cost.tenant, cost.num_prompt_tokens + cost.max_tokens,
+                                                self.budget_lease_s)
+            if isinstance(outcome, Denied):
+                return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
+            grant = self._grants[outcome.grant_id] = outcome
+        try:
+            return await self._decide_and_wait(priced, headers, grant, client_gone)
+        except BaseException:
+            self._drop_grant(grant)
+            raise
+
+    async def _decide_and_wait(self, priced: PricedRequest, headers: Headers, grant: Grant | None,
+                               client_gone: Callable[[], asyncio.Future] | None
+                               ) -> Admission | Rejection | None:
+        cost = priced.cost
+        result = self._decide(cost, cost.arrival_s)
+        enqueue_s = None
+        if isinstance(result, Queue):
+            enqueue_s = self.clock()
+            until_s = min(result.until_s, cost.arrival_s + self.config.max_queue_wait_s)
+            result = await self._wait(cost, until_s, enqueue_s, client_gone)
+        if result is None or isinstance(result, Shed):
+            self._drop_grant(grant)
+            if result is None:  # the client left while queued (already counted canceled)
+                return None
+            return self.rejecter.shed(cost, result, headers, enqueue_s)
+        ticket = self.tickets.issue(cost, result.replica_id, self.clock(), result.predicted_ttft_s,
+                                    enqueue_s=enqueue_s, priced=priced, grant=grant)
+        if client_gone is not None and enqueue_s is not None and client_gone().done():
+            ticket.on_disconnect()  # admitted in the same instant the client left
+        return Admission(ticket, priced.forward_body(), self.clock,
+                         self.metrics.histograms(cost.request_class.name).itl)
+
+    def tenant(self, authorization: str | None) -> TenantConfig | None:
+        """The tenant of a request, the anonymous tenant, or None (answer 401)."""
+        config = self.config
+        tenant = config.match_tenant(_bearer(authorization)) if config.tenants else None
+        if tenant is None and (config.allow_anonymous or not config.tenants):
+            return self._anonymous
+        return tenant
+
+    def _decide(self, cost: RequestCost, now_s: float) -> Admit | Queue | Shed:
+        """Decide on a fresh snapshot; on admit take the replica reservation (synchronously, so
+        two decisions can never share the same blocks)."""
+        snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
+                                            self._retry_ratio.ratios)
+        decision = self.policy.decide(cost, snapshot)
+        if isinstance(decision, Admit):
+            self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
+            self.policy.admitted(cost, decision.replica_id, now_s)
+            self.metrics.counters(cost.request_class.name, cost.tenant).admitted.value += 1
+        return decision
+
+    async def _wait(self, cost: RequestCost, until_s: float, enqueue_s: float,
+                    client_gone: Callable[[], asyncio.Future] | None) -> Admit | Shed | None:
+        """Wait in the queue; None when the client left (nothing reserved is kept)."""
+        waiter = self.queue.push(cost, until_s, enqueue_s)
+        if isinstance(waiter, Shed):
+            return waiter
+        self.metrics.counters(cost.request_class.name, cost.tenant).queued.inc()
+        gone = client_gone() if client_gone is not None else None
+        watched = (waiter.future,) if gone is None else (waiter.future, gone)
+        try:
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            self._leave_queue(waiter)
+            raise
+        self.metrics.histograms(cost.request_class.name).queue_wait.observe(self.clock() - enqueue_s)
+        if gone is not None and gone.done():
+            self._leave_queue(waiter)
+            return None
+        return waiter.future.result()
+
+    def _leave_queue(self, waiter: Any) -> None:
+        """The queued client left (or our task was cancelled): counted canceled, and an
+        admission it already got is undone, so nothing leaks."""
+        self.queue.remove(waiter)
+        future, cost = waiter.future, waiter.cost
+        if future.done() and not future.cancelled() and isinstance(future.result(), Admit):
+            # admitted but never dispatched: released as canceled (frees the reservation)
+            ticket = self.tickets.issue(cost, future.result().replica_id, self.clock(),
+                                        enqueue_s=waiter.enqueued_s)
+            ticket.release("canceled")
+        else:
+            self.rejecter.count_early(cost.request_id, cost.tenant, cost.arrival_s,
+                                      cost.request_class.name, "canceled", waiter.enqueued_s)
+        future.cancel()
+
+    # --- budget grants ------------------------------------------------------------------------
+    def _drop_grant(self, grant: Grant | None) -> None:
+        """A grant whose request will never run: released in the background."""
+        if grant is not None and self._grants.pop(grant.grant_id, None) is not None:
+            self._spawn(self.budget.release(grant))
+
+    def _end_grant(self, ticket: Ticket) -> None:
+        """Ticket release listener: settle a completed request's grant with its usage, release
+        every other one."""
+        grant = ticket.grant
+        if grant is None or self._grants.pop(grant.grant_id, None) is None:
+            return
+        if ticket.outcome == "completed":
+            self._spawn(self.budget.settle(grant, _used_tokens(ticket)))
+        else:
+            self._spawn(self.budget.release(grant))
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _housekeeping(self) -> None:
+        """Once a second: flush the trace; every ``budget_lease_s / 3``: renew held grants."""
+        renew_every_s = self.budget_lease_s / 3
+        last_renew_s = time.monotonic()
+        while True:
+            await asyncio.sleep(min(1.0, renew_every_s))
+            if self.trace is not None:
+                self.trace.flush()
+            if self.budget is not None and time.monotonic() - last_renew_s >= renew_every_s:
+                last_renew_s = time.monotonic()
+                if self._grants:
+                    await self.budget.renew(tuple(self._grants.values()), self.budget_lease_s)
+
+    # --- background work ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the queue pump, poll once, then start the poller (on the running loop)."""
+        if not self.background.is_running_here():
+            await self.background.start()
+
+    def _make_poller(self) -> StatePoller:
+        return StatePoller(self.load_state, self._sources, self.config.refresh_interval_s,
+                           clock=self.clock, timeout_s=self.config.state_timeout_s,
+                           unhealthy_after_errors=self.config.unhealthy_after_errors,
+                           on_refresh=self._on_state_refresh)
+
+    def _on_state_refresh(self) -> None:
+        self._update_limits()
+        self.queue.wake()
+
+    def _update_limits(self) -> None:
+        replicas = self.load_state.snapshot(self.clock()).replicas
+        lengths = [r.max_model_len for r in replicas if r.max_model_len > 0]
+        if replicas:
+            self._limits = (min(lengths) if lengths else None, replicas[0].block_size)
+
+    async def aclose(self) -> None:
+        """Stop the background work, let budget settlements finish, flush the trace."""
+        await self.background.aclose()
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+        for close in self.on_close:
+            await close()
+        self.on_close.clear()
+        if self.trace is not None:
+            self.trace.flush()
+
+    def close(self) -> None:
+        """Final: flush and close the trace file."""
+        if self.trace is not None:
+            self.trace.close()
+
+    def _gauge_values(self) -> GaugeValues:
+        replicas = self.load_state.snapshot(self.clock()).replicas
+        return GaugeValues(len(self.queue), self.tickets.num_held,
+                           {r.replica_id: r.num_free_blocks for r in replicas},
+                           {r.replica_id: r.num_reserved_blocks for r in replicas})
+
+
+def _bearer(authorization: str | None) -> str | None:
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
+
+
+def _used_tokens(ticket: Ticket) -> int:
+    """Prompt + completion tokens from the upstream's ``usage``, else the guard's counts."""
+    prompt = ticket.num_usage_prompt_tokens
+    if prompt is None:
+        prompt = ticket.cost.num_prompt_tokens
+    return prompt + ticket.num_output_tokens
+
+
+def _tokenizer_from(path: str) -> Callable[[str], int]:
+    try:
+        return tokenizer_counter(path)
+    except Exception as exc:  # noqa: BLE001 - a missing file or package, named for the user
+        raise ValueError(f"tokenizer: cannot load {path!r}: {exc}") from None

@@ -1,0 +1,290 @@
+"""Shedding: every answer that is not an admission, and the retry advice it carries.
+
+One place computes retry advice (:class:`Rejecter` with :class:`RetryAdvisor` and
+:class:`DrainRate`), so the headers clients act on never contradict each other:
+
+* 400/401/404/413 — never servable as sent (malformed body, unknown key, model not served,
+  over the context or body limit): ``x-should-retry: false``, no wait, no budget, no blocks;
+* 429 — the tenant's budget (from the budget store) or a policy's tenant limit;
+* 503 — overload: a wait from the measured drain rate with the queue ahead counted, jittered;
+* ``Retry-After`` / ``retry-after-ms`` are sent only together with ``x-should-retry: true``.
+
+Every rejection carries an OpenAI-style body ``{"error": {"message", "type", "param",
+"code"}}`` and ``x-kvguard-reason``. A client that left before admission is counted
+``canceled``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from guard.admission_queue import AdmissionQueue
+from guard.config import GuardConfig, TenantConfig
+from guard.errors import PricingError
+from guard.metrics import GuardMetrics
+from guard.ticket import TicketBook
+from guard.trace import TraceWriter, rejection_record
+from policies.cost import RequestCost
+from policies.decision import Shed
+
+__all__ = ["DrainRate", "Rejecter", "Rejection", "RetryAdvisor", "client_timeout_s",
+           "error_type", "send_rejection"]
+
+Send = Callable[[dict], Awaitable[None]]
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                413: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def error_type(status: int) -> str:
+    """The OpenAI-style ``error.type`` for a status."""
+    return _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """One rejection, ready to send. ``retry_after_s`` ``None``: no Retry-After headers."""
+
+    status: int
+    reason: str
+    message: str
+    retry_after_s: float | None = None
+    should_retry: bool = False
+    param: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 400 <= self.status < 600:
+            raise ValueError(f"rejection status must be 4xx/5xx, got {self.status}")
+        if not self.reason:
+            raise ValueError("rejection needs a machine-readable reason")
+        if self.retry_after_s is not None and self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+
+    def body(self) -> bytes:
+        error = {"message": self.message, "type": error_type(self.status),
+                 "param": self.param, "code": self.reason}
+        return json.dumps({"error": error}).encode()
+
+    def headers(self, body_len: int) -> list[tuple[bytes, bytes]]:
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(body_len).encode()),
+            (b"x-should-retry", b"true" if self.should_retry else b"false"),
+            (b"x-kvguard-reason", self.reason.encode()),
+        ]
+        if self.retry_after_s is not None:
+            seconds = max(1, math.ceil(self.retry_after_s))
+            millis = max(1, round(self.retry_after_s * 1000))
+            headers.append((b"retry-after", str(seconds).encode()))
+            headers.append((b"retry-after-ms", str(millis).encode()))
+        return headers
+
+
+async def send_rejection(send: Send, rejection: Rejection,
+                         extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = rejection.body()
+    headers = rejection.headers(len(body))
+    if extra_headers:
+        headers.extend(extra_headers)
+    await send({"type": "http.response.start", "status": rejection.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class RetryAdvisor:
+    """Retry-After from the drain rate: ``(num_ahead + 1) / drain_rate_rps`` with ±jitter.
+
+    With no measured drain rate yet it falls back to ``fallback_s`` (the caller passes a
+    measured service time when it has one). The RNG is injected so tests are exact.
+    """
+
+    def __init__(self, rng: random.Random, jitter_ratio: float = 0.2,
+                 min_s: float = 0.05, max_s: float = 300.0) -> None:
+        if not 0 <= jitter_ratio < 1:
+            raise ValueError(f"jitter_ratio must be in [0, 1), got {jitter_ratio}")
+        if not 0 < min_s <= max_s:
+            raise ValueError("need 0 < min_s <= max_s")
+        self._rng = rng
+        self.jitter_ratio = jitter_ratio
+        self.min_s = min_s
+        self.max_s = max_s
+
+    def retry_after_s(self, *, num_ahead: int, drain_rate_rps: float,
+                      policy_retry_after_s: float | None = None,
+                      expected_free_s: float | None = None, fallback_s: float = 1.0) -> float:
+        """The jittered wait before a retry can be served.
+
+        The policy's own estimate wins. Otherwise the larger of two measurements: the drain
+        rate's ``(num_ahead + 1) / drain_rate_rps`` and ``expected_free_s``, when a slot is
+        expected to free from the in-flight requests' measured service time (completions come
+        in bursts when a batch finishes together, and the average rate then understates the
+        wait). ``fallback_s`` only when neither is known.
+        """
+        if policy_retry_after_s is not None:
+            base_s = policy_retry_after_s
+        else:
+            drain_s = (max(0, num_ahead) + 1) / drain_rate_rps if drain_rate_rps > 0 else None
+            known = [w for w in (drain_s, expected_free_s) if w is not None]
+            base_s = max(known) if known else fallback_s
+        jitter = 1.0 + self._rng.uniform(-self.jitter_ratio, self.jitter_ratio)
+        return min(self.max_s, max(self.min_s, base_s * jitter))
+
+    @staticmethod
+    def should_retry(wait_s: float, client_remaining_s: float | None, can_ever_fit: bool = True) -> bool:
+        """``False`` when the request can never fit or the wait outlasts the client's deadline."""
+        if not can_ever_fit:
+            return False
+        return client_remaining_s is None or wait_s <= client_remaining_s
+
+
+class DrainRate:
+    """Counts completions in the last ``window_s`` seconds.
+
+    ``rate_rps(now_s)`` divides by the window, or by the time since the first completion while
+    the estimator is younger than the window (so it is not biased low right after start), but never by less than one second.
+    """
+
+    def __init__(self, window_s: float = 10.0, max_events: int = 100_000):
+        if window_s <= 0 or max_events < 1:
+            raise ValueError("DrainRate: window_s must be > 0 and max_events >= 1")
+        self._window_s = window_s
+        self._times_s: deque[float] = deque(maxlen=max_events)
+        self._started_s: float | None = None
+
+    def record(self, now_s: float, count: int = 1) -> None:
+        """``count`` requests finished at ``now_s``."""
+        if self._started_s is None:
+            self._started_s = now_s
+        if count == 1:
+            self._times_s.append(now_s)
+        else:
+            self._times_s.extend([now_s] * count)
+
+    def rate_rps(self, now_s: float) -> float:
+        cutoff_s = now_s - self._window_s
+        while self._times_s and self._times_s[0] < cutoff_s:
+            self._times_s.popleft()
+        if not self._times_s or self._started_s is None:
+            return 0.0
+        span_s = min(self._window_s, max(now_s - self._started_s, 1.0))
+        return len(self._times_s) / span_s
+
+
+_SHED_MESSAGES = {
+    429: "Rate limit reached for this tenant; retry after the indicated time.",
+    503: "The service is overloaded; retry after the indicated time.",
+}
+
+
+class Rejecter:
+    """Sheds and early rejections for one guard. ``service_s`` returns the measured time an
+    admitted request holds its ticket (the Retry-After fallback)."""
+
+    def __init__(self, config: GuardConfig, clock: Callable[[], float], metrics: GuardMetrics,
+                 queue: AdmissionQueue, tickets: TicketBook, drain_rate: DrainRate,
+                 retry_advisor: RetryAdvisor, service_s: Callable[[], float],
+                 trace: TraceWriter | None) -> None:
+        self._config = config
+        self._clock = clock
+        self._metrics = metrics
+        self._queue = queue
+        self._tickets = tickets
+        self._drain_rate = drain_rate
+        self._retry_advisor = retry_advisor
+        self._service_s = service_s
+        self.trace = trace
+
+    def shed(self, cost: RequestCost, shed: Shed, headers: dict[str, str],
+             enqueue_s: float | None) -> Rejection:
+        """Count and trace a shed; the rejection to send."""
+        now_s = self._clock()
+        if shed.status < 500 and shed.status != 429:  # the policy says: never servable
+            error = PricingError(shed.status, shed.reason, "This request can never be served "
+                                 "as sent: it does not fit any replica.")
+            return self.reject_early(cost.request_id, cost.tenant, cost.arrival_s,
+                                     error, cost.request_class.name, counted=True)
+        num_ahead = len(self._queue)
+        wait_s = self._retry_advisor.retry_after_s(
+            num_ahead=num_ahead, drain_rate_rps=self._drain_rate.rate_rps(now_s),
+            policy_retry_after_s=shed.retry_after_s,
+            expected_free_s=self._expected_free_s(now_s, num_ahead),
+            fallback_s=self._service_s())
+        remaining_s = client_timeout_s(headers, self._config.deadline_header)
+        if remaining_s is not None:
+            remaining_s -= now_s - cost.arrival_s
+        should_retry = shed.should_retry and RetryAdvisor.should_retry(wait_s, remaining_s)
+        message = _SHED_MESSAGES.get(shed.status, _SHED_MESSAGES[503])
+        rejection = Rejection(shed.status, shed.reason, message, wait_s, should_retry)
+        self._metrics.rejected(cost.request_class.name, cost.tenant, shed.reason).inc()
+        if self.trace is not None:
+            self.trace.write(rejection_record(cost.request_id, cost.tenant, cost.request_class.name,
+                                               cost.arrival_s, now_s, enqueue_s, shed.status, shed.reason))
+        return rejection
+
+    def deny(self, cost: RequestCost, reason: str, retry_after_s: float | None) -> Rejection:
+        """The tenant's budget said no (429): a wait only when the store gave one."""
+        self._metrics.rejected(cost.request_class.name, cost.tenant, reason).inc()
+        if self.trace is not None:
+            self.trace.write(rejection_record(cost.request_id, cost.tenant, cost.request_class.name,
+                                               cost.arrival_s, self._clock(), None, 429, reason))
+        return Rejection(429, reason, _SHED_MESSAGES[429] if retry_after_s is not None else
+                         "This request exceeds the tenant's budget and can never fit it.",
+                         retry_after_s, retry_after_s is not None)
+
+    def _expected_free_s(self, now_s: float, num_ahead: int) -> float | None:
+        """When the ``num_ahead + 1``-th in-flight request is expected to finish, from each
+        ticket's dispatch time and the measured service time; None with nothing in flight."""
+        held = self._tickets.held()
+        if not held:
+            return None
+        service_s = self._service_s()
+        finishes_s = sorted(t.dispatch_s + service_s for t in held)
+        index = min(num_ahead, len(finishes_s) - 1)
+        return max(0.0, finishes_s[index] - now_s)
+
+    def reject_early(self, request_id: str, tenant: TenantConfig | str | None,
+                     arrival_s: float, error: PricingError, class_name: str | None = None,
+                     counted: bool = False) -> Rejection:
+        """Never servable as sent (400/401/404/413): no budget, no blocks, never retry."""
+        self.count_early(request_id, tenant, arrival_s, class_name, "rejected",
+                         reason=error.reason, status=error.status, counted=counted)
+        return Rejection(error.status, error.reason, error.message, None, False,
+                         getattr(error, "param", None))
+
+    def count_early(self, request_id: str, tenant: TenantConfig | str | None, arrival_s: float,
+                    class_name: str | None, outcome: str, enqueue_s: float | None = None,
+                    reason: str = "client_disconnected", status: int = 499,
+                    counted: bool = False) -> None:
+        """Count (and trace) a request that ended without a ticket."""
+        if isinstance(tenant, TenantConfig):
+            class_name = class_name or tenant.default_class
+            tenant = tenant.name
+        tenant_name = tenant or "unknown"
+        class_name = class_name or self._config.default_class
+        if enqueue_s is None and not counted:  # priced requests were counted as offered
+            self._metrics.counters(class_name, tenant_name).offered.inc()
+        if outcome == "rejected":
+            self._metrics.rejected(class_name, tenant_name, reason).inc()
+        else:
+            self._metrics.counters(class_name, tenant_name).canceled.inc()
+        if self.trace is not None:
+            self.trace.write(rejection_record(request_id, tenant_name, class_name, arrival_s,
+                                               self._clock(), enqueue_s, status, reason, outcome))
+
+
+def client_timeout_s(headers: dict[str, str], deadline_header: str) -> float | None:
+    """The client's own deadline in seconds from arrival, if it told us one."""
+    for name, scale in (("x-stainless-read-timeout", 1.0), (deadline_header, 0.001)):
+        value = headers.get(name)
+        if value is not None:
+            try:
+                timeout_s = float(value) * scale
+            except ValueError:
+                continue
+            if timeout_s > 0:
+                return timeout_s
+    return None

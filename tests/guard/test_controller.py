@@ -1,0 +1,202 @@
+"""AdmissionController: the flow without ASGI, and its budget seam (a tiny fake store)."""
+
+import asyncio
+import json
+
+from prometheus_client import CollectorRegistry
+
+from guard.admission import Admission
+from guard.budget.store import Denied, Grant
+from guard.config import GuardConfig, hash_api_key
+from guard.controller import AdmissionController
+from guard.replicas.load_state import LoadState
+from guard.shedding import Rejection
+from tests.support.admission import FakeClock, SlotPolicy, state_doc
+
+ACME = {"tenants": ({"name": "acme", "api_key": "sk-acme"},)}
+HEADERS = {"authorization": "Bearer sk-acme", "content-type": "application/json"}
+BODY = json.dumps({"model": "tiny", "prompt": "hello there", "max_tokens": 8}).encode()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+class FakeStore:
+    """Records every call; answers reserve with ``answers`` in order (default: grant)."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.calls = []
+        self.renewed = asyncio.Event()
+        self.num = 0
+
+    async def reserve(self, tenant, tokens, lease_s):
+        self.calls.append(("reserve", tenant, tokens))
+        if self.answers:
+            return self.answers.pop(0)
+        self.num += 1
+        return Grant(tenant, f"g{self.num}", tokens)
+
+    async def settle(self, grant, used_tokens):
+        self.calls.append(("settle", grant.grant_id, used_tokens))
+
+    async def release(self, grant):
+        self.calls.append(("release", grant.grant_id))
+
+    async def renew(self, grants, lease_s):
+        self.calls.append(("renew", tuple(g.grant_id for g in grants)))
+        self.renewed.set()
+
+    async def aclose(self):
+        pass
+
+
+def make_controller(policy=None, budget=None, **config):
+    from guard.config import GuardConfig as _GC
+
+    clock = FakeClock(1.0)
+    load_state = LoadState()
+    load_state.update_from_kvguard_state("local", state_doc(), clock())
+    cfg = _GC.from_dict({**ACME, **config})
+    return AdmissionController(cfg, registry=CollectorRegistry(), clock=clock,
+                               policy=policy or SlotPolicy(), load_state=load_state,
+                               budget=budget)
+
+
+async def body_of(data=BODY):
+    return data
+
+
+def count(controller, name, **labels):
+    labels = {"class": "interactive", "tenant": "acme", **labels}
+    return controller.registry.get_sample_value(name, labels) or 0.0
+
+
+def complete(admission, usage=b'{"usage": {"prompt_tokens": 5, "completion_tokens": 3}}'):
+    admission.on_start(200, b"application/json")
+    admission.on_body(usage, False)
+    return admission.finish()
+
+
+def test_admit_returns_admission_and_release_settles_grant_with_usage():
+    async def main():
+        store = FakeStore()
+        controller = make_controller(budget=store)
+        admission = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
+        assert isinstance(admission, Admission) and admission.replica_id == "local"
+        assert admission.ticket.grant == Grant("acme", "g1", admission.ticket.cost.num_prompt_tokens + 8)
+        assert complete(admission) and not admission.finish()  # exactly once
+        await controller.aclose()
+        assert store.calls[-1] == ("settle", "g1", 8)
+        assert count(controller, "kvguard_requests_completed_total") == 1
+        assert controller.tickets.num_held == 0 and controller._grants == {}
+    run(main())
+
+
+def test_every_other_outcome_releases_the_grant():
+    async def main():
+        store = FakeStore()
+        controller = make_controller(budget=store)
+        admission = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
+        admission.on_start(200, b"text/event-stream")
+        admission.on_disconnect()
+        admission.finish()
+        shed = await make_shed(controller)
+        await controller.aclose()
+        assert ("release", "g1") in store.calls and ("release", "g2") in store.calls
+        assert not any(c[0] == "settle" for c in store.calls)
+        assert isinstance(shed, Rejection) and shed.status == 503
+        assert count(controller, "kvguard_requests_canceled_total") == 1
+    run(main())
+
+
+async def make_shed(controller):
+    controller.policy.num_slots, controller.policy.queue_s = 0, None
+    return await controller.admit("/v1/completions", HEADERS, lambda: body_of())
+
+
+def test_denied_is_429_with_the_store_reason_and_wait_only_when_retryable():
+    async def main():
+        store = FakeStore(Denied("tpm_limit", 2.5), Denied("tpm_limit", None))
+        controller = make_controller(budget=store)
+        later = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
+        never = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
+        await controller.aclose()
+        assert later.status == 429 and later.reason == "tpm_limit"
+        assert later.should_retry and later.retry_after_s == 2.5
+        assert never.status == 429 and not never.should_retry and never.retry_after_s is None
+        headers = dict(never.headers(0))
+        assert b"retry-after" not in headers and headers[b"x-should-retry"] == b"false"
+        assert count(controller, "kvguard_requests_rejected_total", reason="tpm_limit") == 2
+        assert count(controller, "kvguard_requests_admitted_total") == 0
+        assert controller.load_state.num_inflight("local") == 0
+    run(main())
+
+
+def test_held_grants_are_renewed_in_the_background():
+    async def main():
+        store = FakeStore()
+        controller = make_controller(budget=store)
+        controller.budget_lease_s = 0.03  # renew every 10 ms (a hang guard bounds the wait)
+        admission = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
+        await asyncio.wait_for(store.renewed.wait(), 5)
+        assert ("renew", ("g1",)) in store.calls
+        complete(admission)
+        await controller.aclose()
+    run(main())
+
+
+def test_unknown_key_is_401_and_costs_nothing():
+    async def main():
+        store = FakeStore()
+        controller = make_controller(budget=store, allow_anonymous=False)
+        read = []
+        rejection = await controller.admit(
+            "/v1/completions", {"authorization": "Bearer nope"},
+            lambda: read.append(1) or body_of())
+        await controller.aclose()
+        assert rejection.status == 401 and not rejection.should_retry
+        assert read == [] and store.calls == []
+    run(main())
+
+
+def test_defaulted_max_tokens_is_forwarded_as_priced():
+    async def main():
+        controller = make_controller(SlotPolicy(num_slots=2))
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        admission = await controller.admit("/api/v1/chat/completions", HEADERS, lambda: body_of(body))
+        sent = json.loads(admission.body)
+        assert sent["max_tokens"] == admission.ticket.cost.max_tokens == 256 - 8  # fits the context
+        assert admission.body_rewritten
+        explicit = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
+        assert explicit.body == BODY and not explicit.body_rewritten
+        for a in (admission, explicit):
+            complete(a)
+        await controller.aclose()
+    run(main())
+
+
+def test_client_leaving_the_queue_frees_the_grant_and_counts_canceled():
+    async def main():
+        store = FakeStore()
+        controller = make_controller(SlotPolicy(num_slots=0), budget=store)
+        gone = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(controller.admit("/v1/completions", HEADERS,
+                                                      lambda: body_of(), lambda: gone))
+        while len(controller.queue) == 0:
+            await asyncio.sleep(0)
+        gone.set_result({"type": "http.disconnect"})
+        assert await task is None
+        await controller.aclose()
+        assert store.calls[-1] == ("release", "g1")
+        assert count(controller, "kvguard_requests_canceled_total") == 1
+        assert len(controller.queue) == 0 and controller.tickets.num_held == 0
+    run(main())
+
+
+def test_config_key_hash_is_what_the_controller_matches():
+    controller = make_controller()
+    assert controller.tenant("Bearer sk-acme").key_sha256 == hash_api_key("sk-acme")
+    assert GuardConfig().is_admitted_path("/api/v1/completions")
+    assert not GuardConfig().is_admitted_path("/v1/completions/extra")
