@@ -6,7 +6,10 @@ One place computes retry advice (:class:`Rejecter` with :class:`RetryAdvisor` an
 * 400/401/404/413 — never servable as sent (malformed body, unknown key, model not served,
   over the context or body limit): ``x-should-retry: false``, no wait, no budget, no blocks;
 * 429 — the tenant's budget (from the budget store) or a policy's tenant limit;
-* 503 — overload: a wait from the measured drain rate with the queue ahead counted, jittered;
+* 503 — overload: a wait from the measured drain rate with the queue ahead counted, jittered —
+  while the retry budget (:mod:`policies.retry_budget`, per tenant and guard-wide) has room;
+  once retries would pass it, ``x-should-retry: false`` and no wait, so SDKs stop retrying
+  into the overload (advice returns when load falls and the window slides past the retries);
 * ``Retry-After`` / ``retry-after-ms`` are sent only together with ``x-should-retry: true``.
 
 Every rejection carries an OpenAI-style body ``{"error": {"message", "type", "param",
@@ -31,6 +34,8 @@ from guard.ticket import TicketBook
 from guard.trace import TraceWriter, rejection_record
 from policies.cost import RequestCost
 from policies.decision import Shed
+from policies.retry_budget import RetryBudget
+from policies.slo import RETRY_SHED
 
 __all__ = ["DrainRate", "Rejecter", "Rejection", "RetryAdvisor", "client_timeout_s",
            "error_type", "send_rejection"]
@@ -180,6 +185,10 @@ _SHED_MESSAGES = {
 }
 
 
+_NO_RETRY_MESSAGE = ("The service is overloaded and its retry budget is spent; retrying now "
+                     "would only add to the overload. Try again later.")
+
+
 class Rejecter:
     """Sheds and early rejections for one guard. ``service_s`` returns the measured time an
     admitted request holds its ticket (the Retry-After fallback)."""
@@ -187,7 +196,7 @@ class Rejecter:
     def __init__(self, config: GuardConfig, clock: Callable[[], float], metrics: GuardMetrics,
                  queue: AdmissionQueue, tickets: TicketBook, drain_rate: DrainRate,
                  retry_advisor: RetryAdvisor, service_s: Callable[[], float],
-                 trace: TraceWriter | None) -> None:
+                 trace: TraceWriter | None, retry_budget: RetryBudget | None = None) -> None:
         self._config = config
         self._clock = clock
         self._metrics = metrics
@@ -197,6 +206,7 @@ class Rejecter:
         self._retry_advisor = retry_advisor
         self._service_s = service_s
         self.trace = trace
+        self._retry_budget = retry_budget
 
     def shed(self, cost: RequestCost, shed: Shed, headers: dict[str, str],
              enqueue_s: float | None) -> Rejection:
@@ -217,8 +227,14 @@ class Rejecter:
         if remaining_s is not None:
             remaining_s -= now_s - cost.arrival_s
         should_retry = shed.should_retry and RetryAdvisor.should_retry(wait_s, remaining_s)
-        message = _SHED_MESSAGES.get(shed.status, _SHED_MESSAGES[503])
-        rejection = Rejection(shed.status, shed.reason, message, wait_s, should_retry)
+        budget_says_no = shed.reason == RETRY_SHED  # a retry over budget: shed first
+        if should_retry and shed.status == 503 and self._retry_budget is not None:
+            budget_says_no = not self._retry_budget.advise_retry(cost.tenant, now_s)
+            should_retry = not budget_says_no
+        message = _NO_RETRY_MESSAGE if budget_says_no else _SHED_MESSAGES.get(
+            shed.status, _SHED_MESSAGES[503])
+        rejection = Rejection(shed.status, shed.reason, message,
+                              wait_s if should_retry else None, should_retry)
         self._metrics.rejected(cost.request_class.name, cost.tenant, shed.reason).inc()
         if self.trace is not None:
             self.trace.write(rejection_record(cost.request_id, cost.tenant, cost.request_class.name,
