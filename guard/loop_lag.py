@@ -3,8 +3,7 @@
 Everything the guard does — pricing, deciding, shedding, relaying every token — runs on one
 event loop, so a loop that is blocked delays every answer and stretches every stream's gaps at
 once. :class:`LoopLag` wakes every ``interval_s`` and records how late it woke; the guard
-exports the largest lag since start and a histogram
-(``kvguard_event_loop_lag_max_seconds``, ``kvguard_event_loop_lag_seconds``).
+exports the largest lag since start (``kvguard_event_loop_lag_max_seconds``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["RetryBudgetConfig", "RetryBudget", "RetryBudgetView", "GLOBAL"]
+__all__ = ["RetryBudgetConfig", "RetryBudget", "RetryBudgetView", "GLOBAL",
+           "NO_RETRY_OVER_BUDGET"]
 
 GLOBAL = "*"  # the key of the guard-wide window (tenant names are never "*"-only by config)
 _NUM_BUCKETS = 10
@@ -62,6 +63,9 @@ class RetryBudgetView:
 
     def is_over(self, tenant: str) -> bool:
         return self.over_global or tenant in self.over_tenants
+
+
+NO_RETRY_OVER_BUDGET = RetryBudgetView()
 
 
 class _Window:
@@ -113,7 +117,7 @@ class RetryBudget:
         self.config = config if config is not None else RetryBudgetConfig()
         self._bucket_s = self.config.window_s / _NUM_BUCKETS
         self._windows: dict[str, _Window] = {}
-        self._view: RetryBudgetView | None = RetryBudgetView()
+        self._view: RetryBudgetView | None = NO_RETRY_OVER_BUDGET
         self._view_bucket = -1
 
     def record(self, tenant: str, is_retry: bool, now_s: float) -> None:

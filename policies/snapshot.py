@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 from policies.replica_load import ReplicaLoad, SeqTotals
-from policies.retry_budget import RetryBudgetView
+from policies.retry_budget import NO_RETRY_OVER_BUDGET, RetryBudgetView
 from policies.step_time import StepTimeModel
 
-__all__ = ["SeqLoad", "ReplicaSnapshot", "LoadSnapshot", "QueuedAhead"]
+__all__ = ["SeqLoad", "ReplicaSnapshot", "LoadSnapshot", "QueuedAhead", "NOTHING_AHEAD"]
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,7 @@ class LoadSnapshot:
     num_queued: int = 0
     max_staleness_s: float = 2.0
     drain_rate_rps: float = 0.0  # measured completions per second, for Retry-After
-    tenant_retry_ratio: dict[str, float] = field(default_factory=dict)
-    retry_budget: RetryBudgetView = RetryBudgetView()  # whose retries are over budget now
+    retry_budget: RetryBudgetView = NO_RETRY_OVER_BUDGET  # whose retries are over budget now
     queued_ahead: QueuedAhead = NOTHING_AHEAD  # the guard's queue ahead of this request
 
     def fresh_replicas(self) -> tuple[ReplicaSnapshot, ...]:

@@ -4,8 +4,9 @@ which honours ``x-should-retry`` and ``retry-after-ms``) at ~2x the capacity of 
 
 With ``slo`` the retry budget turns sheds into "do not retry" once retries would pass 10 % of
 first attempts, so users make at most ~1.1 upstream attempts each; with ``always-admit`` the
-engine's own queue grows until users hit their timeout, and the SDK retries those. Only
-relations that do not depend on machine speed are asserted.
+engine's own queue grows until users run out of patience (each gives its call
+``USER_PATIENCE_S`` in all, retries included). Only relations that do not depend on machine speed
+are asserted.
 """
 
 import asyncio
@@ -22,12 +23,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from server_helpers import start_engine  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
-              pytest.mark.skip(reason="the retry budget is wired into the guard next")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 CAPACITY_RPS = 4.3  # 8 slots, ~1.9 s per request at this time scale (as test_e2e_sim)
-NUM_USERS = 40
-USER_TIMEOUT_S = 3.0
+NUM_USERS = 60  # ~7 s of arrivals: always-admit's backlog grows ~3 s past the patience
+USER_PATIENCE_S = 4.0  # a served request takes ~1.9 s; always-admit's queue passes 4 s
 ENGINE_ARGS = ["--model", "llama-7b", "--backend", "sim", "--gpu", "h100-80g",
                "--time-scale", "20", "--max-num-seqs", "8"]
 
@@ -35,13 +35,14 @@ ENGINE_ARGS = ["--model", "llama-7b", "--backend", "sim", "--gpu", "h100-80g",
 async def _user(client: openai.AsyncOpenAI, index: int, start_s: float) -> str:
     await asyncio.sleep(max(0.0, start_s - time.monotonic()))
     try:
-        stream = await client.completions.create(
-            model="llama-7b", prompt=[7] * 64, max_tokens=16, stream=True,
-            extra_body={"ignore_eos": True}, extra_headers={"x-test-user": str(index)})
-        async for _ in stream:
-            pass
+        async with asyncio.timeout(USER_PATIENCE_S):
+            stream = await client.completions.create(
+                model="llama-7b", prompt=[7] * 64, max_tokens=16, stream=True,
+                extra_body={"ignore_eos": True}, extra_headers={"x-test-user": str(index)})
+            async for _ in stream:
+                pass
         return "answered"
-    except openai.APITimeoutError:
+    except (TimeoutError, openai.APITimeoutError):
         return "timed_out"
     except openai.APIStatusError as exc:
         return f"status_{exc.status_code}"
@@ -59,7 +60,7 @@ async def _offer(base_url: str) -> tuple[Counter, Counter]:
     http = httpx2.AsyncClient(event_hooks={"request": [count]}, trust_env=False,
                               limits=httpx2.Limits(max_connections=4 * NUM_USERS))
     async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="test", http_client=http,
-                                  timeout=USER_TIMEOUT_S) as client:
+                                  timeout=USER_PATIENCE_S) as client:
         t_s, starts = time.monotonic() + 0.2, []
         for _ in range(NUM_USERS):
             starts.append(t_s)
@@ -86,5 +87,4 @@ def test_sdk_users_stop_retrying_at_the_guard_while_always_admit_times_them_out(
     assert slo_attempts <= 1.2
     assert slo["answered"] >= NUM_USERS // 4  # it still serves: shedding is not refusing all
     assert slo.get("status_503", 0) > 0  # 2x capacity: some users were told no, and stopped
-    assert always.get("timed_out", 0) > 0  # the engine's queue outgrew the users' patience
-    assert always_attempts > slo_attempts
+    assert always.get("timed_out", 0) > slo.get("timed_out", 0)  # the queue outgrew patience
