@@ -41,7 +41,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package
+    import tomli as tomllib
 
 from policies.cost import RequestClass
 from policies.retry_budget import RetryBudgetConfig

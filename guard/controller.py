@@ -72,6 +72,7 @@ from guard.pricing import PricedRequest, Pricer, tokenizer_counter
 from guard.release import ReleaseListeners
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import StatePoller, StateSource
+from guard.request_rules import ReplicaRules
 from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
 from guard.ticket import Ticket, TicketBook
 from guard.trace import TraceWriter
@@ -136,7 +137,7 @@ class AdmissionController:
         self._anonymous = config.anonymous_tenant
         self._id_prefix = f"g-{os.urandom(3).hex()}-"
         self._next_id = itertools.count(1)
-        self._limits: tuple[int | None, int] = (None, 16)  # (max_model_len, block_size)
+        self.rules = ReplicaRules()  # what the replicas accept, from their latest state
         self._sources = dict(sources) if sources is not None else None
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # run by aclose (owned clients)
         self.background = Background(lambda: self.queue.run(self._decide),
@@ -180,10 +181,8 @@ class AdmissionController:
             return self.rejecter.reject_early(request_id, None, arrival_s, PricingError(401, *INVALID_KEY))
         try:
             body = await read_body()
-            max_model_len, block_size = self._limits
             priced = self.pricer.price_request(body, path, headers, tenant, arrival_s,
-                                               max_model_len=max_model_len, block_size=block_size,
-                                               request_id=request_id)
+                                               request_id=request_id, rules=self.rules)
         except PricingError as error:
             return self.rejecter.reject_early(request_id, tenant, arrival_s, error)
         except ClientDisconnected:
@@ -224,6 +223,8 @@ class AdmissionController:
                                     enqueue_s=enqueue_s, priced=priced, grant=grant)
         if client_gone is not None and enqueue_s is not None and client_gone().done():
             ticket.on_disconnect()  # admitted in the same instant the client left
+        if self.trace is not None:
+            ticket.chunks_s = []  # when each content chunk went out, for the trace
         return Admission(ticket, priced.forward_body(), self.clock,
                          self.metrics.histograms(cost.request_class.name).itl)
 
@@ -345,9 +346,12 @@ class AdmissionController:
 
     def _update_limits(self) -> None:
         replicas = self.load_state.snapshot(self.clock()).replicas
+        if not replicas:
+            return
         lengths = [r.max_model_len for r in replicas if r.max_model_len > 0]
-        if replicas:
-            self._limits = (min(lengths) if lengths else None, replicas[0].block_size)
+        served = self.load_state.served_models()
+        self.rules = ReplicaRules(min(lengths) if lengths else None, replicas[0].block_size,
+                                  served, strict=served is not None)
 
     async def aclose(self) -> None:
         """Stop the background work, let budget settlements finish, flush the trace."""

@@ -19,6 +19,14 @@ from typing import Any
 
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import PricingError
+from guard.request_rules import (
+    ReplicaRules,
+    chat_texts,
+    check_common,
+    completion_prompt,
+    optional_int,
+    parse_body,
+)
 from guard.retry_headers import is_retry_attempt
 from policies.cost import RequestClass, RequestCost
 
@@ -99,64 +107,6 @@ class PricedRequest:
         return json.dumps({**self.body, "max_tokens": self.cost.max_tokens}).encode()
 
 
-def _bad(message: str, param: str | None = None, reason: str = "invalid_request") -> PricingError:
-    return PricingError(400, reason, message, param)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _parse(body: dict | bytes) -> dict:
-    if isinstance(body, (bytes, bytearray)):
-        try:
-            body = _loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise _bad(f"request body is not valid JSON: {exc}", reason="invalid_json") from None
-    if not isinstance(body, dict):
-        raise _bad("request body must be a JSON object", reason="invalid_json")
-    return body
-
-
-_JSON_DECODER = json.JSONDecoder()  # stateless; what json.loads uses by default
-
-
-def _loads(body: bytes | bytearray) -> Any:
-    """``json.loads(body)``, taking the UTF-8 text path first (it skips the encoding sniff);
-    anything that path refuses (a BOM, UTF-16/32, bad JSON) goes through ``json.loads(body)``
-    itself, so results and error messages are exactly its."""
-    try:
-        return _JSON_DECODER.decode(body.decode())  # json.loads(text) minus its wrapper
-    except ValueError:
-        return json.loads(body)
-
-
-def _optional_int(body: dict, name: str, minimum: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise _bad(f"{name} must be an integer", name)
-    if value < minimum:
-        raise _bad(f"{name} must be >= {minimum}, got {value}", name)
-    return value
-
-
-def _check_common(body: dict) -> None:
-    if "model" in body and not isinstance(body["model"], str):
-        raise _bad("model must be a string", "model")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise _bad("stream must be a boolean", "stream")
-    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-        value = body.get(name)
-        if value is not None and (not _is_number(value) or not low <= value <= high):
-            raise _bad(f"{name} must be a number within [{low}, {high}]", name)
-
-
 class Pricer:
     """Prices requests; learns chars-per-token and expected output length per class online."""
 
@@ -233,16 +183,20 @@ class Pricer:
                                   block_size=block_size, request_id=request_id).cost
 
     def price_request(self, body: dict | bytes, path: str, headers: Mapping[str, str],
-                      tenant: TenantConfig, now_s: float, *, max_model_len: int | None,
-                      block_size: int, request_id: str | None = None) -> PricedRequest:
+                      tenant: TenantConfig, now_s: float, *, max_model_len: int | None = None,
+                      block_size: int = 16, request_id: str | None = None,
+                      rules: ReplicaRules | None = None) -> PricedRequest:
         """Like :meth:`price`, with the parsed body and the counts the middleware learns from.
 
-        ``headers`` has lower-case names (see :func:`headers_from_scope`).
+        ``headers`` has lower-case names (see :func:`guard.body.headers_from_scope`);
+        ``rules`` (when given) replaces ``max_model_len`` and ``block_size``.
         """
-        data = _parse(body)
-        _check_common(data)
-        chars, tokens, overhead, exact = self._count_prompt(data, path)
-        n = _optional_int(data, "n", 1) or 1
+        if rules is None:
+            rules = ReplicaRules(max_model_len, block_size)
+        max_model_len, block_size = rules.max_model_len, rules.block_size
+        data = parse_body(body)
+        n = check_common(data, rules)
+        chars, tokens, overhead, exact = self._count_prompt(data, path, rules)
         max_tokens, defaulted = self._max_tokens(data, tokens, exact, max_model_len)
         request_class = self._resolve_class(headers, tenant)
         cost = RequestCost(
@@ -263,9 +217,12 @@ class Pricer:
 
     def _max_tokens(self, data: dict, num_prompt_tokens: int, exact: bool,
                     max_model_len: int | None) -> tuple[int, bool]:
-        requested = _optional_int(data, "max_completion_tokens", 1)
-        legacy = _optional_int(data, "max_tokens", 1)
-        requested = requested if requested is not None else legacy
+        # max_completion_tokens is chat's (it wins there); completions read max_tokens only
+        name = "max_completion_tokens"
+        requested = optional_int(data, name, 1) if "messages" in data else None
+        if requested is None:
+            name = "max_tokens"
+            requested = optional_int(data, name, 1)
         lower = num_prompt_tokens if exact else math.floor(num_prompt_tokens * (1 - ESTIMATE_TOLERANCE_RATIO))
         if requested is None:
             default = self._config.default_max_tokens
@@ -275,21 +232,20 @@ class Pricer:
                 return default, True
             requested = 1
         if max_model_len is not None and lower + requested > max_model_len:
-            raise _bad(
-                f"this model's maximum context length is {max_model_len} tokens; the request has "
+            raise PricingError(
+                400, "context_length_exceeded",
+                f"This model's maximum context length is {max_model_len} tokens; the request has "
                 f"{'' if exact else 'about '}{num_prompt_tokens} prompt tokens plus "
-                f"{requested} completion tokens",
-                "messages" if "messages" in data else "prompt",
-                reason="context_length_exceeded",
-            )
+                f"{requested} completion tokens", name)
         return requested, False
 
-    def _count_prompt(self, data: dict, path: str) -> tuple[int, int, int, bool]:
+    def _count_prompt(self, data: dict, path: str,
+                      rules: ReplicaRules) -> tuple[int, int, int, bool]:
         """(prompt chars, prompt tokens, chat overhead tokens, exact?)"""
         if path.endswith(COMPLETIONS_PATH) and not path.endswith(CHAT_PATH):
             return self._count_completion_prompt(data)
         if path.endswith(CHAT_PATH):
-            texts = _chat_texts(data)
+            texts = chat_texts(data, rules)
             overhead = CHAT_TOKENS_PER_MESSAGE * len(data["messages"]) + CHAT_TOKENS_PER_REPLY
             chars = sum(len(t) for t in texts)
             if self._tokenizer is not None:
@@ -298,19 +254,12 @@ class Pricer:
         raise PricingError(404, "unknown_endpoint", f"{path} is not a priced endpoint")
 
     def _count_completion_prompt(self, data: dict) -> tuple[int, int, int, bool]:
-        prompt = data.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            if self._tokenizer is not None:
-                return len(prompt), self._tokenizer(prompt), 0, True
-            return len(prompt), self._estimate(len(prompt)), 0, False
-        if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        prompt = completion_prompt(data)
+        if not isinstance(prompt, str):
             return 0, len(prompt), 0, True
-        if prompt is None:
-            raise _bad("prompt is required", "prompt")
-        raise _bad("prompt must be a string, a non-empty list of token ids, or a list of one "
-                   "string", "prompt")
+        if self._tokenizer is not None:
+            return len(prompt), self._tokenizer(prompt), 0, True
+        return len(prompt), self._estimate(len(prompt)), 0, False
 
     def _estimate(self, num_chars: int) -> int:
         return math.ceil(num_chars / self._chars_per_token)
@@ -322,8 +271,8 @@ class Pricer:
             name = wanted.strip()
         request_class = self._config.request_class(name)
         if request_class is None:
-            raise _bad(f"unknown request class {name!r}", self._config.class_header,
-                       reason="unknown_class")
+            raise PricingError(400, "unknown_class", f"unknown request class {name!r}",
+                               self._config.class_header)
         return request_class
 
     def _deadline_s(self, headers: Mapping[str, str], now_s: float, ttft_s: float) -> float:
@@ -343,8 +292,8 @@ class Pricer:
             except ValueError:
                 deadline_ms = -1.0
             if not 0 < deadline_ms < math.inf:
-                raise _bad(f"{self._config.deadline_header} must be a positive number of "
-                           "milliseconds", self._config.deadline_header, reason="invalid_header")
+                raise PricingError(400, "invalid_header", f"{self._config.deadline_header} must be "
+                                   "a positive number of milliseconds", self._config.deadline_header)
             deadline_s = min(deadline_s, now_s + deadline_ms / 1000.0)
         return deadline_s
 
@@ -355,40 +304,3 @@ class Pricer:
         if key:  # always record the key, so a later repeat is seen as a retry
             retry = self._recent_keys.seen((tenant, key), now_s) or retry
         return retry
-
-
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-
-
-def _chat_texts(data: dict) -> list[str]:
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages must be a non-empty list", "messages")
-    texts: list[str] = []
-    for i, message in enumerate(messages):
-        param = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise _bad(f"{param} must be an object", param)
-        if message.get("role") not in _ROLES:
-            raise _bad(f"{param}.role must be one of {sorted(_ROLES)}", f"{param}.role")
-        content = message.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            texts.extend(_content_part_texts(content, f"{param}.content"))
-        elif content is not None or message["role"] != "assistant":
-            raise _bad(f"{param}.content must be a string or a list of content parts",
-                       f"{param}.content")
-    return texts
-
-
-def _content_part_texts(parts: list, param: str) -> list[str]:
-    texts = []
-    for j, part in enumerate(parts):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise _bad(f"{param}[{j}] must be an object with a type", f"{param}[{j}]")
-        if part["type"] == "text":
-            if not isinstance(part.get("text"), str):
-                raise _bad(f"{param}[{j}].text must be a string", f"{param}[{j}].text")
-            texts.append(part["text"])
-    return texts

@@ -110,6 +110,8 @@ class Relay:
         except OSError:
             self.admission.on_disconnect()
             raise
+        if kind == "http.response.body":
+            self.admission.on_forwarded()
 
     def cancel_gone(self) -> None:
         gone = self._gone

@@ -17,10 +17,15 @@ relay           written → the guard forwarded the chunk (the hop and the relay
                 not agree
 ==============  =========================================================================
 
+client          the client's own gap (``itl_s`` of a ``kvguard load`` record) minus the gap
+                the last server-side hop saw: the socket, the client's loop and its parser
+==============  =========================================================================
+
 A gap between tokens ``i-1`` and ``i`` as the last recorded hop saw it telescopes exactly into
-``between_steps(i) + step(i) + Δloop + Δwrite + Δrelay`` where ``Δx = x(i) - x(i-1)``: every
-term is a difference within one process's trace, so clocks of different processes never need
-to agree. Only gaps over the limit are attributed; the per-stage table covers every token.
+``between_steps(i) + step(i) + Δloop + Δwrite + Δrelay + client`` where ``Δx = x(i) - x(i-1)``:
+every term is a difference within one process's record, so clocks of different processes
+never need to agree. Only gaps over the limit are attributed; the per-stage table covers every
+token (``client`` has no per-token latency, only its part of each gap).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 __all__ = ["DELIVERY_STAGES", "Gap", "token_stages_s", "request_gaps", "summarize_delivery",
            "render_delivery"]
 
-DELIVERY_STAGES = ("step", "between_steps", "loop", "write", "relay")
+DELIVERY_STAGES = ("step", "between_steps", "loop", "write", "relay", "client")
 _NUM_WORST = 10
 
 
@@ -69,33 +74,48 @@ def token_stages_s(engine_line: dict, guard_line: dict | None = None) -> list[di
     return rows
 
 
-def request_gaps(engine_line: dict, guard_line: dict | None = None) -> list[Gap]:
-    """Every inter-token gap of one request, with its parts."""
+def _client_gaps(engine_line: dict, client_line: dict | None) -> list[float] | None:
+    """The client's gap before each token after the first, when they map one to one."""
+    if client_line is None:
+        return None
+    gaps = client_line.get("itl_s")
+    tokens = engine_line.get("tokens") or []
+    return gaps if isinstance(gaps, list) and len(gaps) == len(tokens) - 1 else None
+
+
+def request_gaps(engine_line: dict, guard_line: dict | None = None,
+                 client_line: dict | None = None) -> list[Gap]:
+    """Every inter-token gap of one request (as the client saw it when its record maps onto
+    the tokens, else as the last server-side hop did), with its parts."""
     tokens = engine_line.get("tokens") or []
     relayed = _relay_times(engine_line, guard_line)
+    seen = relayed if relayed is not None else [t[4] for t in tokens]
+    client = _client_gaps(engine_line, client_line)
     stages = token_stages_s(engine_line, guard_line)
     gaps = []
     for i in range(1, len(tokens)):
-        seen = relayed if relayed is not None else [t[4] for t in tokens]
-        gap_s = _diff(seen[i], seen[i - 1])
-        if gap_s is None:
+        server_gap_s = _diff(seen[i], seen[i - 1])
+        if server_gap_s is None:
             continue
+        gap_s = server_gap_s if client is None else client[i - 1]
         now, before = stages[i], stages[i - 1]
         parts = {"step": now["step"], "between_steps": now["between_steps"],
                  "loop": _diff(now["loop"], before["loop"]),
                  "write": _diff(now["write"], before["write"]),
-                 "relay": _diff(now["relay"], before["relay"])}
+                 "relay": _diff(now["relay"], before["relay"]),
+                 "client": None if client is None else gap_s - server_gap_s}
         gaps.append(Gap(engine_line["request_id"], i, gap_s, parts))
     return gaps
 
 
 def summarize_delivery(rows: list[tuple[dict | None, dict | None]], default_limit_s: float,
-                       percentile: Callable[[list[float], float], float]) -> dict | None:
+                       percentile: Callable[[list[float], float], float],
+                       clients: dict[str, dict] | None = None) -> dict | None:
     """Per-stage p50/p99/max (ms) over every token, and the attribution of the gaps over each
-    request's limit (the guard line's ``itl_limit_s``, else ``default_limit_s``). None when no
-    engine line carries token records."""
+    request's limit (the guard line's ``itl_limit_s``, else ``default_limit_s``). ``clients``:
+    client records by request id. None when no engine line carries token records."""
     per_stage: dict[str, list[float]] = {k: [] for k in DELIVERY_STAGES}
-    num_gaps, over = 0, []
+    num_gaps, over, clients = 0, [], clients or {}
     for guard_line, engine_line in rows:
         if engine_line is None or not engine_line.get("tokens"):
             continue
@@ -104,7 +124,7 @@ def summarize_delivery(rows: list[tuple[dict | None, dict | None]], default_limi
                 if value is not None:
                     per_stage[stage].append(value * 1e3)
         limit_s = (guard_line or {}).get("itl_limit_s") or default_limit_s
-        gaps = request_gaps(engine_line, guard_line)
+        gaps = request_gaps(engine_line, guard_line, clients.get(engine_line["request_id"]))
         num_gaps += len(gaps)
         over += [g for g in gaps if g.gap_s > limit_s]
     if not num_gaps and not per_stage["step"]:

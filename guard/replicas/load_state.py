@@ -69,6 +69,7 @@ class _Replica:
     last_batch_id: int = -1
     last_step_count: int = -1
     num_preemptions: int | None = None  # the replica's counter at the last refresh
+    served_model: str | None = None  # the model name its state document gives
     previous_observed_s: float = float("-inf")
     combined: ReplicaSnapshot | None = None  # base + reservations, rebuilt lazily when dirty
 
@@ -122,6 +123,8 @@ class LoadState:
         """Apply one ``/kvguard/state`` document received at ``now_s`` (guard clock)."""
         prior = prior_from_timing_model(state.get("timing_model"), state.get("time_scale", 1.0))
         replica = self._replica(replica_id, prior)
+        model = state.get("model")
+        replica.served_model = model if isinstance(model, str) else None
         listed = {s["request_id"] for s in (*state["running"], *state["waiting"])}
         base = kvguard_snapshot(replica_id, state, now_s, self._our_cost)
         self._feed_iterations(replica, state)
@@ -202,6 +205,18 @@ class LoadState:
         self._snapshots = None
         self._step_time = None
         return base
+
+    def served_models(self) -> frozenset[str] | None:
+        """The model names the replicas serve; None unless every replica's state document
+        names one (a vLLM or unknown-capacity replica leaves the model check to the upstream)."""
+        models = []
+        for replica in self._replicas.values():
+            if replica.base is None:
+                continue
+            if replica.served_model is None or not replica.base.capacity_known:
+                return None
+            models.append(replica.served_model)
+        return frozenset(models) if models else None
 
     def mark_unhealthy(self, replica_id: str, now_s: float) -> None:
         """The replica stopped answering: policies no longer pick it until a good state arrives."""

@@ -34,12 +34,42 @@ def test_defaults():
     assert c.request_class("nope") is None
 
 
-def test_example_file_loads():
+def test_example_file_loads_and_a_middleware_accepts_it():
+    from guard.middleware import AdmissionMiddleware
+
     c = load_config(EXAMPLE, env={})
-    assert [r.replica_id for r in c.replicas] == ["r0", "r1"]
-    assert c.replicas[0].url == "http://127.0.0.1:8001" and not c.in_process
+    assert c.in_process and c.admitted_paths == ("*/v1/completions", "*/v1/chat/completions")
     assert c.match_tenant("acme-secret-key").name == "acme"
     assert c.policy_params["ttft_safety_ratio"] == 1.2
+    guard = AdmissionMiddleware(lambda *a: None, c)  # every policy param is one the policy takes
+    assert guard.controller.policy.stale_max_inflight_per_replica == 4
+
+
+def test_middleware_refuses_replicas_naming_them():
+    from guard.config import ReplicaConfig
+    from guard.middleware import AdmissionMiddleware
+
+    config = GuardConfig(replicas=(ReplicaConfig("r0", "http://127.0.0.1:9001"),))
+    with pytest.raises(ValueError, match=r"^replicas: .*standalone proxy"):
+        AdmissionMiddleware(lambda *a: None, config)
+
+
+@pytest.mark.parametrize("paths", [[], ["/v1/embeddings"], ["v1/completions"], "*/v1/completions"])
+def test_admitted_paths_are_checked(paths):
+    with pytest.raises(ValueError, match="admitted_paths"):
+        GuardConfig.from_dict({"admitted_paths": paths})
+
+
+def test_admitted_path_patterns():
+    c = GuardConfig.from_dict({"admitted_paths": ["/api/v1/chat/completions"]})
+    assert c.is_admitted_path("/api/v1/chat/completions")
+    assert not c.is_admitted_path("/v1/chat/completions")
+    default = GuardConfig()
+    for path in ("/v1/completions", "/v1/chat/completions", "/api/v1/chat/completions",
+                 "/openai/deployments/x/v1/completions"):
+        assert default.is_admitted_path(path)
+    for path in ("/v1/models", "/health", "/v1/completions/", "/v1/embeddings"):
+        assert not default.is_admitted_path(path)
 
 
 def test_toml_then_env_overrides(tmp_path):

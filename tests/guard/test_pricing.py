@@ -97,21 +97,21 @@ def test_headers_from_scope_lowercases():
         (b"{not json", "invalid_json", None),
         (b"\xff\xfe", "invalid_json", None),
         (b"[1, 2]", "invalid_json", None),
-        ({"model": "m"}, "invalid_request", "prompt"),
-        ({"prompt": 12}, "invalid_request", "prompt"),
-        ({"prompt": []}, "invalid_request", "prompt"),
-        ({"prompt": ["a", "b"]}, "invalid_request", "prompt"),
-        ({"prompt": [1, -2]}, "invalid_request", "prompt"),
-        ({"prompt": [1, True]}, "invalid_request", "prompt"),
-        ({"prompt": "hi", "max_tokens": 0}, "invalid_request", "max_tokens"),
-        ({"prompt": "hi", "max_tokens": "10"}, "invalid_request", "max_tokens"),
-        ({"prompt": "hi", "max_tokens": 1.5}, "invalid_request", "max_tokens"),
-        ({"prompt": "hi", "max_completion_tokens": -3}, "invalid_request", "max_completion_tokens"),
-        ({"prompt": "hi", "stream": "yes"}, "invalid_request", "stream"),
-        ({"prompt": "hi", "n": 0}, "invalid_request", "n"),
-        ({"prompt": "hi", "temperature": "hot"}, "invalid_request", "temperature"),
-        ({"prompt": "hi", "temperature": 3}, "invalid_request", "temperature"),
-        ({"prompt": "hi", "model": 7}, "invalid_request", "model"),
+        ({"model": "m"}, "missing_required_parameter", "prompt"),
+        ({"prompt": 12}, "invalid_type", "prompt"),
+        ({"prompt": []}, "invalid_value", "prompt"),
+        ({"prompt": ["a", "b"]}, "unsupported_value", "prompt"),
+        ({"prompt": [1, -2]}, "invalid_type", "prompt"),
+        ({"prompt": [1, True]}, "invalid_type", "prompt"),
+        ({"prompt": "hi", "max_tokens": 0}, "invalid_value", "max_tokens"),
+        ({"prompt": "hi", "max_tokens": "10"}, "invalid_type", "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 1.5}, "invalid_type", "max_tokens"),
+        ({"prompt": "", "max_tokens": 3}, "invalid_value", "prompt"),
+        ({"prompt": "hi", "stream": "yes"}, "invalid_type", "stream"),
+        ({"prompt": "hi", "n": 0}, "invalid_value", "n"),
+        ({"prompt": "hi", "temperature": "hot"}, "invalid_type", "temperature"),
+        ({"prompt": "hi", "temperature": 3}, "invalid_value", "temperature"),
+        ({"prompt": "hi", "model": 7}, "invalid_type", "model"),
     ],
 )
 def test_completions_validation(body, reason, param):
@@ -120,22 +120,24 @@ def test_completions_validation(body, reason, param):
 
 
 @pytest.mark.parametrize(
-    ("body", "param"),
+    ("body", "reason", "param"),
     [
-        ({}, "messages"),
-        ({"messages": []}, "messages"),
-        ({"messages": "hello"}, "messages"),
-        ({"messages": ["hello"]}, "messages[0]"),
-        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user"}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0]"),
+        ({}, "missing_required_parameter", "messages"),
+        ({"messages": []}, "invalid_type", "messages"),
+        ({"messages": "hello"}, "invalid_type", "messages"),
+        ({"messages": ["hello"]}, "invalid_type", "messages[0].role"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "invalid_type", "messages[0].role"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "invalid_type", "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "invalid_type", "messages[0].content"),
+        ({"messages": [{"role": "user", "content": 5}]}, "invalid_type", "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "invalid_type",
+         "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
-         "messages[0].content[0].text"),
+         "invalid_type", "messages[0].content"),
     ],
 )
-def test_chat_validation(body, param):
-    err = raises(Pricer(GuardConfig()), body, "invalid_request", path=CHAT)
+def test_chat_validation(body, reason, param):
+    err = raises(Pricer(GuardConfig()), body, reason, path=CHAT)
     assert err.param == param
 
 
@@ -210,7 +212,7 @@ def test_n_multiplies_blocks_and_expected_output():
 def test_context_overflow_is_400_never_retry():
     pricer = Pricer(GuardConfig())
     err = raises(pricer, {"prompt": [1] * 4000, "max_tokens": 97}, "context_length_exceeded")
-    assert "4096" in err.message and err.param == "prompt"
+    assert "4096" in err.message and err.param == "max_tokens"
     assert price(pricer, {"prompt": [1] * 4000, "max_tokens": 96}).max_tokens == 96
     raises(pricer, {"prompt": [1] * 5000}, "context_length_exceeded")  # even with no max_tokens
     # no known context (black-box upstream): no check

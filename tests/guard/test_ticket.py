@@ -97,3 +97,30 @@ def test_truncated_stream_or_error_status_is_failed():
     gone.on_start(200, SSE)
     gone.client_disconnected = True
     assert gone.natural_outcome() == "canceled"
+
+
+def test_natural_outcomes_are_honest():
+    book = _book(FakeClock(), [])
+    aborted = book.issue(make_cost("a"), "local", 0.0)
+    aborted.on_start(200, SSE)
+    aborted.on_body(b'data: {"choices": [{"text": "x"}]}\n\n', True, 0.1)
+    aborted.on_body(b'data: {"choices": [{"text": "", "finish_reason": "abort"}]}\n\n', True, 0.2)
+    aborted.on_body(b"data: [DONE]\n\n", False, 0.3)
+    assert aborted.natural_outcome() == "failed"  # the replica cut it short: never good
+
+    left = book.issue(make_cost("b"), "local", 0.0)
+    left.on_disconnect()  # a non-streaming client gave up; the app answers afterwards
+    left.on_start(500, b"application/json")
+    left.on_body(b'{"error": {}}', False, 0.5)
+    assert left.natural_outcome() == "canceled"
+
+    refused = book.issue(make_cost("c"), "local", 0.0)
+    refused.on_start(400, b"application/json")
+    refused.on_body(b'{"error": {"code": "unsupported_parameter"}}', False, 0.1)
+    assert refused.natural_outcome() == "rejected_upstream"
+
+    done = book.issue(make_cost("d"), "local", 0.0)
+    done.on_start(200, b"application/json")
+    done.on_body(b'{"choices": [{"finish_reason": "length"}]}', False, 0.1)
+    done.on_disconnect()  # after the last chunk: too late to matter
+    assert done.natural_outcome() == "completed"

@@ -121,3 +121,21 @@ def test_real_engine_and_guard_traces_join(tmp_path):
     assert len(guard) == 3 and set(guard) == set(engine)
     summary = timeline.summarize(timeline.join(guard, engine))
     assert summary["stages"]["prefill"]["n"] == 3 and summary["stages"]["delivery"]["n"] == 3
+
+
+def test_trace_lines_reach_the_file_within_a_second_and_on_shutdown():
+    import io
+
+    from guard.trace import TraceWriter
+    from tests.support.admission import FakeClock
+
+    clock, out = FakeClock(0.0), io.StringIO()
+    trace = TraceWriter(out, max_buffered=100, clock=clock)
+    trace.write({"request_id": "a"})
+    assert out.getvalue() == ""  # buffered
+    clock.advance(1.0)
+    trace.write({"request_id": "b"})  # a second after the last flush: both go out
+    assert out.getvalue().count("\n") == 2
+    trace.write({"request_id": "c"})
+    trace.flush()  # what the controller does every second and at shutdown
+    assert out.getvalue().count("\n") == 3

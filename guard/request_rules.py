@@ -1,0 +1,161 @@
+"""What the replicas accept: the OpenAI body rules the guard checks before pricing.
+
+The guard refuses what its replicas would refuse, with the same status and error ``code`` the
+kvguard engine answers (``engine/openai_request.py``), so a request that can never be served
+costs no budget, no blocks and no upstream call. :class:`ReplicaRules` is what the guard knows
+about its replicas from their state documents:
+
+* always: valid JSON object; ``model`` a string, ``stream`` a boolean, ``temperature`` in
+  [0, 2], ``top_p`` in [0, 1], integer ``n`` / ``max_tokens`` >= 1; a ``prompt`` (string,
+  non-empty token ids, or a batch of one) or non-empty ``messages`` with a known ``role``;
+* ``served_models`` known (every replica publishes ``/kvguard/state``): another ``model`` is
+  404 ``model_not_found``;
+* ``strict`` (every replica is a kvguard engine): ``n`` must be 1 and every message needs string
+  or text-part content. In front of vLLM or an unknown app these are left to the upstream.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from guard.errors import PricingError
+
+__all__ = ["ROLES", "ReplicaRules", "chat_texts", "check_common", "optional_int", "parse_body",
+           "completion_prompt"]
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_JSON_DECODER = json.JSONDecoder()  # stateless; what json.loads uses by default
+
+
+@dataclass(frozen=True)
+class ReplicaRules:
+    """Limits and dialect of the replicas behind the guard (from their state documents)."""
+
+    max_model_len: int | None = None  # None: unknown, the upstream checks the context
+    block_size: int = 16
+    served_models: frozenset[str] | None = None  # None: unknown, any model passes
+    strict: bool = False  # every replica is a kvguard engine
+
+
+def _bad(message: str, param: str | None, code: str = "invalid_value") -> PricingError:
+    return PricingError(400, code, message, param)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def parse_body(body: dict | bytes) -> dict:
+    """The JSON object in ``body`` (already parsed when a dict)."""
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            body = _loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise _bad(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def _loads(body: bytes | bytearray) -> Any:
+    """``json.loads(body)``, taking the UTF-8 text path first (it skips the encoding sniff);
+    anything that path refuses goes through ``json.loads(body)`` itself."""
+    try:
+        return _JSON_DECODER.decode(body.decode())
+    except ValueError:
+        return json.loads(body)
+
+
+def optional_int(body: dict, name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise _bad(f"'{name}' must be an integer", name, "invalid_type")
+    if value < minimum:
+        raise _bad(f"'{name}' must be at least {minimum}, got {value}", name)
+    return value
+
+
+def check_common(body: dict, rules: ReplicaRules) -> int:
+    """The fields every request shares; returns ``n`` (the number of choices)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model", "invalid_type")
+    if model is not None and rules.served_models is not None and model not in rules.served_models:
+        raise PricingError(404, "model_not_found", f"The model `{model}` does not exist or you "
+                           "do not have access to it.", "model")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise _bad("'stream' must be a boolean", "stream", "invalid_type")
+    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+        value = body.get(name)
+        if value is not None and not _is_number(value):
+            raise _bad(f"'{name}' must be a number", name, "invalid_type")
+        if value is not None and not low <= value <= high:
+            raise _bad(f"'{name}' must be between {low} and {high}, got {value}", name)
+    if rules.strict:  # the kvguard engine: one choice
+        n = optional_int(body, "n", -(1 << 62))
+        if n is not None and n != 1:
+            raise _bad(f"only n=1 is supported, got n={n}", "n", "unsupported_value")
+        return 1
+    return optional_int(body, "n", 1) or 1
+
+
+def completion_prompt(body: dict) -> str | list[int]:
+    """A completion's prompt: non-empty text, or a non-empty list of token ids."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise _bad("you must provide a 'prompt'", "prompt", "missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise _bad("only one prompt per request is supported", "prompt", "unsupported_value")
+    if not isinstance(prompt, (str, list)):
+        raise _bad("'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
+    if not prompt:
+        raise _bad("'prompt' must not be empty", "prompt")
+    if isinstance(prompt, list) and not all(_is_int(t) and t >= 0 for t in prompt):
+        raise _bad("'prompt' token ids must be non-negative integers", "prompt", "invalid_type")
+    return prompt
+
+
+def chat_texts(body: dict, rules: ReplicaRules) -> list[str]:
+    """The text of every chat message, checked as the replicas check it."""
+    messages = body.get("messages")
+    if messages is None:
+        raise _bad("you must provide 'messages'", "messages", "missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages", "invalid_type")
+    texts: list[str] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise _bad(f"messages[{i}] must be an object with a 'role' in {sorted(ROLES)}",
+                       f"messages[{i}].role", "invalid_type")
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts.extend(_part_texts(content, i, rules.strict))
+        elif rules.strict or content is not None or message["role"] != "assistant":
+            raise _bad(f"messages[{i}].content must be a string or a list of text parts",
+                       f"messages[{i}].content", "invalid_type")
+    return texts
+
+
+def _part_texts(parts: list, index: int, strict: bool) -> list[str]:
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str) or (strict and kind != "text") or (
+                kind == "text" and not isinstance(part.get("text"), str)):
+            raise _bad(f"messages[{index}].content must be a string or a list of text parts",
+                       f"messages[{index}].content", "invalid_type")
+        if kind == "text":
+            texts.append(part["text"])
+    return texts

@@ -1,0 +1,45 @@
+"""``pip install kvguard`` is the guard alone: its core dependencies are exactly what guard/ and
+policies/ import (torch and the engine's parsers are the ``engine`` extra)."""
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+from guard.config import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+DIST_NAMES = {"prometheus_client": "prometheus-client"}
+
+
+def _third_party_imports(package: str) -> set[str]:
+    names = set()
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    local = {"guard", "policies", "engine", "chaos", "serving"}
+    return {n for n in names if n not in sys.stdlib_module_names and n not in local}
+
+
+def _requirement_names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=\[; ]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+def test_core_dependencies_are_what_guard_and_policies_import():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = _requirement_names(project["dependencies"])
+    imported = {DIST_NAMES.get(n, n) for n in _third_party_imports("guard") | _third_party_imports("policies")}
+    assert imported <= core, imported - core
+    assert "torch" not in core and "transformers" not in core
+    extras = project["optional-dependencies"]
+    assert "torch" in _requirement_names(extras["engine"])
+    assert "transformers" in _requirement_names(extras["bench"])
+    assert core - imported <= {"uvicorn"}, core - imported  # uvicorn: guard.bench serves with it
+
+
+def test_the_venv_script_installs_every_extra():
+    script = (ROOT / "scripts" / "_venv.sh").read_text()
+    assert '"$ROOT[engine,dev,bench]"' in script
