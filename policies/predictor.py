@@ -52,6 +52,7 @@ class TtftForecast(NamedTuple):
     queued_prefill_s: float
     own_prefill_s: float
     join_step_s: float
+    num_queued_prefill_tokens: int = 0  # prompt tokens ahead of it (pending + the guard's queue)
 
     @property
     def ttft_s(self) -> float:
@@ -105,6 +106,7 @@ def forecast(
         queued_s,
         total_s - queued_s,
         step_time.step_s(0, num_join_seqs, load.num_context_tokens + num_prompt),
+        num_queued,
     )
 
 

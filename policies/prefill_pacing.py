@@ -67,12 +67,14 @@ def pending_prefill_tokens(replica: ReplicaSnapshot, step_time: StepTimeModel,
 
 
 def prefill_fits_gaps(cost: RequestCost, replica: ReplicaSnapshot, step_time: StepTimeModel,
-                      now_s: float) -> bool:
-    """Admitting ``cost`` now keeps the next prefill step within the tightest running ITL."""
+                      now_s: float, pending: int | None = None) -> bool:
+    """Admitting ``cost`` now keeps the next prefill step within the tightest running ITL
+    (``pending``: :func:`pending_prefill_tokens` when the caller has it already)."""
     load = replica.load
     if load.num_seqs == 0:
         return True  # no stream's gaps to protect
-    pending = pending_prefill_tokens(replica, step_time, now_s)
+    if pending is None:
+        pending = pending_prefill_tokens(replica, step_time, now_s)
     if pending == 0:
         return True  # alone in the next prefill step: pacing cannot make it smaller
     itl_s = load.min_itl_s if load.min_itl_s is not None else cost.request_class.itl_s

@@ -247,7 +247,8 @@ def _fits_now(
     min_itl_s = replica.load.min_itl_s
     if min_itl_s is not None and join_step_s > min_itl_s:
         return False
-    return prefill_fits_gaps(cost, replica, snapshot.step_time, now_s)
+    return prefill_fits_gaps(cost, replica, snapshot.step_time, now_s,
+                             f.num_queued_prefill_tokens)
 
 
 def _itl_attainable(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot) -> bool:
