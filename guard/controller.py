@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import random
 import time
@@ -79,10 +80,13 @@ from guard.trace import TraceWriter
 from policies import make_policy
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
+from policies.prefill_pacing import full_step_s
 from policies.retry_budget import RetryBudget
 from policies.snapshot import NOTHING_AHEAD, QueuedAhead
 
 __all__ = ["AdmissionController", "INVALID_KEY"]
+
+_log = logging.getLogger(__name__)
 
 INVALID_KEY = ("invalid_api_key", "Incorrect or missing API key.")
 Headers = Mapping[str, str]
@@ -139,6 +143,7 @@ class AdmissionController:
         self._next_id = itertools.count(1)
         self.rules = ReplicaRules()  # what the replicas accept, from their latest state
         self._sources = dict(sources) if sources is not None else None
+        self._chunk_warned: set[str] = set()  # replicas warned about their chunk budget
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # run by aclose (owned clients)
         self.background = Background(lambda: self.queue.run(self._decide),
                                      self._make_poller if self._sources else None,
@@ -352,6 +357,24 @@ class AdmissionController:
         served = self.load_state.served_models()
         self.rules = ReplicaRules(min(lengths) if lengths else None, replicas[0].block_size,
                                   served, strict=served is not None)
+        self._warn_chunk_budget(replicas)
+
+    def _warn_chunk_budget(self, replicas: tuple) -> None:
+        """Once per replica: its full prefill step is over the tightest class ITL, so no pacing
+        keeps running streams' gaps when a long prompt arrives (``kvguard plan --itl-ms``)."""
+        itl_s = min(c.itl_s for c in self.config.classes)
+        step_time = self.load_state.snapshot(self.clock()).step_time
+        for r in replicas:
+            if r.capacity_known and r.replica_id not in self._chunk_warned:
+                step_s = full_step_s(r, step_time)
+                if step_s > itl_s:
+                    self._chunk_warned.add(r.replica_id)
+                    _log.warning("replica %s: a step with a full %d-token prefill chunk takes "
+                                 "%.0f ms, over the tightest class ITL (%.0f ms): long prompts "
+                                 "will stretch running streams' gaps; lower its "
+                                 "--max-num-batched-tokens (kvguard plan --itl-ms)",
+                                 r.replica_id, r.max_num_batched_tokens, 1e3 * step_s,
+                                 1e3 * itl_s)
 
     async def aclose(self) -> None:
         """Stop the background work, let budget settlements finish, flush the trace."""

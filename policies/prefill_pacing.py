@@ -25,7 +25,8 @@ from policies.cost import RequestCost
 from policies.snapshot import ReplicaSnapshot
 from policies.step_time import StepTimeModel
 
-__all__ = ["max_step_prefill_tokens", "pending_prefill_tokens", "prefill_fits_gaps"]
+__all__ = ["max_step_prefill_tokens", "pending_prefill_tokens", "prefill_fits_gaps",
+           "full_step_s"]
 
 _UNLIMITED = 1 << 40
 
@@ -82,3 +83,11 @@ def prefill_fits_gaps(cost: RequestCost, replica: ReplicaSnapshot, step_time: St
     step_tokens = min(chunk, pending + cost.num_prompt_tokens)
     return step_tokens <= max_step_prefill_tokens(
         step_time, itl_s, load.num_decode_seqs, load.num_running_context_tokens)
+
+
+def full_step_s(replica: ReplicaSnapshot, step_time: StepTimeModel) -> float:
+    """One step with a full prefill chunk beside the replica's decode batch: the longest gap a
+    long prompt gives every running stream, whatever the pacing (the chunk budget's doing)."""
+    load = replica.load
+    chunk = max(0, replica.max_num_batched_tokens - load.num_decode_seqs)
+    return step_time.step_s(chunk, load.num_decode_seqs, load.num_running_context_tokens)
