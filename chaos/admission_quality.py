@@ -6,6 +6,10 @@
 * :func:`forecast_error`: the TTFT forecast against what happened, from the guard's trace
   (``predicted_ttft_s`` and ``first_token_s - arrival_s`` of each admitted request): median and
   p90 of predicted ÷ actual, and the median absolute relative error.
+* :func:`gap_attribution`: every inter-token gap over the limit, from the engine's per-token
+  trace joined with the guard's trace and the client's records (``kvguard timeline``'s
+  attribution), counted by the part that dominated it: the engine step itself (admission's
+  business: the batch it built) or delivery (between steps, event loop, write, relay, client).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from pathlib import Path
 from chaos.goodput import meets_slo
 from chaos.records import RequestRecord
 from chaos.stats import percentile
+from guard.timeline import join, load_sources
+from guard.token_gaps import summarize_delivery
 from policies.cost import RequestClass
 
-__all__ = ["admitted_misses", "forecast_error"]
+__all__ = ["admitted_misses", "forecast_error", "gap_attribution"]
 
 
 def admitted_misses(records: Sequence[RequestRecord], cls: RequestClass) -> dict:
@@ -57,3 +63,25 @@ def forecast_error(trace_path: Path | str, window_s: tuple[float, float] | None 
     return {"num_samples": len(ratios),
             "ratio_p50": percentile(ratios, 50), "ratio_p90": percentile(ratios, 90),
             "abs_error_p50": percentile([abs(x - 1.0) for x in ratios], 50)}
+
+
+def gap_attribution(paths: Sequence[Path | str], itl_s: float) -> dict:
+    """``num_gaps``, ``num_over_limit`` and how many of those the engine step dominated
+    (``num_step``) versus delivery (``num_delivery``); zeros without per-token records."""
+    existing = [str(p) for p in paths if Path(p).exists()]
+    empty = {"num_gaps": 0, "num_over_limit": 0, "num_step": 0, "num_delivery": 0}
+    if not existing:
+        return empty
+    sources = load_sources(existing)
+    rows = join(sources["guard"], sources["engine"])
+    delivery = summarize_delivery(rows, itl_s, _percentile0, sources["client"])
+    if delivery is None:
+        return empty
+    dominant = delivery["dominant"]
+    num_step = dominant.get("step", 0)
+    return {"num_gaps": delivery["num_gaps"], "num_over_limit": delivery["num_over_limit"],
+            "num_step": num_step, "num_delivery": delivery["num_over_limit"] - num_step}
+
+
+def _percentile0(values: list[float], q: float) -> float:
+    return percentile(values, q) or 0.0

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from chaos.admission_quality import admitted_misses, forecast_error
+from chaos.admission_quality import admitted_misses, forecast_error, gap_attribution
 from chaos.goodput import meets_slo
 from chaos.load_cli import configure as configure_load
 from chaos.load_cli import run_once
@@ -221,7 +221,8 @@ def run_policy(scenario: Scenario, policy: str | None, rate: float, cap_rps: flo
     """One fresh replica with the guard (``policy``; None: no guard at all) mounted, one
     open-loop run at ``rate``. Returns the table row."""
     out.mkdir(parents=True, exist_ok=True)
-    engine_args = scenario.engine_args()
+    engine_trace = out / "engine-trace.jsonl"
+    engine_args = [*scenario.engine_args(), "--trace", str(engine_trace)]
     trace = out / "guard-trace.jsonl"
     if policy is not None and policy != BARE:
         c = scenario.request_class
@@ -234,6 +235,8 @@ def run_policy(scenario: Scenario, policy: str | None, rate: float, cap_rps: flo
     row = row_from_run(summary, read_records(out / "requests.jsonl"), scenario, cap_rps)
     warmup_s = summary["goodput"]["window_s"][0]
     row["forecast"] = forecast_error(trace, (warmup_s, float("inf")))
+    row["gaps"] = gap_attribution((trace, engine_trace, out / "requests.jsonl"),
+                                  scenario.request_class.itl_s)
     return row
 
 

@@ -3,7 +3,9 @@
 Columns: goodput and goodput ÷ C; goodput ÷ the bare replica's at the same load (the "no harm
 below capacity" check, where a ``bare`` row ran); TTFT p50/p99; rejected and timed-out shares;
 among admitted requests, the share that missed the SLO and the share that missed only on an
-inter-token gap; the TTFT forecast's predicted ÷ actual (median and p90); wasted tokens; and,
+inter-token gap; the gaps over the limit and how many of them the engine step dominated (the
+rest: delivery — event loop, write, relay, client); the TTFT forecast's predicted ÷ actual
+(median and p90); wasted tokens; and,
 where users on the OpenAI SDK ran, their upstream attempts per user and user goodput ÷ C.
 """
 
@@ -36,18 +38,20 @@ def add_bare_ratios(rows: list[dict]) -> list[dict]:
 def render_table(rows: list[dict]) -> str:
     head = ("| load (× C) | policy | goodput (req/s) | goodput ÷ C | ÷ bare | TTFT p50 (s) | "
             "TTFT p99 (s) | rejected | timed out | admitted missed (gap) | "
-            "TTFT forecast ÷ actual p50 / p90 | wasted tokens | SDK attempts/user | "
-            "SDK user goodput ÷ C |")
-    lines = [head, "|" + "---|" * 14]
+            "gaps over limit (engine step) | TTFT forecast ÷ actual p50 / p90 | wasted tokens | "
+            "SDK attempts/user | SDK user goodput ÷ C |")
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         forecast = r.get("forecast") or {}
         sdk = r.get("sdk") or {}
+        gaps = r.get("gaps") or {}
         lines.append(
             f"| {r['load']:.2f} | {r['policy']} | {fmt_num(r['goodput_rps'])} | "
             f"{fmt_num(r['goodput_over_c'])} | {fmt_num(r.get('goodput_over_bare'))} | "
             f"{fmt_num(r['ttft_p50_s'])} | {fmt_num(r['ttft_p99_s'])} | "
             f"{_pct(r['rejected_ratio'])} | {_pct(r['canceled_ratio'])} | "
             f"{_pct(r.get('missed_share'))} ({_pct(r.get('gap_miss_share'))}) | "
+            f"{gaps.get('num_over_limit', '—')} ({gaps.get('num_step', '—')}) | "
             f"{fmt_num(forecast.get('ratio_p50'))} / {fmt_num(forecast.get('ratio_p90'))} | "
             f"{r['wasted_tokens']} ({100 * r['wasted_ratio']:.0f}%) | "
             f"{fmt_num(sdk.get('attempts_per_user'))} | {fmt_num(sdk.get('goodput_over_c'))} |")
