@@ -27,27 +27,32 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from chaos.admission_quality import admitted_misses, forecast_error, gap_attribution
-from chaos.goodput import meets_slo
+from chaos.admission_quality import forecast_error, gap_attribution
 from chaos.load_cli import configure as configure_load
 from chaos.load_cli import run_once
+from chaos.overload_plan import POLICIES, REFERENCE_POLICIES, plan_runs, plan_sdk_runs
+from chaos.overload_table import (
+    BARE,
+    add_bare_ratios,
+    fmt_num,
+    plot_goodput,
+    render_table,
+    row_from_run,
+)
 from chaos.replica import ReplicaProcess, exit_on_sigterm, write_guard_config
 from chaos.report import read_records
 from chaos.schedule import LengthDist
-from chaos.overload_plan import POLICIES, REFERENCE_POLICIES, plan_runs
-from chaos.overload_table import BARE, add_bare_ratios, fmt_num, plot_goodput, render_table
-from chaos.stats import percentile
+from chaos.sdk_column import sdk_row
 from chaos.sweep import SweepPoint, capacity, sweep_rates
 from policies.cost import RequestClass
 
 __all__ = ["configure", "configure_scenario", "run", "POLICIES", "REFERENCE_POLICIES", "Scenario",
            "fmt_num", "probe_saturation", "policy_params", "render_table", "row_from_run",
-           "run_policy", "plan_runs"]
+           "run_policy", "plan_runs", "plan_sdk_runs"]
 
 
 
@@ -129,6 +134,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="multiples of C below capacity, run with --reference-policies "
                         "('' for none)")
     p.add_argument("--reference-policies", default=",".join(REFERENCE_POLICIES))
+    p.add_argument("--sdk-loads", default="2.0",
+                   help="loads at which the same arrivals are replayed as users on the OpenAI "
+                        "SDK (default retries) for --sdk-policies ('' for none)")
+    p.add_argument("--sdk-policies", default="always_admit,slo")
     p.add_argument("--sweep", default="0.8:1.6:0.1",
                    help="capacity sweep, multiples of the saturation throughput S")
     p.add_argument("--capacity", type=float, default=None,
@@ -240,36 +249,11 @@ def run_policy(scenario: Scenario, policy: str | None, rate: float, cap_rps: flo
     return row
 
 
-def row_from_run(summary: dict, records: Sequence, scenario: Scenario, cap_rps: float) -> dict:
-    """The table row: goodput, goodput / C, TTFT percentiles, rejections, wasted work."""
-    t = summary["goodput"]["total"]
-    window = summary["goodput"]["window_s"]
-    inside = [r for r in records if window[0] <= r.scheduled_s < window[1]]
-    ttfts = [r.ttft_s for r in inside if r.successful and r.ttft_s is not None]
-    wasted = sum(r.num_tokens_received for r in inside
-                 if not meets_slo(r, scenario.request_class))
-    produced = sum(r.num_tokens_received for r in inside)
-    counts = summary["counts"]
-    return {
-        "goodput_rps": t["goodput_per_s"]["strict"],
-        "goodput_over_c": t["goodput_per_s"]["strict"] / cap_rps,
-        "goodput_p99_gap_rps": t["goodput_per_s"]["p99_gap"],
-        "offered_rps": t["offered_per_s"],
-        "completed_rps": t["completed_per_s"],
-        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-        "rejected_ratio": counts["rejected"] / counts["offered"] if counts["offered"] else 0.0,
-        "canceled_ratio": counts["canceled"] / counts["offered"] if counts["offered"] else 0.0,
-        "wasted_tokens": wasted,
-        "wasted_ratio": wasted / produced if produced else 0.0,
-        **admitted_misses(inside, scenario.request_class),
-        "warnings": summary["warnings"],
-    }
-
-
 def run(args: argparse.Namespace) -> int:
     exit_on_sigterm()
     scenario = Scenario(args)
     runs = plan_runs(args)
+    sdk_runs = set(plan_sdk_runs(args))
     out = Path(args.out or f"runs/overload-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
 
@@ -288,9 +272,15 @@ def run(args: argparse.Namespace) -> int:
     for load, policy in runs:
         log(f"load {load:.2f} × C = {load * cap:.2f} req/s, policy {policy} ...")
         row = run_policy(scenario, policy, load * cap, cap, out / f"{policy}-{load:.2f}")
-        rows.append({"load": load, "policy": policy, **row})
         log(f"  goodput {row['goodput_rps']:.2f} req/s = {row['goodput_over_c']:.2f} C, "
             f"rejected {100 * row['rejected_ratio']:.0f}%")
+        if (load, policy) in sdk_runs:
+            row["sdk"] = sdk_row(scenario, policy, load * cap, cap,
+                                 out / f"{policy}-{load:.2f}-sdk",
+                                 policy_params(policy, scenario, cap))
+            log(f"  OpenAI SDK users: {row['sdk']['attempts_per_user'] or 0:.2f} attempts each, "
+                f"user goodput {row['sdk']['goodput_over_c']:.2f} C")
+        rows.append({"load": load, "policy": policy, **row})
     rows.sort(key=lambda r: r["load"])  # stable: each load's policies keep their run order
     add_bare_ratios(rows)
     table = render_table(rows)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from chaos.overload_table import BARE
 
-__all__ = ["POLICIES", "REFERENCE_POLICIES", "plan_runs"]
+__all__ = ["POLICIES", "REFERENCE_POLICIES", "plan_runs", "plan_sdk_runs"]
 
 POLICIES: tuple[str, ...] = ("always_admit", "concurrency_cap", "saturation", "gradient",
                              "token_rate", "slo")
@@ -45,3 +45,15 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[float, str]]:
     runs = [(load, p) for load in ref_loads for p in ref_policies]
     runs += [(load, p) for load in loads for p in policies]
     return list(dict.fromkeys(runs))
+
+
+def plan_sdk_runs(args: argparse.Namespace) -> list[tuple[float, str]]:
+    """The ``(load, policy)`` rows that also replay their arrivals as OpenAI-SDK users: every
+    ``--sdk-loads`` × ``--sdk-policies`` pair that is a planned row (ValueError otherwise)."""
+    pairs = [(load, p) for load in _loads(args.sdk_loads, "--sdk-loads")
+             for p in _names(args.sdk_policies, "--sdk-policies", (BARE, *POLICIES))]
+    planned = set(plan_runs(args))
+    missing = [pair for pair in pairs if pair not in planned]
+    if missing:
+        raise ValueError(f"--sdk-loads/--sdk-policies name rows that do not run: {missing}")
+    return pairs

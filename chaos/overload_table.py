@@ -11,11 +11,42 @@ where users on the OpenAI SDK ran, their upstream attempts per user and user goo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["BARE", "fmt_num", "render_table", "plot_goodput", "add_bare_ratios"]
+from chaos.admission_quality import admitted_misses
+from chaos.goodput import meets_slo
+from chaos.stats import percentile
+
+__all__ = ["BARE", "fmt_num", "render_table", "plot_goodput", "add_bare_ratios", "row_from_run"]
 
 BARE = "bare"  # the replica with no guard at all: the reference below capacity
+
+
+def row_from_run(summary: dict, records: Sequence, scenario, cap_rps: float) -> dict:
+    """The table row: goodput, goodput / C, TTFT percentiles, rejections, wasted work."""
+    t = summary["goodput"]["total"]
+    window = summary["goodput"]["window_s"]
+    inside = [r for r in records if window[0] <= r.scheduled_s < window[1]]
+    ttfts = [r.ttft_s for r in inside if r.successful and r.ttft_s is not None]
+    wasted = sum(r.num_tokens_received for r in inside
+                 if not meets_slo(r, scenario.request_class))
+    produced = sum(r.num_tokens_received for r in inside)
+    counts = summary["counts"]
+    return {
+        "goodput_rps": t["goodput_per_s"]["strict"],
+        "goodput_over_c": t["goodput_per_s"]["strict"] / cap_rps,
+        "goodput_p99_gap_rps": t["goodput_per_s"]["p99_gap"],
+        "offered_rps": t["offered_per_s"],
+        "completed_rps": t["completed_per_s"],
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+        "rejected_ratio": counts["rejected"] / counts["offered"] if counts["offered"] else 0.0,
+        "canceled_ratio": counts["canceled"] / counts["offered"] if counts["offered"] else 0.0,
+        "wasted_tokens": wasted,
+        "wasted_ratio": wasted / produced if produced else 0.0,
+        **admitted_misses(inside, scenario.request_class),
+        "warnings": summary["warnings"],
+    }
 
 
 def fmt_num(x, digits: int = 2) -> str:

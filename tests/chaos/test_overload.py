@@ -11,6 +11,7 @@ from chaos.overload import (
     Scenario,
     configure,
     plan_runs,
+    plan_sdk_runs,
     policy_params,
     render_table,
     row_from_run,
@@ -127,3 +128,33 @@ def test_goodput_over_bare_is_taken_at_the_same_load():
             {"load": 2.0, "policy": "slo", "goodput_rps": 8.0}]
     add_bare_ratios(rows)
     assert [r["goodput_over_bare"] for r in rows] == [1.0, pytest.approx(0.975), None]
+
+
+def test_sdk_rows_must_be_planned_rows():
+    s = scenario("--loads", "2,4", "--policies", "always_admit,slo", "--sdk-loads", "2",
+                 "--sdk-policies", "slo")
+    assert plan_sdk_runs(s.args) == [(2.0, "slo")]
+    assert plan_sdk_runs(scenario("--sdk-loads", "").args) == []
+    with pytest.raises(ValueError, match="do not run"):
+        plan_sdk_runs(scenario("--loads", "2", "--sdk-loads", "3").args)
+
+
+def test_sdk_users_are_summarized_per_user_from_their_arrival():
+    from dataclasses import dataclass
+
+    from chaos.sdk_column import summarize_users
+
+    @dataclass
+    class User:  # the fields and method of chaos' per-user record that the column reads
+        scheduled_s: float
+        num_attempts: int
+        good: bool
+
+        def outcome(self, cls):
+            return "good" if self.good else "error"
+
+    users = [User(0.5, 3, True),  # warm-up: left out
+             User(1.0, 1, True), User(2.0, 2, False), User(3.0, 1, True), User(4.0, 1, False)]
+    row = summarize_users(users, RequestClass("interactive", 1.0, 0.1), (1.0, 5.0), cap_rps=2.0)
+    assert row == {"num_users": 4, "attempts_per_user": 1.25, "goodput_rps": 0.5,
+                   "goodput_over_c": 0.25}

@@ -26,7 +26,7 @@ def test_a_chunk_budget_that_stretches_gaps_is_warned_about_once(caplog):
         caplog.clear()
         guard = make_guard(_App(), **({"classes": classes} if classes else {}))
 
-        async def main():
+        async def main(guard=guard):
             await _one_request(guard)
             guard.controller._update_limits()  # as on every state refresh
             guard.controller._update_limits()

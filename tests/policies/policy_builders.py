@@ -5,7 +5,7 @@ from __future__ import annotations
 from policies.cost import RequestClass, RequestCost
 from policies.decision import CompletionSample
 from policies.retry_budget import RetryBudgetView
-from policies.snapshot import LoadSnapshot, QueuedAhead, ReplicaSnapshot, SeqLoad
+from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead, ReplicaSnapshot, SeqLoad
 from policies.step_time import StepTimeModel
 
 INTERACTIVE = RequestClass("interactive", ttft_s=1.0, itl_s=0.08, priority=0)
@@ -98,7 +98,7 @@ def make_replica(
 
 def make_snapshot(
     *replicas: ReplicaSnapshot, now_s: float = 0.0, retry_over=(), max_staleness_s: float = 2.0,
-    queued_ahead: QueuedAhead = QueuedAhead(),
+    queued_ahead: QueuedAhead = NOTHING_AHEAD,
 ) -> LoadSnapshot:
     """``retry_over``: tenants over their retry budget (``"*"``: the whole guard)."""
     return LoadSnapshot(
