@@ -46,7 +46,7 @@ from chaos.overload_table import (
 from chaos.replica import ReplicaProcess, exit_on_sigterm, write_guard_config
 from chaos.report import read_records
 from chaos.schedule import LengthDist
-from chaos.sdk_column import sdk_row
+from chaos.sdk_column import require_user_runner, sdk_row
 from chaos.sweep import SweepPoint, capacity, sweep_rates
 from policies.cost import RequestClass
 
@@ -254,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
     scenario = Scenario(args)
     runs = plan_runs(args)
     sdk_runs = set(plan_sdk_runs(args))
+    if sdk_runs:
+        require_user_runner()
     out = Path(args.out or f"runs/overload-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
 

@@ -17,7 +17,18 @@ from chaos.overload_table import BARE
 from chaos.replica import ReplicaProcess, write_guard_config
 from chaos.schedule import ClassShare, ScheduleConfig, build_schedule
 
-__all__ = ["sdk_row", "summarize_users"]
+__all__ = ["sdk_row", "summarize_users", "require_user_runner"]
+
+
+def require_user_runner() -> None:
+    """Raise a clear ValueError now (before hours of runs) if the chaos suite's user runner
+    and its OpenAI SDK client are not installed in this tree."""
+    try:
+        from chaos.clients import ClientConfig  # noqa: F401
+        from chaos.users import UserRunConfig, run_users  # noqa: F401
+    except ImportError as exc:
+        raise ValueError("the SDK column (--sdk-loads) needs the chaos suite's user runner "
+                           f"(chaos.users): {exc}; pass --sdk-loads '' to run without it") from None
 
 
 def summarize_users(users, cls, window_s: tuple[float, float], cap_rps: float) -> dict:
@@ -35,12 +46,10 @@ def summarize_users(users, cls, window_s: tuple[float, float], cap_rps: float) -
 def sdk_row(scenario, policy: str | None, rate: float, cap_rps: float, out: Path,
             policy_params: dict) -> dict:
     """One fresh replica (``policy``; None: no guard), the row's arrivals as SDK users."""
-    try:  # the chaos suite's user runner and its OpenAI SDK client
-        from chaos.clients import ClientConfig
-        from chaos.users import UserRunConfig, run_users
-    except ImportError as exc:
-        raise RuntimeError("the SDK column needs the chaos suite's user runner "
-                           f"(chaos.users): {exc}") from None
+    require_user_runner()
+    from chaos.clients import ClientConfig
+    from chaos.users import UserRunConfig, run_users
+
     out.mkdir(parents=True, exist_ok=True)
     engine_args = scenario.engine_args()
     c = scenario.request_class
