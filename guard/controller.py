@@ -84,7 +84,7 @@ from policies import make_policy
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
 from policies.prefill_pacing import full_step_s
-from policies.retry_budget import RetryBudget
+from policies.retry_budget import GLOBAL, RetryBudget
 from policies.shed_reasons import SHUTTING_DOWN
 from policies.snapshot import NOTHING_AHEAD, QueuedAhead
 
@@ -132,6 +132,7 @@ class AdmissionController:
         self.queue = AdmissionQueue(config.max_queue_len, self.clock)
         self.drain_rate = DrainRate()
         self.retry_budget = RetryBudget(config.retry_budget)
+        self.metrics.retry_counts = lambda: self.retry_budget.counts(GLOBAL, self.clock())
         if trace is None and config.trace_path:
             trace = TraceWriter.open(config.trace_path, clock=self.clock)
         self.releases = ReleaseListeners(self.load_state, self.policy, self.metrics,

@@ -133,6 +133,8 @@ class GuardMetrics:
         self._histograms: dict[str, _Histograms] = {}
         self.forecast_error = ForecastError()  # predicted ÷ actual TTFT of admitted requests
         self.loop_lag: LoopLag | None = None  # set by the owner that runs the sampler
+        # (first attempts, retries, advised retries) in the retry budget's window, guard-wide
+        self.retry_counts: Callable[[], tuple[int, int, int]] | None = None
         registry.register(_Collector(self))
 
     # --- the request path ----------------------------------------------------------------
@@ -239,6 +241,14 @@ class GuardMetrics:
             error.add_metric((), summary.median_abs_error_ratio)
         yield ratio
         yield error
+        if self.retry_counts is not None:
+            family = GaugeMetricFamily("kvguard_retry_budget_window", "First attempts, retries "
+                                       "and retries advised (x-should-retry: true) in the retry "
+                                       "budget's sliding window, guard-wide", labels=("kind",))
+            counts = self.retry_counts()
+            for kind, value in zip(("first_attempts", "retries", "advised"), counts, strict=True):
+                family.add_metric((kind,), value)
+            yield family
         if self.loop_lag is not None:
             yield GaugeMetricFamily("kvguard_event_loop_lag_max_seconds", "Largest lateness of "
                                     "the guard's 10 ms loop timer since start",

@@ -159,7 +159,8 @@ class RetryBudget:
         return self._view
 
     def counts(self, tenant: str, now_s: float) -> tuple[int, int, int]:
-        """``(first attempts, retries, advised retries)`` in the window (for metrics, tests)."""
+        """``(first attempts, retries, advised retries)`` in ``tenant``'s window (``GLOBAL``:
+        the guard-wide one, which the guard exports)."""
         window = self._window(tenant, now_s)
         return window.num_first, window.num_retries, window.num_advised
 

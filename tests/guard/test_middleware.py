@@ -361,6 +361,9 @@ def test_retry_budget_turns_sheds_into_do_not_retry_and_reaches_the_snapshot():
             advice.append((c.headers["x-should-retry"], "retry-after-ms" in c.headers))
         assert advice == [("true", True)] * 3 + [("false", False)] * 11
         assert over == [False] * 13 + [True]
+        window = {kind: sample(guard, "kvguard_retry_budget_window", kind=kind)
+                  for kind in ("first_attempts", "retries", "advised")}
+        assert window == {"first_attempts": 10, "retries": 4, "advised": 3}
         await guard.aclose()
     run(main())
 
