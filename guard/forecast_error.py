@@ -5,7 +5,7 @@ requests miss (ratio < 1: the forecast was optimistic) or the guard sheds below 
 (ratio > 1: pessimistic). :class:`ForecastError` keeps the ratios of the last ``window``
 admitted requests with a first token and reports the median and p90 of predicted ÷ actual and
 the median absolute relative error ``|predicted − actual| / actual``; the guard exports them as
-gauges next to goodput (``kvguard_ttft_forecast_ratio{quantile}``,
+gauges next to goodput (``kvguard_ttft_forecast_ratio{stat="p50"|"p90"}``,
 ``kvguard_ttft_forecast_abs_error_ratio``).
 """
 

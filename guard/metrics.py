@@ -232,12 +232,12 @@ class GuardMetrics:
         """The TTFT forecast's error and the event loop's lag (when sampled)."""
         summary = self.forecast_error.summary()
         ratio = GaugeMetricFamily("kvguard_ttft_forecast_ratio", "Predicted / actual TTFT of "
-                                  "recent admitted requests", labels=("quantile",))
+                                  "recent admitted requests (stat: p50, p90)", labels=("stat",))
         error = GaugeMetricFamily("kvguard_ttft_forecast_abs_error_ratio", "Median "
                                   "|predicted - actual| / actual TTFT of recent admitted requests")
         if summary is not None:
-            ratio.add_metric(("0.5",), summary.median_ratio)
-            ratio.add_metric(("0.9",), summary.p90_ratio)
+            ratio.add_metric(("p50",), summary.median_ratio)
+            ratio.add_metric(("p90",), summary.p90_ratio)
             error.add_metric((), summary.median_abs_error_ratio)
         yield ratio
         yield error

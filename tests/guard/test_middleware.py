@@ -331,8 +331,8 @@ def test_ttft_forecast_error_and_loop_lag_are_exported():
         client = Client(PROMPT)
         client.on_send = lambda m: clock.advance(0.2) if m["type"] == "http.response.start" else None
         await guard(http_scope(), client.receive, client.send)
-        assert sample(guard, "kvguard_ttft_forecast_ratio", quantile="0.5") == pytest.approx(0.5)
-        assert sample(guard, "kvguard_ttft_forecast_ratio", quantile="0.9") == pytest.approx(0.5)
+        assert sample(guard, "kvguard_ttft_forecast_ratio", stat="p50") == pytest.approx(0.5)
+        assert sample(guard, "kvguard_ttft_forecast_ratio", stat="p90") == pytest.approx(0.5)
         assert sample(guard, "kvguard_ttft_forecast_abs_error_ratio") == pytest.approx(0.5)
         assert guard.controller.registry.get_sample_value(
             "kvguard_event_loop_lag_max_seconds") is not None
