@@ -1,4 +1,5 @@
-"""A bounded admission queue, ordered by class priority then deadline.
+"""A bounded admission queue, ordered by class priority, first attempts before retries, then
+deadline (so under overload retries and the lowest class are shed first).
 
 Each waiter is an asyncio future. :meth:`AdmissionQueue.pump` re-runs the admission decision
 for every waiter in order (the caller's ``decide`` takes a fresh snapshot and, on admit, takes
@@ -7,9 +8,10 @@ blocks); it resolves admitted and shed waiters and evicts those past their deadl
 503 ``queue_timeout``. Every decision is told what waits ahead of it (:class:`QueuedAhead`:
 the waiters still queued before it in the pump; for a newcomer, :meth:`AdmissionQueue.ahead_of`,
 every waiter of its class priority or a more important one), so the policy forecasts the
-earliest start it can really have and says no at once when even that is too late. :meth:`AdmissionQueue.run` pumps on every :meth:`wake` (a completion or
-a state refresh) and at least every ``interval_s``. A full queue sheds its worst entry (lowest
-priority, latest deadline) or the newcomer, whichever is worse, with a 503 ``queue_full``.
+earliest start it can really have and says no at once when even that is too late.
+:meth:`AdmissionQueue.run` pumps on every :meth:`wake` (a completion or a state refresh) and at
+least every ``interval_s``. A full queue sheds its worst entry (lowest priority, a retry, latest
+deadline) or the newcomer, whichever is worse, with a 503 ``queue_full``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ Decide = Callable[[RequestCost, float, QueuedAhead], Any]
 
 @dataclass(order=True)
 class Waiter:
-    sort_key: tuple[int, float, int]
+    sort_key: tuple[int, bool, float, int]
     cost: RequestCost = field(compare=False)
     until_s: float = field(compare=False)
     enqueued_s: float = field(compare=False)
@@ -64,7 +66,7 @@ class AdmissionQueue:
 
     def push(self, cost: RequestCost, until_s: float, now_s: float) -> Waiter | Shed:
         """Enqueue ``cost``; a full queue sheds its worst entry or returns a Shed for ``cost``."""
-        key = (cost.request_class.priority, cost.deadline_s, next(self._seq))
+        key = (cost.request_class.priority, cost.is_retry, cost.deadline_s, next(self._seq))
         if len(self._waiters) >= self.max_len:
             if not self._waiters or key > self._waiters[-1].sort_key:
                 return Shed(503, QUEUE_FULL)

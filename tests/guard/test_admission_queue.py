@@ -122,3 +122,16 @@ def test_a_newcomer_waits_behind_its_priority_and_the_more_important_ones():
         q.pump(lambda c, t, ahead: Shed(503, "overloaded"), 0.5)  # b leaves the queue
         assert q.ahead_of(make_cost("new", klass=BATCH)).num_requests == 0
     run(main())
+
+
+def test_a_full_queue_sheds_retries_before_first_attempts_of_the_same_class():
+    async def main():
+        q = AdmissionQueue(2, FakeClock())
+        retry = q.push(make_cost("retry", deadline_s=1.0, is_retry=True), 9.0, 0.0)
+        first = q.push(make_cost("first", deadline_s=5.0), 9.0, 0.0)
+        assert [w.cost.request_id for w in q.waiters()] == ["first", "retry"]
+        q.push(make_cost("late-first", deadline_s=7.0), 9.0, 0.0)
+        assert retry.future.result() == Shed(503, QUEUE_FULL) and not first.future.done()
+        assert q.push(make_cost("r2", deadline_s=0.5, is_retry=True), 9.0, 0.0) == \
+            Shed(503, QUEUE_FULL)
+    run(main())
