@@ -54,7 +54,8 @@ class AdmissionQueue:
         self.interval_s = interval_s
         self._clock = clock
         self._waiters: list[Waiter] = []  # kept sorted
-        self._by_priority: dict[int, list[int]] = {}  # priority -> [requests, prompt, blocks]
+        # (priority, is_retry) -> [requests, prompt tokens, blocks]
+        self._by_rank: dict[tuple[int, bool], list[int]] = {}
         self._seq = itertools.count()
         self._wake: asyncio.Event | None = None
 
@@ -89,23 +90,25 @@ class AdmissionQueue:
         return True
 
     def ahead_of(self, cost: RequestCost) -> QueuedAhead:
-        """What a newcomer would wait behind: every waiter of its priority or a better one."""
+        """What a newcomer would wait behind: every waiter of its rank (class priority, then
+        first attempts before retries) or a better one."""
         if not self._waiters:
             return NOTHING_AHEAD
-        priority = cost.request_class.priority
+        rank = (cost.request_class.priority, cost.is_retry)
         num = tokens = blocks = 0
-        for p, (n, t, b) in self._by_priority.items():
-            if p <= priority:
+        for r, (n, t, b) in self._by_rank.items():
+            if r <= rank:
                 num, tokens, blocks = num + n, tokens + t, blocks + b
         return QueuedAhead(num, tokens, blocks) if num else NOTHING_AHEAD
 
     def _count(self, cost: RequestCost, sign: int) -> None:
-        totals = self._by_priority.setdefault(cost.request_class.priority, [0, 0, 0])
+        rank = (cost.request_class.priority, cost.is_retry)
+        totals = self._by_rank.setdefault(rank, [0, 0, 0])
         totals[0] += sign
         totals[1] += sign * cost.num_prompt_tokens
         totals[2] += sign * cost.num_blocks
         if totals[0] == 0:
-            del self._by_priority[cost.request_class.priority]
+            del self._by_rank[rank]
 
     def pump(self, decide: Decide, now_s: float) -> int:
         """Re-decide every waiter in order, each behind the ones still queued before it;

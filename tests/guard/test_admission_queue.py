@@ -117,6 +117,10 @@ def test_a_newcomer_waits_behind_its_priority_and_the_more_important_ones():
         ahead = q.ahead_of(make_cost("new"))  # make_cost prompts are 10 tokens
         assert (ahead.num_requests, ahead.num_prefill_tokens, ahead.num_blocks) == (1, 10, 7)
         assert q.ahead_of(make_cost("new", klass=BATCH)).num_requests == 2
+        q.push(make_cost("retry", is_retry=True), 9.0, 0.0)  # behind first attempts
+        assert q.ahead_of(make_cost("new")).num_requests == 1
+        assert q.ahead_of(make_cost("new", is_retry=True)).num_requests == 2
+        q.remove(q.waiters()[1])
         q.remove(a)
         assert q.ahead_of(make_cost("new")).num_requests == 0
         q.pump(lambda c, t, ahead: Shed(503, "overloaded"), 0.5)  # b leaves the queue
