@@ -7,6 +7,7 @@ TOML layout (see ``docs/guard-config.example.toml``)::
 
     policy = "slo"
     max_body_bytes = 1048576
+    admin_api_key = "..."      # /kvguard/state, /kvguard/metrics, /metrics (or admin_key_sha256)
     [policy_params]            # passed to the policy as-is
     [classes.interactive]      # merged over the built-in class of the same name
     ttft_s = 1.0
@@ -18,12 +19,13 @@ TOML layout (see ``docs/guard-config.example.toml``)::
     replica_id = "r0"
     url = "http://127.0.0.1:8001"
     state_source = "kvguard"   # "kvguard" | "vllm" | "none" | "asgi"
+    [proxy]                    # the standalone proxy's settings (guard.proxy.config)
 
 Environment: ``KVGUARD_CONFIG`` names the TOML file; ``KVGUARD_<FIELD>`` overrides any scalar
 field (``KVGUARD_POLICY=cap``, ``KVGUARD_MAX_BODY_BYTES=65536``, ``KVGUARD_TRACE_PATH=...``);
 ``KVGUARD_UPSTREAMS`` (comma-separated URLs) replaces the replicas, whose state source is
 ``KVGUARD_UPSTREAM_STATE_SOURCE`` (default ``kvguard``); ``KVGUARD_POLICY_PARAMS`` is a JSON
-object. Unknown ``KVGUARD_*`` variables are ignored (other components own them).
+object; ``KVGUARD_ADMIN_API_KEY`` is the admin key in clear (hashed at load). Unknown ``KVGUARD_*`` variables are ignored (other components own them).
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package
     import tomli as tomllib
 
+from guard.proxy.config import ProxyConfig
 from guard.budget.config import LIMIT_KEYS, BudgetConfig
 from guard.budget.store import BudgetLimits
 from policies.cost import RequestClass
+from policies.retry_budget import RetryBudgetConfig
 
 __all__ = [
     "GuardConfig",
@@ -113,6 +117,9 @@ class TenantConfig:
 class ReplicaConfig:
     """One upstream replica. ``url`` None means the wrapped ASGI app itself (in-process).
 
+    ``state_source``: ``kvguard`` (``GET /kvguard/state``), ``vllm`` (``GET /metrics``), ``none``
+    (no load state is read: a replica of unknown capacity) or ``asgi`` (the wrapped app).
+
     ``max_model_len`` is only needed for ``vllm`` replicas (their metrics do not carry it);
     without it the guard leaves context-length checks to the upstream.
     """
@@ -172,14 +179,20 @@ class GuardConfig:
     replicas: tuple[ReplicaConfig, ...] = ()
     tokenizer: str | None = None  # a tokenizer.json path (guard.pricing.tokenizer_counter)
     initial_chars_per_token: float = 4.0
+    retry_budget_ratio: float = 0.10  # retries allowed per first attempt while shedding
+    retry_budget_window_s: float = 10.0
+    retry_budget_min_retries: int = 3
     idempotency_ttl_s: float = 600.0
-    max_idempotency_keys: int = 100_000
+    max_idempotency_bytes: int = 16 << 20  # hashed keys, ~200 B each: ~84,000 keys
     trace_path: str | None = None
     max_tenant_labels: int = 20
     redis_url: str | None = None
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     class_header: str = "x-kvguard-class"
     deadline_header: str = "x-kvguard-deadline-ms"
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    admin_key_sha256: str | None = None  # or admin_api_key = "..." (hashed at load)
+    protect_operational_endpoints: bool | None = None  # None: on when anonymous is refused
     admitted_paths: tuple[str, ...] = DEFAULT_ADMITTED_PATHS
     _classes_by_name: Mapping[str, RequestClass] = field(
         init=False, repr=False, compare=False, default_factory=dict
@@ -189,6 +202,7 @@ class GuardConfig:
     def __post_init__(self) -> None:
         self._check_classes()
         self._check_tenants()
+        self._check_admin()
         self._check_numbers()
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError("policy: must be a non-empty string")
@@ -243,6 +257,31 @@ class GuardConfig:
             raise ValueError(f"default_class: {self.default_class!r} is not a configured class")
         object.__setattr__(self, "_classes_by_name", types.MappingProxyType(by_name))
 
+    def _check_admin(self) -> None:
+        digest = self.admin_key_sha256
+        if digest is None:
+            return
+        if not (isinstance(digest, str) and len(digest) == 64
+                and all(c in "0123456789abcdef" for c in digest)):
+            raise ValueError("admin_key_sha256: must be 64 lower-case hex digits")
+        if any(t.key_sha256 == digest for t in self.tenants):
+            raise ValueError("admin_api_key: must differ from every tenant's API key")
+
+    @property
+    def protects_operational_endpoints(self) -> bool:
+        """Whether ``/kvguard/state``, ``/kvguard/metrics``, ``/metrics`` need the admin key and
+        ``/v1/models`` a known key: as configured, else whenever anonymous requests are
+        refused (``allow_anonymous = false`` with tenants configured)."""
+        if self.protect_operational_endpoints is not None:
+            return self.protect_operational_endpoints
+        return self.resolve_tenant(None) is None
+
+    def is_admin_key(self, api_key: str | None) -> bool:
+        """Whether ``api_key`` is the configured admin key (constant-time comparison)."""
+        if not api_key or self.admin_key_sha256 is None:
+            return False
+        return hmac.compare_digest(hash_api_key(api_key), self.admin_key_sha256)
+
     def _check_tenants(self) -> None:
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names) or ANONYMOUS_TENANT in names:
@@ -256,17 +295,33 @@ class GuardConfig:
 
     def _check_numbers(self) -> None:
         for name in ("max_body_bytes", "default_max_tokens",
-                     "max_queue_len", "unhealthy_after_errors", "max_idempotency_keys",
+                     "max_queue_len", "unhealthy_after_errors", "max_idempotency_bytes",
                      "max_tenant_labels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.max_idempotency_bytes < 200:
+            raise ValueError("max_idempotency_bytes: must be >= 200 (one hashed key), got "
+                             f"{self.max_idempotency_bytes!r}")
         for name in ("max_queue_wait_s", "refresh_interval_s", "max_staleness_s",
                      "state_timeout_s", "idempotency_ttl_s"):
             _positive(name, getattr(self, name))
         _positive("initial_chars_per_token", self.initial_chars_per_token)
         if not 1.0 <= self.initial_chars_per_token <= 8.0:
             raise ValueError("initial_chars_per_token: must be within [1, 8]")
+        ratio = self.retry_budget_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"retry_budget_ratio: must be within [0, 1], got {ratio!r}")
+        _positive("retry_budget_window_s", self.retry_budget_window_s)
+        count = self.retry_budget_min_retries
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"retry_budget_min_retries: must be an integer >= 0, got {count!r}")
+
+    @property
+    def retry_budget(self) -> RetryBudgetConfig:
+        """The retry budget's own config (:mod:`policies.retry_budget`)."""
+        return RetryBudgetConfig(float(self.retry_budget_ratio), float(self.retry_budget_window_s),
+                                 self.retry_budget_min_retries)
 
     # --- lookups used on the request path -------------------------------------------------
 
@@ -332,6 +387,11 @@ class GuardConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> GuardConfig:
         """Build from a TOML-shaped mapping. Unknown keys raise ValueError naming the key."""
         data = dict(data)
+        if "admin_api_key" in data:
+            if "admin_key_sha256" in data:
+                raise ValueError("admin_api_key: give admin_api_key or admin_key_sha256, not both")
+            data["admin_key_sha256"] = hash_api_key(
+                _check_type("admin_api_key", data.pop("admin_api_key"), str))
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -342,6 +402,8 @@ class GuardConfig:
             data["tenants"] = tuple(_tenant_from(i, t) for i, t in enumerate(_list("tenants", data["tenants"])))
         if "replicas" in data:
             data["replicas"] = tuple(_replica_from(i, r) for i, r in enumerate(_list("replicas", data["replicas"])))
+        if "proxy" in data and not isinstance(data["proxy"], ProxyConfig):
+            data["proxy"] = ProxyConfig.from_dict(data["proxy"])
         if "budget" in data:
             data["budget"] = BudgetConfig.from_dict(data["budget"])
         if "admitted_paths" in data:
@@ -438,9 +500,12 @@ _SCALAR_FIELDS: dict[str, tuple[type, bool]] = {
     "max_queue_wait_s": (float, False), "refresh_interval_s": (float, False),
     "max_staleness_s": (float, False), "state_timeout_s": (float, False),
     "unhealthy_after_errors": (int, False), "tokenizer": (str, True),
-    "initial_chars_per_token": (float, False), "idempotency_ttl_s": (float, False), "max_idempotency_keys": (int, False),
+    "initial_chars_per_token": (float, False), "retry_budget_ratio": (float, False),
+    "retry_budget_window_s": (float, False), "retry_budget_min_retries": (int, False),
+    "idempotency_ttl_s": (float, False), "max_idempotency_bytes": (int, False),
     "trace_path": (str, True), "max_tenant_labels": (int, False), "redis_url": (str, True),
     "class_header": (str, False), "deadline_header": (str, False),
+    "admin_key_sha256": (str, True), "protect_operational_endpoints": (bool, True),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -467,6 +532,8 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         var = "KVGUARD_" + name.upper()
         if var in env:
             out[name] = _parse_env(var, env[var], wanted, nullable)
+    if "KVGUARD_ADMIN_API_KEY" in env:  # the plain key, hashed here like the TOML's
+        out["admin_key_sha256"] = hash_api_key(env["KVGUARD_ADMIN_API_KEY"])
     if "KVGUARD_POLICY_PARAMS" in env:
         try:
             params = json.loads(env["KVGUARD_POLICY_PARAMS"])

@@ -15,11 +15,13 @@ relay           written → the guard forwarded the chunk (the hop and the relay
                 guard is mounted in-process, whose relay runs inside the server's send),
                 above the request's smallest such delay, so the two processes' clocks need
                 not agree
-==============  =========================================================================
-
 client          the client's own gap (``itl_s`` of a ``kvguard load`` record) minus the gap
                 the last server-side hop saw: the socket, the client's loop and its parser
 ==============  =========================================================================
+
+Each token's ``batch_id`` also shows whether the request sat out an engine step between two of
+its tokens (consecutive steps have consecutive batch ids): the scheduler's stall-free rule says
+a running decode never does.
 
 A gap between tokens ``i-1`` and ``i`` as the last recorded hop saw it telescopes exactly into
 ``between_steps(i) + step(i) + Δloop + Δwrite + Δrelay + client`` where ``Δx = x(i) - x(i-1)``:
@@ -48,6 +50,7 @@ class Gap:
     index: int  # the later token's index in the stream (>= 1)
     gap_s: float
     parts_s: dict[str, float | None]
+    num_steps_sat_out: int = 0  # engine steps between the two tokens' steps (0: back to back)
 
 
 def _relay_times(engine_line: dict, guard_line: dict | None) -> list[float] | None:
@@ -104,7 +107,8 @@ def request_gaps(engine_line: dict, guard_line: dict | None = None,
                  "write": _diff(now["write"], before["write"]),
                  "relay": _diff(now["relay"], before["relay"]),
                  "client": None if client is None else gap_s - server_gap_s}
-        gaps.append(Gap(engine_line["request_id"], i, gap_s, parts))
+        sat_out = max(tokens[i][0] - tokens[i - 1][0] - 1, 0)  # batch ids count every step
+        gaps.append(Gap(engine_line["request_id"], i, gap_s, parts, sat_out))
     return gaps
 
 
@@ -115,7 +119,7 @@ def summarize_delivery(rows: list[tuple[dict | None, dict | None]], default_limi
     request's limit (the guard line's ``itl_limit_s``, else ``default_limit_s``). ``clients``:
     client records by request id. None when no engine line carries token records."""
     per_stage: dict[str, list[float]] = {k: [] for k in DELIVERY_STAGES}
-    num_gaps, over, clients = 0, [], clients or {}
+    num_gaps, num_sat_out, over, clients = 0, 0, [], clients or {}
     for guard_line, engine_line in rows:
         if engine_line is None or not engine_line.get("tokens"):
             continue
@@ -126,12 +130,14 @@ def summarize_delivery(rows: list[tuple[dict | None, dict | None]], default_limi
         limit_s = (guard_line or {}).get("itl_limit_s") or default_limit_s
         gaps = request_gaps(engine_line, guard_line, clients.get(engine_line["request_id"]))
         num_gaps += len(gaps)
+        num_sat_out += sum(1 for g in gaps if g.num_steps_sat_out)
         over += [g for g in gaps if g.gap_s > limit_s]
     if not num_gaps and not per_stage["step"]:
         return None
     stages = {stage: {"n": len(v), "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99),
                       "max_ms": max(v)} for stage, v in per_stage.items() if v}
     return {"stages": stages, "num_gaps": num_gaps, "num_over_limit": len(over),
+            "num_gaps_after_a_step_sat_out": num_sat_out,
             "default_limit_ms": default_limit_s * 1e3, **_attribution(over)}
 
 
@@ -148,6 +154,7 @@ def _attribution(over: list[Gap]) -> dict:
     return {"over_limit_ms": {"gap": sum(g.gap_s for g in over) * 1e3, **sums_ms},
             "dominant": dominant,
             "worst": [{"request_id": g.request_id, "index": g.index, "gap_ms": g.gap_s * 1e3,
+                       "num_steps_sat_out": g.num_steps_sat_out,
                        **{k: None if v is None else v * 1e3 for k, v in g.parts_s.items()}}
                       for g in worst]}
 
@@ -161,7 +168,9 @@ def render_delivery(delivery: dict) -> list[str]:
                          f"{row['max_ms']:>9.2f}")
     total = delivery["over_limit_ms"]["gap"]
     lines.append(f"gaps over the limit: {delivery['num_over_limit']} of {delivery['num_gaps']} "
-                 f"(limit: the class's, else {delivery['default_limit_ms']:.0f} ms)")
+                 f"(limit: the class's, else {delivery['default_limit_ms']:.0f} ms); gaps "
+                 f"across an engine step the request sat out: "
+                 f"{delivery['num_gaps_after_a_step_sat_out']}")
     if not delivery["num_over_limit"]:
         return lines
     shares = ", ".join(f"{s} {delivery['over_limit_ms'][s] / total:.0%}" for s in DELIVERY_STAGES)
@@ -169,10 +178,11 @@ def render_delivery(delivery: dict) -> list[str]:
     counts = ", ".join(f"{s} {n}" for s, n in delivery["dominant"].items() if n)
     lines.append(f"  largest part: {counts}")
     lines.append(f"  {'request':<20} {'token':>5} {'gap ms':>8} "
-                 + " ".join(f"{s[:8]:>8}" for s in DELIVERY_STAGES))
+                 + " ".join(f"{s[:8]:>8}" for s in DELIVERY_STAGES) + " sat out")
     for g in delivery["worst"]:
         cells = " ".join("       -" if g[s] is None else f"{g[s]:>8.1f}" for s in DELIVERY_STAGES)
-        lines.append(f"  {g['request_id'][:20]:<20} {g['index']:>5} {g['gap_ms']:>8.1f} {cells}")
+        lines.append(f"  {g['request_id'][:20]:<20} {g['index']:>5} {g['gap_ms']:>8.1f} {cells} "
+                     f"{g['num_steps_sat_out']:>7}")
     return lines
 
 

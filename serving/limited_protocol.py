@@ -1,4 +1,5 @@
-"""uvicorn's h11 protocol with the ``ServerLimits`` enforced on each connection.
+"""uvicorn's HTTP/1.1 protocol (h11 or httptools) with the ``ServerLimits`` enforced on each
+connection.
 
 Why a protocol layer and not ASGI middleware: an ASGI app is called only once the request head
 is complete, so it can never see a client that trickles its headers or opens a connection and
@@ -7,7 +8,8 @@ connection moves through phases, one deadline at a time:
 
     head     accepted, or the first byte of the next request arrived: head within header_timeout_s
     body     head complete, body still arriving: body within body_timeout_s (total)
-    serving  the request is read; the response streams for as long as it takes
+    serving  the request is read; the response streams for as long as it takes, but a client
+             that stops reading (writes paused) is cut after write_timeout_s
     idle     response complete: uvicorn's keep-alive timer (keep_alive_timeout_s) runs
 
 A deadline that passes closes the connection; the app then sees ``http.disconnect``, which frees
@@ -16,7 +18,7 @@ whatever the request held. A connection over ``max_connections`` or over
 sees it.
 
 ``ConnectionTable`` counts the open connections per client address and the closes by reason
-(``header_timeout``, ``body_timeout``, ``over_capacity``); ``uvicorn_config(app, table)`` builds
+(``header_timeout``, ``body_timeout``, ``write_timeout``, ``over_capacity``); ``uvicorn_config(app, table)`` builds
 the uvicorn ``Config`` that uses this protocol.
 """
 
@@ -75,18 +77,41 @@ class ConnectionTable:
             self._on_close(reason)
 
 
-def limited_protocol_class(table: ConnectionTable) -> type:
-    """A subclass of uvicorn's ``H11Protocol`` bound to ``table`` (one class per server)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+def _base_protocol(http: str) -> type:
+    """uvicorn's protocol class for ``http``: ``h11``, ``httptools``, or ``auto`` (httptools
+    when installed, as uvicorn chooses)."""
+    if http == "auto":
+        try:
+            import httptools  # noqa: F401
+        except ImportError:
+            http = "h11"
+        else:
+            http = "httptools"
+    if http == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
 
+        return H11Protocol
+    if http == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        return HttpToolsProtocol
+    raise ValueError(f"http must be auto, h11 or httptools, got {http!r}")
+
+
+def limited_protocol_class(table: ConnectionTable, http: str = "h11") -> type:
+    """A subclass of uvicorn's ``http`` protocol bound to ``table`` (one class per server).
+    Both of uvicorn's HTTP/1.1 protocols keep the request cycle the same way (``cycle``,
+    ``more_body``, ``response_complete``), which is all the phases read."""
+    base = _base_protocol(http)
     limits = table.limits
 
-    class LimitedH11Protocol(H11Protocol):
+    class LimitedProtocol(base):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._client_addr: str | None = None  # set once counted in the table
             self._phase = "head"
             self._deadline = None  # asyncio.TimerHandle of the current phase
+            self._write_deadline = None  # armed while the client does not read
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             peer = transport.get_extra_info("peername")
@@ -112,6 +137,9 @@ def limited_protocol_class(table: ConnectionTable) -> type:
                 self._cancel()
                 return
             self._cancel()
+            if self._write_deadline is not None:
+                self._write_deadline.cancel()
+                self._write_deadline = None
             table.release(self._client_addr)
             self._client_addr = None
             super().connection_lost(exc)
@@ -123,6 +151,25 @@ def limited_protocol_class(table: ConnectionTable) -> type:
                 self._arm("head", limits.header_timeout_s)
             super().data_received(data)
             self._follow_request()
+
+        def pause_writing(self) -> None:
+            """The client stopped reading: it has ``write_timeout_s`` to start again."""
+            super().pause_writing()
+            if self._write_deadline is None and self._client_addr is not None:
+                self._write_deadline = self.loop.call_later(limits.write_timeout_s,
+                                                            self._expire_write)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_deadline is not None:
+                self._write_deadline.cancel()
+                self._write_deadline = None
+
+        def _expire_write(self) -> None:
+            self._write_deadline = None
+            if self.transport is not None and not self.transport.is_closing():
+                table.closed("write_timeout")
+                self.transport.abort()  # close() would wait for the unread buffer to drain
 
         def on_response_complete(self) -> None:
             self._arm("idle", None)  # uvicorn's keep-alive timer takes over
@@ -157,12 +204,13 @@ def limited_protocol_class(table: ConnectionTable) -> type:
             table.closed(_TIMEOUT_REASONS[phase])
             self.transport.close()
 
-    return LimitedH11Protocol
+    return LimitedProtocol
 
 
-def uvicorn_config(app, table: ConnectionTable, **kwargs: Any):
-    """A ``uvicorn.Config`` serving ``app`` with ``table.limits`` enforced (h11 only)."""
+def uvicorn_config(app, table: ConnectionTable, http: str = "h11", **kwargs: Any):
+    """A ``uvicorn.Config`` serving ``app`` over uvicorn's ``http`` protocol (``h11``,
+    ``httptools`` or ``auto``) with ``table.limits`` enforced."""
     import uvicorn
 
-    return uvicorn.Config(app, http=limited_protocol_class(table),
+    return uvicorn.Config(app, http=limited_protocol_class(table, http),
                           timeout_keep_alive=table.limits.keep_alive_timeout_s, **kwargs)

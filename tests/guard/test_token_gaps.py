@@ -56,6 +56,8 @@ def test_summary_uses_the_class_limit_then_the_default():
     summary = summarize_delivery([(GUARD, ENGINE)], 0.08, timeline.percentile)
     assert summary["num_gaps"] == 2 and summary["num_over_limit"] == 1  # 237 ms > 150 ms
     assert summary["dominant"]["between_steps"] == 1
+    assert summary["num_gaps_after_a_step_sat_out"] == 1  # batch 4 -> 6: batch 5 sat out
+    assert summary["worst"][0]["num_steps_sat_out"] == 1
     assert summary["over_limit_ms"]["between_steps"] == pytest.approx(120.0)
     assert summary["stages"]["loop"]["max_ms"] == pytest.approx(30.0)
     engine_only = summarize_delivery([(None, ENGINE)], 0.08, timeline.percentile)
