@@ -1,7 +1,8 @@
 """A bounded admission queue, ordered by class priority then deadline.
 
 Each waiter is an asyncio future. :meth:`AdmissionQueue.pump` re-runs the admission decision
-for every waiter in order (the caller's ``decide`` takes a fresh snapshot and, on admit, takes
+for every waiter in order, telling ``decide`` how many waiters are still ahead of it (the
+caller's ``decide`` takes a fresh snapshot and, on admit, takes
 the reservation itself, synchronously, so two waiters can never be admitted into the same
 blocks); it resolves admitted and shed waiters and evicts those past their deadline with a
 503 ``queue_timeout``. :meth:`AdmissionQueue.run` pumps on every :meth:`wake` (a completion or
@@ -25,8 +26,9 @@ from policies.shed_reasons import QUEUE_FULL, QUEUE_TIMEOUT
 __all__ = ["AdmissionQueue", "Waiter", "QUEUE_FULL", "QUEUE_TIMEOUT"]
 
 
-# decide(cost, now_s) -> Queue (keep waiting), Shed (reject), or anything else (admitted).
-Decide = Callable[[RequestCost, float], Any]
+# decide(cost, now_s, num_ahead) -> Queue (keep waiting), Shed (reject), or anything else
+# (admitted); num_ahead is how many waiters are still queued ahead of this one.
+Decide = Callable[[RequestCost, float, int], Any]
 
 
 @dataclass(order=True)
@@ -86,7 +88,7 @@ class AdmissionQueue:
             if waiter.future.done():  # canceled by its owner
                 num_left += 1
                 continue
-            result = _decide_one(waiter, decide, now_s)
+            result = _decide_one(waiter, decide, now_s, len(kept))
             if result is None:
                 kept.append(waiter)
                 continue
@@ -116,10 +118,10 @@ class AdmissionQueue:
                 self.pump(decide, self._clock())
 
 
-def _decide_one(waiter: Waiter, decide: Decide, now_s: float) -> Any:
+def _decide_one(waiter: Waiter, decide: Decide, now_s: float, num_ahead: int) -> Any:
     if now_s >= waiter.until_s:
         return Shed(503, QUEUE_TIMEOUT)
-    result = decide(waiter.cost, now_s)
+    result = decide(waiter.cost, now_s, num_ahead)
     if isinstance(result, Queue):
         waiter.until_s = result.until_s
         return Shed(503, QUEUE_TIMEOUT) if now_s >= result.until_s else None

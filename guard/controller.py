@@ -249,12 +249,16 @@ class AdmissionController:
             return self._anonymous
         return tenant
 
-    def _decide(self, cost: RequestCost, now_s: float) -> Admit | Queue | Shed:
+    def _decide(self, cost: RequestCost, now_s: float,
+                num_ahead: int | None = None) -> Admit | Queue | Shed:
         """Decide on a fresh snapshot; on admit take the replica reservation (synchronously, so
-        two decisions can never share the same blocks). Draining: shed, never admit."""
+        two decisions can never share the same blocks). Draining: shed, never admit.
+        ``num_ahead``: waiters queued ahead of this request (the queue pump's count; a new
+        arrival has the whole queue ahead of it)."""
         if self.draining:
             return _DRAINING
-        snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
+        num_queued = len(self.queue) if num_ahead is None else num_ahead
+        snapshot = self.load_state.snapshot(now_s, num_queued, self.drain_rate.rate_rps(now_s),
                                             self._retry_ratio.ratios)
         decision = self.policy.decide(cost, snapshot)
         if isinstance(decision, Admit):

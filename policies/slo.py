@@ -19,7 +19,10 @@ prefill and the decode step of the batch once it joins. Then, in order:
 5. otherwise the request would have to wait. A retry from a tenant whose retry ratio is over
    ``retry_shed_ratio`` is shed first (503 ``retry_shed``). If some replica still predicts a
    first token by the deadline (blocks free up, the batch shrinks), queue it until
-   ``deadline - own prefill`` (``kv_wait`` or ``itl_wait``); the guard re-decides it on every
+   ``deadline - own prefill`` (``kv_wait`` or ``itl_wait``) — counting, when the guard's queue
+   holds requests ahead of this one, the time they take to leave at the measured drain rate
+   (``snapshot.num_queued / snapshot.drain_rate_rps``), so a request the queue cannot reach
+   in time is shed on arrival instead of at its deadline; the guard re-decides it on every
    completion and state refresh and sheds queued requests in :func:`shed_order`;
 6. else shed 503: ``no_kv_capacity`` when blocks are what is short (``retry_after_s`` = the
    predicted time until enough blocks free), ``slo_unattainable`` otherwise (``retry_after_s``
@@ -149,10 +152,11 @@ class SloPolicy:
         now_s = snapshot.now_s
         if self._is_retry_over_ratio(cost, snapshot):
             return Shed(503, RETRY_SHED)
+        ahead_s = _queue_ahead_s(snapshot)
         later = [
             (r, f)
             for r, f in options
-            if now_s + f.ttft_s * self.ttft_safety_ratio <= cost.deadline_s
+            if now_s + ahead_s + f.ttft_s * self.ttft_safety_ratio <= cost.deadline_s
             and _itl_attainable(cost, snapshot, r)
         ]
         if later:
@@ -224,6 +228,14 @@ def _shed(options: list[_Option]) -> Shed:
         retry_after_s = min(waits) if waits and min(waits) > 0 else None
         return Shed(503, NO_KV_CAPACITY, retry_after_s=retry_after_s)
     return Shed(503, SLO_UNATTAINABLE)
+
+
+def _queue_ahead_s(snapshot: LoadSnapshot) -> float:
+    """How long the requests queued ahead of this one take to leave, at the measured drain
+    rate (0 when nothing is ahead or no rate is measured yet: no early shed on a guess)."""
+    if snapshot.num_queued <= 0 or snapshot.drain_rate_rps <= 0:
+        return 0.0
+    return snapshot.num_queued / snapshot.drain_rate_rps
 
 
 def _since_arrival(cost: RequestCost, now_s: float, f: TtftForecast) -> float:

@@ -106,7 +106,7 @@ class LoadSnapshot:
     now_s: float
     replicas: tuple[ReplicaSnapshot, ...]
     step_time: StepTimeModel
-    num_queued: int = 0
+    num_queued: int = 0  # requests waiting in the guard's queue ahead of this one
     max_staleness_s: float = 2.0
     drain_rate_rps: float = 0.0  # measured completions per second, for Retry-After
     tenant_retry_ratio: dict[str, float] = field(default_factory=dict)

@@ -17,13 +17,16 @@ def test_order_is_priority_then_deadline_and_pump_admits_in_order():
         early = q.push(make_cost("early", deadline_s=2.0), until_s=9.0, now_s=0.0)
         assert [w.cost.request_id for w in q.waiters()] == ["early", "late", "batch"]
         seen = []
+        ahead = []
 
-        def decide(cost, now_s):  # room for exactly one: the first asked is admitted
+        def decide(cost, now_s, num_ahead):  # room for exactly one: the first asked is admitted
             seen.append(cost.request_id)
+            ahead.append(num_ahead)
             return "ticket" if len(seen) == 1 else Queue(until_s=9.0)
 
         assert q.pump(decide, 1.0) == 1
         assert seen == ["early", "late", "batch"]
+        assert ahead == [0, 0, 1]  # the admitted one no longer counts as ahead
         assert early.future.result() == "ticket"
         assert not late.future.done() and not batch.future.done() and len(q) == 2
     run(main())
@@ -34,9 +37,9 @@ def test_deadline_evicts_with_queue_timeout_without_asking_the_policy():
         q = AdmissionQueue(8, FakeClock())
         w = q.push(make_cost("a"), until_s=2.0, now_s=0.0)
         asked = []
-        q.pump(lambda c, t: asked.append(c) or Queue(until_s=2.0), 1.0)
+        q.pump(lambda c, t, n: asked.append(c) or Queue(until_s=2.0), 1.0)
         assert not w.future.done() and len(asked) == 1
-        q.pump(lambda c, t: asked.append(c) or "ticket", 2.0)
+        q.pump(lambda c, t, n: asked.append(c) or "ticket", 2.0)
         assert w.future.result() == Shed(503, QUEUE_TIMEOUT) and len(asked) == 1 and len(q) == 0
     run(main())
 
@@ -45,7 +48,7 @@ def test_policy_shed_resolves_waiter():
     async def main():
         q = AdmissionQueue(8, FakeClock())
         w = q.push(make_cost("a"), until_s=5.0, now_s=0.0)
-        q.pump(lambda c, t: Shed(503, "overloaded"), 0.5)
+        q.pump(lambda c, t, n: Shed(503, "overloaded"), 0.5)
         assert w.future.result() == Shed(503, "overloaded") and len(q) == 0
     run(main())
 
@@ -81,7 +84,7 @@ def test_remove_and_canceled_futures_leave_the_queue():
         assert q.remove(a) is True and q.remove(a) is False
         b.future.cancel()
         asked = []
-        assert q.pump(lambda c, t: asked.append(c), 0.1) == 1
+        assert q.pump(lambda c, t, n: asked.append(c), 0.1) == 1
         assert asked == [] and len(q) == 0
     run(main())
 
@@ -92,7 +95,7 @@ def test_run_pumps_on_wake_and_on_interval():
         q = AdmissionQueue(4, clock, interval_s=0.005)
         room = {"free": False}
 
-        def decide(cost, now_s):
+        def decide(cost, now_s, num_ahead):
             return "ticket" if room["free"] else Queue(until_s=99.0)
 
         task = asyncio.ensure_future(q.run(decide))

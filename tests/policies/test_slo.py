@@ -77,6 +77,24 @@ def test_no_free_blocks_queues_while_blocks_will_free_before_the_deadline():
     )
 
 
+@pytest.mark.parametrize(
+    "num_queued, drain_rate_rps, expected",
+    [
+        (0, 10.0, Queue),  # nobody ahead
+        (5, 10.0, Queue),  # 0.5 s ahead + 0.22 s own forecast: still in time
+        (10, 10.0, Shed),  # 1 s ahead: the deadline passes before its turn, shed on arrival
+        (50, 0.0, Queue),  # no drain rate measured yet: no early shed on a guess
+    ],
+)
+def test_the_queue_ahead_counts_when_deciding_to_queue(num_queued, drain_rate_rps, expected):
+    snapshot = dataclasses.replace(make_snapshot(make_replica("a", **KV_SHORT)),
+                                   num_queued=num_queued, drain_rate_rps=drain_rate_rps)
+    d = SloPolicy(ttft_safety_ratio=1.0).decide(make_cost(), snapshot)
+    assert isinstance(d, expected)
+    if expected is Shed:
+        assert d.status == 503 and d.reason == "no_kv_capacity"
+
+
 def test_no_free_blocks_sheds_with_the_predicted_free_time_when_too_late():
     d = decide(make_replica("a", **KV_SHORT), now_s=0.9)
     assert d == Shed(503, "no_kv_capacity", retry_after_s=pytest.approx(KV_WAIT_S))
