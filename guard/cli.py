@@ -23,6 +23,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "timeline": ("guard.timeline", "join guard and engine traces into per-stage latencies"),
     "load": ("chaos.load_cli", "open-loop load test with a goodput report"),
     "bench": ("chaos.bench_cli", "benchmarks: engine, overload, guard overhead"),
+    "chaos": ("chaos.chaos_cli", "game days: kill replicas, Redis and proxies under retrying "
+                                 "clients; goodput verdicts"),
     "demo": ("chaos.demo", "the main job: a sim replica under a burst, with and without the guard"),
 }
 
