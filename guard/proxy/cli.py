@@ -11,6 +11,10 @@ budgets are then shared with every other guard or proxy on that Redis. Prints ``
 once it accepts connections (``--port 0``: the port the OS chose). SIGTERM/SIGINT drains: new
 requests get 503 ``shutting_down``, admitted ones run until they end or ``proxy.drain_timeout_s``
 passes, then the process exits 0; a second signal exits at once.
+
+Slow or greedy clients are bounded as in ``kvguard engine`` (``serving.ServerLimits``:
+``--header-timeout-s``, ``--body-timeout-s``, ``--keep-alive-timeout-s``, ``--write-timeout-s``,
+``--max-connections``, ``--max-connections-per-client``), over either HTTP parser.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import socket
 import time
 
 from guard.config import ReplicaConfig, load_config
+from serving import add_limit_arguments, install_quiet_logging, limits_from_args
 
 __all__ = ["configure", "run"]
 
@@ -45,6 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http", choices=("auto", "h11", "httptools"), default="auto",
                         help="uvicorn HTTP parser (auto: httptools when installed)")
     parser.add_argument("--log-level", default="warning")
+    add_limit_arguments(parser)
 
 
 def _config(args: argparse.Namespace):
@@ -119,17 +125,18 @@ def _server_class():
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from guard.proxy.app import ProxyApp
+    from serving.limited_protocol import ConnectionTable, uvicorn_config
 
+    table = ConnectionTable(limits_from_args(args))
     app = ProxyApp(_config(args))
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on",
-                            loop=args.loop, http=args.http,
+    config = uvicorn_config(app, table, http=args.http, log_level=args.log_level,
+                            access_log=False, lifespan="on", loop=args.loop,
                             timeout_graceful_shutdown=max(1, int(app.config.proxy.drain_timeout_s)))
+    install_quiet_logging()
     server = _server_class()(config, app, url)
     try:
         server.run(sockets=[sock])
