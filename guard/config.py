@@ -19,6 +19,7 @@ TOML layout (see ``docs/guard-config.example.toml``)::
     replica_id = "r0"
     url = "http://127.0.0.1:8001"
     state_source = "kvguard"   # "kvguard" | "vllm" | "none" | "asgi"
+    [proxy]                    # the standalone proxy's settings (guard.proxy.config)
 
 Environment: ``KVGUARD_CONFIG`` names the TOML file; ``KVGUARD_<FIELD>`` overrides any scalar
 field (``KVGUARD_POLICY=cap``, ``KVGUARD_MAX_BODY_BYTES=65536``, ``KVGUARD_TRACE_PATH=...``);
@@ -47,6 +48,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package
     import tomli as tomllib
 
+from guard.proxy.config import ProxyConfig
 from guard.budget.config import LIMIT_KEYS, BudgetConfig
 from guard.budget.store import BudgetLimits
 from policies.cost import RequestClass
@@ -114,6 +116,9 @@ class TenantConfig:
 @dataclass(frozen=True)
 class ReplicaConfig:
     """One upstream replica. ``url`` None means the wrapped ASGI app itself (in-process).
+
+    ``state_source``: ``kvguard`` (``GET /kvguard/state``), ``vllm`` (``GET /metrics``), ``none``
+    (no load state is read: a replica of unknown capacity) or ``asgi`` (the wrapped app).
 
     ``max_model_len`` is only needed for ``vllm`` replicas (their metrics do not carry it);
     without it the guard leaves context-length checks to the upstream.
@@ -185,6 +190,7 @@ class GuardConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     class_header: str = "x-kvguard-class"
     deadline_header: str = "x-kvguard-deadline-ms"
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
     admin_key_sha256: str | None = None  # or admin_api_key = "..." (hashed at load)
     protect_operational_endpoints: bool | None = None  # None: on when anonymous is refused
     admitted_paths: tuple[str, ...] = DEFAULT_ADMITTED_PATHS
@@ -396,6 +402,8 @@ class GuardConfig:
             data["tenants"] = tuple(_tenant_from(i, t) for i, t in enumerate(_list("tenants", data["tenants"])))
         if "replicas" in data:
             data["replicas"] = tuple(_replica_from(i, r) for i, r in enumerate(_list("replicas", data["replicas"])))
+        if "proxy" in data and not isinstance(data["proxy"], ProxyConfig):
+            data["proxy"] = ProxyConfig.from_dict(data["proxy"])
         if "budget" in data:
             data["budget"] = BudgetConfig.from_dict(data["budget"])
         if "admitted_paths" in data:

@@ -34,6 +34,9 @@ ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy anot
   - :class:`~guard.shedding.Rejection`: send it as is (status, OpenAI-style body, retry
     headers); it is already counted and traced.
   - ``None``: the client left before a decision; nothing to send (already counted canceled).
+* ``redispatch(admission, replica_ids)`` (the proxy): the upstream failed before answering, so
+  the policy re-decides among ``replica_ids``; returns the new replica id (reservation moved)
+  or None.
 * Drain (SIGTERM): :meth:`begin_drain` makes every decision, queued ones included, a 503
   ``shutting_down`` with retry advice; :meth:`wait_drained` returns once no ticket is held.
 * Lifecycle: :meth:`start` on the serving event loop (``admit`` starts it on first use);
@@ -53,12 +56,13 @@ proxy on top.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -269,6 +273,26 @@ class AdmissionController:
             self.policy.admitted(cost, decision.replica_id, now_s)
             self.metrics.counters(cost.request_class.name, cost.tenant).admitted.value += 1
         return decision
+
+    def redispatch(self, admission: Admission, replica_ids: Collection[str]) -> str | None:
+        """The policy re-decides an admitted request whose replica failed before answering
+        (nothing reached the client) among ``replica_ids``. Its reservation leaves the failed
+        replica; on Admit it is reserved on the new one, whose id the ticket then carries.
+        None when the policy admits it nowhere (the adapter answers the failure)."""
+        ticket = admission.ticket
+        cost = ticket.cost
+        now_s = self.clock()
+        self.load_state.release(cost.request_id)
+        snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
+                                            self._retry_ratio.ratios)
+        others = tuple(r for r in snapshot.replicas if r.replica_id in replica_ids)
+        decision = self.policy.decide(cost, dataclasses.replace(snapshot, replicas=others))
+        if not isinstance(decision, Admit):
+            return None
+        self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
+        self.policy.admitted(cost, decision.replica_id, now_s)
+        ticket.replica_id = decision.replica_id
+        return decision.replica_id
 
     async def _wait(self, cost: RequestCost, until_s: float, enqueue_s: float,
                     client_gone: Callable[[], asyncio.Future] | None) -> Admit | Shed | None:

@@ -4,7 +4,9 @@
 reserve is one script call bounded by ``redis_timeout_s``. After ``breaker_failures``
 consecutive failures (a timeout, a refused connection, a hung server) the breaker opens and the
 guard enforces a **local share** of each limit — the limit divided by the number of guards last
-seen live in Redis (each guard heartbeats every ``heartbeat_s``) — in its own memory store, and a
+seen live in Redis (each guard heartbeats every ``heartbeat_s``) — in its own memory store, whose
+buckets start from their share of what Redis last reported left (an outage never re-grants
+budget the shared bucket had already spent), and a
 background task reconnects on a tenacity backoff (capped at ``retry_max_s``), reloads the
 scripts, and closes the breaker. Start-up without Redis is the same state: local share, retrying.
 
@@ -23,7 +25,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 from guard.budget.breaker import Breaker
 from guard.budget.config import BudgetConfig
@@ -76,6 +78,7 @@ class FallbackStore:
         self._shares: dict[str, BudgetLimits] = {}
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        self._closing = False
         if metrics is not None:
             metrics.watch_remaining(self.remaining_tokens)
 
@@ -131,9 +134,12 @@ class FallbackStore:
             self.breaker.record_success()
 
     async def aclose(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait({self._task}, timeout=PROBE_TIMEOUT_S * 4)
+            if self._task.done() and not self._task.cancelled():
+                self._task.exception()  # retrieved: a probe error while closing is expected
             self._task = None
         if self.redis is not None:
             await self.redis.aclose()
@@ -157,7 +163,7 @@ class FallbackStore:
             self._task = asyncio.get_running_loop().create_task(self._supervise())
 
     async def _supervise(self) -> None:
-        while True:
+        while not self._closing:
             if self.breaker.is_open:
                 await self._reconnect()
                 continue
@@ -175,7 +181,9 @@ class FallbackStore:
     async def _reconnect(self) -> None:
         retrying = AsyncRetrying(
             wait=wait_exponential(multiplier=0.05, min=0.05, max=self._config.retry_max_s),
-            retry=retry_if_exception_type(Exception), reraise=True)
+            # a client library may turn our cancellation into its own error: stop when closing
+            retry=retry_if_exception(lambda exc: isinstance(exc, Exception) and not self._closing),
+            reraise=True)
         async for attempt in retrying:
             with attempt:
                 await self._probe()
@@ -203,6 +211,7 @@ class FallbackStore:
 
     def _on_breaker(self, is_open: bool) -> None:
         if is_open:
+            self._seed_local_share()
             log.warning("budget backend: redis -> local share (1/%d of each limit) after %d "
                         "failures", self.live_guards, self._config.breaker_failures)
             if self._wake is not None:
@@ -211,6 +220,16 @@ class FallbackStore:
             log.warning("budget backend: local -> redis (%s)", self._url)
         if self._metrics is not None:
             self._metrics.set_breaker(is_open)
+
+    def _seed_local_share(self) -> None:
+        """Start each tenant's local share from its share of what Redis last said was left, so
+        an outage never hands out budget the shared bucket had already spent."""
+        if self.redis is None:
+            return
+        n = self.live_guards
+        for tenant, (tokens, requests) in self.redis.levels.items():
+            self.local.cap_levels(tenant, None if tokens is None else tokens / n,
+                                  None if requests is None else requests / n)
 
     def _local_limits(self, tenant: str) -> BudgetLimits:
         key = f"{self.live_guards}:{tenant}"

@@ -101,3 +101,24 @@ def test_slow_connections_are_cut_while_a_probe_is_served(engine):
           f"cut after {min(closed_after_s):.1f}..{max(closed_after_s):.1f} s")
     assert httpx.get(engine.base_url + "/health", trust_env=False).status_code == 200
     assert "Traceback" not in engine.output()
+
+
+def test_garbage_requests_are_counted_not_logged_one_by_one(engine):
+    """Any client can send malformed requests: 30 of them leave at most one summary line."""
+    host, port = engine.base_url.removeprefix("http://").rsplit(":", 1)
+
+    async def garbage() -> list[bytes]:
+        answers = []
+        for _ in range(30):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GARBAGE / NOT-HTTP\r\n\r\n")
+            answers.append(await asyncio.wait_for(reader.read(), 30.0))
+            writer.close()
+        return answers
+
+    answers = asyncio.run(garbage())
+    assert all(a.startswith(b"HTTP/1.1 400") for a in answers), answers[:2]
+    assert httpx.get(engine.base_url + "/health", trust_env=False).status_code == 200
+    output = engine.output()
+    assert "Invalid HTTP request received." not in output
+    assert output.count("invalid HTTP request(s) in the last") <= 1
