@@ -3,9 +3,11 @@
     kvguard proxy --upstream http://127.0.0.1:8001 --upstream http://127.0.0.1:8002
     kvguard proxy --config guard.toml --port 9000        # replicas from [[replicas]]
     kvguard proxy --upstream http://vllm:8000 --state-source vllm
+    kvguard proxy --config guard.toml --redis redis://127.0.0.1:6379/0   # budgets shared by proxies
 
 ``--upstream`` (repeatable) replaces the config's ``[[replicas]]`` (ids ``r0``, ``r1``, … in
-order, state read as ``--state-source``). Prints ``kvguard proxy listening on http://HOST:PORT``
+order, state read as ``--state-source``). ``--redis URL`` replaces the config's ``redis_url``: tenant
+budgets are then shared with every other guard or proxy on that Redis. Prints ``kvguard proxy listening on http://HOST:PORT``
 once it accepts connections (``--port 0``: the port the OS chose). SIGTERM/SIGINT drains: new
 requests get 503 ``shutting_down``, admitted ones run until they end or ``proxy.drain_timeout_s``
 passes, then the process exits 0; a second signal exits at once.
@@ -38,6 +40,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="how --upstream replicas publish load (default: kvguard)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="guard TOML (default: $KVGUARD_CONFIG, else built-in defaults)")
+    parser.add_argument("--redis", default=None, metavar="URL",
+                        help="Redis holding the tenant budgets shared by every proxy "
+                             "(replaces redis_url; budgets themselves come from the config)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000, help="0 picks a free port")
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
@@ -54,6 +59,8 @@ def _config(args: argparse.Namespace):
         replicas = tuple(ReplicaConfig(f"r{i}", url, args.state_source)
                          for i, url in enumerate(args.upstream))
         config = dataclasses.replace(config, replicas=replicas)
+    if args.redis is not None:
+        config = dataclasses.replace(config, redis_url=args.redis)
     if not config.replicas:
         raise ValueError("no replicas: give --upstream URL or [[replicas]] in the config")
     return config
