@@ -27,6 +27,7 @@ class ShedResult:
     statuses: dict[str, int] = field(default_factory=dict)
     shed_latencies_s: list[float] = field(default_factory=list)
     send_lag_s: float = 0.0  # how far the last send fell behind its schedule
+    examples: dict[str, str] = field(default_factory=dict)  # first body per unexpected status
     wall_s: float = 0.0
 
     def summary(self) -> dict:
@@ -42,6 +43,7 @@ class ShedResult:
             if lat else None,
             "shed_max_ms": round(1000 * lat[-1], 2) if lat else None,
             "unanswered": self.statuses.get("timeout", 0) + self.statuses.get("error", 0),
+            "examples": self.examples,
         }
 
 
@@ -51,8 +53,10 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, timeout_s:
     try:
         async with session.post(url, data=body, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                 headers={"content-type": "application/json"}) as response:
-            await response.read()
+            body = await response.read()
             status = str(response.status)
+            if response.status not in (200, 429, 503) and status not in result.examples:
+                result.examples[status] = body[:300].decode("utf-8", "replace")
     except asyncio.TimeoutError:
         status = "timeout"
     except aiohttp.ClientError:

@@ -284,7 +284,7 @@ class AdmissionController:
         now_s = self.clock()
         self.load_state.release(cost.request_id)
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
-                                            self._retry_ratio.ratios)
+                                            self.retry_budget.view(now_s))
         others = tuple(r for r in snapshot.replicas if r.replica_id in replica_ids)
         decision = self.policy.decide(cost, dataclasses.replace(snapshot, replicas=others))
         if not isinstance(decision, Admit):

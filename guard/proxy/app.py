@@ -75,7 +75,7 @@ class ProxyApp:
         self.urls = {r.replica_id: r.url for r in config.replicas}
         self.transport = transport or make_transport(
             proxy.upstream_client, proxy.connect_timeout_s, proxy.read_timeout_s,
-            proxy.max_upstream_connections)
+            proxy.max_connections_per_replica, len(self.urls))
         self.health = ReplicaHealth(self.urls, proxy.eject_after_failures, proxy.probe_interval_s,
                                     self._mark_unhealthy, self._probe, self.clock)
         self._state_client = httpx.AsyncClient(trust_env=False)

@@ -6,7 +6,7 @@ Two signals make a replica unroutable:
   ``unhealthy_after_errors`` consecutive failed state polls, and healthy again on the next good
   one;
 * :class:`ReplicaHealth` ejects it after ``eject_after_failures`` consecutive request failures
-  (connect errors, timeouts, 5xx answers). An ejected replica is marked unhealthy in the load
+  (connect errors, timeouts, 5xx answers other than 503). An ejected replica is marked unhealthy in the load
   state at once, its state source is gated (every poll fails while it is ejected, so a good poll
   in flight cannot make it routable again), and from ``probe_interval_s`` after the ejection
   its ``GET /health`` is probed every ``probe_interval_s``; the first 2xx re-admits it, and the

@@ -3,7 +3,8 @@
 * ``kvguard_proxy_redispatches_total{replica}``: requests moved off ``replica`` before any
   response byte (connect error, closed connection, the replica's 503).
 * ``kvguard_proxy_upstream_failures_total{replica,kind}``: ``kind`` is ``unreachable``,
-  ``timeout``, ``status`` (a 5xx answer) or ``broken`` (a response cut mid-way).
+  ``timeout``, ``status`` (a 5xx answer), ``unavailable`` (a 503, not counted toward
+  ejection) or ``broken`` (a response cut mid-way).
 * ``kvguard_proxy_ejections_total{replica}`` and ``kvguard_proxy_replica_routable{replica}``
   (1 while the policy may pick it).
 """

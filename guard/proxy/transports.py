@@ -132,15 +132,15 @@ class AiohttpTransport:
     serving loop)."""
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float,
-                 max_connections: int) -> None:
+                 max_connections_per_replica: int, num_replicas: int) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
-        self._max_connections = max_connections
+        self._per_replica = max_connections_per_replica
         self._session: Any = None
 
     def _client(self) -> Any:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=self._per_replica,
                                              keepalive_timeout=_KEEPALIVE_S)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s,
                                             sock_read=self._read_timeout_s)
@@ -202,11 +202,13 @@ class _HttpxResponse:
 
 
 class HttpxTransport:
-    """httpx ``AsyncClient`` with one pool."""
+    """httpx ``AsyncClient`` with one pool (httpx caps connections in total only: the per-replica
+    cap times the number of replicas)."""
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float,
-                 max_connections: int) -> None:
+                 max_connections_per_replica: int, num_replicas: int) -> None:
         self._read_timeout_s = read_timeout_s
+        max_connections = max_connections_per_replica * num_replicas
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=max_connections,
@@ -242,9 +244,11 @@ class HttpxTransport:
 
 
 def make_transport(name: str, connect_timeout_s: float, read_timeout_s: float,
-                   max_connections: int) -> Transport:
+                   max_connections_per_replica: int, num_replicas: int) -> Transport:
     if name == "aiohttp":
-        return AiohttpTransport(connect_timeout_s, read_timeout_s, max_connections)
+        return AiohttpTransport(connect_timeout_s, read_timeout_s, max_connections_per_replica,
+                                num_replicas)
     if name == "httpx":
-        return HttpxTransport(connect_timeout_s, read_timeout_s, max_connections)
+        return HttpxTransport(connect_timeout_s, read_timeout_s, max_connections_per_replica,
+                              num_replicas)
     raise ValueError(f"upstream_client: must be one of {UPSTREAM_CLIENTS}, got {name!r}")

@@ -9,7 +9,8 @@ answer to the client:
 * a failure **before any response** (connect refused or timed out, connection closed, garbage
   status line, or the replica's own 503) is re-dispatched once to another routable replica
   (``redispatch``) and counted; if there is none, or the second try fails too: 502
-  ``upstream_failed`` (a replica's 503 is relayed as it is, with its own Retry-After);
+  ``upstream_failed`` (a replica's 503 is relayed as it is, with its own Retry-After, and does
+  not count toward ejection: the replica answered);
 * an upstream that stays silent past ``read_timeout_s``: 504 ``upstream_timeout`` before the
   response began, an SSE error event after;
 * any other 5xx answer: 502 ``upstream_failed`` (the upstream's status in the message);
@@ -19,7 +20,7 @@ answer to the client:
 * the client's disconnect cancels the forwarding at once and aborts the upstream connection
   (the replica sees its client go and frees the sequence's KV blocks).
 
-Every connect error, timeout and 5xx is a failure for :class:`guard.proxy.health.ReplicaHealth`
+Every connect error, timeout and 5xx but 503 is a failure for :class:`guard.proxy.health.ReplicaHealth`
 (ejection); any other answer is a success.
 """
 
@@ -123,7 +124,9 @@ class Forwarder:
             else:
                 if response.status != 503:
                     return response
-                self._fail(replica_id, "status")
+                # a replica that answers 503 (over its connection cap, shutting down) is alive:
+                # the request moves on, the replica is not ejected for it
+                self._counters.upstream_failure(replica_id, "unavailable")
                 if attempt == 1 or self._redispatch(admission, replica_id) is None:
                     return response  # the replica's own 503 (and Retry-After) goes to the client
                 await response.aclose()
@@ -158,7 +161,7 @@ class Forwarder:
                     504 if timeout else 502, "upstream_timeout" if timeout else "upstream_failed",
                     str(exc), should_retry=True))
                 return
-            if status < 500:  # a relayed 503 was counted as a failure already
+            if status < 500:
                 self._health.record_success(replica_id)
             await client.start(status, [*response.headers,
                                         (b"content-length", str(len(body)).encode())])

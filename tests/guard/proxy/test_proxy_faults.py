@@ -157,6 +157,21 @@ def test_failure_before_the_first_byte_is_redispatched_once(tmp_path, client):
             client.get(bad.url + "/count").json()["posts"] >= 1
 
 
+def test_a_replicas_503_moves_the_request_on_and_never_ejects_it(tmp_path, client):
+    config = write_config(tmp_path, probe_interval_s=30.0)
+    with running(upstream_child("status503")) as busy, running(upstream_child("ok")) as good, \
+            running(proxy_child([busy.url], config, state_source="none")) as alone, \
+            running(proxy_child([busy.url, good.url], config, state_source="none")) as pair:
+        for _ in range(4):  # eject_after_failures = 2: a 503 is not a failure
+            relayed = client.post(alone.url + "/v1/completions", json=BODY)
+            assert relayed.status_code == 503 and relayed.headers["retry-after"] == "7"
+            assert relayed.headers["x-kvguard-replica"] == "r0"
+            moved = client.post(pair.url + "/v1/completions", json=BODY)
+            assert moved.status_code == 200 and moved.headers["x-kvguard-replica"] == "r1"
+        assert not _replica_state(client, alone.url, "r0")["ejected"]
+        assert not _replica_state(client, pair.url, "r0")["ejected"]
+
+
 def test_bad_input_never_reaches_an_upstream(tmp_path, client):
     config = write_config(tmp_path)
     with running(upstream_child("ok")) as upstream, \

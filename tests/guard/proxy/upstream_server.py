@@ -7,6 +7,7 @@ mode; ``GET /count`` is the number of POSTs received. A POST gets, by MODE:
 * ``ok``: a JSON completion with usage (or, with ``"stream": true``, three SSE chunks and
   ``[DONE]``);
 * ``status500``: HTTP 500;
+* ``status503``: HTTP 503 with ``retry-after: 7`` (an engine over its connection cap);
 * ``garbage``: bytes that are not HTTP, then the connection closes.
 """
 
@@ -40,6 +41,10 @@ async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter
     COUNT["posts"] += 1
     if mode == "status500":
         writer.write(_response("500 Internal Server Error", b'{"error": "boom"}'))
+        return True
+    if mode == "status503":
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 7\r\n"
+                     b"content-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
         return True
     if mode == "garbage":
         writer.write(b"\x00\x01 this is not HTTP at all \r\n\r\n")
