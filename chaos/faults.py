@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 
 __all__ = ["FAULT_KINDS", "Fault", "FaultEvent", "validate_plan", "inject", "scaled"]
@@ -116,16 +116,22 @@ async def _act(child, action: str) -> None:
         await asyncio.to_thread(child.restart)
 
 
-async def _run_one(fault: Fault, topology, t0_s: float, clock, events: list) -> None:
+async def _run_one(fault: Fault, topology, t0_s: float, clock, sleep, events: list) -> None:
+    """The fault's action at its time, then its recovery ``duration_s`` after the action
+    actually happened (a late action on a starved loop keeps the fault's full length)."""
     child = _child(topology, fault)
     name = fault.target_name()
     steps = [(fault.at_s, _ACTIONS[fault.kind][0])]
     if fault.end_s is not None:
         steps.append((fault.end_s, _ACTIONS[fault.kind][1]))
+    struck_s = None
     for at_s, action in steps:
-        delay_s = t0_s + at_s - clock()
-        if delay_s > 0:
-            await asyncio.sleep(delay_s)
+        due_s = t0_s + at_s
+        if struck_s is not None and fault.kind != "rate_step":
+            due_s = max(due_s, struck_s + fault.duration_s)
+        if due_s - clock() > 0:
+            await sleep(due_s - clock())
+        struck_s = clock() if struck_s is None else struck_s
         events.append(FaultEvent(clock() - t0_s, fault.kind, name, action))
         if fault.kind == "rate_step":
             continue
@@ -140,10 +146,11 @@ async def _run_one(fault: Fault, topology, t0_s: float, clock, events: list) -> 
 
 
 async def inject(plan: Sequence[Fault], topology, t0_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> list[FaultEvent]:
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> list[FaultEvent]:
     """Carry out ``plan`` against ``topology`` on the run clock (``t0_s`` = run start);
     returns the events in time order once every step is done."""
     validate_plan(plan, topology)
     events: list[FaultEvent] = []
-    await asyncio.gather(*(_run_one(f, topology, t0_s, clock, events) for f in plan))
+    await asyncio.gather(*(_run_one(f, topology, t0_s, clock, sleep, events) for f in plan))
     return sorted(events, key=lambda e: e.t_s)

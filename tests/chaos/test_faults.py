@@ -81,3 +81,16 @@ def test_scaled_stretches_times_only():
     f = scaled(Fault("replica_kill", 2.0, 3.0, 1), 2.5)
     assert (f.at_s, f.duration_s, f.target, f.end_s) == (5.0, 7.5, 1, 12.5)
     assert scaled(Fault("proxy_kill", 2.0), 2.0).duration_s is None
+
+
+def test_a_late_fault_keeps_its_full_length():
+    """The loop woke 10 s late for the SIGSTOP: the SIGCONT still comes 2 s after it."""
+    topo = FakeTopology()
+    now = {"t": 10.0}
+
+    async def fake_sleep(delay_s):
+        now["t"] += delay_s
+
+    events = asyncio.run(inject([Fault("redis_hang", 1.0, 2.0)], topo, 0.0,
+                                clock=lambda: now["t"], sleep=fake_sleep))
+    assert [(e.action, e.t_s) for e in events] == [("stop", 10.0), ("cont", 12.0)]
