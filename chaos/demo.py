@@ -29,7 +29,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=("seed",), default=None,
                    help="the fleet version: the chaos `seed` scenario (4 sim replicas behind "
                         "the proxy, a burst to 1.16 C, one replica lost, retrying clients) "
-                        "for always_admit and slo")
+                        "for always_admit and slo; it has its own load and times (--load, "
+                        "--duration and --warmup are the single-replica demo's)")
+    p.add_argument("--replica-capacity", type=float, default=None,
+                   help="with --scenario: one replica's capacity in req/s at this time scale "
+                        "(skips the saturation probe)")
 
 
 def _table(rows: list[tuple[str, dict]]) -> str:
@@ -50,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     if args.scenario is not None:
         from chaos.fleet_demo import run_fleet_demo
         return run_fleet_demo(args)
+    if args.replica_capacity is not None:
+        raise ValueError("--replica-capacity applies to --scenario only")
     scenario = Scenario(args)
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ replicas behind the kvguard proxy, users at 0.74 C (C = one replica's capacity Ã
 1.16 C, one replica SIGKILLed during the burst and restarted after it, clients retrying (the
 OpenAI SDK, tenacity, timeout-and-retry, a few bad citizens) â€” once with ``always_admit`` and
 once with ``slo``, each on a fresh fleet. One replica's capacity is its saturation throughput S
-from the demo's probe (or ``--capacity``).
+from the demo's probe (or ``--replica-capacity``).
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def run_fleet_demo(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"kvguard demo --scenario {spec.name}: {spec.summary}\n  output folder: {out}",
           flush=True)
-    if args.capacity:
-        capacity = (args.capacity, "given (--capacity)")
+    if args.replica_capacity is not None:
+        if args.replica_capacity <= 0:
+            raise ValueError("--replica-capacity must be > 0")
+        capacity = (args.replica_capacity, "given (--replica-capacity)")
     else:
         print("1/3 measuring one replica's saturation throughput S ...", flush=True)
         with ReplicaProcess.start(Scenario(args).engine_args()) as replica:

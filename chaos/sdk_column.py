@@ -56,6 +56,7 @@ def sdk_row(scenario, policy: str | None, rate: float, cap_rps: float, out: Path
     if policy is not None and policy != BARE:
         engine_args += ["--guard", write_guard_config(str(out / "guard.toml"), policy=policy,
                                                       ttft_s=c.ttft_s, itl_s=c.itl_s,
+                                                      trace_path=str(out / "guard-trace.jsonl"),
                                                       policy_params=policy_params)]
     sched = ScheduleConfig(rate_per_s=rate, duration_s=scenario.duration_s,
                            shape=scenario.args.shape, seed=scenario.args.seed,

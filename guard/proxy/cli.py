@@ -3,12 +3,18 @@
     kvguard proxy --upstream http://127.0.0.1:8001 --upstream http://127.0.0.1:8002
     kvguard proxy --config guard.toml --port 9000        # replicas from [[replicas]]
     kvguard proxy --upstream http://vllm:8000 --state-source vllm
+    kvguard proxy --config guard.toml --redis redis://127.0.0.1:6379/0   # budgets shared by proxies
 
 ``--upstream`` (repeatable) replaces the config's ``[[replicas]]`` (ids ``r0``, ``r1``, … in
-order, state read as ``--state-source``). Prints ``kvguard proxy listening on http://HOST:PORT``
+order, state read as ``--state-source``). ``--redis URL`` replaces the config's ``redis_url``: tenant
+budgets are then shared with every other guard or proxy on that Redis. Prints ``kvguard proxy listening on http://HOST:PORT``
 once it accepts connections (``--port 0``: the port the OS chose). SIGTERM/SIGINT drains: new
 requests get 503 ``shutting_down``, admitted ones run until they end or ``proxy.drain_timeout_s``
 passes, then the process exits 0; a second signal exits at once.
+
+Slow or greedy clients are bounded as in ``kvguard engine`` (``serving.ServerLimits``:
+``--header-timeout-s``, ``--body-timeout-s``, ``--keep-alive-timeout-s``, ``--write-timeout-s``,
+``--max-connections``, ``--max-connections-per-client``), over either HTTP parser.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import socket
 import time
 
 from guard.config import ReplicaConfig, load_config
+from serving import add_limit_arguments, install_quiet_logging, limits_from_args
 
 __all__ = ["configure", "run"]
 
@@ -33,6 +40,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="how --upstream replicas publish load (default: kvguard)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="guard TOML (default: $KVGUARD_CONFIG, else built-in defaults)")
+    parser.add_argument("--redis", default=None, metavar="URL",
+                        help="Redis holding the tenant budgets shared by every proxy "
+                             "(replaces redis_url; budgets themselves come from the config)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000, help="0 picks a free port")
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
@@ -40,6 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http", choices=("auto", "h11", "httptools"), default="auto",
                         help="uvicorn HTTP parser (auto: httptools when installed)")
     parser.add_argument("--log-level", default="warning")
+    add_limit_arguments(parser)
 
 
 def _config(args: argparse.Namespace):
@@ -48,6 +59,8 @@ def _config(args: argparse.Namespace):
         replicas = tuple(ReplicaConfig(f"r{i}", url, args.state_source)
                          for i, url in enumerate(args.upstream))
         config = dataclasses.replace(config, replicas=replicas)
+    if args.redis is not None:
+        config = dataclasses.replace(config, redis_url=args.redis)
     if not config.replicas:
         raise ValueError("no replicas: give --upstream URL or [[replicas]] in the config")
     return config
@@ -112,17 +125,18 @@ def _server_class():
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from guard.proxy.app import ProxyApp
+    from serving.limited_protocol import ConnectionTable, uvicorn_config
 
+    table = ConnectionTable(limits_from_args(args))
     app = ProxyApp(_config(args))
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on",
-                            loop=args.loop, http=args.http,
+    config = uvicorn_config(app, table, http=args.http, log_level=args.log_level,
+                            access_log=False, lifespan="on", loop=args.loop,
                             timeout_graceful_shutdown=max(1, int(app.config.proxy.drain_timeout_s)))
+    install_quiet_logging()
     server = _server_class()(config, app, url)
     try:
         server.run(sockets=[sock])

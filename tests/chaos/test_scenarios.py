@@ -119,3 +119,24 @@ def test_fault_window_follows_the_faults_as_they_happened():
             FaultEvent(55.0, "replica_kill", "replica-1", "healthy")]
     w = fault_window(spec, settings, late)
     assert (w.start_s, w.end_s, w.num_surviving) == (30.0, 55.0, 3)
+
+
+def test_fleet_demo_runs_seed_for_always_admit_and_slo_with_the_demo_flags(monkeypatch, tmp_path):
+    """The wiring only (the scenario run itself is covered by the quick-scenario tests)."""
+    import chaos.fleet_demo as fleet_demo
+    from tests.chaos.test_chaos_report import _verdict
+    seen = {}
+
+    def fake_run(spec, policies, settings, out, log, *, quick, capacity):
+        seen.update(spec=spec.name, policies=policies, settings=settings, quick=quick,
+                    capacity=capacity, out=out)
+        return {"policies": {p: _verdict(6.0) for p in policies}}
+
+    monkeypatch.setattr(fleet_demo, "run_scenario", fake_run)
+    assert kvguard(["demo", "--scenario", "seed", "--replica-capacity", "5.5", "--time-scale", "3",
+                    "--ttft", "0.5", "--seed", "7", "--out", str(tmp_path / "d")]) == 0
+    assert seen["spec"] == "seed" and seen["policies"] == ["always_admit", "slo"]
+    assert seen["capacity"] == (5.5, "given (--replica-capacity)") and not seen["quick"]
+    s = seen["settings"]
+    assert (s.time_scale, s.ttft_s, s.seed) == (3.0, 0.5, 7)
+    assert seen["out"] == tmp_path / "d"

@@ -209,3 +209,16 @@ def test_local_share_starts_from_what_redis_had_left():
         run(go())
     finally:
         server.kill()
+
+
+def test_first_requests_wait_for_the_first_connect_instead_of_a_local_share(redis_server):
+    async def go():
+        store = fallback(redis_server.url, BudgetLimits(requests_per_minute=3))
+        tenant = f"fresh{time.time_ns()}"
+        outcomes = [await timed_reserve(store, tenant) for _ in range(5)]
+        # all decided by Redis: 3 granted there, none on a local share on top
+        assert [isinstance(o, Grant) for o in outcomes] == [True] * 3 + [False] * 2
+        assert store.num_local_reserves == 0
+        assert int(redis_server.cli("hlen", tenant_keys(tenant)[2])) == 3
+        await store.aclose()
+    run(go())

@@ -45,9 +45,9 @@ def running(child: ChildProcess, timeout_s: float = 90.0):
 
 
 def proxy_child(upstreams: list[str], config: str, *, state_source: str = "kvguard",
-                healthy: bool = True) -> ChildProcess:
+                healthy: bool = True, extra_args: tuple[str, ...] = ()) -> ChildProcess:
     """``kvguard proxy`` for these upstreams; ``healthy=False`` waits only for the port."""
-    args = [a for url in upstreams for a in ("--upstream", url)]
+    args = [a for url in upstreams for a in ("--upstream", url)] + list(extra_args)
 
     def argv(port: int) -> list[str]:
         return [sys.executable, "-m", "guard.cli", "proxy", *args, "--state-source",
