@@ -9,7 +9,7 @@ one run, alternating blocks of requests so drift hits both equally:
   relay, release) and nothing else;
 * ``--http``: the same two apps served by uvicorn on loopback, one client request at a time.
 
-Targets (DESIGN.md §4): median added latency ≤ 100 µs in-process; guarded rate ≥ 0.9× bare.
+Targets: median added latency ≤ 100 µs in-process; guarded rate ≥ 0.9× bare.
 """
 
 from __future__ import annotations

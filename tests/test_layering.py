@@ -1,4 +1,4 @@
-"""The import direction DESIGN.md fixes: guard and policies never pull in torch."""
+"""The import direction between the packages: guard and policies never pull in torch."""
 
 import subprocess
 import sys
