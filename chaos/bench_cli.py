@@ -16,6 +16,8 @@ TARGETS: dict[str, tuple[str, str]] = {
     "guard": ("guard.bench", "guard decision time and proxy overhead"),
     "sim": ("engine.sim_bench", "the simulated backend against its timing model"),
     "overload": ("chaos.overload", "the reference overload, every policy side by side"),
+    "budget": ("guard.budget.bench", "request rate with Redis / in-memory / no budgets"),
+    "serving": ("serving.bench", "what the connection limits cost: limited vs plain uvicorn"),
 }
 
 

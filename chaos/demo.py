@@ -14,8 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from chaos.overload import Scenario, fmt_num, probe_saturation, run_policy
-from chaos.overload import configure_scenario
+from chaos.overload import Scenario, configure_scenario, fmt_num, probe_saturation, run_policy
 from chaos.replica import ReplicaProcess, exit_on_sigterm
 
 __all__ = ["configure", "run"]

@@ -7,7 +7,9 @@ Token ``p`` of a sequence lives in block ``block_table[p // block_size]`` at off
 The step's sequences are cut into groups of consecutive sequences with the same number of
 new tokens (all the decodes together; each prefill chunk alone unless chunks match), so
 queries never need padding. Each group gathers its sequences' K/V from their block tables
-(one vectorised ``index_select``) and runs ``scaled_dot_product_attention`` once.
+(one vectorised ``index_select``) and runs ``scaled_dot_product_attention`` once. A group of
+one sequence whose blocks are consecutive ids (the common case at batch 1: the free list hands
+blocks out in order) reads its K/V as a view of the cache instead: the same tensor, no copy.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class AttentionGroup:
 
     ``attn_mask`` [num_seqs, 1, query_len, max_context_len] (True = may attend) or None when
     every query sees every key; ``is_causal`` marks one sequence with no cached prefix.
+    ``first_block``: for one sequence whose used blocks are consecutive ids, the first of them
+    (its K/V are read as a view of the cache), else None.
     """
 
     seq_start: int
@@ -36,6 +40,7 @@ class AttentionGroup:
     max_context_len: int
     attn_mask: torch.Tensor | None
     is_causal: bool
+    first_block: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -72,7 +77,8 @@ def build_metadata(query_lens: list[int], context_lens: list[int], block_tables:
     offset = torch.arange(int(q_lens.sum())) - (torch.cumsum(q_lens, 0) - q_lens)[seq_of_token]
     positions = (ctx_lens - q_lens)[seq_of_token] + offset
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    groups = tuple(_group(start, end, query_lens, context_lens, device)
+    groups = tuple(_group(start, end, query_lens, context_lens, device,
+                          _first_block(start, end, block_tables, context_lens, block_size))
                    for start, end in _split(query_lens, context_lens, max_group_tokens))
     return AttentionMetadata(slot_mapping=slots.to(device), block_tables=tables.to(device),
                              groups=groups)
@@ -93,8 +99,19 @@ def _split(query_lens: list[int], context_lens: list[int],
     return bounds
 
 
+def _first_block(start: int, end: int, block_tables: list[list[int]], context_lens: list[int],
+                 block_size: int) -> int | None:
+    """The first block of a one-sequence group whose used blocks are consecutive ids."""
+    if end - start != 1:
+        return None
+    used = block_tables[start][: -(-context_lens[start] // block_size)]
+    first = used[0]
+    return first if used[-1] - first == len(used) - 1 and used == list(
+        range(first, first + len(used))) else None
+
+
 def _group(start: int, end: int, query_lens: list[int], context_lens: list[int],
-           device: torch.device) -> AttentionGroup:
+           device: torch.device, first_block: int | None = None) -> AttentionGroup:
     q_len, ctx = query_lens[start], context_lens[start:end]
     l_max = max(ctx)
     is_causal = end - start == 1 and q_len > 1 and ctx[0] == q_len
@@ -106,7 +123,8 @@ def _group(start: int, end: int, query_lens: list[int], context_lens: list[int],
         mask = ((key_pos <= query_pos) & (key_pos < ctx_t)).unsqueeze(1).to(device)
     token_start = sum(query_lens[:start])
     return AttentionGroup(seq_start=start, seq_end=end, token_start=token_start, query_len=q_len,
-                          max_context_len=l_max, attn_mask=mask, is_causal=is_causal)
+                          max_context_len=l_max, attn_mask=mask, is_causal=is_causal,
+                          first_block=first_block)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -136,8 +154,13 @@ def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads, head_dim = query.shape[1:]
     q = query.view(group.num_seqs, group.query_len, num_heads, head_dim).transpose(1, 2)
     num_blocks = -(-group.max_context_len // k_cache.shape[1])
-    keys = _gather(k_cache, block_tables[:, :num_blocks], group.max_context_len)
-    values = _gather(v_cache, block_tables[:, :num_blocks], group.max_context_len)
+    if group.first_block is not None:
+        blocks = slice(group.first_block, group.first_block + num_blocks)
+        keys = _flatten(k_cache[blocks], 1, group.max_context_len)
+        values = _flatten(v_cache[blocks], 1, group.max_context_len)
+    else:
+        keys = _gather(k_cache, block_tables[:, :num_blocks], group.max_context_len)
+        values = _gather(v_cache, block_tables[:, :num_blocks], group.max_context_len)
     out = F.scaled_dot_product_attention(
         q, keys, values, attn_mask=group.attn_mask, is_causal=group.is_causal, scale=scale,
         enable_gqa=num_heads != keys.shape[1])
@@ -146,8 +169,11 @@ def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, l_max: int) -> torch.Tensor:
     """[B, Hkv, l_max, D] keys (or values) of each sequence, in position order."""
-    b, num_blocks = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    gathered = cache.index_select(0, block_tables.reshape(-1))
-    gathered = gathered.view(b, num_blocks * block_size, num_kv_heads, head_dim)[:, :l_max]
-    return gathered.transpose(1, 2)
+    return _flatten(cache.index_select(0, block_tables.reshape(-1)), block_tables.shape[0], l_max)
+
+
+def _flatten(blocks: torch.Tensor, b: int, l_max: int) -> torch.Tensor:
+    """[b * n, block_size, Hkv, D] blocks (n per sequence, in order) → [b, Hkv, l_max, D]."""
+    _, block_size, num_kv_heads, head_dim = blocks.shape
+    flat = blocks.view(b, -1, num_kv_heads, head_dim)[:, :l_max]
+    return flat.transpose(1, 2)

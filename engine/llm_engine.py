@@ -199,7 +199,8 @@ class LLMEngine:
                 "now_s": self._clock(),
                 "running": [self._seq_state(s) for s in self.scheduler.running],
                 "waiting": [self._seq_state(s) for s in self.scheduler.waiting],
-                "iterations": [dataclasses.asdict(r) for r in self._iterations],
+                # vars(), not asdict(): no deep copies of plain numbers, on the engine thread
+                "iterations": [dict(vars(r)) for r in self._iterations],
                 "timing_model": getattr(self.runner, "timing_model", None),
                 "time_scale": getattr(self.runner, "time_scale", 1.0),
             }

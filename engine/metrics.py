@@ -84,8 +84,9 @@ class EngineMetrics:
                                labels, registry=registry)
         self._connections_closed = Counter(
             "kvguard_engine_connections_closed", "Connections the server closed or refused "
-            "(header_timeout, body_timeout, over_capacity)", ["reason"], registry=registry)
-        for reason in ("header_timeout", "body_timeout", "over_capacity"):
+            "(header_timeout, body_timeout, write_timeout, over_capacity)", ["reason"],
+            registry=registry)
+        for reason in ("header_timeout", "body_timeout", "write_timeout", "over_capacity"):
             self._connections_closed.labels(reason=reason)
         self._last_num_preemptions = 0
         for metric in (self._running, self._waiting, self._kv_usage, self._total_blocks,

@@ -8,7 +8,7 @@ paged runner and any other attention scheme.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +23,24 @@ AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 
 @dataclass(frozen=True)
 class LayerWeights:
+    """One layer's weights, ``[out, in]`` as in HF. ``*_t`` are their transposed views (no
+    copies): the forward multiplies ``x @ w_t`` with ``torch.mm``, one dispatch per projection
+    instead of ``linear``'s two."""
+
     attn_norm: torch.Tensor
     qkv: torch.Tensor  # [(Hq + 2 Hkv) D, hidden]
     o: torch.Tensor
     mlp_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 I, hidden]
     down: torch.Tensor
+    qkv_t: torch.Tensor = field(init=False, repr=False, compare=False)
+    o_t: torch.Tensor = field(init=False, repr=False, compare=False)
+    gate_up_t: torch.Tensor = field(init=False, repr=False, compare=False)
+    down_t: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("qkv", "o", "gate_up", "down"):
+            object.__setattr__(self, name + "_t", getattr(self, name).t())
 
 
 def random_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -74,6 +86,9 @@ def rope_cos_sin(config: ModelConfig, max_len: int, device: torch.device | str,
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm, op for op (statistics in float32)."""
+    if x.dtype == torch.float32:  # the same ops without two no-op conversions
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return xf.to(x.dtype) * weight
@@ -153,19 +168,22 @@ class LlamaModel:
         c = self.config
         x = F.embedding(token_ids, self.embed)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        num_heads, num_kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        qk_size, q_size = (num_heads + num_kv_heads) * head_dim, num_heads * head_dim
+        eps = c.rms_norm_eps
         for n, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            q, k, v = F.linear(h, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = _apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-            k = _apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-            attn = attention(n, q, k, v).reshape(-1, q_size)
-            x = x + F.linear(attn, layer.o)
-            h = _rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
-        return _rms_norm(x, self.norm, c.rms_norm_eps)
+            h = _rms_norm(x, layer.attn_norm, eps)
+            qkv = torch.mm(h, layer.qkv_t)
+            # Q and K heads side by side: one rotary pass for both (the same elementwise ops)
+            qk = _apply_rope(qkv[:, :qk_size].view(-1, num_heads + num_kv_heads, head_dim),
+                             cos, sin)
+            v = qkv[:, qk_size:].view(-1, num_kv_heads, head_dim)
+            attn = attention(n, qk[:, :num_heads], qk[:, num_heads:], v).reshape(-1, q_size)
+            x = x + torch.mm(attn, layer.o_t)
+            h = _rms_norm(x, layer.mlp_norm, eps)
+            gate, up = torch.mm(h, layer.gate_up_t).chunk(2, dim=-1)
+            x = x + torch.mm(F.silu(gate) * up, layer.down_t)
+        return _rms_norm(x, self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return torch.mm(hidden, self.lm_head.t()).float()

@@ -43,6 +43,7 @@ class ModelRunner:
         self.scale = 1.0 / math.sqrt(c.head_dim)
         shape = (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self._layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]  # views
         self.sampler = Sampler(model.device, seed)
         if gather_group_bytes is None and model.device.type == "cpu":
             gather_group_bytes = _CPU_GATHER_GROUP_BYTES
@@ -76,9 +77,11 @@ class ModelRunner:
         return self._sample(entries, hidden)
 
     def _attention(self, meta: AttentionMetadata):
+        caches, attention_fn, scale = self._layer_caches, self.attention_fn, self.scale
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache = self.kv_cache[layer]
-            return self.attention_fn(q, k, v, cache[0], cache[1], meta, self.scale)
+            k_cache, v_cache = caches[layer]
+            return attention_fn(q, k, v, k_cache, v_cache, meta, scale)
         return attend
 
     def _sample(self, entries, hidden: torch.Tensor) -> dict[str, int]:

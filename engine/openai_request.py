@@ -7,9 +7,9 @@ Supported: ``prompt`` (string, token id list, or a one-element list of either), 
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``n`` (1),
 ``stream``, ``stream_options.include_usage``, and the vLLM extensions ``ignore_eos`` and
 ``priority``. Every message needs string (or text-part) content. Fields this server cannot
-honour (``best_of``, ``tools``, ``logit_bias``, ...: ``engine/unsupported_params.py``) are a
+honour (``best_of``, ``tools``, ``logit_bias``, ...: ``serving/unsupported_params.py``) are a
 400 ``unsupported_parameter`` unless neutral; other unknown fields are ignored, as vLLM does.
-The body nests at most ``MAX_JSON_DEPTH`` levels (``engine/json_body.py``).
+The body nests at most ``MAX_JSON_DEPTH`` levels (``serving/json_body.py``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine.json_body import JsonBodyError, decode_json_object
 from engine.sampling_params import SamplingParams
-from engine.unsupported_params import first_unsupported
+from serving.unsupported_params import first_unsupported
+from serving.json_body import JsonBodyError, decode_json_object
 
 __all__ = ["ApiError", "GenerationRequest", "parse_generation_request"]
 

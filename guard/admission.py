@@ -2,7 +2,8 @@
 
 The controller returns one from :meth:`guard.controller.AdmissionController.admit`. The adapter
 forwards :attr:`Admission.body` to :attr:`Admission.replica_id`, reports what the upstream
-answered (:meth:`on_start`, :meth:`on_body` per chunk, :meth:`on_disconnect`) and ends it with
+answered (:meth:`on_start`, :meth:`on_body` per chunk and :meth:`on_forwarded` once it is sent,
+:meth:`on_disconnect`) and ends it with
 :meth:`finish` exactly once (later calls do nothing). Everything else (metrics, learning, the
 budget grant, the trace line, waking the queue) happens in the controller when the ticket is
 released.
@@ -57,6 +58,13 @@ class Admission:
         gap_s = self.ticket.on_body(chunk, more_body, self.clock())
         if gap_s is not None:
             self.itl.observe(gap_s)
+
+    def on_forwarded(self) -> None:
+        """The chunk last given to :meth:`on_body` is with the client's transport (recorded
+        for the trace, content chunks only, when the ticket keeps ``chunks_s``)."""
+        chunks = self.ticket.chunks_s
+        if chunks is not None and len(chunks) < self.ticket.num_content_chunks:
+            chunks.append(self.clock())
 
     def on_disconnect(self) -> None:
         """The client went away (before the end of the response: the request is canceled)."""

@@ -7,6 +7,7 @@ TOML layout (see ``docs/guard-config.example.toml``)::
 
     policy = "slo"
     max_body_bytes = 1048576
+    admin_api_key = "..."      # /kvguard/state, /kvguard/metrics, /metrics (or admin_key_sha256)
     [policy_params]            # passed to the policy as-is
     [classes.interactive]      # merged over the built-in class of the same name
     ttft_s = 1.0
@@ -23,7 +24,7 @@ Environment: ``KVGUARD_CONFIG`` names the TOML file; ``KVGUARD_<FIELD>`` overrid
 field (``KVGUARD_POLICY=cap``, ``KVGUARD_MAX_BODY_BYTES=65536``, ``KVGUARD_TRACE_PATH=...``);
 ``KVGUARD_UPSTREAMS`` (comma-separated URLs) replaces the replicas, whose state source is
 ``KVGUARD_UPSTREAM_STATE_SOURCE`` (default ``kvguard``); ``KVGUARD_POLICY_PARAMS`` is a JSON
-object. Unknown ``KVGUARD_*`` variables are ignored (other components own them).
+object; ``KVGUARD_ADMIN_API_KEY`` is the admin key in clear (hashed at load). Unknown ``KVGUARD_*`` variables are ignored (other components own them).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package
     import tomli as tomllib
 
+from guard.budget.config import LIMIT_KEYS, BudgetConfig
+from guard.budget.store import BudgetLimits
 from policies.cost import RequestClass
 
 __all__ = [
@@ -87,6 +90,8 @@ class TenantConfig:
     default_class: str | None = None
     may_choose_class: bool = False
     tokens_per_minute: int | None = None
+    requests_per_minute: int | None = None
+    max_concurrent: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -94,8 +99,15 @@ class TenantConfig:
         if not isinstance(self.key_sha256, str) or not _is_sha256_hex(self.key_sha256.lower()):
             raise ValueError(f"tenants[{self.name!r}].key_sha256: must be 64 hex characters")
         object.__setattr__(self, "key_sha256", self.key_sha256.lower())
-        if self.tokens_per_minute is not None and self.tokens_per_minute <= 0:
-            raise ValueError(f"tenants[{self.name!r}].tokens_per_minute: must be > 0 or absent")
+        try:
+            self.own_limits  # noqa: B018 - validates the budget axes
+        except ValueError as exc:
+            raise ValueError(f"tenants[{self.name!r}].{str(exc).removeprefix('budget ')}") from None
+
+    @property
+    def own_limits(self) -> BudgetLimits:
+        """This tenant's own budget limits (unset axes fall back to ``[budget]``)."""
+        return BudgetLimits(self.tokens_per_minute, self.requests_per_minute, self.max_concurrent)
 
 
 @dataclass(frozen=True)
@@ -162,12 +174,15 @@ class GuardConfig:
     tokenizer: str | None = None  # a tokenizer.json path (guard.pricing.tokenizer_counter)
     initial_chars_per_token: float = 4.0
     idempotency_ttl_s: float = 600.0
-    max_idempotency_keys: int = 100_000
+    max_idempotency_bytes: int = 16 << 20  # hashed keys, ~200 B each: ~84,000 keys
     trace_path: str | None = None
     max_tenant_labels: int = 20
     redis_url: str | None = None
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
     class_header: str = "x-kvguard-class"
     deadline_header: str = "x-kvguard-deadline-ms"
+    admin_key_sha256: str | None = None  # or admin_api_key = "..." (hashed at load)
+    protect_operational_endpoints: bool | None = None  # None: on when anonymous is refused
     admitted_paths: tuple[str, ...] = DEFAULT_ADMITTED_PATHS
     _classes_by_name: Mapping[str, RequestClass] = field(
         init=False, repr=False, compare=False, default_factory=dict
@@ -177,10 +192,15 @@ class GuardConfig:
     def __post_init__(self) -> None:
         self._check_classes()
         self._check_tenants()
+        self._check_admin()
         self._check_numbers()
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError("policy: must be a non-empty string")
         object.__setattr__(self, "policy_params", types.MappingProxyType(dict(self.policy_params)))
+        if self.redis_url is not None and not str(self.redis_url).startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url: must start with redis://, rediss:// or unix://, "
+                             f"got {self.redis_url!r}")
         ids = [r.replica_id for r in self.replicas]
         if len(set(ids)) != len(ids):
             raise ValueError(f"replicas: duplicate replica_id in {ids}")
@@ -230,6 +250,31 @@ class GuardConfig:
             raise ValueError(f"default_class: {self.default_class!r} is not a configured class")
         object.__setattr__(self, "_classes_by_name", types.MappingProxyType(by_name))
 
+    def _check_admin(self) -> None:
+        digest = self.admin_key_sha256
+        if digest is None:
+            return
+        if not (isinstance(digest, str) and len(digest) == 64
+                and all(c in "0123456789abcdef" for c in digest)):
+            raise ValueError("admin_key_sha256: must be 64 lower-case hex digits")
+        if any(t.key_sha256 == digest for t in self.tenants):
+            raise ValueError("admin_api_key: must differ from every tenant's API key")
+
+    @property
+    def protects_operational_endpoints(self) -> bool:
+        """Whether ``/kvguard/state``, ``/kvguard/metrics``, ``/metrics`` need the admin key and
+        ``/v1/models`` a known key: as configured, else whenever anonymous requests are
+        refused (``allow_anonymous = false`` with tenants configured)."""
+        if self.protect_operational_endpoints is not None:
+            return self.protect_operational_endpoints
+        return self.resolve_tenant(None) is None
+
+    def is_admin_key(self, api_key: str | None) -> bool:
+        """Whether ``api_key`` is the configured admin key (constant-time comparison)."""
+        if not api_key or self.admin_key_sha256 is None:
+            return False
+        return hmac.compare_digest(hash_api_key(api_key), self.admin_key_sha256)
+
     def _check_tenants(self) -> None:
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names) or ANONYMOUS_TENANT in names:
@@ -243,11 +288,14 @@ class GuardConfig:
 
     def _check_numbers(self) -> None:
         for name in ("max_body_bytes", "default_max_tokens",
-                     "max_queue_len", "unhealthy_after_errors", "max_idempotency_keys",
+                     "max_queue_len", "unhealthy_after_errors", "max_idempotency_bytes",
                      "max_tenant_labels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.max_idempotency_bytes < 200:
+            raise ValueError("max_idempotency_bytes: must be >= 200 (one hashed key), got "
+                             f"{self.max_idempotency_bytes!r}")
         for name in ("max_queue_wait_s", "refresh_interval_s", "max_staleness_s",
                      "state_timeout_s", "idempotency_ttl_s"):
             _positive(name, getattr(self, name))
@@ -299,12 +347,31 @@ class GuardConfig:
             may_choose_class=self.anonymous_may_choose_class,
         )
 
+    def budget_limits(self, tenant_name: str) -> BudgetLimits:
+        """The budget of ``tenant_name``: its own limits over the ``[budget]`` defaults."""
+        return self._budget_limits.get(tenant_name, self.budget.default_limits)
+
+    @functools.cached_property
+    def _budget_limits(self) -> Mapping[str, BudgetLimits]:
+        return types.MappingProxyType({t.name: self.budget.limits(t.own_limits) for t in self.tenants})
+
+    @property
+    def budgets_enabled(self) -> bool:
+        """True when any tenant (or the default) has a budget limit."""
+        return not (self.budget.default_limits.unlimited
+                    and all(limits.unlimited for limits in self._budget_limits.values()))
+
     # --- construction ----------------------------------------------------------------------
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> GuardConfig:
         """Build from a TOML-shaped mapping. Unknown keys raise ValueError naming the key."""
         data = dict(data)
+        if "admin_api_key" in data:
+            if "admin_key_sha256" in data:
+                raise ValueError("admin_api_key: give admin_api_key or admin_key_sha256, not both")
+            data["admin_key_sha256"] = hash_api_key(
+                _check_type("admin_api_key", data.pop("admin_api_key"), str))
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -315,6 +382,8 @@ class GuardConfig:
             data["tenants"] = tuple(_tenant_from(i, t) for i, t in enumerate(_list("tenants", data["tenants"])))
         if "replicas" in data:
             data["replicas"] = tuple(_replica_from(i, r) for i, r in enumerate(_list("replicas", data["replicas"])))
+        if "budget" in data:
+            data["budget"] = BudgetConfig.from_dict(data["budget"])
         if "admitted_paths" in data:
             data["admitted_paths"] = tuple(_list("admitted_paths", data["admitted_paths"]))
         if "policy_params" in data and not isinstance(data["policy_params"], Mapping):
@@ -364,7 +433,7 @@ def _classes_from(value: Any) -> tuple[RequestClass, ...]:
 def _tenant_from(index: int, value: Any) -> TenantConfig:
     key = f"tenants[{index}]"
     spec = _table(key, value, {"name", "key_sha256", "api_key", "default_class",
-                               "may_choose_class", "tokens_per_minute"})
+                               "may_choose_class", *LIMIT_KEYS})
     if "api_key" in spec:
         if "key_sha256" in spec:
             raise ValueError(f"{key}.api_key: give api_key or key_sha256, not both")
@@ -372,7 +441,7 @@ def _tenant_from(index: int, value: Any) -> TenantConfig:
     if "name" not in spec or "key_sha256" not in spec:
         raise ValueError(f"{key}: needs name and key_sha256 (or api_key)")
     types_ = {"name": str, "key_sha256": str, "default_class": str,
-              "may_choose_class": bool, "tokens_per_minute": int}
+              "may_choose_class": bool, **dict.fromkeys(LIMIT_KEYS, int)}
     for fname, ftype in types_.items():
         if fname in spec:
             spec[fname] = _check_type(f"{key}.{fname}", spec[fname], ftype)
@@ -409,9 +478,11 @@ _SCALAR_FIELDS: dict[str, tuple[type, bool]] = {
     "max_queue_wait_s": (float, False), "refresh_interval_s": (float, False),
     "max_staleness_s": (float, False), "state_timeout_s": (float, False),
     "unhealthy_after_errors": (int, False), "tokenizer": (str, True),
-    "initial_chars_per_token": (float, False), "idempotency_ttl_s": (float, False), "max_idempotency_keys": (int, False),
+    "initial_chars_per_token": (float, False), "idempotency_ttl_s": (float, False),
+    "max_idempotency_bytes": (int, False),
     "trace_path": (str, True), "max_tenant_labels": (int, False), "redis_url": (str, True),
     "class_header": (str, False), "deadline_header": (str, False),
+    "admin_key_sha256": (str, True), "protect_operational_endpoints": (bool, True),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -438,6 +509,8 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         var = "KVGUARD_" + name.upper()
         if var in env:
             out[name] = _parse_env(var, env[var], wanted, nullable)
+    if "KVGUARD_ADMIN_API_KEY" in env:  # the plain key, hashed here like the TOML's
+        out["admin_key_sha256"] = hash_api_key(env["KVGUARD_ADMIN_API_KEY"])
     if "KVGUARD_POLICY_PARAMS" in env:
         try:
             params = json.loads(env["KVGUARD_POLICY_PARAMS"])

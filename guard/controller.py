@@ -34,6 +34,8 @@ ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy anot
   - :class:`~guard.shedding.Rejection`: send it as is (status, OpenAI-style body, retry
     headers); it is already counted and traced.
   - ``None``: the client left before a decision; nothing to send (already counted canceled).
+* Drain (SIGTERM): :meth:`begin_drain` makes every decision, queued ones included, a 503
+  ``shutting_down`` with retry advice; :meth:`wait_drained` returns once no ticket is held.
 * Lifecycle: :meth:`start` on the serving event loop (``admit`` starts it on first use);
   :meth:`aclose` stops the background work, waits for budget settlements and flushes the
   trace; :meth:`close` closes the trace file.
@@ -63,6 +65,7 @@ from prometheus_client import CollectorRegistry
 from guard.admission import Admission
 from guard.admission_queue import AdmissionQueue
 from guard.background import Background
+from guard.budget.factory import build_budget_store
 from guard.budget.store import BudgetStore, Denied, Grant
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import ClientDisconnected, PricingError
@@ -79,10 +82,12 @@ from guard.trace import TraceWriter
 from policies import make_policy
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
+from policies.shed_reasons import SHUTTING_DOWN
 
 __all__ = ["AdmissionController", "INVALID_KEY"]
 
 INVALID_KEY = ("invalid_api_key", "Incorrect or missing API key.")
+_DRAINING = Shed(503, SHUTTING_DOWN, retry_after_s=1.0)  # a floor: another replica can serve it
 Headers = Mapping[str, str]
 
 
@@ -91,7 +96,8 @@ class AdmissionController:
 
     Collaborators may be injected (tests, the bench): ``policy``, ``load_state``, ``pricer``,
     ``rng`` (Retry-After jitter), ``trace``, ``tokenizer`` (else ``config.tokenizer``),
-    ``budget`` (a :class:`~guard.budget.store.BudgetStore`; None: no tenant budgets).
+    ``budget`` (a :class:`~guard.budget.store.BudgetStore`; None: the store the config asks for,
+    see :func:`guard.budget.build_budget_store` — none at all when no tenant has a budget).
     """
 
     def __init__(self, config: GuardConfig, sources: Mapping[str, StateSource] | None = None, *,
@@ -100,7 +106,8 @@ class AdmissionController:
                  tokenizer: Callable[[str], int] | None = None, policy: Any = None,
                  load_state: LoadState | None = None, pricer: Pricer | None = None,
                  rng: random.Random | None = None, trace: TraceWriter | None = None,
-                 budget: BudgetStore | None = None, budget_lease_s: float = 30.0) -> None:
+                 budget: BudgetStore | None = None, budget_lease_s: float | None = None) -> None:
+        budget_lease_s = config.budget.lease_s if budget_lease_s is None else budget_lease_s
         if budget_lease_s <= 0:
             raise ValueError(f"budget_lease_s: must be > 0, got {budget_lease_s!r}")
         self.config = config
@@ -121,6 +128,11 @@ class AdmissionController:
             trace = TraceWriter.open(config.trace_path, clock=self.clock)
         self.releases = ReleaseListeners(self.load_state, self.policy, self.metrics,
                                          self.drain_rate, self.pricer, self.queue, trace)
+        self.on_close: list[Callable[[], Awaitable[None]]] = []  # run by aclose (owned clients)
+        if budget is None:  # the store the config asks for (None: no tenant has a budget)
+            budget = build_budget_store(config, self.clock, self.registry)
+            if budget is not None:
+                self.on_close.append(budget.aclose)
         listeners = self.releases.listeners()
         self.tickets = TicketBook(self.clock, listeners if budget is None else
                                   (*listeners, self._end_grant))
@@ -138,7 +150,7 @@ class AdmissionController:
         self._next_id = itertools.count(1)
         self.rules = ReplicaRules()  # what the replicas accept, from their latest state
         self._sources = dict(sources) if sources is not None else None
-        self.on_close: list[Callable[[], Awaitable[None]]] = []  # run by aclose (owned clients)
+        self.draining = False  # begin_drain: every decision sheds shutting_down
         self.background = Background(lambda: self.queue.run(self._decide),
                                      self._make_poller if self._sources else None,
                                      self._update_limits, self._housekeeping)
@@ -231,6 +243,8 @@ class AdmissionController:
         cost = priced.cost
         ticket = self.tickets.issue(cost, admit.replica_id, self.clock(), admit.predicted_ttft_s,
                                     enqueue_s, priced, grant)
+        if self.trace is not None:
+            ticket.chunks_s = []  # when each content chunk went out, for the trace
         return Admission(ticket, priced.forward_body(), self.clock,
                          self.metrics.histograms(cost.request_class.name).itl)
 
@@ -244,7 +258,9 @@ class AdmissionController:
 
     def _decide(self, cost: RequestCost, now_s: float) -> Admit | Queue | Shed:
         """Decide on a fresh snapshot; on admit take the replica reservation (synchronously, so
-        two decisions can never share the same blocks)."""
+        two decisions can never share the same blocks). Draining: shed, never admit."""
+        if self.draining:
+            return _DRAINING
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
                                             self._retry_ratio.ratios)
         decision = self.policy.decide(cost, snapshot)
@@ -288,6 +304,18 @@ class AdmissionController:
             self.rejecter.count_early(cost.request_id, cost.tenant, cost.arrival_s,
                                       cost.request_class.name, "canceled", waiter.enqueued_s)
         future.cancel()
+
+    # --- drain --------------------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """Stop admitting (SIGTERM): new and queued requests are shed 503 ``shutting_down`` with
+        retry advice; admitted requests run on."""
+        self.draining = True
+        self.queue.wake()
+
+    async def wait_drained(self, poll_s: float = 0.05) -> None:
+        """Return once no admitted request holds a ticket (callers bound the wait)."""
+        while self.tickets.num_held:
+            await asyncio.sleep(poll_s)
 
     # --- budget grants ------------------------------------------------------------------------
     def _drop_grant(self, grant: Grant | None) -> None:

@@ -4,7 +4,10 @@ A thin adapter over :class:`guard.controller.AdmissionController` (the whole adm
 lives there). ``POST`` requests whose path matches ``admitted_paths`` (default: any path
 ending in ``/v1/completions`` or ``/v1/chat/completions``, so router prefixes are covered) are
 admitted; everything else (``/health``, ``/v1/models``, ``/kvguard/state``, ``/metrics``) passes
-straight through. The guard's own Prometheus metrics are served at ``/kvguard/metrics``;
+straight through, behind :class:`~guard.operational_access.OperationalAccess` when it is on
+(the admin key for ``/kvguard/*`` and ``/metrics``, a known key for ``/v1/models``; on by
+default when anonymous requests are refused). The guard's own Prometheus metrics are served at
+``/kvguard/metrics``;
 ``/metrics`` goes to the wrapped app first (an engine serves its vLLM-named metrics there) and
 the guard answers it only when the wrapped app says 404.
 
@@ -17,11 +20,13 @@ the standalone proxy's: configured here they are refused at construction.
 Configuration is read and validated in ``__init__`` (no-argument construction reads
 ``KVGUARD_CONFIG`` / ``KVGUARD_*``), so a bad key stops a server at start-up whether or not it
 runs the ASGI lifespan. A disconnect reaches the wrapped app as ``http.disconnect``, which is
-how an in-process engine learns to abort the sequence.
+how an in-process engine learns to abort the sequence. :meth:`AdmissionMiddleware.drain` stops
+admitting first on shutdown; it registers itself with a server's ``serving.drain_hooks``.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -32,12 +37,14 @@ from guard.admission import Admission
 from guard.body import content_length, headers_from_scope
 from guard.config import GuardConfig, load_config
 from guard.controller import AdmissionController
+from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.pricing import Pricer
 from guard.relay import Relay
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import AsgiStateSource
 from guard.shedding import send_rejection
 from guard.trace import TraceWriter
+from serving.drain_hooks import register_drain_hook
 
 __all__ = ["AdmissionMiddleware", "GUARD_METRICS_PATH", "LOCAL_REPLICA"]
 
@@ -48,6 +55,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 GUARD_METRICS_PATH = "/kvguard/metrics"
 LOCAL_REPLICA = "local"
+_GATED_PATHS = ADMIN_PATHS | {MODELS_PATH}
 
 
 class AdmissionMiddleware:
@@ -77,19 +85,30 @@ class AdmissionMiddleware:
             load_state=load_state, pricer=pricer, rng=rng, trace=trace, budget=budget)
         self._max_body_bytes = config.max_body_bytes
         self._is_admitted = config.is_admitted_path
+        self._access = OperationalAccess(config)
+        self._drain_hook_set = False  # registered with the server's drain hooks
 
     # --- dispatch by scope ----------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
             path = scope["path"]
+            if not self._drain_hook_set:
+                self._drain_hook_set = register_drain_hook(scope, self.drain)
             if scope["method"] == "POST" and self._is_admitted(path):
                 return await self._admit(scope, receive, send)
+            if path in _GATED_PATHS and self._access.enabled:
+                rejection = self._access.check(path, headers_from_scope(scope))
+                if rejection is not None:
+                    return await send_rejection(send, rejection)
+            if path == "/health" and self.controller.draining:
+                return await _send_json(send, 503, {"ok": False, "draining": True})
             if path == GUARD_METRICS_PATH:
                 return await self.controller.metrics.send_response(send)
             if path == "/metrics":
                 return await self._metrics_fallback(scope, receive, send)
         elif kind == "lifespan":
+            self._drain_hook_set = register_drain_hook(scope, self.drain)
             return await self.app(scope, self._lifespan_receive(receive), send)
         await self.app(scope, receive, send)
 
@@ -111,6 +130,14 @@ class AdmissionMiddleware:
                 await self.aclose()
             return message
         return wrapped
+
+    async def drain(self) -> None:
+        """Stop admitting (503 ``shutting_down``, ``/health`` 503) and return once every
+        admitted request has ended. A server that publishes drain hooks
+        (``serving.drain_hooks``, as ``kvguard engine`` does) calls it on SIGTERM before it
+        drains itself; any other server may call it from its own shutdown."""
+        self.controller.begin_drain()
+        await self.controller.wait_drained()
 
     async def aclose(self) -> None:
         """Stop the controller's background work and flush the trace. Safe to call twice."""
@@ -134,3 +161,11 @@ class AdmissionMiddleware:
         await self.app(scope, receive, inner_send)
         if missing:
             await self.controller.metrics.send_response(send)
+
+
+async def _send_json(send: Send, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

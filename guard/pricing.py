@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import PricingError
+from guard.idempotency_keys import IdempotencyKeys
 from guard.request_rules import (
     ReplicaRules,
     chat_texts,
@@ -33,7 +32,6 @@ __all__ = [
     "PRICED_PATHS",
     "PricedRequest",
     "Pricer",
-    "RecentKeys",
     "tokenizer_counter",
 ]
 
@@ -55,34 +53,6 @@ def tokenizer_counter(path: str) -> Callable[[str], int]:
 
     tokenizer = Tokenizer.from_file(path)
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
-
-
-class RecentKeys:
-    """A bounded TTL set of keys: ``seen(key, now_s)`` says whether key was seen within ``ttl_s``."""
-
-    def __init__(self, ttl_s: float, max_keys: int):
-        self._ttl_s = ttl_s
-        self._max_keys = max_keys
-        self._seen_s: OrderedDict[Any, float] = OrderedDict()
-
-    def seen(self, key: Any, now_s: float) -> bool:
-        self._expire(now_s)
-        was_seen = key in self._seen_s
-        self._seen_s[key] = now_s
-        self._seen_s.move_to_end(key)
-        if len(self._seen_s) > self._max_keys:
-            self._seen_s.popitem(last=False)
-        return was_seen
-
-    def _expire(self, now_s: float) -> None:
-        while self._seen_s:
-            oldest_s = next(iter(self._seen_s.values()))
-            if now_s - oldest_s <= self._ttl_s:
-                return
-            self._seen_s.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._seen_s)
 
 
 @dataclass(frozen=True)
@@ -117,7 +87,7 @@ class Pricer:
         self._tokens_sum = CALIBRATION_PRIOR_TOKENS
         self._chars_per_token = cpt
         self._outputs: dict[str, list] = {}  # class -> [completions seen, mean output tokens]
-        self._recent_keys = RecentKeys(config.idempotency_ttl_s, config.max_idempotency_keys)
+        self._recent_keys = IdempotencyKeys(config.idempotency_ttl_s, config.max_idempotency_bytes)
 
     # --- learning ---------------------------------------------------------------------------
 
@@ -306,5 +276,5 @@ class Pricer:
                 retry = False
         key = headers.get("idempotency-key")
         if key:  # always record the key, so a later repeat is seen as a retry
-            retry = self._recent_keys.seen((tenant, key), now_s) or retry
+            retry = self._recent_keys.seen(tenant, key, now_s) or retry
         return retry

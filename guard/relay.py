@@ -139,6 +139,8 @@ class Relay:
         except OSError:
             ticket.on_disconnect()
             raise
+        if ticket.chunks_s is not None and kind == "http.response.body":  # traced only
+            self.admission.on_forwarded()
 
     def stop_watching(self) -> None:
         gone = self.gone

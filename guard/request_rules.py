@@ -5,13 +5,14 @@ kvguard engine answers (``engine/openai_request.py``), so a request that can nev
 costs no budget, no blocks and no upstream call. :class:`ReplicaRules` is what the guard knows
 about its replicas from their state documents:
 
-* always: valid JSON object; ``model`` a string, ``stream`` a boolean, ``temperature`` in
+* always: valid JSON object nested at most ``MAX_JSON_DEPTH`` (64) levels; ``model`` a string, ``stream`` a boolean, ``temperature`` in
   [0, 2], ``top_p`` in [0, 1], integer ``n`` / ``max_tokens`` >= 1; a ``prompt`` (string,
   non-empty token ids, or a batch of one) or non-empty ``messages`` with a known ``role``;
 * ``served_models`` known (every replica publishes ``/kvguard/state``): another ``model`` is
   404 ``model_not_found``;
-* ``strict`` (every replica is a kvguard engine): ``n`` must be 1 and every message needs string
-  or text-part content. In front of vLLM or an unknown app these are left to the upstream.
+* ``strict`` (every replica is a kvguard engine): no field it cannot honour
+  (``serving/unsupported_params.py``: ``best_of``, ``tools``, ...), ``n`` must be 1 and every
+  message needs string or text-part content. In front of vLLM or an unknown app these are left to the upstream.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from guard.errors import PricingError
+from serving.json_body import MAX_JSON_DEPTH, nesting_depth_exceeds
+from serving.unsupported_params import first_unsupported
 
 __all__ = ["ROLES", "ReplicaRules", "chat_texts", "check_common", "optional_int", "parse_body",
            "completion_prompt"]
@@ -54,6 +57,9 @@ def _is_number(value: Any) -> bool:
 def parse_body(body: dict | bytes) -> dict:
     """The JSON object in ``body`` (already parsed when a dict)."""
     if isinstance(body, (bytes, bytearray)):
+        if nesting_depth_exceeds(body, MAX_JSON_DEPTH):  # json.loads recurses once per level
+            raise _bad(f"request body nests deeper than {MAX_JSON_DEPTH} levels", None,
+                       "invalid_json")
         try:
             body = _loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -85,6 +91,11 @@ def optional_int(body: dict, name: str, minimum: int) -> int | None:
 
 def check_common(body: dict, rules: ReplicaRules) -> int:
     """The fields every request shares; returns ``n`` (the number of choices)."""
+    if rules.strict:  # the kvguard engine refuses the fields it cannot honour, first
+        unsupported = first_unsupported(body)
+        if unsupported is not None:
+            raise _bad(f"'{unsupported}' is not supported by this server", unsupported,
+                       "unsupported_parameter")
     get = body.get
     model = get("model")
     if model is not None:

@@ -38,7 +38,7 @@ __all__ = ["DrainRate", "Rejecter", "Rejection", "RetryAdvisor", "client_timeout
 
 Send = Callable[[dict], Awaitable[None]]
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
 
 

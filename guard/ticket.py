@@ -41,7 +41,7 @@ class Ticket:
         "first_byte_s", "first_token_s", "last_token_s", "max_itl_s", "num_content_chunks",
         "done_seen", "body_complete", "client_disconnected", "outcome", "released_s", "_book",
         "enqueue_s", "priced", "grant", "num_usage_prompt_tokens", "num_usage_output_tokens",
-        "ok", "slo_met", "aborted",
+        "ok", "slo_met", "aborted", "chunks_s",
     )
 
     def __init__(self, book: TicketBook, cost: RequestCost, replica_id: str, dispatch_s: float,
@@ -72,6 +72,7 @@ class Ticket:
         self.num_usage_output_tokens: int | None = None
         self.ok = False  # set at release: completed and the whole response went out
         self.slo_met = False  # set at release: ok and within the class TTFT and ITL
+        self.chunks_s: list[float] | None = None  # traced only: each content chunk forwarded
 
     @property
     def request_id(self) -> str:

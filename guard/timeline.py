@@ -18,7 +18,9 @@ total          guard arrival → release (or engine arrival → completion, engi
 Prints p50/p90/p99 milliseconds per stage (``--json`` for machine-readable output). When the
 engine trace carries per-token delivery records (streamed requests), it also prints the
 per-token stage table and attributes every inter-token gap over the limit to engine step,
-between steps, event-loop hand-off, server write and relay (``guard/token_gaps.py``).
+between steps, event-loop hand-off, server write, relay and — given the ``requests.jsonl`` of a
+``kvguard load`` run (client records: ``itl_s`` and ``request_id``, no ``source``) — the client
+(``guard/token_gaps.py``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from pathlib import Path
 
 from guard.token_gaps import render_delivery, summarize_delivery
 
-__all__ = ["configure", "run", "load_traces", "join", "stage_ms", "summarize", "percentile",
-           "STAGES"]
+__all__ = ["configure", "run", "load_sources", "load_traces", "join", "stage_ms", "summarize",
+           "percentile", "STAGES"]
 
 STAGES = ("guard_queue", "waiting", "prefill", "decode", "delivery", "total")
 
@@ -48,21 +50,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.itl_limit_ms > 0:
         raise ValueError(f"--itl-limit-ms must be > 0, got {args.itl_limit_ms}")
-    guard, engine = load_traces(args.traces)
-    rows = join(guard, engine)
+    sources = load_sources(args.traces)
+    rows = join(sources["guard"], sources["engine"])
     summary = summarize(rows)
     summary["num_joined"] = sum(1 for g, e in rows if g is not None and e is not None)
     summary["num_guard_only"] = sum(1 for g, e in rows if e is None)
     summary["num_engine_only"] = sum(1 for g, e in rows if g is None)
-    summary["delivery"] = summarize_delivery(rows, args.itl_limit_ms / 1e3, percentile)
+    summary["num_client_records"] = len(sources["client"])
+    summary["delivery"] = summarize_delivery(rows, args.itl_limit_ms / 1e3, percentile,
+                                             sources["client"])
     print(json.dumps(summary, indent=2) if args.json else render(summary))
     return 0
 
 
 def load_traces(paths: Iterable[str]) -> tuple[dict[str, dict], dict[str, dict]]:
     """(guard lines, engine lines) by request id; ValueError names a bad file and line."""
-    guard: dict[str, dict] = {}
-    engine: dict[str, dict] = {}
+    sources = load_sources(paths)
+    return sources["guard"], sources["engine"]
+
+
+def load_sources(paths: Iterable[str]) -> dict[str, dict[str, dict]]:
+    """``{"guard": ..., "engine": ..., "client": ...}``, each its lines by request id (client
+    records without a request id are skipped); ValueError names a bad file and line."""
+    sources: dict[str, dict[str, dict]] = {"guard": {}, "engine": {}, "client": {}}
     for path in paths:
         try:
             text = Path(path).read_text(encoding="utf-8")
@@ -76,8 +86,12 @@ def load_traces(paths: Iterable[str]) -> tuple[dict[str, dict], dict[str, dict]]
                 request_id = record["request_id"]
             except (ValueError, KeyError, TypeError):
                 raise ValueError(f"{path}:{number}: not a request trace line") from None
-            (engine if record.get("source") == "engine" else guard)[request_id] = record
-    return guard, engine
+            source = record.get("source")
+            kind = ("engine" if source == "engine" else
+                    "client" if source is None and "itl_s" in record else "guard")
+            if request_id is not None:
+                sources[kind][request_id] = record
+    return sources
 
 
 def join(guard: dict[str, dict], engine: dict[str, dict]) -> list[tuple[dict | None, dict | None]]:

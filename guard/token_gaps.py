@@ -15,12 +15,19 @@ relay           written → the guard forwarded the chunk (the hop and the relay
                 guard is mounted in-process, whose relay runs inside the server's send),
                 above the request's smallest such delay, so the two processes' clocks need
                 not agree
+client          the client's own gap (``itl_s`` of a ``kvguard load`` record) minus the gap
+                the last server-side hop saw: the socket, the client's loop and its parser
 ==============  =========================================================================
 
+Each token's ``batch_id`` also shows whether the request sat out an engine step between two of
+its tokens (consecutive steps have consecutive batch ids): the scheduler's stall-free rule says
+a running decode never does.
+
 A gap between tokens ``i-1`` and ``i`` as the last recorded hop saw it telescopes exactly into
-``between_steps(i) + step(i) + Δloop + Δwrite + Δrelay`` where ``Δx = x(i) - x(i-1)``: every
-term is a difference within one process's trace, so clocks of different processes never need
-to agree. Only gaps over the limit are attributed; the per-stage table covers every token.
+``between_steps(i) + step(i) + Δloop + Δwrite + Δrelay + client`` where ``Δx = x(i) - x(i-1)``:
+every term is a difference within one process's record, so clocks of different processes
+never need to agree. Only gaps over the limit are attributed; the per-stage table covers every
+token (``client`` has no per-token latency, only its part of each gap).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dataclasses import dataclass
 __all__ = ["DELIVERY_STAGES", "Gap", "token_stages_s", "request_gaps", "summarize_delivery",
            "render_delivery"]
 
-DELIVERY_STAGES = ("step", "between_steps", "loop", "write", "relay")
+DELIVERY_STAGES = ("step", "between_steps", "loop", "write", "relay", "client")
 _NUM_WORST = 10
 
 
@@ -43,6 +50,7 @@ class Gap:
     index: int  # the later token's index in the stream (>= 1)
     gap_s: float
     parts_s: dict[str, float | None]
+    num_steps_sat_out: int = 0  # engine steps between the two tokens' steps (0: back to back)
 
 
 def _relay_times(engine_line: dict, guard_line: dict | None) -> list[float] | None:
@@ -69,33 +77,49 @@ def token_stages_s(engine_line: dict, guard_line: dict | None = None) -> list[di
     return rows
 
 
-def request_gaps(engine_line: dict, guard_line: dict | None = None) -> list[Gap]:
-    """Every inter-token gap of one request, with its parts."""
+def _client_gaps(engine_line: dict, client_line: dict | None) -> list[float] | None:
+    """The client's gap before each token after the first, when they map one to one."""
+    if client_line is None:
+        return None
+    gaps = client_line.get("itl_s")
+    tokens = engine_line.get("tokens") or []
+    return gaps if isinstance(gaps, list) and len(gaps) == len(tokens) - 1 else None
+
+
+def request_gaps(engine_line: dict, guard_line: dict | None = None,
+                 client_line: dict | None = None) -> list[Gap]:
+    """Every inter-token gap of one request (as the client saw it when its record maps onto
+    the tokens, else as the last server-side hop did), with its parts."""
     tokens = engine_line.get("tokens") or []
     relayed = _relay_times(engine_line, guard_line)
+    seen = relayed if relayed is not None else [t[4] for t in tokens]
+    client = _client_gaps(engine_line, client_line)
     stages = token_stages_s(engine_line, guard_line)
     gaps = []
     for i in range(1, len(tokens)):
-        seen = relayed if relayed is not None else [t[4] for t in tokens]
-        gap_s = _diff(seen[i], seen[i - 1])
-        if gap_s is None:
+        server_gap_s = _diff(seen[i], seen[i - 1])
+        if server_gap_s is None:
             continue
+        gap_s = server_gap_s if client is None else client[i - 1]
         now, before = stages[i], stages[i - 1]
         parts = {"step": now["step"], "between_steps": now["between_steps"],
                  "loop": _diff(now["loop"], before["loop"]),
                  "write": _diff(now["write"], before["write"]),
-                 "relay": _diff(now["relay"], before["relay"])}
-        gaps.append(Gap(engine_line["request_id"], i, gap_s, parts))
+                 "relay": _diff(now["relay"], before["relay"]),
+                 "client": None if client is None else gap_s - server_gap_s}
+        sat_out = max(tokens[i][0] - tokens[i - 1][0] - 1, 0)  # batch ids count every step
+        gaps.append(Gap(engine_line["request_id"], i, gap_s, parts, sat_out))
     return gaps
 
 
 def summarize_delivery(rows: list[tuple[dict | None, dict | None]], default_limit_s: float,
-                       percentile: Callable[[list[float], float], float]) -> dict | None:
+                       percentile: Callable[[list[float], float], float],
+                       clients: dict[str, dict] | None = None) -> dict | None:
     """Per-stage p50/p99/max (ms) over every token, and the attribution of the gaps over each
-    request's limit (the guard line's ``itl_limit_s``, else ``default_limit_s``). None when no
-    engine line carries token records."""
+    request's limit (the guard line's ``itl_limit_s``, else ``default_limit_s``). ``clients``:
+    client records by request id. None when no engine line carries token records."""
     per_stage: dict[str, list[float]] = {k: [] for k in DELIVERY_STAGES}
-    num_gaps, over = 0, []
+    num_gaps, num_sat_out, over, clients = 0, 0, [], clients or {}
     for guard_line, engine_line in rows:
         if engine_line is None or not engine_line.get("tokens"):
             continue
@@ -104,14 +128,16 @@ def summarize_delivery(rows: list[tuple[dict | None, dict | None]], default_limi
                 if value is not None:
                     per_stage[stage].append(value * 1e3)
         limit_s = (guard_line or {}).get("itl_limit_s") or default_limit_s
-        gaps = request_gaps(engine_line, guard_line)
+        gaps = request_gaps(engine_line, guard_line, clients.get(engine_line["request_id"]))
         num_gaps += len(gaps)
+        num_sat_out += sum(1 for g in gaps if g.num_steps_sat_out)
         over += [g for g in gaps if g.gap_s > limit_s]
     if not num_gaps and not per_stage["step"]:
         return None
     stages = {stage: {"n": len(v), "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99),
                       "max_ms": max(v)} for stage, v in per_stage.items() if v}
     return {"stages": stages, "num_gaps": num_gaps, "num_over_limit": len(over),
+            "num_gaps_after_a_step_sat_out": num_sat_out,
             "default_limit_ms": default_limit_s * 1e3, **_attribution(over)}
 
 
@@ -128,6 +154,7 @@ def _attribution(over: list[Gap]) -> dict:
     return {"over_limit_ms": {"gap": sum(g.gap_s for g in over) * 1e3, **sums_ms},
             "dominant": dominant,
             "worst": [{"request_id": g.request_id, "index": g.index, "gap_ms": g.gap_s * 1e3,
+                       "num_steps_sat_out": g.num_steps_sat_out,
                        **{k: None if v is None else v * 1e3 for k, v in g.parts_s.items()}}
                       for g in worst]}
 
@@ -141,7 +168,9 @@ def render_delivery(delivery: dict) -> list[str]:
                          f"{row['max_ms']:>9.2f}")
     total = delivery["over_limit_ms"]["gap"]
     lines.append(f"gaps over the limit: {delivery['num_over_limit']} of {delivery['num_gaps']} "
-                 f"(limit: the class's, else {delivery['default_limit_ms']:.0f} ms)")
+                 f"(limit: the class's, else {delivery['default_limit_ms']:.0f} ms); gaps "
+                 f"across an engine step the request sat out: "
+                 f"{delivery['num_gaps_after_a_step_sat_out']}")
     if not delivery["num_over_limit"]:
         return lines
     shares = ", ".join(f"{s} {delivery['over_limit_ms'][s] / total:.0%}" for s in DELIVERY_STAGES)
@@ -149,10 +178,11 @@ def render_delivery(delivery: dict) -> list[str]:
     counts = ", ".join(f"{s} {n}" for s, n in delivery["dominant"].items() if n)
     lines.append(f"  largest part: {counts}")
     lines.append(f"  {'request':<20} {'token':>5} {'gap ms':>8} "
-                 + " ".join(f"{s[:8]:>8}" for s in DELIVERY_STAGES))
+                 + " ".join(f"{s[:8]:>8}" for s in DELIVERY_STAGES) + " sat out")
     for g in delivery["worst"]:
         cells = " ".join("       -" if g[s] is None else f"{g[s]:>8.1f}" for s in DELIVERY_STAGES)
-        lines.append(f"  {g['request_id'][:20]:<20} {g['index']:>5} {g['gap_ms']:>8.1f} {cells}")
+        lines.append(f"  {g['request_id'][:20]:<20} {g['index']:>5} {g['gap_ms']:>8.1f} {cells} "
+                     f"{g['num_steps_sat_out']:>7}")
     return lines
 
 

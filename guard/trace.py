@@ -8,7 +8,12 @@ and compare only differences within one trace. One line looks like::
      "replica": "local", "upstream_request_id": "g-1a2b", "decision": "admit",
      "arrival_s": 10.0, "decision_s": 10.0001, "enqueue_s": null, "dispatch_s": 10.0001,
      "first_byte_s": 10.2, "first_token_s": 10.2, "completion_s": 10.9,
-     "predicted_ttft_s": 0.18, "outcome": "completed", "status": 200, "met_slo": true}
+     "predicted_ttft_s": 0.18, "outcome": "completed", "status": 200, "met_slo": true,
+     "itl_limit_s": 0.08, "chunks_s": [10.2, 10.25, ...]}
+
+``chunks_s`` (admitted requests): when the relay had forwarded each content chunk (its send to
+the client returned), in order — ``kvguard timeline`` lines them up with the engine's per-token
+records; ``itl_limit_s``: the class's inter-token limit, the bar its gaps are judged against.
 
 ``decision`` is ``admit``, ``queue`` (then admitted or shed from the queue) or ``shed``;
 ``outcome`` is ``completed``, ``canceled``, ``failed``, ``rejected_upstream`` or ``rejected``.
@@ -91,6 +96,7 @@ def ticket_record(ticket: Ticket, decision: str, decision_s: float,
         "predicted_ttft_s": ticket.predicted_ttft_s, "outcome": ticket.outcome,
         "status": ticket.status, "met_slo": ticket.slo_met,
         "num_prompt_tokens": cost.num_prompt_tokens, "num_content_chunks": ticket.num_content_chunks,
+        "itl_limit_s": cost.request_class.itl_s, "chunks_s": ticket.chunks_s,
     }
 
 

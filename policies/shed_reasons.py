@@ -20,6 +20,7 @@ __all__ = [
     "QUEUE_TIMEOUT",
     "RETRY_SHED",
     "SATURATED",
+    "SHUTTING_DOWN",
     "SLO_UNATTAINABLE",
     "STALE_STATE",
     "TPM_LIMIT",
@@ -40,9 +41,10 @@ TPM_LIMIT = "tpm_limit"  # a token-rate limit
 # the guard's admission queue
 QUEUE_FULL = "queue_full"
 QUEUE_TIMEOUT = "queue_timeout"
+SHUTTING_DOWN = "shutting_down"  # the guard is draining (SIGTERM): retry on another replica
 
 ALL_REASONS = (SLO_UNATTAINABLE, NO_KV_CAPACITY, STALE_STATE, RETRY_SHED,
                CONTEXT_LENGTH_EXCEEDED, NO_REPLICA, CONCURRENCY_LIMIT, SATURATED, TPM_LIMIT,
-               QUEUE_FULL, QUEUE_TIMEOUT)
+               QUEUE_FULL, QUEUE_TIMEOUT, SHUTTING_DOWN)
 # a retry storm is what retry_shed exists to stop: telling the client to retry feeds it
 NEVER_RETRY = frozenset({RETRY_SHED, CONTEXT_LENGTH_EXCEEDED})

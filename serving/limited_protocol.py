@@ -7,7 +7,8 @@ connection moves through phases, one deadline at a time:
 
     head     accepted, or the first byte of the next request arrived: head within header_timeout_s
     body     head complete, body still arriving: body within body_timeout_s (total)
-    serving  the request is read; the response streams for as long as it takes
+    serving  the request is read; the response streams for as long as it takes, but a client
+             that stops reading (writes paused) is cut after write_timeout_s
     idle     response complete: uvicorn's keep-alive timer (keep_alive_timeout_s) runs
 
 A deadline that passes closes the connection; the app then sees ``http.disconnect``, which frees
@@ -16,7 +17,7 @@ whatever the request held. A connection over ``max_connections`` or over
 sees it.
 
 ``ConnectionTable`` counts the open connections per client address and the closes by reason
-(``header_timeout``, ``body_timeout``, ``over_capacity``); ``uvicorn_config(app, table)`` builds
+(``header_timeout``, ``body_timeout``, ``write_timeout``, ``over_capacity``); ``uvicorn_config(app, table)`` builds
 the uvicorn ``Config`` that uses this protocol.
 """
 
@@ -87,6 +88,7 @@ def limited_protocol_class(table: ConnectionTable) -> type:
             self._client_addr: str | None = None  # set once counted in the table
             self._phase = "head"
             self._deadline = None  # asyncio.TimerHandle of the current phase
+            self._write_deadline = None  # armed while the client does not read
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             peer = transport.get_extra_info("peername")
@@ -112,6 +114,9 @@ def limited_protocol_class(table: ConnectionTable) -> type:
                 self._cancel()
                 return
             self._cancel()
+            if self._write_deadline is not None:
+                self._write_deadline.cancel()
+                self._write_deadline = None
             table.release(self._client_addr)
             self._client_addr = None
             super().connection_lost(exc)
@@ -123,6 +128,25 @@ def limited_protocol_class(table: ConnectionTable) -> type:
                 self._arm("head", limits.header_timeout_s)
             super().data_received(data)
             self._follow_request()
+
+        def pause_writing(self) -> None:
+            """The client stopped reading: it has ``write_timeout_s`` to start again."""
+            super().pause_writing()
+            if self._write_deadline is None and self._client_addr is not None:
+                self._write_deadline = self.loop.call_later(limits.write_timeout_s,
+                                                            self._expire_write)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_deadline is not None:
+                self._write_deadline.cancel()
+                self._write_deadline = None
+
+        def _expire_write(self) -> None:
+            self._write_deadline = None
+            if self.transport is not None and not self.transport.is_closing():
+                table.closed("write_timeout")
+                self.transport.abort()  # close() would wait for the unread buffer to drain
 
         def on_response_complete(self) -> None:
             self._arm("idle", None)  # uvicorn's keep-alive timer takes over

@@ -67,6 +67,19 @@ ROWS = [
     (C, {"prompt": [1], "max_tokens": 4, "temperature": "hot"}, 400, "invalid_type"),
     (C, {"prompt": [1], "max_tokens": 4, "top_p": 1.5}, 400, "invalid_value"),
     (C, {"prompt": [1] * 250, "max_tokens": 10}, 400, "context_length_exceeded"),
+    # the reliability battery's two 500s: a RecursionError in json, a TypeError in the template
+    (C, b'{"prompt": ' + b"[" * 1100 + b"]" * 1100 + b"}", 400, "invalid_json"),
+    (C, b'{"prompt": ' + b"[" * 65 + b"1" + b"]" * 65 + b"}", 400, "invalid_json"),
+    (CHAT, {"messages": [{"role": "assistant"}]}, 400, "invalid_type"),
+    # fields a kvguard engine cannot honour: refused unless neutral
+    (C, {"prompt": [1], "max_tokens": 2, "best_of": 2}, 400, "unsupported_parameter"),
+    (C, {"prompt": [1], "max_tokens": 2, "best_of": 1, "logit_bias": {}}, 200, None),
+    (CHAT, {**user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "unsupported_parameter"),
+    (CHAT, {**user("hi"), "functions": [{"name": "f"}]}, 400, "unsupported_parameter"),
+    (CHAT, {**user("hi"), "response_format": {"type": "json_object"}}, 400,
+     "unsupported_parameter"),
+    (C, {"prompt": [1], "max_tokens": 2, "presence_penalty": 0.5}, 400, "unsupported_parameter"),
 ]
 
 

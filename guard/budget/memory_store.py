@@ -12,8 +12,9 @@ number of live guards: pass such a ``limits_for``).
 
 from __future__ import annotations
 
+import itertools
 import math
-import uuid
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class _Tenant:
     requests_level: float | None = None
     stamp_s: float = 0.0
     leases: dict[str, tuple[int, float]] = field(default_factory=dict)  # id -> (tokens, expiry)
+    first_expiry_s: float = math.inf  # no lease expires before this (a lower bound)
 
 
 class MemoryStore:
@@ -64,6 +66,8 @@ class MemoryStore:
         self._clock = clock
         self._on_reclaim = on_reclaim
         self._tenants: dict[str, _Tenant] = {}
+        self._id_prefix = f"m{os.urandom(4).hex()}-"
+        self._next_id = itertools.count(1)
 
     async def reserve(self, tenant: str, tokens: int, lease_s: float) -> Grant | Denied:
         return self.reserve_now(tenant, tokens, lease_s)
@@ -81,8 +85,9 @@ class MemoryStore:
         if denied is None:
             levels = (_clamp(levels[0] - tokens, limits.tokens_per_minute),
                       _clamp(levels[1] - 1, limits.requests_per_minute))
-            grant_id = grant_id or uuid.uuid4().hex
+            grant_id = grant_id or f"{self._id_prefix}{next(self._next_id)}"
             state.leases[grant_id] = (tokens, now_s + lease_s)
+            state.first_expiry_s = min(state.first_expiry_s, now_s + lease_s)
         self._store(state, levels, now_s)
         return denied or Grant(tenant, grant_id, tokens)
 
@@ -115,6 +120,15 @@ class MemoryStore:
             return float(limits.tokens_per_minute)
         return self._levels(state, limits, self._clock())[0]
 
+    def remaining_by_tenant(self) -> dict[str, float]:
+        """Tokens left for every tenant seen so far that has a token limit."""
+        out = {}
+        for tenant in self._tenants:
+            remaining = self.remaining_tokens(tenant)
+            if remaining is not None:
+                out[tenant] = remaining
+        return out
+
     def num_leases(self, tenant: str) -> int:
         state = self._tenants.get(tenant)
         return len(state.leases) if state else 0
@@ -133,12 +147,15 @@ class MemoryStore:
 
     def _reap(self, state: _Tenant, levels: tuple[float, float], limits: BudgetLimits,
               now_s: float) -> tuple[float, float]:
+        if now_s < state.first_expiry_s:
+            return levels
         expired = [gid for gid, (_, expiry_s) in state.leases.items() if expiry_s <= now_s]
         tokens_level, requests_level = levels
         for gid in expired:
             tokens, _ = state.leases.pop(gid)
             tokens_level = _clamp(tokens_level + tokens, limits.tokens_per_minute)
             requests_level = _clamp(requests_level + 1, limits.requests_per_minute)
+        state.first_expiry_s = min((e for _, e in state.leases.values()), default=math.inf)
         if expired and self._on_reclaim is not None:
             self._on_reclaim(len(expired))
         return tokens_level, requests_level

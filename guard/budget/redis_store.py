@@ -4,10 +4,11 @@ One Lua script per operation (``lua/reserve.lua``, ``settle.lua``, ``renew.lua``
 Redis ``TIME``, every key written with its TTL in the same script, keys hash-tagged per tenant
 (works on a single server and on Redis Cluster).
 
-Round trips: a reserve is one EVALSHA. Settles and releases are idempotent, so they are queued
-and carried by the tenant's next reserve (or flushed after ``settle_delay_s``); under steady
-traffic an admitted request costs one round trip in all. With ``settle_delay_s = 0`` each settle
-is its own call.
+Round trips: reserves of one tenant that arrive in the same event-loop iteration go out as one
+EVALSHA (the script decides them in arrival order, exactly as separate calls would). Settles and
+releases are idempotent, so they are queued and carried by the tenant's next reserve (or flushed
+after ``settle_delay_s``); under steady traffic an admitted request costs at most one script call
+in all. With ``settle_delay_s = 0`` each settle is its own call.
 
 Errors: :meth:`reserve` raises the client's exception (``redis.exceptions.RedisError``,
 ``OSError``, ``asyncio.TimeoutError``) — :class:`~guard.budget.fallback.FallbackStore` turns that
@@ -32,7 +33,10 @@ from guard.budget.store import BudgetLimits, Denied, Grant
 __all__ = ["RedisStore", "MAX_PENDING"]
 
 log = logging.getLogger("kvguard.budget")
+MAX_BATCH = 128  # reserves decided by one script call
 MAX_PENDING = 10_000  # queued settles per tenant kept while Redis is unreachable
+MAX_IN_FLIGHT = 16  # concurrent script calls: a burst reuses warm connections instead of
+                    # opening one each (a cold connect costs several round trips)
 
 
 def _limit_args(limits: BudgetLimits) -> list[int]:
@@ -58,30 +62,61 @@ class RedisStore:
         self._pending: dict[str, list[tuple[str, int]]] = {}
         self._flusher: asyncio.TimerHandle | None = None
         self._flushing: set[asyncio.Task] = set()
+        self._slots: asyncio.Semaphore | None = None
+        self._batches: dict[str, list[tuple[str, int, int, asyncio.Future]]] = {}
         self.remaining: dict[str, float] = {}  # tenant -> tokens left after its last reserve
 
     async def reserve(self, tenant: str, tokens: int, lease_s: float) -> Grant | Denied:
         check_reserve_args(tenant, tokens, lease_s)
+        future = asyncio.get_running_loop().create_future()
+        batch = self._batches.get(tenant)
+        if batch is None:
+            batch = self._batches[tenant] = []
+            self._spawn(self._send_batch(tenant))  # runs after this loop iteration's arrivals
+        batch.append((uuid.uuid4().hex, tokens, max(1, int(lease_s * 1000)), future))
+        return await future
+
+    async def _send_batch(self, tenant: str) -> None:
+        batch = self._batches.pop(tenant, [])
+        for start in range(0, len(batch), MAX_BATCH):
+            await self._send_reserves(tenant, batch[start:start + MAX_BATCH])
+
+    async def _send_reserves(self, tenant: str, batch: list) -> None:
         limits = self._limits_for(tenant)
-        grant_id = uuid.uuid4().hex
         pending = self._pending.pop(tenant, [])
-        args: list[Any] = [*_limit_args(limits), tokens, max(1, int(lease_s * 1000)), grant_id]
+        args: list[Any] = [*_limit_args(limits), len(batch)]
+        for grant_id, tokens, lease_ms, _ in batch:
+            args += [grant_id, tokens, lease_ms]
         for gid, used in pending:
             args += [gid, used]
         try:
             reply = await self._call("reserve", tenant_keys(tenant), args)
-        except BaseException:
+        except BaseException as exc:
             self._requeue(tenant, pending)
-            raise
-        granted, reason, retry_ms, reclaimed, remaining = reply
-        if int(reclaimed) and self._on_reclaim is not None:
-            self._on_reclaim(int(reclaimed))
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(exc if isinstance(exc, Exception) else
+                                         ConnectionError("budget reserve interrupted"))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        reclaimed, remaining = int(reply[0]), reply[1]
+        if reclaimed and self._on_reclaim is not None:
+            self._on_reclaim(reclaimed)
         if limits.tokens_per_minute is not None:
             self.remaining[tenant] = float(remaining)
-        if int(granted):
-            return Grant(tenant, grant_id, tokens)
-        retry_ms = int(retry_ms)
-        return Denied(str(reason), None if retry_ms < 0 else retry_ms / 1000)
+        for i, (grant_id, tokens, _, future) in enumerate(batch):
+            granted, reason, retry_ms = reply[2 + 3 * i: 5 + 3 * i]
+            if int(granted):
+                outcome: Grant | Denied = Grant(tenant, grant_id, tokens)
+            else:
+                retry_ms = int(retry_ms)
+                outcome = Denied(str(reason), None if retry_ms < 0 else retry_ms / 1000)
+            if not future.done():
+                future.set_result(outcome)
+            elif isinstance(outcome, Grant):  # its caller gave up waiting: give it back
+                self._requeue(tenant, [(grant_id, -1)])
+                self._schedule(self._settle_delay_s)
 
     async def settle(self, grant: Grant, used_tokens: int) -> None:
         await self._queue(grant, max(0, int(used_tokens)))
@@ -126,16 +161,23 @@ class RedisStore:
         close = getattr(self.client, "aclose", None) or self.client.close
         await close()
 
+    async def warm(self) -> None:
+        """Open the connections a burst will use (``MAX_IN_FLIGHT`` concurrent PINGs)."""
+        await asyncio.gather(*(self.client.ping() for _ in range(MAX_IN_FLIGHT)))
+
     def num_pending(self) -> int:
         return sum(len(items) for items in self._pending.values())
 
     # --- internals ------------------------------------------------------------------------
 
     async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        start_s = time.perf_counter()
-        reply = await self.scripts.call(self.client, name, keys, args)
-        if self._on_rtt is not None:
-            self._on_rtt(time.perf_counter() - start_s)
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+        async with self._slots:
+            start_s = time.perf_counter()
+            reply = await self.scripts.call(self.client, name, keys, args)
+            if self._on_rtt is not None:
+                self._on_rtt(time.perf_counter() - start_s)
         return reply
 
     async def _queue(self, grant: Grant, used: int) -> None:
@@ -152,7 +194,10 @@ class RedisStore:
 
     def _start_flush(self) -> None:
         self._flusher = None
-        task = asyncio.get_running_loop().create_task(self.flush())
+        self._spawn(self.flush())
+
+    def _spawn(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._flushing.add(task)
         task.add_done_callback(self._flushing.discard)
 

@@ -32,7 +32,7 @@ def test_quick_bench_without_transformers_prints_our_rows(monkeypatch, capsys):
     assert [r[0] for r in rows] == ["1", "4", "16"]
     for row in rows:
         assert float(row[1]) > 0 and float(row[2]) > 0  # our tok/s and mean step ms
-        assert row[3:] == ["skipped", "skipped", "-"]
+        assert row[3:] == ["skipped", "skipped", "-", "-"]
     assert "reference: skipped (transformers is not installed" in out
     assert re.search(r"roofline at concurrency 1: [\d.]+ MB of weights / [\d.]+ GB/s", out)
     assert "8 requests (seed 0)" in out
@@ -45,7 +45,7 @@ def test_quick_bench_with_transformers_agrees_greedily(capsys):
     out = capsys.readouterr().out
     rows = table_rows(out)
     assert [r[0] for r in rows] == ["1", "4"]
-    assert all(r[5].endswith("x") and float(r[3]) > 0 for r in rows)
+    assert all(r[5].endswith("x") and r[6].endswith("x") and float(r[3]) > 0 for r in rows)
     # same weights, both greedy, batch 1: token-for-token identical
     assert "identical to transformers at concurrency 1: 8/8 requests" in out
 
@@ -78,9 +78,9 @@ def test_run_engine_counts_exactly_the_requested_tokens():
 
 
 def test_table_and_weight_bytes():
-    ours = RunResult("kvguard", 16, 300, 2.0, 10, 0.2, 0.1, {})
-    ref = RunResult("transformers", 16, 300, 6.0, 10, 0.6, None, {})
+    ours = RunResult("kvguard", 16, 300, 2.0, 10, 0.2, 0.1, {}, cpu_s=1.5)
+    ref = RunResult("transformers", 16, 300, 6.0, 10, 0.6, None, {}, cpu_s=3.0)
     table = bench.format_table([(ours, ref)])
-    assert table_rows(table) == [["16", "150.0", "200.0", "50.0", "600.0", "3.00x"]]
+    assert table_rows(table) == [["16", "150.0", "200.0", "50.0", "600.0", "3.00x", "2.00x"]]
     embed = torch.zeros(10, 4)
     assert bench.weight_bytes({"a": embed, "tied": embed, "b": torch.zeros(3)}) == 40 * 4 + 12

@@ -79,3 +79,13 @@ def test_every_streamed_token_has_a_complete_ordered_delivery_record(tmp_path, c
     assert delivery["num_gaps"] == sum(MAX_TOKENS) - len(MAX_TOKENS)
     guard, engine = timeline.load_traces([str(guard_trace), str(engine_trace)])
     assert set(ids) <= set(guard) & set(engine)
+    relayed = 0  # the guard runs in-process (one clock): handed <= forwarded <= written
+    for request_id, _ in streams:
+        chunks, records = guard[request_id]["chunks_s"], engine[request_id]["tokens"]
+        assert guard[request_id]["itl_limit_s"] == 0.08
+        assert chunks == sorted(chunks) and len(chunks) <= len(records)
+        if len(chunks) == len(records):  # every token's chunk carried text
+            relayed += 1
+            assert all(r[3] <= c <= r[4] for r, c in zip(records, chunks, strict=True))
+    assert relayed >= 1
+    assert len(guard[plain.headers["x-request-id"]]["chunks_s"]) == 1  # the whole answer

@@ -277,6 +277,31 @@ def test_paged_attention_equals_dense_causal_attention(max_group_tokens):
         assert len(meta.groups) > 3
 
 
+@pytest.mark.parametrize("table, first_block", [([4, 5, 6], 4), ([6, 4, 5], None)])
+@pytest.mark.parametrize("cached, new", [(9, 1), (5, 4), (0, 7)])
+def test_one_sequence_on_consecutive_blocks_reads_a_view_with_identical_results(
+        table, first_block, cached, new):
+    import dataclasses
+
+    from engine.attention import build_metadata, paged_attention
+
+    gen = torch.Generator().manual_seed(1)
+    block_size, num_kv_heads, num_heads, head_dim = 4, 2, 4, 8
+    caches = [torch.randn(8, block_size, num_kv_heads, head_dim, generator=gen) for _ in "kv"]
+    q = torch.randn(new, num_heads, head_dim, generator=gen)
+    k = torch.randn(new, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(new, num_kv_heads, head_dim, generator=gen)
+    meta = build_metadata([new], [cached + new], [table], block_size, torch.device("cpu"))
+    assert meta.groups[0].first_block == first_block
+    out = paged_attention(q, k, v, *caches, meta, scale=head_dim ** -0.5)
+    gathered = dataclasses.replace(meta, groups=(dataclasses.replace(meta.groups[0],
+                                                                     first_block=None),))
+    assert torch.equal(out, paged_attention(q, k, v, *caches, gathered, scale=head_dim ** -0.5))
+    dense_k, dense_v = _dense_histories(*caches, [table], [(cached, new)], k, v, block_size)
+    want = _dense_attention(q, dense_k[0], dense_v[0], cached)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def _dense_histories(k_cache, v_cache, tables, shapes, k, v, block_size):
     """Each sequence's full K/V: its cached prefix read slot by slot, then its new tokens."""
     keys, values, start = [], [], 0

@@ -12,7 +12,6 @@ from guard.config import GuardConfig, TenantConfig
 from guard.errors import BodyTooLarge, ClientDisconnected, PricingError
 from guard.pricing import (
     Pricer,
-    RecentKeys,
     tokenizer_counter,
 )
 
@@ -272,15 +271,6 @@ def test_retry_from_sdk_counter_and_repeated_idempotency_key():
     assert not price(pricer, {"prompt": "x"}, headers=key, now_s=5.0 + 601.0).is_retry
 
 
-def test_recent_keys_bounded_and_expiring():
-    keys = RecentKeys(ttl_s=10.0, max_keys=3)
-    for i, k in enumerate("abcd"):
-        assert not keys.seen(k, float(i))
-    assert len(keys) == 3 and not keys.seen("a", 4.0)  # "a" was evicted by the bound
-    assert keys.seen("d", 5.0)
-    assert not keys.seen("b", 100.0) and len(keys) == 1  # everything else expired
-
-
 # --- learning ----------------------------------------------------------------------------------
 
 
@@ -355,3 +345,12 @@ def test_pricing_is_fast():
                      request_id="r")
     per_us = (time.perf_counter() - start) / n * 1e6
     print(f"\nprice(): {per_us:.1f} us per chat request")
+
+
+@pytest.mark.parametrize("depth", [65, 1100, 100_000])
+def test_deep_json_is_a_400_not_a_recursion_error(depth):
+    raw = b'{"prompt": ' + b"[" * depth + b"1" + b"]" * depth + b"}"
+    with pytest.raises(PricingError) as info:
+        Pricer(GuardConfig()).price_request(raw, COMP, {}, ANON, 0.0, max_model_len=4096,
+                                            block_size=16)
+    assert (info.value.status, info.value.reason) == (400, "invalid_json")

@@ -1,6 +1,7 @@
-"""Connection caps on a real uvicorn server (in a thread, loopback) serving a tiny Starlette
-app through ``serving.limited_protocol``: over a cap, a connection gets 503 and is closed;
-closing one frees its slot."""
+"""Connection caps and the write deadline on a real uvicorn server (in a thread, loopback)
+serving a tiny app through ``serving.limited_protocol``: over a cap, a connection gets 503 and
+is closed, and closing one frees its slot; a client that stops reading a long response is cut
+and the app sees the disconnect."""
 
 from __future__ import annotations
 
@@ -17,14 +18,39 @@ from serving import ServerLimits
 from serving.limited_protocol import ConnectionTable, uvicorn_config
 
 
+class EndlessStream:
+    """Streams 64 KiB chunks until the client goes away; records how it ended."""
+
+    def __init__(self) -> None:
+        self.num_chunks = 0
+        self.ended = threading.Event()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        watcher = asyncio.ensure_future(receive())  # the request, then http.disconnect
+        await watcher
+        gone = asyncio.ensure_future(receive())
+        try:
+            while not gone.done() and self.num_chunks < 100_000:  # hang guard: 6.4 GB
+                await send({"type": "http.response.body", "body": b"x" * 65536,
+                            "more_body": True})
+                self.num_chunks += 1
+                await asyncio.sleep(0)
+        finally:
+            gone.cancel()
+            self.ended.set()
+
+
 @pytest.fixture()
 def serve():
     servers = []
 
-    def start(limits: ServerLimits):
+    def start(limits: ServerLimits, app=None):
         import uvicorn
 
-        app = Starlette(routes=[Route("/", lambda r: PlainTextResponse("ok"))])
+        app = app or Starlette(routes=[Route("/", lambda r: PlainTextResponse("ok"))])
         table = ConnectionTable(limits)
         server = uvicorn.Server(uvicorn_config(app, table, log_level="warning", lifespan="off"))
         sock = socket.socket()
@@ -77,3 +103,18 @@ def test_over_a_cap_is_503_then_a_freed_slot_serves(serve, limits):
     assert b"retry-after: 1" in refused and b'"too_many_connections"' in refused
     assert served.startswith(b"HTTP/1.1 200 ") and served.endswith(b"ok"), served
     assert table.num_closed_by_reason["over_capacity"] == 1
+
+
+def test_a_client_that_stops_reading_is_cut_after_the_write_timeout(serve):
+    app = EndlessStream()
+    port, table = serve(ServerLimits(write_timeout_s=1.0), app)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")  # ... and never read
+    try:
+        assert app.ended.wait(60.0), "the stream never ended"
+    finally:
+        sock.close()
+    assert table.num_closed_by_reason["write_timeout"] == 1
+    assert app.num_chunks < 100_000  # cut, not finished

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from serving import ServerLimits, SendErrorLogFilter, add_limit_arguments, limits_from_args
+from serving import SendErrorLogFilter, ServerLimits, add_limit_arguments, limits_from_args
 from serving.disconnect_log import SEND_ERROR_MESSAGE
 from serving.limited_protocol import ConnectionTable
 
@@ -63,7 +63,7 @@ def test_send_errors_become_one_line_per_interval():
     assert log_filter.filter(first)  # the first one says what is going on
     assert "1 write(s) to disconnected clients" in first.getMessage()
     passed = []
-    for i in range(3000):
+    for _ in range(3000):
         now[0] += 0.01  # 30 s of them
         passed.append(log_filter.filter(_record(SEND_ERROR_MESSAGE)))
     assert not any(passed)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.json_body import JsonBodyError, decode_json_object, nesting_depth_exceeds
+from serving.json_body import JsonBodyError, decode_json_object, nesting_depth_exceeds
 
 
 @pytest.mark.parametrize(("raw", "max_depth", "exceeds"), [
