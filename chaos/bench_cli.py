@@ -16,6 +16,8 @@ TARGETS: dict[str, tuple[str, str]] = {
     "guard": ("guard.bench", "guard decision time and proxy overhead"),
     "sim": ("engine.sim_bench", "the simulated backend against its timing model"),
     "overload": ("chaos.overload", "the reference overload, every policy side by side"),
+    "proxy": ("chaos.proxy_bench", "kvguard proxy's added latency and shed rate vs LiteLLM"),
+    "sheds": ("chaos.shed_bench", "shed latency and event-loop lag under a 2,000 req/s flood"),
     "budget": ("guard.budget.bench", "request rate with Redis / in-memory / no budgets"),
     "serving": ("serving.bench", "what the connection limits cost: limited vs plain uvicorn"),
 }

@@ -21,7 +21,8 @@ import httpx
 
 from chaos.records import RequestRecord, RequestSpec, classify_outcome
 
-__all__ = ["CompletionClient", "require_loopback", "request_body", "make_http_client"]
+__all__ = ["CompletionClient", "Observation", "observation_record", "require_loopback",
+           "request_body", "make_http_client", "tokens_in"]
 
 _ERROR_BODY_BYTES = 500
 
@@ -60,7 +61,7 @@ def request_body(model: str | None, prompt_json: str, max_tokens: int) -> bytes:
 
 
 @dataclass
-class _Observation:
+class Observation:
     """Mutable scratch state while one request is in flight."""
 
     sent_s: float | None = None
@@ -77,6 +78,18 @@ class _Observation:
     canceled: bool = False
     headers: dict[str, str] = field(default_factory=dict)
 
+    def add_tokens(self, num_tokens: int, now_s: float) -> None:
+        """``num_tokens`` generated tokens arrived together at ``now_s``."""
+        if num_tokens <= 0:
+            return
+        if self.first_token_s is None:
+            self.first_token_s = now_s
+        else:
+            self.gaps_s.append(now_s - self.last_token_s)
+        self.gaps_s.extend([0.0] * (num_tokens - 1))  # tokens that arrived in the same chunk
+        self.last_token_s = now_s
+        self.num_tokens += num_tokens
+
 
 def _float_header(headers: dict[str, str], name: str) -> float | None:
     try:
@@ -85,7 +98,7 @@ def _float_header(headers: dict[str, str], name: str) -> float | None:
         return None
 
 
-def _tokens_in(choice: dict) -> int:
+def tokens_in(choice: dict) -> int:
     """How many generated tokens one streamed choice carries (0 for a bare finish chunk)."""
     ids = choice.get("token_ids")
     if isinstance(ids, list):
@@ -129,7 +142,7 @@ class CompletionClient:
 
     async def send(self, spec: RequestSpec, body: bytes, t0_s: float) -> RequestRecord:
         """Send now; ``t0_s`` is the run start on this client's clock."""
-        obs = _Observation()
+        obs = Observation()
         start = self._clock()
         obs.sent_s = start - t0_s
         try:
@@ -144,14 +157,14 @@ class CompletionClient:
         except ValueError as exc:  # malformed SSE JSON
             obs.error = f"bad stream chunk: {exc}"
         obs.end_s = self._clock()
-        return self._record(spec, obs, start)
+        return observation_record(spec, obs, start)
 
     def _headers(self, spec: RequestSpec) -> dict[str, str]:
         return {"content-type": "application/json", "accept": "text/event-stream",
                 "authorization": f"Bearer {spec.tenant}",
                 self._class_header: spec.request_class}
 
-    async def _exchange(self, spec: RequestSpec, body: bytes, obs: _Observation) -> None:
+    async def _exchange(self, spec: RequestSpec, body: bytes, obs: Observation) -> None:
         req = self._http.build_request("POST", self._url, content=body,
                                        headers=self._headers(spec))
         resp = await self._http.send(req, stream=True)
@@ -168,7 +181,7 @@ class CompletionClient:
         finally:
             await resp.aclose()
 
-    def _on_line(self, line: bytes, obs: _Observation) -> bool:
+    def _on_line(self, line: bytes, obs: Observation) -> bool:
         """Handle one SSE line; True once ``[DONE]`` arrived."""
         if not line.startswith(b"data:"):
             return False
@@ -183,38 +196,28 @@ class CompletionClient:
             obs.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
             obs.finish_reason = choice.get("finish_reason") or obs.finish_reason
-            self._on_tokens(_tokens_in(choice), obs)
+            obs.add_tokens(tokens_in(choice), self._clock())
         return False
 
-    def _on_tokens(self, num_tokens: int, obs: _Observation) -> None:
-        if num_tokens <= 0:
-            return
-        now = self._clock()
-        if obs.first_token_s is None:
-            obs.first_token_s = now
-        else:
-            obs.gaps_s.append(now - obs.last_token_s)
-        obs.gaps_s.extend([0.0] * (num_tokens - 1))  # tokens that arrived in the same chunk
-        obs.last_token_s = now
-        obs.num_tokens += num_tokens
 
-    def _record(self, spec: RequestSpec, obs: _Observation, start: float) -> RequestRecord:
-        h = obs.headers
-        if obs.status is not None and 200 <= obs.status < 300 and obs.error is None \
-                and not obs.saw_done and not obs.canceled:
-            obs.error = "stream ended without [DONE] (truncated)"
-        return RequestRecord(
-            index=spec.index, request_class=spec.request_class, tenant=spec.tenant,
-            num_prompt_tokens=spec.num_prompt_tokens, max_tokens=spec.max_tokens,
-            scheduled_s=spec.scheduled_s, sent_s=obs.sent_s,
-            outcome=classify_outcome(obs.status, obs.error, obs.saw_done, obs.canceled),
-            status=obs.status, error=obs.error,
-            ttft_s=None if obs.first_token_s is None else obs.first_token_s - start,
-            itl_s=tuple(obs.gaps_s), e2e_s=obs.end_s - start,
-            num_tokens_received=obs.num_tokens, usage=obs.usage,
-            finish_reason=obs.finish_reason, saw_done=obs.saw_done,
-            retry_after_s=_float_header(h, "retry-after"),
-            retry_after_ms=_float_header(h, "retry-after-ms"),
-            should_retry=h.get("x-should-retry"), reason=h.get("x-kvguard-reason"),
-            queue_ms=_float_header(h, "x-kvguard-queue-ms"), request_id=h.get("x-request-id"),
-        )
+def observation_record(spec: RequestSpec, obs: Observation, start: float) -> RequestRecord:
+    """The frozen record of one attempt; ``start`` is its send time on the client's clock."""
+    h = obs.headers
+    if obs.status is not None and 200 <= obs.status < 300 and obs.error is None \
+            and not obs.saw_done and not obs.canceled:
+        obs.error = "stream ended without [DONE] (truncated)"
+    return RequestRecord(
+        index=spec.index, request_class=spec.request_class, tenant=spec.tenant,
+        num_prompt_tokens=spec.num_prompt_tokens, max_tokens=spec.max_tokens,
+        scheduled_s=spec.scheduled_s, sent_s=obs.sent_s,
+        outcome=classify_outcome(obs.status, obs.error, obs.saw_done, obs.canceled),
+        status=obs.status, error=obs.error,
+        ttft_s=None if obs.first_token_s is None else obs.first_token_s - start,
+        itl_s=tuple(obs.gaps_s), e2e_s=None if obs.end_s is None else obs.end_s - start,
+        num_tokens_received=obs.num_tokens, usage=obs.usage,
+        finish_reason=obs.finish_reason, saw_done=obs.saw_done,
+        retry_after_s=_float_header(h, "retry-after"),
+        retry_after_ms=_float_header(h, "retry-after-ms"),
+        should_retry=h.get("x-should-retry"), reason=h.get("x-kvguard-reason"),
+        queue_ms=_float_header(h, "x-kvguard-queue-ms"), request_id=h.get("x-request-id"),
+    )

@@ -5,6 +5,7 @@ its saturation throughput S measured; then the same seeded open-loop arrivals at
 (default 1.2: a burst past what the replica can serve) are sent twice, to a replica without the
 guard and to a replica with the guard (the SLO-aware policy) mounted in-process. The goodput
 table shows what the guard changes; each run's folder holds the raw records, a report and plots.
+``--scenario seed`` runs the fleet version instead (``chaos.fleet_demo``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.set_defaults(duration=12.0, warmup=2.0)
     p.add_argument("--load", type=float, default=1.2,
                    help="offered load as a multiple of the measured saturation throughput S")
+    p.add_argument("--scenario", choices=("seed",), default=None,
+                   help="the fleet version: the chaos `seed` scenario (4 sim replicas behind "
+                        "the proxy, a burst to 1.16 C, one replica lost, retrying clients) "
+                        "for always_admit and slo; it has its own load and times (--load, "
+                        "--duration and --warmup are the single-replica demo's)")
+    p.add_argument("--replica-capacity", type=float, default=None,
+                   help="with --scenario: one replica's capacity in req/s at this time scale "
+                        "(skips the saturation probe)")
 
 
 def _table(rows: list[tuple[str, dict]]) -> str:
@@ -42,6 +51,11 @@ def _table(rows: list[tuple[str, dict]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     exit_on_sigterm()
+    if args.scenario is not None:
+        from chaos.fleet_demo import run_fleet_demo
+        return run_fleet_demo(args)
+    if args.replica_capacity is not None:
+        raise ValueError("--replica-capacity applies to --scenario only")
     scenario = Scenario(args)
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)

@@ -3,12 +3,15 @@
 1. Start a sim replica of the reference model (``llama-7b`` on an H100 timing model), probe its
    saturation throughput S with a closed burst, then sweep open-loop rates (multiples of S) to
    measure capacity C: the highest rate whose goodput stays >= 90 % of offered.
-2. Replay the same seeded arrival schedule at each load multiple of C (default 0.74, 1.16 and
-   2.0) against a fresh replica per policy, with the guard mounted in-process and the policy
+2. Replay the same seeded arrival schedule (Poisson by default, ``--shape constant`` for
+   evenly spaced arrivals) at each load multiple of C (default 0.74, 1.16, 2.0 and 4.0)
+   against a fresh replica per policy, with the guard mounted in-process and the policy
    chosen by its config: ``always_admit``, ``concurrency_cap``, ``saturation``, ``gradient``,
-   ``token_rate``, ``slo``.
-3. One table (goodput, goodput / C, TTFT p50/p99, rejection rate, wasted work) as markdown and
-   JSON, and a plot of goodput / C per policy and load.
+   ``token_rate``, ``slo``. Below capacity (``--reference-loads``, default 0.5 and 0.8) the
+   ``bare`` replica (no guard at all) runs next to ``slo``: there the guard must cost nothing.
+3. One table (goodput, goodput / C, goodput ÷ bare, TTFT p50/p99, rejection rate, admitted
+   requests that missed — on a gap —, the TTFT forecast's predicted ÷ actual from the guard's
+   trace, wasted work) as markdown and JSON, and a plot of goodput / C per policy and load.
 
 Time scale. The sim stretches every GPU step by ``--time-scale`` K so the whole run fits a
 2-core machine; every duration of the scenario (the class SLO, the run length, the warm-up and
@@ -24,26 +27,33 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from chaos.goodput import meets_slo
+from chaos.admission_quality import forecast_error, gap_attribution
 from chaos.load_cli import configure as configure_load
 from chaos.load_cli import run_once
+from chaos.overload_plan import POLICIES, REFERENCE_POLICIES, plan_runs, plan_sdk_runs
+from chaos.overload_table import (
+    BARE,
+    add_bare_ratios,
+    fmt_num,
+    plot_goodput,
+    render_table,
+    row_from_run,
+)
 from chaos.replica import ReplicaProcess, exit_on_sigterm, write_guard_config
 from chaos.report import read_records
 from chaos.schedule import LengthDist
-from chaos.stats import percentile
+from chaos.sdk_column import require_user_runner, sdk_row
 from chaos.sweep import SweepPoint, capacity, sweep_rates
 from policies.cost import RequestClass
 
-__all__ = ["configure", "configure_scenario", "run", "POLICIES", "Scenario", "fmt_num", "probe_saturation", "policy_params",
-           "render_table", "row_from_run", "run_policy"]
+__all__ = ["configure", "configure_scenario", "run", "POLICIES", "REFERENCE_POLICIES", "Scenario",
+           "fmt_num", "probe_saturation", "policy_params", "render_table", "row_from_run",
+           "run_policy", "plan_runs", "plan_sdk_runs"]
 
-POLICIES: tuple[str, ...] = ("always_admit", "concurrency_cap", "saturation", "gradient",
-                             "token_rate", "slo")
 
 
 class Scenario:
@@ -69,12 +79,12 @@ class Scenario:
                 "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
 
     def load_args(self, url: str, rate: float, out: Path, duration_s: float | None = None,
-                  warmup_s: float | None = None, shape: str = "poisson") -> argparse.Namespace:
+                  warmup_s: float | None = None, shape: str | None = None) -> argparse.Namespace:
         p = argparse.ArgumentParser()
         configure_load(p)
         c = self.request_class
         return p.parse_args([
-            "--url", url, "--rate", repr(rate), "--shape", shape,
+            "--url", url, "--rate", repr(rate), "--shape", shape or self.args.shape,
             "--duration", repr(duration_s or self.duration_s),
             "--warmup", repr(self.warmup_s if warmup_s is None else warmup_s),
             "--prompt-tokens", self.args.prompt_tokens,
@@ -109,14 +119,25 @@ def configure_scenario(p: argparse.ArgumentParser, out_default: str) -> None:
     p.add_argument("--warmup", type=float, default=3.0, help="left out of goodput, GPU s")
     p.add_argument("--client-timeout", type=float, default=6.0,
                    help="clients give up after this many GPU seconds")
+    p.add_argument("--shape", choices=("poisson", "constant"), default="poisson",
+                   help="arrival process of every run (the capacity probe is fixed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help=f"output folder (default {out_default})")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     configure_scenario(p, "runs/overload-<time>")
-    p.add_argument("--loads", default="0.74,1.16,2.0", help="multiples of capacity C")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--loads", default="0.74,1.16,2.0,4.0", help="multiples of capacity C")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"policies at --loads ({BARE!r}: the replica with no guard)")
+    p.add_argument("--reference-loads", default="0.5,0.8",
+                   help="multiples of C below capacity, run with --reference-policies "
+                        "('' for none)")
+    p.add_argument("--reference-policies", default=",".join(REFERENCE_POLICIES))
+    p.add_argument("--sdk-loads", default="2.0",
+                   help="loads at which the same arrivals are replayed as users on the OpenAI "
+                        "SDK (default retries) for --sdk-policies ('' for none)")
+    p.add_argument("--sdk-policies", default="always_admit,slo")
     p.add_argument("--sweep", default="0.8:1.6:0.1",
                    help="capacity sweep, multiples of the saturation throughput S")
     p.add_argument("--capacity", type=float, default=None,
@@ -209,94 +230,32 @@ def run_policy(scenario: Scenario, policy: str | None, rate: float, cap_rps: flo
     """One fresh replica with the guard (``policy``; None: no guard at all) mounted, one
     open-loop run at ``rate``. Returns the table row."""
     out.mkdir(parents=True, exist_ok=True)
-    engine_args = scenario.engine_args()
-    if policy is not None:
+    engine_trace = out / "engine-trace.jsonl"
+    engine_args = [*scenario.engine_args(), "--trace", str(engine_trace)]
+    trace = out / "guard-trace.jsonl"
+    if policy is not None and policy != BARE:
         c = scenario.request_class
         config = write_guard_config(str(out / "guard.toml"), policy=policy, ttft_s=c.ttft_s,
-                                    itl_s=c.itl_s,
+                                    itl_s=c.itl_s, trace_path=str(trace),
                                     policy_params=policy_params(policy, scenario, cap_rps))
         engine_args += ["--guard", config]
     with ReplicaProcess.start(engine_args) as replica:
         summary = run_once(scenario.load_args(replica.base_url, rate, out), rate, out, None)
-    return row_from_run(summary, read_records(out / "requests.jsonl"), scenario, cap_rps)
-
-
-def row_from_run(summary: dict, records: Sequence, scenario: Scenario, cap_rps: float) -> dict:
-    """The table row: goodput, goodput / C, TTFT percentiles, rejections, wasted work."""
-    t = summary["goodput"]["total"]
-    window = summary["goodput"]["window_s"]
-    inside = [r for r in records if window[0] <= r.scheduled_s < window[1]]
-    ttfts = [r.ttft_s for r in inside if r.successful and r.ttft_s is not None]
-    wasted = sum(r.num_tokens_received for r in inside
-                 if not meets_slo(r, scenario.request_class))
-    produced = sum(r.num_tokens_received for r in inside)
-    counts = summary["counts"]
-    return {
-        "goodput_rps": t["goodput_per_s"]["strict"],
-        "goodput_over_c": t["goodput_per_s"]["strict"] / cap_rps,
-        "goodput_p99_gap_rps": t["goodput_per_s"]["p99_gap"],
-        "offered_rps": t["offered_per_s"],
-        "completed_rps": t["completed_per_s"],
-        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-        "rejected_ratio": counts["rejected"] / counts["offered"] if counts["offered"] else 0.0,
-        "canceled_ratio": counts["canceled"] / counts["offered"] if counts["offered"] else 0.0,
-        "wasted_tokens": wasted,
-        "wasted_ratio": wasted / produced if produced else 0.0,
-        "warnings": summary["warnings"],
-    }
-
-
-def fmt_num(x, digits: int = 2) -> str:
-    return "—" if x is None else f"{x:.{digits}f}"
-
-
-def render_table(rows: list[dict]) -> str:
-    head = ("| load (× C) | policy | goodput (req/s) | goodput ÷ C | TTFT p50 (s) | "
-            "TTFT p99 (s) | rejected | timed out | wasted tokens |")
-    lines = [head, "|" + "---|" * 9]
-    for r in rows:
-        lines.append(
-            f"| {r['load']:.2f} | {r['policy']} | {fmt_num(r['goodput_rps'])} | "
-            f"{fmt_num(r['goodput_over_c'])} | {fmt_num(r['ttft_p50_s'])} | {fmt_num(r['ttft_p99_s'])} | "
-            f"{100 * r['rejected_ratio']:.0f}% | {100 * r['canceled_ratio']:.0f}% | "
-            f"{r['wasted_tokens']} ({100 * r['wasted_ratio']:.0f}%) |")
-    return "\n".join(lines)
-
-
-def plot_goodput(rows: list[dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    loads = sorted({r["load"] for r in rows})
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    width = 0.8 / max(len(policies), 1)
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for i, pol in enumerate(policies):
-        ys = [next((r["goodput_over_c"] for r in rows
-                    if r["policy"] == pol and r["load"] == load), 0.0) for load in loads]
-        ax.bar([j + i * width for j in range(len(loads))], ys, width, label=pol)
-    ax.axhline(0.9, color="k", linestyle="--", linewidth=1, label="0.9 C")
-    ax.set_xticks([j + width * (len(policies) - 1) / 2 for j in range(len(loads))])
-    ax.set_xticklabels([f"{load:.2f} × C" for load in loads])
-    ax.set_ylabel("goodput ÷ capacity C")
-    ax.set_title("Goodput under overload, per admission policy (same arrivals)")
-    ax.legend(fontsize=8, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    row = row_from_run(summary, read_records(out / "requests.jsonl"), scenario, cap_rps)
+    warmup_s = summary["goodput"]["window_s"][0]
+    row["forecast"] = forecast_error(trace, (warmup_s, float("inf")))
+    row["gaps"] = gap_attribution((trace, engine_trace, out / "requests.jsonl"),
+                                  scenario.request_class.itl_s)
+    return row
 
 
 def run(args: argparse.Namespace) -> int:
     exit_on_sigterm()
     scenario = Scenario(args)
-    loads = [float(x) for x in args.loads.split(",") if x.strip()]
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = set(policies) - set(POLICIES)
-    if unknown or not loads or any(x <= 0 for x in loads):
-        raise ValueError(f"bad --policies {sorted(unknown)} or --loads {args.loads!r}")
+    runs = plan_runs(args)
+    sdk_runs = set(plan_sdk_runs(args))
+    if sdk_runs:
+        require_user_runner()
     out = Path(args.out or f"runs/overload-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
 
@@ -305,20 +264,27 @@ def run(args: argparse.Namespace) -> int:
 
     log(f"kvguard bench overload: {args.model} on {args.gpu} (sim, time scale {scenario.scale}); "
         f"SLO TTFT {scenario.request_class.ttft_s:g} s, ITL {scenario.request_class.itl_s:g} s "
-        f"(wall); output in {out}")
+        f"(wall), {args.shape} arrivals; output in {out}")
     if args.capacity:
         sat, cap, sweep = None, args.capacity, []
     else:
         sat, cap, sweep = measure_capacity(scenario, out, log)
     log(f"capacity C = {cap:.2f} req/s")
     rows = []
-    for load in loads:
-        for policy in policies:
-            log(f"load {load:.2f} × C = {load * cap:.2f} req/s, policy {policy} ...")
-            row = run_policy(scenario, policy, load * cap, cap, out / f"{policy}-{load:.2f}")
-            rows.append({"load": load, "policy": policy, **row})
-            log(f"  goodput {row['goodput_rps']:.2f} req/s = {row['goodput_over_c']:.2f} C, "
-                f"rejected {100 * row['rejected_ratio']:.0f}%")
+    for load, policy in runs:
+        log(f"load {load:.2f} × C = {load * cap:.2f} req/s, policy {policy} ...")
+        row = run_policy(scenario, policy, load * cap, cap, out / f"{policy}-{load:.2f}")
+        log(f"  goodput {row['goodput_rps']:.2f} req/s = {row['goodput_over_c']:.2f} C, "
+            f"rejected {100 * row['rejected_ratio']:.0f}%")
+        if (load, policy) in sdk_runs:
+            row["sdk"] = sdk_row(scenario, policy, load * cap, cap,
+                                 out / f"{policy}-{load:.2f}-sdk",
+                                 policy_params(policy, scenario, cap))
+            log(f"  OpenAI SDK users: {row['sdk']['attempts_per_user'] or 0:.2f} attempts each, "
+                f"user goodput {row['sdk']['goodput_over_c']:.2f} C")
+        rows.append({"load": load, "policy": policy, **row})
+    rows.sort(key=lambda r: r["load"])  # stable: each load's policies keep their run order
+    add_bare_ratios(rows)
     table = render_table(rows)
     plot_goodput(rows, out / "overload.png")
     result = {"command": " ".join(["kvguard", "bench", "overload", *sys.argv[3:]]),

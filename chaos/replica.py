@@ -101,8 +101,10 @@ def exit_on_sigterm() -> None:
 
 
 def write_guard_config(path: str, *, policy: str, ttft_s: float, itl_s: float,
-                       policy_params: dict | None = None, trace_path: str | None = None) -> str:
-    """A minimal guard TOML: one ``interactive`` class with the given SLO and one policy."""
+                       policy_params: dict | None = None, trace_path: str | None = None,
+                       extra_toml: str = "") -> str:
+    """A minimal guard TOML: one ``interactive`` class with the given SLO and one policy;
+    ``extra_toml`` (tables such as ``[[tenants]]``) is appended as given."""
     lines = [f'policy = "{policy}"', 'default_class = "interactive"',
              "anonymous_may_choose_class = true"]
     if trace_path:
@@ -112,6 +114,8 @@ def write_guard_config(path: str, *, policy: str, ttft_s: float, itl_s: float,
     if policy_params:
         lines += ["", "[policy_params]"]
         lines += [f"{k} = {json.dumps(v)}" for k, v in policy_params.items()]
+    if extra_toml:
+        lines += ["", extra_toml.strip()]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     return path

@@ -104,10 +104,11 @@ def _first_block(start: int, end: int, block_tables: list[list[int]], context_le
     """The first block of a one-sequence group whose used blocks are consecutive ids."""
     if end - start != 1:
         return None
-    used = block_tables[start][: -(-context_lens[start] // block_size)]
+    used = block_tables[start][: -(-context_lens[start] // block_size)]  # a list or a tuple
     first = used[0]
-    return first if used[-1] - first == len(used) - 1 and used == list(
-        range(first, first + len(used))) else None
+    consecutive = used[-1] - first == len(used) - 1 and all(
+        block == first + i for i, block in enumerate(used))
+    return first if consecutive else None
 
 
 def _group(start: int, end: int, query_lens: list[int], context_lens: list[int],

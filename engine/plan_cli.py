@@ -3,6 +3,7 @@
     kvguard plan --model llama-7b --gpu h100-80g --prompt-tokens 2048 --output-tokens 256
     kvguard plan ... --json        # one JSON object
     kvguard plan ... --measure     # on a CUDA machine: measured decode steps beside predictions
+    kvguard plan ... --itl-ms 80   # the largest --max-num-batched-tokens that keeps gaps <= 80 ms
 """
 
 from __future__ import annotations
@@ -15,10 +16,17 @@ import sys
 
 from engine.config import PRESET_NAMES, model_preset
 from engine.gpus import get_gpu, gpu_names
-from engine.planner import MemoryPlan, RooflineRow, ServingPlan, plan
+from engine.planner import (
+    MemoryPlan,
+    RooflineRow,
+    ServingPlan,
+    max_batched_tokens_for_itl,
+    plan,
+)
 from engine.timing_model import TimingModel
 
-__all__ = ["configure", "run", "plan_to_dict", "format_plan", "measure_decode_steps"]
+__all__ = ["configure", "run", "plan_to_dict", "format_plan", "measure_decode_steps",
+           "itl_budgets"]
 
 _GIB, _MIB = 1 << 30, 1 << 20
 
@@ -34,6 +42,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="engine limit; sizes the sampler part of the activation estimate")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="engine limit; sizes the activation workspace and prefill chunks")
+    parser.add_argument("--itl-ms", type=float, default=None,
+                        help="an ITL SLO: recommend the largest --max-num-batched-tokens whose "
+                             "step (decode batch + one prefill chunk) stays within it")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--measure", action="store_true",
                         help="CUDA only: time the torch engine's decode steps (random weights) "
@@ -51,11 +62,48 @@ def run(args: argparse.Namespace) -> int:
                    args.max_num_batched_tokens, args.max_num_seqs)
     if args.measure:
         return _run_measure(args, serving)
+    budgets = itl_budgets(args, serving) if args.itl_ms is not None else None
     if args.json:
-        print(json.dumps(plan_to_dict(serving), indent=2))
+        out = plan_to_dict(serving)
+        if budgets is not None:
+            out["itl_s"] = args.itl_ms / 1e3
+            out["max_num_batched_tokens_for_itl"] = budgets
+        print(json.dumps(out, indent=2))
     else:
         print(format_plan(serving))
+        if budgets is not None:
+            print("\n" + "\n".join(_itl_lines(args, budgets)))
     return 0
+
+
+def itl_budgets(args: argparse.Namespace, serving: ServingPlan) -> list[dict]:
+    """Per decode batch size of the roofline (up to ``--max-num-seqs``): the largest token
+    budget within ``--itl-ms``."""
+    if not args.itl_ms > 0:
+        raise ValueError(f"--itl-ms must be > 0, got {args.itl_ms!r}")
+    timing = TimingModel(model_preset(args.model), get_gpu(args.gpu))
+    return [{"batch_size": r.batch_size,
+             "max_num_batched_tokens": max_batched_tokens_for_itl(
+                 timing, args.itl_ms / 1e3, r.batch_size, r.context_tokens_per_seq,
+                 args.prompt_tokens)}
+            for r in serving.roofline if r.batch_size <= args.max_num_seqs]
+
+
+def _itl_lines(args: argparse.Namespace, budgets: list[dict]) -> list[str]:
+    lines = [f"--max-num-batched-tokens for an ITL of {args.itl_ms:g} ms (a step with a full "
+             "prefill chunk beside the decode batch)",
+             f"  {'batch':>5}  {'max tokens':>10}"]
+    lines += [f"  {b['batch_size']:>5}  {b['max_num_batched_tokens']:>10}" for b in budgets]
+    if budgets:
+        full = budgets[-1]
+        if full["max_num_batched_tokens"] == 0:
+            lines.append(f"  UNATTAINABLE: at batch {full['batch_size']} the decode step alone "
+                         f"is over {args.itl_ms:g} ms; lower --max-num-seqs")
+        elif args.max_num_batched_tokens > full["max_num_batched_tokens"]:
+            lines.append(f"  WARNING: --max-num-batched-tokens {args.max_num_batched_tokens} "
+                         f"stretches gaps past {args.itl_ms:g} ms at batch "
+                         f"{full['batch_size']}; recommended {full['max_num_batched_tokens']}")
+    return lines
 
 
 def plan_to_dict(serving: ServingPlan) -> dict:

@@ -40,6 +40,7 @@ __all__ = [
     "plan_memory",
     "plan_roofline",
     "prefill_s",
+    "max_batched_tokens_for_itl",
 ]
 
 RUNTIME_RESERVE_BYTES = 1 << 30
@@ -194,6 +195,31 @@ def prefill_s(timing: TimingModel, prompt_tokens: int, chunk_tokens: int) -> flo
         total += timing.step_s(StepShape(num_prefill_tokens=n, num_prefill_cached_tokens=done))
         done += n
     return total
+
+
+def max_batched_tokens_for_itl(timing: TimingModel, itl_s: float, num_decode_seqs: int,
+                               context_tokens_per_seq: int, prompt_tokens: int,
+                               max_tokens: int = 1 << 17) -> int:
+    """The largest ``--max-num-batched-tokens`` whose full step — one token per decoding
+    sequence plus a prefill chunk of the rest, the chunk's prompt already cached up to its end —
+    still ends within ``itl_s``, so a prefill never stretches a running stream's gap past its
+    limit. 0 when even the decode step alone is over ``itl_s``."""
+    if itl_s <= 0 or num_decode_seqs < 0 or context_tokens_per_seq < 0 or prompt_tokens < 1:
+        raise ValueError("need itl_s > 0, num_decode_seqs >= 0, context >= 0, prompt >= 1")
+
+    def fits(num_prefill: int) -> bool:
+        shape = StepShape(num_prefill_tokens=num_prefill, num_decode_seqs=num_decode_seqs,
+                          num_context_tokens=num_decode_seqs * context_tokens_per_seq,
+                          num_prefill_cached_tokens=max(0, prompt_tokens - num_prefill))
+        return timing.step_s(shape) <= itl_s
+
+    if not fits(0):
+        return 0
+    low, high = 0, max_tokens  # fits(low) holds; find the largest such chunk
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low + num_decode_seqs
 
 
 def plan(model: ModelConfig, gpu: GPUSpec, prompt_tokens: int, output_tokens: int,

@@ -14,8 +14,9 @@ set to CONFIG, mounted outermost; the engine package itself never imports ``guar
 Slow or greedy clients are bounded by ``serving.ServerLimits`` (``--header-timeout-s``,
 ``--body-timeout-s``, ``--keep-alive-timeout-s``, ``--max-connections``,
 ``--max-connections-per-client``); connections it closes are counted in
-``kvguard_engine_connections_closed_total{reason}``. Writes to clients that went away are
-counted and summarised in one log line a minute, not logged one by one.
+``kvguard_engine_connections_closed_total{reason}``. Writes to clients that went away and
+invalid HTTP requests are counted and summarised in one log line a minute, not logged one by one
+(``serving.quiet_log``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import signal
 import socket
 import sys
 
-from serving import add_limit_arguments, install_send_error_filter, limits_from_args
+from serving import add_limit_arguments, install_quiet_logging, limits_from_args
 
 __all__ = ["configure", "run", "load_middleware"]
 
@@ -143,7 +144,7 @@ def load_middleware(spec: str):
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio then sets TCP_NODELAY
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -221,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
     from serving.limited_protocol import ConnectionTable, uvicorn_config
 
     limits = limits_from_args(args)
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     specs = list(args.middleware)
     if args.guard is not None:
         os.environ["KVGUARD_CONFIG"] = args.guard
@@ -251,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn_config(app, table, log_level=args.log_level, access_log=False,
                             lifespan="on",
                             timeout_graceful_shutdown=max(1, int(args.shutdown_timeout_s)))
-    install_send_error_filter()
+    install_quiet_logging()
     server = _server_class()(config, async_engine, args.shutdown_timeout_s, url, app)
     try:
         server.run(sockets=[sock])

@@ -1,12 +1,17 @@
-"""A bounded admission queue, ordered by class priority then deadline.
+"""A bounded admission queue, ordered by class priority, first attempts before retries, then
+deadline (so under overload retries and the lowest class are shed first).
 
 Each waiter is an asyncio future. :meth:`AdmissionQueue.pump` re-runs the admission decision
 for every waiter in order (the caller's ``decide`` takes a fresh snapshot and, on admit, takes
 the reservation itself, synchronously, so two waiters can never be admitted into the same
 blocks); it resolves admitted and shed waiters and evicts those past their deadline with a
-503 ``queue_timeout``. :meth:`AdmissionQueue.run` pumps on every :meth:`wake` (a completion or
-a state refresh) and at least every ``interval_s``. A full queue sheds its worst entry (lowest
-priority, latest deadline) or the newcomer, whichever is worse, with a 503 ``queue_full``.
+503 ``queue_timeout``. Every decision is told what waits ahead of it (:class:`QueuedAhead`:
+the waiters still queued before it in the pump; for a newcomer, :meth:`AdmissionQueue.ahead_of`,
+every waiter of its class priority or a more important one), so the policy forecasts the
+earliest start it can really have and says no at once when even that is too late.
+:meth:`AdmissionQueue.run` pumps on every :meth:`wake` (a completion or a state refresh) and at
+least every ``interval_s``. A full queue sheds its worst entry (lowest priority, a retry, latest
+deadline) or the newcomer, whichever is worse, with a 503 ``queue_full``.
 """
 
 from __future__ import annotations
@@ -21,17 +26,18 @@ from typing import Any
 from policies.cost import RequestCost
 from policies.decision import Queue, Shed
 from policies.shed_reasons import QUEUE_FULL, QUEUE_TIMEOUT
+from policies.snapshot import NOTHING_AHEAD, QueuedAhead
 
 __all__ = ["AdmissionQueue", "Waiter", "QUEUE_FULL", "QUEUE_TIMEOUT"]
 
 
-# decide(cost, now_s) -> Queue (keep waiting), Shed (reject), or anything else (admitted).
-Decide = Callable[[RequestCost, float], Any]
+# decide(cost, now_s, ahead) -> Queue (keep waiting), Shed (reject), or anything else (admitted).
+Decide = Callable[[RequestCost, float, QueuedAhead], Any]
 
 
 @dataclass(order=True)
 class Waiter:
-    sort_key: tuple[int, float, int]
+    sort_key: tuple[int, bool, float, int]
     cost: RequestCost = field(compare=False)
     until_s: float = field(compare=False)
     enqueued_s: float = field(compare=False)
@@ -48,6 +54,8 @@ class AdmissionQueue:
         self.interval_s = interval_s
         self._clock = clock
         self._waiters: list[Waiter] = []  # kept sorted
+        # (priority, is_retry) -> [requests, prompt tokens, blocks]
+        self._by_rank: dict[tuple[int, bool], list[int]] = {}
         self._seq = itertools.count()
         self._wake: asyncio.Event | None = None
 
@@ -59,14 +67,16 @@ class AdmissionQueue:
 
     def push(self, cost: RequestCost, until_s: float, now_s: float) -> Waiter | Shed:
         """Enqueue ``cost``; a full queue sheds its worst entry or returns a Shed for ``cost``."""
-        key = (cost.request_class.priority, cost.deadline_s, next(self._seq))
+        key = (cost.request_class.priority, cost.is_retry, cost.deadline_s, next(self._seq))
         if len(self._waiters) >= self.max_len:
             if not self._waiters or key > self._waiters[-1].sort_key:
                 return Shed(503, QUEUE_FULL)
             worst = self._waiters.pop()
+            self._count(worst.cost, -1)
             _resolve(worst, Shed(503, QUEUE_FULL))
         waiter = Waiter(key, cost, until_s, now_s, asyncio.get_running_loop().create_future())
         bisect.insort(self._waiters, waiter)
+        self._count(cost, +1)
         self.wake()
         return waiter
 
@@ -76,21 +86,48 @@ class AdmissionQueue:
             self._waiters.remove(waiter)
         except ValueError:
             return False
+        self._count(waiter.cost, -1)
         return True
 
+    def ahead_of(self, cost: RequestCost) -> QueuedAhead:
+        """What a newcomer would wait behind: every waiter of its rank (class priority, then
+        first attempts before retries) or a better one."""
+        if not self._waiters:
+            return NOTHING_AHEAD
+        rank = (cost.request_class.priority, cost.is_retry)
+        num = tokens = blocks = 0
+        for r, (n, t, b) in self._by_rank.items():
+            if r <= rank:
+                num, tokens, blocks = num + n, tokens + t, blocks + b
+        return QueuedAhead(num, tokens, blocks) if num else NOTHING_AHEAD
+
+    def _count(self, cost: RequestCost, sign: int) -> None:
+        rank = (cost.request_class.priority, cost.is_retry)
+        totals = self._by_rank.setdefault(rank, [0, 0, 0])
+        totals[0] += sign
+        totals[1] += sign * cost.num_prompt_tokens
+        totals[2] += sign * cost.num_blocks
+        if totals[0] == 0:
+            del self._by_rank[rank]
+
     def pump(self, decide: Decide, now_s: float) -> int:
-        """Re-decide every waiter in order; return how many left the queue."""
+        """Re-decide every waiter in order, each behind the ones still queued before it;
+        return how many left the queue."""
         kept: list[Waiter] = []
         num_left = 0
+        ahead = NOTHING_AHEAD
         for waiter in self._waiters:
             if waiter.future.done():  # canceled by its owner
                 num_left += 1
+                self._count(waiter.cost, -1)
                 continue
-            result = _decide_one(waiter, decide, now_s)
+            result = _decide_one(waiter, decide, now_s, ahead)
             if result is None:
                 kept.append(waiter)
+                ahead = ahead.plus(waiter.cost.num_prompt_tokens, waiter.cost.num_blocks)
                 continue
             _resolve(waiter, result)
+            self._count(waiter.cost, -1)
             num_left += 1
         self._waiters = kept
         return num_left
@@ -116,10 +153,10 @@ class AdmissionQueue:
                 self.pump(decide, self._clock())
 
 
-def _decide_one(waiter: Waiter, decide: Decide, now_s: float) -> Any:
+def _decide_one(waiter: Waiter, decide: Decide, now_s: float, ahead: QueuedAhead) -> Any:
     if now_s >= waiter.until_s:
         return Shed(503, QUEUE_TIMEOUT)
-    result = decide(waiter.cost, now_s)
+    result = decide(waiter.cost, now_s, ahead)
     if isinstance(result, Queue):
         waiter.until_s = result.until_s
         return Shed(503, QUEUE_TIMEOUT) if now_s >= result.until_s else None

@@ -19,6 +19,7 @@ TOML layout (see ``docs/guard-config.example.toml``)::
     replica_id = "r0"
     url = "http://127.0.0.1:8001"
     state_source = "kvguard"   # "kvguard" | "vllm" | "none" | "asgi"
+    [proxy]                    # the standalone proxy's settings (guard.proxy.config)
 
 Environment: ``KVGUARD_CONFIG`` names the TOML file; ``KVGUARD_<FIELD>`` overrides any scalar
 field (``KVGUARD_POLICY=cap``, ``KVGUARD_MAX_BODY_BYTES=65536``, ``KVGUARD_TRACE_PATH=...``);
@@ -47,9 +48,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package
     import tomli as tomllib
 
+from guard.proxy.config import ProxyConfig
 from guard.budget.config import LIMIT_KEYS, BudgetConfig
 from guard.budget.store import BudgetLimits
 from policies.cost import RequestClass
+from policies.retry_budget import RetryBudgetConfig
 
 __all__ = [
     "GuardConfig",
@@ -114,6 +117,9 @@ class TenantConfig:
 class ReplicaConfig:
     """One upstream replica. ``url`` None means the wrapped ASGI app itself (in-process).
 
+    ``state_source``: ``kvguard`` (``GET /kvguard/state``), ``vllm`` (``GET /metrics``), ``none``
+    (no load state is read: a replica of unknown capacity) or ``asgi`` (the wrapped app).
+
     ``max_model_len`` is only needed for ``vllm`` replicas (their metrics do not carry it);
     without it the guard leaves context-length checks to the upstream.
     """
@@ -173,6 +179,9 @@ class GuardConfig:
     replicas: tuple[ReplicaConfig, ...] = ()
     tokenizer: str | None = None  # a tokenizer.json path (guard.pricing.tokenizer_counter)
     initial_chars_per_token: float = 4.0
+    retry_budget_ratio: float = 0.10  # retries allowed per first attempt while shedding
+    retry_budget_window_s: float = 10.0
+    retry_budget_min_retries: int = 3
     idempotency_ttl_s: float = 600.0
     max_idempotency_bytes: int = 16 << 20  # hashed keys, ~200 B each: ~84,000 keys
     trace_path: str | None = None
@@ -181,6 +190,7 @@ class GuardConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     class_header: str = "x-kvguard-class"
     deadline_header: str = "x-kvguard-deadline-ms"
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
     admin_key_sha256: str | None = None  # or admin_api_key = "..." (hashed at load)
     protect_operational_endpoints: bool | None = None  # None: on when anonymous is refused
     admitted_paths: tuple[str, ...] = DEFAULT_ADMITTED_PATHS
@@ -302,6 +312,19 @@ class GuardConfig:
         _positive("initial_chars_per_token", self.initial_chars_per_token)
         if not 1.0 <= self.initial_chars_per_token <= 8.0:
             raise ValueError("initial_chars_per_token: must be within [1, 8]")
+        ratio = self.retry_budget_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"retry_budget_ratio: must be within [0, 1], got {ratio!r}")
+        _positive("retry_budget_window_s", self.retry_budget_window_s)
+        count = self.retry_budget_min_retries
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"retry_budget_min_retries: must be an integer >= 0, got {count!r}")
+
+    @property
+    def retry_budget(self) -> RetryBudgetConfig:
+        """The retry budget's own config (:mod:`policies.retry_budget`)."""
+        return RetryBudgetConfig(float(self.retry_budget_ratio), float(self.retry_budget_window_s),
+                                 self.retry_budget_min_retries)
 
     # --- lookups used on the request path -------------------------------------------------
 
@@ -382,6 +405,8 @@ class GuardConfig:
             data["tenants"] = tuple(_tenant_from(i, t) for i, t in enumerate(_list("tenants", data["tenants"])))
         if "replicas" in data:
             data["replicas"] = tuple(_replica_from(i, r) for i, r in enumerate(_list("replicas", data["replicas"])))
+        if "proxy" in data and not isinstance(data["proxy"], ProxyConfig):
+            data["proxy"] = ProxyConfig.from_dict(data["proxy"])
         if "budget" in data:
             data["budget"] = BudgetConfig.from_dict(data["budget"])
         if "admitted_paths" in data:
@@ -478,8 +503,9 @@ _SCALAR_FIELDS: dict[str, tuple[type, bool]] = {
     "max_queue_wait_s": (float, False), "refresh_interval_s": (float, False),
     "max_staleness_s": (float, False), "state_timeout_s": (float, False),
     "unhealthy_after_errors": (int, False), "tokenizer": (str, True),
-    "initial_chars_per_token": (float, False), "idempotency_ttl_s": (float, False),
-    "max_idempotency_bytes": (int, False),
+    "initial_chars_per_token": (float, False), "retry_budget_ratio": (float, False),
+    "retry_budget_window_s": (float, False), "retry_budget_min_retries": (int, False),
+    "idempotency_ttl_s": (float, False), "max_idempotency_bytes": (int, False),
     "trace_path": (str, True), "max_tenant_labels": (int, False), "redis_url": (str, True),
     "class_header": (str, False), "deadline_header": (str, False),
     "admin_key_sha256": (str, True), "protect_operational_endpoints": (bool, True),

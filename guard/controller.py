@@ -34,6 +34,9 @@ ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy anot
   - :class:`~guard.shedding.Rejection`: send it as is (status, OpenAI-style body, retry
     headers); it is already counted and traced.
   - ``None``: the client left before a decision; nothing to send (already counted canceled).
+* ``redispatch(admission, replica_ids)`` (the proxy): the upstream failed before answering, so
+  the policy re-decides among ``replica_ids``; returns the new replica id (reservation moved)
+  or None.
 * Drain (SIGTERM): :meth:`begin_drain` makes every decision, queued ones included, a 503
   ``shutting_down`` with retry advice; :meth:`wait_drained` returns once no ticket is held.
 * Lifecycle: :meth:`start` on the serving event loop (``admit`` starts it on first use);
@@ -53,11 +56,13 @@ proxy on top.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import logging
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -69,22 +74,27 @@ from guard.budget.factory import build_budget_store
 from guard.budget.store import BudgetStore, Denied, Grant
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import ClientDisconnected, PricingError
+from guard.loop_lag import LoopLag
 from guard.metrics import GaugeValues, GuardMetrics
 from guard.pricing import PricedRequest, Pricer, tokenizer_counter
 from guard.release import ReleaseListeners
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import StatePoller, StateSource
 from guard.request_rules import ReplicaRules
-from guard.retry_ratio import RetryRatio
 from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
 from guard.ticket import Ticket, TicketBook
 from guard.trace import TraceWriter
 from policies import make_policy
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
+from policies.prefill_pacing import full_step_s
+from policies.retry_budget import GLOBAL, RetryBudget
 from policies.shed_reasons import SHUTTING_DOWN
+from policies.snapshot import NOTHING_AHEAD, QueuedAhead
 
 __all__ = ["AdmissionController", "INVALID_KEY"]
+
+_log = logging.getLogger(__name__)
 
 INVALID_KEY = ("invalid_api_key", "Incorrect or missing API key.")
 _DRAINING = Shed(503, SHUTTING_DOWN, retry_after_s=1.0)  # a floor: another replica can serve it
@@ -115,6 +125,7 @@ class AdmissionController:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = GuardMetrics(self.registry, config.max_tenant_labels)
         self.metrics.gauges = self._gauge_values
+        self.metrics.loop_lag = self.loop_lag = LoopLag()
         self.policy = policy if policy is not None else make_policy(config.policy,
                                                                     **config.policy_params)
         self.load_state = load_state if load_state is not None else LoadState(config.max_staleness_s)
@@ -124,6 +135,8 @@ class AdmissionController:
         self.load_state.on_preemptions = lambda _replica, num: self.pricer.observe_preemptions(num)
         self.queue = AdmissionQueue(config.max_queue_len, self.clock)
         self.drain_rate = DrainRate()
+        self.retry_budget = RetryBudget(config.retry_budget)
+        self.metrics.retry_counts = lambda: self.retry_budget.counts(GLOBAL, self.clock())
         if trace is None and config.trace_path:
             trace = TraceWriter.open(config.trace_path, clock=self.clock)
         self.releases = ReleaseListeners(self.load_state, self.policy, self.metrics,
@@ -139,17 +152,17 @@ class AdmissionController:
         self.rejecter = Rejecter(config, self.clock, self.metrics, self.queue, self.tickets,
                                  self.drain_rate,
                                  RetryAdvisor(rng if rng is not None else random.Random()),
-                                 lambda: self.releases.service_s, trace)
+                                 lambda: self.releases.service_s, trace, self.retry_budget)
         self.budget = budget
         self.budget_lease_s = budget_lease_s
         self._grants: dict[str, Grant] = {}  # held budget grants (queued or in flight)
         self._settling: set[asyncio.Task] = set()
-        self._retry_ratio = RetryRatio()
         self._anonymous = config.anonymous_tenant
         self._id_prefix = f"g-{os.urandom(3).hex()}-"
         self._next_id = itertools.count(1)
         self.rules = ReplicaRules()  # what the replicas accept, from their latest state
         self._sources = dict(sources) if sources is not None else None
+        self._chunk_warned: set[str] = set()  # replicas warned about their chunk budget
         self.draining = False  # begin_drain: every decision sheds shutting_down
         self.background = Background(lambda: self.queue.run(self._decide),
                                      self._make_poller if self._sources else None,
@@ -201,7 +214,7 @@ class AdmissionController:
             return None
         cost = priced.cost
         self.metrics.counters(cost.request_class.name, cost.tenant).offered.value += 1
-        self._retry_ratio.record(cost.tenant, cost.is_retry)
+        self.retry_budget.record(cost.tenant, cost.is_retry, arrival_s)
         grant = None
         if self.budget is not None:
             outcome = await self.budget.reserve(cost.tenant, cost.num_prompt_tokens + cost.max_tokens,
@@ -210,7 +223,7 @@ class AdmissionController:
                 return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
             grant = self._grants[outcome.grant_id] = outcome
         try:
-            result = self._decide(cost, arrival_s)
+            result = self._decide(cost, arrival_s, self.queue.ahead_of(cost))
             if isinstance(result, Admit):  # the common path: no queue, no extra coroutine
                 return self._admission(priced, result, None, grant)
             return await self._queue_or_shed(priced, result, headers, grant, client_gone)
@@ -256,19 +269,41 @@ class AdmissionController:
             return self._anonymous
         return tenant
 
-    def _decide(self, cost: RequestCost, now_s: float) -> Admit | Queue | Shed:
-        """Decide on a fresh snapshot; on admit take the replica reservation (synchronously, so
-        two decisions can never share the same blocks). Draining: shed, never admit."""
+    def _decide(self, cost: RequestCost, now_s: float,
+                ahead: QueuedAhead = NOTHING_AHEAD) -> Admit | Queue | Shed:
+        """Decide on a fresh snapshot (behind ``ahead``, what waits in the queue before it); on
+        admit take the replica reservation (synchronously, so two decisions can never share
+        the same blocks). Draining: shed, never admit."""
         if self.draining:
             return _DRAINING
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
-                                            self._retry_ratio.ratios)
+                                            self.retry_budget.view(now_s), ahead)
         decision = self.policy.decide(cost, snapshot)
         if isinstance(decision, Admit):
             self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
             self.policy.admitted(cost, decision.replica_id, now_s)
             self.metrics.counters(cost.request_class.name, cost.tenant).admitted.value += 1
         return decision
+
+    def redispatch(self, admission: Admission, replica_ids: Collection[str]) -> str | None:
+        """The policy re-decides an admitted request whose replica failed before answering
+        (nothing reached the client) among ``replica_ids``. Its reservation leaves the failed
+        replica; on Admit it is reserved on the new one, whose id the ticket then carries.
+        None when the policy admits it nowhere (the adapter answers the failure)."""
+        ticket = admission.ticket
+        cost = ticket.cost
+        now_s = self.clock()
+        self.load_state.release(cost.request_id)
+        snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
+                                            self.retry_budget.view(now_s))
+        others = tuple(r for r in snapshot.replicas if r.replica_id in replica_ids)
+        decision = self.policy.decide(cost, dataclasses.replace(snapshot, replicas=others))
+        if not isinstance(decision, Admit):
+            return None
+        self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
+        self.policy.admitted(cost, decision.replica_id, now_s)
+        ticket.replica_id = decision.replica_id
+        return decision.replica_id
 
     async def _wait(self, cost: RequestCost, until_s: float, enqueue_s: float,
                     client_gone: Callable[[], asyncio.Future] | None) -> Admit | Shed | None:
@@ -340,9 +375,17 @@ class AdmissionController:
         task.add_done_callback(self._settling.discard)
 
     async def _housekeeping(self) -> None:
-        """Once a second: flush the trace; every ``budget_lease_s / 3``: renew held grants."""
+        """Once a second: flush the trace; every ``budget_lease_s / 3``: renew held grants;
+        all the while, sample the event loop's lag."""
         renew_every_s = self.budget_lease_s / 3
         last_renew_s = time.monotonic()
+        lag = asyncio.ensure_future(self.loop_lag.run())  # sampled while the guard runs
+        try:
+            await self._housekeep(renew_every_s, last_renew_s)
+        finally:
+            lag.cancel()
+
+    async def _housekeep(self, renew_every_s: float, last_renew_s: float) -> None:
         while True:
             await asyncio.sleep(min(1.0, renew_every_s))
             if self.trace is not None:
@@ -376,6 +419,24 @@ class AdmissionController:
         served = self.load_state.served_models()
         self.rules = ReplicaRules(min(lengths) if lengths else None, replicas[0].block_size,
                                   served, strict=served is not None)
+        self._warn_chunk_budget(replicas)
+
+    def _warn_chunk_budget(self, replicas: tuple) -> None:
+        """Once per replica: its full prefill step is over the tightest class ITL, so no pacing
+        keeps running streams' gaps when a long prompt arrives (``kvguard plan --itl-ms``)."""
+        itl_s = min(c.itl_s for c in self.config.classes)
+        step_time = self.load_state.snapshot(self.clock()).step_time
+        for r in replicas:
+            if r.capacity_known and r.replica_id not in self._chunk_warned:
+                step_s = full_step_s(r, step_time)
+                if step_s > itl_s:
+                    self._chunk_warned.add(r.replica_id)
+                    _log.warning("replica %s: a step with a full %d-token prefill chunk takes "
+                                 "%.0f ms, over the tightest class ITL (%.0f ms): long prompts "
+                                 "will stretch running streams' gaps; lower its "
+                                 "--max-num-batched-tokens (kvguard plan --itl-ms)",
+                                 r.replica_id, r.max_num_batched_tokens, 1e3 * step_s,
+                                 1e3 * itl_s)
 
     async def aclose(self) -> None:
         """Stop the background work, let budget settlements finish, flush the trace."""

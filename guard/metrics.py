@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from guard.forecast_error import ForecastError
+from guard.loop_lag import LoopLag
 from guard.ticket import Ticket
 
 __all__ = ["GuardMetrics", "GaugeValues", "CONTENT_TYPE_LATEST", "OTHER_TENANT"]
@@ -129,6 +131,10 @@ class GuardMetrics:
         self._counters: dict[tuple[str, str], _Counters] = {}
         self._rejected: dict[tuple[str, str, str], _Count] = {}
         self._histograms: dict[str, _Histograms] = {}
+        self.forecast_error = ForecastError()  # predicted ÷ actual TTFT of admitted requests
+        self.loop_lag: LoopLag | None = None  # set by the owner that runs the sampler
+        # (first attempts, retries, advised retries) in the retry budget's window, guard-wide
+        self.retry_counts: Callable[[], tuple[int, int, int]] | None = None
         registry.register(_Collector(self))
 
     # --- the request path ----------------------------------------------------------------
@@ -185,6 +191,7 @@ class GuardMetrics:
             predicted_s = ticket.predicted_ttft_s
             if predicted_s is not None and predicted_s > 0:
                 hist.ttft_error.observe((ttft_s - predicted_s) / predicted_s)
+                self.forecast_error.observe(predicted_s, ttft_s)
         if ticket.released_s is not None:
             hist.e2e.observe(ticket.released_s - cost.arrival_s)
 
@@ -219,6 +226,33 @@ class GuardMetrics:
         yield rejected
         yield from self._histogram_families()
         yield from self._gauge_families()
+        yield from self._quality_families()
+
+    def _quality_families(self) -> Iterator:
+        """The TTFT forecast's error and the event loop's lag (when sampled)."""
+        summary = self.forecast_error.summary()
+        ratio = GaugeMetricFamily("kvguard_ttft_forecast_ratio", "Predicted / actual TTFT of "
+                                  "recent admitted requests (stat: p50, p90)", labels=("stat",))
+        error = GaugeMetricFamily("kvguard_ttft_forecast_abs_error_ratio", "Median "
+                                  "|predicted - actual| / actual TTFT of recent admitted requests")
+        if summary is not None:
+            ratio.add_metric(("p50",), summary.median_ratio)
+            ratio.add_metric(("p90",), summary.p90_ratio)
+            error.add_metric((), summary.median_abs_error_ratio)
+        yield ratio
+        yield error
+        if self.retry_counts is not None:
+            family = GaugeMetricFamily("kvguard_retry_budget_window", "First attempts, retries "
+                                       "and retries advised (x-should-retry: true) in the retry "
+                                       "budget's sliding window, guard-wide", labels=("kind",))
+            counts = self.retry_counts()
+            for kind, value in zip(("first_attempts", "retries", "advised"), counts, strict=True):
+                family.add_metric((kind,), value)
+            yield family
+        if self.loop_lag is not None:
+            yield GaugeMetricFamily("kvguard_event_loop_lag_max_seconds", "Largest lateness of "
+                                    "the guard's 10 ms loop timer since start",
+                                    value=self.loop_lag.max_lag_s)
 
     def _histogram_families(self) -> Iterator:
         for attr, (name, help_text, bounds) in _HISTOGRAMS.items():

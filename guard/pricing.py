@@ -26,6 +26,7 @@ from guard.request_rules import (
     optional_int,
     parse_body,
 )
+from guard.retry_headers import is_retry_attempt
 from policies.cost import RequestClass, RequestCost
 
 __all__ = [
@@ -267,13 +268,8 @@ class Pricer:
         return deadline_s
 
     def _is_retry(self, headers: Mapping[str, str], tenant: str, now_s: float) -> bool:
-        retry = False
-        count = headers.get("x-stainless-retry-count")
-        if count is not None:
-            try:
-                retry = int(count) > 0
-            except ValueError:
-                retry = False
+        """A retry counter header (:mod:`guard.retry_headers`) or a repeated Idempotency-Key."""
+        retry = is_retry_attempt(headers)
         key = headers.get("idempotency-key")
         if key:  # always record the key, so a later repeat is seen as a retry
             retry = self._recent_keys.seen(tenant, key, now_s) or retry

@@ -6,7 +6,10 @@ One place computes retry advice (:class:`Rejecter` with :class:`RetryAdvisor` an
 * 400/401/404/413 — never servable as sent (malformed body, unknown key, model not served,
   over the context or body limit): ``x-should-retry: false``, no wait, no budget, no blocks;
 * 429 — the tenant's budget (from the budget store) or a policy's tenant limit;
-* 503 — overload: a wait from the measured drain rate with the queue ahead counted, jittered;
+* 503 — overload: a wait from the measured drain rate with the queue ahead counted, jittered —
+  while the retry budget (:mod:`policies.retry_budget`, per tenant and guard-wide) has room;
+  once retries would pass it, ``x-should-retry: false`` and no wait, so SDKs stop retrying
+  into the overload (advice returns when load falls and the window slides past the retries);
 * ``Retry-After`` / ``retry-after-ms`` are sent only together with ``x-should-retry: true``.
 
 Every rejection carries an OpenAI-style body ``{"error": {"message", "type", "param",
@@ -31,6 +34,7 @@ from guard.ticket import TicketBook
 from guard.trace import TraceWriter, rejection_record
 from policies.cost import RequestCost
 from policies.decision import Shed
+from policies.retry_budget import RetryBudget
 from policies.shed_reasons import NEVER_RETRY, RETRY_SHED
 
 __all__ = ["DrainRate", "Rejecter", "Rejection", "RetryAdvisor", "client_timeout_s",
@@ -188,8 +192,11 @@ class DrainRate:
         return len(self._times_s) / span_s
 
 
+RETRY_BUDGET = "retry_budget"  # the message key of a shed whose retry the budget refused
 _NO_RETRY_MESSAGES = {
     RETRY_SHED: "The service is overloaded and sheds retries first; do not retry this request.",
+    RETRY_BUDGET: "The service is overloaded and its retry budget is spent: a retry now would "
+                  "only add to the overload. Try again later.",
     None: "The service cannot serve this request within its latency objective; do not retry.",
 }
 _SHED_MESSAGES = {
@@ -205,7 +212,7 @@ class Rejecter:
     def __init__(self, config: GuardConfig, clock: Callable[[], float], metrics: GuardMetrics,
                  queue: AdmissionQueue, tickets: TicketBook, drain_rate: DrainRate,
                  retry_advisor: RetryAdvisor, service_s: Callable[[], float],
-                 trace: TraceWriter | None) -> None:
+                 trace: TraceWriter | None, retry_budget: RetryBudget | None = None) -> None:
         self._config = config
         self._clock = clock
         self._metrics = metrics
@@ -215,6 +222,7 @@ class Rejecter:
         self._retry_advisor = retry_advisor
         self._service_s = service_s
         self.trace = trace
+        self._retry_budget = retry_budget
 
     def shed(self, cost: RequestCost, shed: Shed, headers: dict[str, str],
              enqueue_s: float | None) -> Rejection:
@@ -225,10 +233,10 @@ class Rejecter:
                                  "as sent: it does not fit any replica.")
             return self.reject_early(cost.request_id, cost.tenant, cost.arrival_s,
                                      error, cost.request_class.name, counted=True)
-        wait_s = self.advise(cost, shed, headers, now_s)
+        wait_s, why_not = self.advise(cost, shed, headers, now_s)
         message = _SHED_MESSAGES.get(shed.status, _SHED_MESSAGES[503])
         if wait_s is None:
-            message = _NO_RETRY_MESSAGES.get(shed.reason, _NO_RETRY_MESSAGES[None])
+            message = _NO_RETRY_MESSAGES.get(why_not, _NO_RETRY_MESSAGES[None])
         rejection = Rejection(shed.status, shed.reason, message, wait_s, wait_s is not None)
         self._metrics.rejected(cost.request_class.name, cost.tenant, shed.reason).inc()
         if self.trace is not None:
@@ -237,12 +245,13 @@ class Rejecter:
         return rejection
 
     def advise(self, cost: RequestCost, shed: Shed, headers: dict[str, str],
-               now_s: float) -> float | None:
-        """The one place retry advice is computed: the wait to advertise, or None for "do not
-        retry" (the policy says never, the reason is one a retry cannot help, or the wait
-        outlasts the client's own deadline)."""
+               now_s: float) -> tuple[float | None, str | None]:
+        """The one place retry advice is computed: ``(the wait to advertise, None)``, or
+        ``(None, why)`` for "do not retry": the policy says never or the reason is one a retry
+        cannot help (why: the reason), the wait outlasts the client's own deadline (None), or
+        retries would pass the retry budget (``retry_budget``)."""
         if not shed.should_retry or shed.reason in NEVER_RETRY:
-            return None
+            return None, shed.reason
         num_ahead = len(self._queue)
         service_s = self._service_s()
         wait_s = self._retry_advisor.retry_after_s(
@@ -253,7 +262,12 @@ class Rejecter:
         remaining_s = client_timeout_s(headers, self._config.deadline_header)
         if remaining_s is not None:
             remaining_s -= now_s - cost.arrival_s
-        return wait_s if RetryAdvisor.should_retry(wait_s, remaining_s) else None
+        if not RetryAdvisor.should_retry(wait_s, remaining_s):
+            return None, None
+        if shed.status == 503 and self._retry_budget is not None \
+                and not self._retry_budget.advise_retry(cost.tenant, now_s):
+            return None, RETRY_BUDGET  # retries would pass the budget: SDKs stop here
+        return wait_s, None
 
     def deny(self, cost: RequestCost, reason: str, retry_after_s: float | None) -> Rejection:
         """The tenant's budget said no (429): a wait only when the store gave one."""

@@ -16,7 +16,15 @@ For a request dispatched to a replica now, the first token arrives after
    that finishes its prompt.
 
 So ``ttft_s = wait_s + queued_prefill_s + own_prefill_s``, counted from dispatch (the guard
-adds the time already spent since arrival). The sum is conservative: it does not overlap the
+adds the time already spent since arrival). ``ahead`` (the requests in the guard's own queue
+that will be admitted before this one) adds their blocks, slots and prompt tokens to what this
+request waits for: without it every queued request forecasts as if it were first in line, and
+a flood queues until its deadlines instead of being told no at once. Given ``now_s``, the
+prefill queued on the replica is what is still pending *now*: the backlog it reported, drained
+since it was observed, plus the guard's admissions since (:func:`policies.prefill_pacing.
+pending_prefill_tokens`); the state is up to one refresh old, and counting all of it again
+made the forecast pessimistic by up to a refresh's worth of prefill. A deficit larger than what
+every known sequence returns is extrapolated from the finish schedule (the same turnover again). The sum is conservative: it does not overlap the
 resource wait with the queued prefill. ``join_step_s`` is the decode step of the batch once it
 has joined: every sequence on the replica plus this one, with all prompts in.
 """
@@ -27,8 +35,9 @@ from bisect import bisect_left
 from typing import NamedTuple
 
 from policies.cost import RequestCost
+from policies.prefill_pacing import pending_prefill_tokens
 from policies.replica_load import ReplicaLoad
-from policies.snapshot import ReplicaSnapshot
+from policies.snapshot import NOTHING_AHEAD, QueuedAhead, ReplicaSnapshot
 from policies.step_time import StepTimeModel
 
 __all__ = ["TtftForecast", "forecast", "predict_ttft_s", "prefill_s", "never_fits"]
@@ -43,6 +52,7 @@ class TtftForecast(NamedTuple):
     queued_prefill_s: float
     own_prefill_s: float
     join_step_s: float
+    num_queued_prefill_tokens: int = 0  # prompt tokens ahead of it (pending + the guard's queue)
 
     @property
     def ttft_s(self) -> float:
@@ -63,23 +73,28 @@ def never_fits(cost: RequestCost, replica: ReplicaSnapshot) -> bool:
 
 
 def forecast(
-    cost: RequestCost, replica: ReplicaSnapshot, step_time: StepTimeModel
+    cost: RequestCost, replica: ReplicaSnapshot, step_time: StepTimeModel,
+    ahead: QueuedAhead = NOTHING_AHEAD, now_s: float | None = None,
 ) -> TtftForecast | None:
-    """Predict ``cost`` on ``replica`` if dispatched now; ``None`` when it can never fit there."""
+    """Predict ``cost`` on ``replica`` if dispatched now, behind ``ahead``; ``None`` when it
+    can never fit there."""
     if never_fits(cost, replica):
         return None
     load = replica.load
     num_decode_seqs = load.num_decode_seqs
     decode_s = step_time.step_s(0, num_decode_seqs, load.num_running_context_tokens)
-    missing_blocks = cost.num_blocks - (replica.num_available_blocks - load.num_committed_blocks)
-    missing_seqs = load.num_seqs + 1 - replica.max_num_seqs
+    missing_blocks = (cost.num_blocks + ahead.num_blocks
+                      - (replica.num_available_blocks - load.num_committed_blocks))
+    missing_seqs = load.num_seqs + 1 + ahead.num_requests - replica.max_num_seqs
     wait_steps = 0
     if missing_blocks > 0 or missing_seqs > 0:
         wait_steps = max(
             _steps_until_freed(load, missing_blocks), _steps_until_finished(load, missing_seqs)
         )
     chunk = max(1, replica.max_num_batched_tokens - num_decode_seqs)
-    num_queued = load.num_queued_prefill_tokens
+    num_queued = (load.num_queued_prefill_tokens if now_s is None
+                  else pending_prefill_tokens(replica, step_time, now_s))
+    num_queued += ahead.num_prefill_tokens
     num_prompt = cost.num_prompt_tokens
     queued_s = _prefill_s(num_queued, chunk, decode_s, step_time)
     total_s = _prefill_s(num_queued + num_prompt, chunk, decode_s, step_time)
@@ -91,6 +106,7 @@ def forecast(
         queued_s,
         total_s - queued_s,
         step_time.step_s(0, num_join_seqs, load.num_context_tokens + num_prompt),
+        num_queued,
     )
 
 
@@ -123,8 +139,12 @@ def _steps_until_freed(load: ReplicaLoad, num_missing_blocks: int) -> int:
     schedule = load.finish_schedule
     if not schedule.num_steps:
         return 0  # no known sequence holds the blocks: nothing to predict a wait from
-    i = bisect_left(schedule.num_freed_blocks, num_missing_blocks)
-    return schedule.num_steps[min(i, len(schedule.num_steps) - 1)]
+    freed = schedule.num_freed_blocks
+    i = bisect_left(freed, num_missing_blocks)
+    if i < len(freed):
+        return schedule.num_steps[i]
+    turnover = schedule.num_steps[-1]  # everything known finishes, and the deficit remains:
+    return -(-turnover * num_missing_blocks // max(1, freed[-1]))  # as many turnovers again
 
 
 def _steps_until_finished(load: ReplicaLoad, num_missing_seqs: int) -> int:
@@ -133,4 +153,6 @@ def _steps_until_finished(load: ReplicaLoad, num_missing_seqs: int) -> int:
     steps = load.finish_schedule.num_steps
     if not steps:
         return 0  # max_num_seqs < 1: nothing running will make room
-    return steps[min(num_missing_seqs, len(steps)) - 1]
+    if num_missing_seqs <= len(steps):
+        return steps[num_missing_seqs - 1]
+    return -(-steps[-1] * num_missing_seqs // len(steps))  # turnovers of the whole batch

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 from policies.replica_load import ReplicaLoad, SeqTotals
+from policies.retry_budget import NO_RETRY_OVER_BUDGET, RetryBudgetView
 from policies.step_time import StepTimeModel
 
-__all__ = ["SeqLoad", "ReplicaSnapshot", "LoadSnapshot"]
+__all__ = ["SeqLoad", "ReplicaSnapshot", "LoadSnapshot", "QueuedAhead", "NOTHING_AHEAD"]
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class SeqLoad:
     num_prefill_tokens_remaining: int  # prompt tokens not yet prefilled
     num_remaining_output_tokens: int  # expected decode tokens still to come
     itl_s: float | None = None  # ITL limit of its class if known (guard-admitted requests)
+    admitted_s: float | None = None  # a guard reservation: when it was admitted (guard clock)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,23 @@ class ReplicaSnapshot:
 
 
 @dataclass(frozen=True)
+class QueuedAhead:
+    """The requests waiting in the guard's admission queue ahead of the one being decided:
+    they will take their blocks, slots and prefill before it does."""
+
+    num_requests: int = 0
+    num_prefill_tokens: int = 0
+    num_blocks: int = 0
+
+    def plus(self, num_prefill_tokens: int, num_blocks: int) -> QueuedAhead:
+        return QueuedAhead(self.num_requests + 1, self.num_prefill_tokens + num_prefill_tokens,
+                           self.num_blocks + num_blocks)
+
+
+NOTHING_AHEAD = QueuedAhead()
+
+
+@dataclass(frozen=True)
 class LoadSnapshot:
     """Everything a policy sees at decision time. ``now_s`` is the guard's clock."""
 
@@ -109,7 +128,8 @@ class LoadSnapshot:
     num_queued: int = 0
     max_staleness_s: float = 2.0
     drain_rate_rps: float = 0.0  # measured completions per second, for Retry-After
-    tenant_retry_ratio: dict[str, float] = field(default_factory=dict)
+    retry_budget: RetryBudgetView = NO_RETRY_OVER_BUDGET  # whose retries are over budget now
+    queued_ahead: QueuedAhead = NOTHING_AHEAD  # the guard's queue ahead of this request
 
     def fresh_replicas(self) -> tuple[ReplicaSnapshot, ...]:
         now_s, max_staleness_s = self.now_s, self.max_staleness_s

@@ -5,8 +5,8 @@ Imports uvicorn and h11 lazily (inside the functions that serve), never torch, `
 ``guard``; both of those may import it.
 """
 
-from serving.disconnect_log import SendErrorLogFilter, install_send_error_filter
+from serving.quiet_log import RepeatedLineFilter, install_quiet_logging
 from serving.server_limits import ServerLimits, add_limit_arguments, limits_from_args
 
-__all__ = ["SendErrorLogFilter", "ServerLimits", "add_limit_arguments",
-           "install_send_error_filter", "limits_from_args"]
+__all__ = ["RepeatedLineFilter", "ServerLimits", "add_limit_arguments",
+           "install_quiet_logging", "limits_from_args"]

@@ -1,4 +1,5 @@
-"""uvicorn's h11 protocol with the ``ServerLimits`` enforced on each connection.
+"""uvicorn's HTTP/1.1 protocol (h11 or httptools) with the ``ServerLimits`` enforced on each
+connection.
 
 Why a protocol layer and not ASGI middleware: an ASGI app is called only once the request head
 is complete, so it can never see a client that trickles its headers or opens a connection and
@@ -76,13 +77,35 @@ class ConnectionTable:
             self._on_close(reason)
 
 
-def limited_protocol_class(table: ConnectionTable) -> type:
-    """A subclass of uvicorn's ``H11Protocol`` bound to ``table`` (one class per server)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+def _base_protocol(http: str) -> type:
+    """uvicorn's protocol class for ``http``: ``h11``, ``httptools``, or ``auto`` (httptools
+    when installed, as uvicorn chooses)."""
+    if http == "auto":
+        try:
+            import httptools  # noqa: F401
+        except ImportError:
+            http = "h11"
+        else:
+            http = "httptools"
+    if http == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
 
+        return H11Protocol
+    if http == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        return HttpToolsProtocol
+    raise ValueError(f"http must be auto, h11 or httptools, got {http!r}")
+
+
+def limited_protocol_class(table: ConnectionTable, http: str = "h11") -> type:
+    """A subclass of uvicorn's ``http`` protocol bound to ``table`` (one class per server).
+    Both of uvicorn's HTTP/1.1 protocols keep the request cycle the same way (``cycle``,
+    ``more_body``, ``response_complete``), which is all the phases read."""
+    base = _base_protocol(http)
     limits = table.limits
 
-    class LimitedH11Protocol(H11Protocol):
+    class LimitedProtocol(base):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._client_addr: str | None = None  # set once counted in the table
@@ -181,12 +204,13 @@ def limited_protocol_class(table: ConnectionTable) -> type:
             table.closed(_TIMEOUT_REASONS[phase])
             self.transport.close()
 
-    return LimitedH11Protocol
+    return LimitedProtocol
 
 
-def uvicorn_config(app, table: ConnectionTable, **kwargs: Any):
-    """A ``uvicorn.Config`` serving ``app`` with ``table.limits`` enforced (h11 only)."""
+def uvicorn_config(app, table: ConnectionTable, http: str = "h11", **kwargs: Any):
+    """A ``uvicorn.Config`` serving ``app`` over uvicorn's ``http`` protocol (``h11``,
+    ``httptools`` or ``auto``) with ``table.limits`` enforced."""
     import uvicorn
 
-    return uvicorn.Config(app, http=limited_protocol_class(table),
+    return uvicorn.Config(app, http=limited_protocol_class(table, http),
                           timeout_keep_alive=table.limits.keep_alive_timeout_s, **kwargs)

@@ -4,9 +4,13 @@
 reserve is one script call bounded by ``redis_timeout_s``. After ``breaker_failures``
 consecutive failures (a timeout, a refused connection, a hung server) the breaker opens and the
 guard enforces a **local share** of each limit — the limit divided by the number of guards last
-seen live in Redis (each guard heartbeats every ``heartbeat_s``) — in its own memory store, and a
+seen live in Redis (each guard heartbeats every ``heartbeat_s``) — in its own memory store, whose
+buckets start from their share of what Redis last reported left (an outage never re-grants
+budget the shared bucket had already spent), and a
 background task reconnects on a tenacity backoff (capped at ``retry_max_s``), reloads the
-scripts, and closes the breaker. Start-up without Redis is the same state: local share, retrying.
+scripts, and closes the breaker. Start-up without Redis is the same state: local share, retrying
+(the very first requests wait, once and at most ``STARTUP_WAIT_S``, until Redis answers or refuses,
+so a guard that is merely still connecting does not hand out a local share on top of Redis).
 
 Grants remember where they were made: a local grant is settled locally and never charged to
 Redis (no double counting after recovery); a Redis grant whose settle cannot be delivered is
@@ -23,7 +27,8 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 from guard.budget.breaker import Breaker
 from guard.budget.config import BudgetConfig
@@ -38,6 +43,7 @@ __all__ = ["FallbackStore"]
 
 log = logging.getLogger("kvguard.budget")
 PROBE_TIMEOUT_S = 0.5  # reconnect probes (not on the request path) may wait this long
+STARTUP_WAIT_S = 1.0  # the first requests wait this long, once, for the first connect attempt
 
 
 async def _bounded(work: Awaitable[Any], timeout_s: float) -> Any:
@@ -76,6 +82,9 @@ class FallbackStore:
         self._shares: dict[str, BudgetLimits] = {}
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        self._closing = False
+        self._first_attempt: asyncio.Event | None = None  # set once the first probe has ended
+        self._startup_deadline_s = 0.0  # loop time after which requests stop waiting for it
         if metrics is not None:
             metrics.watch_remaining(self.remaining_tokens)
 
@@ -86,6 +95,8 @@ class FallbackStore:
     async def reserve(self, tenant: str, tokens: int, lease_s: float) -> Grant | Denied:
         check_reserve_args(tenant, tokens, lease_s)
         self._ensure_started()
+        if not self._first_attempt.is_set():  # start-up: a local grant now would be on top of
+            await self._await_first_attempt()  # the shared budget, so give Redis a moment
         if not self.breaker.is_open and self.redis is not None:
             try:
                 outcome = await _bounded(self.redis.reserve(tenant, tokens, lease_s),
@@ -101,6 +112,14 @@ class FallbackStore:
         if isinstance(outcome, Grant):
             self._local_ids.add(outcome.grant_id)
         return outcome
+
+    async def _await_first_attempt(self) -> None:
+        """Wait until Redis answered or refused, but never past the start-up window."""
+        left_s = self._startup_deadline_s - asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait_for(self._first_attempt.wait(), max(0.0, left_s))
+        except asyncio.TimeoutError:
+            self._first_attempt.set()  # a hung Redis at start-up: local share from now on
 
     async def settle(self, grant: Grant, used_tokens: int) -> None:
         if grant.grant_id in self._local_ids:
@@ -131,9 +150,12 @@ class FallbackStore:
             self.breaker.record_success()
 
     async def aclose(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait({self._task}, timeout=PROBE_TIMEOUT_S * 4)
+            if self._task.done() and not self._task.cancelled():
+                self._task.exception()  # retrieved: a probe error while closing is expected
             self._task = None
         if self.redis is not None:
             await self.redis.aclose()
@@ -154,10 +176,12 @@ class FallbackStore:
     def _ensure_started(self) -> None:
         if self._task is None:
             self._wake = asyncio.Event()
+            self._first_attempt = asyncio.Event()
+            self._startup_deadline_s = asyncio.get_running_loop().time() + STARTUP_WAIT_S
             self._task = asyncio.get_running_loop().create_task(self._supervise())
 
     async def _supervise(self) -> None:
-        while True:
+        while not self._closing:
             if self.breaker.is_open:
                 await self._reconnect()
                 continue
@@ -175,10 +199,18 @@ class FallbackStore:
     async def _reconnect(self) -> None:
         retrying = AsyncRetrying(
             wait=wait_exponential(multiplier=0.05, min=0.05, max=self._config.retry_max_s),
-            retry=retry_if_exception_type(Exception), reraise=True)
+            # a client library may turn our cancellation into its own error: stop when closing
+            retry=retry_if_exception(lambda exc: isinstance(exc, Exception) and not self._closing),
+            reraise=True)
         async for attempt in retrying:
             with attempt:
-                await self._probe()
+                try:
+                    await self._probe()
+                except Exception as exc:
+                    if not isinstance(exc, (asyncio.TimeoutError, RedisTimeoutError)):
+                        self._first_attempt.set()  # refused, not slow: no point waiting
+                    raise
+                self._first_attempt.set()
 
     async def _probe(self) -> None:
         if self.redis is None:
@@ -203,6 +235,7 @@ class FallbackStore:
 
     def _on_breaker(self, is_open: bool) -> None:
         if is_open:
+            self._seed_local_share()
             log.warning("budget backend: redis -> local share (1/%d of each limit) after %d "
                         "failures", self.live_guards, self._config.breaker_failures)
             if self._wake is not None:
@@ -211,6 +244,16 @@ class FallbackStore:
             log.warning("budget backend: local -> redis (%s)", self._url)
         if self._metrics is not None:
             self._metrics.set_breaker(is_open)
+
+    def _seed_local_share(self) -> None:
+        """Start each tenant's local share from its share of what Redis last said was left, so
+        an outage never hands out budget the shared bucket had already spent."""
+        if self.redis is None:
+            return
+        n = self.live_guards
+        for tenant, (tokens, requests) in self.redis.levels.items():
+            self.local.cap_levels(tenant, None if tokens is None else tokens / n,
+                                  None if requests is None else requests / n)
 
     def _local_limits(self, tenant: str) -> BudgetLimits:
         key = f"{self.live_guards}:{tenant}"

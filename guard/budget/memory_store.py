@@ -120,6 +120,18 @@ class MemoryStore:
             return float(limits.tokens_per_minute)
         return self._levels(state, limits, self._clock())[0]
 
+    def cap_levels(self, tenant: str, tokens: float | None, requests: float | None) -> None:
+        """Lower the tenant's buckets to at most ``tokens`` / ``requests`` (None: unchanged)."""
+        limits = self._limits_for(tenant)
+        now_s = self._clock()
+        state = self._tenants.setdefault(tenant, _Tenant(stamp_s=now_s))
+        tokens_level, requests_level = self._levels(state, limits, now_s)
+        if tokens is not None and limits.tokens_per_minute is not None:
+            tokens_level = min(tokens_level, _clamp(tokens, limits.tokens_per_minute))
+        if requests is not None and limits.requests_per_minute is not None:
+            requests_level = min(requests_level, _clamp(requests, limits.requests_per_minute))
+        self._store(state, (tokens_level, requests_level), now_s)
+
     def remaining_by_tenant(self) -> dict[str, float]:
         """Tokens left for every tenant seen so far that has a token limit."""
         out = {}

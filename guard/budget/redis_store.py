@@ -65,6 +65,8 @@ class RedisStore:
         self._slots: asyncio.Semaphore | None = None
         self._batches: dict[str, list[tuple[str, int, int, asyncio.Future]]] = {}
         self.remaining: dict[str, float] = {}  # tenant -> tokens left after its last reserve
+        self.levels: dict[str, tuple[float | None, float | None]] = {}  # tenant -> (tokens,
+        # requests) left after its last reserve, None where unlimited
 
     async def reserve(self, tenant: str, tokens: int, lease_s: float) -> Grant | Denied:
         check_reserve_args(tenant, tokens, lease_s)
@@ -100,13 +102,15 @@ class RedisStore:
             if not isinstance(exc, Exception):
                 raise
             return
-        reclaimed, remaining = int(reply[0]), reply[1]
+        reclaimed, remaining, requests_left = int(reply[0]), float(reply[1]), float(reply[2])
         if reclaimed and self._on_reclaim is not None:
             self._on_reclaim(reclaimed)
         if limits.tokens_per_minute is not None:
-            self.remaining[tenant] = float(remaining)
+            self.remaining[tenant] = remaining
+        self.levels[tenant] = (remaining if limits.tokens_per_minute is not None else None,
+                               requests_left if limits.requests_per_minute is not None else None)
         for i, (grant_id, tokens, _, future) in enumerate(batch):
-            granted, reason, retry_ms = reply[2 + 3 * i: 5 + 3 * i]
+            granted, reason, retry_ms = reply[3 + 3 * i: 6 + 3 * i]
             if int(granted):
                 outcome: Grant | Denied = Grant(tenant, grant_id, tokens)
             else:

@@ -43,7 +43,8 @@ from guard.replicas.reservations import ReplicaReservations, Reservation
 from guard.replicas.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
 from guard.replicas.vllm_metrics import parse_vllm_metrics
 from policies.cost import RequestCost
-from policies.snapshot import LoadSnapshot, ReplicaSnapshot
+from policies.retry_budget import NO_RETRY_OVER_BUDGET, RetryBudgetView
+from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead, ReplicaSnapshot
 from policies.step_time import StepTimeModel
 
 __all__ = [
@@ -288,7 +289,8 @@ class LoadState:
                                       totals)
 
     def snapshot(self, now_s: float, num_queued: int = 0, drain_rate_rps: float = 0.0,
-                 tenant_retry_ratio: Mapping[str, float] | None = None) -> LoadSnapshot:
+                 retry_budget: RetryBudgetView = NO_RETRY_OVER_BUDGET,
+                 queued_ahead: QueuedAhead = NOTHING_AHEAD) -> LoadSnapshot:
         replicas = self._snapshots
         if replicas is None:  # rebuilt after every reserve/release: a plain loop, no generator
             built = []
@@ -304,7 +306,8 @@ class LoadState:
             num_queued=num_queued,
             max_staleness_s=self._max_staleness_s,
             drain_rate_rps=drain_rate_rps,
-            tenant_retry_ratio=dict(tenant_retry_ratio or {}),
+            retry_budget=retry_budget,
+            queued_ahead=queued_ahead,
         )
 
     def step_time_model(self, replica_id: str) -> StepTimeModel:

@@ -33,17 +33,19 @@ class Reservation:
     def load(self) -> SeqLoad:
         """Its load as a snapshot lists it, built on first use (most requests end unlisted)."""
         if self._load is None:
-            self._load = reserved_load(self.cost)
+            self._load = reserved_load(self.cost, self.reserved_s)
         return self._load
 
 
-def reserved_load(cost: RequestCost) -> SeqLoad:
-    """A reservation's load: nothing computed yet, the whole prompt and expected output to come."""
+def reserved_load(cost: RequestCost, reserved_s: float | None = None) -> SeqLoad:
+    """A reservation's load: nothing computed yet, the whole prompt and expected output to come
+    (from ``reserved_s``, when the prefill pacing may count it as draining)."""
     return SeqLoad(
         num_context_tokens=0,
         num_prefill_tokens_remaining=cost.num_prompt_tokens,
         num_remaining_output_tokens=cost.num_expected_output_tokens,
         itl_s=cost.request_class.itl_s,
+        admitted_s=reserved_s,
     )
 
 

@@ -5,6 +5,15 @@ token chunks, a usage chunk, then ``data: [DONE]``. The tenant picks a behaviour
 A body that is not what ``kvguard load`` must send (token-id prompt, ``stream``, ``ignore_eos``,
 ``include_usage``) gets a 400. ``chaos-tenant-1`` gets a 503 with the guard's retry headers, ``chaos-tenant-2`` a stream cut
 before ``[DONE]``; class ``slow`` sleeps 0.1 s per token. ``GET /metrics`` counts requests.
+
+Retry behaviours for the chaos clients (attempts counted per tenant and prompt):
+``chaos-tenant-3`` 503 + ``retry-after-ms: 100`` + ``x-should-retry: true`` on the first two
+attempts, then the stream; ``chaos-tenant-4`` 429 + ``x-should-retry: false``;
+``chaos-tenant-5`` 503 + ``retry-after: 200`` (past the SDK's 120 s cap); ``chaos-tenant-6``
+never answers (hangs 60 s); ``chaos-tenant-7`` a bare 503 (no retry headers);
+``chaos-tenant-8`` an SSE error event after two tokens; ``chaos-tenant-9`` 503 +
+``retry-after: 100`` (the SDK waits it out). ``GET /attempts`` returns the counts
+and the last ``x-stainless-retry-count`` seen per tenant.
 """
 
 import asyncio
@@ -18,6 +27,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 COUNTS = {"requests": 0}
+ATTEMPTS: dict[str, int] = {}
+RETRY_COUNT_HEADER: dict[str, str] = {}
 REJECT_HEADERS = {"retry-after": "2", "retry-after-ms": "1500", "x-should-retry": "true",
                   "x-kvguard-reason": "overloaded"}
 
@@ -41,6 +52,9 @@ async def completions(request: Request):
     if problem:
         return JSONResponse({"error": {"message": problem}}, status_code=400)
     tenant = request.headers.get("authorization", "")
+    special = await _retry_behaviour(tenant, body, request.headers)
+    if special is not None:
+        return special
     if tenant.endswith("chaos-tenant-1"):
         return JSONResponse({"error": {"message": "overloaded"}}, status_code=503,
                             headers=REJECT_HEADERS)
@@ -48,6 +62,7 @@ async def completions(request: Request):
     num_prompt = len(body.get("prompt", []))
     delay_s = 0.1 if request.headers.get("x-kvguard-class") == "slow" else 0.0
     cut = tenant.endswith("chaos-tenant-2")
+    stream_error = tenant.endswith("chaos-tenant-8")
 
     async def events():
         for i in range(n):
@@ -58,6 +73,9 @@ async def completions(request: Request):
             yield f"data: {json.dumps(chunk)}\n\n"
             if cut and i == 1:
                 return
+            if stream_error and i == 1:
+                yield 'data: {"error": {"message": "upstream died", "type": "upstream_failed"}}\n\n'
+                return
         usage = {"prompt_tokens": num_prompt, "completion_tokens": n,
                  "total_tokens": num_prompt + n}
         yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
@@ -67,12 +85,39 @@ async def completions(request: Request):
                              headers={"x-kvguard-queue-ms": "1.5"})
 
 
+async def _retry_behaviour(tenant: str, body: dict, headers) -> JSONResponse | None:
+    name = tenant.removeprefix("Bearer ")
+    key = f"{name}:{hash(tuple(body.get('prompt') or ()))}"
+    ATTEMPTS[key] = ATTEMPTS.get(key, 0) + 1
+    ATTEMPTS[name] = ATTEMPTS.get(name, 0) + 1
+    RETRY_COUNT_HEADER[name] = headers.get("x-stainless-retry-count", "-")
+    error = {"error": {"message": "shed", "type": "overloaded"}}
+    if name == "chaos-tenant-3" and ATTEMPTS[key] <= 2:
+        return JSONResponse(error, status_code=503, headers={
+            "retry-after-ms": "100", "retry-after": "1", "x-should-retry": "true"})
+    if name == "chaos-tenant-4":
+        return JSONResponse(error, status_code=429, headers={"x-should-retry": "false"})
+    if name == "chaos-tenant-5":
+        return JSONResponse(error, status_code=503, headers={"retry-after": "200"})
+    if name == "chaos-tenant-6":
+        await asyncio.sleep(60)
+    if name == "chaos-tenant-9":
+        return JSONResponse(error, status_code=503, headers={"retry-after": "100"})
+    if name == "chaos-tenant-7":
+        return JSONResponse(error, status_code=503)
+    return None
+
+
+async def attempts(request: Request):
+    return JSONResponse({"attempts": ATTEMPTS, "retry_count_header": RETRY_COUNT_HEADER})
+
+
 async def metrics(request: Request):
     return PlainTextResponse(f"echo_requests_total {COUNTS['requests']}\n")
 
 
 app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                        Route("/metrics", metrics)])
+                        Route("/metrics", metrics), Route("/attempts", attempts)])
 
 if __name__ == "__main__":
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",

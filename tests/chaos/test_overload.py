@@ -7,7 +7,16 @@ import pytest
 
 from chaos.goodput import Window
 from chaos.load import LoadResult
-from chaos.overload import Scenario, configure, policy_params, render_table, row_from_run
+from chaos.overload import (
+    Scenario,
+    configure,
+    plan_runs,
+    plan_sdk_runs,
+    policy_params,
+    render_table,
+    row_from_run,
+)
+from chaos.overload_table import add_bare_ratios
 from chaos.records import RequestRecord, classify_outcome
 from chaos.summary import build_summary
 from guard.cli import main as kvguard
@@ -74,6 +83,8 @@ def test_row_counts_goodput_rejections_and_wasted_tokens_inside_the_window():
     assert row["wasted_tokens"] == 5 + 4 + 2
     assert row["wasted_ratio"] == pytest.approx(11 / 14)
     assert row["ttft_p50_s"] == pytest.approx(0.5)
+    # admitted (200) inside the window: 1, 2, 3 and the canceled 5; 3 missed only on a gap
+    assert row["num_admitted"] == 4 and row["gap_miss_share"] == pytest.approx(1 / 4)
     table = render_table([{"load": 2.0, "policy": "slo", **row}])
     assert "| 2.00 | slo | 0.20 | 0.40 |" in table
 
@@ -95,3 +106,55 @@ def test_demo_runs_end_to_end_and_writes_its_table(tmp_path, capsys):
         assert (out / folder / "timeline.png").stat().st_size > 0
     guarded = json.loads((out / "guard-slo" / "summary.json").read_text())
     assert guarded["server"]["outcomes"]["kind"] == "guard"
+
+
+def test_plan_runs_puts_bare_next_to_slo_below_capacity_then_every_policy():
+    s = scenario("--loads", "1.16,4", "--policies", "always_admit,slo",
+                 "--reference-loads", "0.5,0.8")
+    assert plan_runs(s.args) == [(0.5, "bare"), (0.5, "slo"), (0.8, "bare"), (0.8, "slo"),
+                                 (1.16, "always_admit"), (1.16, "slo"),
+                                 (4.0, "always_admit"), (4.0, "slo")]
+    none = scenario("--loads", "2", "--policies", "slo", "--reference-loads", "")
+    assert plan_runs(none.args) == [(2.0, "slo")]
+    for bad in (["--policies", "nope"], ["--loads", "0"], ["--loads", "x"],
+                ["--reference-policies", "slo,nope"], ["--loads", ""]):
+        with pytest.raises(ValueError):
+            plan_runs(scenario(*bad).args)
+
+
+def test_goodput_over_bare_is_taken_at_the_same_load():
+    rows = [{"load": 0.5, "policy": "bare", "goodput_rps": 4.0},
+            {"load": 0.5, "policy": "slo", "goodput_rps": 3.9},
+            {"load": 2.0, "policy": "slo", "goodput_rps": 8.0}]
+    add_bare_ratios(rows)
+    assert [r["goodput_over_bare"] for r in rows] == [1.0, pytest.approx(0.975), None]
+
+
+def test_sdk_rows_must_be_planned_rows():
+    s = scenario("--loads", "2,4", "--policies", "always_admit,slo", "--sdk-loads", "2",
+                 "--sdk-policies", "slo")
+    assert plan_sdk_runs(s.args) == [(2.0, "slo")]
+    assert plan_sdk_runs(scenario("--sdk-loads", "").args) == []
+    with pytest.raises(ValueError, match="do not run"):
+        plan_sdk_runs(scenario("--loads", "2", "--sdk-loads", "3").args)
+
+
+def test_sdk_users_are_summarized_per_user_from_their_arrival():
+    from dataclasses import dataclass
+
+    from chaos.sdk_column import summarize_users
+
+    @dataclass
+    class User:  # the fields and method of chaos' per-user record that the column reads
+        scheduled_s: float
+        num_attempts: int
+        good: bool
+
+        def outcome(self, cls):
+            return "good" if self.good else "error"
+
+    users = [User(0.5, 3, True),  # warm-up: left out
+             User(1.0, 1, True), User(2.0, 2, False), User(3.0, 1, True), User(4.0, 1, False)]
+    row = summarize_users(users, RequestClass("interactive", 1.0, 0.1), (1.0, 5.0), cap_rps=2.0)
+    assert row == {"num_users": 4, "attempts_per_user": 1.25, "goodput_rps": 0.5,
+                   "goodput_over_c": 0.25}

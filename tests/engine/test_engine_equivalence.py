@@ -277,7 +277,8 @@ def test_paged_attention_equals_dense_causal_attention(max_group_tokens):
         assert len(meta.groups) > 3
 
 
-@pytest.mark.parametrize("table, first_block", [([4, 5, 6], 4), ([6, 4, 5], None)])
+@pytest.mark.parametrize("table, first_block", [([4, 5, 6], 4), ((4, 5, 6), 4),
+                                                 ([6, 4, 5], None), ((4, 6, 7), None)])
 @pytest.mark.parametrize("cached, new", [(9, 1), (5, 4), (0, 7)])
 def test_one_sequence_on_consecutive_blocks_reads_a_view_with_identical_results(
         table, first_block, cached, new):

@@ -65,3 +65,32 @@ def test_measure_decode_steps_runs_the_torch_engine_on_cpu():
     assert [b for b, _, _ in rows] == [1, 2]
     for _, context, seconds in rows:
         assert 20 <= context <= 23 and seconds > 0
+
+
+def test_itl_recommends_the_largest_token_budget_whose_step_fits(capsys):
+    from engine.config import model_preset
+    from engine.gpus import get_gpu
+    from engine.planner import max_batched_tokens_for_itl
+    from engine.timing_model import StepShape, TimingModel
+
+    timing = TimingModel(model_preset("llama-7b"), get_gpu("a100-80g"))
+    budget = max_batched_tokens_for_itl(timing, 0.08, 16, 400, 270)
+
+    def step_s(num_prefill):
+        return timing.step_s(StepShape(num_prefill_tokens=num_prefill, num_decode_seqs=16,
+                                       num_context_tokens=16 * 400,
+                                       num_prefill_cached_tokens=max(0, 270 - num_prefill)))
+
+    assert step_s(budget - 16) <= 0.08 < step_s(budget - 16 + 1)
+    assert max_batched_tokens_for_itl(timing, 0.001, 16, 400, 270) == 0  # decode alone over it
+    with pytest.raises(ValueError):
+        max_batched_tokens_for_itl(timing, 0.0, 16, 400, 270)
+    assert main([*PLAN[:3], "--gpu", "a100-80g", "--prompt-tokens", "270", "--output-tokens",
+                 "128", "--itl-ms", "80", "--max-num-batched-tokens", "2048", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = data["max_num_batched_tokens_for_itl"]
+    assert data["itl_s"] == 0.08 and rows and all(r["batch_size"] <= 256 for r in rows)
+    assert main([*PLAN[:3], "--gpu", "a100-80g", "--prompt-tokens", "270", "--output-tokens",
+                 "128", "--itl-ms", "80", "--max-num-batched-tokens", "2048"]) == 0
+    assert "WARNING: --max-num-batched-tokens 2048 stretches gaps past 80 ms" in \
+        capsys.readouterr().out

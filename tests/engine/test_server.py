@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import httpx
 import openai
@@ -259,6 +260,38 @@ def test_hostile_and_unsupported_input_is_a_clean_4xx(url, endpoint, body, statu
     assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code)
     assert "Traceback" not in resp.text
     assert wait_until(lambda: _all_free(url), 10.0)
+
+
+def test_a_declared_huge_body_is_refused_before_it_is_read(url):
+    """100 MB declared, 10 bytes sent: the 413 comes without waiting for (or buffering) the
+    rest."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30.0) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                     b"content-type: application/json\r\ncontent-length: 100000000\r\n\r\n"
+                     b'{"prompt":')
+        assert sock.recv(65536).startswith(b"HTTP/1.1 413")
+
+
+def test_an_undeclared_body_is_cut_once_it_passes_the_limit():
+    """No Content-Length (chunked): the body is read chunk by chunk and refused with 413 as soon
+    as it passes the limit, not after buffering the rest."""
+    from starlette.requests import Request
+
+    from engine.server import _read_body
+
+    num_received = 0
+
+    async def receive():
+        nonlocal num_received
+        num_received += 1
+        return {"type": "http.request", "body": b"x" * 1000, "more_body": num_received < 10_000}
+
+    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+    with pytest.raises(ApiError) as info:
+        asyncio.run(_read_body(request, 4500))
+    assert (info.value.status, info.value.code) == (413, "body_too_large")
+    assert num_received == 5  # 5,000 bytes: one chunk past the limit, then stop
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(url):

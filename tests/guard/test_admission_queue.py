@@ -18,12 +18,13 @@ def test_order_is_priority_then_deadline_and_pump_admits_in_order():
         assert [w.cost.request_id for w in q.waiters()] == ["early", "late", "batch"]
         seen = []
 
-        def decide(cost, now_s):  # room for exactly one: the first asked is admitted
-            seen.append(cost.request_id)
+        def decide(cost, now_s, ahead):  # room for exactly one: the first asked is admitted
+            seen.append((cost.request_id, ahead.num_requests, ahead.num_prefill_tokens))
             return "ticket" if len(seen) == 1 else Queue(until_s=9.0)
 
         assert q.pump(decide, 1.0) == 1
-        assert seen == ["early", "late", "batch"]
+        # each is decided behind the waiters still queued before it (the admitted one is not)
+        assert seen == [("early", 0, 0), ("late", 0, 0), ("batch", 1, 10)]
         assert early.future.result() == "ticket"
         assert not late.future.done() and not batch.future.done() and len(q) == 2
     run(main())
@@ -34,9 +35,9 @@ def test_deadline_evicts_with_queue_timeout_without_asking_the_policy():
         q = AdmissionQueue(8, FakeClock())
         w = q.push(make_cost("a"), until_s=2.0, now_s=0.0)
         asked = []
-        q.pump(lambda c, t: asked.append(c) or Queue(until_s=2.0), 1.0)
+        q.pump(lambda c, t, ahead: asked.append(c) or Queue(until_s=2.0), 1.0)
         assert not w.future.done() and len(asked) == 1
-        q.pump(lambda c, t: asked.append(c) or "ticket", 2.0)
+        q.pump(lambda c, t, ahead: asked.append(c) or "ticket", 2.0)
         assert w.future.result() == Shed(503, QUEUE_TIMEOUT) and len(asked) == 1 and len(q) == 0
     run(main())
 
@@ -45,7 +46,7 @@ def test_policy_shed_resolves_waiter():
     async def main():
         q = AdmissionQueue(8, FakeClock())
         w = q.push(make_cost("a"), until_s=5.0, now_s=0.0)
-        q.pump(lambda c, t: Shed(503, "overloaded"), 0.5)
+        q.pump(lambda c, t, ahead: Shed(503, "overloaded"), 0.5)
         assert w.future.result() == Shed(503, "overloaded") and len(q) == 0
     run(main())
 
@@ -81,7 +82,7 @@ def test_remove_and_canceled_futures_leave_the_queue():
         assert q.remove(a) is True and q.remove(a) is False
         b.future.cancel()
         asked = []
-        assert q.pump(lambda c, t: asked.append(c), 0.1) == 1
+        assert q.pump(lambda c, t, ahead: asked.append(c), 0.1) == 1
         assert asked == [] and len(q) == 0
     run(main())
 
@@ -92,7 +93,7 @@ def test_run_pumps_on_wake_and_on_interval():
         q = AdmissionQueue(4, clock, interval_s=0.005)
         room = {"free": False}
 
-        def decide(cost, now_s):
+        def decide(cost, now_s, ahead):
             return "ticket" if room["free"] else Queue(until_s=99.0)
 
         task = asyncio.ensure_future(q.run(decide))
@@ -104,4 +105,37 @@ def test_run_pumps_on_wake_and_on_interval():
         q.wake()
         assert await asyncio.wait_for(w.future, 1.0) == "ticket"
         task.cancel()
+    run(main())
+
+
+def test_a_newcomer_waits_behind_its_priority_and_the_more_important_ones():
+    async def main():
+        q = AdmissionQueue(8, FakeClock())
+        assert q.ahead_of(make_cost("new")).num_requests == 0
+        a = q.push(make_cost("a", num_blocks=7), 9.0, 0.0)
+        q.push(make_cost("b", klass=BATCH, num_blocks=4), 9.0, 0.0)
+        ahead = q.ahead_of(make_cost("new"))  # make_cost prompts are 10 tokens
+        assert (ahead.num_requests, ahead.num_prefill_tokens, ahead.num_blocks) == (1, 10, 7)
+        assert q.ahead_of(make_cost("new", klass=BATCH)).num_requests == 2
+        q.push(make_cost("retry", is_retry=True), 9.0, 0.0)  # behind first attempts
+        assert q.ahead_of(make_cost("new")).num_requests == 1
+        assert q.ahead_of(make_cost("new", is_retry=True)).num_requests == 2
+        q.remove(q.waiters()[1])
+        q.remove(a)
+        assert q.ahead_of(make_cost("new")).num_requests == 0
+        q.pump(lambda c, t, ahead: Shed(503, "overloaded"), 0.5)  # b leaves the queue
+        assert q.ahead_of(make_cost("new", klass=BATCH)).num_requests == 0
+    run(main())
+
+
+def test_a_full_queue_sheds_retries_before_first_attempts_of_the_same_class():
+    async def main():
+        q = AdmissionQueue(2, FakeClock())
+        retry = q.push(make_cost("retry", deadline_s=1.0, is_retry=True), 9.0, 0.0)
+        first = q.push(make_cost("first", deadline_s=5.0), 9.0, 0.0)
+        assert [w.cost.request_id for w in q.waiters()] == ["first", "retry"]
+        q.push(make_cost("late-first", deadline_s=7.0), 9.0, 0.0)
+        assert retry.future.result() == Shed(503, QUEUE_FULL) and not first.future.done()
+        assert q.push(make_cost("r2", deadline_s=0.5, is_retry=True), 9.0, 0.0) == \
+            Shed(503, QUEUE_FULL)
     run(main())

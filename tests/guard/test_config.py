@@ -27,7 +27,8 @@ def test_defaults():
     assert c.default_class == "interactive" and c.policy == "slo"
     assert c.max_body_bytes == 1 << 20 and c.default_max_tokens == 256
     assert c.refresh_interval_s == 0.1 and c.initial_chars_per_token == 4.0
-    assert c.max_tenant_labels == 20
+    assert c.retry_budget_ratio == 0.10 and c.max_tenant_labels == 20
+    assert (c.retry_budget.window_s, c.retry_budget.min_retries) == (10.0, 3)
     assert c.class_header == "x-kvguard-class" and c.deadline_header == "x-kvguard-deadline-ms"
     assert c.allow_anonymous and c.in_process and c.tokenizer is None and c.trace_path is None
     assert c.request_class("nope") is None
@@ -118,7 +119,10 @@ def test_no_file_no_env_is_defaults():
         ({"max_staleness_s": -1.0}, "max_staleness_s"),
         ({"max_queue_wait_s": "x"}, "max_queue_wait_s"),
         ({"initial_chars_per_token": 20.0}, "initial_chars_per_token"),
-        ({"retry_shed_ratio": 0.5}, "retry_shed_ratio"),
+        ({"retry_budget_ratio": 1.5}, "retry_budget_ratio"),
+        ({"retry_budget_window_s": 0}, "retry_budget_window_s"),
+        ({"retry_budget_min_retries": -1}, "retry_budget_min_retries"),
+        ({"retry_shed_ratio": 0.1}, "retry_shed_ratio"),  # replaced by the retry budget
         ({"default_class": "gold"}, "default_class"),
         ({"policy": ""}, "policy"),
         ({"colour": "blue"}, "colour"),

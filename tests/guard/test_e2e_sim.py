@@ -69,7 +69,10 @@ async def _offer(base_url: str) -> list[Result]:
 
 def _run(policy: str, tmp_path: Path) -> list[Result]:
     config = tmp_path / f"{policy}.toml"
+    # retry_budget_ratio 1.0: every shed advises a wait (no client here retries), so each 503
+    # carries the Retry-After whose accuracy this test checks; the budget has its own tests
     config.write_text(f'policy = "{policy}"\nrefresh_interval_s = 0.05\n'
+                      "retry_budget_ratio = 1.0\n"
                       f"[classes.interactive]\nttft_s = {TTFT_S}\nitl_s = 0.5\n")
     with start_engine([*ENGINE_ARGS, "--guard", str(config)]) as eng:
         return asyncio.run(_offer(eng.base_url))

@@ -324,20 +324,46 @@ def test_no_arg_construction_reads_kvguard_config(tmp_path, monkeypatch):
     assert guard.config.max_body_bytes == 4096 and guard.controller.policy.name == "always-admit"
 
 
-def test_retry_ratio_reaches_the_snapshot():
+def test_ttft_forecast_error_and_loop_lag_are_exported():
     async def main():
-        seen = []
+        clock = FakeClock(1.0)
+        guard = make_guard(StreamApp(), clock=clock)  # SlotPolicy forecasts 0.1 s
+        client = Client(PROMPT)
+        client.on_send = lambda m: clock.advance(0.2) if m["type"] == "http.response.start" else None
+        await guard(http_scope(), client.receive, client.send)
+        assert sample(guard, "kvguard_ttft_forecast_ratio", stat="p50") == pytest.approx(0.5)
+        assert sample(guard, "kvguard_ttft_forecast_ratio", stat="p90") == pytest.approx(0.5)
+        assert sample(guard, "kvguard_ttft_forecast_abs_error_ratio") == pytest.approx(0.5)
+        assert guard.controller.registry.get_sample_value(
+            "kvguard_event_loop_lag_max_seconds") is not None
+        await guard.aclose()
+    run(main())
+
+
+def test_retry_budget_turns_sheds_into_do_not_retry_and_reaches_the_snapshot():
+    """Every request is shed (503). 10 first attempts allow max(3, 10 %) = 3 retries: the first
+    three sheds say "retry after X", the rest "do not retry" with no wait. Retries that come
+    anyway count against the budget; the 4th is over it, which the policy sees."""
+    async def main():
+        over = []
 
         class Spy(SlotPolicy):
             def decide(self, cost, snapshot):
-                seen.append(dict(snapshot.tenant_retry_ratio))
+                over.append(snapshot.retry_budget.is_over(cost.tenant))
                 return super().decide(cost, snapshot)
 
-        guard = make_guard(StreamApp(), policy=Spy(num_slots=10))
-        for retry in (b"0", b"1", b"2", b"0"):
+        guard = make_guard(StreamApp(), policy=Spy(num_slots=0, queue_s=None))
+        advice = []
+        for retry in (b"0",) * 10 + (b"1",) * 4:
             c = Client(PROMPT)
             await guard(http_scope(headers=[(b"x-stainless-retry-count", retry)]), c.receive, c.send)
-        assert [s["anonymous"] for s in seen] == [0.0, 0.5, 2 / 3, 0.5]
+            assert c.status == 503
+            advice.append((c.headers["x-should-retry"], "retry-after-ms" in c.headers))
+        assert advice == [("true", True)] * 3 + [("false", False)] * 11
+        assert over == [False] * 13 + [True]
+        window = {kind: sample(guard, "kvguard_retry_budget_window", kind=kind)
+                  for kind in ("first_attempts", "retries", "advised")}
+        assert window == {"first_attempts": 10, "retries": 4, "advised": 3}
         await guard.aclose()
     run(main())
 

@@ -263,6 +263,7 @@ def test_retry_from_sdk_counter_and_repeated_idempotency_key():
     assert not price(pricer, {"prompt": "x"}).is_retry
     assert not price(pricer, {"prompt": "x"}, headers={"x-stainless-retry-count": "0"}).is_retry
     assert price(pricer, {"prompt": "x"}, headers={"x-stainless-retry-count": "2"}).is_retry
+    assert price(pricer, {"prompt": "x"}, headers={"x-envoy-attempt-count": "2"}).is_retry
     key = {"idempotency-key": "abc"}
     assert not price(pricer, {"prompt": "x"}, headers=key, now_s=0.0).is_retry
     assert price(pricer, {"prompt": "x"}, headers=key, now_s=5.0).is_retry

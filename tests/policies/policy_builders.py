@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from policies.cost import RequestClass, RequestCost
 from policies.decision import CompletionSample
-from policies.snapshot import LoadSnapshot, ReplicaSnapshot, SeqLoad
+from policies.retry_budget import RetryBudgetView
+from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead, ReplicaSnapshot, SeqLoad
 from policies.step_time import StepTimeModel
 
 INTERACTIVE = RequestClass("interactive", ttft_s=1.0, itl_s=0.08, priority=0)
@@ -96,14 +97,17 @@ def make_replica(
 
 
 def make_snapshot(
-    *replicas: ReplicaSnapshot, now_s: float = 0.0, retry_ratio=None, max_staleness_s: float = 2.0
+    *replicas: ReplicaSnapshot, now_s: float = 0.0, retry_over=(), max_staleness_s: float = 2.0,
+    queued_ahead: QueuedAhead = NOTHING_AHEAD,
 ) -> LoadSnapshot:
+    """``retry_over``: tenants over their retry budget (``"*"``: the whole guard)."""
     return LoadSnapshot(
         now_s=now_s,
         replicas=tuple(replicas),
         step_time=STEP,
         max_staleness_s=max_staleness_s,
-        tenant_retry_ratio=dict(retry_ratio or {}),
+        retry_budget=RetryBudgetView(frozenset(retry_over) - {"*"}, "*" in retry_over),
+        queued_ahead=queued_ahead,
     )
 
 

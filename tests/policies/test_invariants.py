@@ -6,6 +6,7 @@ from policy_builders import STEP, make_cost, make_replica
 
 from policies import make_policy, policy_names
 from policies.decision import Admit, Queue, Shed
+from policies.retry_budget import RetryBudgetView
 from policies.snapshot import LoadSnapshot, SeqLoad
 
 seqs = st.lists(
@@ -50,10 +51,11 @@ costs = st.builds(
 
 
 @settings(max_examples=150, deadline=None)
-@given(costs, st.lists(replicas, max_size=4, unique_by=lambda r: r.replica_id), st.floats(0.0, 0.5))
-def test_decisions_are_well_formed_and_slo_admits_only_what_fits(cost, reps, retry_ratio):
+@given(costs, st.lists(replicas, max_size=4, unique_by=lambda r: r.replica_id), st.booleans())
+def test_decisions_are_well_formed_and_slo_admits_only_what_fits(cost, reps, retry_over):
     snapshot = LoadSnapshot(
-        now_s=10.0, replicas=tuple(reps), step_time=STEP, tenant_retry_ratio={"acme": retry_ratio}
+        now_s=10.0, replicas=tuple(reps), step_time=STEP,
+        retry_budget=RetryBudgetView(frozenset({"acme"} if retry_over else ()))
     )
     healthy_ids = {r.replica_id for r in reps if r.healthy}
     fresh = {r.replica_id: r for r in snapshot.fresh_replicas()}

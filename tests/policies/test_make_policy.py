@@ -62,7 +62,7 @@ def test_unknown_name_lists_the_valid_ones():
         ("saturation", {"max_kv_usage_ratio": 2.0}),
         ("gradient", {"latency": "p50"}),
         ("token-rate", {"tokens_per_minute": -1}),
-        ("slo", {"retry_shed_ratio": 3.0}),
+        ("slo", {"ttft_safety_ratio": 30.0}),
     ],
 )
 def test_bad_params_are_value_errors(name, params):

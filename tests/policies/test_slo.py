@@ -19,6 +19,7 @@ from policy_builders import (
 from policies.cost import RequestClass
 from policies.decision import Admit, Queue, Shed
 from policies.slo import SloPolicy, shed_order
+from policies.snapshot import QueuedAhead
 
 # Three running seqs commit the replica's 5 free blocks; the next 4 free after 16 steps of 13 ms.
 KV_SHORT = dict(free=5, running=[decoding(32, 16), decoding(32, 16), decoding(16, 40)])
@@ -167,31 +168,36 @@ def test_stale_state_without_queue_time_sheds():
 
 
 @pytest.mark.parametrize(
-    ("ratio", "is_retry", "expected_type", "reason"),
+    ("retry_over", "is_retry", "expected"),
     [
-        (0.2, True, Shed, "retry_shed"),  # loaded, retry-heavy tenant: shed first
-        (0.1, True, Queue, "kv_wait"),  # at the ratio, not over it
-        (0.2, False, Queue, "kv_wait"),  # a first attempt from the same tenant
+        ({"acme"}, True, Shed(503, "retry_shed", should_retry=False)),  # shed first, no wait
+        ({"*"}, True, Shed(503, "retry_shed", should_retry=False)),  # the guard-wide budget
+        ({"other"}, True, Queue),  # another tenant's budget is spent, not this one's
+        (set(), True, Queue),  # under budget: a retry waits like anyone
+        ({"acme"}, False, Queue),  # a first attempt from the same tenant
     ],
 )
-def test_retries_over_the_tenant_ratio_are_shed_when_they_would_queue(
-    ratio, is_retry, expected_type, reason
+def test_retries_over_the_retry_budget_are_shed_first_and_told_not_to_retry(
+    retry_over, is_retry, expected
 ):
     cost = make_cost(is_retry=is_retry)
-    d = decide(make_replica("a", **KV_SHORT), cost=cost, retry_ratio={"acme": ratio})
-    assert type(d) is expected_type and d.reason == reason
+    d = decide(make_replica("a", **KV_SHORT), cost=cost, retry_over=retry_over)
+    if expected is Queue:
+        assert isinstance(d, Queue) and d.reason == "kv_wait"
+    else:
+        assert d == expected
 
 
 def test_retries_are_admitted_when_the_system_is_not_loaded():
-    d = decide(make_replica("a"), cost=make_cost(is_retry=True), retry_ratio={"acme": 0.9})
+    d = decide(make_replica("a"), cost=make_cost(is_retry=True), retry_over={"acme", "*"})
     assert isinstance(d, Admit)
 
 
-def test_stale_and_full_retry_over_the_ratio_is_shed():
+def test_stale_and_full_retry_over_the_budget_is_shed():
     replica = make_replica("a", inflight=4, observed_s=0.0)
     cost = make_cost(arrival_s=4.9, deadline_s=10.0, is_retry=True)
-    assert decide(replica, cost=cost, now_s=5.0, retry_ratio={"acme": 0.5}) == Shed(
-        503, "retry_shed"
+    assert decide(replica, cost=cost, now_s=5.0, retry_over={"acme"}) == Shed(
+        503, "retry_shed", should_retry=False
     )
 
 
@@ -206,14 +212,22 @@ def test_shed_order_is_lowest_class_first_then_latest_deadline():
     assert shed_order([]) == []
 
 
+def test_shed_order_puts_retries_before_first_attempts_of_the_same_class():
+    costs = [
+        make_cost("first-late", deadline_s=5.0),
+        make_cost("retry-early", deadline_s=1.0, is_retry=True),
+        make_cost("batch", klass=BATCH, deadline_s=2.0),
+    ]
+    assert [c.request_id for c in shed_order(costs)] == ["batch", "retry-early", "first-late"]
+
+
 @pytest.mark.parametrize(
     "params",
     [
-        {"retry_shed_ratio": 1.5},
-        {"retry_shed_ratio": -0.1},
         {"stale_max_inflight_per_replica": -1},
         {"stale_max_inflight_per_replica": 1.5},
         {"stale_queue_s": -1.0},
+        {"pressure_hold_s": -1.0},
     ],
 )
 def test_rejects_bad_parameters(params):
@@ -221,15 +235,63 @@ def test_rejects_bad_parameters(params):
         SloPolicy(**params)
 
 
-def test_ttft_headroom_refuses_a_forecast_that_fits_only_without_it():
-    """Admitted on the very edge of its deadline, any forecast error misses the SLO: the
-    default policy wants the forecast × ``ttft_safety_ratio`` to fit."""
+def test_the_retry_ratio_parameter_is_gone():
+    """The guard's retry budget replaced it; make_policy turns it into a ValueError."""
+    with pytest.raises(TypeError):
+        SloPolicy(retry_shed_ratio=0.1)
+
+
+def test_ttft_headroom_under_pressure_refuses_a_forecast_that_fits_only_without_it():
+    """At capacity a request admitted on the very edge of its deadline misses on any forecast
+    error and displaces one with slack: after an overload shed the default policy wants the
+    forecast × ``ttft_safety_ratio`` to fit."""
     idle = make_replica("a")
     forecast_s = decide(idle).predicted_ttft_s  # from arrival at 0.0, decided at 0.0
     edge = make_cost(arrival_s=0.0, deadline_s=forecast_s * 1.1)
-    assert isinstance(decide(idle, cost=edge), Admit)  # no headroom: fits
-    tight = SloPolicy(ttft_safety_ratio=1.2)
-    assert not isinstance(decide(idle, cost=edge, policy=tight), Admit)
     roomy = make_cost(arrival_s=0.0, deadline_s=forecast_s * 1.3)
+    tight = SloPolicy(ttft_safety_ratio=1.2)
+    assert isinstance(decide(idle, cost=edge, policy=tight), Admit)  # no pressure yet
+    flooded = make_replica("b", total=2000, free=1500, waiting=[prompt_waiting(20000)])
+    assert decide(flooded, policy=tight) == Shed(503, "slo_unattainable")  # pressure
+    assert tight.headroom_ratio(0.0) == 1.2
+    assert not isinstance(decide(idle, cost=edge, policy=tight), Admit)
     assert isinstance(decide(idle, cost=roomy, policy=tight), Admit)
-    assert isinstance(SloPolicy().decide(edge, make_snapshot(idle, now_s=0.0)), Queue | Shed)
+
+
+def test_pressure_ends_pressure_hold_s_after_the_last_overload_shed():
+    policy = SloPolicy(ttft_safety_ratio=1.2, pressure_hold_s=5.0)
+    flooded = make_replica("a", total=2000, free=1500, waiting=[prompt_waiting(20000)])
+    assert isinstance(decide(flooded, policy=policy, now_s=0.0), Shed)
+    assert [policy.headroom_ratio(t) for t in (0.0, 4.9, 5.1)] == [1.2, 1.2, 1.0]
+    idle = make_replica("a", observed_s=10.0)
+    forecast_s = decide(idle, now_s=10.0, cost=make_cost(arrival_s=10.0)).predicted_ttft_s
+    edge = make_cost(arrival_s=10.0, deadline_s=10.0 + forecast_s * 1.1)
+    assert isinstance(decide(idle, cost=edge, now_s=10.0, policy=policy), Admit)
+
+
+# --- the fast no: forecast the earliest start, behind the guard's own queue -----------------
+@pytest.mark.parametrize(
+    ("ahead", "expected"),
+    [
+        (QueuedAhead(), Queue),  # first in line: the blocks free in 16 steps, it will make it
+        (QueuedAhead(2, 64, 8), Queue),  # two small ones ahead: 48 steps, still in time
+        (QueuedAhead(30, 960, 120), Shed),  # 30 ahead: its earliest start is seconds away
+    ],
+)
+def test_a_request_whose_earliest_start_misses_its_deadline_is_shed_without_queueing(
+    ahead, expected
+):
+    d = decide(make_replica("a", **KV_SHORT), queued_ahead=ahead)
+    if expected is Queue:
+        assert isinstance(d, Queue) and d.reason == "kv_wait"
+    else:  # at once, with the predicted wait for the blocks as Retry-After
+        assert d == Shed(503, "no_kv_capacity", retry_after_s=pytest.approx(496 * 0.013))
+
+
+def test_prefill_queued_ahead_in_the_guard_counts_toward_the_first_token():
+    """Not admissible now (the join step is over a running stream's ITL); the forecast behind
+    20,000 queued prompt tokens is 3.4 s: shed now rather than at the deadline."""
+    strict = make_replica("a", running=[decoding(itl_s=0.0115)])
+    assert isinstance(decide(strict), Queue)
+    d = decide(strict, queued_ahead=QueuedAhead(10, 20000, 10))
+    assert d == Shed(503, "slo_unattainable")

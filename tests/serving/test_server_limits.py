@@ -5,9 +5,9 @@ import logging
 
 import pytest
 
-from serving import SendErrorLogFilter, ServerLimits, add_limit_arguments, limits_from_args
-from serving.disconnect_log import SEND_ERROR_MESSAGE
+from serving import RepeatedLineFilter, ServerLimits, add_limit_arguments, limits_from_args
 from serving.limited_protocol import ConnectionTable
+from serving.quiet_log import SEND_ERROR_MESSAGE, install_quiet_logging
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -57,7 +57,8 @@ def _record(msg):
 
 def test_send_errors_become_one_line_per_interval():
     now = [100.0]
-    log_filter = SendErrorLogFilter(interval_s=60.0, clock=lambda: now[0])
+    log_filter = RepeatedLineFilter(SEND_ERROR_MESSAGE, "write(s) to disconnected clients",
+                                    interval_s=60.0, clock=lambda: now[0])
     assert log_filter.filter(_record("something else"))
     first = _record(SEND_ERROR_MESSAGE)
     assert log_filter.filter(first)  # the first one says what is going on
@@ -73,3 +74,34 @@ def test_send_errors_become_one_line_per_interval():
     assert summary.getMessage().startswith("3001 write(s)") and "(3002 in all)" in \
         summary.getMessage()
     assert log_filter.num_total == 3002
+
+
+def test_quiet_logging_covers_send_errors_and_invalid_requests():
+    sends, invalid = install_quiet_logging()
+    try:
+        assert sends in logging.getLogger("asyncio").filters
+        assert invalid in logging.getLogger("uvicorn.error").filters
+        record = logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1,
+                                   "Invalid HTTP request received.", None, None)
+        assert invalid.filter(record) and "1 invalid HTTP request(s)" in record.getMessage()
+        assert not invalid.filter(logging.LogRecord("uvicorn.error", logging.WARNING, __file__,
+                                                    1, "Invalid HTTP request received.", None,
+                                                    None))
+    finally:
+        logging.getLogger("asyncio").removeFilter(sends)
+        logging.getLogger("uvicorn.error").removeFilter(invalid)
+
+
+def test_the_protocol_base_is_uvicorns_choice():
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from serving.limited_protocol import limited_protocol_class
+
+    table = ConnectionTable(ServerLimits())
+    assert issubclass(limited_protocol_class(table, "h11"), H11Protocol)
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        assert issubclass(limited_protocol_class(table, "auto"), H11Protocol)
+    with pytest.raises(ValueError, match="http must be"):
+        limited_protocol_class(table, "h2")

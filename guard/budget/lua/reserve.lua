@@ -1,7 +1,7 @@
 -- ARGV: tpm, rpm, max_concurrent (0 = unlimited), n, then n requests (grant id, tokens,
 -- lease_ms) decided in order, then (grant id, used | -1) pairs to finish first.
--- Returns {reclaimed leases, remaining tokens, then per request: granted 0|1, reason,
--- retry_ms (-1 = never)}. A denied request is charged nothing.
+-- Returns {reclaimed leases, remaining tokens, remaining requests, then per request: granted
+-- 0|1, reason, retry_ms (-1 = never)}. A denied request is charged nothing.
 local tpm, rpm, maxc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local n = tonumber(ARGV[4])
 local now = now_ms()
@@ -29,7 +29,7 @@ local function decide(grant, tokens, lease_ms)
   return {1, '', 0}
 end
 
-local out = {reclaimed, ''}
+local out = {reclaimed, '', ''}
 for i = 0, n - 1 do
   local base = 5 + 3 * i
   local r = decide(ARGV[base], tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]))
@@ -40,4 +40,5 @@ end
 save_bucket(st, tpm, rpm, now)
 touch_leases(now)
 out[2] = tostring(st.tl)
+out[3] = tostring(st.rl)
 return out

@@ -188,3 +188,37 @@ def test_metrics_rtt_reclaimed_leases_and_bounded_remaining_tokens():
         run(go())
     finally:
         server.kill()
+
+
+def test_local_share_starts_from_what_redis_had_left():
+    server = RedisServer().start()
+
+    async def go():
+        store = fallback(server.url, BudgetLimits(requests_per_minute=60))
+        await until(lambda: store.backend == "redis")
+        for _ in range(50):
+            assert isinstance(await timed_reserve(store, "acme"), Grant)
+        server.kill()
+        outcomes = [await timed_reserve(store, "acme") for _ in range(60)]
+        assert store.backend == "local"
+        # 10 were left in Redis: the local share starts there (the calls that failed before
+        # the breaker opened, and a little refill, come on top), not at a fresh 60
+        assert sum(isinstance(o, Grant) for o in outcomes) <= 10 + 3 + 2
+        await store.aclose()
+    try:
+        run(go())
+    finally:
+        server.kill()
+
+
+def test_first_requests_wait_for_the_first_connect_instead_of_a_local_share(redis_server):
+    async def go():
+        store = fallback(redis_server.url, BudgetLimits(requests_per_minute=3))
+        tenant = f"fresh{time.time_ns()}"
+        outcomes = [await timed_reserve(store, tenant) for _ in range(5)]
+        # all decided by Redis: 3 granted there, none on a local share on top
+        assert [isinstance(o, Grant) for o in outcomes] == [True] * 3 + [False] * 2
+        assert store.num_local_reserves == 0
+        assert int(redis_server.cli("hlen", tenant_keys(tenant)[2])) == 3
+        await store.aclose()
+    run(go())

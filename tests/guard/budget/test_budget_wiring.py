@@ -123,3 +123,21 @@ def test_middleware_429_with_retry_after_when_the_bucket_is_empty():
         assert denied.headers["x-should-retry"] == "true" and int(denied.headers["retry-after"]) >= 1
         await guard.controller.aclose()
     asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_proxy_redis_flag_replaces_the_configs_redis_url(tmp_path):
+    import argparse
+
+    from guard.proxy import cli
+
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    path = tmp_path / "guard.toml"
+    path.write_text('redis_url = "redis://10.0.0.1:6379/0"\n'
+                    '[[tenants]]\nname = "acme"\napi_key = "k"\nrequests_per_minute = 5\n')
+    base = ["--config", str(path), "--upstream", "http://127.0.0.1:8001"]
+    assert cli._config(parser.parse_args(base)).redis_url == "redis://10.0.0.1:6379/0"
+    args = parser.parse_args([*base, "--redis", "redis://127.0.0.1:6390/1"])
+    assert cli._config(args).redis_url == "redis://127.0.0.1:6390/1"
+    with pytest.raises(ValueError, match="redis_url"):
+        cli._config(parser.parse_args([*base, "--redis", "127.0.0.1:6379"]))

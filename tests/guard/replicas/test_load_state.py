@@ -21,7 +21,8 @@ from guard.replicas.load_state import (
 )
 from guard.replicas.step_time_fitter import StepTimeFitter
 from policies.cost import RequestClass, RequestCost
-from policies.snapshot import SeqLoad
+from policies.retry_budget import RetryBudgetView
+from policies.snapshot import QueuedAhead, SeqLoad
 from policies.step_time import StepTimeModel
 from tests.support.loopback import LoopbackServer
 
@@ -66,7 +67,9 @@ def test_snapshot_from_kvguard_state():
         "r0", state(running=[seq("a", output=7, max_tokens=64)],
                     waiting=[seq("b", prompt=50, output=0, max_tokens=10, prefill_left=50)]),
         now_s=10.0)
-    snap = ls.snapshot(10.5, num_queued=3, drain_rate_rps=4.0, tenant_retry_ratio={"t": 0.2})
+    over = RetryBudgetView(frozenset({"t"}))
+    snap = ls.snapshot(10.5, num_queued=3, drain_rate_rps=4.0, retry_budget=over,
+                       queued_ahead=QueuedAhead(2, 100, 8))
     (r,) = snap.replicas
     assert (r.replica_id, r.observed_s, r.block_size, r.num_total_blocks, r.num_free_blocks) == (
         "r0", 10.0, 16, 7000, 6000)
@@ -74,7 +77,8 @@ def test_snapshot_from_kvguard_state():
     assert r.running == (SeqLoad(107, 0, 57),)
     assert r.waiting == (SeqLoad(0, 50, 10),)
     assert r.reserved == () and r.num_reserved_blocks == 0 and r.healthy
-    assert snap.num_queued == 3 and snap.drain_rate_rps == 4.0 and snap.tenant_retry_ratio == {"t": 0.2}
+    assert snap.num_queued == 3 and snap.drain_rate_rps == 4.0 and snap.retry_budget is over
+    assert snap.queued_ahead == QueuedAhead(2, 100, 8)
     assert snap.step_time == PRIOR and snap.max_staleness_s == 2.0
 
 
@@ -99,7 +103,7 @@ def test_reservation_dropped_when_state_lists_the_request():
     assert ls.num_reserved_blocks("r0") == 15
     r = ls.replica_snapshot("r0")
     assert r.num_reserved_blocks == 15 and r.num_inflight == 2
-    assert r.reserved[0] == SeqLoad(0, 100, 20, itl_s=0.08)
+    assert r.reserved[0] == SeqLoad(0, 100, 20, itl_s=0.08, admitted_s=1.1)  # paced from then
     assert r.num_available_blocks == 6000 - 15
     # the replica now reports g1: its blocks are in num_free_blocks, the reservation is dropped
     ls.update_from_kvguard_state("r0", state(running=[seq("g1", output=5, max_tokens=60)],

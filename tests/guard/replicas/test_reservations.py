@@ -33,10 +33,10 @@ def state(listed=(), block_size=16, free=6000):
 def rebuilt(ls: LoadState, replica_id: str, held: dict, reported: set) -> ReplicaSnapshot:
     """The reference: the engine snapshot with every pending reservation summed from scratch."""
     base = ls._replicas[replica_id].base
-    mine = {rid: c for rid, (rep, c) in held.items() if rep == replica_id}
-    pending = [c for rid, c in mine.items() if rid not in reported]
-    return base.with_reservations(tuple(reserved_load(c) for c in pending),
-                                  sum(c.num_blocks for c in pending), len(mine))
+    mine = {rid: (c, t) for rid, (rep, c, t) in held.items() if rep == replica_id}
+    pending = [(c, t) for rid, (c, t) in mine.items() if rid not in reported]
+    return base.with_reservations(tuple(reserved_load(c, t) for c, t in pending),
+                                  sum(c.num_blocks for c, _ in pending), len(mine))
 
 
 def test_totals_match_seq_totals_of_the_pending_loads():
@@ -46,7 +46,7 @@ def test_totals_match_seq_totals_of_the_pending_loads():
         book.add(c.request_id, Reservation("r", c, 0.0))
     book.mark_reported("b")
     book.remove("c")
-    loads = (reserved_load(costs[0]),)
+    loads = (reserved_load(costs[0], 0.0),)
     assert book.totals(16, 2048) == SeqTotals.of(loads, 16, 2048)
     assert book.totals(32, 2048) == SeqTotals.of(loads, 32, 2048)  # a new block size recounts
     assert (book.num_inflight, book.num_reserved_blocks) == (2, 10)
@@ -90,7 +90,7 @@ def test_incremental_snapshot_equals_rebuilt_from_scratch(ops):
     ls = LoadState(default_prior=PRIOR)
     for rid in ("r0", "r1"):
         ls.update_from_kvguard_state(rid, state(), 0.0)
-    held: dict[str, tuple[str, RequestCost]] = {}  # request id -> (replica, cost)
+    held: dict[str, tuple[str, RequestCost, float]] = {}  # id -> (replica, cost, reserved_s)
     reported: set[str] = set()
     for now_s, op in enumerate(ops, start=1):
         if op[0] == "reserve":
@@ -99,7 +99,7 @@ def test_incremental_snapshot_equals_rebuilt_from_scratch(ops):
             c = cost(rid, klass, prompt=prompt, expected=prompt % 17 + 1, blocks=blocks)
             ls.reserve(replica_id, rid, c, float(now_s))
             held.pop(rid, None)  # reserving a held id replaces it (at the end of the order)
-            held[rid] = (replica_id, c)
+            held[rid] = (replica_id, c, float(now_s))
             reported.discard(rid)
         elif op[0] == "release":
             rid = f"g{op[1]}"

@@ -1,0 +1,151 @@
+"""One child process that listens on a loopback port, started, signalled and ended by its pid.
+
+:class:`ChildProcess` is the unit :mod:`chaos.topology` builds fleets from. It starts a command,
+learns its URL (from a readiness line the child prints, or from a port chosen up front), waits
+until the child answers its health check, and offers the signals fault injection needs:
+
+    child.kill()      # SIGKILL: the process dies at once, its connections reset
+    child.stop()      # SIGSTOP: the process hangs (sockets stay open, nothing answers)
+    child.cont()      # SIGCONT: a stopped process runs again
+    child.restart()   # start it again on the same port (after kill, or kill it first)
+    child.terminate() # SIGTERM (graceful), SIGKILL after a timeout; what teardown calls
+
+Signals go to this one pid, never to a process group or by name. The child's combined
+stdout/stderr is kept (the last ``max_output_lines`` lines) for error messages.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+__all__ = ["ChildProcess", "HealthCheck"]
+
+# health(url) -> True when the child is ready to serve; it must not raise.
+HealthCheck = Callable[[str], bool]
+
+
+class ChildProcess:
+    """A command on a loopback port. ``argv_for(port)`` builds the command line for a port
+    (0 lets the child choose, in which case ``ready_pattern`` must capture its URL)."""
+
+    def __init__(self, name: str, argv_for: Callable[[int], Sequence[str]], health: HealthCheck,
+                 *, ready_pattern: str | None = None, port: int = 0,
+                 env: dict[str, str] | None = None, max_output_lines: int = 400) -> None:
+        if port == 0 and ready_pattern is None:
+            raise ValueError(f"{name}: port 0 needs a ready_pattern that captures the URL")
+        self.name = name
+        self._argv_for = argv_for
+        self._health = health
+        self._ready = re.compile(ready_pattern) if ready_pattern else None
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}" if port else ""
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._lines: collections.deque[str] = collections.deque(maxlen=max_output_lines)
+        self.proc: subprocess.Popen | None = None
+        self.num_starts = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self, timeout_s: float = 90.0) -> ChildProcess:
+        """Start the child and wait until it is healthy (RuntimeError with its output if not)."""
+        if self.alive:
+            raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
+        self.proc = subprocess.Popen(list(self._argv_for(self.port)), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=self._env)
+        self.num_starts += 1
+        ready = threading.Event()
+        threading.Thread(target=self._pump, args=(self.proc, ready), daemon=True,
+                         name=f"{self.name}-output").start()
+        deadline_s = time.monotonic() + timeout_s
+        if self._ready is not None and (not ready.wait(timeout_s) or not self.url):
+            self._fail(f"did not print its readiness line within {timeout_s:.0f} s")
+        while time.monotonic() < deadline_s:
+            if self._health(self.url):
+                return self
+            if self.proc.poll() is not None:
+                self._fail(f"exited with code {self.proc.returncode} before it was healthy")
+            time.sleep(0.05)
+        self._fail(f"was not healthy within {timeout_s:.0f} s")
+        return self  # unreachable: _fail raises
+
+    def _fail(self, why: str) -> None:
+        self.terminate()
+        raise RuntimeError(f"{self.name} {why}:\n{self.output()[-3000:]}")
+
+    def _pump(self, proc: subprocess.Popen, ready: threading.Event) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self._lines.append(line)
+            if self._ready is not None and not ready.is_set():
+                match = self._ready.search(line)
+                if match:
+                    self.url = match.group(1).rstrip("/")
+                    self.port = int(self.url.rsplit(":", 1)[1])
+                    ready.set()
+        ready.set()  # the process ended: wake the waiter
+
+    def restart(self, timeout_s: float = 90.0) -> ChildProcess:
+        """Start again on the same port (the URL stays valid); SIGKILLs a live child first."""
+        if self.alive:
+            self.kill()
+        if self.proc is not None:
+            self.proc.wait(timeout_s)
+        return self.start(timeout_s)
+
+    def terminate(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM (and SIGCONT, in case it is stopped), wait, then SIGKILL. The exit code."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped child would never see SIGTERM
+            try:
+                return proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        return proc.wait(timeout_s)
+
+    # --- fault injection -----------------------------------------------------------------------
+    def kill(self) -> None:
+        """SIGKILL this pid and reap it."""
+        self._signal(signal.SIGKILL)
+        assert self.proc is not None
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        """SIGSTOP: the process hangs with its sockets open."""
+        self._signal(signal.SIGSTOP)
+
+    def cont(self) -> None:
+        """SIGCONT: a stopped process runs again."""
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, signum: int) -> None:
+        if not self.alive:
+            raise RuntimeError(f"{self.name} is not running")
+        assert self.proc is not None
+        os.kill(self.proc.pid, signum)
+
+    # --- facts --------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def output(self) -> str:
+        return "".join(self._lines)
+
+    def __repr__(self) -> str:
+        return f"ChildProcess({self.name!r}, url={self.url!r}, pid={self.pid}, alive={self.alive})"

@@ -1,0 +1,253 @@
+"""``kvguard bench proxy``: what ``kvguard proxy`` adds, next to LiteLLM proxy, in one run.
+
+**Added latency.** One sim replica is reached directly and through each target, one streamed completion of
+``--max-tokens`` tokens at a time, the targets interleaved request by request so drift hits them
+all alike. Per target: TTFT (first content token at the client) and end-to-end, median and p99;
+"added" is the target's figure minus the direct one. Targets: ``kvguard proxy`` with
+``always_admit`` and with ``slo`` (aiohttp upstream client, uvicorn on asyncio + h11) and
+LiteLLM proxy (one worker, installed into ``.venv-litellm/``; ``--no-litellm`` skips it);
+``--stacks`` adds ``always_admit`` with the httpx client and on uvloop + httptools (installed by
+the bench into ``.bench-site/`` when the environment lacks them).
+
+**Shedding.** A second sim replica (real time) behind ``kvguard proxy`` (``slo``) gets
+open-loop arrivals at ``--shed-rate`` req/s for ``--shed-duration-s`` (``0`` skips it): the
+replica is far over capacity, so almost everything is shed. Reported: sheds answered per
+second, shed latency p50/p99/max, and requests that got no answer (must be 0).
+
+Under CPU contention wall-clock figures swell; each target's CPU time per request (its process
+tree's user + system seconds over the measured requests, background polling included) is
+printed beside them as the steadier figure, net of the background CPU each process burns
+while idle (measured over ``--idle-s`` first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from chaos.child import ChildProcess
+from chaos.litellm_proxy import ensure_venv, litellm_child
+from chaos.replica import exit_on_sigterm
+from chaos.shed_load import run_open_loop
+from chaos.topology import Topology, TopologySpec, free_port, http_health
+
+__all__ = ["configure", "run", "VARIANTS"]
+
+MODEL = "llama-7b"
+# name -> (policy, upstream client, uvicorn loop, uvicorn http)
+VARIANTS = {
+    "kvguard always_admit": ("always_admit", "aiohttp", "asyncio", "h11"),
+    "kvguard slo": ("slo", "aiohttp", "asyncio", "h11"),
+}
+STACK_VARIANTS = {  # --stacks: the HTTP client and server stacks side by side
+    "kvguard always_admit httpx": ("always_admit", "httpx", "asyncio", "h11"),
+    "kvguard always_admit uvloop": ("always_admit", "aiohttp", "uvloop", "httptools"),
+}
+_KEY = "sk-bench-" + secrets.token_hex(16)  # LiteLLM refuses to start without a master key
+_CONTENT = re.compile(rb'"text"\s*:\s*"(?!")')
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=300, help="latency requests per target")
+    parser.add_argument("--warmup", type=int, default=20, help="unmeasured requests per target")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--stacks", action="store_true",
+                        help="also run the httpx-client and uvloop+httptools variants")
+    parser.add_argument("--idle-s", type=float, default=3.0,
+                        help="idle window that measures each process's background CPU")
+    parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM target")
+    parser.add_argument("--litellm-venv", default=".venv-litellm", type=Path)
+    parser.add_argument("--bench-site", default=".bench-site", type=Path,
+                        help="where uvloop/httptools go when the environment lacks them")
+    parser.add_argument("--shed-rate", type=float, default=2000.0, help="req/s (0: skip)")
+    parser.add_argument("--shed-duration-s", type=float, default=10.0)
+    parser.add_argument("--out", default=None, help="also write the results as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.requests < 1 or args.warmup < 0 or args.max_tokens < 1 or args.shed_rate < 0:
+        raise ValueError("--requests and --max-tokens must be >= 1, --warmup/--shed-rate >= 0")
+    exit_on_sigterm()
+    results: dict = {"machine": os.uname().nodename, "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="kvguard-bench-proxy-") as work:
+        results["latency"] = _latency(args, Path(work))
+        _print_latency(results["latency"])
+        if args.shed_rate > 0:
+            results["shedding"] = _shedding(args, Path(work))
+            print(json.dumps({"shedding": results["shedding"]}, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _proxy_config(work: Path, policy: str, client: str) -> str:
+    path = work / f"proxy-{policy}-{client}.toml"
+    path.write_text(f'policy = "{policy}"\n[proxy]\nupstream_client = "{client}"\n')
+    return str(path)
+
+
+def _site_path(args: argparse.Namespace) -> str | None:
+    """A directory with uvloop and httptools when the environment lacks them."""
+    if importlib.util.find_spec("uvloop") and importlib.util.find_spec("httptools"):
+        return None
+    site = args.bench_site.resolve()
+    if not (site / "uvloop").exists() or not (site / "httptools").exists():
+        print(f"installing uvloop and httptools into {site} (bench only)", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(site),
+                        "uvloop", "httptools"], check=True)
+    return str(site)
+
+
+def _proxy(upstream: str, config: str, loop: str, http: str, site: str | None) -> ChildProcess:
+    env = {}
+    if site is not None and loop == "uvloop":
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), site) if p)
+    return ChildProcess(
+        "proxy", lambda port: [sys.executable, "-m", "guard.cli", "proxy", "--upstream", upstream,
+                               "--config", config, "--loop", loop, "--http", http,
+                               "--host", "127.0.0.1", "--port", str(port)],
+        http_health, ready_pattern=r"kvguard proxy listening on (\S+)", env=env)
+
+
+def _latency(args: argparse.Namespace, work: Path) -> dict:
+    spec = TopologySpec(num_replicas=1, replica_args=("--model", MODEL, "--backend", "sim"))
+    children: list[ChildProcess] = []
+    try:
+        with Topology(spec) as fleet:
+            upstream = fleet.replica_urls[0]
+            urls = {"direct": upstream}
+            variants = {**VARIANTS, **(STACK_VARIANTS if args.stacks else {})}
+            site = _site_path(args) if args.stacks else None
+            for name, (policy, client, loop, http) in variants.items():
+                child = _proxy(upstream, _proxy_config(work, policy, client), loop, http, site)
+                children.append(child.start())
+                urls[name] = child.url
+            if not args.no_litellm:
+                exe = ensure_venv(args.litellm_venv.resolve())
+                child = litellm_child(exe, upstream, MODEL, free_port(), work, _KEY)
+                children.append(child.start(timeout_s=180))
+                urls["litellm"] = child.url
+            pids = {"direct": fleet.replicas[0].pid}
+            pids.update({name: c.pid for name, c in zip(list(urls)[1:], children, strict=True)})
+            return _measure_all(urls, pids, args)
+    finally:
+        for child in children:
+            child.terminate()
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its children (LiteLLM may fork a worker)."""
+    process = psutil.Process(pid)
+    total = 0.0
+    for p in (process, *process.children(recursive=True)):
+        times = p.cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def _measure_all(urls: dict[str, str], pids: dict[str, int], args: argparse.Namespace) -> dict:
+    body = json.dumps({"model": MODEL, "prompt": "The proxy bench says hello",
+                       "max_tokens": args.max_tokens, "stream": True}).encode()
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in urls}
+    headers = {"content-type": "application/json", "authorization": f"Bearer {_KEY}"}
+    clients = {name: httpx.Client(base_url=url, timeout=60.0, trust_env=False, headers=headers)
+               for name, url in urls.items()}
+    try:
+        for _ in range(args.warmup):
+            for client in clients.values():
+                _one_stream(client, body)
+        idle_cpu_s = {name: _cpu_s(pid) for name, pid in pids.items()}
+        time.sleep(args.idle_s)  # background work only: state polls, probes
+        cpu_s = {name: _cpu_s(pid) for name, pid in pids.items()}
+        idle_rate = {name: (cpu_s[name] - idle_cpu_s[name]) / args.idle_s for name in pids}
+        started_s = time.perf_counter()
+        for _ in range(args.requests):
+            for name, client in clients.items():
+                samples[name].append(_one_stream(client, body))
+        busy_s = time.perf_counter() - started_s
+        cpu_s = {name: _cpu_s(pid) - cpu_s[name] for name, pid in pids.items()}
+    finally:
+        for client in clients.values():
+            client.close()
+    rows = _summarise(samples)
+    for name, row in rows.items():  # CPU time is what contention inflates least
+        net_s = cpu_s[name] - idle_rate[name] * busy_s
+        row["cpu_ms_per_request"] = 1000 * net_s / args.requests
+        row["idle_cpu_ratio"] = idle_rate[name]
+    return rows
+
+
+def _one_stream(client: httpx.Client, body: bytes) -> tuple[float, float]:
+    sent_s = time.perf_counter()
+    ttft_s = None
+    with client.stream("POST", "/v1/completions", content=body) as response:
+        tail = b""
+        for chunk in response.iter_raw():
+            if ttft_s is None and _CONTENT.search(chunk):
+                ttft_s = time.perf_counter() - sent_s
+            tail = (tail + chunk)[-64:]
+        e2e_s = time.perf_counter() - sent_s
+    if response.status_code != 200 or b"[DONE]" not in tail or ttft_s is None:
+        raise RuntimeError(f"{client.base_url}: bad stream (HTTP {response.status_code})")
+    return ttft_s, e2e_s
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _summarise(samples: dict[str, list[tuple[float, float]]]) -> dict:
+    out = {}
+    for name, pairs in samples.items():
+        ttft = [p[0] for p in pairs]
+        e2e = [p[1] for p in pairs]
+        out[name] = {"ttft_p50_ms": 1000 * statistics.median(ttft),
+                     "ttft_p99_ms": 1000 * _pct(ttft, 0.99),
+                     "e2e_p50_ms": 1000 * statistics.median(e2e),
+                     "e2e_p99_ms": 1000 * _pct(e2e, 0.99), "n": len(pairs)}
+    direct = out["direct"]
+    for row in out.values():
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"):
+            row["added_" + key] = row[key] - direct[key]
+    return out
+
+
+def _print_latency(rows: dict) -> None:
+    print(f"{'target':<30} {'TTFT p50':>9} {'p99':>8} {'e2e p50':>9} {'p99':>8}   "
+          f"{'added TTFT p50':>14} {'p99':>7} {'added e2e p50':>13} {'p99':>7} {'CPU/req':>8}"
+          "  (ms)")
+    for name, r in rows.items():
+        print(f"{name:<30} {r['ttft_p50_ms']:9.2f} {r['ttft_p99_ms']:8.2f} {r['e2e_p50_ms']:9.2f} "
+              f"{r['e2e_p99_ms']:8.2f}   {r['added_ttft_p50_ms']:14.2f} "
+              f"{r['added_ttft_p99_ms']:7.2f} {r['added_e2e_p50_ms']:13.2f} "
+              f"{r['added_e2e_p99_ms']:7.2f} {r['cpu_ms_per_request']:8.3f}")
+    if "litellm" in rows:
+        for name in [n for n in rows if n.startswith("kvguard")]:
+            ours = rows[name]["added_e2e_p50_ms"]
+            theirs = rows["litellm"]["added_e2e_p50_ms"]
+            ratio = theirs / ours if ours > 0 else float("inf")
+            print(f"LiteLLM adds {ratio:.1f}x the median end-to-end latency of {name}")
+
+
+def _shedding(args: argparse.Namespace, work: Path) -> dict:
+    spec = TopologySpec(num_replicas=1, num_proxies=1,
+                        proxy_args=("--config", _proxy_config(work, "slo", "aiohttp")))
+    body = {"model": MODEL, "prompt": "x " * 200, "max_tokens": 512}
+    with Topology(spec) as fleet:
+        result = run_open_loop(fleet.proxy_urls[0] + "/v1/completions", body,
+                               rate_rps=args.shed_rate, duration_s=args.shed_duration_s)
+    return result.summary()

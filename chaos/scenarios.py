@@ -1,0 +1,140 @@
+"""The chaos scenarios: what runs, what breaks and when, and what each one needs.
+
+Times in a ``ScenarioSpec`` are GPU seconds; the runner stretches them by the sim's time scale
+(as ``kvguard bench overload`` does), so the queueing dynamics are those of the GPU at real
+speed. Loads are multiples of the fleet capacity C (capacity per replica × replicas).
+
+Topologies: ``replicas`` sim replicas of the 7 B reference model; with ``proxies`` = 0 the
+guard runs in-process on the single replica (``kvguard engine --guard``); otherwise
+``proxies`` ``kvguard proxy`` processes front all replicas and the clients spread their
+attempts over the proxies round-robin. ``redis`` adds a redis-server for the proxies' budgets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from chaos.faults import Fault
+
+__all__ = ["ScenarioSpec", "catalogue", "missing_dependencies", "quick_variant"]
+
+SDK_ONLY: Mapping[str, float] = {"sdk": 1.0}
+RETRYING: Mapping[str, float] = {"sdk": 0.4, "tenacity": 0.2, "timeout_retry": 0.3,
+                                 "bad_citizen": 0.1}
+
+
+@dataclass(frozen=True)
+class ScenarioSpec:
+    name: str
+    summary: str
+    replicas: int
+    proxies: int
+    duration_s: float                  # schedule length (GPU s)
+    warmup_s: float                    # arrivals before it are left out (GPU s)
+    base_load: float                   # × C
+    faults: tuple[Fault, ...]
+    fault_window_s: tuple[float, float]  # the judged fault period (GPU s, by arrival)
+    num_surviving: int                 # replicas serving during the fault window
+    burst_load: float | None = None    # × C inside the rate_step fault, if there is one
+    clients: Mapping[str, float] = field(default_factory=lambda: dict(SDK_ONLY))
+    redis: bool = False
+    budget_ratio: float | None = None  # a budgeted tenant (1 user in 4) asks this × its allowance
+
+    def __post_init__(self) -> None:
+        lo, hi = self.fault_window_s
+        if not 0 <= self.warmup_s <= lo < hi <= self.duration_s:
+            raise ValueError(f"scenario {self.name}: need warmup <= fault window <= duration")
+        if self.replicas < 1 or self.proxies < 0 or not 0 <= self.num_surviving <= self.replicas:
+            raise ValueError(f"scenario {self.name}: bad replica / proxy counts")
+        steps = [f for f in self.faults if f.kind == "rate_step"]
+        if len(steps) > 1 or (steps and self.burst_load is None):
+            raise ValueError(f"scenario {self.name}: one rate_step at most, with burst_load")
+        if self.proxies == 0 and self.replicas != 1:
+            raise ValueError(f"scenario {self.name}: an in-process guard fronts one replica")
+
+    @property
+    def rate_step(self) -> Fault | None:
+        return next((f for f in self.faults if f.kind == "rate_step"), None)
+
+    def needs(self) -> tuple[str, ...]:
+        out = []
+        if self.proxies:
+            out.append("proxy")
+        if self.redis:
+            out.append("budgets")
+        return tuple(out)
+
+
+def _step(at_s: float, duration_s: float) -> Fault:
+    return Fault("rate_step", at_s, duration_s)
+
+
+def catalogue() -> dict[str, ScenarioSpec]:
+    """Every scenario by name (full length; ``quick_variant`` shortens one)."""
+    specs = [
+        ScenarioSpec("burst", "a burst to 1.6 C for 6 s on 0.74 C, SDK clients", 1, 0, 24.0,
+                     4.0, 0.74, (_step(8.0, 6.0),), (8.0, 14.0), 1, burst_load=1.6),
+        ScenarioSpec("retry-storm", "a burst to 2 C with timeout-retry, bad-citizen, tenacity "
+                     "and SDK clients", 1, 0, 24.0, 4.0, 0.74, (_step(8.0, 6.0),),
+                     (8.0, 14.0), 1, burst_load=2.0, clients=dict(RETRYING)),
+        ScenarioSpec("metastable", "0.9 C with retrying clients and a 2 s trigger at 2 C: "
+                     "does goodput come back after the trigger?", 1, 0, 28.0, 4.0, 0.9,
+                     (_step(8.0, 2.0),), (8.0, 10.0), 1, burst_load=2.0,
+                     clients=dict(RETRYING)),
+        ScenarioSpec("replica-kill", "SIGKILL one of 2 replicas behind the proxy at 0.74 C, "
+                     "restart it 6 s later", 2, 1, 24.0, 4.0, 0.74,
+                     (Fault("replica_kill", 8.0, 6.0, 0),), (8.0, 14.0), 1),
+        ScenarioSpec("proxy-kill", "SIGKILL one of 2 proxies behind the clients' round-robin, "
+                     "restart it 6 s later", 2, 2, 24.0, 4.0, 0.74,
+                     (Fault("proxy_kill", 8.0, 6.0, 0),), (8.0, 14.0), 2),
+        ScenarioSpec("redis-kill", "SIGKILL the budgets' Redis for 6 s under 2 proxies; one "
+                     "user in 4 is a tenant asking 1.25 × what its requests-per-minute budget allows", 2, 2,
+                     24.0, 4.0, 0.74, (Fault("redis_kill", 8.0, 6.0),), (8.0, 14.0), 2,
+                     redis=True, budget_ratio=1.25),
+        ScenarioSpec("redis-hang", "SIGSTOP the budgets' Redis for 6 s under 2 proxies; one "
+                     "user in 4 is a tenant asking 1.25 × its budget", 2, 2, 24.0, 4.0, 0.74,
+                     (Fault("redis_hang", 8.0, 6.0),), (8.0, 14.0), 2, redis=True,
+                     budget_ratio=1.25),
+        ScenarioSpec("seed", "the reference overload: 0.74 C, a burst to 1.16 C, one of 4 "
+                     "replicas lost during it, clients retrying", 4, 1, 32.0, 4.0, 0.74,
+                     (_step(10.0, 10.0), Fault("replica_kill", 12.0, 10.0, 1)),
+                     (12.0, 20.0), 3, burst_load=1.16, clients=dict(RETRYING)),
+    ]
+    return {s.name: s for s in specs}
+
+
+def quick_variant(spec: ScenarioSpec) -> ScenarioSpec:
+    """The CI version, same shape: warm-up 2 s, the first fault at 4 s, each fault and the
+    judged window at most 3 s long, 4 s after the last fault ends."""
+    shift = min(f.at_s for f in spec.faults) - 4.0
+
+    def move(f: Fault) -> Fault:
+        dur = None if f.duration_s is None else min(f.duration_s, 3.0)
+        return Fault(f.kind, f.at_s - shift, dur, f.target)
+
+    faults = tuple(move(f) for f in spec.faults)
+    lo, hi = spec.fault_window_s
+    window = (lo - shift, lo - shift + min(hi - lo, 3.0))
+    end = max([window[1], *(f.end_s or f.at_s for f in faults)]) + 4.0
+    return dataclasses.replace(spec, duration_s=end, warmup_s=2.0, faults=faults,
+                               fault_window_s=window)
+
+
+def missing_dependencies(spec: ScenarioSpec, subcommands: Mapping[str, object]) -> list[str]:
+    """What this kvguard lacks to run ``spec`` (empty when it can run)."""
+    missing = []
+    if "proxy" in spec.needs() and "proxy" not in subcommands:
+        missing.append("the standalone proxy (`kvguard proxy`, issue 9) is not in this build")
+    if "budgets" in spec.needs():
+        from guard.config import TenantConfig
+        names = {f.name for f in dataclasses.fields(TenantConfig)}
+        if "requests_per_minute" not in names:
+            missing.append("per-tenant requests_per_minute budgets in the guard config "
+                           "(issue 10) are not in this build")
+        if importlib.util.find_spec("guard.budget.redis_store") is None:
+            missing.append("the Redis budget store (guard.budget.redis_store, issue 10) is "
+                           "not in this build")
+    return missing

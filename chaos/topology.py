@@ -1,0 +1,181 @@
+"""A fleet on loopback: N sim engine replicas, M kvguard proxies, optionally a redis-server.
+
+    spec = TopologySpec(num_replicas=2, num_proxies=1)
+    with Topology(spec) as fleet:
+        fleet.proxy_urls          # ["http://127.0.0.1:PORT"]
+        fleet.replicas[0].kill()  # fault injection: kill / stop / cont / restart (chaos.child)
+
+Every process is a child of this one, on a free loopback port, health-checked before
+``with Topology(spec)`` enters its block: replicas answer ``GET /health`` 200; proxies answer
+``GET /health`` 200 (at least one replica routable); redis answers ``PING``. On leaving the
+block (normally, on an exception, or on Ctrl-C) the proxies are ended first, then the replicas,
+then redis, each by its own pid (SIGTERM, SIGKILL after a timeout). Processes of a topology
+that failed to start are ended the same way before the error propagates.
+
+Replicas run ``kvguard engine <replica_args> --host 127.0.0.1 --port 0``; proxies run
+``kvguard proxy --upstream URL ... <proxy_args> --host 127.0.0.1 --port 0``; with
+``redis=True`` a ``redis-server`` runs with no persistence and each proxy gets its URL in
+``KVGUARD_REDIS_URL``. A restarted replica comes back on the same port, so the proxies'
+upstream URLs stay valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import httpx
+
+from chaos.child import ChildProcess
+
+__all__ = ["Topology", "TopologySpec", "SIM_REPLICA_ARGS", "free_port", "http_health", "redis_health"]
+
+SIM_REPLICA_ARGS = ("--model", "llama-7b", "--backend", "sim")
+_ENGINE_READY = r"kvguard engine listening on (http://\S+)"
+_PROXY_READY = r"kvguard proxy listening on (http://\S+)"
+
+
+@dataclass(frozen=True)
+class TopologySpec:
+    """What to start. ``replica_args`` go to every ``kvguard engine``, ``proxy_args`` to every
+    ``kvguard proxy`` (e.g. ``("--config", "guard.toml")``)."""
+
+    num_replicas: int = 2
+    replica_args: tuple[str, ...] = SIM_REPLICA_ARGS
+    num_proxies: int = 0
+    proxy_args: tuple[str, ...] = ()
+    redis: bool = False
+    start_timeout_s: float = 90.0
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("num_replicas", "num_proxies"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
+        if self.num_proxies and not self.num_replicas:
+            raise ValueError("num_proxies: a proxy needs at least one replica (num_replicas >= 1)")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s: must be > 0, got {self.start_timeout_s!r}")
+        for name in ("--host", "--port", "--upstream"):
+            if name in self.replica_args or name in self.proxy_args:
+                raise ValueError(f"{name}: the topology sets it; leave it out of the args")
+        if self.redis and shutil.which("redis-server") is None:
+            raise ValueError("redis: redis-server is not on PATH")
+
+
+def http_health(url: str) -> bool:
+    """``GET url/health`` answered 200 within 2 s."""
+    try:
+        return httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def redis_health(url: str) -> bool:
+    """The redis at ``url`` answered ``PING`` with ``+PONG``."""
+    host, port = url.removeprefix("redis://").split(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class Topology:
+    """The running fleet: ``replicas``, ``proxies`` and ``redis`` (a :class:`ChildProcess`
+    each, ``redis`` None unless requested). ``with Topology(spec) as fleet:`` starts it."""
+
+    def __init__(self, spec: TopologySpec | None = None) -> None:
+        self.spec = spec or TopologySpec()
+        self.replicas: list[ChildProcess] = []
+        self.proxies: list[ChildProcess] = []
+        self.redis: ChildProcess | None = None
+
+    def __enter__(self) -> Topology:
+        """Start everything (ending what started if anything fails); the fleet is ready."""
+        try:
+            self._start_all()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _start_all(self) -> None:
+        spec = self.spec
+        if spec.num_proxies:
+            from guard.cli import SUBCOMMANDS  # the cli module imports no torch
+
+            if "proxy" not in SUBCOMMANDS:
+                raise ValueError("num_proxies: this kvguard has no `kvguard proxy` subcommand")
+        if spec.redis:
+            self.redis = self._redis_child()
+            self.redis.start(spec.start_timeout_s)
+        for index in range(spec.num_replicas):
+            self.replicas.append(self._replica_child(index).start(spec.start_timeout_s))
+        for index in range(spec.num_proxies):
+            self.proxies.append(self._proxy_child(index).start(spec.start_timeout_s))
+
+    def _replica_child(self, index: int) -> ChildProcess:
+        args = self.spec.replica_args
+        return ChildProcess(
+            f"replica-{index}",
+            lambda port: [sys.executable, "-m", "guard.cli", "engine", *args,
+                          "--host", "127.0.0.1", "--port", str(port)],
+            http_health, ready_pattern=_ENGINE_READY, env=dict(self.spec.env))
+
+    def _proxy_child(self, index: int) -> ChildProcess:
+        upstreams = [arg for r in self.replicas for arg in ("--upstream", r.url)]
+        args = self.spec.proxy_args
+        env = dict(self.spec.env)
+        if self.redis is not None:
+            env["KVGUARD_REDIS_URL"] = self.redis_url
+        return ChildProcess(
+            f"proxy-{index}",
+            lambda port: [sys.executable, "-m", "guard.cli", "proxy", *upstreams, *args,
+                          "--host", "127.0.0.1", "--port", str(port)],
+            http_health, ready_pattern=_PROXY_READY, env=env)
+
+    def _redis_child(self) -> ChildProcess:
+        port = free_port()
+        child = ChildProcess(
+            "redis", lambda p: ["redis-server", "--port", str(p), "--bind", "127.0.0.1",
+                                "--save", "", "--appendonly", "no"],
+            lambda url: redis_health(f"redis://127.0.0.1:{port}"), port=port)
+        return child
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
+
+    @property
+    def proxy_urls(self) -> list[str]:
+        return [p.url for p in self.proxies]
+
+    @property
+    def redis_url(self) -> str | None:
+        return None if self.redis is None else f"redis://127.0.0.1:{self.redis.port}"
+
+    def close(self) -> None:
+        """End every child by pid: proxies, then replicas, then redis. Safe to call twice."""
+        children = [*self.proxies, *self.replicas]
+        if self.redis is not None:
+            children.append(self.redis)
+        for child in children:
+            with contextlib.suppress(Exception):
+                child.terminate()
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (redis cannot pick its own and report it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

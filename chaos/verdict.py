@@ -1,0 +1,194 @@
+"""The verdict of one chaos run (one policy), as pure functions of its users and its plan.
+
+Figures, each with the threshold it is held to (``THRESHOLDS``):
+
+- ``goodput_over_surviving_capacity``: good users per second among those who *arrived* during
+  the fault window, divided by what the surviving replicas could serve within SLO — the smaller
+  of the offered rate in that window (less users refused only for their tenant's budget) and
+  ``capacity_per_replica × surviving replicas``.
+- ``recovery_s``: from the end of the fault/burst until the good fraction of arrivals (good ÷
+  offered, over a sliding window) stays ≥ 0.9 × its pre-fault level to the end of the run;
+  None when it never does. Measured as a fraction so the post-fault base rate (equal to the
+  pre-fault one) compares without Poisson noise in the rate itself.
+- ``attempts_per_user`` (all users) and ``attempts_per_sdk_user`` (users on the OpenAI SDK).
+- ``num_lost`` / ``num_hung``: users with neither an answer nor an explicit error within their
+  patience / clients still inside an attempt past its own timeout at the drain deadline.
+- ``over_admission_ratio``: budgeted runs only: 2xx answers to the budgeted tenant beyond what
+  its requests-per-minute bucket allows over the run, as a share of one window's limit.
+
+``valid`` is false when the load generator lagged or starved (its warnings are listed): such a
+run is not a result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from chaos.user_record import USER_OUTCOMES, UserRecord
+from policies.cost import RequestClass
+
+__all__ = ["THRESHOLDS", "FaultWindow", "Budget", "good_fraction", "recovery_s", "build_verdict",
+           "over_admission_ratio", "per_second", "series", "budget_denied",
+           "BUDGET_REASONS"]
+
+THRESHOLDS: dict[str, dict] = {
+    "goodput_over_surviving_capacity": {"min": 0.9, "policy": "slo"},
+    "recovery_s": {"max_scaled_s": 2.0, "policy": "slo"},
+    "attempts_per_sdk_user": {"max": 1.10, "policy": "slo"},
+    "num_lost": {"max": 0, "policy": "slo"},
+    "num_hung": {"max": 0, "policy": "any"},
+    "over_admission_ratio": {"max_redis_up": 0.0, "max_redis_down": 0.10, "policy": "any"},
+}
+RECOVERY_LEVEL_RATIO = 0.9
+BUDGET_REASONS: frozenset[str] = frozenset({"tpm_limit", "rpm_limit", "concurrency_limit"})
+
+
+def budget_denied(user: UserRecord) -> bool:
+    """Every attempt was refused for the tenant's budget (not servable by design)."""
+    return bool(user.attempts) and all(a.status == 429 and a.reason in BUDGET_REASONS
+                                       for a in user.attempts)
+
+
+@dataclass(frozen=True)
+class FaultWindow:
+    """Run seconds (wall): warm-up end, fault/burst start and end, schedule end."""
+
+    warmup_s: float
+    start_s: float
+    end_s: float
+    run_end_s: float
+    num_replicas: int
+    num_surviving: int
+    pre_end_s: float | None = None  # end of the pre-fault level (the first fault); default start
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.warmup_s <= self.start_s < self.end_s <= self.run_end_s:
+            raise ValueError(f"need 0 <= warmup <= start < end <= run end, got {self}")
+        if self.pre_end_s is not None and not self.warmup_s < self.pre_end_s <= self.start_s:
+            raise ValueError(f"need warmup < pre_end <= start, got {self}")
+        if not 0 <= self.num_surviving <= self.num_replicas:
+            raise ValueError("need 0 <= num_surviving <= num_replicas")
+
+    @property
+    def pre_fault_s(self) -> tuple[float, float]:
+        return self.warmup_s, self.start_s if self.pre_end_s is None else self.pre_end_s
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One tenant's requests-per-minute limit (a bucket that starts full)."""
+
+    tenant: str
+    requests_per_minute: int
+    redis_down: bool
+
+
+def _outcomes(users: Sequence[UserRecord], cls: RequestClass) -> list[str]:
+    return [u.outcome(cls) for u in users]
+
+
+def good_fraction(users: Sequence[UserRecord], cls: RequestClass, lo_s: float,
+                  hi_s: float) -> float | None:
+    """Good ÷ offered among users arriving in ``[lo_s, hi_s)``; None if none arrived."""
+    chosen = [u for u in users if lo_s <= u.scheduled_s < hi_s]
+    if not chosen:
+        return None
+    return sum(u.outcome(cls) == "good" for u in chosen) / len(chosen)
+
+
+def recovery_s(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow,
+               slide_s: float) -> float | None:
+    """Seconds from ``w.end_s`` until the good fraction stays ≥ 0.9 × its pre-fault level."""
+    pre = good_fraction(users, cls, *w.pre_fault_s)
+    if pre is None or pre == 0.0 or w.run_end_s - w.end_s < slide_s:
+        return None
+    step_s = slide_s / 4
+    starts = [w.end_s + i * step_s
+              for i in range(int((w.run_end_s - slide_s - w.end_s) / step_s) + 1)]
+    ok = [(good_fraction(users, cls, s, s + slide_s) or 0.0) >= RECOVERY_LEVEL_RATIO * pre
+          for s in starts]
+    for i, start in enumerate(starts):
+        if all(ok[i:]):
+            return start - w.end_s
+    return None
+
+
+def over_admission_ratio(users: Sequence[UserRecord], budget: Budget, span_s: float) -> float:
+    """2xx answers to ``budget.tenant`` beyond the bucket's allowance over ``span_s``."""
+    admitted = sum(1 for u in users if u.tenant == budget.tenant for a in u.attempts
+                   if a.status is not None and 200 <= a.status < 300)
+    allowed = budget.requests_per_minute * (1.0 + span_s / 60.0)
+    return max(0.0, admitted - allowed) / budget.requests_per_minute
+
+
+def _attempts_per_user(users: Sequence[UserRecord]) -> float | None:
+    return sum(u.num_attempts for u in users) / len(users) if users else None
+
+
+def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow,
+                  capacity_per_replica_rps: float, *, slide_s: float,
+                  generator_warnings: Sequence[str] = (), budget: Budget | None = None,
+                  ) -> dict:
+    """Every figure of the verdict for one policy's run."""
+    if capacity_per_replica_rps <= 0:
+        raise ValueError("capacity_per_replica_rps must be > 0")
+    measured = [u for u in users if u.scheduled_s >= w.warmup_s]
+    outcomes = _outcomes(measured, cls)
+    in_fault = [u for u in measured if w.start_s <= u.scheduled_s < w.end_s]
+    fault_s = w.end_s - w.start_s
+    offered_rps = len(in_fault) / fault_s
+    good_rps = sum(u.outcome(cls) == "good" for u in in_fault) / fault_s
+    surviving_rps = capacity_per_replica_rps * w.num_surviving
+    within_budget_rps = sum(not budget_denied(u) for u in in_fault) / fault_s
+    servable_rps = min(within_budget_rps, surviving_rps)
+    sdk = [u for u in measured if u.client == "sdk"]
+    return {
+        "valid": not generator_warnings,
+        "generator_warnings": list(generator_warnings),
+        "num_users": len(measured),
+        "outcomes": {o: outcomes.count(o) for o in USER_OUTCOMES},
+        "fault_window_s": [w.start_s, w.end_s],
+        "offered_in_fault_rps": offered_rps,
+        "offered_within_budget_in_fault_rps": within_budget_rps,
+        "good_in_fault_rps": good_rps,
+        "surviving_capacity_rps": surviving_rps,
+        "goodput_over_surviving_capacity": good_rps / servable_rps if servable_rps > 0 else None,
+        "pre_fault_good_fraction": good_fraction(users, cls, *w.pre_fault_s),
+        "recovery_s": recovery_s(users, cls, w, slide_s),
+        "attempts_per_user": _attempts_per_user(measured),
+        "attempts_per_sdk_user": _attempts_per_user(sdk),
+        "num_lost": outcomes.count("lost"),
+        "num_hung": outcomes.count("hung"),
+        "over_admission_ratio": None if budget is None else over_admission_ratio(
+            users, budget, w.run_end_s),
+    }
+
+
+def per_second(times_s: Sequence[float], num_bins: int, bin_s: float) -> list[float]:
+    """Events per second in bins of ``bin_s`` seconds."""
+    bins = [0.0] * num_bins
+    for t in times_s:
+        i = math.floor(t / bin_s)
+        if 0 <= i < num_bins:
+            bins[i] += 1.0 / bin_s
+    return bins
+
+
+def series(users: Sequence[UserRecord], cls: RequestClass, end_s: float,
+           bin_s: float) -> Mapping[str, list[float]]:
+    """Per-bin rates for the timeline: offered users, upstream attempts, admitted (2xx)
+    attempts, shed (429/503) attempts, good users (by arrival)."""
+    n = max(1, math.ceil(end_s / bin_s))
+    attempts = [a for u in users for a in u.attempts if a.sent_s is not None]
+    return {
+        "t_s": [i * bin_s for i in range(n)],
+        "offered_users": per_second([u.scheduled_s for u in users], n, bin_s),
+        "attempts": per_second([a.sent_s for a in attempts], n, bin_s),
+        "admitted": per_second([a.sent_s for a in attempts
+                                if a.status is not None and 200 <= a.status < 300], n, bin_s),
+        "shed": per_second([a.sent_s for a in attempts if a.status in (429, 503)], n, bin_s),
+        "good_users": per_second([u.scheduled_s for u in users if u.outcome(cls) == "good"],
+                                 n, bin_s),
+    }

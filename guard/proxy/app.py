@@ -1,0 +1,284 @@
+"""``ProxyApp``: the standalone proxy as one ASGI app in front of N replicas over HTTP.
+
+Routes:
+
+* ``POST`` to an admitted path (``admitted_paths``; by default any path ending in
+  ``/v1/completions`` or ``/v1/chat/completions``): admission (tenant → price → policy →
+  admit | queue | shed) and, once admitted, :class:`guard.proxy.upstream.Forwarder` relays the
+  request to the replica the policy picked (``Admit(replica_id)``: for ``slo`` the lowest
+  predicted TTFT where the request fits, least-loaded for the baselines). Bad input is answered
+  here and never reaches a replica.
+* ``GET /v1/models``: the union of the routable replicas' model lists.
+* ``GET /health``: 200 while at least one replica is routable (and the proxy is not draining).
+* ``GET /kvguard/state``: the proxy's view of every replica (health, state age, reserved blocks,
+  in-flight requests).
+* ``GET /kvguard/metrics``: the guard's and the proxy's Prometheus series.
+
+Each replica's load comes from its ``/kvguard/state`` (``state_source = "kvguard"``), its vLLM
+``/metrics`` (``"vllm"``) or nowhere (``"none"``: unknown capacity), polled every
+``refresh_interval_s``; :class:`guard.proxy.health.ReplicaHealth` ejects replicas that fail
+requests and probes them back. ``drain()`` (SIGTERM) stops admitting: new requests get 503
+``shutting_down`` while admitted ones finish.
+
+The admission flow is :class:`guard.controller.AdmissionController`'s (this app is its second
+adapter, beside the middleware). The operational endpoints are gated like the middleware's
+(:class:`guard.operational_access.OperationalAccess`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from guard.admission import Admission
+from guard.body import content_length, headers_from_scope, read_body
+from guard.config import GuardConfig
+from guard.controller import AdmissionController
+from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
+from guard.proxy.health import ReplicaHealth
+from guard.proxy.metrics import ProxyMetrics
+from guard.proxy.transports import HOP_BY_HOP, Transport, UpstreamError, make_transport
+from guard.proxy.upstream import Forwarder
+from guard.relay import REQUEST_ID_HEADER
+from guard.replicas.poller import state_sources
+from guard.shedding import Rejection, send_rejection
+
+__all__ = ["ProxyApp"]
+
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+GUARD_METRICS_PATH = "/kvguard/metrics"
+_GATED_PATHS = ADMIN_PATHS | {MODELS_PATH}
+
+
+class ProxyApp:
+    """ASGI app of ``kvguard proxy``. ``transport``, ``registry`` and ``budget`` (a budget
+    store; None: the controller builds what the config asks for) may be injected."""
+
+    def __init__(self, config: GuardConfig, *, registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] | None = None, transport: Transport | None = None,
+                 budget: Any = None) -> None:
+        if not config.replicas or any(r.url is None for r in config.replicas):
+            raise ValueError("replicas: the proxy needs at least one replica with a url "
+                             "(--upstream URL or [[replicas]])")
+        self.config = config
+        self.clock = clock or time.monotonic
+        proxy = config.proxy
+        self.urls = {r.replica_id: r.url for r in config.replicas}
+        self.transport = transport or make_transport(
+            proxy.upstream_client, proxy.connect_timeout_s, proxy.read_timeout_s,
+            proxy.max_connections_per_replica, len(self.urls))
+        self.health = ReplicaHealth(self.urls, proxy.eject_after_failures, proxy.probe_interval_s,
+                                    self._mark_unhealthy, self._probe, self.clock)
+        self._state_client = httpx.AsyncClient(trust_env=False)
+        sources = state_sources(config.replicas, self._state_client,
+                                timeout_s=config.state_timeout_s)
+        gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
+        self.controller = AdmissionController(config, gated, registry=registry, clock=self.clock,
+                                              budget=budget)
+        self.load_state = self.controller.load_state
+        self.metrics = ProxyMetrics(self.controller.registry, list(self.urls), self.routable,
+                                    self.health.num_ejections.__getitem__)
+        self.forwarder = Forwarder(self.urls, self.transport, self.health, self._redispatch,
+                                   self.metrics)
+        self._access = OperationalAccess(config)
+        self._is_admitted = config.is_admitted_path
+
+    # --- routing facts ------------------------------------------------------------------------
+    def routable(self, replica_id: str) -> bool:
+        return self.load_state.is_healthy(replica_id) and not self.health.is_ejected(replica_id)
+
+    def _mark_unhealthy(self, replica_id: str) -> None:
+        self.load_state.mark_unhealthy(replica_id, self.clock())
+
+    async def _probe(self, replica_id: str) -> bool:
+        try:
+            status, _ = await self.transport.get(self.urls[replica_id] + "/health",
+                                                 self.config.state_timeout_s)
+        except UpstreamError:
+            return False
+        return 200 <= status < 300
+
+    def _redispatch(self, admission: Admission, failed_replica_id: str) -> str | None:
+        """The policy re-decides an admission whose replica failed before answering, among
+        the other routable replicas (the controller moves its reservation)."""
+        others = [rid for rid in self.urls if rid != failed_replica_id and self.routable(rid)]
+        return self.controller.redispatch(admission, others) if others else None
+
+    # --- ASGI ---------------------------------------------------------------------------------
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            return await self._lifespan(receive, send)
+        if kind != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if method == "POST" and self._is_admitted(path):
+            return await self._admit(scope, receive, send)
+        if path in _GATED_PATHS and self._access.enabled:
+            rejection = self._access.check(path, headers_from_scope(scope))
+            if rejection is not None:
+                return await send_rejection(send, rejection)
+        if method == "GET" and path == "/health":
+            ok = not self.controller.draining and any(self.routable(rid) for rid in self.urls)
+            return await _send_json(send, 200 if ok else 503,
+                                    {"ok": ok, "draining": self.controller.draining})
+        if method == "GET" and path == MODELS_PATH:
+            return await self._models(send)
+        if method == "GET" and path == "/kvguard/state":
+            return await _send_json(send, 200, self.state())
+        if method == "GET" and path in (GUARD_METRICS_PATH, "/metrics"):
+            return await self.controller.metrics.send_response(send)
+        await _send_json(send, 404, {"error": {"message": f"no route {method} {path}",
+                                               "type": "invalid_request_error",
+                                               "param": None, "code": "not_found"}})
+
+    async def _admit(self, scope: dict, receive: Receive, send: Send) -> None:
+        """Admission by the controller, then the forwarder; bad input never leaves here."""
+        headers = headers_from_scope(scope)
+        exchange = _Exchange(receive, self.config.max_body_bytes, content_length(headers))
+        try:
+            result = await self.controller.admit(scope["path"], headers, exchange.read_body,
+                                                 exchange.client_gone)
+            if isinstance(result, Admission):
+                return await self.forwarder.forward(
+                    result, scope["path"], _upstream_headers(scope, result.request_id),
+                    exchange.client_gone(), send)
+            if result is not None:
+                await send_rejection(send, result)
+        finally:
+            exchange.stop()
+
+    async def _models(self, send: Send) -> None:
+        routable = [rid for rid in self.urls if self.routable(rid)]
+        answers = await asyncio.gather(*(self.transport.get(
+            self.urls[rid] + "/v1/models", self.config.state_timeout_s) for rid in routable),
+            return_exceptions=True)
+        models: dict[str, dict] = {}
+        for answer in answers:
+            if isinstance(answer, tuple) and answer[0] == 200:
+                try:
+                    for model in json.loads(answer[1]).get("data", ()):
+                        models.setdefault(model["id"], model)
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    continue
+        if not models and routable:
+            return await send_rejection(send, Rejection(502, "upstream_failed",
+                                                        "no replica listed its models",
+                                                        should_retry=True))
+        await _send_json(send, 200, {"object": "list", "data": list(models.values())})
+
+    def state(self) -> dict:
+        """``GET /kvguard/state``: the proxy's view of each replica."""
+        now_s = self.clock()
+        replicas = []
+        for replica in self.config.replicas:
+            rid = replica.replica_id
+            snap = self.load_state.replica_snapshot(rid)
+            replicas.append({
+                "replica_id": rid, "url": replica.url, "state_source": replica.state_source,
+                "routable": self.routable(rid), "healthy": self.load_state.is_healthy(rid),
+                "ejected": self.health.is_ejected(rid),
+                "consecutive_failures": self.health.consecutive_failures(rid),
+                "state_age_s": None if snap is None else round(now_s - snap.observed_s, 4),
+                "capacity_known": None if snap is None else snap.capacity_known,
+                "num_total_blocks": None if snap is None else snap.num_total_blocks,
+                "num_free_blocks": None if snap is None else snap.num_free_blocks,
+                "num_reserved_blocks": self.load_state.num_reserved_blocks(rid),
+                "num_inflight": self.load_state.num_inflight(rid),
+            })
+        return {"admitting": not self.controller.draining, "policy": self.config.policy,
+                "num_in_flight": self.num_in_flight, "num_queued": len(self.controller.queue),
+                "replicas": replicas}
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def start(self) -> None:
+        """First state poll, then the poller, the queue pump and the probes."""
+        await self.controller.start()
+        self.health.start()
+
+    def drain(self) -> None:
+        """Stop admitting (new and queued requests: 503 ``shutting_down``, ``/health`` 503);
+        admitted requests run on."""
+        self.controller.begin_drain()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.controller.tickets.num_held
+
+    async def aclose(self) -> None:
+        await self.health.stop()
+        await self.controller.aclose()
+        self.controller.close()
+        await self.transport.aclose()
+        await self._state_client.aclose()
+
+
+def _upstream_headers(scope: dict, request_id: str) -> list[tuple[bytes, bytes]]:
+    """The client's end-to-end headers with the guard's ``x-request-id`` (the body may have
+    been rewritten, so its length is the transport's to set)."""
+    headers = []
+    for name, value in scope["headers"]:
+        if name not in HOP_BY_HOP and name != REQUEST_ID_HEADER:
+            headers.append((name, value))
+    headers.append((REQUEST_ID_HEADER, request_id.encode()))
+    return headers
+
+
+class _Exchange:
+    """One request's body reader and disconnect watch, in the controller's terms."""
+
+    __slots__ = ("_receive", "_max_bytes", "_content_length", "gone")
+
+    def __init__(self, receive: Receive, max_bytes: int, declared: int | None) -> None:
+        self._receive = receive
+        self._max_bytes = max_bytes
+        self._content_length = declared
+        self.gone: asyncio.Future | None = None
+
+    def read_body(self) -> Awaitable[bytes]:
+        return read_body(self._receive, self._max_bytes, self._content_length)
+
+    def client_gone(self) -> asyncio.Future:
+        """Completes with the client's ``http.disconnect`` (made on first use)."""
+        if self.gone is None:
+            self.gone = asyncio.ensure_future(_until_disconnect(self._receive))
+        return self.gone
+
+    def stop(self) -> None:
+        if self.gone is not None and not self.gone.done():
+            self.gone.cancel()
+
+
+async def _until_disconnect(receive: Receive) -> Message:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return message
+
+
+async def _send_json(send: Send, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,0 +1,145 @@
+"""``kvguard proxy``: the standalone proxy in front of one or more replicas.
+
+    kvguard proxy --upstream http://127.0.0.1:8001 --upstream http://127.0.0.1:8002
+    kvguard proxy --config guard.toml --port 9000        # replicas from [[replicas]]
+    kvguard proxy --upstream http://vllm:8000 --state-source vllm
+    kvguard proxy --config guard.toml --redis redis://127.0.0.1:6379/0   # budgets shared by proxies
+
+``--upstream`` (repeatable) replaces the config's ``[[replicas]]`` (ids ``r0``, ``r1``, … in
+order, state read as ``--state-source``). ``--redis URL`` replaces the config's ``redis_url``: tenant
+budgets are then shared with every other guard or proxy on that Redis. Prints ``kvguard proxy listening on http://HOST:PORT``
+once it accepts connections (``--port 0``: the port the OS chose). SIGTERM/SIGINT drains: new
+requests get 503 ``shutting_down``, admitted ones run until they end or ``proxy.drain_timeout_s``
+passes, then the process exits 0; a second signal exits at once.
+
+Slow or greedy clients are bounded as in ``kvguard engine`` (``serving.ServerLimits``:
+``--header-timeout-s``, ``--body-timeout-s``, ``--keep-alive-timeout-s``, ``--write-timeout-s``,
+``--max-connections``, ``--max-connections-per-client``), over either HTTP parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import signal
+import socket
+import time
+
+from guard.config import ReplicaConfig, load_config
+from serving import add_limit_arguments, install_quiet_logging, limits_from_args
+
+__all__ = ["configure", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--upstream", action="append", default=[], metavar="URL",
+                        help="a replica's base URL (repeatable); replaces [[replicas]]")
+    parser.add_argument("--state-source", choices=("kvguard", "vllm", "none"), default="kvguard",
+                        help="how --upstream replicas publish load (default: kvguard)")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="guard TOML (default: $KVGUARD_CONFIG, else built-in defaults)")
+    parser.add_argument("--redis", default=None, metavar="URL",
+                        help="Redis holding the tenant budgets shared by every proxy "
+                             "(replaces redis_url; budgets themselves come from the config)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000, help="0 picks a free port")
+    parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                        help="uvicorn event loop (auto: uvloop when installed)")
+    parser.add_argument("--http", choices=("auto", "h11", "httptools"), default="auto",
+                        help="uvicorn HTTP parser (auto: httptools when installed)")
+    parser.add_argument("--log-level", default="warning")
+    add_limit_arguments(parser)
+
+
+def _config(args: argparse.Namespace):
+    config = load_config(args.config)
+    if args.upstream:
+        replicas = tuple(ReplicaConfig(f"r{i}", url, args.state_source)
+                         for i, url in enumerate(args.upstream))
+        config = dataclasses.replace(config, replicas=replicas)
+    if args.redis is not None:
+        config = dataclasses.replace(config, redis_url=args.redis)
+    if not config.replicas:
+        raise ValueError("no replicas: give --upstream URL or [[replicas]] in the config")
+    return config
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio then sets TCP_NODELAY
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot bind {host}:{port}: {exc}") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _server_class():
+    import uvicorn
+
+    class ProxyServer(uvicorn.Server):
+        """uvicorn with a drain-first shutdown and the readiness line."""
+
+        def __init__(self, config, app, url: str) -> None:
+            super().__init__(config)
+            self.proxy = app
+            self.url = url
+            self._drain: asyncio.Task | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._on_signal)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+        def _on_signal(self) -> None:
+            if self._drain is not None:  # second signal: go now
+                self.should_exit = self.force_exit = True
+                return
+            self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+        async def _drain_then_exit(self) -> None:
+            self.proxy.drain()
+            deadline_s = time.monotonic() + self.proxy.config.proxy.drain_timeout_s
+            while self.proxy.num_in_flight and time.monotonic() < deadline_s:
+                await asyncio.sleep(0.05)
+            self.should_exit = True
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                print(f"kvguard proxy listening on {self.url}", flush=True)
+
+    return ProxyServer
+
+
+def run(args: argparse.Namespace) -> int:
+    from guard.proxy.app import ProxyApp
+    from serving.limited_protocol import ConnectionTable, uvicorn_config
+
+    table = ConnectionTable(limits_from_args(args))
+    app = ProxyApp(_config(args))
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    config = uvicorn_config(app, table, http=args.http, log_level=args.log_level,
+                            access_log=False, lifespan="on", loop=args.loop,
+                            timeout_graceful_shutdown=max(1, int(app.config.proxy.drain_timeout_s)))
+    install_quiet_logging()
+    server = _server_class()(config, app, url)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0 if server.started else 1

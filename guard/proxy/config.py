@@ -1,0 +1,65 @@
+"""``ProxyConfig``: the standalone proxy's own settings, the ``[proxy]`` table of guard.toml.
+
+    [proxy]
+    upstream_client = "aiohttp"    # or "httpx" (kvguard bench proxy compares them)
+    connect_timeout_s = 5.0        # TCP connect to a replica; past it: re-dispatch once, then 502
+    read_timeout_s = 60.0          # silence from a replica (response head or next chunk): 504 /
+                                   # an SSE error event
+    eject_after_failures = 3       # consecutive connect errors / timeouts / 5xx that eject one
+    probe_interval_s = 1.0         # how often an ejected replica's /health is probed
+    drain_timeout_s = 30.0         # SIGTERM: how long in-flight requests may still run
+    max_connections_per_replica = 256  # open connections to one replica (more requests wait
+                                   # for one); below an engine's per-client connection cap
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ProxyConfig"]
+
+_CLIENTS = ("aiohttp", "httpx")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    upstream_client: str = "aiohttp"
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+    eject_after_failures: int = 3
+    probe_interval_s: float = 1.0
+    drain_timeout_s: float = 30.0
+    max_connections_per_replica: int = 256
+
+    def __post_init__(self) -> None:
+        if self.upstream_client not in _CLIENTS:
+            raise ValueError(f"proxy.upstream_client: must be one of {_CLIENTS}, "
+                             f"got {self.upstream_client!r}")
+        for name in ("connect_timeout_s", "read_timeout_s", "probe_interval_s",
+                     "drain_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"proxy.{name}: must be a number > 0, got {value!r}")
+        for name in ("eject_after_failures", "max_connections_per_replica"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"proxy.{name}: must be an integer >= 1, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ProxyConfig:
+        """From the ``[proxy]`` table; unknown keys and wrong types raise ValueError."""
+        if not isinstance(data, Mapping):
+            raise ValueError("proxy: must be a table")
+        known = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"proxy.{unknown[0]}: unknown key")
+        values = {}
+        for name, value in data.items():
+            if known[name] == "float" and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            values[name] = value
+        return cls(**values)

@@ -1,0 +1,139 @@
+"""Which replicas the proxy may route to: passive ejection and active probes.
+
+Two signals make a replica unroutable:
+
+* the state poller (:class:`guard.replicas.poller.StatePoller`) marks it unhealthy after
+  ``unhealthy_after_errors`` consecutive failed state polls, and healthy again on the next good
+  one;
+* :class:`ReplicaHealth` ejects it after ``eject_after_failures`` consecutive request failures
+  (connect errors, timeouts, 5xx answers other than 503). An ejected replica is marked unhealthy in the load
+  state at once, its state source is gated (every poll fails while it is ejected, so a good poll
+  in flight cannot make it routable again), and from ``probe_interval_s`` after the ejection
+  its ``GET /health`` is probed every ``probe_interval_s``; the first 2xx re-admits it, and the
+  next state poll makes it routable.
+
+Policies only pick healthy replicas, so no request is routed to an ejected one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from guard.replicas.poller import StateSource
+
+__all__ = ["ReplicaHealth", "GatedSource", "ReplicaEjected"]
+
+log = logging.getLogger(__name__)
+
+# probe(replica_id) -> True when the replica answers its health check
+Probe = Callable[[str], Awaitable[bool]]
+
+
+class ReplicaEjected(RuntimeError):
+    """The replica is ejected: its state is not read until a probe re-admits it."""
+
+
+class GatedSource:
+    """A state source that fails while its replica is ejected (checked before and after)."""
+
+    def __init__(self, replica_id: str, inner: StateSource, health: ReplicaHealth) -> None:
+        self.replica_id = replica_id
+        self.kind = inner.kind
+        self.max_model_len = getattr(inner, "max_model_len", None)
+        self._inner = inner
+        self._health = health
+
+    async def fetch(self) -> Any:
+        if self._health.is_ejected(self.replica_id):
+            raise ReplicaEjected(self.replica_id)
+        document = await self._inner.fetch()
+        if self._health.is_ejected(self.replica_id):
+            raise ReplicaEjected(self.replica_id)
+        return document
+
+
+class ReplicaHealth:
+    """Consecutive request failures per replica, ejection, and the probe loop.
+
+    ``mark_unhealthy(replica_id)`` is the load state's (policies stop picking the replica);
+    ``probe`` answers whether an ejected replica is back.
+    """
+
+    def __init__(self, replica_ids: Iterable[str], eject_after_failures: int,
+                 probe_interval_s: float, mark_unhealthy: Callable[[str], None],
+                 probe: Probe, clock: Callable[[], float]) -> None:
+        if eject_after_failures < 1 or not probe_interval_s > 0:
+            raise ValueError("ReplicaHealth: eject_after_failures >= 1, probe_interval_s > 0")
+        self._failures = dict.fromkeys(replica_ids, 0)
+        self._ejected: dict[str, float] = {}  # replica id -> when it may be probed next
+        self._eject_after = eject_after_failures
+        self._probe_interval_s = probe_interval_s
+        self._mark_unhealthy = mark_unhealthy
+        self._probe = probe
+        self._clock = clock
+        self._task: asyncio.Task | None = None
+        self.num_ejections = dict.fromkeys(self._failures, 0)
+        self.num_readmissions = dict.fromkeys(self._failures, 0)
+
+    def is_ejected(self, replica_id: str) -> bool:
+        return replica_id in self._ejected
+
+    def consecutive_failures(self, replica_id: str) -> int:
+        return self._failures[replica_id]
+
+    def record_success(self, replica_id: str) -> None:
+        self._failures[replica_id] = 0
+
+    def record_failure(self, replica_id: str) -> bool:
+        """One failed request; True when this failure ejected the replica."""
+        self._failures[replica_id] += 1
+        if replica_id in self._ejected or self._failures[replica_id] < self._eject_after:
+            return False
+        self._ejected[replica_id] = self._clock() + self._probe_interval_s
+        self.num_ejections[replica_id] += 1
+        self._mark_unhealthy(replica_id)
+        log.warning("proxy: replica %s ejected after %d consecutive failures", replica_id,
+                    self._failures[replica_id])
+        return True
+
+    def gate(self, replica_id: str, source: StateSource) -> GatedSource:
+        return GatedSource(replica_id, source, self)
+
+    async def probe_ejected(self) -> None:
+        """Probe each ejected replica that is due; re-admit those that answer."""
+        now_s = self._clock()
+        due = sorted(rid for rid, probe_s in self._ejected.items() if probe_s <= now_s)
+        results = await asyncio.gather(*(self._probe(rid) for rid in due),
+                                       return_exceptions=True)
+        for replica_id, ok in zip(due, results, strict=True):
+            if ok is not True:
+                self._ejected[replica_id] = self._clock() + self._probe_interval_s
+                continue
+            if self._ejected.pop(replica_id, None) is not None:
+                self._failures[replica_id] = 0
+                self.num_readmissions[replica_id] += 1
+                log.warning("proxy: replica %s answers again: re-admitted", replica_id)
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.02, self._probe_interval_s / 4))
+            if self._ejected:
+                try:
+                    await self.probe_ejected()
+                except Exception:  # noqa: BLE001 - the loop must outlive one bad round
+                    log.exception("proxy: probe round failed")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,248 @@
+"""Forwarding one admitted request to its replica: relay, failover and the failure answers.
+
+:meth:`Forwarder.forward` sends the request body to the replica the policy chose and relays the
+answer to the client:
+
+* **streams** (``text/event-stream``) pass through unbuffered, chunk by chunk;
+* **JSON** answers are read whole, then sent (the engine sends them in one piece anyway), so a
+  failure half-way still becomes a clean 502;
+* a failure **before any response** (connect refused or timed out, connection closed, garbage
+  status line, or the replica's own 503) is re-dispatched once to another routable replica
+  (``redispatch``) and counted; if there is none, or the second try fails too: 502
+  ``upstream_failed`` (a replica's 503 is relayed as it is, with its own Retry-After, and does
+  not count toward ejection: the replica answered);
+* an upstream that stays silent past ``read_timeout_s``: 504 ``upstream_timeout`` before the
+  response began, an SSE error event after;
+* any other 5xx answer: 502 ``upstream_failed`` (the upstream's status in the message);
+* a stream cut mid-way ends for the client with ``data: {"error": {...}}`` (no ``[DONE]``), so
+  the ticket is released ``failed``;
+* every relayed response names its replica in ``x-kvguard-replica``;
+* the client's disconnect cancels the forwarding at once and aborts the upstream connection
+  (the replica sees its client go and frees the sequence's KV blocks).
+
+Every connect error, timeout and 5xx but 503 is a failure for :class:`guard.proxy.health.ReplicaHealth`
+(ejection); any other answer is a success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from guard.admission import Admission
+from guard.proxy.health import ReplicaHealth
+from guard.proxy.transports import (
+    Transport,
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+from guard.relay import REQUEST_ID_HEADER
+from guard.shedding import Rejection
+
+__all__ = ["Forwarder", "sse_error_event", "REPLICA_HEADER"]
+
+REPLICA_HEADER = b"x-kvguard-replica"  # which replica answered, on every relayed response
+QUEUE_MS_HEADER = b"x-kvguard-queue-ms"
+
+Message = dict[str, Any]
+Send = Callable[[Message], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+# redispatch(admission, failed_replica_id) -> the new replica id, or None when there is none
+Redispatch = Callable[[Admission, str], "str | None"]
+
+
+def sse_error_event(code: str, message: str) -> bytes:
+    """The SSE event that ends a broken stream (OpenAI SDKs raise on it)."""
+    error = {"message": message, "type": "server_error", "param": None, "code": code}
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+
+
+class Forwarder:
+    """Forwards admitted requests; shared by all requests of one proxy.
+
+    ``redispatch(admission, failed_replica_id)`` moves an admission whose replica failed before
+    answering to another replica (returns its id, or None when there is none).
+    """
+
+    def __init__(self, urls: Mapping[str, str], transport: Transport, health: ReplicaHealth,
+                 redispatch: Redispatch, counters: Any) -> None:
+        self._urls = dict(urls)
+        self._transport = transport
+        self._health = health
+        self._redispatch = redispatch
+        self._counters = counters  # .redispatched(replica_id), .upstream_failure(replica_id, kind)
+
+    async def forward(self, admission: Admission, path: str, headers: Headers,
+                      gone: asyncio.Future, send: Send) -> None:
+        """Relay one admitted request and finish its admission exactly once. ``gone`` completes
+        when the client disconnects; the relay then stops at once."""
+        client = _Client(admission, send)
+        watch = _Watch(admission, asyncio.current_task())
+        gone.add_done_callback(watch.on_gone)
+        response: UpstreamResponse | None = None
+        error: BaseException | None = None
+        try:
+            response = await self._open(admission, path, headers, admission.body, client)
+            if response is not None:
+                await self._relay(admission.replica_id, response, client)
+        except asyncio.CancelledError as exc:
+            if not watch.client_left:
+                error = exc
+                raise
+            watch.task.uncancel()
+        except OSError:  # the client's socket failed while we sent: it is gone
+            admission.on_disconnect()
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            watch.relaying = False
+            gone.remove_done_callback(watch.on_gone)
+            if response is not None:
+                await response.aclose()  # aborts the upstream request unless it was read whole
+            admission.finish(error)
+
+    async def _open(self, admission: Admission, path: str, headers: Headers, body: bytes,
+                    client: _Client) -> UpstreamResponse | None:
+        """The upstream's response head, after at most one re-dispatch; None if answered."""
+        for attempt in (0, 1):
+            replica_id = admission.replica_id
+            try:
+                response = await self._transport.send(self._urls[replica_id] + path, headers, body)
+            except UpstreamUnreachable as exc:
+                failure = str(exc)
+            except UpstreamTimeout as exc:
+                self._fail(replica_id, "timeout")
+                await client.reject(Rejection(504, "upstream_timeout", str(exc),
+                                              should_retry=True))
+                return None
+            else:
+                if response.status != 503:
+                    return response
+                # a replica that answers 503 (over its connection cap, shutting down) is alive:
+                # the request moves on, the replica is not ejected for it
+                self._counters.upstream_failure(replica_id, "unavailable")
+                if attempt == 1 or self._redispatch(admission, replica_id) is None:
+                    return response  # the replica's own 503 (and Retry-After) goes to the client
+                await response.aclose()
+                self._counters.redispatched(replica_id)
+                continue
+            self._fail(replica_id, "unreachable")
+            if attempt == 0 and self._redispatch(admission, replica_id) is not None:
+                self._counters.redispatched(replica_id)
+                continue
+            break
+        await client.reject(Rejection(502, "upstream_failed",
+                                      f"no replica could take the request: {failure}",
+                                      should_retry=True))
+        return None
+
+    async def _relay(self, replica_id: str, response: UpstreamResponse, client: _Client) -> None:
+        status = response.status
+        if status >= 500 and status != 503:
+            self._fail(replica_id, "status")
+            await client.reject(Rejection(
+                502, "upstream_failed", f"replica {replica_id} answered HTTP {status}",
+                should_retry=True))
+            return
+        is_stream = _is_event_stream(response.headers)
+        if not is_stream:
+            try:
+                body = b"".join([chunk async for chunk in response.chunks()])
+            except UpstreamError as exc:
+                timeout = isinstance(exc, UpstreamTimeout)
+                self._fail(replica_id, "timeout" if timeout else "broken")
+                await client.reject(Rejection(
+                    504 if timeout else 502, "upstream_timeout" if timeout else "upstream_failed",
+                    str(exc), should_retry=True))
+                return
+            if status < 500:
+                self._health.record_success(replica_id)
+            await client.start(status, [*response.headers,
+                                        (b"content-length", str(len(body)).encode())])
+            await client.body(body, False)
+            return
+        if status < 500:
+            self._health.record_success(replica_id)
+        await client.start(status, response.headers)
+        try:
+            async for chunk in response.chunks():
+                await client.body(chunk, True)
+        except (UpstreamTimeout, UpstreamBroken) as exc:
+            timeout = isinstance(exc, UpstreamTimeout)
+            self._fail(replica_id, "timeout" if timeout else "broken")
+            code = "upstream_timeout" if timeout else "upstream_failed"
+            await client.body(sse_error_event(code, str(exc)), False)
+            return
+        await client.body(b"", False)
+
+    def _fail(self, replica_id: str, kind: str) -> None:
+        self._counters.upstream_failure(replica_id, kind)
+        self._health.record_failure(replica_id)
+
+
+def _is_event_stream(headers: Headers) -> bool:
+    for name, value in headers:
+        if name == b"content-type":
+            return value.startswith(b"text/event-stream")
+    return False
+
+
+class _Watch:
+    """Cancels the forwarding task when the client leaves while the relay is running."""
+
+    __slots__ = ("admission", "task", "relaying", "client_left")
+
+    def __init__(self, admission: Admission, task: asyncio.Task) -> None:
+        self.admission = admission
+        self.task = task
+        self.relaying = True
+        self.client_left = False
+
+    def on_gone(self, gone: asyncio.Future) -> None:
+        if self.relaying and not gone.cancelled():
+            self.client_left = True
+            self.admission.on_disconnect()
+            self.task.cancel()
+
+
+class _Client:
+    """The client side of one relay: every message is shown to the admission first (status,
+    first token, gaps, usage, end), and the proxy's headers are added to the response head."""
+
+    __slots__ = ("_admission", "_send")
+
+    def __init__(self, admission: Admission, send: Send) -> None:
+        self._admission = admission
+        self._send = send
+
+    async def start(self, status: int, headers: Headers) -> None:
+        admission = self._admission
+        content_type = b""
+        has_request_id = False
+        for name, value in headers:
+            if name == b"content-type":
+                content_type = value
+            elif name == REQUEST_ID_HEADER:
+                has_request_id = True
+        admission.on_start(status, content_type)
+        headers = [*headers, (REPLICA_HEADER, admission.replica_id.encode()),
+                   (QUEUE_MS_HEADER, f"{admission.queue_ms:.1f}".encode())]
+        if not has_request_id:
+            headers.append((REQUEST_ID_HEADER, admission.request_id.encode()))
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, chunk: bytes, more_body: bool) -> None:
+        self._admission.on_body(chunk, more_body)
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+
+    async def reject(self, rejection: Rejection) -> None:
+        """A failure answer made here (502/504) before anything else was sent."""
+        body = rejection.body()
+        await self.start(rejection.status, rejection.headers(len(body)))
+        await self.body(body, False)

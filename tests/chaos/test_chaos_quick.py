@@ -1,0 +1,85 @@
+"""The quick chaos scenarios, end to end: real sim replicas, proxies and redis on loopback,
+real clients (the OpenAI SDK among them), faults by signal. One run per scenario (always_admit
+and slo on the same seeded users), shared by the tests below.
+
+What is asserted does not depend on the machine's speed: every user is accounted for, no
+answer that was cut or errored counts as good, every client stays within its retry bound,
+over-admission is 0, and no slo client is left hung. Whether slo kept goodput (0 lost, not
+worse than always_admit) is asserted only on a valid run — one whose load generator kept its
+schedule; on an oversubscribed machine that test is skipped with the generator's own reason,
+never passed.
+"""
+
+import json
+
+import pytest
+
+from chaos.chaos_cli import measure_capacity_rps, run_scenario
+from chaos.clients import DEFAULT_RETRIES
+from chaos.scenario_run import RunSettings
+from chaos.scenarios import catalogue, missing_dependencies, quick_variant
+from chaos.user_record import USER_OUTCOMES, UserRecord
+from chaos.verdict import THRESHOLDS
+from guard.cli import SUBCOMMANDS
+
+# One scenario run (two fleets) happens inside the first test that needs it: ~1 min on an idle
+# 2-core machine, several under heavy contention; the suite's 300 s per-test guard is too short.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+QUICK = ["burst", "retry-storm", "replica-kill", "redis-kill"]
+
+
+@pytest.fixture(scope="module", params=QUICK)
+def quick_run(request, tmp_path_factory):
+    """One quick run of a scenario (always_admit and slo), shared by the tests below."""
+    name = request.param
+    spec = quick_variant(catalogue()[name])
+    missing = missing_dependencies(spec, SUBCOMMANDS)
+    if missing:
+        pytest.skip(f"{name} cannot run in this build: {'; '.join(missing)}")
+    out = tmp_path_factory.mktemp(f"chaos-{name}")
+    settings = RunSettings()
+    capacity = measure_capacity_rps(settings, True, None, out, print)
+    result = run_scenario(spec, ["always_admit", "slo"], settings, out,
+                          lambda m: print(m, flush=True), quick=True, capacity=capacity)
+    users = {p: [UserRecord.from_dict(json.loads(line))
+                 for line in open(out / p / "users.jsonl")] for p in result["policies"]}
+    return result, users, out
+
+
+def test_every_user_is_accounted_for_and_no_bad_answer_counts(quick_run):
+    result, users, out = quick_run
+    assert (out / "timeline.png").stat().st_size > 0 and (out / "report.md").exists()
+    for policy, verdict in result["policies"].items():
+        assert sum(verdict["outcomes"][o] for o in USER_OUTCOMES) == verdict["num_users"]
+        for u in users[policy]:
+            assert u.num_attempts <= 1 + DEFAULT_RETRIES[u.client], (policy, u)
+            answer = u.answer
+            if answer is not None:     # an answer is a full stream: [DONE], no error
+                assert answer.saw_done and answer.error is None and answer.status == 200
+            for a in u.attempts:       # a cut or errored stream is never an answer
+                if a.error and ("truncated" in a.error or a.error.startswith("stream error")):
+                    assert not a.successful
+
+
+def test_no_over_admission_and_no_hung_slo_client(quick_run):
+    """Over-admission: 0 with Redis up; within 10 % of a window while it was down."""
+    result, _, _ = quick_run
+    slo = result["policies"]["slo"]
+    assert slo["num_hung"] == 0, slo
+    redis_down = result["scenario"] in ("redis-kill", "redis-hang")
+    limit = THRESHOLDS["over_admission_ratio"]["max_redis_down" if redis_down else "max_redis_up"]
+    for verdict in result["policies"].values():
+        ratio = verdict["over_admission_ratio"]
+        assert ratio is None or ratio <= limit, verdict
+
+
+def test_slo_loses_nobody_and_beats_always_admit(quick_run):
+    result, _, _ = quick_run
+    slo, base = result["policies"]["slo"], result["policies"]["always_admit"]
+    invalid = [w for v in (slo, base) for w in v["generator_warnings"]]
+    if invalid:
+        pytest.skip("run invalid (the load generator could not keep its schedule on this "
+                    f"machine now): {invalid[0]}")
+    assert slo["num_lost"] == 0, slo["outcomes"]
+    assert slo["outcomes"]["good"] >= base["outcomes"]["good"]
+    assert slo["attempts_per_user"] <= 1 + max(DEFAULT_RETRIES.values())

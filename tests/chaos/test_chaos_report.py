@@ -1,0 +1,43 @@
+"""Checks against thresholds, the report and the timeline from hand-built verdicts."""
+
+from chaos.chaos_report import checks, plot_timelines, render_report
+from chaos.faults import FaultEvent
+from chaos.verdict import build_verdict
+from tests.chaos.test_verdict import CLS, _users_with_dip, _window
+
+GENERATOR = {"cpu_percent_of_one_core": 20.0, "cpu_wait_s": 0.5, "send_lag_s": {"p99": 0.003},
+             "achieved_rate_per_s": 10.0, "scheduled_rate_per_s": 10.0}
+
+
+def _verdict(recover_at_s, warnings=()):
+    v = build_verdict(_users_with_dip(recover_at_s), CLS, _window(num_surviving=2), 5.0,
+                      slide_s=2.0, generator_warnings=list(warnings))
+    return {**v, "generator": GENERATOR}
+
+
+def test_checks_hold_slo_to_its_targets_and_compare_with_always_admit():
+    verdicts = {"always_admit": _verdict(20.0), "slo": _verdict(6.0)}
+    c = checks(verdicts, time_scale=2.0, redis_down=False)
+    assert c["slo"]["recovery_s"] == {"value": 0.0, "threshold": "<= 4 s", "pass": True}
+    assert c["slo"]["num_lost"]["pass"] and c["slo"]["attempts_per_sdk_user"]["pass"]
+    assert c["slo"]["goodput_over_surviving_capacity"]["pass"] is False   # 0 good in the window
+    assert "recovery_s" not in c["always_admit"]                           # slo's targets only
+    assert c["slo_vs_always_admit"]["pass"]
+    bad = checks({"always_admit": _verdict(6.0), "slo": _verdict(20.0, ["lag"])}, 2.0, False)
+    assert not bad["slo_vs_always_admit"]["pass"] and not bad["slo"]["valid"]["pass"]
+
+
+def test_report_lists_every_check_and_the_generator(tmp_path):
+    verdicts = {"always_admit": _verdict(20.0), "slo": _verdict(6.0, ["send lag p99 300 ms"])}
+    result = {"scenario": "burst", "quick": True, "summary": "a burst", "time_scale": 2.0,
+              "seed": 0, "capacity_per_replica_rps": 5.0, "capacity_source": "given",
+              "fleet_capacity_rps": 10.0, "command": "kvguard chaos run burst", "passed": False,
+              "policies": verdicts, "checks": checks(verdicts, 2.0, False)}
+    md = render_report(result)
+    assert "| slo | **no** |" in md and "send lag p99 300 ms" in md
+    assert "slo.recovery_s: 0.0 (target <= 4 s) pass" in md and "**FAIL**" in md
+    events = [FaultEvent(4.0, "rate_step", "rate", "rate up"),
+              FaultEvent(6.0, "rate_step", "rate", "rate down")]
+    runs = {p: (_users_with_dip(6.0), events, v) for p, v in verdicts.items()}
+    path = plot_timelines(runs, CLS, 12.0, 1.0, tmp_path / "t.png", "burst")
+    assert path.stat().st_size > 10_000

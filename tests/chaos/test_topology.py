@@ -1,0 +1,111 @@
+"""The loopback fleet launcher: real sim replicas and a real redis-server, faults by signal."""
+
+import os
+
+import httpx
+import pytest
+
+from chaos.child import ChildProcess
+from chaos.topology import Topology, TopologySpec, http_health, redis_health
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_replicas": -1}, "num_replicas"),
+    ({"num_replicas": 0, "num_proxies": 1}, "num_proxies"),
+    ({"replica_args": ("--model", "llama-7b", "--port", "9")}, "--port"),
+    ({"proxy_args": ("--upstream", "http://x")}, "--upstream"),
+    ({"start_timeout_s": 0}, "start_timeout_s"),
+])
+def test_spec_rejects_what_it_cannot_start(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TopologySpec(**kwargs)
+
+
+def test_port_zero_needs_a_readiness_line():
+    with pytest.raises(ValueError, match="ready_pattern"):
+        ChildProcess("x", lambda port: ["true"], http_health)
+
+
+def test_a_child_that_exits_early_is_reported_with_its_output():
+    child = ChildProcess("early", lambda port: ["sh", "-c", "echo boom; exit 3"], http_health,
+                         port=1)
+    with pytest.raises(RuntimeError, match="exited with code 3(.|\n)*boom"):
+        child.start(timeout_s=10)
+    assert not child.alive
+
+
+@pytest.mark.slow
+def test_fleet_starts_healthy_and_faults_act_on_one_pid():
+    spec = TopologySpec(num_replicas=2, redis=True)
+    with Topology(spec) as fleet:
+        pids = [r.pid for r in fleet.replicas] + [fleet.redis.pid]
+        assert len(set(fleet.replica_urls)) == 2
+        assert all(http_health(url) for url in fleet.replica_urls)
+        assert redis_health(fleet.redis_url)
+
+        victim, survivor = fleet.replicas
+        url = victim.url
+        victim.kill()
+        assert not victim.alive and not http_health(url)
+        assert survivor.alive and http_health(survivor.url)
+
+        victim.restart(timeout_s=60)
+        assert victim.url == url and victim.num_starts == 2 and http_health(url)
+
+        victim.stop()
+        with pytest.raises(httpx.TimeoutException):
+            httpx.get(url + "/health", timeout=0.5, trust_env=False)
+        victim.cont()
+        assert http_health(url)
+        victim.stop()  # left stopped: teardown must still end it
+        live = [victim.pid, survivor.pid, fleet.redis.pid]
+    for pid in pids[1:] + live:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not any(c.alive for c in fleet.replicas)
+
+
+@pytest.mark.slow
+def test_a_failed_start_ends_what_was_already_started():
+    spec = TopologySpec(num_replicas=2, replica_args=("--model", "no-such-model", "--backend",
+                                                      "sim"), redis=True, start_timeout_s=60)
+    fleet = Topology(spec)
+    with pytest.raises(RuntimeError, match="replica-0"):
+        with fleet:
+            pytest.fail("a fleet whose replica cannot start must not enter its block")
+    assert fleet.redis is not None and fleet.redis.num_starts == 1
+    assert not fleet.redis.alive and not fleet.replicas
+
+
+@pytest.mark.slow
+def test_kvguard_fleet_prints_urls_and_stops_everything_on_sigint():
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "guard.cli", "fleet", "--replicas", "2",
+                             "--proxies", "1"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines = []
+        deadline_s = time.monotonic() + 120  # hang guard
+        while time.monotonic() < deadline_s:
+            line = proc.stdout.readline()
+            if not line or line.startswith("fleet ready"):
+                break
+            lines.append(line.split())
+        names = [fields[0] for fields in lines]
+        assert names == ["replica-0", "replica-1", "proxy-0"], lines
+        assert http_health(lines[2][1])
+        models = httpx.get(lines[2][1] + "/v1/models", timeout=10, trust_env=False).json()
+        assert [m["id"] for m in models["data"]] == ["llama-7b"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        for fields in lines:
+            with pytest.raises(ProcessLookupError):
+                os.kill(int(fields[3]), 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,155 @@
+"""Per-user judgement and the verdict's figures on hand-built users: exact values."""
+
+import dataclasses
+
+import pytest
+
+from chaos.records import RequestRecord, classify_outcome
+from chaos.user_record import UserRecord
+from chaos.verdict import Budget, FaultWindow, build_verdict, good_fraction, recovery_s, series
+from policies.cost import RequestClass
+
+CLS = RequestClass("interactive", ttft_s=1.0, itl_s=0.1)
+
+
+def attempt(t_s, *, status=200, ttft_s=0.2, e2e_s=0.5, error=None, saw_done=None,
+            canceled=False, itl_s=(0.05,)):
+    saw_done = status == 200 and error is None if saw_done is None else saw_done
+    return RequestRecord(index=0, request_class="interactive", tenant="t", num_prompt_tokens=8,
+                         max_tokens=2, scheduled_s=0.0, sent_s=t_s,
+                         outcome=classify_outcome(status, error, saw_done, canceled),
+                         status=status, error=error, ttft_s=ttft_s if status == 200 else None,
+                         itl_s=itl_s if status == 200 else (), e2e_s=e2e_s, saw_done=saw_done)
+
+
+def user(t_s, *attempts, client="sdk", patience_s=5.0, hung=False, tenant="t", index=0):
+    return UserRecord(index, client, t_s, "interactive", tenant, patience_s, tuple(attempts),
+                      hung=hung)
+
+
+def good(t_s, **kw):
+    return user(t_s, attempt(t_s), **kw)
+
+
+def shed(t_s, **kw):
+    return user(t_s, attempt(t_s, status=503, e2e_s=0.01), **kw)
+
+
+def test_user_is_judged_from_arrival_across_retries():
+    assert good(1.0).outcome(CLS) == "good"
+    # a shed, then an answer whose own TTFT is fine but 1.5 s after the arrival: late
+    retried = user(1.0, attempt(1.0, status=503, e2e_s=0.01), attempt(2.3, ttft_s=0.2))
+    assert retried.ttft_from_arrival_s() == pytest.approx(1.5)
+    assert retried.outcome(CLS) == "late" and retried.num_attempts == 2
+    assert user(1.0, attempt(1.0, itl_s=(0.05, 0.3))).outcome(CLS) == "late"   # one slow gap
+
+
+def test_errors_lost_and_hung():
+    assert shed(1.0).outcome(CLS) == "error"
+    stream_err = user(1.0, attempt(1.0, error="stream error: {}", saw_done=False))
+    assert stream_err.outcome(CLS) == "error"
+    timeout = user(1.0, attempt(1.0, status=None, error="client timeout", canceled=True))
+    assert timeout.outcome(CLS) == "lost"
+    refused = user(1.0, attempt(1.0, status=None, error="ConnectError: refused"))
+    assert refused.outcome(CLS) == "lost"
+    truncated = user(1.0, attempt(1.0, saw_done=False, error="stream ended without [DONE]"))
+    assert truncated.outcome(CLS) == "lost"
+    too_late = user(1.0, attempt(1.0, e2e_s=9.0), patience_s=5.0)          # after patience
+    assert too_late.outcome(CLS) == "lost"
+    late_503 = user(1.0, attempt(7.0, status=503, e2e_s=0.01), patience_s=5.0)
+    assert late_503.outcome(CLS) == "lost"
+    assert user(1.0, hung=True).outcome(CLS) == "hung"
+
+
+def test_user_record_round_trips_json():
+    import json
+    u = user(1.0, attempt(1.0, status=503, e2e_s=0.01), attempt(2.0), client="tenacity")
+    assert UserRecord.from_dict(json.loads(u.to_json())) == u
+
+
+def _window(**kw):
+    base = dict(warmup_s=1.0, start_s=4.0, end_s=6.0, run_end_s=12.0, num_replicas=2,
+                num_surviving=1)
+    return FaultWindow(**{**base, **kw})
+
+
+def _users_with_dip(recover_at_s: float):
+    """10 users/s: good before 4 s, shed in [4, recover_at_s), good after."""
+    users = []
+    for i in range(120):
+        t = i / 10
+        users.append(shed(t, index=i) if 4.0 <= t < recover_at_s else good(t, index=i))
+    return users
+
+
+def test_recovery_is_measured_from_the_fault_end():
+    w = _window()
+    assert recovery_s(_users_with_dip(6.0), CLS, w, slide_s=2.0) == 0.0
+    assert recovery_s(_users_with_dip(7.0), CLS, w, slide_s=2.0) == pytest.approx(1.0)
+    assert recovery_s(_users_with_dip(20.0), CLS, w, slide_s=2.0) is None   # never
+
+
+def test_verdict_figures():
+    users = _users_with_dip(5.0)          # in the fault window [4, 6): 10 shed, 10 good
+    users[45] = user(4.5, attempt(4.5, status=503, e2e_s=0.01), attempt(4.6), index=45)
+    v = build_verdict(users, CLS, _window(), capacity_per_replica_rps=4.0, slide_s=2.0)
+    assert v["offered_in_fault_rps"] == pytest.approx(10.0)
+    assert v["good_in_fault_rps"] == pytest.approx(5.5)           # 11 good / 2 s
+    assert v["surviving_capacity_rps"] == 4.0                     # 1 of 2 replicas × 4
+    assert v["goodput_over_surviving_capacity"] == pytest.approx(5.5 / 4.0)
+    assert v["num_users"] == 110 and v["outcomes"]["error"] == 9 and v["outcomes"]["good"] == 101
+    assert v["attempts_per_user"] == pytest.approx(111 / 110)
+    assert v["attempts_per_sdk_user"] == pytest.approx(111 / 110)
+    assert v["num_lost"] == 0 and v["num_hung"] == 0 and v["valid"]
+    assert v["recovery_s"] == 0.0 and v["over_admission_ratio"] is None
+    assert good_fraction(users, CLS, 1.0, 4.0) == 1.0
+
+
+def test_a_lagging_generator_makes_the_run_invalid():
+    v = build_verdict(_users_with_dip(5.0), CLS, _window(), 4.0, slide_s=2.0,
+                      generator_warnings=["send lag p99 300 ms"])
+    assert not v["valid"] and v["generator_warnings"] == ["send lag p99 300 ms"]
+
+
+def test_over_admission_against_a_requests_per_minute_bucket():
+    users = [good(t / 10, tenant="b", index=t) for t in range(120)]   # 120 answers in 12 s
+    budget = Budget("b", requests_per_minute=50, redis_down=True)
+    v = build_verdict(users, CLS, _window(), 4.0, slide_s=2.0, budget=budget)
+    allowed = 50 * (1 + 12 / 60)                                    # a full bucket + refill
+    assert v["over_admission_ratio"] == pytest.approx((120 - allowed) / 50)
+    ok = build_verdict(users, CLS, _window(), 4.0, slide_s=2.0, budget=Budget("b", 200, False))
+    assert ok["over_admission_ratio"] == 0.0
+
+
+def test_series_bins_attempts_by_send_time():
+    users = [user(0.2, attempt(0.2, status=503, e2e_s=0.01), attempt(1.3)), good(1.5)]
+    s = series(users, CLS, end_s=2.0, bin_s=1.0)
+    assert s["offered_users"] == [1.0, 1.0] and s["attempts"] == [1.0, 2.0]
+    assert s["admitted"] == [0.0, 2.0] and s["shed"] == [1.0, 0.0]
+    assert s["good_users"] == [0.0, 1.0]
+
+
+def test_fault_window_is_validated():
+    with pytest.raises(ValueError):
+        _window(start_s=7.0)
+    with pytest.raises(ValueError):
+        _window(num_surviving=3)
+
+
+def test_pre_fault_level_can_end_before_the_judged_window():
+    """seed: the burst starts before the replica dies; the level is taken before both."""
+    users = [good(i / 10, index=i) if i < 30 else shed(i / 10, index=i) for i in range(120)]
+    w = _window(start_s=4.0, pre_end_s=3.0)
+    assert build_verdict(users, CLS, w, 4.0, slide_s=2.0)["pre_fault_good_fraction"] == 1.0
+    with pytest.raises(ValueError):
+        _window(pre_end_s=5.0)
+
+
+def test_users_refused_for_their_budget_are_not_servable():
+    users = _users_with_dip(4.0)                                   # all good
+    for i in range(40, 50):                                        # 10 budget refusals in the window
+        a = attempt(i / 10, status=429, e2e_s=0.01)
+        users[i] = user(i / 10, dataclasses.replace(a, reason="rpm_limit"), index=i)
+    v = build_verdict(users, CLS, _window(num_surviving=2), 20.0, slide_s=2.0)
+    assert v["offered_in_fault_rps"] == 10.0 and v["offered_within_budget_in_fault_rps"] == 5.0
+    assert v["goodput_over_surviving_capacity"] == 1.0

@@ -1,0 +1,189 @@
+"""Faults behind ``kvguard proxy``, real processes over loopback: a replica killed during 20
+streams, a hung (SIGSTOP) replica, 500s and garbage, re-dispatch before the first byte."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from proxy_helpers import proxy_child, running, upstream_child, write_config
+
+from chaos.topology import Topology, TopologySpec
+
+pytestmark = pytest.mark.slow
+
+BODY = {"model": "llama-7b", "prompt": "the quick brown fox", "max_tokens": 4}
+
+
+def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
+    """Poll ``predicate`` until true; ``timeout_s`` is a hang guard, not a timing claim."""
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _replica_state(client, proxy_url: str, replica_id: str) -> dict:
+    replicas = client.get(proxy_url + "/kvguard/state").json()["replicas"]
+    return next(r for r in replicas if r["replica_id"] == replica_id)
+
+
+def _metric(client, url: str, name: str) -> float:
+    total = 0.0
+    for line in client.get(url + "/kvguard/metrics").text.splitlines():
+        if line.startswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _stream(client: httpx.AsyncClient, url: str, started: asyncio.Queue) -> dict:
+    body = {**BODY, "max_tokens": 400, "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        replica = response.headers.get("x-kvguard-replica")
+        events = []
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                if not events:
+                    await started.put(replica)
+                events.append(line)
+        return {"status": response.status_code, "replica": replica, "events": events,
+                "ended_s": time.monotonic()}
+
+
+def test_kill9_during_20_streams(tmp_path, client):
+    config = write_config(tmp_path)
+    spec = TopologySpec(num_replicas=2, num_proxies=1, proxy_args=("--config", config))
+    with Topology(spec) as fleet:
+        proxy_url = fleet.proxy_urls[0]
+
+        async def main():
+            started: asyncio.Queue = asyncio.Queue()
+            async with httpx.AsyncClient(timeout=120.0, trust_env=False) as http:
+                tasks = [asyncio.ensure_future(_stream(http, proxy_url, started))
+                         for _ in range(20)]
+                for _ in range(20):  # every stream has its first event
+                    await asyncio.wait_for(started.get(), 120)
+                killed_s = time.monotonic()
+                fleet.replicas[0].kill()
+                return killed_s, await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+        killed_s, results = asyncio.run(main())
+        on_dead = [r for r in results if r["replica"] == "r0"]
+        on_survivor = [r for r in results if r["replica"] == "r1"]
+        assert on_dead and on_survivor and len(on_dead) + len(on_survivor) == 20
+        for result in on_survivor:
+            assert result["events"][-1] == "data: [DONE]"
+        for result in on_dead:
+            last = json.loads(result["events"][-1][6:])
+            assert last["error"]["code"] == "upstream_failed"
+        worst_s = max(r["ended_s"] for r in on_dead) - killed_s
+        print(f"streams on the killed replica ended {worst_s:.3f} s after SIGKILL")
+        assert worst_s < 10.0  # hang guard; the measured number is in the report
+
+        assert _wait_for(lambda: not _replica_state(client, proxy_url, "r0")["routable"])
+        for _ in range(6):
+            response = client.post(proxy_url + "/v1/completions", json=BODY)
+            assert response.status_code == 200 and response.headers["x-kvguard-replica"] == "r1"
+
+        fleet.replicas[0].restart()
+        assert _wait_for(lambda: _replica_state(client, proxy_url, "r0")["routable"])
+        served = set()
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=60.0, trust_env=False) as http:
+                started: asyncio.Queue = asyncio.Queue()
+                return await asyncio.gather(*(_stream(http, proxy_url, started)
+                                              for _ in range(8)))
+
+        for result in asyncio.run(burst()):
+            assert result["events"][-1] == "data: [DONE]"
+            served.add(result["replica"])
+        assert "r0" in served
+
+
+def test_hung_replica_gets_504_within_the_read_timeout_then_is_ejected(tmp_path, client):
+    read_timeout_s = 1.0
+    config = write_config(tmp_path, read_timeout_s=read_timeout_s)
+    with Topology(TopologySpec(num_replicas=1)) as fleet, \
+            running(proxy_child(fleet.replica_urls, config, state_source="none")) as proxy:
+        assert client.post(proxy.url + "/v1/completions", json=BODY).status_code == 200
+        fleet.replicas[0].stop()
+        for _ in range(2):  # eject_after_failures = 2
+            sent_s = time.monotonic()
+            response = client.post(proxy.url + "/v1/completions", json=BODY)
+            waited_s = time.monotonic() - sent_s
+            assert response.status_code == 504, response.text
+            assert response.json()["error"]["code"] == "upstream_timeout"
+            assert read_timeout_s * 0.9 <= waited_s < read_timeout_s + 10.0
+        state = _replica_state(client, proxy.url, "r0")
+        assert state["ejected"] and not state["routable"]
+        shed = client.post(proxy.url + "/v1/completions", json=BODY)
+        assert shed.status_code == 503  # nothing routable: shed, not sent to the hung replica
+        assert client.get(proxy.url + "/health").status_code == 503
+
+        fleet.replicas[0].cont()
+        assert _wait_for(lambda: _replica_state(client, proxy.url, "r0")["routable"])
+        assert client.post(proxy.url + "/v1/completions", json=BODY).status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["status500", "garbage"])
+def test_failing_upstream_is_a_clear_502_then_ejected(tmp_path, client, mode):
+    config = write_config(tmp_path, probe_interval_s=30.0)  # stays ejected while we look
+    with running(upstream_child(mode)) as bad, \
+            running(proxy_child([bad.url], config, state_source="none")) as proxy:
+        for _ in range(2):
+            response = client.post(proxy.url + "/v1/completions", json=BODY)
+            assert response.status_code == 502, response.text
+            assert response.json()["error"]["code"] == "upstream_failed"
+            assert response.headers["x-kvguard-reason"] == "upstream_failed"
+        assert _replica_state(client, proxy.url, "r0")["ejected"]
+        posts = client.get(bad.url + "/count").json()["posts"]
+        assert client.post(proxy.url + "/v1/completions", json=BODY).status_code == 503
+        assert client.get(bad.url + "/count").json()["posts"] == posts  # never sent again
+
+
+def test_failure_before_the_first_byte_is_redispatched_once(tmp_path, client):
+    config = write_config(tmp_path, probe_interval_s=30.0)
+    with running(upstream_child("garbage")) as bad, running(upstream_child("ok")) as good, \
+            running(proxy_child([bad.url, good.url], config, state_source="none")) as proxy:
+        for _ in range(6):
+            response = client.post(proxy.url + "/v1/completions", json={**BODY, "stream": True})
+            assert response.status_code == 200 and response.headers["x-kvguard-replica"] == "r1"
+        assert _replica_state(client, proxy.url, "r0")["ejected"]
+        assert _metric(client, proxy.url, "kvguard_proxy_redispatches_total") == \
+            client.get(bad.url + "/count").json()["posts"] >= 1
+
+
+def test_a_replicas_503_moves_the_request_on_and_never_ejects_it(tmp_path, client):
+    config = write_config(tmp_path, probe_interval_s=30.0)
+    with running(upstream_child("status503")) as busy, running(upstream_child("ok")) as good, \
+            running(proxy_child([busy.url], config, state_source="none")) as alone, \
+            running(proxy_child([busy.url, good.url], config, state_source="none")) as pair:
+        for _ in range(4):  # eject_after_failures = 2: a 503 is not a failure
+            relayed = client.post(alone.url + "/v1/completions", json=BODY)
+            assert relayed.status_code == 503 and relayed.headers["retry-after"] == "7"
+            assert relayed.headers["x-kvguard-replica"] == "r0"
+            moved = client.post(pair.url + "/v1/completions", json=BODY)
+            assert moved.status_code == 200 and moved.headers["x-kvguard-replica"] == "r1"
+        assert not _replica_state(client, alone.url, "r0")["ejected"]
+        assert not _replica_state(client, pair.url, "r0")["ejected"]
+
+
+def test_bad_input_never_reaches_an_upstream(tmp_path, client):
+    config = write_config(tmp_path)
+    with running(upstream_child("ok")) as upstream, \
+            running(proxy_child([upstream.url], config, state_source="none")) as proxy:
+        for body in (b'{"prompt": "hi", ', b"[1]", b'{"prompt": "hi", "stream": "yes"}',
+                     b'{"messages": [{"role": "wizard", "content": "x"}]}',
+                     b'{"prompt": "' + b"x" * (2 << 20) + b'"}'):
+            path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+            response = client.post(proxy.url + path, content=body,
+                                   headers={"content-type": "application/json"})
+            assert response.status_code in (400, 413), response.text
+            assert response.headers["x-should-retry"] == "false"
+        assert client.get(upstream.url + "/count").json()["posts"] == 0
+        assert client.post(proxy.url + "/v1/completions", json=BODY).status_code == 200
+        assert client.get(upstream.url + "/count").json()["posts"] == 1

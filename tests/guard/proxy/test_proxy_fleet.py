@@ -1,0 +1,149 @@
+"""2 sim replicas + ``kvguard proxy``, real processes over loopback: pass-through, model union,
+routing spread, client disconnect, a vLLM-style upstream, SIGTERM drain."""
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+from proxy_helpers import proxy_child, running, sse_lines, upstream_child, write_config
+
+from chaos.topology import Topology, TopologySpec
+
+pytestmark = pytest.mark.slow
+
+MODEL = "llama-7b"
+BODIES = {
+    "/v1/completions": {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 6},
+    "/v1/chat/completions": {"model": MODEL, "max_tokens": 6,
+                             "messages": [{"role": "user", "content": "hello there"}]},
+}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    config = write_config(tmp_path_factory.mktemp("proxy"))
+    spec = TopologySpec(num_replicas=2, num_proxies=1, proxy_args=("--config", config))
+    with Topology(spec) as topology:
+        yield topology
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_json_and_stream_pass_through(fleet, client, path):
+    url = fleet.proxy_urls[0] + path
+    response = client.post(url, json=BODIES[path])
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 6
+    assert response.headers["x-kvguard-replica"] in ("r0", "r1")
+    assert response.headers["x-request-id"].startswith("g-")
+
+    with client.stream("POST", url, json={**BODIES[path], "stream": True}) as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        events = sse_lines(stream)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert all("error" not in c for c in chunks) and len(chunks) >= 6
+
+
+def test_models_are_the_union_of_the_replicas(fleet, client, tmp_path):
+    config = write_config(tmp_path)
+    with running(upstream_child("ok", "other-model")) as other, \
+            running(proxy_child([fleet.replica_urls[0], other.url], config,
+                                state_source="none")) as proxy:
+        ids = sorted(m["id"] for m in client.get(proxy.url + "/v1/models").json()["data"])
+    assert ids == sorted([MODEL, "other-model"])
+    assert [m["id"] for m in client.get(fleet.proxy_urls[0] + "/v1/models").json()["data"]] \
+        == [MODEL]
+
+
+def test_routing_spreads_concurrent_streams_over_both_replicas(fleet):
+    async def one(client):
+        body = {**BODIES["/v1/completions"], "max_tokens": 48, "stream": True}
+        async with client.stream("POST", fleet.proxy_urls[0] + "/v1/completions",
+                                 json=body) as response:
+            text = (await response.aread()).decode()
+            return response.status_code, response.headers.get("x-kvguard-replica"), text
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as client:
+            return await asyncio.gather(*(one(client) for _ in range(12)))
+
+    results = asyncio.run(main())
+    assert all(status == 200 and text.rstrip().endswith("data: [DONE]")
+               for status, _, text in results)
+    assert {replica for _, replica, _ in results} == {"r0", "r1"}
+
+
+def test_client_disconnect_frees_the_upstream_blocks(fleet, client):
+    body = {**BODIES["/v1/completions"], "max_tokens": 3000, "stream": True}
+    with client.stream("POST", fleet.proxy_urls[0] + "/v1/completions", json=body) as stream:
+        replica = int(stream.headers["x-kvguard-replica"][1:])
+        first = next(stream.iter_lines())  # the stream is running on the replica
+        state = client.get(fleet.replica_urls[replica] + "/kvguard/state").json()
+        assert state["running"] and state["num_free_blocks"] < state["num_total_blocks"], \
+            (first, state)
+        left_s = time.monotonic()
+    freed_s = None
+    while time.monotonic() - left_s < 30:  # hang guard; the bound asserted is below
+        state = client.get(fleet.replica_urls[replica] + "/kvguard/state").json()
+        if not state["running"] and state["num_free_blocks"] == state["num_total_blocks"]:
+            freed_s = time.monotonic() - left_s
+            break
+        time.sleep(0.02)
+    print(f"blocks freed {freed_s} s after the client left")
+    assert freed_s is not None and freed_s < 10.0
+    proxy_state = client.get(fleet.proxy_urls[0] + "/kvguard/state").json()
+    assert proxy_state["num_in_flight"] == 0
+
+
+def test_bad_input_is_answered_by_the_proxy(fleet, client):
+    before = [client.get(u + "/kvguard/state").json()["step_count"] for u in fleet.replica_urls]
+    bad = [b'{"prompt": "hi", ', b"[1, 2]", b'{"prompt": "hi", "max_tokens": "ten"}',
+           b'{"model": "llama-7b", "max_tokens": 4}', b'{"model": "nope", "prompt": "hi"}',
+           b'{"prompt": [1, 2, 3], "max_tokens": 100000}']
+    for body in bad:
+        response = client.post(fleet.proxy_urls[0] + "/v1/completions", content=body,
+                               headers={"content-type": "application/json"})
+        assert response.status_code in (400, 404), response.text  # 404: model not served
+        assert response.headers["x-should-retry"] == "false"
+        assert "x-kvguard-replica" not in response.headers
+    after = [client.get(u + "/kvguard/state").json()["step_count"] for u in fleet.replica_urls]
+    assert after == before
+
+
+def test_vllm_style_upstream_is_routed_and_protected(fleet, client, tmp_path):
+    config = write_config(tmp_path)
+    with running(proxy_child([fleet.replica_urls[0]], config, state_source="vllm")) as proxy:
+        replica = client.get(proxy.url + "/kvguard/state").json()["replicas"][0]
+        assert replica["state_source"] == "vllm" and replica["routable"]
+        assert replica["capacity_known"] and replica["num_total_blocks"] > 0
+        with client.stream("POST", proxy.url + "/v1/chat/completions",
+                           json={**BODIES["/v1/chat/completions"], "stream": True}) as stream:
+            assert stream.status_code == 200 and sse_lines(stream)[-1] == "data: [DONE]"
+        bad = client.post(proxy.url + "/v1/completions", json={"prompt": "x", "n": "two",
+                                                               "max_tokens": 0})
+        assert bad.status_code == 400
+
+
+def test_sigterm_drains_then_exits_zero(fleet, client, tmp_path):
+    config = write_config(tmp_path)
+    with running(proxy_child(fleet.replica_urls, config)) as proxy:
+        body = {**BODIES["/v1/completions"], "max_tokens": 200, "stream": True}
+        with client.stream("POST", proxy.url + "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            proxy.proc.send_signal(signal.SIGTERM)
+            deadline_s = time.monotonic() + 30
+            while time.monotonic() < deadline_s:  # new requests are refused while draining
+                refused = client.post(proxy.url + "/v1/completions", json=BODIES["/v1/completions"])
+                if refused.status_code == 503:
+                    break
+                time.sleep(0.05)
+            assert refused.status_code == 503
+            assert refused.headers["x-kvguard-reason"] == "shutting_down"
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert proxy.proc.wait(30) == 0

@@ -1,0 +1,113 @@
+"""Ejection, probes and the gated state source (pure logic: injected clock and probe)."""
+
+import asyncio
+
+import pytest
+
+from guard.config import GuardConfig
+from guard.proxy.config import ProxyConfig
+from guard.proxy.health import ReplicaEjected, ReplicaHealth
+from guard.replicas.poller import NoStateSource, StateUnavailable
+
+
+class Clock:
+    def __init__(self):
+        self.now_s = 0.0
+
+    def __call__(self):
+        return self.now_s
+
+
+def make(answers=None, clock=None):
+    unhealthy = []
+    answers = answers if answers is not None else {}
+
+    async def probe(replica_id):
+        return answers.get(replica_id, False)
+
+    health = ReplicaHealth(["a", "b"], 3, 1.0, unhealthy.append, probe, clock or Clock())
+    return health, unhealthy, answers
+
+
+def test_ejects_after_n_consecutive_failures_only():
+    health, unhealthy, _ = make()
+    assert not health.record_failure("a") and not health.record_failure("a")
+    health.record_success("a")  # the run is broken: start again
+    assert [health.record_failure("a") for _ in range(3)] == [False, False, True]
+    assert health.is_ejected("a") and not health.is_ejected("b")
+    assert unhealthy == ["a"] and health.num_ejections == {"a": 1, "b": 0}
+    assert not health.record_failure("a")  # already out: no second ejection
+    assert health.num_ejections["a"] == 1
+
+
+def test_probe_readmits_only_after_the_interval_and_a_good_answer():
+    clock = Clock()
+    health, _, answers = make(clock=clock)
+    for _ in range(3):
+        health.record_failure("a")
+    answers["a"] = True
+    asyncio.run(health.probe_ejected())
+    assert health.is_ejected("a")  # not due yet
+    clock.now_s = 1.0
+    answers["a"] = False
+    asyncio.run(health.probe_ejected())
+    assert health.is_ejected("a")  # due, but it did not answer
+    clock.now_s = 1.5
+    answers["a"] = True
+    asyncio.run(health.probe_ejected())
+    assert health.is_ejected("a")  # a failed probe pushes the next one a full interval out
+    clock.now_s = 2.0
+    asyncio.run(health.probe_ejected())
+    assert not health.is_ejected("a") and health.consecutive_failures("a") == 0
+    assert health.num_readmissions == {"a": 1, "b": 0}
+
+
+class Source:
+    kind = "kvguard"
+
+    def __init__(self, health):
+        self.health = health
+        self.eject_during_fetch = False
+
+    async def fetch(self):
+        if self.eject_during_fetch:
+            for _ in range(3):
+                self.health.record_failure("a")
+        return {"doc": 1}
+
+
+def test_gated_source_fails_while_ejected_even_if_ejected_mid_fetch():
+    health, _, _ = make()
+    source = Source(health)
+    gated = health.gate("a", source)
+    assert asyncio.run(gated.fetch()) == {"doc": 1}
+    source.eject_during_fetch = True
+    with pytest.raises(ReplicaEjected):
+        asyncio.run(gated.fetch())
+    source.eject_during_fetch = False
+    with pytest.raises(ReplicaEjected):
+        asyncio.run(gated.fetch())
+
+
+def test_no_state_source_means_unknown_capacity():
+    with pytest.raises(StateUnavailable):
+        asyncio.run(NoStateSource().fetch())
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"upstream_client": "curl"}, "upstream_client"),
+    ({"read_timeout_s": 0}, "read_timeout_s"),
+    ({"connect_timeout_s": True}, "connect_timeout_s"),
+    ({"eject_after_failures": 0}, "eject_after_failures"),
+    ({"probe_interval_s": "1"}, "probe_interval_s"),
+    ({"retries": 2}, "proxy.retries: unknown key"),
+])
+def test_proxy_table_is_validated(table, message):
+    with pytest.raises(ValueError, match=message):
+        GuardConfig.from_dict({"proxy": table})
+
+
+def test_proxy_table_reaches_the_config():
+    config = GuardConfig.from_dict({"proxy": {"read_timeout_s": 5, "upstream_client": "httpx"}})
+    assert config.proxy == ProxyConfig(read_timeout_s=5.0, upstream_client="httpx")
+    assert GuardConfig().proxy == ProxyConfig()

@@ -1,0 +1,46 @@
+"""controller.redispatch: the policy re-decides among the other replicas; the reservation moves."""
+
+import asyncio
+import json
+
+from prometheus_client import CollectorRegistry
+
+from guard.config import GuardConfig
+from guard.controller import AdmissionController
+from guard.replicas.load_state import LoadState
+from tests.support.admission import FakeClock, state_doc
+
+BODY = json.dumps({"model": "tiny", "prompt": "hello there", "max_tokens": 8}).encode()
+
+
+async def body():
+    return BODY
+
+
+def make_controller():
+    clock = FakeClock(1.0)
+    load_state = LoadState()
+    for replica_id in ("a", "b"):
+        load_state.update_from_kvguard_state(replica_id, state_doc(), clock())
+    config = GuardConfig.from_dict({"policy": "always_admit"})
+    return AdmissionController(config, registry=CollectorRegistry(), clock=clock,
+                               load_state=load_state)
+
+
+def test_redispatch_moves_the_reservation_to_the_policys_choice():
+    async def main():
+        controller = make_controller()
+        admission = await controller.admit("/v1/completions", {}, body)
+        first = admission.replica_id
+        other = "b" if first == "a" else "a"
+        load = controller.load_state
+        assert load.num_inflight(first) == 1 and load.num_inflight(other) == 0
+        assert controller.redispatch(admission, [other]) == other
+        assert admission.replica_id == other == admission.ticket.replica_id
+        assert load.num_inflight(first) == 0 and load.num_inflight(other) == 1
+        assert controller.redispatch(admission, []) is None  # nowhere else: nothing reserved
+        assert load.num_inflight(first) == 0 and load.num_inflight(other) == 0
+        admission.finish(RuntimeError("upstream failed"))
+        assert controller.tickets.num_held == 0
+        await controller.aclose()
+    asyncio.run(asyncio.wait_for(main(), 10))

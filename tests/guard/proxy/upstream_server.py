@@ -1,0 +1,108 @@
+"""A misbehaving OpenAI-shaped upstream for proxy tests (stdlib asyncio, raw HTTP/1.1).
+
+Run as ``python upstream_server.py MODE MODEL``; it prints ``upstream listening on
+http://127.0.0.1:PORT``. ``GET /health`` is 200 and ``GET /v1/models`` lists MODEL in every
+mode; ``GET /count`` is the number of POSTs received. A POST gets, by MODE:
+
+* ``ok``: a JSON completion with usage (or, with ``"stream": true``, three SSE chunks and
+  ``[DONE]``);
+* ``status500``: HTTP 500;
+* ``status503``: HTTP 503 with ``retry-after: 7`` (an engine over its connection cap);
+* ``garbage``: bytes that are not HTTP, then the connection closes.
+"""
+
+import asyncio
+import json
+import sys
+
+COUNT = {"posts": 0}
+
+
+def _response(status: str, body: bytes, content_type: bytes = b"application/json") -> bytes:
+    return (b"HTTP/1.1 " + status.encode() + b"\r\ncontent-type: " + content_type +
+            b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] | None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    method, path, _ = lines[0].split(" ", 2)
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value.strip())
+    body = await reader.readexactly(length) if length else b""
+    return method, path, body
+
+
+async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+    """Answer one POST; False when the connection must close."""
+    COUNT["posts"] += 1
+    if mode == "status500":
+        writer.write(_response("500 Internal Server Error", b'{"error": "boom"}'))
+        return True
+    if mode == "status503":
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 7\r\n"
+                     b"content-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+        return True
+    if mode == "garbage":
+        writer.write(b"\x00\x01 this is not HTTP at all \r\n\r\n")
+        return False
+    request = json.loads(body or b"{}")
+    if not request.get("stream"):
+        payload = {"id": "x", "object": "text_completion", "model": model,
+                   "choices": [{"index": 0, "text": "a b c", "finish_reason": "length"}],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}
+        writer.write(_response("200 OK", json.dumps(payload).encode()))
+        return True
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                 b"transfer-encoding: chunked\r\n\r\n")
+    events = [json.dumps({"choices": [{"index": 0, "text": t}]}) for t in ("a", " b", " c")]
+    for event in [*events, "[DONE]"]:
+        data = f"data: {event}\n\n".encode()
+        writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        await writer.drain()
+    writer.write(b"0\r\n\r\n")
+    return True
+
+
+async def _serve(mode: str, model: str, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            method, path, body = await _read_request(reader)
+            if method == "POST":
+                keep = await _post(mode, model, body, writer)
+            elif path == "/v1/models":
+                models = {"object": "list", "data": [{"id": model, "object": "model"}]}
+                writer.write(_response("200 OK", json.dumps(models).encode()))
+                keep = True
+            elif path == "/count":
+                writer.write(_response("200 OK", json.dumps(COUNT).encode()))
+                keep = True
+            elif path == "/health":
+                writer.write(_response("200 OK", b'{"status": "ok"}'))
+                keep = True
+            else:
+                writer.write(_response("404 Not Found", b'{"error": "not found"}'))
+                keep = True
+            await writer.drain()
+            if not keep:
+                break
+    except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+        pass
+    finally:
+        writer.close()
+
+
+async def main(mode: str, model: str) -> None:
+    server = await asyncio.start_server(lambda r, w: _serve(mode, model, r, w), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    print(f"upstream listening on http://127.0.0.1:{port}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
