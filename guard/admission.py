@@ -23,24 +23,21 @@ __all__ = ["Admission"]
 class Admission:
     """One admitted request: its ticket, the body to forward, the class's ITL histogram."""
 
-    __slots__ = ("ticket", "body", "_clock", "_itl")
+    __slots__ = ("ticket", "body", "body_rewritten", "clock", "itl")
 
     def __init__(self, ticket: Ticket, body: bytes, clock: Callable[[], float], itl: Any) -> None:
         self.ticket = ticket
         self.body = body  # the request as priced (max_tokens filled in when the client sent none)
-        self._clock = clock
-        self._itl = itl
+        priced = ticket.priced
+        # the body differs from what the client sent: send a new content-length
+        self.body_rewritten = priced is not None and body is not priced.raw
+        self.clock = clock  # the controller's clock
+        self.itl = itl  # the class's inter-token gap histogram
 
     @property
     def request_id(self) -> str:
         """The id to send upstream as ``x-request-id``."""
         return self.ticket.cost.request_id
-
-    @property
-    def body_rewritten(self) -> bool:
-        """The body differs from what the client sent (send a new ``content-length``)."""
-        priced = self.ticket.priced
-        return priced is not None and self.body is not priced.raw
 
     @property
     def replica_id(self) -> str:
@@ -58,16 +55,16 @@ class Admission:
 
     def on_body(self, chunk: bytes, more_body: bool) -> None:
         """One response body chunk as it goes to the client (first token, gaps, usage, end)."""
-        gap_s = self.ticket.on_body(chunk, more_body, self._clock())
+        gap_s = self.ticket.on_body(chunk, more_body, self.clock())
         if gap_s is not None:
-            self._itl.observe(gap_s)
+            self.itl.observe(gap_s)
 
     def on_forwarded(self) -> None:
         """The chunk last given to :meth:`on_body` is with the client's transport (recorded
         for the trace, content chunks only, when the ticket keeps ``chunks_s``)."""
         chunks = self.ticket.chunks_s
         if chunks is not None and len(chunks) < self.ticket.num_content_chunks:
-            chunks.append(self._clock())
+            chunks.append(self.clock())
 
     def on_disconnect(self) -> None:
         """The client went away (before the end of the response: the request is canceled)."""

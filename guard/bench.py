@@ -9,7 +9,7 @@ one run, alternating blocks of requests so drift hits both equally:
   relay, release) and nothing else;
 * ``--http``: the same two apps served by uvicorn on loopback, one client request at a time.
 
-Targets (DESIGN.md §4): median added latency ≤ 100 µs in-process; guarded rate ≥ 0.9× bare.
+Targets: median added latency ≤ 100 µs in-process; guarded rate ≥ 0.9× bare.
 """
 
 from __future__ import annotations
@@ -55,6 +55,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each stage of the guarded path in isolation")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument("--against", metavar="DIR", default=None,
+                        help="also measure another kvguard checkout's guard side by side (e.g. a "
+                             "`git worktree` of an older commit) and report the ratio")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="alternating rounds per side with --against")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,10 +69,17 @@ def run(args: argparse.Namespace) -> int:
     if args.http:
         results["http"] = measure_http(args.http_requests, args.policy)
     breakdown = asyncio.run(measure_breakdown(args.policy)) if args.breakdown else None
+    if args.against is not None:
+        from guard.bench_against import measure_against, render_against
+
+        results["against"] = measure_against(args.against, args.iterations, args.block,
+                                             args.policy, args.rounds)
     if args.json:
         print(json.dumps({**results, "breakdown_us": breakdown}, indent=2))
         return 0
     print(render(results))
+    if "against" in results:
+        print(render_against(results["against"]))
     if breakdown:
         print("\nstage (in isolation)            median µs")
         for stage, us in breakdown.items():
@@ -298,6 +310,8 @@ def _serve(app):
 def render(results: dict) -> str:
     lines = [f"{'mode':<11} {'app':<8} {'n':>7} {'median µs':>10} {'p99 µs':>10} {'req/s':>10}"]
     for mode, r in results.items():
+        if mode == "against":
+            continue
         for name in ("bare", "guarded"):
             s = r[name]
             lines.append(f"{mode:<11} {name:<8} {s['n']:>7} {s['median_us']:>10.1f} "

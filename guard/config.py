@@ -233,14 +233,17 @@ class GuardConfig:
                 raise ValueError(f"admitted_paths: {pattern!r} must end in /v1/completions or "
                                  "/v1/chat/completions (the guard prices those two bodies)")
         object.__setattr__(self, "admitted_paths", tuple(paths))
-        patterns = tuple(re.compile(fnmatch.translate(p)) for p in paths)
-        exact = frozenset(p for p in paths if not any(c in p for c in "*?["))
-        object.__setattr__(self, "_path_patterns", (exact, patterns))
+        literal = [p for p in paths if not any(c in p for c in "*?[")]
+        suffixes = tuple(p[1:] for p in paths if p.startswith("*") and not any(
+            c in p[1:] for c in "*?["))
+        patterns = tuple(re.compile(fnmatch.translate(p)) for p in paths
+                         if p not in literal and p[1:] not in suffixes)
+        object.__setattr__(self, "_path_patterns", (frozenset(literal), suffixes, patterns))
 
     def is_admitted_path(self, path: str) -> bool:
         """True when a POST to ``path`` goes through admission (``admitted_paths``)."""
-        exact, patterns = self._path_patterns
-        if path in exact:
+        exact, suffixes, patterns = self._path_patterns
+        if path in exact or path.endswith(suffixes):
             return True
         for pattern in patterns:
             if pattern.match(path):

@@ -141,7 +141,14 @@ class AdmissionController:
             trace = TraceWriter.open(config.trace_path, clock=self.clock)
         self.releases = ReleaseListeners(self.load_state, self.policy, self.metrics,
                                          self.drain_rate, self.pricer, self.queue, trace)
-        self.tickets = TicketBook(self.clock, (*self.releases.listeners(), self._end_grant))
+        self.on_close: list[Callable[[], Awaitable[None]]] = []  # run by aclose (owned clients)
+        if budget is None:  # the store the config asks for (None: no tenant has a budget)
+            budget = build_budget_store(config, self.clock, self.registry)
+            if budget is not None:
+                self.on_close.append(budget.aclose)
+        listeners = self.releases.listeners()
+        self.tickets = TicketBook(self.clock, listeners if budget is None else
+                                  (*listeners, self._end_grant))
         self.rejecter = Rejecter(config, self.clock, self.metrics, self.queue, self.tickets,
                                  self.drain_rate,
                                  RetryAdvisor(rng if rng is not None else random.Random()),
@@ -157,11 +164,6 @@ class AdmissionController:
         self._sources = dict(sources) if sources is not None else None
         self._chunk_warned: set[str] = set()  # replicas warned about their chunk budget
         self.draining = False  # begin_drain: every decision sheds shutting_down
-        self.on_close: list[Callable[[], Awaitable[None]]] = []  # run by aclose (owned clients)
-        if budget is None:  # the store the config asks for (None: no tenant has a budget)
-            budget = self.budget = build_budget_store(config, self.clock, self.registry)
-            if budget is not None:
-                self.on_close.append(budget.aclose)
         self.background = Background(lambda: self.queue.run(self._decide),
                                      self._make_poller if self._sources else None,
                                      self._update_limits, self._housekeeping)
@@ -221,16 +223,18 @@ class AdmissionController:
                 return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
             grant = self._grants[outcome.grant_id] = outcome
         try:
-            return await self._decide_and_wait(priced, headers, grant, client_gone)
+            result = self._decide(cost, arrival_s, self.queue.ahead_of(cost))
+            if isinstance(result, Admit):  # the common path: no queue, no extra coroutine
+                return self._admission(priced, result, None, grant)
+            return await self._queue_or_shed(priced, result, headers, grant, client_gone)
         except BaseException:
             self._drop_grant(grant)
             raise
 
-    async def _decide_and_wait(self, priced: PricedRequest, headers: Headers, grant: Grant | None,
-                               client_gone: Callable[[], asyncio.Future] | None
-                               ) -> Admission | Rejection | None:
+    async def _queue_or_shed(self, priced: PricedRequest, result: Queue | Shed, headers: Headers,
+                             grant: Grant | None, client_gone: Callable[[], asyncio.Future] | None
+                             ) -> Admission | Rejection | None:
         cost = priced.cost
-        result = self._decide(cost, cost.arrival_s, self.queue.ahead_of(cost))
         enqueue_s = None
         if isinstance(result, Queue):
             enqueue_s = self.clock()
@@ -241,10 +245,17 @@ class AdmissionController:
             if result is None:  # the client left while queued (already counted canceled)
                 return None
             return self.rejecter.shed(cost, result, headers, enqueue_s)
-        ticket = self.tickets.issue(cost, result.replica_id, self.clock(), result.predicted_ttft_s,
-                                    enqueue_s=enqueue_s, priced=priced, grant=grant)
-        if client_gone is not None and enqueue_s is not None and client_gone().done():
-            ticket.on_disconnect()  # admitted in the same instant the client left
+        admission = self._admission(priced, result, enqueue_s, grant)
+        if client_gone is not None and client_gone().done():
+            admission.on_disconnect()  # admitted in the same instant the client left
+        return admission
+
+    def _admission(self, priced: PricedRequest, admit: Admit, enqueue_s: float | None,
+                   grant: Grant | None) -> Admission:
+        """Issue the ticket, complete, and wrap it for the adapter."""
+        cost = priced.cost
+        ticket = self.tickets.issue(cost, admit.replica_id, self.clock(), admit.predicted_ttft_s,
+                                    enqueue_s, priced, grant)
         if self.trace is not None:
             ticket.chunks_s = []  # when each content chunk went out, for the trace
         return Admission(ticket, priced.forward_body(), self.clock,

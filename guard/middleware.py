@@ -26,7 +26,6 @@ admitting first on shutdown; it registers itself with a server's ``serving.drain
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 from collections.abc import Awaitable, Callable
@@ -35,12 +34,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from guard.admission import Admission
-from guard.body import headers_from_scope, read_body
+from guard.body import content_length, headers_from_scope
 from guard.config import GuardConfig, load_config
 from guard.controller import AdmissionController
 from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.pricing import Pricer
-from guard.relay import relay
+from guard.relay import Relay
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import AsgiStateSource
 from guard.shedding import send_rejection
@@ -115,12 +114,12 @@ class AdmissionMiddleware:
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = headers_from_scope(scope)
-        exchange = _Exchange(receive, self._max_body_bytes, headers.get("content-length"))
-        result = await self.controller.admit(scope["path"], headers, exchange.read_body,
-                                             exchange.client_gone)
+        state = Relay(receive, send, self._max_body_bytes, content_length(headers))
+        result = await self.controller.admit(scope["path"], headers, state.read_body,
+                                             state.client_gone)
         if isinstance(result, Admission):
-            return await relay(self.app, scope, receive, send, result, exchange.gone)
-        exchange.stop()
+            return await state.run(self.app, scope, result)
+        state.stop_watching()
         if result is not None:
             await send_rejection(send, result)
 
@@ -170,37 +169,3 @@ async def _send_json(send: Send, status: int, payload: dict) -> None:
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-class _Exchange:
-    """One request's body reader and disconnect watch, in the controller's terms."""
-
-    __slots__ = ("_receive", "_max_bytes", "_content_length", "gone")
-
-    def __init__(self, receive: Receive, max_bytes: int, content_length: str | None) -> None:
-        self._receive = receive
-        self._max_bytes = max_bytes
-        self._content_length = content_length
-        self.gone: asyncio.Future | None = None
-
-    def read_body(self) -> Awaitable[bytes]:
-        length = self._content_length
-        declared = int(length) if length is not None and length.isdigit() else None
-        return read_body(self._receive, self._max_bytes, declared)
-
-    def client_gone(self) -> asyncio.Future:
-        """A task that ends with the client's ``http.disconnect`` message (made once)."""
-        if self.gone is None:
-            self.gone = asyncio.ensure_future(_until_disconnect(self._receive))
-        return self.gone
-
-    def stop(self) -> None:
-        if self.gone is not None and not self.gone.done():
-            self.gone.cancel()
-
-
-async def _until_disconnect(receive: Receive) -> Message:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return message

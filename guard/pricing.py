@@ -14,7 +14,6 @@ import math
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import PricingError

@@ -1,6 +1,6 @@
 """Relaying one admitted request through the wrapped ASGI app, watching its response stream.
 
-:func:`relay` runs the wrapped ASGI app for an :class:`~guard.admission.Admission`: the app gets
+:meth:`Relay.run` runs the wrapped ASGI app for an :class:`~guard.admission.Admission`: the app gets
 the admission's body as its first ``http.request`` (then the client's own later messages, so a
 disconnect still reaches it as ``http.disconnect``), the scope carries the guard's
 ``x-request-id``, and every response message passes through unbuffered while the admission
@@ -9,7 +9,8 @@ end of stream). The guard adds ``x-kvguard-queue-ms`` and, unless the app set on
 ``x-request-id`` to the response headers. The admission is finished exactly once: with its
 natural outcome when the app returns, ``canceled`` or ``failed`` when it raises (re-raised).
 
-The per-request state lives in one :class:`Relay` object whose bound ``receive``/``send`` are
+The per-request state lives in one :class:`Relay` object: before the decision it is the
+controller's body reader and disconnect watch, after it its bound ``receive``/``send`` are
 handed to the app (no closures built per request).
 """
 
@@ -20,8 +21,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from guard.admission import Admission
+from guard.body import read_body
 
-__all__ = ["Relay", "relay", "forward_scope", "start_with_headers", "REQUEST_ID_HEADER"]
+__all__ = ["Relay", "forward_scope", "start_with_headers", "REQUEST_ID_HEADER"]
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -36,10 +38,14 @@ def forward_scope(scope: Scope, request_id: bytes, body_len: int | None = None) 
     """A copy of ``scope`` whose ``x-request-id`` header is the guard's (and whose
     ``content-length`` is ``body_len`` when the guard rewrote the body)."""
     headers = []  # a plain loop: a comprehension is one more call per request
-    for header in scope["headers"]:
-        name = header[0]
-        if name != REQUEST_ID_HEADER and (body_len is None or name != b"content-length"):
-            headers.append(header)
+    if body_len is None:
+        for header in scope["headers"]:
+            if header[0] != REQUEST_ID_HEADER:
+                headers.append(header)
+    else:
+        for header in scope["headers"]:
+            if header[0] != REQUEST_ID_HEADER and header[0] != b"content-length":
+                headers.append(header)
     headers.append((REQUEST_ID_HEADER, request_id))
     if body_len is not None:
         headers.append((b"content-length", str(body_len).encode()))
@@ -48,7 +54,7 @@ def forward_scope(scope: Scope, request_id: bytes, body_len: int | None = None) 
     return inner
 
 
-def start_with_headers(message: Message, admission: Admission, request_id: bytes,
+def start_with_headers(message: Message, ticket: Any, request_id: bytes,
                        queue_ms: bytes) -> Message:
     """Note the status and content type; add the guard's headers (ASGI names are lower-case)."""
     headers = list(message.get("headers", ()))
@@ -59,7 +65,7 @@ def start_with_headers(message: Message, admission: Admission, request_id: bytes
             content_type = value
         elif name == REQUEST_ID_HEADER:
             has_request_id = True
-    admission.on_start(message["status"], content_type)
+    ticket.on_start(message["status"], content_type)
     headers.append((_QUEUE_MS_HEADER, queue_ms))
     if not has_request_id:
         headers.append((REQUEST_ID_HEADER, request_id))
@@ -69,66 +75,101 @@ def start_with_headers(message: Message, admission: Admission, request_id: bytes
 
 
 class Relay:
-    """The receive/send pair the wrapped app sees for one admitted request."""
+    """One request's ASGI side: the controller's body reader and disconnect watch before the
+    decision, then (once admitted) the receive/send pair the wrapped app sees."""
 
-    __slots__ = ("admission", "request_id", "_receive", "_send", "_first", "_gone")
+    __slots__ = ("admission", "ticket", "request_id", "_receive", "_send", "_first", "gone",
+                 "_max_bytes", "_content_length", "_clock", "_itl")
 
-    def __init__(self, admission: Admission, receive: Receive, send: Send,
-                 gone: asyncio.Future | None) -> None:
-        self.admission = admission
-        self.request_id = admission.request_id.encode()
+    def __init__(self, receive: Receive, send: Send, max_bytes: int,
+                 content_length: int | None) -> None:
+        self.admission: Admission | None = None
+        self.ticket: Any = None  # the admission's ticket: the hot path reports to it directly
+        self.request_id = b""
+        self._clock: Callable[[], float] | None = None
+        self._itl: Any = None
         self._receive = receive
         self._send = send
-        self._first: Message | None = {"type": "http.request", "body": admission.body,
-                                       "more_body": False}
-        self._gone = gone  # the disconnect watch started while the request was queued
+        self._first: Message | None = None
+        self.gone: asyncio.Future | None = None  # the disconnect watch, made while queued
+        self._max_bytes = max_bytes
+        self._content_length = content_length
 
+    # --- before the decision: what the controller calls -------------------------------------
+    def read_body(self) -> Awaitable[bytes]:
+        return read_body(self._receive, self._max_bytes, self._content_length)
+
+    def client_gone(self) -> asyncio.Future:
+        """A task that ends with the client's ``http.disconnect`` message (made once)."""
+        if self.gone is None:
+            self.gone = asyncio.ensure_future(_until_disconnect(self._receive))
+        return self.gone
+
+    # --- after admission: what the wrapped app calls -----------------------------------------
     async def receive(self) -> Message:
         first = self._first
         if first is not None:
             self._first = None
             return first
-        gone = self._gone
+        gone = self.gone
         if gone is not None:
-            self._gone = None
+            self.gone = None
             message = await gone
         else:
             message = await self._receive()
         if message["type"] == "http.disconnect":
-            self.admission.on_disconnect()
+            self.ticket.on_disconnect()
         return message
 
     async def send(self, message: Message) -> None:
+        """What ``Admission.on_start`` / ``on_body`` do, inlined: this runs for every chunk."""
         kind = message["type"]
+        ticket = self.ticket
         if kind == "http.response.body":
-            self.admission.on_body(message.get("body", b""), message.get("more_body", False))
+            gap_s = ticket.on_body(message.get("body", b""), message.get("more_body", False),
+                                   self._clock())
+            if gap_s is not None:
+                self._itl.observe(gap_s)
         elif kind == "http.response.start":
-            message = start_with_headers(message, self.admission, self.request_id,
-                                         f"{self.admission.queue_ms:.1f}".encode())
+            queue_ms = (ticket.dispatch_s - ticket.cost.arrival_s) * 1000.0
+            message = start_with_headers(message, ticket, self.request_id,
+                                         f"{queue_ms:.1f}".encode())
         try:
             await self._send(message)
         except OSError:
-            self.admission.on_disconnect()
+            ticket.on_disconnect()
             raise
-        if kind == "http.response.body":
+        if ticket.chunks_s is not None and kind == "http.response.body":  # traced only
             self.admission.on_forwarded()
 
-    def cancel_gone(self) -> None:
-        gone = self._gone
+    def stop_watching(self) -> None:
+        gone = self.gone
         if gone is not None and not gone.done():
             gone.cancel()
 
+    async def run(self, app: Callable, scope: Scope, admission: Admission) -> None:
+        """Run the wrapped app for the admitted request; finish the admission exactly once."""
+        self.admission = admission
+        self.ticket = ticket = admission.ticket
+        self._clock, self._itl = admission.clock, admission.itl
+        body = admission.body
+        self.request_id = ticket.cost.request_id.encode()
+        self._first = {"type": "http.request", "body": body, "more_body": False}
+        body_len = len(body) if admission.body_rewritten else None
+        try:
+            await app(forward_scope(scope, self.request_id, body_len), self.receive, self.send)
+        except BaseException as exc:
+            admission.finish(exc)
+            raise
+        finally:
+            gone = self.gone
+            if gone is not None and not gone.done():
+                gone.cancel()
+        ticket.release(ticket.natural_outcome())  # admission.finish(), inlined
 
-async def relay(app: Callable, scope: Scope, receive: Receive, send: Send, admission: Admission,
-                gone: asyncio.Future | None = None) -> None:
-    """Run the wrapped app for an admitted request; finish the admission exactly once."""
-    state = Relay(admission, receive, send, gone)
-    body_len = len(admission.body) if admission.body_rewritten else None
-    try:
-        await app(forward_scope(scope, state.request_id, body_len), state.receive, state.send)
-    except BaseException as exc:
-        admission.finish(exc)
-        raise
-    finally:
-        state.cancel_gone()
-    admission.finish()
+
+async def _until_disconnect(receive: Receive) -> Message:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return message

@@ -96,26 +96,38 @@ def check_common(body: dict, rules: ReplicaRules) -> int:
         if unsupported is not None:
             raise _bad(f"'{unsupported}' is not supported by this server", unsupported,
                        "unsupported_parameter")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _bad("'model' must be a string", "model", "invalid_type")
-    if model is not None and rules.served_models is not None and model not in rules.served_models:
-        raise PricingError(404, "model_not_found", f"The model `{model}` does not exist or you "
-                           "do not have access to it.", "model")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+    get = body.get
+    model = get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise _bad("'model' must be a string", "model", "invalid_type")
+        served = rules.served_models
+        if served is not None and model not in served:
+            raise PricingError(404, "model_not_found", f"The model `{model}` does not exist or "
+                               "you do not have access to it.", "model")
+    stream = get("stream")
+    if stream is not None and stream is not True and stream is not False:
         raise _bad("'stream' must be a boolean", "stream", "invalid_type")
-    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-        value = body.get(name)
-        if value is not None and not _is_number(value):
-            raise _bad(f"'{name}' must be a number", name, "invalid_type")
-        if value is not None and not low <= value <= high:
-            raise _bad(f"'{name}' must be between {low} and {high}, got {value}", name)
+    for name, high in _RANGED:
+        value = get(name)
+        if value is not None:
+            if not _is_number(value):
+                raise _bad(f"'{name}' must be a number", name, "invalid_type")
+            if not 0.0 <= value <= high:
+                raise _bad(f"'{name}' must be between 0.0 and {high}, got {value}", name)
+    n = get("n")
+    if n is None:
+        return 1
     if rules.strict:  # the kvguard engine: one choice
-        n = optional_int(body, "n", -(1 << 62))
-        if n is not None and n != 1:
+        if not _is_int(n):
+            raise _bad("'n' must be an integer", "n", "invalid_type")
+        if n != 1:
             raise _bad(f"only n=1 is supported, got n={n}", "n", "unsupported_value")
         return 1
-    return optional_int(body, "n", 1) or 1
+    return optional_int(body, "n", 1)
+
+
+_RANGED = (("temperature", 2.0), ("top_p", 1.0))
 
 
 def completion_prompt(body: dict) -> str | list[int]:

@@ -45,7 +45,7 @@ class Ticket:
     )
 
     def __init__(self, book: TicketBook, cost: RequestCost, replica_id: str, dispatch_s: float,
-                 predicted_ttft_s: float | None = None, *, enqueue_s: float | None = None,
+                 predicted_ttft_s: float | None = None, enqueue_s: float | None = None,
                  priced: Any = None, grant: Any = None) -> None:
         self._book = book
         self.cost = cost
@@ -99,7 +99,7 @@ class Ticket:
             self.done_seen = True
         if b'"usage"' in chunk:
             self._usage(chunk)
-        if b'"finish_reason"' in chunk and _ABORTED.search(chunk) is not None:
+        if (b'"abort"' in chunk or b'"error"' in chunk) and _ABORTED.search(chunk) is not None:
             self.aborted = True
         if self.is_stream and _CONTENT.search(chunk) is None:
             return None
@@ -224,11 +224,11 @@ class TicketBook:
         self._listeners.append(listener)
 
     def issue(self, cost: RequestCost, replica_id: str, dispatch_s: float,
-              predicted_ttft_s: float | None = None, *, enqueue_s: float | None = None,
+              predicted_ttft_s: float | None = None, enqueue_s: float | None = None,
               priced: Any = None, grant: Any = None) -> Ticket:
         """A complete ticket: nothing is written onto it afterwards but what the response shows."""
-        ticket = Ticket(self, cost, replica_id, dispatch_s, predicted_ttft_s, enqueue_s=enqueue_s,
-                        priced=priced, grant=grant)
+        ticket = Ticket(self, cost, replica_id, dispatch_s, predicted_ttft_s, enqueue_s, priced,
+                        grant)
         self._held[id(ticket)] = ticket
         return ticket
 

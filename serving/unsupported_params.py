@@ -54,6 +54,11 @@ def _is_neutral(value, neutral: tuple) -> bool:
 
 def first_unsupported(body: Mapping) -> str | None:
     """The first field of ``body`` this engine would have to ignore, or None."""
+    for key in body:  # a body has a handful of fields: look only when one is listed
+        if key in UNSUPPORTED_PARAMS:
+            break
+    else:
+        return None
     for name, neutral in UNSUPPORTED_PARAMS.items():
         if not _is_neutral(body.get(name), neutral):
             return name

@@ -1,13 +1,10 @@
 """guard.replicas.load_state: snapshots from /kvguard/state and vLLM metrics, reservations, the poller."""
 
 import asyncio
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
@@ -27,6 +24,7 @@ from policies.cost import RequestClass, RequestCost
 from policies.retry_budget import RetryBudgetView
 from policies.snapshot import QueuedAhead, SeqLoad
 from policies.step_time import StepTimeModel
+from tests.support.loopback import LoopbackServer
 
 PRIOR = StepTimeModel(0.01, 1e-4, 1e-4, 1e-7)
 INTERACTIVE = RequestClass("interactive", 1.0, 0.08, 0)
@@ -219,32 +217,6 @@ def engine_app(counter):
     return Starlette(routes=[Route("/kvguard/state", kvguard_state), Route("/metrics", metrics)])
 
 
-class Server:
-    """uvicorn in a thread on a free loopback port; stopped by the test that started it."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert self.server.started
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
-
-
 async def wait_for(predicate, timeout_s=10.0):
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -258,7 +230,7 @@ def test_poller_over_loopback_http():
     async def main():
         ls = make_state()
         async with httpx.AsyncClient() as client:
-            with Server(engine_app(counter)) as server:
+            with LoopbackServer(engine_app(counter)) as server:
                 poller = StatePoller(ls, {
                     "r0": HttpStateSource(server.url, "kvguard", client=client),
                     "v0": HttpStateSource(server.url + "/", "vllm", client=client),

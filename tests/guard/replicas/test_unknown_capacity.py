@@ -2,13 +2,9 @@
 
 import asyncio
 import json
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse, StreamingResponse
@@ -18,6 +14,7 @@ from guard.config import GuardConfig
 from guard.middleware import AdmissionMiddleware
 from guard.replicas.load_state import LoadState, StatePoller
 from guard.replicas.poller import AsgiStateSource, HttpStateSource, StateUnavailable
+from tests.support.loopback import LoopbackServer
 
 
 def sse(text: str) -> bytes:
@@ -45,31 +42,6 @@ def plain_app(num_calls: dict) -> Starlette:
                              Route("/text/kvguard/state", state_text)])
 
 
-class Server:
-    """uvicorn in a thread on a free loopback port; stopped by the test that started it."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert self.server.started
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
-
-
 def test_middleware_on_a_plain_starlette_app_admits_and_streams():
     num_calls = {"n": 0}
     guard = AdmissionMiddleware(plain_app(num_calls), GuardConfig(), registry=CollectorRegistry())
@@ -86,7 +58,7 @@ def test_middleware_on_a_plain_starlette_app_admits_and_streams():
             together = await asyncio.gather(*(one(client, url) for _ in range(3)))
         return [first, *together]
 
-    with Server(guard) as server:
+    with LoopbackServer(guard) as server:
         results = asyncio.run(main(server.url))
     for status, chunks, request_id in results:
         assert status == 200
@@ -113,7 +85,7 @@ def test_sources_raise_state_unavailable_for_404_and_non_json():
             with pytest.raises(StateUnavailable, match="not JSON"):
                 await HttpStateSource(url + "/text", client=client).fetch()
 
-    with Server(plain_app({"n": 0})) as server:
+    with LoopbackServer(plain_app({"n": 0})) as server:
         asyncio.run(main(server.url))
 
 
