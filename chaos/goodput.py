@@ -1,4 +1,4 @@
-"""Goodput over request records (DESIGN.md §1), as pure functions.
+"""Goodput over request records, as pure functions.
 
 A request counts toward goodput when it was **successful** (outcome ``completed``: 2xx, saw
 ``[DONE]``, no error, not truncated) **and** met its class SLO. Three readings of "met":

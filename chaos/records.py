@@ -3,7 +3,7 @@
 Times are seconds on the load generator's monotonic clock, relative to the run start
 (``scheduled_s``, ``sent_s``) or relative to the send (``ttft_s``, ``e2e_s``).
 
-Outcomes (exactly one per request, the DESIGN.md counters seen from the client):
+Outcomes (exactly one per request, the outcome counters seen from the client):
 
 - ``completed``: a 2xx response whose stream ended with ``data: [DONE]`` and no error.
 - ``rejected``: the server answered with a 4xx or a 503 (the guard's shed answers).

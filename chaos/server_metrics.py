@@ -2,7 +2,7 @@
 
 ``scrape`` reads a Prometheus text page; ``counter_deltas`` keeps the counters (``*_total``
 and histogram ``*_count``) that moved; ``server_outcomes`` folds the known families — a kvguard
-engine replica's and the kvguard guard's — into the DESIGN.md outcome names.
+engine replica's and the kvguard guard's — into the outcome counter names.
 """
 
 from __future__ import annotations

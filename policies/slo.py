@@ -1,4 +1,4 @@
-"""The default policy: SLO-aware admission (DESIGN.md, "The default policy").
+"""The default policy: SLO-aware admission.
 
 For each fresh, healthy replica the predictor (:mod:`policies.predictor`) forecasts this
 request's wait for KV blocks and a sequence slot, the prefill queued ahead of it, its own

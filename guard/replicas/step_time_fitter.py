@@ -41,7 +41,7 @@ def roofline_prior(
 ) -> StepTimeModel:
     """A step-time prior from the roofline of a generic replica.
 
-    Defaults: the DESIGN reference model (7 B parameters, bf16, 128 KiB of KV per token) on an
+    Defaults: the reference model (7 B parameters, bf16, 128 KiB of KV per token) on an
     A100-80GB-class GPU (≈2.0 TB/s HBM, 312 TFLOPS dense bf16, from NVIDIA's A100 datasheet).
     Each step reads all weights once (``base_s``), each cached token's KV once
     (``per_context_token_s``); every prefill token costs ``2 × params`` FLOPs at ``mfu_ratio``
