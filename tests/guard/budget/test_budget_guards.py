@@ -47,10 +47,22 @@ class Guards:
     """N guard processes on free ports with one config."""
 
     def __init__(self, config: Path, num: int = 3, hold_s: float = 4.0) -> None:
-        env = {**os.environ, "KVGUARD_CONFIG": str(config)}
+        self._env = {**os.environ, "KVGUARD_CONFIG": str(config)}
+        self._hold_s = hold_s
         self.ports = [free_port() for _ in range(num)]
-        self.procs = [subprocess.Popen([sys.executable, str(SERVER), str(p), str(hold_s)], env=env)
-                      for p in self.ports]
+        self.procs = [self._spawn(p) for p in self.ports]
+        self._started = False  # every guard has answered once
+
+    def _spawn(self, port: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(SERVER), str(port), str(self._hold_s)],
+                                env=self._env)
+
+    def _respawn_if_unbound(self, i: int) -> None:
+        """Another process on this shared machine may take a free port before the guard binds
+        it: start that guard again on a fresh port (before any traffic)."""
+        if not self._started and self.procs[i].poll() is not None:
+            self.ports[i] = free_port()
+            self.procs[i] = self._spawn(self.ports[i])
 
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{p}" for p in self.ports]
@@ -69,14 +81,17 @@ class Guards:
         """Wait until every guard enforces on ``wanted``; an anonymous request (no budget of
         its own) first starts each guard's store."""
         deadline = time.monotonic() + timeout_s
-        for url in self.urls():
+        for i in range(len(self.ports)):
             while True:
                 try:
-                    httpx.post(url + "/v1/completions", json=BODY, timeout=10.0, trust_env=False)
+                    httpx.post(self.urls()[i] + "/v1/completions", json=BODY, timeout=10.0,
+                               trust_env=False)
                     break
                 except httpx.HTTPError:
-                    assert time.monotonic() < deadline, f"{url} never answered"
+                    assert time.monotonic() < deadline, f"{self.urls()[i]} never answered"
+                    self._respawn_if_unbound(i)
                     time.sleep(0.1)
+        self._started = True
         while not all(self.backend(u) == wanted for u in self.urls()):
             assert all(p.poll() is None for p in self.procs), "a guard exited"
             assert time.monotonic() < deadline, f"guards not on {wanted}"
