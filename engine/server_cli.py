@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib
 import os
-import signal
-import socket
 import sys
 
 from serving import add_limit_arguments, install_quiet_logging, limits_from_args
@@ -142,73 +139,18 @@ def load_middleware(spec: str):
         raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio then sets TCP_NODELAY
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+async def _drain(drain_hooks, async_engine, shutdown_timeout_s: float) -> None:
+    """The guard (a drain hook) stops admitting first, then the engine drains."""
+    loop = asyncio.get_running_loop()
+    deadline_s = loop.time() + shutdown_timeout_s
     try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ValueError(f"cannot bind {host}:{port}: {exc}") from exc
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def _server_class():
-    import uvicorn
-
-    class ReplicaServer(uvicorn.Server):
-        """uvicorn with a drain-first shutdown and the readiness line."""
-
-        def __init__(self, config, async_engine, shutdown_timeout_s: float, url: str,
-                     drain_hooks) -> None:
-            super().__init__(config)
-            self.async_engine = async_engine
-            self.drain_hooks = drain_hooks
-            self.shutdown_timeout_s = shutdown_timeout_s
-            self.url = url
-            self._drain: asyncio.Task | None = None
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self._on_signal)
-            try:
-                yield
-            finally:
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(sig)
-
-        def _on_signal(self) -> None:
-            if self._drain is not None:  # second signal: go now
-                self.should_exit = self.force_exit = True
-                return
-            self._drain = asyncio.ensure_future(self._drain_then_exit())
-
-        async def _drain_then_exit(self) -> None:
-            loop = asyncio.get_running_loop()
-            deadline_s = loop.time() + self.shutdown_timeout_s
-            try:  # the guard (a drain hook) stops admitting first, then the engine drains
-                await asyncio.wait_for(self.drain_hooks.run_hooks(), self.shutdown_timeout_s)
-            except asyncio.TimeoutError:
-                pass
-            try:
-                num_aborted = await self.async_engine.shutdown(max(0.0, deadline_s - loop.time()))
-                if num_aborted:
-                    print(f"kvguard engine: aborted {num_aborted} request(s) at shutdown",
-                          file=sys.stderr, flush=True)
-            finally:
-                self.should_exit = True
-
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets)
-            if self.started:
-                print(f"kvguard engine listening on {self.url}", flush=True)
-
-    return ReplicaServer
+        await asyncio.wait_for(drain_hooks.run_hooks(), shutdown_timeout_s)
+    except asyncio.TimeoutError:
+        pass
+    num_aborted = await async_engine.shutdown(max(0.0, deadline_s - loop.time()))
+    if num_aborted:
+        print(f"kvguard engine: aborted {num_aborted} request(s) at shutdown",
+              file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.server import build_app
     from engine.trace import TraceWriter
     from serving.drain_hooks import DrainHooks
+    from serving.draining_server import draining_server, listening_socket
     from serving.limited_protocol import ConnectionTable, uvicorn_config
 
     limits = limits_from_args(args)
@@ -247,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     for middleware in reversed(middlewares):
         app.add_middleware(middleware)
     app = DrainHooks(app)  # outermost: it publishes the hook list in the lifespan state
-    sock = _bind(args.host, args.port)
+    sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     table = ConnectionTable(limits, on_close=metrics.record_connection_closed)
@@ -255,7 +198,9 @@ def run(args: argparse.Namespace) -> int:
                             lifespan="on",
                             timeout_graceful_shutdown=max(1, int(args.shutdown_timeout_s)))
     install_quiet_logging()
-    server = _server_class()(config, async_engine, args.shutdown_timeout_s, url, app)
+    server = draining_server(config,
+                             lambda: _drain(app, async_engine, args.shutdown_timeout_s),
+                             f"kvguard engine listening on {url}")
     try:
         server.run(sockets=[sock])
     finally:

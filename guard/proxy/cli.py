@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
-import signal
-import socket
 import time
 
 from guard.config import ReplicaConfig, load_config
@@ -66,78 +63,29 @@ def _config(args: argparse.Namespace):
     return config
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio then sets TCP_NODELAY
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ValueError(f"cannot bind {host}:{port}: {exc}") from exc
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def _server_class():
-    import uvicorn
-
-    class ProxyServer(uvicorn.Server):
-        """uvicorn with a drain-first shutdown and the readiness line."""
-
-        def __init__(self, config, app, url: str) -> None:
-            super().__init__(config)
-            self.proxy = app
-            self.url = url
-            self._drain: asyncio.Task | None = None
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self._on_signal)
-            try:
-                yield
-            finally:
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(sig)
-
-        def _on_signal(self) -> None:
-            if self._drain is not None:  # second signal: go now
-                self.should_exit = self.force_exit = True
-                return
-            self._drain = asyncio.ensure_future(self._drain_then_exit())
-
-        async def _drain_then_exit(self) -> None:
-            self.proxy.drain()
-            deadline_s = time.monotonic() + self.proxy.config.proxy.drain_timeout_s
-            while self.proxy.num_in_flight and time.monotonic() < deadline_s:
-                await asyncio.sleep(0.05)
-            self.should_exit = True
-
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets)
-            if self.started:
-                print(f"kvguard proxy listening on {self.url}", flush=True)
-
-    return ProxyServer
+async def _drain(app) -> None:
+    """Stop admitting, then wait (up to the drain timeout) for in-flight requests to end."""
+    app.drain()
+    deadline_s = time.monotonic() + app.config.proxy.drain_timeout_s
+    while app.num_in_flight and time.monotonic() < deadline_s:
+        await asyncio.sleep(0.05)
 
 
 def run(args: argparse.Namespace) -> int:
     from guard.proxy.app import ProxyApp
+    from serving.draining_server import draining_server, listening_socket
     from serving.limited_protocol import ConnectionTable, uvicorn_config
 
     table = ConnectionTable(limits_from_args(args))
     app = ProxyApp(_config(args))
-    sock = _bind(args.host, args.port)
+    sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn_config(app, table, http=args.http, log_level=args.log_level,
                             access_log=False, lifespan="on", loop=args.loop,
                             timeout_graceful_shutdown=max(1, int(app.config.proxy.drain_timeout_s)))
     install_quiet_logging()
-    server = _server_class()(config, app, url)
+    server = draining_server(config, lambda: _drain(app), f"kvguard proxy listening on {url}")
     try:
         server.run(sockets=[sock])
     finally:
