@@ -64,13 +64,22 @@ class RunSettings:
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens))
 
     def overload_args(self, duration_s: float) -> argparse.Namespace:
-        """The ``chaos.overload.Scenario`` arguments for measuring capacity the bench's way."""
-        return argparse.Namespace(
-            model=self.model, gpu=self.gpu, time_scale=self.time_scale, max_num_seqs=256,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens,
-            ttft=self.ttft_s, itl=self.itl_s, duration=duration_s, warmup=3.0,
-            client_timeout=self.patience_s, seed=self.seed, sweep="0.8:1.5:0.1")
+        """The ``chaos.overload.Scenario`` arguments for measuring capacity the bench's way:
+        the bench's own flag defaults, with this run's replica, traffic and SLO."""
+        from chaos.overload import configure_scenario
+
+        parser = argparse.ArgumentParser()
+        configure_scenario(parser, "")
+        args = parser.parse_args([])
+        for key, value in dict(
+                model=self.model, gpu=self.gpu, time_scale=self.time_scale, max_num_seqs=256,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens,
+                ttft=self.ttft_s, itl=self.itl_s, duration=duration_s, warmup=3.0,
+                client_timeout=self.patience_s, seed=self.seed).items():
+            setattr(args, key, value)
+        args.sweep = "0.8:1.5:0.1"
+        return args
 
 
 def client_configs(settings: RunSettings) -> dict[str, ClientConfig]:

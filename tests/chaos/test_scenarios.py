@@ -140,3 +140,14 @@ def test_fleet_demo_runs_seed_for_always_admit_and_slo_with_the_demo_flags(monke
     s = seen["settings"]
     assert (s.time_scale, s.ttft_s, s.seed) == (3.0, 0.5, 7)
     assert seen["out"] == tmp_path / "d"
+
+
+def test_capacity_measurement_arguments_cover_every_flag_the_bench_reads(tmp_path):
+    """The chaos runner measures capacity with ``chaos.overload``; every flag that bench reads
+    must be present (a flag added to the bench and missing here crashed ``chaos run seed``)."""
+    from chaos.overload import Scenario
+    from chaos.scenario_run import RunSettings
+
+    scenario = Scenario(RunSettings().overload_args(16.0))
+    args = scenario.load_args("http://127.0.0.1:1", 3.0, tmp_path)
+    assert args.shape == "poisson" and args.rate == 3.0
