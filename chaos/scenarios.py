@@ -80,6 +80,9 @@ def catalogue() -> dict[str, ScenarioSpec]:
         ScenarioSpec("retry-storm", "a burst to 2 C with timeout-retry, bad-citizen, tenacity "
                      "and SDK clients", 1, 0, 24.0, 4.0, 0.74, (_step(8.0, 6.0),),
                      (8.0, 14.0), 1, burst_load=2.0, clients=dict(RETRYING)),
+        ScenarioSpec("recovery", "a 10 s burst to 3 C on 0.74 C, SDK clients retrying: how "
+                     "fast does goodput come back once the burst ends?", 1, 0, 30.0, 4.0, 0.74,
+                     (_step(8.0, 10.0),), (8.0, 18.0), 1, burst_load=3.0),
         ScenarioSpec("metastable", "0.9 C with retrying clients and a 2 s trigger at 2 C: "
                      "does goodput come back after the trigger?", 1, 0, 28.0, 4.0, 0.9,
                      (_step(8.0, 2.0),), (8.0, 10.0), 1, burst_load=2.0,

@@ -10,7 +10,7 @@ from chaos.scenarios import ScenarioSpec, catalogue, missing_dependencies, quick
 from guard.cli import main as kvguard
 
 NAMES = ["burst", "retry-storm", "redis-kill", "redis-hang", "proxy-kill", "metastable",
-         "replica-kill", "seed"]
+         "replica-kill", "seed", "recovery"]
 
 
 def test_every_scenario_the_issue_names_is_there():
@@ -27,6 +27,14 @@ def test_quick_variant_keeps_the_shape_and_fits_its_window(name):
     assert quick.warmup_s < lo < hi <= quick.duration_s - 4.0       # room to recover
     assert min(f.at_s for f in quick.faults) == 4.0
     assert all(f.duration_s is None or f.duration_s <= 3.0 for f in quick.faults)
+
+
+def test_recovery_is_a_10_s_burst_at_3_c_with_sdk_clients():
+    spec = catalogue()["recovery"]
+    step = spec.rate_step
+    assert (spec.burst_load, step.duration_s, dict(spec.clients)) == (3.0, 10.0, {"sdk": 1.0})
+    assert spec.fault_window_s == (step.at_s, step.end_s)
+    assert spec.duration_s - step.end_s >= 10.0                     # time to watch it recover
 
 
 def test_seed_is_the_reference_overload():
