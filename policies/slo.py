@@ -217,21 +217,40 @@ def _never_servable(cost: RequestCost, replicas: tuple[ReplicaSnapshot, ...]) ->
     return Shed(400, CONTEXT_LENGTH_EXCEEDED, should_retry=False)
 
 
+# Forecasts closer than this are a tie: the TTFT model is not that precise, and the decode step
+# a request joins (which grows with the batch) then matters more to every stream on the replica.
+TTFT_TIE_S = 0.001
+
+
 def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
            safety_ratio: float) -> Admit | None:
-    """The lowest predicted TTFT among the replicas that fit now (the first one on a tie);
-    the prediction times ``safety_ratio`` must land by the deadline."""
+    """The lowest predicted TTFT among the replicas that fit now; forecasts within
+    ``TTFT_TIE_S`` of each other tie, and a tie goes to the shorter decode step the request
+    would join, then to fewer requests in flight from this guard (so equal idle replicas share
+    a burst instead of the first one taking it all). The prediction times ``safety_ratio`` must
+    land by the deadline."""
     best: _Option | None = None
     best_ttft_s = 0.0
     now_s = snapshot.now_s
     for replica, f in options:
         ttft_s = f.wait_s + f.queued_prefill_s + f.own_prefill_s  # f.ttft_s, inlined
-        if (best is None or ttft_s < best_ttft_s) and _fits_now(
-                cost, snapshot, replica, f, ttft_s * safety_ratio):
+        if best is not None:
+            if ttft_s > best_ttft_s + TTFT_TIE_S:
+                continue
+            if ttft_s >= best_ttft_s - TTFT_TIE_S and not _wins_tie(replica, f, *best):
+                continue
+        if _fits_now(cost, snapshot, replica, f, ttft_s * safety_ratio):
             best, best_ttft_s = (replica, f), ttft_s
     if best is None:
         return None
     return Admit(best[0].replica_id, max(0.0, now_s - cost.arrival_s) + best_ttft_s)
+
+
+def _wins_tie(replica: ReplicaSnapshot, f: TtftForecast, best_replica: ReplicaSnapshot,
+              best_f: TtftForecast) -> bool:
+    if f.join_step_s != best_f.join_step_s:
+        return f.join_step_s < best_f.join_step_s
+    return replica.num_inflight < best_replica.num_inflight
 
 
 def _fits_now(

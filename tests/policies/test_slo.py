@@ -47,6 +47,18 @@ def test_chooses_the_replica_with_the_lowest_predicted_ttft_not_the_fewest_reque
     assert decide(busy, backlog) == Admit("b", pytest.approx(0.014 + 0.0032))
 
 
+def test_equal_forecasts_go_to_the_shorter_join_step_then_to_fewer_in_flight():
+    # Both idle and equal: the one this guard has fewer requests in flight on wins, whatever
+    # the order (a burst on two equal replicas is shared, not all sent to the first).
+    assert decide(make_replica("a", inflight=3), make_replica("b", inflight=1)) == Admit(
+        "b", pytest.approx(0.0132))
+    assert decide(make_replica("a", inflight=1), make_replica("b", inflight=3)).replica_id == "a"
+    # In-flight counts only break ties: a replica with streams running loses to an idle one
+    # that has more requests in flight (its forecast is 2 ms later, outside the tie band).
+    busy = make_replica("a", running=[decoding(), decoding()])
+    assert decide(busy, make_replica("b", inflight=5)).replica_id == "b"
+
+
 def test_refuses_a_replica_whose_join_would_push_a_running_stream_past_its_itl():
     strict = make_replica("a", running=[decoding(itl_s=0.0115)])  # join step 12 ms > 11.5 ms
     slower = make_replica("b", waiting=[prompt_waiting(500)])
