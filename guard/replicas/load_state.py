@@ -88,10 +88,13 @@ class LoadState:
 
     def __init__(self, max_staleness_s: float = 2.0,
                  fitter_factory: Callable[[StepTimeModel], StepTimeFitter] = _default_fitter,
-                 default_prior: StepTimeModel | None = None):
+                 default_prior: StepTimeModel | None = None,
+                 weights: Mapping[str, float] | None = None):
         if max_staleness_s <= 0:
             raise ValueError("max_staleness_s: must be > 0")
         self._max_staleness_s = max_staleness_s
+        # each replica's configured weight (``[[replicas]] weight``), stamped on its snapshots
+        self._weights = dict(weights or {})
         self._fitter_factory = fitter_factory
         self._default_prior = default_prior or roofline_prior()
         self._replicas: dict[str, _Replica] = {}
@@ -200,6 +203,9 @@ class LoadState:
         return self._set_base(self._replica(replica_id), base)
 
     def _set_base(self, replica: _Replica, base: ReplicaSnapshot) -> ReplicaSnapshot:
+        weight = self._weights.get(base.replica_id, 1.0)
+        if base.weight != weight:
+            base = dataclasses.replace(base, weight=weight)
         replica.base = base
         replica.combined = None
         self._snapshots = None
