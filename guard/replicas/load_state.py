@@ -28,6 +28,7 @@ the poller and its sources live in :mod:`guard.replicas.poller`, the vLLM ``/met
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,11 @@ class LoadState:
         self._max_staleness_s = max_staleness_s
         # each replica's configured weight (``[[replicas]] weight``), stamped on its snapshots
         self._weights = dict(weights or {})
+        for replica_id, weight in self._weights.items():
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                    or not math.isfinite(weight) or not weight > 0:
+                raise ValueError(f"weights[{replica_id!r}]: must be a finite number > 0, "
+                                 f"got {weight!r}")
         self._fitter_factory = fitter_factory
         self._default_prior = default_prior or roofline_prior()
         self._replicas: dict[str, _Replica] = {}

@@ -106,6 +106,9 @@ def test_configured_weights_reach_every_snapshot_of_the_replica():
     assert ls.replica_snapshot("r0").weight == 3.0
     ls.update_from_vllm_metrics("r0", VLLM_METRICS, now_s=2.0)
     assert ls.replica_snapshot("r0").weight == 3.0
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "2"):
+        with pytest.raises(ValueError, match=r"weights\['r0'\]"):
+            make_state(weights={"r0": bad})
 
 
 def test_reservation_dropped_when_state_lists_the_request():
