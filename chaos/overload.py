@@ -12,6 +12,9 @@
 3. One table (goodput, goodput / C, goodput ÷ bare, TTFT p50/p99, rejection rate, admitted
    requests that missed — on a gap —, the TTFT forecast's predicted ÷ actual from the guard's
    trace, wasted work) as markdown and JSON, and a plot of goodput / C per policy and load.
+4. ``--fleet N``: every row goes through ``kvguard proxy`` in front of N replicas instead, C is
+   N × one replica's, and the reference row is the ``always_admit`` proxy
+   (:mod:`chaos.overload_fleet`).
 
 Time scale. The sim stretches every GPU step by ``--time-scale`` K so the whole run fits a
 2-core machine; every duration of the scenario (the class SLO, the run length, the warm-up and
@@ -24,17 +27,24 @@ keeps the streamed-token rate low enough that the load generator is never the bo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from chaos.admission_quality import forecast_error, gap_attribution
 from chaos.load_cli import configure as configure_load
 from chaos.load_cli import run_once
-from chaos.overload_plan import POLICIES, REFERENCE_POLICIES, plan_runs, plan_sdk_runs
+from chaos.overload_fleet import Fleet
+from chaos.overload_plan import (
+    FLEET_REFERENCE,
+    POLICIES,
+    REFERENCE_POLICIES,
+    plan_runs,
+    plan_sdk_runs,
+    reference_policy,
+)
 from chaos.overload_table import (
     BARE,
     add_bare_ratios,
@@ -43,7 +53,7 @@ from chaos.overload_table import (
     render_table,
     row_from_run,
 )
-from chaos.replica import ReplicaProcess, exit_on_sigterm, write_guard_config
+from chaos.replica import ReplicaProcess, exit_on_sigterm, wait_idle, write_guard_config
 from chaos.report import read_records
 from chaos.schedule import LengthDist
 from chaos.sdk_column import require_user_runner, sdk_row
@@ -133,15 +143,23 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-loads", default="0.5,0.8",
                    help="multiples of C below capacity, run with --reference-policies "
                         "('' for none)")
-    p.add_argument("--reference-policies", default=",".join(REFERENCE_POLICIES))
-    p.add_argument("--sdk-loads", default="2.0",
+    p.add_argument("--reference-policies", default=None,
+                   help=f"default {','.join(REFERENCE_POLICIES)}; with --fleet "
+                        f"{FLEET_REFERENCE},slo")
+    p.add_argument("--sdk-loads", default=None,
                    help="loads at which the same arrivals are replayed as users on the OpenAI "
-                        "SDK (default retries) for --sdk-policies ('' for none)")
+                        "SDK (default retries) for --sdk-policies ('' for none; default 2.0, "
+                        "none with --fleet)")
     p.add_argument("--sdk-policies", default="always_admit,slo")
     p.add_argument("--sweep", default="0.8:1.6:0.1",
                    help="capacity sweep, multiples of the saturation throughput S")
     p.add_argument("--capacity", type=float, default=None,
-                   help="skip the probe and sweep; use this C (req/s at this time scale)")
+                   help="skip the probe and sweep; use this C (req/s at this time scale; "
+                        "per replica with --fleet)")
+    p.add_argument("--fleet", type=int, default=0, metavar="N",
+                   help="run every row through `kvguard proxy` in front of N sim replicas "
+                        "(C = N x one replica's; the reference row is always_admit) instead "
+                        "of one replica with the guard in-process")
 
 
 def probe_saturation(scenario: Scenario, url: str, out: Path, num_requests: int = 48) -> float:
@@ -156,7 +174,7 @@ def probe_saturation(scenario: Scenario, url: str, out: Path, num_requests: int 
                                warmup_s=0.0, shape="constant")
     burst.timeout = burst.drain_timeout = 600.0
     rough = _completion_rate(burst, out / "burst", None)
-    _wait_idle(url)
+    wait_idle(url)
     flood = scenario.load_args(url, 2.0 * rough, out / "flood", shape="constant")
     flood.timeout, flood.drain_timeout = 3.0 * scenario.duration_s, 1.0  # then cancel the rest
     return _completion_rate(flood, out / "flood", (scenario.duration_s / 2, scenario.duration_s))
@@ -181,16 +199,6 @@ def _completion_rate(args: argparse.Namespace, out: Path,
     return num / (hi_s - lo_s)
 
 
-def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = httpx.get(url + "/kvguard/state", timeout=5.0, trust_env=False).json()
-        if not state["running"] and not state["waiting"]:
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"replica at {url} did not drain within {timeout_s:.0f} s")
-
-
 def measure_capacity(scenario: Scenario, out: Path, log) -> tuple[float, float, list[dict]]:
     """(S, C, sweep points) on one plain replica (no guard: the engine's own queue)."""
     with ReplicaProcess.start(scenario.engine_args()) as replica:
@@ -198,7 +206,7 @@ def measure_capacity(scenario: Scenario, out: Path, log) -> tuple[float, float, 
         log(f"saturation throughput S = {sat:.2f} req/s")
         points = []
         for rate in sweep_rates(scenario.args.sweep, sat):
-            _wait_idle(replica.base_url)
+            wait_idle(replica.base_url)
             run_dir = out / f"sweep-{rate:.2f}"
             summary = run_once(scenario.load_args(replica.base_url, rate, run_dir), rate,
                                run_dir, None)
@@ -270,30 +278,46 @@ def run(args: argparse.Namespace) -> int:
     else:
         sat, cap, sweep = measure_capacity(scenario, out, log)
     log(f"capacity C = {cap:.2f} req/s")
+    fleet = Fleet(scenario, args.fleet) if args.fleet else None
+    if fleet is not None:
+        cap *= args.fleet
+        log(f"fleet: kvguard proxy in front of {args.fleet} replicas, C = {cap:.2f} req/s")
     rows = []
-    for load, policy in runs:
-        log(f"load {load:.2f} × C = {load * cap:.2f} req/s, policy {policy} ...")
-        row = run_policy(scenario, policy, load * cap, cap, out / f"{policy}-{load:.2f}")
-        log(f"  goodput {row['goodput_rps']:.2f} req/s = {row['goodput_over_c']:.2f} C, "
-            f"rejected {100 * row['rejected_ratio']:.0f}%")
-        if (load, policy) in sdk_runs:
-            row["sdk"] = sdk_row(scenario, policy, load * cap, cap,
-                                 out / f"{policy}-{load:.2f}-sdk",
-                                 policy_params(policy, scenario, cap))
-            log(f"  OpenAI SDK users: {row['sdk']['attempts_per_user'] or 0:.2f} attempts each, "
-                f"user goodput {row['sdk']['goodput_over_c']:.2f} C")
-        rows.append({"load": load, "policy": policy, **row})
+    with fleet or contextlib.nullcontext():
+        for load, policy in runs:
+            log(f"load {load:.2f} × C = {load * cap:.2f} req/s, policy {policy} ...")
+            run_dir = out / f"{policy}-{load:.2f}"
+            if fleet is not None:
+                row = fleet.run_policy(policy, load * cap, cap, run_dir,
+                                       policy_params(policy, scenario, cap))
+            else:
+                row = run_policy(scenario, policy, load * cap, cap, run_dir)
+            log(f"  goodput {row['goodput_rps']:.2f} req/s = {row['goodput_over_c']:.2f} C, "
+                f"rejected {100 * row['rejected_ratio']:.0f}%")
+            if (load, policy) in sdk_runs:
+                row["sdk"] = sdk_row(scenario, policy, load * cap, cap, Path(f"{run_dir}-sdk"),
+                                     policy_params(policy, scenario, cap))
+                log(f"  OpenAI SDK users: {row['sdk']['attempts_per_user'] or 0:.2f} attempts "
+                    f"each, user goodput {row['sdk']['goodput_over_c']:.2f} C")
+            rows.append({"load": load, "policy": policy, **row})
+    _report(args, out, rows, sat, cap, sweep, log)
+    return 0
+
+
+def _report(args, out: Path, rows: list[dict], sat, cap: float, sweep, log) -> None:
+    """The table (markdown and JSON) and the plot."""
     rows.sort(key=lambda r: r["load"])  # stable: each load's policies keep their run order
-    add_bare_ratios(rows)
-    table = render_table(rows)
+    reference = reference_policy(args)
+    add_bare_ratios(rows, reference)
+    table = render_table(rows, reference)
     plot_goodput(rows, out / "overload.png")
     result = {"command": " ".join(["kvguard", "bench", "overload", *sys.argv[3:]]),
               "scenario": {k: v for k, v in vars(args).items()},
               "saturation_rps": sat, "capacity_rps": cap, "sweep": sweep, "rows": rows}
     (out / "overload.json").write_text(json.dumps(result, indent=1))
+    fleet = f" ({args.fleet} replicas behind kvguard proxy)" if args.fleet else ""
     (out / "overload.md").write_text(
-        f"# kvguard bench overload\n\nS = {fmt_num(sat)} req/s, C = {cap:.2f} req/s\n\n{table}\n\n"
-        "![goodput](overload.png)\n")
+        f"# kvguard bench overload{fleet}\n\nS = {fmt_num(sat)} req/s, C = {cap:.2f} req/s\n\n"
+        f"{table}\n\n![goodput](overload.png)\n")
     log("\n" + table)
     log(f"\nreport: {out / 'overload.md'}  plot: {out / 'overload.png'}")
-    return 0

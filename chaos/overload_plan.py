@@ -7,15 +7,28 @@ from collections.abc import Sequence
 
 from chaos.overload_table import BARE
 
-__all__ = ["POLICIES", "REFERENCE_POLICIES", "plan_runs", "plan_sdk_runs"]
+__all__ = ["FLEET_REFERENCE", "POLICIES", "REFERENCE_POLICIES", "plan_runs", "plan_sdk_runs",
+           "reference_policy"]
 
 POLICIES: tuple[str, ...] = ("always_admit", "concurrency_cap", "saturation", "gradient",
                              "token_rate", "slo")
 REFERENCE_POLICIES: tuple[str, ...] = (BARE, "slo")
+# A fleet needs something in front of its replicas, so it has no ``bare`` row: its reference
+# is the proxy that routes (least-loaded) and admits everything.
+FLEET_REFERENCE = "always_admit"
+
+
+def reference_policy(args: argparse.Namespace) -> str:
+    """The row every row's goodput is divided by (``÷ ref``): ``bare`` for one replica, the
+    ``always_admit`` proxy for a fleet."""
+    return FLEET_REFERENCE if getattr(args, "fleet", 0) else BARE
 
 
 def _names(text: str, option: str, allowed: Sequence[str]) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
+    if BARE in names and BARE not in allowed:
+        raise ValueError(f"{option}: {BARE!r} has no fleet form (the replicas need the proxy in "
+                         f"front); the fleet's reference row is {FLEET_REFERENCE}")
     unknown = set(names) - set(allowed)
     if unknown:
         raise ValueError(f"{option}: unknown {sorted(unknown)}; valid: {', '.join(allowed)}")
@@ -35,13 +48,17 @@ def _loads(text: str, option: str) -> list[float]:
 def plan_runs(args: argparse.Namespace) -> list[tuple[float, str]]:
     """``(load, policy)`` in run order: the reference loads (bare next to slo) first, then
     every policy at every load. Bad names or loads are ValueErrors before anything starts."""
-    allowed = (BARE, *POLICIES)
+    fleet = getattr(args, "fleet", 0)
+    allowed = POLICIES if fleet else (BARE, *POLICIES)
     loads = _loads(args.loads, "--loads")
     if not loads:
         raise ValueError("--loads: need at least one load")
     policies = _names(args.policies, "--policies", allowed)
     ref_loads = _loads(args.reference_loads, "--reference-loads")
-    ref_policies = _names(args.reference_policies, "--reference-policies", allowed)
+    ref_text = args.reference_policies
+    if ref_text is None:
+        ref_text = ",".join((FLEET_REFERENCE, "slo") if fleet else REFERENCE_POLICIES)
+    ref_policies = _names(ref_text, "--reference-policies", allowed)
     runs = [(load, p) for load in ref_loads for p in ref_policies]
     runs += [(load, p) for load in loads for p in policies]
     return list(dict.fromkeys(runs))
@@ -50,7 +67,14 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[float, str]]:
 def plan_sdk_runs(args: argparse.Namespace) -> list[tuple[float, str]]:
     """The ``(load, policy)`` rows that also replay their arrivals as OpenAI-SDK users: every
     ``--sdk-loads`` × ``--sdk-policies`` pair that is a planned row (ValueError otherwise)."""
-    pairs = [(load, p) for load in _loads(args.sdk_loads, "--sdk-loads")
+    sdk_loads = args.sdk_loads
+    if getattr(args, "fleet", 0):
+        if sdk_loads:
+            raise ValueError("--sdk-loads: OpenAI-SDK users replay against one replica only; "
+                             "leave it out with --fleet")
+        return []
+    pairs = [(load, p) for load in _loads("2.0" if sdk_loads is None else sdk_loads,
+                                          "--sdk-loads")
              for p in _names(args.sdk_policies, "--sdk-policies", (BARE, *POLICIES))]
     planned = set(plan_runs(args))
     missing = [pair for pair in pairs if pair not in planned]

@@ -1,7 +1,8 @@
 """The overload bench's table and plot: one row per (load, policy), same arrivals per load.
 
-Columns: goodput and goodput ÷ C; goodput ÷ the bare replica's at the same load (the "no harm
-below capacity" check, where a ``bare`` row ran); TTFT p50/p99; rejected and timed-out shares;
+Columns: goodput and goodput ÷ C; goodput ÷ the reference row's at the same load — the bare
+replica's (the "no harm below capacity" check, where a ``bare`` row ran), or for a fleet the
+``always_admit`` proxy's (routing with no admission); TTFT p50/p99; rejected and timed-out shares;
 among admitted requests, the share that missed the SLO and the share that missed only on an
 inter-token gap; the gaps over the limit and how many of them the engine step dominated (the
 rest: delivery — event loop, write, relay, client); the TTFT forecast's predicted ÷ actual
@@ -57,17 +58,19 @@ def _pct(x) -> str:
     return "—" if x is None else f"{100 * x:.0f}%"
 
 
-def add_bare_ratios(rows: list[dict]) -> list[dict]:
-    """Each row's goodput ÷ the ``bare`` row's at the same load (None without one)."""
-    bare = {r["load"]: r["goodput_rps"] for r in rows if r["policy"] == BARE}
+def add_bare_ratios(rows: list[dict], reference: str = BARE) -> list[dict]:
+    """Each row's goodput ÷ the ``reference`` row's at the same load (None without one), as
+    ``goodput_over_<reference>``: ``bare`` for one replica, ``always_admit`` for a fleet."""
+    ref_rps = {r["load"]: r["goodput_rps"] for r in rows if r["policy"] == reference}
     for r in rows:
-        ref = bare.get(r["load"])
-        r["goodput_over_bare"] = r["goodput_rps"] / ref if ref else None
+        ref = ref_rps.get(r["load"])
+        r[f"goodput_over_{reference}"] = r["goodput_rps"] / ref if ref else None
     return rows
 
 
-def render_table(rows: list[dict]) -> str:
-    head = ("| load (× C) | policy | goodput (req/s) | goodput ÷ C | ÷ bare | TTFT p50 (s) | "
+def render_table(rows: list[dict], reference: str = BARE) -> str:
+    head = (f"| load (× C) | policy | goodput (req/s) | goodput ÷ C | ÷ {reference} | "
+            "TTFT p50 (s) | "
             "TTFT p99 (s) | rejected | timed out | admitted missed (gap) | "
             "gaps over limit (engine step) | TTFT forecast ÷ actual p50 / p90 | wasted tokens | "
             "SDK attempts/user | SDK user goodput ÷ C |")
@@ -78,7 +81,7 @@ def render_table(rows: list[dict]) -> str:
         gaps = r.get("gaps") or {}
         lines.append(
             f"| {r['load']:.2f} | {r['policy']} | {fmt_num(r['goodput_rps'])} | "
-            f"{fmt_num(r['goodput_over_c'])} | {fmt_num(r.get('goodput_over_bare'))} | "
+            f"{fmt_num(r['goodput_over_c'])} | {fmt_num(r.get(f'goodput_over_{reference}'))} | "
             f"{fmt_num(r['ttft_p50_s'])} | {fmt_num(r['ttft_p99_s'])} | "
             f"{_pct(r['rejected_ratio'])} | {_pct(r['canceled_ratio'])} | "
             f"{_pct(r.get('missed_share'))} ({_pct(r.get('gap_miss_share'))}) | "

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-__all__ = ["ReplicaProcess", "write_guard_config", "exit_on_sigterm"]
+__all__ = ["ReplicaProcess", "write_guard_config", "exit_on_sigterm", "wait_idle"]
 
 _READY = re.compile(r"kvguard engine listening on (http://\S+)")
 
@@ -92,6 +92,18 @@ class ReplicaProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.wait(timeout_s)
+
+
+def wait_idle(url: str, timeout_s: float = 120.0) -> None:
+    """Until the engine at ``url`` has nothing running or waiting (RuntimeError past
+    ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = httpx.get(url + "/kvguard/state", timeout=5.0, trust_env=False).json()
+        if not state["running"] and not state["waiting"]:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"replica at {url} did not drain within {timeout_s:.0f} s")
 
 
 def exit_on_sigterm() -> None:

@@ -25,7 +25,7 @@ import contextlib
 import shutil
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -133,13 +133,22 @@ class Topology:
             http_health, ready_pattern=_ENGINE_READY, env=dict(self.spec.env))
 
     def _proxy_child(self, index: int) -> ChildProcess:
+        return self.proxy_child(self.spec.proxy_args, f"proxy-{index}")
+
+    def proxy_child(self, args: Sequence[str], name: str = "proxy") -> ChildProcess:
+        """A ``kvguard proxy`` in front of every replica with these extra ``args``, not yet
+        started (``.start()`` it; the caller ends it): a bench starts one per run while the
+        replicas stay up."""
+        args = tuple(args)
+        for flag in ("--host", "--port", "--upstream"):
+            if flag in args:
+                raise ValueError(f"{flag}: the topology sets it; leave it out of the args")
         upstreams = [arg for r in self.replicas for arg in ("--upstream", r.url)]
-        args = self.spec.proxy_args
         env = dict(self.spec.env)
         if self.redis is not None:
             env["KVGUARD_REDIS_URL"] = self.redis_url
         return ChildProcess(
-            f"proxy-{index}",
+            name,
             lambda port: [sys.executable, "-m", "guard.cli", "proxy", *upstreams, *args,
                           "--host", "127.0.0.1", "--port", str(port)],
             http_health, ready_pattern=_PROXY_READY, env=env)

@@ -19,6 +19,7 @@ TOML layout (see ``docs/guard-config.example.toml``)::
     replica_id = "r0"
     url = "http://127.0.0.1:8001"
     state_source = "kvguard"   # "kvguard" | "vllm" | "none" | "asgi"
+    weight = 1.0               # relative share where routing is least-loaded (ReplicaConfig)
     [proxy]                    # the standalone proxy's settings (guard.proxy.config)
 
 Environment: ``KVGUARD_CONFIG`` names the TOML file; ``KVGUARD_<FIELD>`` overrides any scalar
@@ -36,6 +37,7 @@ import functools
 import hashlib
 import hmac
 import json
+import math
 import os
 import re
 import types
@@ -122,12 +124,20 @@ class ReplicaConfig:
 
     ``max_model_len`` is only needed for ``vllm`` replicas (their metrics do not carry it);
     without it the guard leaves context-length checks to the upstream.
+
+    ``weight`` (a finite number > 0, default 1; only ratios between replicas matter) is the
+    replica's relative share of traffic where the policy cannot tell replicas apart by their
+    state: least-loaded routing (every baseline, and ``slo`` without fresh state, e.g.
+    ``state_source = "none"``) compares requests ÷ weight, and ``slo`` breaks exact ties of its
+    TTFT forecast that way. A fresh forecast is not bent by it: it already prices each
+    replica's own load.
     """
 
     replica_id: str
     url: str | None = None
     state_source: str = "kvguard"
     max_model_len: int | None = None
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.replica_id:
@@ -144,6 +154,12 @@ class ReplicaConfig:
             or self.max_model_len < 1
         ):
             raise ValueError(f"replicas[{self.replica_id!r}].max_model_len: must be an integer >= 1")
+        weight = self.weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                or not math.isfinite(weight) or not weight > 0:
+            raise ValueError(f"replicas[{self.replica_id!r}].weight: must be a finite number > 0, "
+                             f"got {weight!r}")
+        object.__setattr__(self, "weight", float(weight))
         if self.url is not None:
             if not self.url.startswith(("http://", "https://")):
                 raise ValueError(f"replicas[{self.replica_id!r}].url: must start with http:// or https://")
@@ -475,11 +491,12 @@ def _tenant_from(index: int, value: Any) -> TenantConfig:
 
 def _replica_from(index: int, value: Any) -> ReplicaConfig:
     key = f"replicas[{index}]"
-    spec = _table(key, value, {"replica_id", "url", "state_source", "max_model_len"})
+    wanted = {"replica_id": str, "url": str, "state_source": str, "max_model_len": int,
+              "weight": float}
+    spec = _table(key, value, set(wanted))
     spec.setdefault("replica_id", f"r{index}")
     for fname in spec:
-        wanted = int if fname == "max_model_len" else str
-        spec[fname] = _check_type(f"{key}.{fname}", spec[fname], wanted)
+        spec[fname] = _check_type(f"{key}.{fname}", spec[fname], wanted[fname])
     return ReplicaConfig(**spec)
 
 

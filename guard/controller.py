@@ -128,7 +128,8 @@ class AdmissionController:
         self.metrics.loop_lag = self.loop_lag = LoopLag()
         self.policy = policy if policy is not None else make_policy(config.policy,
                                                                     **config.policy_params)
-        self.load_state = load_state if load_state is not None else LoadState(config.max_staleness_s)
+        self.load_state = load_state if load_state is not None else LoadState(
+            config.max_staleness_s, weights={r.replica_id: r.weight for r in config.replicas})
         if tokenizer is None and config.tokenizer is not None:
             tokenizer = _tokenizer_from(config.tokenizer)
         self.pricer = pricer if pricer is not None else Pricer(config, tokenizer)

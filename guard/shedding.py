@@ -19,6 +19,7 @@ Every rejection carries an OpenAI-style body ``{"error": {"message", "type", "pa
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -51,6 +52,15 @@ def error_type(status: int) -> str:
     return _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
+@functools.lru_cache(maxsize=256)
+def _error_body(status: int, reason: str, message: str, param: str | None) -> bytes:
+    """The OpenAI-style error body. Memoised: a flood is answered with a handful of distinct
+    (reason, message) pairs, and encoding the same JSON for every shed showed in the profile
+    (``kvguard bench shed-cost --profile``)."""
+    error = {"message": message, "type": error_type(status), "param": param, "code": reason}
+    return json.dumps({"error": error}).encode()
+
+
 @dataclass(frozen=True)
 class Rejection:
     """One rejection, ready to send. ``retry_after_s`` ``None``: no Retry-After headers."""
@@ -73,9 +83,7 @@ class Rejection:
             raise ValueError("a rejection advises a wait only together with should_retry")
 
     def body(self) -> bytes:
-        error = {"message": self.message, "type": error_type(self.status),
-                 "param": self.param, "code": self.reason}
-        return json.dumps({"error": error}).encode()
+        return _error_body(self.status, self.reason, self.message, self.param)
 
     def headers(self, body_len: int) -> list[tuple[bytes, bytes]]:
         headers = [

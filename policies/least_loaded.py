@@ -1,4 +1,11 @@
-"""Picking the least-loaded replica: the routing rule every baseline shares."""
+"""Picking the least-loaded replica: the routing rule every baseline shares.
+
+Load is counted in requests (reported running and waiting plus the guard's unreported ones) and
+divided by the replica's ``weight``: with weights 3 and 1, the first replica is "as loaded" as
+the second when it holds three times as many requests, so concurrent traffic splits 3 : 1.
+Ties go to the replica with more free KV, then the heavier one, then the lower id — a fixed
+order, never the order in which the replicas' states happened to arrive.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +15,8 @@ from policies.decision import Admit, Shed
 from policies.shed_reasons import NO_REPLICA
 from policies.snapshot import LoadSnapshot, ReplicaSnapshot
 
-__all__ = ["NO_REPLICA", "least_loaded", "num_requests", "route_least_loaded"]
-
+__all__ = ["NO_REPLICA", "least_loaded", "load_order", "num_requests", "route_least_loaded",
+           "weighted_load"]
 
 
 def num_requests(replica: ReplicaSnapshot) -> int:
@@ -17,13 +24,19 @@ def num_requests(replica: ReplicaSnapshot) -> int:
     return len(replica.running) + len(replica.waiting) + len(replica.reserved)
 
 
+def weighted_load(replica: ReplicaSnapshot) -> float:
+    """``num_requests ÷ weight``: the load least-loaded routing compares."""
+    return num_requests(replica) / replica.weight
+
+
+def load_order(replica: ReplicaSnapshot) -> tuple[float, float, float, str]:
+    """Sort key of least-loaded routing: weighted load, KV usage, heavier first, replica id."""
+    return (weighted_load(replica), replica.kv_usage_ratio, -replica.weight, replica.replica_id)
+
+
 def least_loaded(replicas: Iterable[ReplicaSnapshot]) -> ReplicaSnapshot | None:
-    """Fewest requests, then most available KV blocks, then replica id; ``None`` when empty."""
-    return min(
-        replicas,
-        key=lambda r: (num_requests(r), r.kv_usage_ratio, r.replica_id),
-        default=None,
-    )
+    """The first replica in :func:`load_order`; ``None`` when there is none."""
+    return min(replicas, key=load_order, default=None)
 
 
 def route_least_loaded(snapshot: LoadSnapshot) -> Admit | Shed:

@@ -12,7 +12,8 @@ Like the EPP this policy sees only what the replicas' metrics say: the engine-re
 queue and ``1 - free / total`` blocks, not the guard's unreported reservations (the scrape-lag
 hole the baseline has in the field). All requests are treated as sheddable: when every fresh
 replica is saturated the request is shed with 503 ``saturated``; otherwise it goes to the
-unsaturated replica with the shortest waiting queue, then the lowest KV utilisation.
+unsaturated replica with the shortest waiting queue (divided by the replica's ``weight``), then
+the lowest KV utilisation.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class Saturation:
             return Shed(503, SATURATED)
         best = min(
             open_replicas,
-            key=lambda r: (len(r.waiting), reported_kv_usage_ratio(r), r.replica_id),
+            key=lambda r: (len(r.waiting) / r.weight, reported_kv_usage_ratio(r), -r.weight,
+                           r.replica_id),
         )
         return Admit(best.replica_id)
 

@@ -37,10 +37,17 @@ whose forecast fits only without the headroom is admitted: there it displaces no
 likely success is worth more than a certain loss (measured: at ~0.8 C on the A100 sim the fixed
 headroom shed requests the bare replica served within their TTFT).
 
+Weights (``ReplicaSnapshot.weight``): a fresh forecast already prices each replica's own
+load, so weight does not bend it; it only breaks exact ties of the forecast (idle replicas
+forecast alike) in least-loaded order, requests ÷ weight first. Without fresh state (a replica
+with ``state_source = "none"``) the stale rule below routes by requests ÷ weight, so there the
+traffic splits as the weights say.
+
 Stale rule: with no fresh state the policy cannot predict, so it admits to the least-loaded
-healthy replica only while the guard's in-flight count is below ``stale_max_inflight_per_replica``
-per healthy replica; beyond that it queues for at most ``stale_queue_s`` (state may refresh
-meanwhile) and sheds 503 ``stale_state`` once even that would pass the deadline.
+(requests ÷ weight) healthy replica only while the guard's in-flight count is below
+``stale_max_inflight_per_replica`` per healthy replica (a total: the weights split it);
+beyond that it queues for at most ``stale_queue_s`` (state may refresh meanwhile) and sheds
+503 ``stale_state`` once even that would pass the deadline.
 
 ``predicted_ttft_s`` on Admit and Queue is counted from the request's arrival (time already
 spent plus the forecast from now), so the guard can compare it with the TTFT it measures.
@@ -54,7 +61,7 @@ from policies.always_admit import NO_REPLICA
 from policies.concurrency_cap import num_inflight
 from policies.cost import RequestCost
 from policies.decision import Admit, CompletionSample, Decision, Queue, Shed
-from policies.least_loaded import least_loaded
+from policies.least_loaded import least_loaded, load_order
 from policies.param_check import check_int
 from policies.predictor import TtftForecast, forecast, never_fits
 from policies.prefill_pacing import prefill_fits_gaps
@@ -217,18 +224,18 @@ def _never_servable(cost: RequestCost, replicas: tuple[ReplicaSnapshot, ...]) ->
     return Shed(400, CONTEXT_LENGTH_EXCEEDED, should_retry=False)
 
 
-# Forecasts closer than this are a tie: the TTFT model is not that precise, and the decode step
-# a request joins (which grows with the batch) then matters more to every stream on the replica.
+# Forecasts closer than this are a tie: the TTFT model is not that precise, and the load a
+# request adds to (every stream on the replica waits on its steps) then matters more.
 TTFT_TIE_S = 0.001
 
 
 def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
            safety_ratio: float) -> Admit | None:
     """The lowest predicted TTFT among the replicas that fit now; forecasts within
-    ``TTFT_TIE_S`` of each other tie, and a tie goes to the shorter decode step the request
-    would join, then to fewer requests in flight from this guard (so equal idle replicas share
-    a burst instead of the first one taking it all). The prediction times ``safety_ratio`` must
-    land by the deadline."""
+    ``TTFT_TIE_S`` of each other tie, and a tie goes to the first in least-loaded order
+    (requests ÷ weight, then free KV, then the heavier, then the id) — so equal idle replicas
+    share a burst by weight, never all to whichever replica's state happened to arrive first.
+    The prediction times ``safety_ratio`` must land by the deadline."""
     best: _Option | None = None
     best_ttft_s = 0.0
     now_s = snapshot.now_s
@@ -237,7 +244,7 @@ def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
         if best is not None:
             if ttft_s > best_ttft_s + TTFT_TIE_S:
                 continue
-            if ttft_s >= best_ttft_s - TTFT_TIE_S and not _wins_tie(replica, f, *best):
+            if ttft_s >= best_ttft_s - TTFT_TIE_S and load_order(replica) >= load_order(best[0]):
                 continue
         if _fits_now(cost, snapshot, replica, f, ttft_s * safety_ratio):
             best, best_ttft_s = (replica, f), ttft_s
@@ -246,11 +253,6 @@ def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
     return Admit(best[0].replica_id, max(0.0, now_s - cost.arrival_s) + best_ttft_s)
 
 
-def _wins_tie(replica: ReplicaSnapshot, f: TtftForecast, best_replica: ReplicaSnapshot,
-              best_f: TtftForecast) -> bool:
-    if f.join_step_s != best_f.join_step_s:
-        return f.join_step_s < best_f.join_step_s
-    return replica.num_inflight < best_replica.num_inflight
 
 
 def _fits_now(

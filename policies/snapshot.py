@@ -33,6 +33,12 @@ class ReplicaSnapshot:
     ``capacity_known`` is False for a replica that publishes no load state (an arbitrary ASGI
     app or upstream without ``/kvguard/state``): it is healthy but never fresh, so policies
     that predict fall back to their stale-state rule for it.
+
+    ``weight`` is the operator's relative share of traffic for this replica (``[[replicas]]
+    weight``, default 1; only ratios matter). Policies read it where they cannot tell replicas
+    apart from their state: least-loaded routing compares ``requests ÷ weight``
+    (:func:`policies.least_loaded.weighted_load`), and the ``slo`` policy uses that order only
+    to break exact ties of its forecast and in its stale-state rule.
     """
 
     replica_id: str
@@ -50,6 +56,7 @@ class ReplicaSnapshot:
     num_inflight: int = 0  # requests this guard has admitted and not yet released on it
     healthy: bool = True
     capacity_known: bool = True
+    weight: float = 1.0
 
     @property
     def num_available_blocks(self) -> int:

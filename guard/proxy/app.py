@@ -185,6 +185,7 @@ class ProxyApp:
             snap = self.load_state.replica_snapshot(rid)
             replicas.append({
                 "replica_id": rid, "url": replica.url, "state_source": replica.state_source,
+                "weight": replica.weight,
                 "routable": self.routable(rid), "healthy": self.load_state.is_healthy(rid),
                 "ejected": self.health.is_ejected(rid),
                 "consecutive_failures": self.health.consecutive_failures(rid),

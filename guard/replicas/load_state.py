@@ -28,6 +28,7 @@ the poller and its sources live in :mod:`guard.replicas.poller`, the vLLM ``/met
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -88,10 +89,18 @@ class LoadState:
 
     def __init__(self, max_staleness_s: float = 2.0,
                  fitter_factory: Callable[[StepTimeModel], StepTimeFitter] = _default_fitter,
-                 default_prior: StepTimeModel | None = None):
+                 default_prior: StepTimeModel | None = None,
+                 weights: Mapping[str, float] | None = None):
         if max_staleness_s <= 0:
             raise ValueError("max_staleness_s: must be > 0")
         self._max_staleness_s = max_staleness_s
+        # each replica's configured weight (``[[replicas]] weight``), stamped on its snapshots
+        self._weights = dict(weights or {})
+        for replica_id, weight in self._weights.items():
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                    or not math.isfinite(weight) or not weight > 0:
+                raise ValueError(f"weights[{replica_id!r}]: must be a finite number > 0, "
+                                 f"got {weight!r}")
         self._fitter_factory = fitter_factory
         self._default_prior = default_prior or roofline_prior()
         self._replicas: dict[str, _Replica] = {}
@@ -200,6 +209,9 @@ class LoadState:
         return self._set_base(self._replica(replica_id), base)
 
     def _set_base(self, replica: _Replica, base: ReplicaSnapshot) -> ReplicaSnapshot:
+        weight = self._weights.get(base.replica_id, 1.0)
+        if base.weight != weight:
+            base = dataclasses.replace(base, weight=weight)
         replica.base = base
         replica.combined = None
         self._snapshots = None

@@ -122,6 +122,51 @@ def test_plan_runs_puts_bare_next_to_slo_below_capacity_then_every_policy():
             plan_runs(scenario(*bad).args)
 
 
+def test_a_fleet_has_no_bare_row_its_reference_is_the_always_admit_proxy():
+    s = scenario("--fleet", "4", "--loads", "2", "--policies", "slo",
+                 "--reference-loads", "0.5")
+    assert plan_runs(s.args) == [(0.5, "always_admit"), (0.5, "slo"), (2.0, "slo")]
+    assert plan_sdk_runs(s.args) == []  # SDK users replay against one replica only
+    for bad in (["--policies", "bare"], ["--reference-policies", "bare,slo"]):
+        with pytest.raises(ValueError, match="no fleet form"):
+            plan_runs(scenario("--fleet", "4", *bad).args)
+    with pytest.raises(ValueError, match="one replica only"):
+        plan_sdk_runs(scenario("--fleet", "4", "--sdk-loads", "2").args)
+    rows = [{"load": 2.0, "policy": "always_admit", "goodput_rps": 4.0},
+            {"load": 2.0, "policy": "slo", "goodput_rps": 10.0}]
+    add_bare_ratios(rows, "always_admit")
+    assert [r["goodput_over_always_admit"] for r in rows] == [1.0, 2.5]
+    assert "| ÷ always_admit |" in render_table([{**r, "ttft_p50_s": None, "ttft_p99_s": None,
+                                                  "goodput_over_c": 1.0, "rejected_ratio": 0.0,
+                                                  "canceled_ratio": 0.0, "wasted_tokens": 0,
+                                                  "wasted_ratio": 0.0} for r in rows],
+                                                "always_admit")
+
+
+@pytest.mark.slow
+def test_fleet_variant_runs_both_proxies_side_by_side(tmp_path, capsys):
+    """Tiny scale: 2 sim replicas, a given capacity, one load; both rows in the table."""
+    out = tmp_path / "fleet"
+    rc = kvguard(["bench", "overload", "--fleet", "2", "--capacity", "3", "--time-scale", "2",
+                  "--duration", "2", "--warmup", "0.5", "--client-timeout", "3",
+                  "--prompt-tokens", "256:512", "--output-tokens", "8:16", "--loads", "1.5",
+                  "--policies", "always_admit,slo", "--reference-loads", "",
+                  "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "| 1.50 | always_admit |" in printed and "| 1.50 | slo |" in printed
+    result = json.loads((out / "overload.json").read_text())
+    assert result["capacity_rps"] == 6.0  # 2 replicas x the given 3 req/s
+    rows = {r["policy"]: r for r in result["rows"]}
+    assert set(rows) == {"always_admit", "slo"}
+    assert rows["always_admit"]["goodput_over_always_admit"] == 1.0
+    for policy in rows:
+        summary = json.loads((out / f"{policy}-1.50" / "summary.json").read_text())
+        assert summary["reconciles"] and summary["counts"]["offered"] > 0
+        assert summary["server"]["outcomes"]["kind"] == "guard"  # the proxy's counters
+    assert (out / "slo-1.50" / "guard-trace.jsonl").stat().st_size > 0  # the proxy's trace
+
+
 def test_goodput_over_bare_is_taken_at_the_same_load():
     rows = [{"load": 0.5, "policy": "bare", "goodput_rps": 4.0},
             {"load": 0.5, "policy": "slo", "goodput_rps": 3.9},

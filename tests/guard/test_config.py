@@ -143,6 +143,12 @@ def test_no_file_no_env_is_defaults():
         ({"replicas": [{"url": "http://x"}, {"replica_id": "r0", "url": "http://y"}]}, "replicas"),
         ({"replicas": [{"url": "http://x", "max_model_len": 0}]}, "max_model_len"),
         ({"replicas": [{"url": "http://x", "max_model_len": "big"}]}, "replicas[0].max_model_len"),
+        ({"replicas": [{"url": "http://x", "weight": 0}]}, "replicas['r0'].weight: must be a finite"),
+        ({"replicas": [{"url": "http://x", "weight": -2.0}]}, "replicas['r0'].weight"),
+        ({"replicas": [{"url": "http://x", "weight": float("inf")}]}, "replicas['r0'].weight"),
+        ({"replicas": [{"url": "http://x", "weight": float("nan")}]}, "replicas['r0'].weight"),
+        ({"replicas": [{"url": "http://x", "weight": "3"}]}, "replicas[0].weight: expected float"),
+        ({"replicas": [{"url": "http://x", "weight": True}]}, "replicas[0].weight"),
         ({"policy_params": 3}, "policy_params"),
         ({"class_header": ""}, "class_header"),
     ],
@@ -233,3 +239,11 @@ def test_dataclasses_are_frozen_and_headers_lowercased():
     vllm = GuardConfig.from_dict({"replicas": [{"url": "http://v:8000", "state_source": "vllm",
                                                 "max_model_len": 8192}]})
     assert vllm.replicas[0] == ReplicaConfig("r0", "http://v:8000", "vllm", 8192)
+
+
+def test_replica_weight_defaults_to_one_and_takes_integers():
+    config = GuardConfig.from_dict({"replicas": [{"url": "http://a:1", "weight": 3},
+                                                 {"url": "http://b:1", "weight": 0.5},
+                                                 {"url": "http://c:1"}]})
+    assert [r.weight for r in config.replicas] == [3.0, 0.5, 1.0]
+    assert isinstance(config.replicas[0].weight, float)

@@ -77,6 +77,7 @@ def make_replica(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 64,
     max_model_len: int = 1024,
+    weight: float = 1.0,
 ) -> ReplicaSnapshot:
     return ReplicaSnapshot(
         replica_id=replica_id,
@@ -93,6 +94,7 @@ def make_replica(
         num_reserved_blocks=reserved_blocks,
         num_inflight=inflight,
         healthy=healthy,
+        weight=weight,
     )
 
 

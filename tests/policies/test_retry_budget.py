@@ -111,3 +111,27 @@ def test_view_is_cached_until_a_record_or_a_new_bucket():
 def test_bad_config_is_a_value_error(kwargs):
     with pytest.raises(ValueError):
         RetryBudgetConfig(**kwargs)
+
+
+def test_cached_view_always_equals_a_rebuilt_one():
+    """The view is kept across records unless one flips a tenant's or the guard's state; it must
+    equal the view rebuilt from scratch after every step of a mixed sequence."""
+    import random
+
+    rng = random.Random(7)
+    cached, rebuilt = budget(min_retries=1), budget(min_retries=1)
+    now_s = 0.0
+    num_over = 0
+    for _ in range(3000):
+        now_s += rng.choice((0.0, 0.01, 0.3, 2.5))
+        tenant, step, is_retry = rng.choice(("a", "b", "c")), rng.random(), rng.random() < 0.3
+        for b in (cached, rebuilt):
+            if step < 0.7:
+                b.record(tenant, is_retry, now_s)
+            elif step < 0.85:
+                b.advise_retry(tenant, now_s)
+        rebuilt._view = None
+        view = cached.view(now_s)
+        assert view == rebuilt.view(now_s), now_s
+        num_over += bool(view.over_tenants)
+    assert 0 < num_over < 3000  # the sequence did cross the budget both ways

@@ -47,16 +47,33 @@ def test_chooses_the_replica_with_the_lowest_predicted_ttft_not_the_fewest_reque
     assert decide(busy, backlog) == Admit("b", pytest.approx(0.014 + 0.0032))
 
 
-def test_equal_forecasts_go_to_the_shorter_join_step_then_to_fewer_in_flight():
-    # Both idle and equal: the one this guard has fewer requests in flight on wins, whatever
-    # the order (a burst on two equal replicas is shared, not all sent to the first).
-    assert decide(make_replica("a", inflight=3), make_replica("b", inflight=1)) == Admit(
-        "b", pytest.approx(0.0132))
-    assert decide(make_replica("a", inflight=1), make_replica("b", inflight=3)).replica_id == "a"
-    # In-flight counts only break ties: a replica with streams running loses to an idle one
-    # that has more requests in flight (its forecast is 2 ms later, outside the tie band).
-    busy = make_replica("a", running=[decoding(), decoding()])
-    assert decide(busy, make_replica("b", inflight=5)).replica_id == "b"
+def test_an_exact_tie_goes_to_the_least_loaded_not_the_first_listed():
+    """Idle replicas forecast alike: the tie is broken in least-loaded order (requests ÷
+    weight, then heavier, then id), whatever order the snapshot lists them in."""
+    assert decide(make_replica("b"), make_replica("a")) == decide(make_replica("a"),
+                                                                  make_replica("b"))
+    assert decide(make_replica("b"), make_replica("a")).replica_id == "a"
+    heavy = make_replica("b", weight=2.0)
+    assert decide(make_replica("a"), heavy).replica_id == "b"
+    # decoding reservations add no prefill: the forecasts still tie, the request counts do not
+    two = make_replica("a", reserved=[decoding()] * 2, reserved_blocks=8)
+    one = make_replica("b", reserved=[decoding()], reserved_blocks=4)
+    assert decide(two, one).replica_id == "b"
+    assert decide(dataclasses.replace(two, weight=3.0), one).replica_id == "a"  # 2/3 < 1
+
+
+def test_weight_does_not_bend_a_fresh_forecast():
+    backlog = make_replica("a", waiting=[prompt_waiting(500)], weight=100.0)
+    busy = make_replica("b", running=[decoding()] * 4)
+    assert decide(backlog, busy).replica_id == "b"
+
+
+def test_stale_state_routes_by_requests_per_weight():
+    a = make_replica("a", running=[decoding()] * 5, observed_s=0.0, weight=3.0)  # 5 / 3
+    b = make_replica("b", running=[decoding()] * 2, observed_s=0.0)  # 2 / 1
+    cost = make_cost(arrival_s=4.9, deadline_s=10.0)
+    assert decide(a, b, cost=cost, now_s=5.0) == Admit("a")
+    assert decide(dataclasses.replace(a, weight=2.0), b, cost=cost, now_s=5.0) == Admit("b")
 
 
 def test_refuses_a_replica_whose_join_would_push_a_running_stream_past_its_itl():

@@ -46,7 +46,8 @@ def running(child: ChildProcess, timeout_s: float = 90.0):
 
 def proxy_child(upstreams: list[str], config: str, *, state_source: str = "kvguard",
                 healthy: bool = True, extra_args: tuple[str, ...] = ()) -> ChildProcess:
-    """``kvguard proxy`` for these upstreams; ``healthy=False`` waits only for the port."""
+    """``kvguard proxy`` for these upstreams (none: the config's ``[[replicas]]``);
+    ``healthy=False`` waits only for the port."""
     args = [a for url in upstreams for a in ("--upstream", url)] + list(extra_args)
 
     def argv(port: int) -> list[str]:

@@ -2,6 +2,7 @@
 routing spread, client disconnect, a vLLM-style upstream, SIGTERM drain."""
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
@@ -75,6 +76,50 @@ def test_routing_spreads_concurrent_streams_over_both_replicas(fleet):
     assert all(status == 200 and text.rstrip().endswith("data: [DONE]")
                for status, _, text in results)
     assert {replica for _, replica, _ in results} == {"r0", "r1"}
+
+
+WEIGHTED = """
+policy = "slo"
+refresh_interval_s = 0.1
+[policy_params]
+stale_max_inflight_per_replica = 32   # the stale rule's bound (64) stays above this test's 40
+[[replicas]]
+url = "{0}"
+state_source = "none"
+weight = 3
+[[replicas]]
+url = "{1}"
+state_source = "none"
+weight = 1
+"""
+
+
+def test_weights_split_concurrent_streams_on_replicas_without_state(fleet, client, tmp_path):
+    """With no load state (``state_source = "none"``) routing is requests ÷ weight: 40 streams
+    held open at once land 30 : 10 on weights 3 : 1 (each admission is counted before the next
+    decision, so the split does not depend on timing; the streams outlast the test)."""
+    config = tmp_path / "weighted.toml"
+    config.write_text(WEIGHTED.format(*fleet.replica_urls))
+    body = {**BODIES["/v1/completions"], "max_tokens": 3000, "stream": True}
+
+    async def main(proxy_url):
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as http, \
+                contextlib.AsyncExitStack() as streams:
+            responses = await asyncio.gather(*(streams.enter_async_context(
+                http.stream("POST", proxy_url + "/v1/completions", json=body))
+                for _ in range(40)))
+            state = (await http.get(proxy_url + "/kvguard/state")).json()
+            return [r.status_code for r in responses], \
+                [r.headers.get("x-kvguard-replica") for r in responses], state
+
+    with running(proxy_child([], str(config))) as proxy:
+        statuses, served, state = asyncio.run(main(proxy.url))
+    assert statuses == [200] * 40
+    assert state["num_in_flight"] == 40  # all held open at once
+    replicas = {r["replica_id"]: r for r in state["replicas"]}
+    assert {rid: r["weight"] for rid, r in replicas.items()} == {"r0": 3.0, "r1": 1.0}
+    assert (served.count("r0"), served.count("r1")) == (30, 10)
+    assert (replicas["r0"]["num_inflight"], replicas["r1"]["num_inflight"]) == (30, 10)
 
 
 def test_client_disconnect_frees_the_upstream_blocks(fleet, client):

@@ -95,6 +95,22 @@ def test_staleness_and_unhealthy():
     assert [r.replica_id for r in ls.snapshot(13.0).fresh_replicas()] == ["r1"]
 
 
+def test_configured_weights_reach_every_snapshot_of_the_replica():
+    ls = make_state(weights={"r0": 3.0})
+    ls.update_from_kvguard_state("r0", state(), now_s=1.0)
+    ls.mark_unknown_capacity("r1", now_s=1.0)
+    assert [r.weight for r in ls.snapshot(1.0).replicas] == [3.0, 1.0]
+    ls.reserve("r0", "a", cost("a"), now_s=1.0)  # with reservations
+    assert ls.replica_snapshot("r0").weight == 3.0 and ls.replica_snapshot("r0").reserved
+    ls.mark_unhealthy("r0", 1.5)
+    assert ls.replica_snapshot("r0").weight == 3.0
+    ls.update_from_vllm_metrics("r0", VLLM_METRICS, now_s=2.0)
+    assert ls.replica_snapshot("r0").weight == 3.0
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "2"):
+        with pytest.raises(ValueError, match=r"weights\['r0'\]"):
+            make_state(weights={"r0": bad})
+
+
 def test_reservation_dropped_when_state_lists_the_request():
     ls = make_state()
     ls.update_from_kvguard_state("r0", state(), now_s=1.0)
