@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-url", default=None,
                    help="Prometheus page(s) to reconcile with, comma-separated (default: "
                         "URL/kvguard/metrics and URL/metrics; 'none' to skip)")
+    p.add_argument("--admin-key", default=os.environ.get("KVGUARD_ADMIN_API_KEY"),
+                   help="bearer key for a guard's protected metrics pages (default "
+                        "$KVGUARD_ADMIN_API_KEY)")
     p.add_argument("--out", default=None, help="output folder (default runs/load-<time>)")
     p.add_argument("--sweep", default=None, help="START:STOP:STEP multiples of --base-rate")
     p.add_argument("--base-rate", type=float, default=None, help="base rate for --sweep")
@@ -103,9 +107,11 @@ def _schedule_config(args, rate: float) -> ScheduleConfig:
         burst_duration_s=args.burst_duration)
 
 
-def _model_name(url: str) -> str | None:
+def _model_name(url: str, key: str | None) -> str | None:
+    headers = {"authorization": f"Bearer {key}"} if key else None
     try:
-        resp = httpx.get(url.rstrip("/") + "/v1/models", timeout=5.0, trust_env=False)
+        resp = httpx.get(url.rstrip("/") + "/v1/models", timeout=5.0, trust_env=False,
+                         headers=headers)
         return resp.json()["data"][0]["id"] if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError, KeyError, IndexError):
         return None
@@ -121,17 +127,28 @@ def _metrics_urls(args) -> list[str]:
     return [base + "/kvguard/metrics", base + "/metrics"]
 
 
-def _scrape_all(urls: list[str]) -> dict | None:
+_told_refused: set[str] = set()
+
+
+def _refused(url: str, status: int) -> None:
+    if url not in _told_refused:
+        _told_refused.add(url)
+        print(f"WARNING: {url} answered {status}: pass --admin-key (or set "
+              "KVGUARD_ADMIN_API_KEY) to reconcile with the server's counters", file=sys.stderr)
+
+
+def _scrape_all(urls: list[str], admin_key: str | None = None) -> dict | None:
     """All samples of every page that answered (names do not collide); None if none did."""
-    pages = [p for p in (scrape(u) for u in urls) if p is not None]
+    pages = [p for p in (scrape(u, admin_key=admin_key, on_refused=_refused) for u in urls)
+             if p is not None]
     return {k: v for page in pages for k, v in page.items()} if pages else None
 
 
-def _settled_after(urls: list[str], before: dict) -> dict | None:
+def _settled_after(urls: list[str], before: dict, admin_key: str | None) -> dict | None:
     """Scrape until the server's outcome counters add up (its in-flight work done)."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
-        after = _scrape_all(urls)
+        after = _scrape_all(urls, admin_key)
         if after is None:
             return None
         out = server_outcomes(counter_deltas(before, after), after)
@@ -141,10 +158,10 @@ def _settled_after(urls: list[str], before: dict) -> dict | None:
         time.sleep(0.1)
 
 
-def _server_block(urls: list[str], before: dict | None) -> dict | None:
+def _server_block(urls: list[str], before: dict | None, admin_key: str | None) -> dict | None:
     if not urls or before is None:
         return None
-    after = _settled_after(urls, before)
+    after = _settled_after(urls, before, admin_key)
     if after is None:
         return {"urls": urls, "deltas": None, "outcomes": None}
     deltas = counter_deltas(before, after)
@@ -163,12 +180,12 @@ def run_once(args, rate: float, out_dir: Path, model: str | None) -> dict:
                      max_connections=args.max_connections)
     specs = build_schedule(sched)
     metrics_urls = _metrics_urls(args)
-    before = _scrape_all(metrics_urls)
+    before = _scrape_all(metrics_urls, args.admin_key)
     with progress(quiet=args.quiet) as on_tick:
         result = asyncio.run(run_load(specs, cfg, on_tick=on_tick))
     summary = build_summary(result, declared_rate_per_s=rate, shape=args.shape,
                             classes=classes, window=window,
-                            server=_server_block(metrics_urls, before),
+                            server=_server_block(metrics_urls, before, args.admin_key),
                             declared_mean_rate_per_s=sched.expected_count() / args.duration)
     write_run(out_dir, result.records, summary, classes, window)
     return summary
@@ -218,7 +235,9 @@ def _run_sweep(args, out_dir: Path, model: str | None) -> int:
 def run(args) -> int:
     require_loopback(args.url)
     out_dir = Path(args.out or f"runs/load-{time.strftime('%Y%m%d-%H%M%S')}")
-    model = args.model or _model_name(args.url)
+    keys = args.api_keys.split(",") if args.api_keys else []
+    model = args.model or _model_name(args.url, args.admin_key or (keys[0].strip() if keys
+                                                                    else None))
     if args.sweep:
         return _run_sweep(args, out_dir, model)
     if args.rate is None:

@@ -47,13 +47,19 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float] | None:
-    """Scrape ``url``; None (not an exception) when the server has no metrics page."""
+def scrape(url: str, timeout_s: float = 5.0, *, admin_key: str | None = None,
+           on_refused=None) -> dict[str, float] | None:
+    """Scrape ``url`` (with ``Authorization: Bearer admin_key`` when given); None (not an
+    exception) when the server has no metrics page. A 401/403 also gives None, and
+    ``on_refused(url, status)`` is called so the caller can say why."""
     require_loopback(url)
+    headers = {"authorization": f"Bearer {admin_key}"} if admin_key else None
     try:
-        resp = httpx.get(url, timeout=timeout_s, trust_env=False)
+        resp = httpx.get(url, timeout=timeout_s, trust_env=False, headers=headers)
     except httpx.HTTPError:
         return None
+    if resp.status_code in (401, 403) and on_refused is not None:
+        on_refused(url, resp.status_code)
     if resp.status_code != 200:
         return None
     return parse_metrics(resp.text)

@@ -166,3 +166,38 @@ def test_cli_refuses_a_bad_mix(capsys):
     assert kvguard(["load", "--url", "http://127.0.0.1:9", "--rate", "1", "--duration", "1",
                     "--mix", "interactive:1.0", "--metrics-url", "none"]) == 2
     assert "--mix" in capsys.readouterr().err
+
+
+def test_metrics_scrape_sends_the_admin_key_and_says_when_refused(capsys):
+    """A guard that protects its metrics answers 401 without the admin key: ``kvguard load``
+    sends ``--admin-key`` (default $KVGUARD_ADMIN_API_KEY) and says why it cannot reconcile."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from chaos import load_cli
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            ok = self.headers.get("authorization") == "Bearer sk-admin"
+            body = b"kvguard_requests_total 3\n" if ok else b"{}"
+            self.send_response(200 if ok else 401)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/kvguard/metrics"
+        assert load_cli._scrape_all([url], "sk-admin") == {"kvguard_requests_total": 3.0}
+        assert load_cli._scrape_all([url], None) is None
+        assert "answered 401: pass --admin-key" in capsys.readouterr().err
+        args = load_cli.argparse.ArgumentParser()
+        load_cli.configure(args)
+        assert args.parse_args(["--url", url, "--rate", "1", "--duration", "1",
+                                "--admin-key", "k"]).admin_key == "k"
+    finally:
+        server.shutdown()
