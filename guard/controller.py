@@ -168,6 +168,7 @@ class AdmissionController:
         self._chunk_warned: set[str] = set()  # replicas warned about their chunk budget
         self.draining = False  # begin_drain: every decision sheds shutting_down
         self.shared = shared_reservations  # other guards' pending reservations, via Redis
+        self._decided_versions: dict[str, int] = {}  # request id -> shared view it was admitted on
         if shared_reservations is not None:
             shared_reservations.bind(self.load_state, self.registry, self.clock)
             self.on_close.append(shared_reservations.aclose)
@@ -295,6 +296,9 @@ class AdmissionController:
             self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
             if commit:
                 self._commit(cost, decision, now_s)
+            elif self.shared is not None:  # the view it was decided on, for the confirmation
+                self._decided_versions[cost.request_id] = self.shared.version.get(
+                    decision.replica_id, 0)
         return decision
 
     def _pump_decide(self, cost: RequestCost, now_s: float,
@@ -311,9 +315,11 @@ class AdmissionController:
         """Shared KV reservations: publish the reservation and, when another guard reserved on
         that replica since the decision, decide again on the view that includes it."""
         for _ in range(MAX_REDECISIONS):
+            version = self._decided_versions.pop(cost.request_id, None)
             if not isinstance(result, Admit):
                 return result
-            version = self.shared.version.get(result.replica_id, 0)  # what the decision saw
+            if version is None:  # not decided here since (cannot happen): the view now
+                version = self.shared.version.get(result.replica_id, 0)
             try:
                 confirmed = await self.shared.confirm(result.replica_id, version)
             except BaseException:  # cancelled (the client left): nothing stays reserved
@@ -374,6 +380,7 @@ class AdmissionController:
         admission it already got is undone, so nothing leaks."""
         self.queue.remove(waiter)
         future, cost = waiter.future, waiter.cost
+        self._decided_versions.pop(cost.request_id, None)
         if future.done() and not future.cancelled() and isinstance(future.result(), Admit):
             # admitted but never dispatched: released as canceled (frees the reservation)
             ticket = self.tickets.issue(cost, future.result().replica_id, self.clock(),

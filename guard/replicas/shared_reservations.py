@@ -138,7 +138,8 @@ class SharedReservations:
             return
         self._own[replica_id].pop(request_id, None)
         self._adds[replica_id].discard(request_id)
-        self._removes[replica_id].add(request_id)
+        if self.shared:  # local-only: nothing to withdraw (what Redis holds expires)
+            self._removes[replica_id].add(request_id)
 
     # --- admission ----------------------------------------------------------------------------
 
@@ -221,6 +222,8 @@ class SharedReservations:
         else:
             log.warning("KV reservations: redis unreachable, local-only (other guards' "
                         "admissions are not subtracted until it answers)")
+            for removes in self._removes.values():
+                removes.clear()  # their leases expire in Redis
             if self._load_state is not None:
                 for replica_id in self._keys:
                     self._load_state.set_foreign(replica_id, {}, self._clock())
