@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+import redis
 
 from chaos.topology import SIM_REPLICA_ARGS, Topology, TopologySpec
 
@@ -30,13 +31,32 @@ redis_timeout_s = 1.0   # three proxies and the client share two busy cores: a h
 BODY = {"model": "llama-7b", "prompt": "hello " * 200, "max_tokens": 200}
 
 
-async def burst(urls: list[str], num: int) -> list[int]:
+async def burst(urls: list[str], num: int, during=None) -> list[int]:
+    """``num`` simultaneous completions over ``urls``; ``during()`` runs in a thread meanwhile."""
     limits = httpx.Limits(max_connections=num, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=120.0, limits=limits, trust_env=False) as client:
         async def one(i: int) -> int:
             response = await client.post(urls[i % len(urls)] + "/v1/completions", json=BODY)
             return response.status_code
-        return list(await asyncio.gather(*(one(i) for i in range(num))))
+        tasks = [asyncio.ensure_future(one(i)) for i in range(num)]
+        if during is not None:
+            await asyncio.to_thread(during)
+        return list(await asyncio.gather(*tasks))
+
+
+def sample_keys(redis_url: str, seen: dict, duration_s: float = 2.0) -> None:
+    """Record every ``kvguard:*`` key and its TTL (ms) for ``duration_s``."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=5.0)
+    try:
+        deadline = time.monotonic() + duration_s
+        while time.monotonic() < deadline:
+            for key in client.scan_iter("kvguard:*"):
+                ttl_ms = client.pttl(key)
+                if ttl_ms != -2:  # -2: gone since the scan; -1 would be a key without a TTL
+                    seen[key] = min(seen.get(key, 1 << 62), ttl_ms)
+            time.sleep(0.05)
+    finally:
+        client.close()
 
 
 def idle(replica_urls: list[str]) -> bool:
@@ -75,7 +95,8 @@ def test_three_proxies_on_one_redis_admit_no_more_kv_than_one_proxy(tmp_path):
         wait_idle(replicas)
         alone = asyncio.run(burst(proxies[:1], 30))
         wait_idle(replicas)
-        shared = asyncio.run(burst(proxies, 30))
+        seen_keys: dict[bytes, int] = {}
+        shared = asyncio.run(burst(proxies, 30, lambda: sample_keys(fleet.redis_url, seen_keys)))
         wait_idle(replicas)
         assert set(alone) <= {200, 503} and set(shared) <= {200, 503}
         per_replica = NUM_BLOCKS // -(-(200 + 200) // BLOCK_SIZE)  # requests whose KV fits
@@ -83,3 +104,5 @@ def test_three_proxies_on_one_redis_admit_no_more_kv_than_one_proxy(tmp_path):
         # the three proxies together: no more than the one alone, and no engine preempted
         assert shared.count(200) <= alone.count(200)
         assert preemptions(replicas) == 0
+        # while requests were pending the proxies' keys were in Redis, each with a TTL
+        assert seen_keys and all(ttl_ms > 0 for ttl_ms in seen_keys.values()), seen_keys
