@@ -111,3 +111,18 @@ def test_redis_down_local_only_then_republished_when_it_is_back():
         asyncio.run(asyncio.wait_for(go(), 60))
     finally:
         server.kill()
+
+
+def test_works_on_a_redis_cluster_one_slot_per_replica(redis_cluster):
+    async def go():
+        a_state, a, _ = guard(redis_cluster.url)
+        b_state, b, _ = guard(redis_cluster.url)
+        await until(lambda: a.shared and b.shared)
+        a_state.reserve("r0", "a1", make_cost("a1", num_blocks=2), time.monotonic())
+        a_state.reserve("r1", "a2", make_cost("a2", num_blocks=3), time.monotonic())
+        assert await a.sync("r0") and await a.sync("r1")
+        assert await b.sync("r0") and await b.sync("r1")
+        assert (b_state.num_reserved_blocks("r0"), b_state.num_reserved_blocks("r1")) == (2, 3)
+        await a.aclose()
+        await b.aclose()
+    asyncio.run(asyncio.wait_for(go(), 60))
