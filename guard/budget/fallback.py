@@ -209,11 +209,11 @@ class FallbackStore:
                 await self._heartbeat()
                 if self.share.in_episode:  # local decisions while the breaker stayed closed
                     self._end_episode()
-                await asyncio.wait_for(self.redis.refresh(self._stale_tenants()),
-                                       PROBE_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001
                 log.debug("budget heartbeat failed: %r", exc)
                 self.breaker.record_failure()
+            else:
+                await self._refresh_levels()
             try:
                 await asyncio.wait_for(self._wake.wait(), self._config.heartbeat_s)
             except asyncio.TimeoutError:
@@ -288,6 +288,14 @@ class FallbackStore:
         """Charge Redis with this guard's local decisions (see :mod:`guard.budget.local_share`)."""
         for tenant, (tokens, requests) in self.share.end(self.epoch).items():
             self.redis.charge(tenant, tokens, requests)
+
+    async def _refresh_levels(self) -> None:
+        """Read again the levels of tenants this guard has not heard about for a beat (best
+        effort: a slow answer here is no reason to leave Redis; the heartbeat decides)."""
+        try:
+            await asyncio.wait_for(self.redis.refresh(self._stale_tenants()), PROBE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001
+            log.debug("budget level refresh incomplete: %r", exc)
 
     def _stale_tenants(self) -> list[str]:
         """Tenants whose levels this guard has not refreshed for a beat (most recent first)."""

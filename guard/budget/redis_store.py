@@ -165,10 +165,10 @@ class RedisStore:
         self.remaining.clear()
 
     async def refresh(self, tenants: Sequence[str]) -> None:
-        """Read the levels of ``tenants`` again (one settle call each, carrying anything queued
-        for them). Raises on Redis trouble."""
-        for tenant in tenants:
-            await self._flush_tenant(tenant, self._pending.pop(tenant, []), raise_errors=True)
+        """Read the levels of ``tenants`` again (one settle call each, concurrently, carrying
+        anything queued for them). Raises on Redis trouble."""
+        await asyncio.gather(*(self._flush_tenant(t, self._pending.pop(t, []), raise_errors=True)
+                               for t in tenants))
 
     async def renew(self, grants: Sequence[Grant], lease_s: float) -> None:
         """Extend the leases of ``grants`` (one call per tenant). Raises on Redis trouble."""

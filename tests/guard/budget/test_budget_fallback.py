@@ -343,3 +343,20 @@ def test_slow_redis_flapping_the_breaker_never_over_admits_and_redis_comes_back(
         run(go())
     finally:
         server.kill()
+
+
+def test_heartbeats_refresh_what_an_idle_guard_knows_is_left(redis_server):
+    async def go():
+        limits = BudgetLimits(requests_per_minute=60)
+        tenant = f"idle{time.time_ns()}"
+        idle, busy = fallback(redis_server.url, limits), fallback(redis_server.url, limits)
+        await until(lambda: idle.backend == "redis" and busy.backend == "redis")
+        assert isinstance(await timed_reserve(idle, tenant), Grant)
+        assert idle.redis.levels[tenant][1] >= 58
+        for _ in range(30):
+            assert isinstance(await timed_reserve(busy, tenant), Grant)
+        # the idle guard made no call for the tenant: its heartbeat reads the level again
+        await until(lambda: idle.redis.levels[tenant][1] <= 30)
+        await idle.aclose()
+        await busy.aclose()
+    run(go())
