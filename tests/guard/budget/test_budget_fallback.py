@@ -356,7 +356,7 @@ def test_heartbeats_refresh_what_an_idle_guard_knows_is_left(redis_server):
         for _ in range(30):
             assert isinstance(await timed_reserve(busy, tenant), Grant)
         # the idle guard made no call for the tenant: its heartbeat reads the level again
-        await until(lambda: idle.redis.levels[tenant][1] <= 30)
+        await until(lambda: idle.redis.levels[tenant][1] <= 35)  # 29 left, plus refill
         await idle.aclose()
         await busy.aclose()
     run(go())
