@@ -80,6 +80,7 @@ from guard.pricing import PricedRequest, Pricer, tokenizer_counter
 from guard.release import ReleaseListeners
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import StatePoller, StateSource
+from guard.replicas.shared_reservations import SharedReservations
 from guard.request_rules import ReplicaRules
 from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
 from guard.ticket import Ticket, TicketBook
@@ -97,6 +98,7 @@ __all__ = ["AdmissionController", "INVALID_KEY"]
 _log = logging.getLogger(__name__)
 
 INVALID_KEY = ("invalid_api_key", "Incorrect or missing API key.")
+MAX_REDECISIONS = 4  # shared KV reservations: decisions per request before the last one stands
 _DRAINING = Shed(503, SHUTTING_DOWN, retry_after_s=1.0)  # a floor: another replica can serve it
 Headers = Mapping[str, str]
 
@@ -116,7 +118,8 @@ class AdmissionController:
                  tokenizer: Callable[[str], int] | None = None, policy: Any = None,
                  load_state: LoadState | None = None, pricer: Pricer | None = None,
                  rng: random.Random | None = None, trace: TraceWriter | None = None,
-                 budget: BudgetStore | None = None, budget_lease_s: float | None = None) -> None:
+                 budget: BudgetStore | None = None, budget_lease_s: float | None = None,
+                 shared_reservations: SharedReservations | None = None) -> None:
         budget_lease_s = config.budget.lease_s if budget_lease_s is None else budget_lease_s
         if budget_lease_s <= 0:
             raise ValueError(f"budget_lease_s: must be > 0, got {budget_lease_s!r}")
@@ -165,7 +168,12 @@ class AdmissionController:
         self._sources = dict(sources) if sources is not None else None
         self._chunk_warned: set[str] = set()  # replicas warned about their chunk budget
         self.draining = False  # begin_drain: every decision sheds shutting_down
-        self.background = Background(lambda: self.queue.run(self._decide),
+        self.shared = shared_reservations  # other guards' pending reservations, via Redis
+        self._decided_versions: dict[str, int] = {}  # request id -> shared view it was admitted on
+        if shared_reservations is not None:
+            shared_reservations.bind(self.load_state, self.registry, self.clock)
+            self.on_close.append(shared_reservations.aclose)
+        self.background = Background(lambda: self.queue.run(self._pump_decide),
                                      self._make_poller if self._sources else None,
                                      self._update_limits, self._housekeeping)
 
@@ -224,7 +232,10 @@ class AdmissionController:
                 return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
             grant = self._grants[outcome.grant_id] = outcome
         try:
-            result = self._decide(cost, arrival_s, self.queue.ahead_of(cost))
+            ahead = self.queue.ahead_of(cost)
+            result = self._decide(cost, arrival_s, ahead, commit=self.shared is None)
+            if self.shared is not None:
+                result = await self._confirmed(cost, result, ahead)
             if isinstance(result, Admit):  # the common path: no queue, no extra coroutine
                 return self._admission(priced, result, None, grant)
             return await self._queue_or_shed(priced, result, headers, grant, client_gone)
@@ -237,10 +248,12 @@ class AdmissionController:
                              ) -> Admission | Rejection | None:
         cost = priced.cost
         enqueue_s = None
-        if isinstance(result, Queue):
-            enqueue_s = self.clock()
+        while isinstance(result, Queue):
+            enqueue_s = self.clock() if enqueue_s is None else enqueue_s
             until_s = min(result.until_s, cost.arrival_s + self.config.max_queue_wait_s)
             result = await self._wait(cost, until_s, enqueue_s, client_gone)
+            if self.shared is not None and isinstance(result, Admit):
+                result = await self._confirmed(cost, result, NOTHING_AHEAD)
         if result is None or isinstance(result, Shed):
             self._drop_grant(grant)
             if result is None:  # the client left while queued (already counted canceled)
@@ -270,11 +283,11 @@ class AdmissionController:
             return self._anonymous
         return tenant
 
-    def _decide(self, cost: RequestCost, now_s: float,
-                ahead: QueuedAhead = NOTHING_AHEAD) -> Admit | Queue | Shed:
+    def _decide(self, cost: RequestCost, now_s: float, ahead: QueuedAhead = NOTHING_AHEAD,
+                commit: bool = True) -> Admit | Queue | Shed:
         """Decide on a fresh snapshot (behind ``ahead``, what waits in the queue before it); on
         admit take the replica reservation (synchronously, so two decisions can never share
-        the same blocks). Draining: shed, never admit."""
+        the same blocks) and, with ``commit``, count it admitted. Draining: shed, never admit."""
         if self.draining:
             return _DRAINING
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
@@ -282,9 +295,46 @@ class AdmissionController:
         decision = self.policy.decide(cost, snapshot)
         if isinstance(decision, Admit):
             self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
-            self.policy.admitted(cost, decision.replica_id, now_s)
-            self.metrics.counters(cost.request_class.name, cost.tenant).admitted.value += 1
+            if commit:
+                self._commit(cost, decision, now_s)
+            elif self.shared is not None:  # the view it was decided on, for the confirmation
+                self._decided_versions[cost.request_id] = self.shared.version.get(
+                    decision.replica_id, 0)
         return decision
+
+    def _pump_decide(self, cost: RequestCost, now_s: float,
+                     ahead: QueuedAhead = NOTHING_AHEAD) -> Admit | Queue | Shed:
+        """The queue pump's decision (counted admitted after confirmation when shared)."""
+        return self._decide(cost, now_s, ahead, commit=self.shared is None)
+
+    def _commit(self, cost: RequestCost, admit: Admit, now_s: float) -> None:
+        self.policy.admitted(cost, admit.replica_id, now_s)
+        self.metrics.counters(cost.request_class.name, cost.tenant).admitted.value += 1
+
+    async def _confirmed(self, cost: RequestCost, result: Admit | Queue | Shed,
+                         ahead: QueuedAhead) -> Admit | Queue | Shed:
+        """Shared KV reservations: publish the reservation and, when another guard reserved on
+        that replica since the decision, decide again on the view that includes it."""
+        for _ in range(MAX_REDECISIONS):
+            version = self._decided_versions.pop(cost.request_id, None)
+            if not isinstance(result, Admit):
+                return result
+            if version is None:  # not decided here since (cannot happen): the view now
+                version = self.shared.version.get(result.replica_id, 0)
+            try:
+                confirmed = await self.shared.confirm(result.replica_id, version)
+            except BaseException:  # cancelled (the client left): nothing stays reserved
+                self.load_state.release(cost.request_id)
+                raise
+            if confirmed:
+                break
+            self.load_state.release(cost.request_id)
+            if self.shared.redecided is not None:
+                self.shared.redecided.inc()
+            result = self._decide(cost, self.clock(), ahead, commit=False)
+        if isinstance(result, Admit):
+            self._commit(cost, result, self.clock())
+        return result
 
     def redispatch(self, admission: Admission, replica_ids: Collection[str]) -> str | None:
         """The policy re-decides an admitted request whose replica failed before answering
@@ -331,6 +381,7 @@ class AdmissionController:
         admission it already got is undone, so nothing leaks."""
         self.queue.remove(waiter)
         future, cost = waiter.future, waiter.cost
+        self._decided_versions.pop(cost.request_id, None)
         if future.done() and not future.cancelled() and isinstance(future.result(), Admit):
             # admitted but never dispatched: released as canceled (frees the reservation)
             ticket = self.tickets.issue(cost, future.result().replica_id, self.clock(),

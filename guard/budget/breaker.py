@@ -19,6 +19,7 @@ class Breaker:
         self.failures_to_open = failures_to_open
         self.is_open = False
         self.num_failures = 0  # consecutive, while closed
+        self.num_opens = 0  # transitions to open so far
         self._on_change = on_change
 
     def record_success(self) -> None:
@@ -34,6 +35,7 @@ class Breaker:
     def open(self) -> None:
         if not self.is_open:
             self.is_open = True
+            self.num_opens += 1
             if self._on_change is not None:
                 self._on_change(True)
 

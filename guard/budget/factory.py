@@ -33,6 +33,6 @@ def build_budget_store(config: GuardConfig, clock: Callable[[], float],
         on_reclaim = metrics.reclaimed.inc if metrics is not None else None
         store = MemoryStore(config.budget_limits, clock, on_reclaim=on_reclaim)
         if metrics is not None:
-            metrics.watch_remaining(store.remaining_by_tenant)
+            metrics.watch_remaining(store.remaining_by_tenant, store.remaining_requests_by_tenant)
         return store
     return FallbackStore(config.redis_url, config.budget_limits, config.budget, clock, metrics)

@@ -3,18 +3,24 @@
 :class:`FallbackStore` is what a guard with a ``redis_url`` uses. While Redis answers, every
 reserve is one script call bounded by ``redis_timeout_s``. After ``breaker_failures``
 consecutive failures (a timeout, a refused connection, a hung server) the breaker opens and the
-guard enforces a **local share** of each limit — the limit divided by the number of guards last
-seen live in Redis (each guard heartbeats every ``heartbeat_s``) — in its own memory store, whose
-buckets start from their share of what Redis last reported left (an outage never re-grants
-budget the shared bucket had already spent), and a
-background task reconnects on a tenacity backoff (capped at ``retry_max_s``), reloads the
-scripts, and closes the breaker. Start-up without Redis is the same state: local share, retrying
-(the very first requests wait, once and at most ``STARTUP_WAIT_S``, until Redis answers or refuses,
-so a guard that is merely still connecting does not hand out a local share on top of Redis).
+guard enforces a **local share** of each limit (:mod:`guard.budget.local_share`): the limit
+divided by the number of guards seen live in Redis over the last ``LIVE_WINDOW_BEATS`` heartbeats
+(each guard heartbeats every ``heartbeat_s``; the largest recent count, so a late heartbeat
+never inflates the shares), starting from this guard's share of what Redis last reported left
+— an outage never re-grants budget the shared bucket had already spent. A single failed call
+while the breaker is still closed is decided on that share too. Heartbeats also refresh the
+levels of tenants this guard has not heard about for a beat, so its last view stays recent.
 
-Grants remember where they were made: a local grant is settled locally and never charged to
-Redis (no double counting after recovery); a Redis grant whose settle cannot be delivered is
-retried, and if that is lost too, its lease expires and Redis reclaims it.
+A background task reconnects on a tenacity backoff (capped at ``retry_max_s``), reloads the
+scripts, charges Redis with what was admitted locally (once: net of refunds, or the guard's debt
+when Redis lost its state — see :mod:`guard.budget.local_share`), and closes the breaker.
+Start-up without Redis is the same state: local share, retrying (the very first requests wait,
+once and at most ``STARTUP_WAIT_S``, until Redis answers or refuses, so a guard that is merely
+still connecting does not hand out a local share on top of Redis).
+
+Grants remember where they were made: a local grant is settled locally (a refund after its
+episode was charged goes to Redis); a Redis grant whose settle cannot be delivered is retried,
+and if that is lost too, its lease expires and Redis reclaims it.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -33,8 +41,9 @@ from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 from guard.budget.breaker import Breaker
 from guard.budget.config import BudgetConfig
 from guard.budget.connection import connect
-from guard.budget.keys import LIVE_GUARDS_KEY
-from guard.budget.memory_store import MemoryStore, check_reserve_args
+from guard.budget.keys import EPOCH_KEY, LIVE_GUARDS_KEY
+from guard.budget.local_share import LocalShare
+from guard.budget.memory_store import check_reserve_args
 from guard.budget.metrics import BudgetMetrics
 from guard.budget.redis_store import RedisStore
 from guard.budget.store import BudgetLimits, Denied, Grant
@@ -44,6 +53,9 @@ __all__ = ["FallbackStore"]
 log = logging.getLogger("kvguard.budget")
 PROBE_TIMEOUT_S = 0.5  # reconnect probes (not on the request path) may wait this long
 STARTUP_WAIT_S = 1.0  # the first requests wait this long, once, for the first connect attempt
+LIVE_WINDOW_BEATS = 10  # the local share divides by the most guards seen live in this many beats
+MAX_REFRESH_PER_BEAT = 32  # tenants whose levels one heartbeat reads again
+EPOCH_TTL_S = 3600.0  # the epoch key outlives every guard by this much
 
 
 async def _bounded(work: Awaitable[Any], timeout_s: float) -> Any:
@@ -52,13 +64,6 @@ async def _bounded(work: Awaitable[Any], timeout_s: float) -> Any:
         async with asyncio.timeout(timeout_s):
             return await work
     return await asyncio.wait_for(work, timeout_s)
-
-
-def _share(limits: BudgetLimits, num_guards: int) -> BudgetLimits:
-    def part(value: int | None) -> int | None:
-        return None if value is None else max(1, value // num_guards)
-    return BudgetLimits(part(limits.tokens_per_minute), part(limits.requests_per_minute),
-                        part(limits.max_concurrent))
 
 
 class FallbackStore:
@@ -74,19 +79,23 @@ class FallbackStore:
         self.instance_id = instance_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.breaker = Breaker(config.breaker_failures, self._on_breaker)
         self.breaker.is_open = True  # until the first connect succeeds (start-up: local share)
-        self.live_guards = 1
-        self.local = MemoryStore(self._local_limits, clock, on_reclaim=self._reclaimed)
+        self.share = LocalShare(limits_for, clock, on_reclaim=self._reclaimed)
+        self.local = self.share.store
         self.redis: RedisStore | None = None
-        self._local_ids: set[str] = set()
+        self.epoch: str | None = None  # Redis's epoch as last seen (a new one: state lost)
+        self._live_counts: deque[int] = deque(maxlen=LIVE_WINDOW_BEATS)
         self.num_local_reserves = 0  # reserves decided on the local share (Redis unusable)
-        self._shares: dict[str, BudgetLimits] = {}
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._closing = False
         self._first_attempt: asyncio.Event | None = None  # set once the first probe has ended
         self._startup_deadline_s = 0.0  # loop time after which requests stop waiting for it
         if metrics is not None:
-            metrics.watch_remaining(self.remaining_tokens)
+            metrics.watch_remaining(self.remaining_tokens, self.remaining_requests)
+
+    @property
+    def live_guards(self) -> int:
+        return self.share.live_guards
 
     @property
     def backend(self) -> str:
@@ -106,12 +115,14 @@ class FallbackStore:
                 self.breaker.record_failure()
             else:
                 self.breaker.record_success()
+                if self.share.in_episode:  # back on Redis after a failed call or two
+                    self._end_episode()
                 return outcome
         self.num_local_reserves += 1
-        outcome = self.local.reserve_now(tenant, tokens, lease_s)
-        if isinstance(outcome, Grant):
-            self._local_ids.add(outcome.grant_id)
-        return outcome
+        redis = self.redis
+        return self.share.reserve(tenant, tokens, lease_s, self.epoch,
+                                  redis.levels.get(tenant) if redis is not None else None,
+                                  redis.pending_charge(tenant) if redis is not None else (0.0, 0.0))
 
     async def _await_first_attempt(self) -> None:
         """Wait until Redis answered or refused, but never past the start-up window."""
@@ -122,22 +133,25 @@ class FallbackStore:
             self._first_attempt.set()  # a hung Redis at start-up: local share from now on
 
     async def settle(self, grant: Grant, used_tokens: int) -> None:
-        if grant.grant_id in self._local_ids:
-            self._local_ids.discard(grant.grant_id)
-            await self.local.settle(grant, used_tokens)
+        if self.share.is_local(grant):
+            self._give_back(grant.tenant, await self.share.finish(grant, used_tokens))
         elif self.redis is not None:
             await self.redis.settle(grant, used_tokens)
 
     async def release(self, grant: Grant) -> None:
-        if grant.grant_id in self._local_ids:
-            self._local_ids.discard(grant.grant_id)
-            await self.local.release(grant)
+        if self.share.is_local(grant):
+            self._give_back(grant.tenant, await self.share.finish(grant, None))
         elif self.redis is not None:
             await self.redis.release(grant)
 
+    def _give_back(self, tenant: str, refund: tuple[float, float]) -> None:
+        """A local grant's refund after its episode was charged to Redis: Redis gets it."""
+        if self.redis is not None and (refund[0] or refund[1]):
+            self.redis.charge(tenant, -refund[0], -refund[1])
+
     async def renew(self, grants: Sequence[Grant], lease_s: float) -> None:
-        local = [g for g in grants if g.grant_id in self._local_ids]
-        remote = [g for g in grants if g.grant_id not in self._local_ids]
+        local = [g for g in grants if self.share.is_local(g)]
+        remote = [g for g in grants if not self.share.is_local(g)]
         await self.local.renew(local, lease_s)
         if not remote or self.breaker.is_open or self.redis is None:
             return
@@ -167,6 +181,12 @@ class FallbackStore:
             return self.local.remaining_by_tenant()
         return dict(self.redis.remaining)
 
+    def remaining_requests(self) -> dict[str, float]:
+        """Requests left per tenant as last seen by the backend in use (for the metrics)."""
+        if self.breaker.is_open or self.redis is None:
+            return self.local.remaining_requests_by_tenant()
+        return {t: r for t, (_, r) in list(self.redis.levels.items()) if r is not None}
+
     # --- background: heartbeats while closed, reconnects while open -----------------------
 
     def start(self) -> None:
@@ -187,9 +207,13 @@ class FallbackStore:
                 continue
             try:
                 await self._heartbeat()
+                if self.share.in_episode:  # local decisions while the breaker stayed closed
+                    self._end_episode()
             except Exception as exc:  # noqa: BLE001
                 log.debug("budget heartbeat failed: %r", exc)
                 self.breaker.record_failure()
+            else:
+                await self._refresh_levels()
             try:
                 await asyncio.wait_for(self._wake.wait(), self._config.heartbeat_s)
             except asyncio.TimeoutError:
@@ -221,21 +245,67 @@ class FallbackStore:
         await asyncio.wait_for(self.redis.scripts.load(self.redis.client), PROBE_TIMEOUT_S)
         await asyncio.wait_for(self.redis.warm(), PROBE_TIMEOUT_S)
         await self._heartbeat()
-        await asyncio.wait_for(self.redis.flush(), PROBE_TIMEOUT_S)
+        self._end_episode()
+        if not await asyncio.wait_for(self.redis.flush(), PROBE_TIMEOUT_S):
+            raise ConnectionError("budget charges not delivered")  # stay local, retry
         self.breaker.close()
 
     async def _heartbeat(self) -> None:
         ttl_ms = int(self._config.heartbeat_s * 3000)
         reply = await asyncio.wait_for(
-            self.redis.scripts.call(self.redis.client, "heartbeat", [LIVE_GUARDS_KEY],
-                                    [self.instance_id, ttl_ms]), PROBE_TIMEOUT_S)
-        self.live_guards = max(1, int(reply))
+            self.redis.scripts.call(self.redis.client, "heartbeat", [LIVE_GUARDS_KEY, EPOCH_KEY],
+                                    [self.instance_id, ttl_ms, uuid.uuid4().hex,
+                                     int(EPOCH_TTL_S * 1000)]), PROBE_TIMEOUT_S)
+        self._live_counts.append(max(1, int(reply[0])))
+        self.share.live_guards = max(self._live_counts)
+        epoch = str(reply[1])
+        if self.epoch is not None and epoch != self.epoch:
+            self._on_state_lost()
+        self.epoch = epoch
         if self._metrics is not None:
             self._metrics.live_guards.set(self.live_guards)
 
+    def _on_state_lost(self) -> None:
+        """Redis came back empty (a new epoch): its buckets are full again. Charge each tenant
+        this guard knew, outside a local episode, its share of what had been spent (episodes
+        pay their own debt when they end)."""
+        log.warning("budget backend: redis lost its state (new epoch); re-charging what had "
+                    "been spent")
+        episode = self.share.tenants()
+        n = self.live_guards
+        for tenant, (tokens_left, requests_left) in list(self.redis.levels.items()):
+            if tenant in episode:
+                continue
+            limits = self._limits_for(tenant)
+            self.redis.charge(
+                tenant,
+                0.0 if tokens_left is None else max(0.0, limits.tokens_per_minute - tokens_left) / n,
+                0.0 if requests_left is None else
+                max(0.0, limits.requests_per_minute - requests_left) / n)
+        self.redis.forget_levels()
+
+    def _end_episode(self) -> None:
+        """Charge Redis with this guard's local decisions (see :mod:`guard.budget.local_share`)."""
+        for tenant, (tokens, requests) in self.share.end(self.epoch).items():
+            self.redis.charge(tenant, tokens, requests)
+
+    async def _refresh_levels(self) -> None:
+        """Read again the levels of tenants this guard has not heard about for a beat (best
+        effort: a slow answer here is no reason to leave Redis; the heartbeat decides)."""
+        try:
+            await asyncio.wait_for(self.redis.refresh(self._stale_tenants()), PROBE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001
+            log.debug("budget level refresh incomplete: %r", exc)
+
+    def _stale_tenants(self) -> list[str]:
+        """Tenants whose levels this guard has not refreshed for a beat (most recent first)."""
+        horizon_s = time.monotonic() - self._config.heartbeat_s
+        seen = sorted(((s, t) for t, s in list(self.redis.seen_s.items()) if s < horizon_s),
+                      reverse=True)
+        return [t for _, t in seen[:MAX_REFRESH_PER_BEAT]]
+
     def _on_breaker(self, is_open: bool) -> None:
         if is_open:
-            self._seed_local_share()
             log.warning("budget backend: redis -> local share (1/%d of each limit) after %d "
                         "failures", self.live_guards, self._config.breaker_failures)
             if self._wake is not None:
@@ -244,25 +314,6 @@ class FallbackStore:
             log.warning("budget backend: local -> redis (%s)", self._url)
         if self._metrics is not None:
             self._metrics.set_breaker(is_open)
-
-    def _seed_local_share(self) -> None:
-        """Start each tenant's local share from its share of what Redis last said was left, so
-        an outage never hands out budget the shared bucket had already spent."""
-        if self.redis is None:
-            return
-        n = self.live_guards
-        for tenant, (tokens, requests) in self.redis.levels.items():
-            self.local.cap_levels(tenant, None if tokens is None else tokens / n,
-                                  None if requests is None else requests / n)
-
-    def _local_limits(self, tenant: str) -> BudgetLimits:
-        key = f"{self.live_guards}:{tenant}"
-        limits = self._shares.get(key)
-        if limits is None:
-            if len(self._shares) > 10_000:
-                self._shares.clear()
-            limits = self._shares[key] = _share(self._limits_for(tenant), self.live_guards)
-        return limits
 
     def _reclaimed(self, count: int) -> None:
         if self._metrics is not None:

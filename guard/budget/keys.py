@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import string
 
-__all__ = ["tenant_keys", "tenant_tag", "LIVE_GUARDS_KEY", "PREFIX"]
+__all__ = ["tenant_keys", "tenant_tag", "EPOCH_KEY", "LIVE_GUARDS_KEY", "PREFIX"]
 
 PREFIX = "kvguard"
 LIVE_GUARDS_KEY = f"{PREFIX}:{{guards}}:live"
+EPOCH_KEY = f"{PREFIX}:{{guards}}:epoch"  # same slot: one heartbeat script writes both
 _SAFE = frozenset(string.ascii_letters + string.digits + "_.-")
 
 

@@ -120,17 +120,26 @@ class MemoryStore:
             return float(limits.tokens_per_minute)
         return self._levels(state, limits, self._clock())[0]
 
-    def cap_levels(self, tenant: str, tokens: float | None, requests: float | None) -> None:
-        """Lower the tenant's buckets to at most ``tokens`` / ``requests`` (None: unchanged)."""
+    def set_levels(self, tenant: str, tokens: float | None, requests: float | None) -> None:
+        """Set the tenant's buckets to ``tokens`` / ``requests`` now, clamped to ±limit (None or
+        an unlimited axis: left as it is). Leases are kept."""
         limits = self._limits_for(tenant)
         now_s = self._clock()
         state = self._tenants.setdefault(tenant, _Tenant(stamp_s=now_s))
         tokens_level, requests_level = self._levels(state, limits, now_s)
         if tokens is not None and limits.tokens_per_minute is not None:
-            tokens_level = min(tokens_level, _clamp(tokens, limits.tokens_per_minute))
+            tokens_level = _clamp(tokens, limits.tokens_per_minute)
         if requests is not None and limits.requests_per_minute is not None:
-            requests_level = min(requests_level, _clamp(requests, limits.requests_per_minute))
+            requests_level = _clamp(requests, limits.requests_per_minute)
         self._store(state, (tokens_level, requests_level), now_s)
+
+    def levels_now(self, tenant: str) -> tuple[float, float]:
+        """The tenant's (tokens, requests) buckets now (0 on an unlimited axis)."""
+        limits = self._limits_for(tenant)
+        state = self._tenants.get(tenant)
+        if state is None:
+            return (float(limits.tokens_per_minute or 0), float(limits.requests_per_minute or 0))
+        return self._levels(state, limits, self._clock())
 
     def remaining_by_tenant(self) -> dict[str, float]:
         """Tokens left for every tenant seen so far that has a token limit."""
@@ -140,6 +149,11 @@ class MemoryStore:
             if remaining is not None:
                 out[tenant] = remaining
         return out
+
+    def remaining_requests_by_tenant(self) -> dict[str, float]:
+        """Requests left for every tenant seen so far that has a requests-per-minute limit."""
+        return {tenant: self.levels_now(tenant)[1] for tenant in self._tenants
+                if self._limits_for(tenant).requests_per_minute is not None}
 
     def num_leases(self, tenant: str) -> int:
         state = self._tenants.get(tenant)

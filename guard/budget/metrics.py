@@ -3,9 +3,10 @@
 ``kvguard_budget_backend{backend="redis"|"local"}`` (1 for the one in use; ``local`` also for
 a guard with only the in-memory store), ``kvguard_budget_breaker_open``,
 ``kvguard_budget_live_guards``, ``kvguard_budget_redis_rtt_seconds`` (histogram),
-``kvguard_budget_lease_expiries_reclaimed_total`` and ``kvguard_budget_remaining_tokens{tenant}``
-(the first ``max_tenant_labels`` tenants seen; later ones are not exported, so cardinality stays
-bounded).
+``kvguard_budget_lease_expiries_reclaimed_total``, ``kvguard_budget_remaining_tokens{tenant}`` and
+``kvguard_budget_remaining_requests{tenant}`` (as last seen by the backend in use: Redis's reply,
+or the local share; the first ``max_tenant_labels`` tenants seen; later ones are not exported, so
+cardinality stays bounded).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class BudgetMetrics:
                                  registry=registry)
         self._max_tenants = max_tenant_labels
         self._remaining: Callable[[], dict[str, float]] = dict
+        self._remaining_requests: Callable[[], dict[str, float]] = dict
         registry.register(_RemainingCollector(self))
         self.set_backend("local")
 
@@ -48,16 +50,26 @@ class BudgetMetrics:
         self.set_backend("local" if is_open else "redis")
         self.breaker_open.set(1 if is_open else 0)
 
-    def watch_remaining(self, remaining: Callable[[], dict[str, float]]) -> None:
-        """Read the remaining tokens per tenant from ``remaining()`` at scrape time."""
+    def watch_remaining(self, remaining: Callable[[], dict[str, float]],
+                        requests: Callable[[], dict[str, float]] | None = None) -> None:
+        """Read the remaining tokens (and requests) per tenant at scrape time."""
         self._remaining = remaining
+        self._remaining_requests = requests or dict
 
     def remaining_family(self) -> GaugeMetricFamily:
-        family = GaugeMetricFamily("kvguard_budget_remaining_tokens",
-                                   "Tokens the tenant could still reserve (last seen)",
-                                   labels=["tenant"])
-        for tenant, tokens in list(self._remaining().items())[: self._max_tenants]:
-            family.add_metric([tenant], tokens)
+        return self._family("kvguard_budget_remaining_tokens",
+                            "Tokens the tenant could still reserve (last seen)", self._remaining)
+
+    def remaining_requests_family(self) -> GaugeMetricFamily:
+        return self._family("kvguard_budget_remaining_requests",
+                            "Requests the tenant could still make this minute (last seen)",
+                            self._remaining_requests)
+
+    def _family(self, name: str, doc: str,
+                values: Callable[[], dict[str, float]]) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=["tenant"])
+        for tenant, value in list(values().items())[: self._max_tenants]:
+            family.add_metric([tenant], value)
         return family
 
 
@@ -67,6 +79,7 @@ class _RemainingCollector:
 
     def collect(self):
         yield self._metrics.remaining_family()
+        yield self._metrics.remaining_requests_family()
 
     def describe(self):
         return []

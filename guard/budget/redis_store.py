@@ -8,7 +8,11 @@ Round trips: reserves of one tenant that arrive in the same event-loop iteration
 EVALSHA (the script decides them in arrival order, exactly as separate calls would). Settles and
 releases are idempotent, so they are queued and carried by the tenant's next reserve (or flushed
 after ``settle_delay_s``); under steady traffic an admitted request costs at most one script call
-in all. With ``settle_delay_s = 0`` each settle is its own call.
+in all. With ``settle_delay_s = 0`` each settle is its own call. :meth:`charge` (what a guard
+decided on its local share while Redis was unusable) travels the same way.
+
+Every reply carries the tenant's bucket levels after the call (:attr:`levels`, with the time they
+were seen in :attr:`seen_s`): the local share starts from them when Redis goes away.
 
 Errors: :meth:`reserve` raises the client's exception (``redis.exceptions.RedisError``,
 ``OSError``, ``asyncio.TimeoutError``) — :class:`~guard.budget.fallback.FallbackStore` turns that
@@ -66,7 +70,9 @@ class RedisStore:
         self._batches: dict[str, list[tuple[str, int, int, asyncio.Future]]] = {}
         self.remaining: dict[str, float] = {}  # tenant -> tokens left after its last reserve
         self.levels: dict[str, tuple[float | None, float | None]] = {}  # tenant -> (tokens,
-        # requests) left after its last reserve, None where unlimited
+        # requests) left after its last reserve or settle, None where unlimited
+        self.seen_s: dict[str, float] = {}  # tenant -> when ``levels`` was last refreshed
+        self._charges: dict[str, list[float]] = {}  # tenant -> [tokens, requests] to take
 
     async def reserve(self, tenant: str, tokens: int, lease_s: float) -> Grant | Denied:
         check_reserve_args(tenant, tokens, lease_s)
@@ -86,7 +92,8 @@ class RedisStore:
     async def _send_reserves(self, tenant: str, batch: list) -> None:
         limits = self._limits_for(tenant)
         pending = self._pending.pop(tenant, [])
-        args: list[Any] = [*_limit_args(limits), len(batch)]
+        charge = self._charges.pop(tenant, [0.0, 0.0])
+        args: list[Any] = [*_limit_args(limits), *charge, len(batch)]
         for grant_id, tokens, lease_ms, _ in batch:
             args += [grant_id, tokens, lease_ms]
         for gid, used in pending:
@@ -95,6 +102,7 @@ class RedisStore:
             reply = await self._call("reserve", tenant_keys(tenant), args)
         except BaseException as exc:
             self._requeue(tenant, pending)
+            self._recharge(tenant, charge)
             for *_, future in batch:
                 if not future.done():
                     future.set_exception(exc if isinstance(exc, Exception) else
@@ -102,13 +110,10 @@ class RedisStore:
             if not isinstance(exc, Exception):
                 raise
             return
-        reclaimed, remaining, requests_left = int(reply[0]), float(reply[1]), float(reply[2])
+        reclaimed = int(reply[0])
         if reclaimed and self._on_reclaim is not None:
             self._on_reclaim(reclaimed)
-        if limits.tokens_per_minute is not None:
-            self.remaining[tenant] = remaining
-        self.levels[tenant] = (remaining if limits.tokens_per_minute is not None else None,
-                               requests_left if limits.requests_per_minute is not None else None)
+        self._saw_levels(tenant, limits, reply[1], reply[2])
         for i, (grant_id, tokens, _, future) in enumerate(batch):
             granted, reason, retry_ms = reply[3 + 3 * i: 6 + 3 * i]
             if int(granted):
@@ -128,6 +133,43 @@ class RedisStore:
     async def release(self, grant: Grant) -> None:
         await self._queue(grant, -1)
 
+    def charge(self, tenant: str, tokens: float, requests: float) -> None:
+        """Take ``tokens`` and ``requests`` from the tenant's shared bucket (negative: give back),
+        carried by its next reserve or the next flush. Never raises."""
+        if tokens or requests:
+            self._recharge(tenant, [tokens, requests])
+            self._schedule(self._settle_delay_s)
+
+    def _recharge(self, tenant: str, charge: list[float]) -> None:
+        if charge[0] or charge[1]:
+            held = self._charges.setdefault(tenant, [0.0, 0.0])
+            held[0] += charge[0]
+            held[1] += charge[1]
+
+    def pending_charge(self, tenant: str) -> tuple[float, float]:
+        """What :meth:`charge` queued for the tenant and Redis has not taken yet."""
+        tokens, requests = self._charges.get(tenant, (0.0, 0.0))
+        return tokens, requests
+
+    def _saw_levels(self, tenant: str, limits: BudgetLimits, tokens: Any, requests: Any) -> None:
+        if limits.tokens_per_minute is not None:
+            self.remaining[tenant] = float(tokens)
+        self.levels[tenant] = (float(tokens) if limits.tokens_per_minute is not None else None,
+                               float(requests) if limits.requests_per_minute is not None else None)
+        self.seen_s[tenant] = time.monotonic()
+
+    def forget_levels(self) -> None:
+        """Drop every level seen (Redis lost them: they describe buckets that are gone)."""
+        self.levels.clear()
+        self.seen_s.clear()
+        self.remaining.clear()
+
+    async def refresh(self, tenants: Sequence[str]) -> None:
+        """Read the levels of ``tenants`` again (one settle call each, concurrently, carrying
+        anything queued for them). Raises on Redis trouble."""
+        await asyncio.gather(*(self._flush_tenant(t, self._pending.pop(t, []), raise_errors=True)
+                               for t in tenants))
+
     async def renew(self, grants: Sequence[Grant], lease_s: float) -> None:
         """Extend the leases of ``grants`` (one call per tenant). Raises on Redis trouble."""
         by_tenant: dict[str, list[str]] = {}
@@ -137,23 +179,37 @@ class RedisStore:
         for tenant, ids in by_tenant.items():
             await self._call("renew", tenant_keys(tenant), [lease_ms, *ids])
 
-    async def flush(self) -> None:
-        """Send every queued settle and release now (errors: queued again, logged)."""
+    async def flush(self) -> bool:
+        """Send every queued settle, release and charge now (errors: queued again, logged).
+        True when everything queued was delivered."""
         if self._flusher is not None:
             self._flusher.cancel()
             self._flusher = None
         pending, self._pending = self._pending, {}
-        for tenant, items in pending.items():
-            limits = self._limits_for(tenant)
-            args: list[Any] = _limit_args(limits)[:2]
-            for gid, used in items:
-                args += [gid, used]
-            try:
-                await self._call("settle", tenant_keys(tenant), args)
-            except Exception as exc:  # noqa: BLE001 - never raise from settle; leases expire
-                log.debug("budget settle for %s deferred: %r", tenant, exc)
-                self._requeue(tenant, items)
-                self._schedule(max(1.0, self._settle_delay_s))
+        delivered = True
+        for tenant in [*pending, *(t for t in self._charges if t not in pending)]:
+            delivered = await self._flush_tenant(tenant, pending.get(tenant, [])) and delivered
+        return delivered
+
+    async def _flush_tenant(self, tenant: str, items: list[tuple[str, int]],
+                            raise_errors: bool = False) -> bool:
+        limits = self._limits_for(tenant)
+        charge = self._charges.pop(tenant, [0.0, 0.0])
+        args: list[Any] = [*_limit_args(limits)[:2], *charge]
+        for gid, used in items:
+            args += [gid, used]
+        try:
+            reply = await self._call("settle", tenant_keys(tenant), args)
+        except Exception as exc:  # noqa: BLE001 - never raise from settle; leases expire
+            log.debug("budget settle for %s deferred: %r", tenant, exc)
+            self._requeue(tenant, items)
+            self._recharge(tenant, charge)
+            self._schedule(max(1.0, self._settle_delay_s))
+            if raise_errors:
+                raise
+            return False
+        self._saw_levels(tenant, limits, reply[1], reply[2])
+        return True
 
     async def aclose(self) -> None:
         try:
@@ -170,7 +226,8 @@ class RedisStore:
         await asyncio.gather(*(self.client.ping() for _ in range(MAX_IN_FLIGHT)))
 
     def num_pending(self) -> int:
-        return sum(len(items) for items in self._pending.values())
+        """Queued settles and releases, plus tenants with a queued charge."""
+        return sum(len(items) for items in self._pending.values()) + len(self._charges)
 
     # --- internals ------------------------------------------------------------------------
 

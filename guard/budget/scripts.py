@@ -19,17 +19,25 @@ TENANT_SCRIPTS = ("reserve", "settle", "renew")
 _STANDALONE_SCRIPTS = ("heartbeat",)
 
 
-def _read(name: str) -> str:
-    return resources.files("guard.budget").joinpath("lua", f"{name}.lua").read_text("utf-8")
+def _read(package: str, name: str) -> str:
+    return resources.files(package).joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
 class ScriptSet:
-    """The script bodies and their SHA1s; :meth:`call` runs one by name on a client."""
+    """The script bodies and their SHA1s; :meth:`call` runs one by name on a client.
 
-    def __init__(self) -> None:
-        common = _read("common")
-        self.bodies = {name: common + "\n" + _read(name) for name in TENANT_SCRIPTS}
-        self.bodies.update({name: _read(name) for name in _STANDALONE_SCRIPTS})
+    By default the budget scripts; ``package`` and ``standalone`` name another package's
+    ``lua/*.lua`` scripts (no common prelude), e.g. the shared KV reservations'."""
+
+    def __init__(self, package: str = "guard.budget",
+                 standalone: tuple[str, ...] | None = None) -> None:
+        if standalone is None:
+            common = _read(package, "common")
+            self.bodies = {name: common + "\n" + _read(package, name) for name in TENANT_SCRIPTS}
+            standalone = _STANDALONE_SCRIPTS
+        else:
+            self.bodies = {}
+        self.bodies.update({name: _read(package, name) for name in standalone})
         self.shas = {name: hashlib.sha1(body.encode("utf-8")).hexdigest()
                      for name, body in self.bodies.items()}
         self.num_reloads = 0

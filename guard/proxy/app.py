@@ -14,6 +14,10 @@ Routes:
   in-flight requests).
 * ``GET /kvguard/metrics``: the guard's and the proxy's Prometheus series.
 
+With a ``redis_url`` (``--redis``) the proxy also shares its pending KV reservations with every
+other proxy on that Redis (:mod:`guard.replicas.shared_reservations`): three proxies in front
+of the same replicas admit no more than one would.
+
 Each replica's load comes from its ``/kvguard/state`` (``state_source = "kvguard"``), its vLLM
 ``/metrics`` (``"vllm"``) or nowhere (``"none"``: unknown capacity), polled every
 ``refresh_interval_s``; :class:`guard.proxy.health.ReplicaHealth` ejects replicas that fail
@@ -47,6 +51,7 @@ from guard.proxy.transports import HOP_BY_HOP, Transport, UpstreamError, make_tr
 from guard.proxy.upstream import Forwarder
 from guard.relay import REQUEST_ID_HEADER
 from guard.replicas.poller import state_sources
+from guard.replicas.shared_reservations import SharedReservations
 from guard.shedding import Rejection, send_rejection
 
 __all__ = ["ProxyApp"]
@@ -56,6 +61,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 GUARD_METRICS_PATH = "/kvguard/metrics"
+SHARED_LEASE_MIN_S = 2.0  # a published reservation outlives its guard this long at least,
+SHARED_LEASE_REFRESHES = 10  # and this many state refreshes (renewed every refresh)
 _GATED_PATHS = ADMIN_PATHS | {MODELS_PATH}
 
 
@@ -82,8 +89,14 @@ class ProxyApp:
         sources = state_sources(config.replicas, self._state_client,
                                 timeout_s=config.state_timeout_s)
         gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
+        shared = None
+        if config.redis_url is not None:  # the same Redis as the budgets: KV reservations too
+            shared = SharedReservations(
+                config.redis_url, self.urls, timeout_s=config.budget.redis_timeout_s,
+                lease_s=max(SHARED_LEASE_MIN_S, SHARED_LEASE_REFRESHES * config.refresh_interval_s),
+                sync_interval_s=config.refresh_interval_s)
         self.controller = AdmissionController(config, gated, registry=registry, clock=self.clock,
-                                              budget=budget)
+                                              budget=budget, shared_reservations=shared)
         self.load_state = self.controller.load_state
         self.metrics = ProxyMetrics(self.controller.registry, list(self.urls), self.routable,
                                     self.health.num_ejections.__getitem__)

@@ -11,6 +11,14 @@ Reservations end early when the replica's state lists the request id (the guard 
 ``x-request-id``); for ``vllm`` replicas, whose metrics carry no ids, a reservation ends once a
 scrape that started after it was made has been applied (the request is counted there).
 
+Other guards in front of the same replicas publish their pending reservations through Redis
+(:mod:`guard.replicas.shared_reservations`); :meth:`LoadState.set_foreign` adds them to the
+replica's pending group (they count in its blocks and prefill, not in this guard's in-flight
+count), and they end exactly as this guard's own do: when the replica lists the request id, or
+(vLLM) once a scrape that started after this guard first saw them has been applied — or when
+their guard withdraws them. ``pending_listener`` hears when one of this guard's own
+reservations starts or stops being pending (to publish it).
+
 The per-request path is incremental: a reserve or release adds or removes one reservation's
 contribution (:class:`guard.replicas.reservations.ReplicaReservations`), and the replica's snapshot
 (engine state + reservations) is rebuilt lazily, only when a policy asks for it, from the
@@ -31,7 +39,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from guard.replicas.documents import (
     UNKNOWN_MAX_MODEL_LEN,
@@ -52,6 +60,7 @@ __all__ = [
     "AsgiStateSource",
     "HttpStateSource",
     "LoadState",
+    "PendingListener",
     "StatePoller",
     "StateSource",
     "StateUnavailable",
@@ -60,6 +69,15 @@ __all__ = [
     "parse_vllm_metrics",
     "state_sources",
 ]
+
+
+FOREIGN_PREFIX = "f:"  # book keys of other guards' reservations
+
+
+class PendingListener(Protocol):
+    def pending_added(self, replica_id: str, request_id: str, cost: RequestCost) -> None: ...
+
+    def pending_ended(self, replica_id: str, request_id: str) -> None: ...
 
 
 @dataclass
@@ -110,6 +128,8 @@ class LoadState:
         self._snapshots: tuple[ReplicaSnapshot, ...] | None = None  # every replica's, until dirty
         # called with (replica id, new preemptions) when a replica's counter rises
         self.on_preemptions: Callable[[str, int], None] | None = None
+        self.pending_listener: PendingListener | None = None  # own pending reservations
+        self._foreign: dict[str, dict[str, Reservation]] = {}  # replica -> entry -> reservation
 
     # --- replica state -----------------------------------------------------------------------
 
@@ -142,8 +162,13 @@ class LoadState:
         if book is not None:
             for request_id, reservation in list(book.pending.items()):
                 if reservation.cost.request_id in listed:
-                    book.mark_reported(request_id)
+                    self._mark_reported(replica_id, book, request_id)
         return self._set_base(replica, base)
+
+    def _mark_reported(self, replica_id: str, book: ReplicaReservations, key: str) -> None:
+        book.mark_reported(key)
+        if self.pending_listener is not None and not key.startswith(FOREIGN_PREFIX):
+            self.pending_listener.pending_ended(replica_id, key)
 
     def _our_cost(self, request_id: str) -> RequestCost | None:
         reservation = self._reservations.get(request_id)
@@ -194,7 +219,7 @@ class LoadState:
         if book is not None:
             for request_id, reservation in list(book.pending.items()):
                 if reservation.reserved_s <= replica.previous_observed_s:
-                    book.mark_reported(request_id)
+                    self._mark_reported(replica_id, book, request_id)
         replica.previous_observed_s = now_s
         return self._set_base(replica, base)
 
@@ -256,15 +281,47 @@ class LoadState:
         self._reservations[request_id] = reservation
         self._book(replica_id).add(request_id, reservation)
         self._dirty(replica_id)
+        if self.pending_listener is not None:
+            self.pending_listener.pending_added(replica_id, request_id, cost)
 
     def release(self, request_id: str) -> bool:
         """The request ended (ticket released). False if it held no reservation."""
         reservation = self._reservations.pop(request_id, None)
         if reservation is None:
             return False
-        self._books[reservation.replica_id].remove(request_id)
+        book = self._books[reservation.replica_id]
+        was_pending = request_id in book.pending
+        book.remove(request_id)
         self._dirty(reservation.replica_id)
+        if was_pending and self.pending_listener is not None:
+            self.pending_listener.pending_ended(reservation.replica_id, request_id)
         return True
+
+    def set_foreign(self, replica_id: str, entries: Mapping[str, RequestCost],
+                    now_s: float) -> int:
+        """Other guards' pending reservations on ``replica_id`` now (entry id -> cost): new
+        ones are added (first seen at ``now_s``), withdrawn ones end. Returns how many were
+        new (an entry already reported by the replica is not added again)."""
+        known = self._foreign.setdefault(replica_id, {})
+        book = self._book(replica_id)
+        num_new = 0
+        for entry_id in [e for e in known if e not in entries]:
+            reservation = known.pop(entry_id)
+            if not reservation.reported:
+                book.mark_reported(FOREIGN_PREFIX + entry_id)
+        for entry_id, cost in entries.items():
+            if entry_id not in known:
+                reservation = known[entry_id] = Reservation(replica_id, cost, now_s)
+                book.add_foreign(FOREIGN_PREFIX + entry_id, reservation)
+                num_new += 1
+        if num_new or len(known) != len(entries):
+            self._dirty(replica_id)
+        return num_new
+
+    def num_foreign_blocks(self, replica_id: str) -> int:
+        """Worst-case blocks of other guards' reservations still pending on the replica."""
+        return sum(r.cost.num_blocks for r in self._foreign.get(replica_id, {}).values()
+                   if not r.reported)
 
     def _dirty(self, replica_id: str) -> None:
         replica = self._replicas.get(replica_id)
@@ -294,7 +351,7 @@ class LoadState:
     @staticmethod
     def _combine(base: ReplicaSnapshot, book: ReplicaReservations | None) -> ReplicaSnapshot:
         """Engine state + reservations, from the engine sums and the reservations' running sums."""
-        if book is None or book.num_inflight == 0:
+        if book is None or (book.num_inflight == 0 and not book.pending):
             return base
         totals = book.totals(base.block_size, base.max_num_batched_tokens)
         return base.with_reservations(totals.seqs, book.num_reserved_blocks, book.num_inflight,

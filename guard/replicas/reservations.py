@@ -65,6 +65,10 @@ class ReplicaReservations:
         self.num_inflight += 1
         self._add_pending(request_id, reservation)
 
+    def add_foreign(self, key: str, reservation: Reservation) -> None:
+        """Another guard's not-yet-reported admission: pending here, not in ``num_inflight``."""
+        self._add_pending(key, reservation)
+
     def remove(self, request_id: str) -> None:
         """The reservation's ticket was released."""
         self.num_inflight -= 1

@@ -200,3 +200,47 @@ def test_config_key_hash_is_what_the_controller_matches():
     assert controller.tenant("Bearer sk-acme").key_sha256 == hash_api_key("sk-acme")
     assert GuardConfig().is_admitted_path("/api/v1/completions")
     assert not GuardConfig().is_admitted_path("/v1/completions/extra")
+
+
+class FakeShared:
+    """A shared-reservations seam: ``confirm`` answers ``answers`` in order (then True) and
+    records the reserved blocks of the replica it was asked about."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.version = {"local": 0}
+        self.redecided = None
+        self.seen = []
+
+    def bind(self, load_state, registry, clock):
+        self.load_state = load_state
+
+    async def confirm(self, replica_id, version):
+        self.seen.append(self.load_state.num_inflight(replica_id))
+        return self.answers.pop(0) if self.answers else True
+
+    async def aclose(self):
+        pass
+
+
+def test_shared_reservations_a_failed_confirm_decides_again_and_counts_one_admission():
+    shared = FakeShared(False)
+    clock = FakeClock(1.0)
+    load_state = LoadState()
+    load_state.update_from_kvguard_state("local", state_doc(), clock())
+    policy = SlotPolicy(num_slots=2)
+    controller = AdmissionController(GuardConfig.from_dict(ACME), registry=CollectorRegistry(),
+                                     clock=clock, policy=policy, load_state=load_state,
+                                     shared_reservations=shared)
+
+    async def go():
+        admission = await controller.admit("/v1/completions", HEADERS, body_of)
+        assert isinstance(admission, Admission)
+        # decided twice (the reservation taken, dropped, taken again), admitted once
+        assert shared.seen == [1, 1] and load_state.num_inflight("local") == 1
+        assert policy.admitted_ids == [admission.ticket.cost.request_id]
+        assert count(controller, "kvguard_requests_admitted_total") == 1
+        assert complete(admission)
+        assert load_state.num_inflight("local") == 0
+        await controller.aclose()
+    run(go())

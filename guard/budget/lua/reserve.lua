@@ -1,12 +1,15 @@
--- ARGV: tpm, rpm, max_concurrent (0 = unlimited), n, then n requests (grant id, tokens,
--- lease_ms) decided in order, then (grant id, used | -1) pairs to finish first.
+-- ARGV: tpm, rpm, max_concurrent (0 = unlimited), charge tokens, charge requests (what a guard
+-- decided on its local share while Redis was unusable: taken first; negative gives back), n,
+-- then n requests (grant id, tokens, lease_ms) decided in order, then (grant id, used | -1)
+-- pairs to finish first.
 -- Returns {reclaimed leases, remaining tokens, remaining requests, then per request: granted
 -- 0|1, reason, retry_ms (-1 = never)}. A denied request is charged nothing.
 local tpm, rpm, maxc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local n = tonumber(ARGV[4])
+local n = tonumber(ARGV[6])
 local now = now_ms()
 local st = load_bucket(tpm, rpm, now)
-finish_all(st, 5 + 3 * n, tpm, rpm)
+credit(st, -tonumber(ARGV[4]), -tonumber(ARGV[5]), tpm, rpm)
+finish_all(st, 7 + 3 * n, tpm, rpm)
 local reclaimed = reap(st, tpm, rpm, now)
 
 local function decide(grant, tokens, lease_ms)
@@ -31,7 +34,7 @@ end
 
 local out = {reclaimed, '', ''}
 for i = 0, n - 1 do
-  local base = 5 + 3 * i
+  local base = 7 + 3 * i
   local r = decide(ARGV[base], tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]))
   out[#out + 1] = r[1]
   out[#out + 1] = r[2]

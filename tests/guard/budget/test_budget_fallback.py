@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 
 from prometheus_client import CollectorRegistry
@@ -138,23 +139,86 @@ def test_local_share_divides_each_limit_by_the_live_guards():
         server.kill()
 
 
-def test_grants_made_locally_are_settled_locally_after_recovery():
+def test_grants_made_locally_are_settled_locally_and_charged_to_a_restarted_redis_once():
     server = RedisServer().start()
 
     async def go():
         store = fallback(server.url, BudgetLimits(tokens_per_minute=10_000))
         await until(lambda: store.backend == "redis")
+        start_s = time.monotonic()
         server.kill()
         local = [await timed_reserve(store, "acme", 100) for _ in range(5)]
         assert all(isinstance(g, Grant) for g in local) and store.backend == "local"
-        server.start()
+        server.start()  # empty: its bucket for acme is full again
         await until(lambda: store.backend == "redis")
         for grant in local:
             await store.settle(grant, 50)
         await store.redis.flush()
         assert store.local.num_leases("acme") == 0
-        # Redis never saw them: no bucket, no lease, no grant for the tenant
-        assert server.cli("exists", *tenant_keys("acme")).strip() == "0"
+        # no lease or grant in Redis; its bucket carries what was used locally, once: 5 × 100
+        # reserved at recovery, the unused 5 × 50 given back at settle
+        bucket, leases, grants = tenant_keys("acme")
+        assert server.cli("exists", leases, grants).strip() == "0"
+        level = float(server.cli("hget", bucket, "tl"))
+        assert 10_000 - 250 - 1 <= level <= 10_000 - 250 + refill(10_000, start_s)
+        await store.aclose()
+    try:
+        run(go())
+    finally:
+        server.kill()
+
+
+def refill(per_minute: int, since_s: float) -> float:
+    return per_minute * (time.monotonic() - since_s) / 60 + 1
+
+
+def test_hung_redis_gets_the_local_decisions_charged_once_on_sigcont():
+    server = RedisServer().start()
+
+    async def go():
+        store = fallback(server.url, BudgetLimits(requests_per_minute=60))
+        await until(lambda: store.backend == "redis")
+        start_s = time.monotonic()
+        assert all([isinstance(await timed_reserve(store, "acme"), Grant) for _ in range(30)])
+        server.signal(signal.SIGSTOP)
+        try:
+            outcomes = [await timed_reserve(store, "acme") for _ in range(60)]
+            assert store.backend == "local"
+        finally:
+            server.signal(signal.SIGCONT)
+        local = sum(isinstance(o, Grant) for o in outcomes)
+        # the share starts from the 30 Redis had left (a reserve that timed out may still
+        # have been granted in Redis: it is released again, not kept)
+        assert 30 - 1 <= local <= 30 + refill(60, start_s)
+        await until(lambda: store.backend == "redis")
+        await store.redis.flush()
+        # Redis kept its state: it was charged the local grants, once (nothing left to give)
+        after = [await timed_reserve(store, "acme") for _ in range(10)]
+        assert sum(isinstance(o, Grant) for o in after) <= refill(60, start_s)
+        assert {o.reason for o in after if isinstance(o, Denied)} == {"rpm_limit"}
+        await store.aclose()
+    try:
+        run(go())
+    finally:
+        server.kill()
+
+
+def test_killed_redis_restarted_empty_does_not_grant_a_fresh_window():
+    server = RedisServer().start()
+
+    async def go():
+        store = fallback(server.url, BudgetLimits(requests_per_minute=60))
+        await until(lambda: store.backend == "redis")
+        start_s = time.monotonic()
+        assert all([isinstance(await timed_reserve(store, "acme"), Grant) for _ in range(50)])
+        server.kill()
+        outcomes = [await timed_reserve(store, "acme") for _ in range(5)]
+        assert all(isinstance(o, Grant) for o in outcomes) and store.backend == "local"
+        server.start()  # empty: a fresh bucket of 60
+        await until(lambda: store.backend == "redis")
+        after = [await timed_reserve(store, "acme") for _ in range(20)]
+        # 55 of 60 spent before and during the outage: about 5 left, not 60
+        assert sum(isinstance(o, Grant) for o in after) <= 5 + refill(60, start_s)
         await store.aclose()
     try:
         run(go())
@@ -221,4 +285,78 @@ def test_first_requests_wait_for_the_first_connect_instead_of_a_local_share(redi
         assert store.num_local_reserves == 0
         assert int(redis_server.cli("hlen", tenant_keys(tenant)[2])) == 3
         await store.aclose()
+    run(go())
+
+
+class Staller:
+    """Makes a live Redis slow, not dead: SIGSTOP for ``stall_s``, SIGCONT for ``run_s``, over
+    and over (a server stalled by a fork or a slow disk answers everything, late)."""
+
+    def __init__(self, server: RedisServer, stall_s: float = 0.08, run_s: float = 0.04) -> None:
+        self._server, self._stall_s, self._run_s = server, stall_s, run_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._server.signal(signal.SIGSTOP)
+            self._stop.wait(self._stall_s)
+            self._server.signal(signal.SIGCONT)
+            self._stop.wait(self._run_s)
+
+    def __enter__(self) -> Staller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._server.signal(signal.SIGCONT)
+
+
+def test_slow_redis_flapping_the_breaker_never_over_admits_and_redis_comes_back():
+    server = RedisServer().start()
+
+    async def go():
+        limits = BudgetLimits(requests_per_minute=60)
+        guards = [fallback(server.url, limits) for _ in range(3)]
+        await until(lambda: all(g.backend == "redis" and g.live_guards == 3 for g in guards))
+        start_s = time.monotonic()
+        # each guard has served the tenant: it knows what Redis has left
+        granted = sum([isinstance(await timed_reserve(g, "acme"), Grant) for g in guards])
+        with Staller(server, stall_s=0.25, run_s=0.1):
+            for _ in range(60):  # paced over a few stalls: the breakers open and close
+                step = await asyncio.gather(*(timed_reserve(g, "acme") for g in guards))
+                granted += sum(isinstance(o, Grant) for o in step)
+                await asyncio.sleep(0.03)
+        await until(lambda: all(g.backend == "redis" for g in guards))
+        for guard in guards:
+            await guard.redis.flush()
+        after = [await timed_reserve(guards[i % 3], "acme") for i in range(30)]
+        assert sum(g.breaker.num_opens for g in guards) >= 2  # the slow calls tripped it
+        # every grant, Redis's or a local share's, came out of the one shared bucket
+        assert granted <= 1.1 * 60 + refill(60, start_s)
+        assert granted + sum(isinstance(o, Grant) for o in after) <= 1.1 * 60 + refill(60, start_s)
+        for guard in guards:
+            await guard.aclose()
+    try:
+        run(go())
+    finally:
+        server.kill()
+
+
+def test_heartbeats_refresh_what_an_idle_guard_knows_is_left(redis_server):
+    async def go():
+        limits = BudgetLimits(requests_per_minute=60)
+        tenant = f"idle{time.time_ns()}"
+        idle, busy = fallback(redis_server.url, limits), fallback(redis_server.url, limits)
+        await until(lambda: idle.backend == "redis" and busy.backend == "redis")
+        assert isinstance(await timed_reserve(idle, tenant), Grant)
+        assert idle.redis.levels[tenant][1] >= 58
+        for _ in range(30):
+            assert isinstance(await timed_reserve(busy, tenant), Grant)
+        # the idle guard made no call for the tenant: its heartbeat reads the level again
+        await until(lambda: idle.redis.levels[tenant][1] <= 35)  # 29 left, plus refill
+        await idle.aclose()
+        await busy.aclose()
     run(go())
