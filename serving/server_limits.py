@@ -15,8 +15,9 @@ CLI flags (``add_limit_arguments``), shared by ``kvguard engine`` and ``kvguard 
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
+
+from serving.checks import require_count, require_seconds
 
 __all__ = ["ServerLimits", "add_limit_arguments", "limits_from_args"]
 
@@ -46,13 +47,9 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s",
                      "write_timeout_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            require_seconds(name, getattr(self, name))
         for name in ("max_connections", "max_connections_per_client"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0 (0: no cap), got {value!r}")
+            require_count(name, getattr(self, name), minimum=0, note=" (0: no cap)")
 
 
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from guard.budget.store import BudgetLimits
+from serving.checks import require_count, require_seconds
 
 __all__ = ["BudgetConfig", "LIMIT_KEYS"]
 
@@ -48,17 +49,13 @@ class BudgetConfig:
         except ValueError as exc:
             raise ValueError(str(exc).replace("budget ", "budget.", 1)) from None
         for name in _FLOAT_KEYS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
-                    or (value == 0 and name != "settle_delay_s"):
-                raise ValueError(f"budget.{name}: must be a number > 0, got {value!r}")
+            require_seconds(f"budget.{name}", getattr(self, name),
+                            allow_zero=name == "settle_delay_s")
         if not self.redis_timeout_s <= 5.0:
             raise ValueError("budget.redis_timeout_s: must be <= 5 s (requests wait on it)")
         if not self.heartbeat_s * 3 <= self.lease_s or self.settle_delay_s * 10 > self.lease_s:
             raise ValueError("budget.lease_s: must be >= 3 × heartbeat_s and >= 10 × settle_delay_s")
-        failures = self.breaker_failures
-        if isinstance(failures, bool) or not isinstance(failures, int) or failures < 1:
-            raise ValueError(f"budget.breaker_failures: must be an integer >= 1, got {failures!r}")
+        require_count("budget.breaker_failures", self.breaker_failures)
 
     @property
     def default_limits(self) -> BudgetLimits:

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from serving.checks import require_count, require_seconds
+
 __all__ = ["ProxyConfig"]
 
 _CLIENTS = ("aiohttp", "httpx")
@@ -40,13 +42,9 @@ class ProxyConfig:
                              f"got {self.upstream_client!r}")
         for name in ("connect_timeout_s", "read_timeout_s", "probe_interval_s",
                      "drain_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"proxy.{name}: must be a number > 0, got {value!r}")
+            require_seconds(f"proxy.{name}", getattr(self, name))
         for name in ("eject_after_failures", "max_connections_per_replica"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"proxy.{name}: must be an integer >= 1, got {value!r}")
+            require_count(f"proxy.{name}", getattr(self, name))
 
     @classmethod
     def from_dict(cls, data: Any) -> ProxyConfig:
