@@ -4,15 +4,12 @@
     kvguard chaos run NAME [--quick] [--policy P]... [--out DIR] [--json]
 
 ``run`` measures the capacity of one sim replica (a saturation probe and an open-loop sweep,
-as ``kvguard bench overload`` does; ``--capacity`` takes a given one instead), then serves the same seeded users once per policy — ``always_admit``, ``slo``
+as ``kvguard bench overload`` does; ``--quick`` uses the nominal capacity instead, ``--capacity``
+a given one), then serves the same seeded users once per policy — ``always_admit``, ``slo``
 and any ``--policy`` — each against a fresh topology with the scenario's faults, and writes
 ``verdict.json``, ``report.md`` and ``timeline.png`` into the output folder. The exit code is
 0 when every check passed, 1 when one failed (or a run was invalid), 2 for a usage error or a
 scenario this build cannot run.
-
-``--quick`` is the CI version: the scenario's shape in a shorter run, on a slower sim replica
-(``RunSettings.quick``: same traffic and SLO, about 1/3.4 of the request rate, so that it keeps
-its schedule on 2 cores) at that replica's nominal capacity (no sweep).
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from pathlib import Path
 from chaos.chaos_report import checks, plot_timelines, render_report, render_table
 from chaos.overload import POLICIES
 from chaos.replica import exit_on_sigterm
-from chaos.scenario_run import NOMINAL_QUICK_REPLICA_CAPACITY_GPU_RPS, RunSettings, run_policy
+from chaos.scenario_run import NOMINAL_REPLICA_CAPACITY_GPU_RPS, RunSettings, run_policy
 from chaos.scenarios import ScenarioSpec, catalogue, missing_dependencies, quick_variant
 from chaos.verdict import THRESHOLDS
 
@@ -41,8 +38,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     r = sub.add_parser("run", help="run one scenario for always_admit, slo and any --policy")
     r.add_argument("name", help="scenario name (see `kvguard chaos list`)")
     r.add_argument("--quick", action="store_true",
-                   help="the short CI version, on a slower sim replica at its nominal "
-                   "capacity (no sweep)")
+                   help="the short CI version, at the nominal capacity (no sweep)")
     r.add_argument("--policy", action="append", default=[], choices=POLICIES,
                    help="another policy to run beside always_admit and slo (repeatable)")
     r.add_argument("--out", default=None, help="output folder (default runs/chaos-NAME-<time>)")
@@ -69,17 +65,13 @@ def _list() -> int:
 
 def measure_capacity_rps(settings: RunSettings, quick: bool, given_rps: float | None,
                          out: Path, log) -> tuple[float, str]:
-    """One replica's capacity (req/s at this time scale) and where the number came from;
-    ``quick`` takes the quick replica's nominal one (``settings`` must be ``RunSettings.quick``)."""
+    """One replica's capacity (req/s at this time scale) and where the number came from."""
     if given_rps is not None:
         if given_rps <= 0:
             raise ValueError("--capacity must be > 0")
         return given_rps, "given (--capacity)"
     if quick:
-        if settings != RunSettings.quick(settings.time_scale, settings.seed):
-            raise ValueError("the quick nominal capacity is the quick replica's: use "
-                             "RunSettings.quick()")
-        return NOMINAL_QUICK_REPLICA_CAPACITY_GPU_RPS / settings.time_scale, "nominal (--quick)"
+        return NOMINAL_REPLICA_CAPACITY_GPU_RPS / settings.time_scale, "nominal (--quick)"
     from chaos.overload import Scenario, measure_capacity
 
     log("measuring the capacity of one replica (probe + sweep) ...")
@@ -129,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"scenario {spec.name} cannot run in this build: " + "; ".join(missing))
     exit_on_sigterm()
     policies = list(dict.fromkeys([*BASE_POLICIES, *args.policy]))
-    settings = (RunSettings.quick if args.quick else RunSettings)(time_scale=args.time_scale,
-                                                                  seed=args.seed)
+    settings = RunSettings(time_scale=args.time_scale, seed=args.seed)
     out = Path(args.out or f"runs/chaos-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \

@@ -26,23 +26,11 @@ from chaos.verdict import Budget, FaultWindow, build_verdict
 from policies.cost import RequestClass
 
 __all__ = ["RunSettings", "PolicyRun", "run_policy", "client_configs", "schedule_for",
-           "NOMINAL_QUICK_REPLICA_CAPACITY_GPU_RPS", "QUICK_GPU", "QUICK_MAX_NUM_BATCHED_TOKENS",
-           "fault_window", "budget_for"]
+           "NOMINAL_REPLICA_CAPACITY_GPU_RPS", "fault_window", "budget_for"]
 
-# The quick (CI) runs' replica: a sim A100 with 256-token prefill chunks (a step carrying a
-# chunk takes ~25 ms GPU, under the H100's ~31 ms with 1024-token chunks, so the 80 ms ITL limit
-# keeps the full runs' slack for CPU jitter). Same traffic, SLO and shape as the full runs at
-# about 1/3.4 of the request rate, so that the load generator, replicas, proxies and Redis of a
-# quick run keep their schedule on 2 cores. One such replica serves 7.0 req/s of this traffic
-# within SLO in GPU time (3.5 req/s at time scale 2; quick runs use it as C): measured on the
-# sim engine in virtual time (open-loop Poisson arrivals for 60 GPU s, seeds 0 and 1), C = the
-# highest rate whose strict goodput stays >= 90 % of offered, as the sweep judges it: 7.0 kept
-# 98 %, 7.25 kept 86-90 %, 7.5 kept 57-77 %. The same method gives 24 req/s for the full runs'
-# H100 replica (23: 95 %, 24: 90 %, 25: 74 %), which the real sweep (`kvguard bench overload`)
-# measured at 24 (12.0 at time scale 2) on a quiet machine.
-QUICK_GPU = "a100-80g"
-QUICK_MAX_NUM_BATCHED_TOKENS = 256
-NOMINAL_QUICK_REPLICA_CAPACITY_GPU_RPS = 7.0
+# One sim H100 replica of llama-7b serves ~24 req/s of this traffic within SLO in GPU time
+# (12.0 req/s measured at time scale 2 by `kvguard bench overload`); quick runs use it as C.
+NOMINAL_REPLICA_CAPACITY_GPU_RPS = 24.0
 TENANT = "chaos-tenant-0"
 BUDGETED_TENANT = "chaos-budgeted"  # one user in four in the budget scenarios
 
@@ -64,12 +52,6 @@ class RunSettings:
         if self.time_scale <= 0 or self.ttft_s <= 0 or self.itl_s <= 0 or self.patience_s <= 0:
             raise ValueError("time_scale, ttft_s, itl_s and patience_s must be > 0")
         LengthDist.parse(self.prompt_tokens), LengthDist.parse(self.output_tokens)
-
-    @classmethod
-    def quick(cls, time_scale: float = 2.0, seed: int = 0) -> RunSettings:
-        """The quick runs' settings: the full runs' traffic and SLO on the quick replica."""
-        return cls(time_scale=time_scale, seed=seed, gpu=QUICK_GPU,
-                   max_num_batched_tokens=QUICK_MAX_NUM_BATCHED_TOKENS)
 
     @property
     def request_class(self) -> RequestClass:

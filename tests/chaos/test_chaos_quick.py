@@ -37,7 +37,7 @@ def quick_run(request, tmp_path_factory):
     if missing:
         pytest.skip(f"{name} cannot run in this build: {'; '.join(missing)}")
     out = tmp_path_factory.mktemp(f"chaos-{name}")
-    settings = RunSettings.quick()
+    settings = RunSettings()
     capacity = measure_capacity_rps(settings, True, None, out, print)
     result = run_scenario(spec, ["always_admit", "slo"], settings, out,
                           lambda m: print(m, flush=True), quick=True, capacity=capacity)

@@ -159,30 +159,3 @@ def test_capacity_measurement_arguments_cover_every_flag_the_bench_reads(tmp_pat
     scenario = Scenario(RunSettings().overload_args(16.0))
     args = scenario.load_args("http://127.0.0.1:1", 3.0, tmp_path)
     assert args.shape == "poisson" and args.rate == 3.0
-
-
-def test_quick_runs_use_the_quick_replica_at_its_nominal_capacity(monkeypatch, tmp_path):
-    """`--quick` swaps in the slower quick replica (same traffic and SLO) and its nominal C;
-    the quick C is refused for any other replica."""
-    import chaos.chaos_cli as chaos_cli
-    from chaos.chaos_cli import measure_capacity_rps
-    from chaos.scenario_run import NOMINAL_QUICK_REPLICA_CAPACITY_GPU_RPS as NOMINAL
-    quick, full = RunSettings.quick(time_scale=4.0, seed=3), RunSettings(time_scale=4.0, seed=3)
-    assert (quick.prompt_tokens, quick.output_tokens, quick.request_class) == \
-        (full.prompt_tokens, full.output_tokens, full.request_class)
-    assert (quick.gpu, quick.max_num_batched_tokens) != (full.gpu, full.max_num_batched_tokens)
-    assert measure_capacity_rps(quick, True, None, tmp_path, print) == \
-        (NOMINAL / 4.0, "nominal (--quick)")
-    with pytest.raises(ValueError, match="quick replica"):
-        measure_capacity_rps(full, True, None, tmp_path, print)
-    seen = {}
-
-    def fake_run(spec, policies, settings, out, log, *, quick, capacity):
-        seen.update(settings=settings, capacity=capacity)
-        return {"policies": {}, "checks": {}, "passed": True}
-
-    monkeypatch.setattr(chaos_cli, "run_scenario", fake_run)
-    monkeypatch.setattr(chaos_cli, "render_table", lambda verdicts: "")
-    assert kvguard(["chaos", "run", "burst", "--quick", "--time-scale", "4", "--seed", "3",
-                    "--out", str(tmp_path / "q")]) == 0
-    assert seen == {"settings": quick, "capacity": (NOMINAL / 4.0, "nominal (--quick)")}
