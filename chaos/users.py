@@ -23,7 +23,7 @@ import psutil
 
 from chaos.client import make_http_client
 from chaos.clients import ClientConfig, EntryPicker, UserProgress, make_user_client, user_record
-from chaos.load import LoadResult, _cpu_wait_s, _raise_fd_limit, rate_of
+from chaos.load import LoadResult, _cpu_wait_s, _raise_fd_limit, rate_of, sustained_rate_of
 from chaos.records import RequestRecord, RequestSpec
 from chaos.schedule import prompt_token_ids
 from chaos.user_record import UserRecord
@@ -90,11 +90,11 @@ class _Users:
         self.clients, self.cfgs = clients, cfgs
         self.progress: list[UserProgress] = []
 
-    def start(self, spec: RequestSpec, kind: str, seed: int, t0_s: float) -> asyncio.Task:
+    def start(self, spec: RequestSpec, kind: str, prompt_ids: list[int],
+              t0_s: float) -> asyncio.Task:
         progress = UserProgress()
         self.progress.append(progress)
-        ids = prompt_token_ids(seed, spec)
-        return asyncio.create_task(self.clients[kind].serve(spec, ids, t0_s, progress))
+        return asyncio.create_task(self.clients[kind].serve(spec, prompt_ids, t0_s, progress))
 
     def overdue(self, kind: str, i: int, now_s: float, grace_s: float) -> bool:
         """Inside an attempt older than its own limit + ``grace_s``."""
@@ -108,13 +108,13 @@ class _Users:
                            final_error="canceled at drain deadline")
 
 
-async def _dispatch(users: _Users, specs, kinds, seed, t0_s, clock) -> list[asyncio.Task]:
+async def _dispatch(users: _Users, specs, kinds, prompts, t0_s, clock) -> list[asyncio.Task]:
     tasks = []
-    for spec, kind in zip(specs, kinds, strict=True):
+    for spec, kind, ids in zip(specs, kinds, prompts, strict=True):
         delay_s = t0_s + spec.scheduled_s - clock()
         if delay_s > 0:
             await asyncio.sleep(delay_s)
-        tasks.append(users.start(spec, kind, seed, t0_s))
+        tasks.append(users.start(spec, kind, ids, t0_s))
     return tasks
 
 
@@ -156,6 +156,7 @@ async def run_users(specs: Sequence[RequestSpec], kinds: Sequence[str],
         raise ValueError("every user needs a client kind that has a ClientConfig")
     _raise_fd_limit(cfg.max_connections + 256)
     entries = EntryPicker(cfg.entry_urls)
+    prompts = [prompt_token_ids(cfg.seed, s) for s in specs]  # before the clock: ~1 ms each
     proc = psutil.Process()
     async with make_http_client(cfg.max_connections) as http:
         clients = {k: make_user_client(c, http, entries, model=cfg.model,
@@ -166,7 +167,7 @@ async def run_users(specs: Sequence[RequestSpec], kinds: Sequence[str],
         if on_start is not None:
             on_start(t0_s)
         try:
-            tasks = await _dispatch(users, specs, kinds, cfg.seed, t0_s, clock)
+            tasks = await _dispatch(users, specs, kinds, prompts, t0_s, clock)
             records = await _drain(users, tasks, list(specs), list(kinds),
                                    t0_s + cfg.duration_s + cfg.drain_timeout_s, cfg, clock)
         finally:
@@ -178,6 +179,6 @@ async def run_users(specs: Sequence[RequestSpec], kinds: Sequence[str],
     load = LoadResult(
         records=tuple(firsts), duration_s=cfg.duration_s, wall_s=wall_s, cpu_s=cpu_s,
         scheduled_rate_per_s=rate_of([s.scheduled_s for s in specs]),
-        achieved_rate_per_s=rate_of([r.sent_s for r in firsts if r.sent_s is not None]),
+        achieved_rate_per_s=sustained_rate_of(firsts),
         cpu_wait_s=None if wait0 is None or wait1 is None else wait1 - wait0)
     return UserRunResult(tuple(records), load)

@@ -13,8 +13,9 @@ Figures, each with the threshold it is held to (``THRESHOLDS``):
 - ``attempts_per_user`` (all users) and ``attempts_per_sdk_user`` (users on the OpenAI SDK).
 - ``num_lost`` / ``num_hung``: users with neither an answer nor an explicit error within their
   patience / clients still inside an attempt past its own timeout at the drain deadline.
-- ``over_admission_ratio``: budgeted runs only: 2xx answers to the budgeted tenant beyond what
-  its requests-per-minute bucket allows over the run, as a share of one window's limit.
+- ``over_admission_ratio``: budgeted runs only: the most 2xx answers to the budgeted tenant
+  were ever ahead of what its requests-per-minute bucket allowed by then, as a share of one
+  window's limit.
 
 ``valid`` is false when the load generator lagged or starved (its warnings are listed): such a
 run is not a result.
@@ -115,12 +116,17 @@ def recovery_s(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow,
     return None
 
 
-def over_admission_ratio(users: Sequence[UserRecord], budget: Budget, span_s: float) -> float:
-    """2xx answers to ``budget.tenant`` beyond the bucket's allowance over ``span_s``."""
-    admitted = sum(1 for u in users if u.tenant == budget.tenant for a in u.attempts
-                   if a.status is not None and 200 <= a.status < 300)
-    allowed = budget.requests_per_minute * (1.0 + span_s / 60.0)
-    return max(0.0, admitted - allowed) / budget.requests_per_minute
+def over_admission_ratio(users: Sequence[UserRecord], budget: Budget) -> float:
+    """The most 2xx answers to ``budget.tenant`` were ever ahead of its bucket (full at the
+    first answer, refilling R a minute), as a share of one window's limit R. Checked at each
+    answer's send time: retries answered after the schedule ends count against the allowance
+    at their own time, and an excess paid back later still counts."""
+    times = sorted(a.sent_s for u in users if u.tenant == budget.tenant for a in u.attempts
+                   if a.sent_s is not None and a.status is not None and 200 <= a.status < 300)
+    rpm = budget.requests_per_minute
+    excess = max((n - rpm * (1.0 + (t - times[0]) / 60.0)
+                  for n, t in enumerate(times, start=1)), default=0.0)
+    return max(0.0, excess) / rpm
 
 
 def _attempts_per_user(users: Sequence[UserRecord]) -> float | None:
@@ -161,8 +167,7 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
         "attempts_per_sdk_user": _attempts_per_user(sdk),
         "num_lost": outcomes.count("lost"),
         "num_hung": outcomes.count("hung"),
-        "over_admission_ratio": None if budget is None else over_admission_ratio(
-            users, budget, w.run_end_s),
+        "over_admission_ratio": None if budget is None else over_admission_ratio(users, budget),
     }
 
 

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from chaos.client import require_loopback
-from chaos.load import LoadConfig, rate_of, run_load
+from chaos.load import LoadConfig, rate_of, run_load, sustained_rate_of
 from chaos.schedule import ClassShare, LengthDist, ScheduleConfig, build_schedule
 from guard.cli import main as kvguard
 
@@ -123,6 +123,23 @@ def test_self_report_warns_when_off_schedule_or_starved():
 def test_rate_of_send_times():
     assert rate_of([0.0, 0.5, 1.0, 1.5]) == pytest.approx(2.0)
     assert rate_of([3.0]) is None and rate_of([1.0, 1.0]) is None
+
+
+def _sent(pairs):
+    from chaos.records import RequestRecord
+    return [RequestRecord(index=i, request_class="interactive", tenant="t", num_prompt_tokens=1,
+                          max_tokens=1, scheduled_s=x, sent_s=y, outcome="completed")
+            for i, (x, y) in enumerate(pairs)]
+
+
+def test_sustained_rate_ignores_a_constant_lag_and_one_late_send_but_not_falling_behind():
+    planned = [0.1 * i for i in range(220)]                      # 10/s over 21.9 s
+    assert sustained_rate_of(_sent((x, x + 0.05) for x in planned)) == pytest.approx(10.0)
+    one_late = [(x, x + (0.75 if x == planned[-1] else 0.0)) for x in planned]
+    assert rate_of([y for _, y in one_late]) == pytest.approx(10.0 * 21.9 / 22.65)  # 3.3 % short
+    assert sustained_rate_of(_sent(one_late)) == pytest.approx(10.0, rel=0.002)
+    assert sustained_rate_of(_sent((x, 1.05 * x) for x in planned)) == pytest.approx(10 / 1.05)
+    assert sustained_rate_of(_sent([(0.0, 0.0), (1.0, None)])) is None
 
 
 def test_plain_progress_prints_a_few_lines():

@@ -115,10 +115,23 @@ def test_over_admission_against_a_requests_per_minute_bucket():
     users = [good(t / 10, tenant="b", index=t) for t in range(120)]   # 120 answers in 12 s
     budget = Budget("b", requests_per_minute=50, redis_down=True)
     v = build_verdict(users, CLS, _window(), 4.0, slide_s=2.0, budget=budget)
-    allowed = 50 * (1 + 12 / 60)                                    # a full bucket + refill
+    allowed = 50 * (1 + 11.9 / 60)               # a full bucket + refill by the last answer
     assert v["over_admission_ratio"] == pytest.approx((120 - allowed) / 50)
     ok = build_verdict(users, CLS, _window(), 4.0, slide_s=2.0, budget=Budget("b", 200, False))
     assert ok["over_admission_ratio"] == 0.0
+
+
+def test_over_admission_is_judged_at_each_answer_not_at_the_schedule_end():
+    """Retries answered during the drain (after the 12 s schedule) as the bucket refills are
+    within budget; an excess during the run still counts after it is paid back."""
+    budget = Budget("b", requests_per_minute=6, redis_down=True)   # one more every 10 s
+    paced = [good(0.1 * t, tenant="b", index=t) for t in range(6)] + \
+        [good(t, tenant="b", index=t) for t in (10.6, 20.6, 30.6)]
+    v = build_verdict(paced, CLS, _window(), 4.0, slide_s=2.0, budget=budget)
+    assert v["over_admission_ratio"] == 0.0
+    early = [good(0.1 * t, tenant="b", index=t) for t in range(8)] + [good(40.0, tenant="b")]
+    v = build_verdict(early, CLS, _window(), 4.0, slide_s=2.0, budget=budget)
+    assert v["over_admission_ratio"] == pytest.approx((8 - 6 * (1 + 0.7 / 60)) / 6)
 
 
 def test_series_bins_attempts_by_send_time():
