@@ -123,9 +123,15 @@ class RetryBudget:
     def record(self, tenant: str, is_retry: bool, now_s: float) -> None:
         """A priced request arrived: a first attempt or a retry."""
         first, retries = (0, 1) if is_retry else (1, 0)
-        for key in (tenant, GLOBAL):
-            window = self._window(key, now_s)
-            window.add(now_s, first, retries, 0)
+        own = self._window(tenant, now_s)
+        own.add(now_s, first, retries, 0)
+        glob = self._window(GLOBAL, now_s)
+        glob.add(now_s, first, retries, 0)
+        view = self._view
+        if (view is not None and int(now_s // self._bucket_s) == self._view_bucket
+                and own.is_over(self.config) == (tenant in view.over_tenants)
+                and glob.is_over(self.config) == view.over_global):
+            return  # same bucket (no window rolled) and neither verdict changed: still true
         self._view = None
 
     def is_over(self, tenant: str, now_s: float) -> bool:
@@ -143,7 +149,7 @@ class RetryBudget:
         return True
 
     def view(self, now_s: float) -> RetryBudgetView:
-        """Which tenants' retries are over budget now (cached until a record or a new bucket)."""
+        """Which tenants' retries are over budget now (cached until a record changes a verdict, or a new bucket)."""
         bucket = int(now_s // self._bucket_s)
         if self._view is not None and bucket == self._view_bucket:
             return self._view
