@@ -121,18 +121,32 @@ class RetryBudget:
         self._view_bucket = -1
 
     def record(self, tenant: str, is_retry: bool, now_s: float) -> None:
-        """A priced request arrived: a first attempt or a retry."""
-        first, retries = (0, 1) if is_retry else (1, 0)
-        own = self._window(tenant, now_s)
-        own.add(now_s, first, retries, 0)
-        glob = self._window(GLOBAL, now_s)
-        glob.add(now_s, first, retries, 0)
+        """A priced request arrived: a first attempt or a retry. (Once per request: the
+        common case — the newest bucket is current — touches only the two windows' counts.)"""
+        index = int(now_s // self._bucket_s)
+        windows = self._windows
+        own = windows.get(tenant) or self._window(tenant, now_s)
+        glob = windows.get(GLOBAL) or self._window(GLOBAL, now_s)
+        for window in (own, glob):
+            buckets = window.buckets
+            if not buckets or buckets[-1][0] != index:  # a new bucket (or a clock step back)
+                window.roll(now_s)
+                window.add(now_s, 0, 0, 0)
+            if is_retry:
+                buckets[-1][2] += 1
+                window.num_retries += 1
+            else:
+                buckets[-1][1] += 1
+                window.num_first += 1
         view = self._view
-        if (view is not None and int(now_s // self._bucket_s) == self._view_bucket
-                and own.is_over(self.config) == (tenant in view.over_tenants)
-                and glob.is_over(self.config) == view.over_global):
-            return  # same bucket (no window rolled) and neither verdict changed: still true
-        self._view = None
+        if view is None or index != self._view_bucket:
+            self._view = None
+            return
+        ratio, floor = self.config.budget_ratio, self.config.min_retries  # is_over, inlined
+        own_over = own.num_retries > floor and own.num_retries > ratio * own.num_first
+        glob_over = glob.num_retries > floor and glob.num_retries > ratio * glob.num_first
+        if own_over != (tenant in view.over_tenants) or glob_over != view.over_global:
+            self._view = None  # a verdict changed (same bucket: no window rolled otherwise)
 
     def is_over(self, tenant: str, now_s: float) -> bool:
         """Retries seen exceed the allowance for ``tenant`` or globally."""
