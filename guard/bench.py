@@ -177,7 +177,8 @@ def _cycle(guard, cost, now_s: float) -> None:
 
     decision = guard.controller._decide(cost, now_s)
     if isinstance(decision, Admit):
-        guard.controller.tickets.issue(cost, decision.replica_id, now_s).release("completed")
+        reservation = guard.controller.load_state.reservation(cost.request_id)
+        guard.controller.tickets.issue(reservation, now_s).release("completed")
 
 
 def _reserve_release(guard, cost, now_s: float) -> None:
@@ -186,7 +187,9 @@ def _reserve_release(guard, cost, now_s: float) -> None:
 
 
 def _issue_release(guard, cost, now_s: float) -> None:
-    guard.controller.tickets.issue(cost, "local", now_s).release("completed")
+    from guard.replicas.reservations import Reservation
+
+    guard.controller.tickets.issue(Reservation("local", cost, now_s), now_s).release("completed")
 
 
 def _median_us(fn: Callable[[], object], num: int) -> float:

@@ -80,6 +80,7 @@ from guard.pricing import PricedRequest, Pricer, tokenizer_counter
 from guard.release import ReleaseListeners
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import StatePoller, StateSource
+from guard.replicas.reservations import Reservation
 from guard.request_rules import ReplicaRules
 from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
 from guard.ticket import Ticket, TicketBook
@@ -252,11 +253,12 @@ class AdmissionController:
 
     def _admission(self, priced: PricedRequest, admit: Admit, enqueue_s: float | None,
                    grant: Grant | None) -> Admission:
-        """Issue the ticket, complete, and wrap it for the adapter."""
+        """Issue the ticket, complete, on the reservation ``_decide`` made; wrap it for the
+        adapter."""
         cost = priced.cost
-        ticket = self.tickets.issue(cost, admit.replica_id, self.clock(), admit.predicted_ttft_s,
+        ticket = self.tickets.issue(self._reservation(cost), self.clock(), admit.predicted_ttft_s,
                                     enqueue_s, priced, grant)
-        if self.trace is not None:
+        if self.releases.trace is not None:
             ticket.chunks_s = []  # when each content chunk went out, for the trace
         return Admission(ticket, priced.forward_body(), self.clock,
                          self.metrics.histograms(cost.request_class.name).itl)
@@ -285,24 +287,29 @@ class AdmissionController:
             self.metrics.counters(cost.request_class.name, cost.tenant).admitted.value += 1
         return decision
 
+    def _reservation(self, cost: RequestCost) -> Reservation:
+        reservation = self.load_state.reservation(cost.request_id)
+        if reservation is None:  # _decide reserves on every Admit: a bug, never a request's fault
+            raise RuntimeError(f"admitted request {cost.request_id} holds no reservation")
+        return reservation
+
     def redispatch(self, admission: Admission, replica_ids: Collection[str]) -> str | None:
         """The policy re-decides an admitted request whose replica failed before answering
-        (nothing reached the client) among ``replica_ids``. Its reservation leaves the failed
-        replica; on Admit it is reserved on the new one, whose id the ticket then carries.
-        None when the policy admits it nowhere (the adapter answers the failure)."""
+        (nothing reached the client) among ``replica_ids``. On Admit its reservation moves to
+        the new replica (the ticket refers to it, so it follows). None when the policy admits
+        it nowhere: the reservation stays until the adapter answers the failure and the
+        ticket is released."""
         ticket = admission.ticket
         cost = ticket.cost
         now_s = self.clock()
-        self.load_state.release(cost.request_id)
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
                                             self.retry_budget.view(now_s))
         others = tuple(r for r in snapshot.replicas if r.replica_id in replica_ids)
         decision = self.policy.decide(cost, dataclasses.replace(snapshot, replicas=others))
-        if not isinstance(decision, Admit):
+        if not isinstance(decision, Admit) or not self.load_state.move(
+                cost.request_id, decision.replica_id, now_s):
             return None
-        self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
         self.policy.admitted(cost, decision.replica_id, now_s)
-        ticket.replica_id = decision.replica_id
         return decision.replica_id
 
     async def _wait(self, cost: RequestCost, until_s: float, enqueue_s: float,
@@ -332,7 +339,7 @@ class AdmissionController:
         future, cost = waiter.future, waiter.cost
         if future.done() and not future.cancelled() and isinstance(future.result(), Admit):
             # admitted but never dispatched: released as canceled (frees the reservation)
-            ticket = self.tickets.issue(cost, future.result().replica_id, self.clock(),
+            ticket = self.tickets.issue(self._reservation(cost), self.clock(),
                                         enqueue_s=waiter.enqueued_s)
             ticket.release("canceled")
         else:

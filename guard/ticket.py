@@ -6,6 +6,11 @@ largest gap between content chunks, whether the stream finished). ``release(outc
 the book's listeners (free the load-state reservation, feed the policy a
 :class:`~policies.decision.CompletionSample`, update metrics, wake the admission queue) the
 first time only; later calls return ``False`` and do nothing.
+
+The ticket holds no copy of the request's reservation: it refers to the one
+:class:`~guard.replicas.reservations.Reservation` record the load state keeps (``replica_id``
+reads it, so a redispatch that moves the reservation moves the ticket with it), and the
+release listener frees that record, once.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Literal
 
-from policies.cost import RequestCost
+from guard.replicas.reservations import Reservation
 from policies.decision import CompletionSample
 
 __all__ = ["Ticket", "TicketBook", "Outcome", "OUTCOMES", "ReleaseListener"]
@@ -37,19 +42,19 @@ class Ticket:
     """An admitted request's permit plus what its response stream looked like."""
 
     __slots__ = (
-        "cost", "replica_id", "dispatch_s", "predicted_ttft_s", "status", "is_stream",
+        "cost", "reservation", "dispatch_s", "predicted_ttft_s", "status", "is_stream",
         "first_byte_s", "first_token_s", "last_token_s", "max_itl_s", "num_content_chunks",
         "done_seen", "body_complete", "client_disconnected", "outcome", "released_s", "_book",
         "enqueue_s", "priced", "grant", "num_usage_prompt_tokens", "num_usage_output_tokens",
         "ok", "slo_met", "aborted", "chunks_s",
     )
 
-    def __init__(self, book: TicketBook, cost: RequestCost, replica_id: str, dispatch_s: float,
+    def __init__(self, book: TicketBook, reservation: Reservation, dispatch_s: float,
                  predicted_ttft_s: float | None = None, enqueue_s: float | None = None,
                  priced: Any = None, grant: Any = None) -> None:
         self._book = book
-        self.cost = cost
-        self.replica_id = replica_id
+        self.reservation = reservation  # the request's in-flight record (replica, cost)
+        self.cost = reservation.cost  # the same immutable cost, read on every chunk
         self.dispatch_s = dispatch_s
         self.predicted_ttft_s = predicted_ttft_s
         self.status: int | None = None
@@ -77,6 +82,11 @@ class Ticket:
     @property
     def request_id(self) -> str:
         return self.cost.request_id
+
+    @property
+    def replica_id(self) -> str:
+        """The replica its reservation is on (where the request was sent)."""
+        return self.reservation.replica_id
 
     @property
     def released(self) -> bool:
@@ -223,11 +233,12 @@ class TicketBook:
     def add_listener(self, listener: ReleaseListener) -> None:
         self._listeners.append(listener)
 
-    def issue(self, cost: RequestCost, replica_id: str, dispatch_s: float,
+    def issue(self, reservation: Reservation, dispatch_s: float,
               predicted_ttft_s: float | None = None, enqueue_s: float | None = None,
               priced: Any = None, grant: Any = None) -> Ticket:
-        """A complete ticket: nothing is written onto it afterwards but what the response shows."""
-        ticket = Ticket(self, cost, replica_id, dispatch_s, predicted_ttft_s, enqueue_s, priced,
+        """A complete ticket for ``reservation``: nothing is written onto it afterwards but
+        what the response shows."""
+        ticket = Ticket(self, reservation, dispatch_s, predicted_ttft_s, enqueue_s, priced,
                         grant)
         self._held[id(ticket)] = ticket
         return ticket

@@ -231,19 +231,29 @@ class LoadState:
     # --- reservations -----------------------------------------------------------------------
 
     def reserve(self, replica_id: str, request_id: str, cost: RequestCost,
-                now_s: float | None = None) -> None:
+                now_s: float | None = None) -> Reservation:
         """The guard admitted ``cost`` to ``replica_id`` at ``now_s`` (default: its arrival).
 
         Counted in the replica's snapshot until the replica reports it or it is released.
-        Reserving an id that already holds a reservation replaces it.
+        Reserving an id that already holds a reservation replaces it. The returned
+        :class:`Reservation` is the request's one in-flight record: its ticket refers to it
+        (:attr:`guard.ticket.Ticket.reservation`), the indexes here hold the same object.
         """
         if request_id in self._reservations:
             self.release(request_id)
         reserved_s = cost.arrival_s if now_s is None else now_s
         reservation = Reservation(replica_id, cost, reserved_s)
         self._reservations[request_id] = reservation
-        self._book(replica_id).add(request_id, reservation)
+        book = self._books.get(replica_id)
+        if book is None:
+            book = self._books[replica_id] = ReplicaReservations()
+        book.add(request_id, reservation)
         self._dirty(replica_id)
+        return reservation
+
+    def reservation(self, request_id: str) -> Reservation | None:
+        """The request's reservation while it holds one."""
+        return self._reservations.get(request_id)
 
     def release(self, request_id: str) -> bool:
         """The request ended (ticket released). False if it held no reservation."""
@@ -252,6 +262,20 @@ class LoadState:
             return False
         self._books[reservation.replica_id].remove(request_id)
         self._dirty(reservation.replica_id)
+        return True
+
+    def move(self, request_id: str, replica_id: str, now_s: float) -> bool:
+        """The request's reservation leaves its replica for ``replica_id`` (the same record:
+        its ticket follows it), pending there from ``now_s``. False if it holds none."""
+        reservation = self._reservations.get(request_id)
+        if reservation is None:
+            return False
+        old_id = reservation.replica_id
+        self._books[old_id].remove(request_id)
+        self._dirty(old_id)
+        reservation.move_to(replica_id, now_s)
+        self._book(replica_id).add(request_id, reservation)
+        self._dirty(replica_id)
         return True
 
     def _dirty(self, replica_id: str) -> None:

@@ -36,6 +36,13 @@ class Reservation:
             self._load = reserved_load(self.cost, self.reserved_s)
         return self._load
 
+    def move_to(self, replica_id: str, now_s: float) -> None:
+        """Redispatched: pending on ``replica_id`` from ``now_s`` (the caller books it there)."""
+        self.replica_id = replica_id
+        self.reserved_s = now_s
+        self.reported = False
+        self._load = None
+
 
 def reserved_load(cost: RequestCost, reserved_s: float | None = None) -> SeqLoad:
     """A reservation's load: nothing computed yet, the whole prompt and expected output to come
