@@ -80,7 +80,6 @@ from guard.pricing import PricedRequest, Pricer, tokenizer_counter
 from guard.release import ReleaseListeners
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import StatePoller, StateSource
-from guard.replicas.reservations import Reservation
 from guard.request_rules import ReplicaRules
 from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
 from guard.ticket import Ticket, TicketBook
@@ -256,11 +255,16 @@ class AdmissionController:
         """Issue the ticket, complete, on the reservation ``_decide`` made; wrap it for the
         adapter."""
         cost = priced.cost
-        ticket = self.tickets.issue(self._reservation(cost), self.clock(), admit.predicted_ttft_s,
+        reservation = self.load_state.reservation(cost.request_id)
+        if reservation is None:  # _decide reserves on every Admit: a bug, never a request's fault
+            raise RuntimeError(f"admitted request {cost.request_id} holds no reservation")
+        ticket = self.tickets.issue(reservation, self.clock(), admit.predicted_ttft_s,
                                     enqueue_s, priced, grant)
         if self.releases.trace is not None:
             ticket.chunks_s = []  # when each content chunk went out, for the trace
-        return Admission(ticket, priced.forward_body(), self.clock,
+        raw = priced.raw  # forward_body(), without the call when the body goes as sent
+        body = raw if raw and not priced.max_tokens_defaulted else priced.forward_body()
+        return Admission(ticket, body, self.clock,
                          self.metrics.histograms(cost.request_class.name).itl)
 
     def tenant(self, authorization: str | None) -> TenantConfig | None:
@@ -286,12 +290,6 @@ class AdmissionController:
             self.policy.admitted(cost, decision.replica_id, now_s)
             self.metrics.counters(cost.request_class.name, cost.tenant).admitted.value += 1
         return decision
-
-    def _reservation(self, cost: RequestCost) -> Reservation:
-        reservation = self.load_state.reservation(cost.request_id)
-        if reservation is None:  # _decide reserves on every Admit: a bug, never a request's fault
-            raise RuntimeError(f"admitted request {cost.request_id} holds no reservation")
-        return reservation
 
     def redispatch(self, admission: Admission, replica_ids: Collection[str]) -> str | None:
         """The policy re-decides an admitted request whose replica failed before answering
@@ -339,8 +337,8 @@ class AdmissionController:
         future, cost = waiter.future, waiter.cost
         if future.done() and not future.cancelled() and isinstance(future.result(), Admit):
             # admitted but never dispatched: released as canceled (frees the reservation)
-            ticket = self.tickets.issue(self._reservation(cost), self.clock(),
-                                        enqueue_s=waiter.enqueued_s)
+            ticket = self.tickets.issue(self.load_state.reservation(cost.request_id),
+                                        self.clock(), enqueue_s=waiter.enqueued_s)
             ticket.release("canceled")
         else:
             self.rejecter.count_early(cost.request_id, cost.tenant, cost.arrival_s,

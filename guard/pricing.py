@@ -26,7 +26,7 @@ from guard.request_rules import (
     optional_int,
     parse_body,
 )
-from guard.retry_headers import is_retry_attempt
+from guard.retry_headers import RETRY_COUNT_HEADERS, is_retry_attempt
 from policies.cost import RequestClass, RequestCost
 
 __all__ = [
@@ -45,6 +45,7 @@ ESTIMATE_TOLERANCE_RATIO = 0.10  # an estimated prompt is rejected only if 10 % 
 MIN_CHARS_PER_TOKEN, MAX_CHARS_PER_TOKEN = 1.0, 8.0
 CALIBRATION_DECAY = 0.02  # weight of each new usage observation in the decayed sums
 CALIBRATION_PRIOR_TOKENS = 200.0  # the initial ratio counts as this many observed tokens
+_RETRY_COUNT_NAMES = frozenset(name for name, _ in RETRY_COUNT_HEADERS)
 MIN_OUTPUT_SAMPLES = 8  # completions of a class before its learned output length is used
 
 
@@ -269,7 +270,8 @@ class Pricer:
 
     def _is_retry(self, headers: Mapping[str, str], tenant: str, now_s: float) -> bool:
         """A retry counter header (:mod:`guard.retry_headers`) or a repeated Idempotency-Key."""
-        retry = is_retry_attempt(headers)
+        # a retry counter header is rare: is_retry_attempt only when one is there
+        retry = not _RETRY_COUNT_NAMES.isdisjoint(headers) and is_retry_attempt(headers)
         key = headers.get("idempotency-key")
         if key:  # always record the key, so a later repeat is seen as a retry
             retry = self._recent_keys.seen(tenant, key, now_s) or retry

@@ -248,7 +248,10 @@ class LoadState:
         if book is None:
             book = self._books[replica_id] = ReplicaReservations()
         book.add(request_id, reservation)
-        self._dirty(replica_id)
+        replica = self._replicas.get(replica_id)  # _dirty, inlined (once per request)
+        if replica is not None:
+            replica.combined = None
+            self._snapshots = None
         return reservation
 
     def reservation(self, request_id: str) -> Reservation | None:
@@ -260,8 +263,12 @@ class LoadState:
         reservation = self._reservations.pop(request_id, None)
         if reservation is None:
             return False
-        self._books[reservation.replica_id].remove(request_id)
-        self._dirty(reservation.replica_id)
+        replica_id = reservation.replica_id
+        self._books[replica_id].remove(request_id)
+        replica = self._replicas.get(replica_id)  # _dirty, inlined (once per request)
+        if replica is not None:
+            replica.combined = None
+            self._snapshots = None
         return True
 
     def move(self, request_id: str, replica_id: str, now_s: float) -> bool:

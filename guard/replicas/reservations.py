@@ -70,12 +70,17 @@ class ReplicaReservations:
 
     def add(self, request_id: str, reservation: Reservation) -> None:
         self.num_inflight += 1
-        self._add_pending(request_id, reservation)
+        if not reservation.reported:
+            self.pending[request_id] = reservation
+            self._count(reservation, 1)
 
     def remove(self, request_id: str) -> None:
         """The reservation's ticket was released."""
         self.num_inflight -= 1
-        self.mark_reported(request_id)
+        reservation = self.pending.pop(request_id, None)  # mark_reported, once per request
+        if reservation is not None:
+            reservation.reported = True
+            self._count(reservation, -1)
 
     def mark_reported(self, request_id: str) -> None:
         """The replica reports the request itself: it stops counting as pending."""
@@ -83,11 +88,6 @@ class ReplicaReservations:
         if reservation is not None:
             reservation.reported = True
             self._count(reservation, -1)
-
-    def _add_pending(self, request_id: str, reservation: Reservation) -> None:
-        if not reservation.reported:
-            self.pending[request_id] = reservation
-            self._count(reservation, 1)
 
     def _count(self, reservation: Reservation, sign: int) -> None:
         """Add (+1) or remove (-1) the contribution of ``reserved_load(reservation.cost)``:
