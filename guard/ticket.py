@@ -105,11 +105,14 @@ class Ticket:
             self.body_complete = True
         if not chunk:
             return None
-        if self.is_stream and _DONE in chunk:
+        # bytes.find, not ``in``: ``sub in chunk`` first tries ``sub`` as an int and formats
+        # the TypeError it then discards, several times the cost of the search itself
+        if self.is_stream and chunk.find(_DONE) >= 0:
             self.done_seen = True
-        if b'"usage"' in chunk:
+        if chunk.find(b'"usage"') >= 0:
             self._usage(chunk)
-        if (b'"abort"' in chunk or b'"error"' in chunk) and _ABORTED.search(chunk) is not None:
+        if (chunk.find(b'"abort"') >= 0 or chunk.find(b'"error"') >= 0) \
+                and _ABORTED.search(chunk) is not None:
             self.aborted = True
         if self.is_stream and _CONTENT.search(chunk) is None:
             return None
