@@ -197,8 +197,10 @@ class AdmissionController:
                     ) -> Admission | Rejection | None:
         """Price, budget, decide and (maybe) wait: see the module docstring."""
         arrival_s = self.clock()
-        if not self.background.is_running_here():
-            await self.background.start()
+        background = self.background  # is_running_here(), inlined: once per request
+        ready = background.ready
+        if ready is None or not ready.done() or background.loop is not asyncio.get_running_loop():
+            await background.start()
         request_id = self._id_prefix + format(next(self._next_id), "x")
         tenant = self.tenant(headers.get("authorization"))
         if tenant is None:

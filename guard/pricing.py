@@ -90,6 +90,7 @@ class Pricer:
         self._chars_per_token = cpt
         self._outputs: dict[str, list] = {}  # class -> [completions seen, mean output tokens]
         self._recent_keys = IdempotencyKeys(config.idempotency_ttl_s, config.max_idempotency_bytes)
+        self._deadline_headers = frozenset({"x-stainless-read-timeout", config.deadline_header})
 
     # --- learning ---------------------------------------------------------------------------
 
@@ -179,7 +180,9 @@ class Pricer:
             num_expected_output_tokens=n * self.expected_output_tokens(request_class.name, max_tokens),
             num_blocks=n * math.ceil((tokens + max_tokens) / block_size),
             arrival_s=now_s,
-            deadline_s=self._deadline_s(headers, now_s, request_class.ttft_s),
+            deadline_s=(self._deadline_s(headers, now_s, request_class.ttft_s)
+                        if not self._deadline_headers.isdisjoint(headers)
+                        else now_s + request_class.ttft_s),  # no deadline hint: the class's
             is_retry=self._is_retry(headers, tenant.name, now_s),
         )
         raw = body if isinstance(body, bytes) else b""
@@ -230,7 +233,7 @@ class Pricer:
             return 0, len(prompt), 0, True
         if self._tokenizer is not None:
             return len(prompt), self._tokenizer(prompt), 0, True
-        return len(prompt), self._estimate(len(prompt)), 0, False
+        return len(prompt), math.ceil(len(prompt) / self._chars_per_token), 0, False  # _estimate
 
     def _estimate(self, num_chars: int) -> int:
         return math.ceil(num_chars / self._chars_per_token)

@@ -64,8 +64,11 @@ def parse_body(body: dict | bytes) -> dict:
                 and nesting_depth_exceeds(body, MAX_JSON_DEPTH)):
             raise _bad(f"request body nests deeper than {MAX_JSON_DEPTH} levels", None,
                        "invalid_json")
-        try:
-            body = _loads(body)
+        try:  # the UTF-8 text path first (it skips json.loads's encoding sniff)
+            try:
+                body = _JSON_DECODER.decode(body.decode())
+            except ValueError:  # anything that path refuses goes through json.loads itself
+                body = json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise _bad(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
     if not isinstance(body, dict):
@@ -73,20 +76,11 @@ def parse_body(body: dict | bytes) -> dict:
     return body
 
 
-def _loads(body: bytes | bytearray) -> Any:
-    """``json.loads(body)``, taking the UTF-8 text path first (it skips the encoding sniff);
-    anything that path refuses goes through ``json.loads(body)`` itself."""
-    try:
-        return _JSON_DECODER.decode(body.decode())
-    except ValueError:
-        return json.loads(body)
-
-
 def optional_int(body: dict, name: str, minimum: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value):
+    if not isinstance(value, int) or isinstance(value, bool):  # _is_int, inlined
         raise _bad(f"'{name}' must be an integer", name, "invalid_type")
     if value < minimum:
         raise _bad(f"'{name}' must be at least {minimum}, got {value}", name)

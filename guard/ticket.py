@@ -176,10 +176,10 @@ class Ticket:
         return self._within_slo()
 
     def _within_slo(self) -> bool:
-        klass = self.cost.request_class
-        ttft_s = self.ttft_s
-        if ttft_s is None or ttft_s > klass.ttft_s:
-            return False
+        cost = self.cost
+        klass = cost.request_class
+        if self.first_token_s is None or self.first_token_s - cost.arrival_s > klass.ttft_s:
+            return False  # (ttft_s, inlined: once per request)
         return self.max_itl_s is None or self.max_itl_s <= klass.itl_s
 
     @property
