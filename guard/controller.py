@@ -202,7 +202,8 @@ class AdmissionController:
         if ready is None or not ready.done() or background.loop is not asyncio.get_running_loop():
             await background.start()
         request_id = self._id_prefix + format(next(self._next_id), "x")
-        tenant = self.tenant(headers.get("authorization"))
+        # no tenants configured: everyone is the anonymous tenant (tenant(), without the call)
+        tenant = self.tenant(headers.get("authorization")) if self.config.tenants else self._anonymous
         if tenant is None:
             return self.rejecter.reject_early(request_id, None, arrival_s, PricingError(401, *INVALID_KEY))
         try:
