@@ -206,10 +206,13 @@ class AdmissionController:
                     ) -> Admission | Rejection | None:
         """Price, budget, decide and (maybe) wait: see the module docstring."""
         arrival_s = self.clock()
-        if not self.background.is_running_here():
-            await self.background.start()
+        background = self.background  # is_running_here(), inlined: once per request
+        ready = background.ready
+        if ready is None or not ready.done() or background.loop is not asyncio.get_running_loop():
+            await background.start()
         request_id = self._id_prefix + format(next(self._next_id), "x")
-        tenant = self.tenant(headers.get("authorization"))
+        # no tenants configured: everyone is the anonymous tenant (tenant(), without the call)
+        tenant = self.tenant(headers.get("authorization")) if self.config.tenants else self._anonymous
         if tenant is None:
             return self.rejecter.reject_early(request_id, None, arrival_s, PricingError(401, *INVALID_KEY))
         try:
@@ -266,13 +269,19 @@ class AdmissionController:
 
     def _admission(self, priced: PricedRequest, admit: Admit, enqueue_s: float | None,
                    grant: Grant | None) -> Admission:
-        """Issue the ticket, complete, and wrap it for the adapter."""
+        """Issue the ticket, complete, on the reservation ``_decide`` made; wrap it for the
+        adapter."""
         cost = priced.cost
-        ticket = self.tickets.issue(cost, admit.replica_id, self.clock(), admit.predicted_ttft_s,
+        reservation = self.load_state.reservation(cost.request_id)
+        if reservation is None:  # _decide reserves on every Admit: a bug, never a request's fault
+            raise RuntimeError(f"admitted request {cost.request_id} holds no reservation")
+        ticket = self.tickets.issue(reservation, self.clock(), admit.predicted_ttft_s,
                                     enqueue_s, priced, grant)
-        if self.trace is not None:
+        if self.releases.trace is not None:
             ticket.chunks_s = []  # when each content chunk went out, for the trace
-        return Admission(ticket, priced.forward_body(), self.clock,
+        raw = priced.raw  # forward_body(), without the call when the body goes as sent
+        body = raw if raw and not priced.max_tokens_defaulted else priced.forward_body()
+        return Admission(ticket, body, self.clock,
                          self.metrics.histograms(cost.request_class.name).itl)
 
     def tenant(self, authorization: str | None) -> TenantConfig | None:
@@ -338,22 +347,21 @@ class AdmissionController:
 
     def redispatch(self, admission: Admission, replica_ids: Collection[str]) -> str | None:
         """The policy re-decides an admitted request whose replica failed before answering
-        (nothing reached the client) among ``replica_ids``. Its reservation leaves the failed
-        replica; on Admit it is reserved on the new one, whose id the ticket then carries.
-        None when the policy admits it nowhere (the adapter answers the failure)."""
+        (nothing reached the client) among ``replica_ids``. On Admit its reservation moves to
+        the new replica (the ticket refers to it, so it follows). None when the policy admits
+        it nowhere: the reservation stays until the adapter answers the failure and the
+        ticket is released."""
         ticket = admission.ticket
         cost = ticket.cost
         now_s = self.clock()
-        self.load_state.release(cost.request_id)
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
                                             self.retry_budget.view(now_s))
         others = tuple(r for r in snapshot.replicas if r.replica_id in replica_ids)
         decision = self.policy.decide(cost, dataclasses.replace(snapshot, replicas=others))
-        if not isinstance(decision, Admit):
+        if not isinstance(decision, Admit) or not self.load_state.move(
+                cost.request_id, decision.replica_id, now_s):
             return None
-        self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
         self.policy.admitted(cost, decision.replica_id, now_s)
-        ticket.replica_id = decision.replica_id
         return decision.replica_id
 
     async def _wait(self, cost: RequestCost, until_s: float, enqueue_s: float,
@@ -384,8 +392,8 @@ class AdmissionController:
         self._decided_versions.pop(cost.request_id, None)
         if future.done() and not future.cancelled() and isinstance(future.result(), Admit):
             # admitted but never dispatched: released as canceled (frees the reservation)
-            ticket = self.tickets.issue(cost, future.result().replica_id, self.clock(),
-                                        enqueue_s=waiter.enqueued_s)
+            ticket = self.tickets.issue(self.load_state.reservation(cost.request_id),
+                                        self.clock(), enqueue_s=waiter.enqueued_s)
             ticket.release("canceled")
         else:
             self.rejecter.count_early(cost.request_id, cost.tenant, cost.arrival_s,

@@ -185,8 +185,9 @@ class GuardMetrics:
         else:
             counters.failed.value += 1
         hist = self.histograms(cost.request_class.name)
-        ttft_s = ticket.ttft_s
-        if ttft_s is not None:
+        first_token_s = ticket.first_token_s
+        if first_token_s is not None:
+            ttft_s = first_token_s - cost.arrival_s  # ticket.ttft_s, inlined
             hist.ttft.observe(ttft_s)
             predicted_s = ticket.predicted_ttft_s
             if predicted_s is not None and predicted_s > 0:

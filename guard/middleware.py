@@ -93,7 +93,7 @@ class AdmissionMiddleware:
         kind = scope["type"]
         if kind == "http":
             path = scope["path"]
-            if not self._drain_hook_set:
+            if not self._drain_hook_set and "state" in scope:  # the hooks live in the state
                 self._drain_hook_set = register_drain_hook(scope, self.drain)
             if scope["method"] == "POST" and self._is_admitted(path):
                 return await self._admit(scope, receive, send)

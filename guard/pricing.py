@@ -26,7 +26,7 @@ from guard.request_rules import (
     optional_int,
     parse_body,
 )
-from guard.retry_headers import is_retry_attempt
+from guard.retry_headers import RETRY_COUNT_HEADERS, is_retry_attempt
 from policies.cost import RequestClass, RequestCost
 
 __all__ = [
@@ -45,6 +45,7 @@ ESTIMATE_TOLERANCE_RATIO = 0.10  # an estimated prompt is rejected only if 10 % 
 MIN_CHARS_PER_TOKEN, MAX_CHARS_PER_TOKEN = 1.0, 8.0
 CALIBRATION_DECAY = 0.02  # weight of each new usage observation in the decayed sums
 CALIBRATION_PRIOR_TOKENS = 200.0  # the initial ratio counts as this many observed tokens
+_RETRY_COUNT_NAMES = frozenset(name for name, _ in RETRY_COUNT_HEADERS)
 MIN_OUTPUT_SAMPLES = 8  # completions of a class before its learned output length is used
 
 
@@ -69,6 +70,21 @@ class PricedRequest:
     max_tokens_defaulted: bool  # the client sent no max_tokens; cost.max_tokens is the guard's
     raw: bytes = b""  # the body as the client sent it
 
+    def __init__(self, cost: RequestCost, body: dict, is_stream: bool, num_prompt_chars: int,
+                 num_overhead_tokens: int, is_exact: bool, max_tokens_defaulted: bool,
+                 raw: bytes = b"") -> None:
+        # One per request: straight into __dict__ (see policies.cost.RequestCost.__init__;
+        # tests/guard/test_pricing.py checks the fields and defaults match).
+        d = self.__dict__
+        d["cost"] = cost
+        d["body"] = body
+        d["is_stream"] = is_stream
+        d["num_prompt_chars"] = num_prompt_chars
+        d["num_overhead_tokens"] = num_overhead_tokens
+        d["is_exact"] = is_exact
+        d["max_tokens_defaulted"] = max_tokens_defaulted
+        d["raw"] = raw
+
     def forward_body(self) -> bytes:
         """The body to send upstream: as sent, or with the priced ``max_tokens`` filled in when
         the client sent none, so the replica runs exactly what the guard priced."""
@@ -89,6 +105,7 @@ class Pricer:
         self._chars_per_token = cpt
         self._outputs: dict[str, list] = {}  # class -> [completions seen, mean output tokens]
         self._recent_keys = IdempotencyKeys(config.idempotency_ttl_s, config.max_idempotency_bytes)
+        self._deadline_headers = frozenset({"x-stainless-read-timeout", config.deadline_header})
 
     # --- learning ---------------------------------------------------------------------------
 
@@ -178,7 +195,9 @@ class Pricer:
             num_expected_output_tokens=n * self.expected_output_tokens(request_class.name, max_tokens),
             num_blocks=n * math.ceil((tokens + max_tokens) / block_size),
             arrival_s=now_s,
-            deadline_s=self._deadline_s(headers, now_s, request_class.ttft_s),
+            deadline_s=(self._deadline_s(headers, now_s, request_class.ttft_s)
+                        if not self._deadline_headers.isdisjoint(headers)
+                        else now_s + request_class.ttft_s),  # no deadline hint: the class's
             is_retry=self._is_retry(headers, tenant.name, now_s),
         )
         raw = body if isinstance(body, bytes) else b""
@@ -229,7 +248,7 @@ class Pricer:
             return 0, len(prompt), 0, True
         if self._tokenizer is not None:
             return len(prompt), self._tokenizer(prompt), 0, True
-        return len(prompt), self._estimate(len(prompt)), 0, False
+        return len(prompt), math.ceil(len(prompt) / self._chars_per_token), 0, False  # _estimate
 
     def _estimate(self, num_chars: int) -> int:
         return math.ceil(num_chars / self._chars_per_token)
@@ -269,7 +288,8 @@ class Pricer:
 
     def _is_retry(self, headers: Mapping[str, str], tenant: str, now_s: float) -> bool:
         """A retry counter header (:mod:`guard.retry_headers`) or a repeated Idempotency-Key."""
-        retry = is_retry_attempt(headers)
+        # a retry counter header is rare: is_retry_attempt only when one is there
+        retry = not _RETRY_COUNT_NAMES.isdisjoint(headers) and is_retry_attempt(headers)
         key = headers.get("idempotency-key")
         if key:  # always record the key, so a later repeat is seen as a retry
             retry = self._recent_keys.seen(tenant, key, now_s) or retry

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from guard.admission import Admission
@@ -79,7 +80,7 @@ class Relay:
     decision, then (once admitted) the receive/send pair the wrapped app sees."""
 
     __slots__ = ("admission", "ticket", "request_id", "_receive", "_send", "_first", "gone",
-                 "_max_bytes", "_content_length", "_clock", "_itl")
+                 "read_body", "_clock", "_itl")
 
     def __init__(self, receive: Receive, send: Send, max_bytes: int,
                  content_length: int | None) -> None:
@@ -92,12 +93,11 @@ class Relay:
         self._send = send
         self._first: Message | None = None
         self.gone: asyncio.Future | None = None  # the disconnect watch, made while queued
-        self._max_bytes = max_bytes
-        self._content_length = content_length
+        # the controller's body reader: read_body() -> the whole body under the limit
+        self.read_body: Callable[[], Awaitable[bytes]] = partial(read_body, receive, max_bytes,
+                                                                 content_length)
 
     # --- before the decision: what the controller calls -------------------------------------
-    def read_body(self) -> Awaitable[bytes]:
-        return read_body(self._receive, self._max_bytes, self._content_length)
 
     def client_gone(self) -> asyncio.Future:
         """A task that ends with the client's ``http.disconnect`` message (made once)."""

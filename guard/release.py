@@ -45,7 +45,7 @@ class ReleaseListeners:
         return (self.free, *observe, self._metrics.on_released, self.learn, self.after_release)
 
     def free(self, ticket: Ticket) -> None:
-        self._load_state.release(ticket.request_id)
+        self._load_state.release(ticket.cost.request_id)
 
     def observe(self, ticket: Ticket) -> None:
         self._policy.observe(ticket.sample())

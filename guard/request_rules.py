@@ -23,12 +23,13 @@ from typing import Any
 
 from guard.errors import PricingError
 from serving.json_body import MAX_JSON_DEPTH, nesting_depth_exceeds
-from serving.unsupported_params import first_unsupported
+from serving.unsupported_params import UNSUPPORTED_PARAMS, first_unsupported
 
 __all__ = ["ROLES", "ReplicaRules", "chat_texts", "check_common", "optional_int", "parse_body",
            "completion_prompt"]
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_UNSUPPORTED_NAMES = frozenset(UNSUPPORTED_PARAMS)
 _JSON_DECODER = json.JSONDecoder()  # stateless; what json.loads uses by default
 
 
@@ -57,11 +58,17 @@ def _is_number(value: Any) -> bool:
 def parse_body(body: dict | bytes) -> dict:
     """The JSON object in ``body`` (already parsed when a dict)."""
     if isinstance(body, (bytes, bytearray)):
-        if nesting_depth_exceeds(body, MAX_JSON_DEPTH):  # json.loads recurses once per level
+        # json.loads recurses once per level; the bracket count is nesting_depth_exceeds's own
+        # first test, here without the call for the bodies it lets through
+        if (body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH
+                and nesting_depth_exceeds(body, MAX_JSON_DEPTH)):
             raise _bad(f"request body nests deeper than {MAX_JSON_DEPTH} levels", None,
                        "invalid_json")
-        try:
-            body = _loads(body)
+        try:  # the UTF-8 text path first (it skips json.loads's encoding sniff)
+            try:
+                body = _JSON_DECODER.decode(body.decode())
+            except ValueError:  # anything that path refuses goes through json.loads itself
+                body = json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise _bad(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
     if not isinstance(body, dict):
@@ -69,20 +76,11 @@ def parse_body(body: dict | bytes) -> dict:
     return body
 
 
-def _loads(body: bytes | bytearray) -> Any:
-    """``json.loads(body)``, taking the UTF-8 text path first (it skips the encoding sniff);
-    anything that path refuses goes through ``json.loads(body)`` itself."""
-    try:
-        return _JSON_DECODER.decode(body.decode())
-    except ValueError:
-        return json.loads(body)
-
-
 def optional_int(body: dict, name: str, minimum: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value):
+    if not isinstance(value, int) or isinstance(value, bool):  # _is_int, inlined
         raise _bad(f"'{name}' must be an integer", name, "invalid_type")
     if value < minimum:
         raise _bad(f"'{name}' must be at least {minimum}, got {value}", name)
@@ -91,7 +89,9 @@ def optional_int(body: dict, name: str, minimum: int) -> int | None:
 
 def check_common(body: dict, rules: ReplicaRules) -> int:
     """The fields every request shares; returns ``n`` (the number of choices)."""
-    if rules.strict:  # the kvguard engine refuses the fields it cannot honour, first
+    # the kvguard engine refuses the fields it cannot honour, first (looked at only when the
+    # body has one of them)
+    if rules.strict and not _UNSUPPORTED_NAMES.isdisjoint(body):
         unsupported = first_unsupported(body)
         if unsupported is not None:
             raise _bad(f"'{unsupported}' is not supported by this server", unsupported,

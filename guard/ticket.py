@@ -6,6 +6,11 @@ largest gap between content chunks, whether the stream finished). ``release(outc
 the book's listeners (free the load-state reservation, feed the policy a
 :class:`~policies.decision.CompletionSample`, update metrics, wake the admission queue) the
 first time only; later calls return ``False`` and do nothing.
+
+The ticket holds no copy of the request's reservation: it refers to the one
+:class:`~guard.replicas.reservations.Reservation` record the load state keeps (``replica_id``
+reads it, so a redispatch that moves the reservation moves the ticket with it), and the
+release listener frees that record, once.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Literal
 
-from policies.cost import RequestCost
+from guard.replicas.reservations import Reservation
 from policies.decision import CompletionSample
 
 __all__ = ["Ticket", "TicketBook", "Outcome", "OUTCOMES", "ReleaseListener"]
@@ -37,19 +42,19 @@ class Ticket:
     """An admitted request's permit plus what its response stream looked like."""
 
     __slots__ = (
-        "cost", "replica_id", "dispatch_s", "predicted_ttft_s", "status", "is_stream",
+        "cost", "reservation", "dispatch_s", "predicted_ttft_s", "status", "is_stream",
         "first_byte_s", "first_token_s", "last_token_s", "max_itl_s", "num_content_chunks",
         "done_seen", "body_complete", "client_disconnected", "outcome", "released_s", "_book",
         "enqueue_s", "priced", "grant", "num_usage_prompt_tokens", "num_usage_output_tokens",
         "ok", "slo_met", "aborted", "chunks_s",
     )
 
-    def __init__(self, book: TicketBook, cost: RequestCost, replica_id: str, dispatch_s: float,
+    def __init__(self, book: TicketBook, reservation: Reservation, dispatch_s: float,
                  predicted_ttft_s: float | None = None, enqueue_s: float | None = None,
                  priced: Any = None, grant: Any = None) -> None:
         self._book = book
-        self.cost = cost
-        self.replica_id = replica_id
+        self.reservation = reservation  # the request's in-flight record (replica, cost)
+        self.cost = reservation.cost  # the same immutable cost, read on every chunk
         self.dispatch_s = dispatch_s
         self.predicted_ttft_s = predicted_ttft_s
         self.status: int | None = None
@@ -79,6 +84,11 @@ class Ticket:
         return self.cost.request_id
 
     @property
+    def replica_id(self) -> str:
+        """The replica its reservation is on (where the request was sent)."""
+        return self.reservation.replica_id
+
+    @property
     def released(self) -> bool:
         return self.outcome is not None
 
@@ -95,11 +105,14 @@ class Ticket:
             self.body_complete = True
         if not chunk:
             return None
-        if self.is_stream and _DONE in chunk:
+        # bytes.find, not ``in``: ``sub in chunk`` first tries ``sub`` as an int and formats
+        # the TypeError it then discards, several times the cost of the search itself
+        if self.is_stream and chunk.find(_DONE) >= 0:
             self.done_seen = True
-        if b'"usage"' in chunk:
+        if chunk.find(b'"usage"') >= 0:
             self._usage(chunk)
-        if (b'"abort"' in chunk or b'"error"' in chunk) and _ABORTED.search(chunk) is not None:
+        if (chunk.find(b'"abort"') >= 0 or chunk.find(b'"error"') >= 0) \
+                and _ABORTED.search(chunk) is not None:
             self.aborted = True
         if self.is_stream and _CONTENT.search(chunk) is None:
             return None
@@ -163,10 +176,10 @@ class Ticket:
         return self._within_slo()
 
     def _within_slo(self) -> bool:
-        klass = self.cost.request_class
-        ttft_s = self.ttft_s
-        if ttft_s is None or ttft_s > klass.ttft_s:
-            return False
+        cost = self.cost
+        klass = cost.request_class
+        if self.first_token_s is None or self.first_token_s - cost.arrival_s > klass.ttft_s:
+            return False  # (ttft_s, inlined: once per request)
         return self.max_itl_s is None or self.max_itl_s <= klass.itl_s
 
     @property
@@ -223,11 +236,12 @@ class TicketBook:
     def add_listener(self, listener: ReleaseListener) -> None:
         self._listeners.append(listener)
 
-    def issue(self, cost: RequestCost, replica_id: str, dispatch_s: float,
+    def issue(self, reservation: Reservation, dispatch_s: float,
               predicted_ttft_s: float | None = None, enqueue_s: float | None = None,
               priced: Any = None, grant: Any = None) -> Ticket:
-        """A complete ticket: nothing is written onto it afterwards but what the response shows."""
-        ticket = Ticket(self, cost, replica_id, dispatch_s, predicted_ttft_s, enqueue_s, priced,
+        """A complete ticket for ``reservation``: nothing is written onto it afterwards but
+        what the response shows."""
+        ticket = Ticket(self, reservation, dispatch_s, predicted_ttft_s, enqueue_s, priced,
                         grant)
         self._held[id(ticket)] = ticket
         return ticket

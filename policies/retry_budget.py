@@ -71,19 +71,15 @@ NO_RETRY_OVER_BUDGET = RetryBudgetView()
 class _Window:
     """Counts over the last ``num_buckets`` buckets of ``bucket_s`` each."""
 
-    __slots__ = ("bucket_s", "buckets", "num_first", "num_retries", "num_advised", "oldest")
+    __slots__ = ("bucket_s", "buckets", "num_first", "num_retries", "num_advised")
 
     def __init__(self, bucket_s: float) -> None:
         self.bucket_s = bucket_s
         self.buckets: deque[list[int]] = deque()  # [bucket index, first, retries, advised]
         self.num_first = self.num_retries = self.num_advised = 0
-        self.oldest: int | None = None  # the oldest bucket kept by the last roll
 
     def roll(self, now_s: float) -> None:
         oldest = int(now_s // self.bucket_s) - _NUM_BUCKETS + 1
-        if oldest == self.oldest:
-            return  # rolled within this bucket already (add never appends an older bucket)
-        self.oldest = oldest
         buckets = self.buckets
         while buckets and buckets[0][0] < oldest:
             _, first, retries, advised = buckets.popleft()
@@ -125,22 +121,32 @@ class RetryBudget:
         self._view_bucket = -1
 
     def record(self, tenant: str, is_retry: bool, now_s: float) -> None:
-        """A priced request arrived: a first attempt or a retry.
-
-        The cached view stays valid unless this changed whether the tenant or the guard is
-        over budget (every request is recorded, so rebuilding the view on each one would
-        make every decision pay for it; on a new bucket :meth:`view` rebuilds it anyway)."""
-        first, retries = (0, 1) if is_retry else (1, 0)
-        view, config = self._view, self.config
-        window = self._window(tenant, now_s)
-        window.add(now_s, first, retries, 0)
-        if view is not None and window.is_over(config) != (tenant in view.over_tenants):
-            view = None
-        window = self._window(GLOBAL, now_s)
-        window.add(now_s, first, retries, 0)
-        if view is not None and window.is_over(config) != view.over_global:
-            view = None
-        self._view = view
+        """A priced request arrived: a first attempt or a retry. (Once per request: the
+        common case — the newest bucket is current — touches only the two windows' counts.)"""
+        index = int(now_s // self._bucket_s)
+        windows = self._windows
+        own = windows.get(tenant) or self._window(tenant, now_s)
+        glob = windows.get(GLOBAL) or self._window(GLOBAL, now_s)
+        for window in (own, glob):
+            buckets = window.buckets
+            if not buckets or buckets[-1][0] != index:  # a new bucket (or a clock step back)
+                window.roll(now_s)
+                window.add(now_s, 0, 0, 0)
+            if is_retry:
+                buckets[-1][2] += 1
+                window.num_retries += 1
+            else:
+                buckets[-1][1] += 1
+                window.num_first += 1
+        view = self._view
+        if view is None or index != self._view_bucket:
+            self._view = None
+            return
+        ratio, floor = self.config.budget_ratio, self.config.min_retries  # is_over, inlined
+        own_over = own.num_retries > floor and own.num_retries > ratio * own.num_first
+        glob_over = glob.num_retries > floor and glob.num_retries > ratio * glob.num_first
+        if own_over != (tenant in view.over_tenants) or glob_over != view.over_global:
+            self._view = None  # a verdict changed (same bucket: no window rolled otherwise)
 
     def is_over(self, tenant: str, now_s: float) -> bool:
         """Retries seen exceed the allowance for ``tenant`` or globally."""
@@ -149,15 +155,15 @@ class RetryBudget:
     def advise_retry(self, tenant: str, now_s: float) -> bool:
         """A request of ``tenant`` is being shed: may its client retry? A yes uses one retry
         of the allowance (tenant and global) at once."""
-        own, glob = self._window(tenant, now_s), self._window(GLOBAL, now_s)
-        if not (own.has_room(self.config) and glob.has_room(self.config)):
+        windows = [self._window(key, now_s) for key in (tenant, GLOBAL)]
+        if not all(w.has_room(self.config) for w in windows):
             return False
-        own.add(now_s, 0, 0, 1)
-        glob.add(now_s, 0, 0, 1)
+        for window in windows:
+            window.add(now_s, 0, 0, 1)
         return True
 
     def view(self, now_s: float) -> RetryBudgetView:
-        """Which tenants' retries are over budget now (cached until a record or a new bucket)."""
+        """Which tenants' retries are over budget now (cached until a record changes a verdict, or a new bucket)."""
         bucket = int(now_s // self._bucket_s)
         if self._view is not None and bucket == self._view_bucket:
             return self._view

@@ -146,7 +146,9 @@ class SloPolicy:
             f = forecast(cost, r, step_time, now_s=snapshot.now_s)
             if f is not None:
                 options.append((r, f))
-        ratio = self.headroom_ratio(snapshot.now_s)
+        last_s = self._last_overload_shed_s  # headroom_ratio(), inlined: once per decision
+        ratio = (self.ttft_safety_ratio if last_s is not None
+                 and 0.0 <= snapshot.now_s - last_s <= self.pressure_hold_s else 1.0)
         return (_admit(cost, snapshot, options, ratio)
                 or self._queue_or_shed(cost, snapshot, fresh, options, ratio))
 
@@ -265,11 +267,11 @@ def _fits_now(
     join_step_s = f.join_step_s
     if join_step_s > cost.request_class.itl_s:
         return False
-    min_itl_s = replica.load.min_itl_s
-    if min_itl_s is not None and join_step_s > min_itl_s:
+    load = replica.load
+    if load.min_itl_s is not None and join_step_s > load.min_itl_s:
         return False
-    return prefill_fits_gaps(cost, replica, snapshot.step_time, now_s,
-                             f.num_queued_prefill_tokens)
+    return load.num_seqs == 0 or prefill_fits_gaps(  # no running stream: nothing to pace
+        cost, replica, snapshot.step_time, now_s, f.num_queued_prefill_tokens)
 
 
 def _itl_attainable(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot) -> bool:

@@ -268,11 +268,13 @@ class LoadState:
     # --- reservations -----------------------------------------------------------------------
 
     def reserve(self, replica_id: str, request_id: str, cost: RequestCost,
-                now_s: float | None = None) -> None:
+                now_s: float | None = None) -> Reservation:
         """The guard admitted ``cost`` to ``replica_id`` at ``now_s`` (default: its arrival).
 
         Counted in the replica's snapshot until the replica reports it or it is released.
-        Reserving an id that already holds a reservation replaces it.
+        Reserving an id that already holds a reservation replaces it. The returned
+        :class:`Reservation` is the request's one in-flight record: its ticket refers to it
+        (:attr:`guard.ticket.Ticket.reservation`), the indexes here hold the same object.
         """
         if request_id in self._reservations:
             self.release(request_id)
@@ -283,18 +285,44 @@ class LoadState:
         self._dirty(replica_id)
         if self.pending_listener is not None:
             self.pending_listener.pending_added(replica_id, request_id, cost)
+        return reservation
+
+    def reservation(self, request_id: str) -> Reservation | None:
+        """The request's reservation while it holds one."""
+        return self._reservations.get(request_id)
 
     def release(self, request_id: str) -> bool:
         """The request ended (ticket released). False if it held no reservation."""
         reservation = self._reservations.pop(request_id, None)
         if reservation is None:
             return False
-        book = self._books[reservation.replica_id]
+        replica_id = reservation.replica_id
+        book = self._books[replica_id]
         was_pending = request_id in book.pending
         book.remove(request_id)
-        self._dirty(reservation.replica_id)
+        self._dirty(replica_id)
         if was_pending and self.pending_listener is not None:
-            self.pending_listener.pending_ended(reservation.replica_id, request_id)
+            self.pending_listener.pending_ended(replica_id, request_id)
+        return True
+
+    def move(self, request_id: str, replica_id: str, now_s: float) -> bool:
+        """The request's reservation leaves its replica for ``replica_id`` (the same record:
+        its ticket follows it), pending there from ``now_s``. False if it holds none."""
+        reservation = self._reservations.get(request_id)
+        if reservation is None:
+            return False
+        old_id = reservation.replica_id
+        old_book = self._books[old_id]
+        was_pending = request_id in old_book.pending
+        old_book.remove(request_id)
+        self._dirty(old_id)
+        if was_pending and self.pending_listener is not None:
+            self.pending_listener.pending_ended(old_id, request_id)
+        reservation.move_to(replica_id, now_s)
+        self._book(replica_id).add(request_id, reservation)
+        self._dirty(replica_id)
+        if self.pending_listener is not None:
+            self.pending_listener.pending_added(replica_id, request_id, reservation.cost)
         return True
 
     def set_foreign(self, replica_id: str, entries: Mapping[str, RequestCost],

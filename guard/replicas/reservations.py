@@ -36,6 +36,13 @@ class Reservation:
             self._load = reserved_load(self.cost, self.reserved_s)
         return self._load
 
+    def move_to(self, replica_id: str, now_s: float) -> None:
+        """Redispatched: pending on ``replica_id`` from ``now_s`` (the caller books it there)."""
+        self.replica_id = replica_id
+        self.reserved_s = now_s
+        self.reported = False
+        self._load = None
+
 
 def reserved_load(cost: RequestCost, reserved_s: float | None = None) -> SeqLoad:
     """A reservation's load: nothing computed yet, the whole prompt and expected output to come
@@ -63,16 +70,23 @@ class ReplicaReservations:
 
     def add(self, request_id: str, reservation: Reservation) -> None:
         self.num_inflight += 1
-        self._add_pending(request_id, reservation)
+        if not reservation.reported:
+            self.pending[request_id] = reservation
+            self._count(reservation, 1)
 
     def add_foreign(self, key: str, reservation: Reservation) -> None:
         """Another guard's not-yet-reported admission: pending here, not in ``num_inflight``."""
-        self._add_pending(key, reservation)
+        if not reservation.reported:
+            self.pending[key] = reservation
+            self._count(reservation, 1)
 
     def remove(self, request_id: str) -> None:
         """The reservation's ticket was released."""
         self.num_inflight -= 1
-        self.mark_reported(request_id)
+        reservation = self.pending.pop(request_id, None)  # mark_reported, once per request
+        if reservation is not None:
+            reservation.reported = True
+            self._count(reservation, -1)
 
     def mark_reported(self, request_id: str) -> None:
         """The replica reports the request itself: it stops counting as pending."""
@@ -80,11 +94,6 @@ class ReplicaReservations:
         if reservation is not None:
             reservation.reported = True
             self._count(reservation, -1)
-
-    def _add_pending(self, request_id: str, reservation: Reservation) -> None:
-        if not reservation.reported:
-            self.pending[request_id] = reservation
-            self._count(reservation, 1)
 
     def _count(self, reservation: Reservation, sign: int) -> None:
         """Add (+1) or remove (-1) the contribution of ``reserved_load(reservation.cost)``:

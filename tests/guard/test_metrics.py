@@ -2,7 +2,7 @@ from prometheus_client import CollectorRegistry
 
 from guard.metrics import GuardMetrics
 from guard.ticket import TicketBook
-from tests.support.admission import FakeClock, make_cost
+from tests.support.admission import FakeClock, make_cost, reserved
 
 
 def _value(registry, name, **labels):
@@ -14,15 +14,15 @@ def test_release_counts_outcomes_goodput_and_histograms():
     metrics = GuardMetrics(registry)
     clock = FakeClock()
     book = TicketBook(clock, (metrics.on_released,))
-    good = book.issue(make_cost("g"), "local", 0.0, predicted_ttft_s=0.25)
+    good = book.issue(reserved(make_cost("g")), 0.0, predicted_ttft_s=0.25)
     good.on_start(200, b"text/event-stream")
     good.on_body(b'data: {"text":"a"}\n\n', True, 0.5)
     good.on_body(b"data: [DONE]\n\n", False, 0.52)
     clock.now_s = 0.6
     good.release(good.natural_outcome())
-    gone = book.issue(make_cost("c"), "local", 0.0)
+    gone = book.issue(reserved(make_cost("c")), 0.0)
     gone.release("canceled")
-    bad = book.issue(make_cost("f", tenant="beta"), "local", 0.0)
+    bad = book.issue(reserved(make_cost("f", tenant="beta")), 0.0)
     bad.release("failed")
 
     lab = {"class": "interactive", "tenant": "acme"}

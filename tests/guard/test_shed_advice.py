@@ -18,7 +18,7 @@ from guard.controller import AdmissionController
 from guard.shedding import RetryAdvisor
 from policies.decision import Shed
 from policies.shed_reasons import ALL_REASONS, NEVER_RETRY
-from tests.support.admission import FakeClock, SlotPolicy, make_cost
+from tests.support.admission import FakeClock, SlotPolicy, make_cost, reserved
 
 
 def controller(clock=None):
@@ -83,7 +83,7 @@ def test_first_shed_behind_a_full_queue_advises_at_least_the_queue_drain():
         clock = FakeClock(10.0)
         guard = controller(clock)
         for i in range(4):  # four in flight, nothing completed yet: no drain rate measured
-            guard.tickets.issue(make_cost(f"run{i}", arrival_s=10.0), "local", 10.0)
+            guard.tickets.issue(reserved(make_cost(f"run{i}", arrival_s=10.0)), 10.0)
         for i in range(512):
             guard.queue.push(make_cost(f"q{i}", arrival_s=10.0), 99.0, 10.0)
         estimate_s = RetryAdvisor.queue_drain_s(num_ahead=512, drain_rate_rps=0.0,

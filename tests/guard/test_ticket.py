@@ -1,5 +1,5 @@
 from guard.ticket import TicketBook
-from tests.support.admission import FakeClock, make_cost
+from tests.support.admission import FakeClock, make_cost, reserved
 
 SSE = b"text/event-stream"
 
@@ -11,7 +11,7 @@ def _book(clock, calls):
 def test_release_runs_listeners_exactly_once():
     clock, calls = FakeClock(5.0), []
     book = _book(clock, calls)
-    ticket = book.issue(make_cost("a"), "local", dispatch_s=5.0)
+    ticket = book.issue(reserved(make_cost("a")), dispatch_s=5.0)
     assert book.num_held == 1
     assert ticket.release("canceled") is True
     assert ticket.release("completed") is False
@@ -23,7 +23,7 @@ def test_release_runs_listeners_exactly_once():
 
 def test_bad_outcome_is_a_value_error_and_keeps_the_ticket():
     book = _book(FakeClock(), [])
-    ticket = book.issue(make_cost(), "local", 0.0)
+    ticket = book.issue(reserved(make_cost()), 0.0)
     try:
         ticket.release("ok")
     except ValueError as exc:
@@ -40,7 +40,7 @@ def test_failing_listener_still_releases_and_runs_the_rest():
         raise RuntimeError("listener bug")
 
     book = TicketBook(clock, (boom, lambda t: calls.append(t.outcome)))
-    ticket = book.issue(make_cost(), "local", 0.0)
+    ticket = book.issue(reserved(make_cost()), 0.0)
     assert ticket.release("failed") is True
     assert calls == ["failed"] and book.num_held == 0
 
@@ -48,7 +48,7 @@ def test_failing_listener_still_releases_and_runs_the_rest():
 def test_stream_observation_and_goodput():
     clock = FakeClock()
     book = _book(clock, [])
-    ticket = book.issue(make_cost(arrival_s=0.0), "local", 0.0, predicted_ttft_s=0.4)
+    ticket = book.issue(reserved(make_cost(arrival_s=0.0)), 0.0, predicted_ttft_s=0.4)
     ticket.on_start(200, SSE)
     assert ticket.on_body(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n', True, 0.1) is None
     assert ticket.first_byte_s == 0.1 and ticket.first_token_s is None
@@ -67,7 +67,7 @@ def test_stream_observation_and_goodput():
 
 def test_slow_gap_or_late_first_token_is_not_goodput():
     book = _book(FakeClock(), [])
-    slow_gap = book.issue(make_cost(arrival_s=0.0), "local", 0.0)
+    slow_gap = book.issue(reserved(make_cost(arrival_s=0.0)), 0.0)
     slow_gap.on_start(200, SSE)
     slow_gap.on_body(b'data: {"text":"a"}\n\n', True, 0.1)
     slow_gap.on_body(b'data: {"text":"b"}\n\n', True, 0.3)  # 200 ms > 80 ms ITL
@@ -75,7 +75,7 @@ def test_slow_gap_or_late_first_token_is_not_goodput():
     slow_gap.release("completed")
     assert not slow_gap.met_slo() and slow_gap.sample().ok
 
-    late = book.issue(make_cost(arrival_s=0.0), "local", 0.0)
+    late = book.issue(reserved(make_cost(arrival_s=0.0)), 0.0)
     late.on_start(200, b"application/json")
     late.on_body(b'{"choices":[{"text":"x"}]}', False, 1.5)  # TTFT 1.5 s > 1.0 s
     late.release(late.natural_outcome())
@@ -84,16 +84,16 @@ def test_slow_gap_or_late_first_token_is_not_goodput():
 
 def test_truncated_stream_or_error_status_is_failed():
     book = _book(FakeClock(), [])
-    cut = book.issue(make_cost(), "local", 0.0)
+    cut = book.issue(reserved(make_cost()), 0.0)
     cut.on_start(200, SSE)
     cut.on_body(b'data: {"text":"a"}\n\n', True, 0.1)
     cut.on_body(b"", False, 0.2)  # stream ended without [DONE]
     assert cut.natural_outcome() == "failed"
-    err = book.issue(make_cost("e"), "local", 0.0)
+    err = book.issue(reserved(make_cost("e")), 0.0)
     err.on_start(500, b"application/json")
     err.on_body(b'{"error":{}}', False, 0.1)
     assert err.natural_outcome() == "failed"
-    gone = book.issue(make_cost("g"), "local", 0.0)
+    gone = book.issue(reserved(make_cost("g")), 0.0)
     gone.on_start(200, SSE)
     gone.client_disconnected = True
     assert gone.natural_outcome() == "canceled"
@@ -101,25 +101,25 @@ def test_truncated_stream_or_error_status_is_failed():
 
 def test_natural_outcomes_are_honest():
     book = _book(FakeClock(), [])
-    aborted = book.issue(make_cost("a"), "local", 0.0)
+    aborted = book.issue(reserved(make_cost("a")), 0.0)
     aborted.on_start(200, SSE)
     aborted.on_body(b'data: {"choices": [{"text": "x"}]}\n\n', True, 0.1)
     aborted.on_body(b'data: {"choices": [{"text": "", "finish_reason": "abort"}]}\n\n', True, 0.2)
     aborted.on_body(b"data: [DONE]\n\n", False, 0.3)
     assert aborted.natural_outcome() == "failed"  # the replica cut it short: never good
 
-    left = book.issue(make_cost("b"), "local", 0.0)
+    left = book.issue(reserved(make_cost("b")), 0.0)
     left.on_disconnect()  # a non-streaming client gave up; the app answers afterwards
     left.on_start(500, b"application/json")
     left.on_body(b'{"error": {}}', False, 0.5)
     assert left.natural_outcome() == "canceled"
 
-    refused = book.issue(make_cost("c"), "local", 0.0)
+    refused = book.issue(reserved(make_cost("c")), 0.0)
     refused.on_start(400, b"application/json")
     refused.on_body(b'{"error": {"code": "unsupported_parameter"}}', False, 0.1)
     assert refused.natural_outcome() == "rejected_upstream"
 
-    done = book.issue(make_cost("d"), "local", 0.0)
+    done = book.issue(reserved(make_cost("d")), 0.0)
     done.on_start(200, b"application/json")
     done.on_body(b'{"choices": [{"finish_reason": "length"}]}', False, 0.1)
     done.on_disconnect()  # after the last chunk: too late to matter

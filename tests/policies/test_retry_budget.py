@@ -135,3 +135,26 @@ def test_cached_view_always_equals_a_rebuilt_one():
         assert view == rebuilt.view(now_s), now_s
         num_over += bool(view.over_tenants)
     assert 0 < num_over < 3000  # the sequence did cross the budget both ways
+
+
+@pytest.mark.parametrize("storm_share", [0.3, 0.6])
+def test_the_cached_view_matches_a_fresh_one_after_every_record(storm_share):
+    """The view is kept across records that change no verdict; it must always equal the one a
+    new budget fed the same arrivals would build (a calm tenant's first attempts flip the
+    global verdict without changing its own)."""
+    import random
+
+    rng = random.Random(7)
+    b = budget(min_retries=1)
+    arrivals = []
+    for i in range(600):  # a storming tenant's bursts of retries among calm first attempts
+        storming = (i // 40) % 2 and rng.random() < 0.5
+        tenant = "storm" if storming else rng.choice(["calm", "quiet"])
+        arrivals.append((tenant, storming and rng.random() < storm_share, i * 0.01))
+        b.record(*arrivals[-1])
+        if i % 2 == 0:
+            fresh = budget(min_retries=1)
+            for arrival in arrivals:
+                fresh.record(*arrival)
+            now_s = arrivals[-1][2]
+            assert b.view(now_s) == fresh.view(now_s)

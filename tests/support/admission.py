@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from guard.replicas.reservations import Reservation
 from policies.cost import RequestClass, RequestCost
 
 INTERACTIVE = RequestClass("interactive", ttft_s=1.0, itl_s=0.08, priority=0)
@@ -17,6 +18,11 @@ def make_cost(request_id: str = "r1", *, klass: RequestClass = INTERACTIVE, arri
         deadline_s=arrival_s + klass.ttft_s if deadline_s is None else deadline_s,
         is_retry=is_retry,
     )
+
+
+def reserved(cost: RequestCost, replica_id: str = "local") -> Reservation:
+    """A reservation of ``cost`` on ``replica_id`` outside any load state (ticket tests)."""
+    return Reservation(replica_id, cost, cost.arrival_s)
 
 
 class FakeClock:

@@ -34,13 +34,22 @@ def test_redispatch_moves_the_reservation_to_the_policys_choice():
         first = admission.replica_id
         other = "b" if first == "a" else "a"
         load = controller.load_state
+        record = load.reservation(admission.request_id)
+        assert admission.ticket.reservation is record  # one in-flight record, not a copy
         assert load.num_inflight(first) == 1 and load.num_inflight(other) == 0
         assert controller.redispatch(admission, [other]) == other
-        assert admission.replica_id == other == admission.ticket.replica_id
+        assert admission.replica_id == other == admission.ticket.replica_id == record.replica_id
+        assert load.reservation(admission.request_id) is record  # moved, not re-made
         assert load.num_inflight(first) == 0 and load.num_inflight(other) == 1
-        assert controller.redispatch(admission, []) is None  # nowhere else: nothing reserved
-        assert load.num_inflight(first) == 0 and load.num_inflight(other) == 0
+        assert load.num_reserved_blocks(first) == 0
+        assert load.num_reserved_blocks(other) == admission.ticket.cost.num_blocks
+        # nowhere else: the reservation stays with the held ticket until the failure is answered
+        assert controller.redispatch(admission, []) is None
+        assert load.num_inflight(other) == 1 and admission.replica_id == other
         admission.finish(RuntimeError("upstream failed"))
         assert controller.tickets.num_held == 0
+        assert load.num_inflight(first) == 0 and load.num_inflight(other) == 0
+        assert load.reservation(admission.request_id) is None
+        assert not admission.finish()  # released exactly once
         await controller.aclose()
     asyncio.run(asyncio.wait_for(main(), 10))

@@ -134,6 +134,26 @@ def test_reservation_dropped_when_state_lists_the_request():
     assert ls.replica_snapshot("r0").num_inflight == 0
 
 
+def test_one_reservation_record_moves_between_replicas_and_is_released_once():
+    ls = make_state()
+    for replica_id in ("r0", "r1"):
+        ls.update_from_kvguard_state(replica_id, state(), now_s=1.0)
+    record = ls.reserve("r0", "g1", cost("g1", blocks=10), now_s=1.1)
+    assert ls.reservation("g1") is record and record.replica_id == "r0"
+    # r0 reports it (pending no more), then fails: the same record moves, pending on r1 again
+    ls.update_from_kvguard_state("r0", state(running=[seq("g1", output=5, max_tokens=60)]), 1.2)
+    assert ls.num_reserved_blocks("r0") == 0 and ls.num_inflight("r0") == 1
+    assert ls.move("g1", "r1", now_s=1.3)
+    assert ls.reservation("g1") is record and record.replica_id == "r1"
+    assert (ls.num_inflight("r0"), ls.num_inflight("r1")) == (0, 1)
+    assert ls.num_reserved_blocks("r1") == 10
+    assert ls.replica_snapshot("r1").reserved[0].admitted_s == 1.3  # paced from the move
+    assert ls.release("g1") and not ls.release("g1") and not ls.move("g1", "r0", 1.4)
+    assert ls.reservation("g1") is None
+    assert (ls.num_inflight("r0"), ls.num_inflight("r1")) == (0, 0)
+    assert ls.num_reserved_blocks("r1") == 0
+
+
 def test_iterations_fed_once_by_batch_id_and_restart_detected():
     ls = make_state()
     its = [iteration(i) for i in range(1, 6)]
