@@ -15,6 +15,12 @@ disconnect counts: a cancellation the guard caused (its task cancelled at shutdo
 other outcome (failed, rejected upstream) is left out. The estimate lapses ``PATIENCE_WINDOW_S``
 after the last cancellation even when no outcome arrives to roll the window.
 
+The window also gives the decode time per output token that recent completions actually saw
+(release − first token, over the tokens after the first; the median): under load, prefill
+chunks interleaved with decode make a stream's steps far longer than a decode step alone, and a
+patience check that assumed the forecast join step would admit the very requests that are then
+abandoned mid-stream.
+
 Time is the caller's (the guard's clock, in the samples and in :meth:`patience_s`).
 """
 
@@ -22,9 +28,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import NamedTuple
 
 __all__ = [
     "ClientPatience",
+    "Patience",
     "PATIENCE_WINDOW_OUTCOMES",
     "PATIENCE_WINDOW_S",
     "MIN_PATIENCE_OUTCOMES",
@@ -37,13 +45,19 @@ MIN_PATIENCE_OUTCOMES = 20  # fewer outcomes than this: no estimate
 MIN_PATIENCE_CANCELS = 5  # fewer cancellations than this: no estimate
 
 
+class Patience(NamedTuple):
+    patience_s: float  # arrival → the client gives up
+    decode_step_s: float | None  # recent completions' decode time per output token, if known
+
+
 class _ClassWindow:
-    __slots__ = ("outcomes", "num_cancels", "estimate_s", "last_cancel_s")
+    __slots__ = ("outcomes", "num_cancels", "estimate", "last_cancel_s")
 
     def __init__(self) -> None:
-        self.outcomes: deque[tuple[float, float | None]] = deque()  # (released_s, elapsed_s)
+        # (released_s, elapsed_s of a cancellation | None, decode s/token of a completion | None)
+        self.outcomes: deque[tuple[float, float | None, float | None]] = deque()
         self.num_cancels = 0
-        self.estimate_s: float | None = None
+        self.estimate: Patience | None = None
         self.last_cancel_s: float | None = None
 
 
@@ -59,40 +73,48 @@ class ClientPatience:
         self.min_cancel_share = min_cancel_share
         self._classes: dict[str, _ClassWindow] = {}
 
-    def record(self, class_name: str, now_s: float, elapsed_s: float | None) -> None:
+    def record(self, class_name: str, now_s: float, elapsed_s: float | None,
+               decode_step_s: float | None = None) -> None:
         """One outcome: ``elapsed_s`` is arrival → release of a client cancellation, ``None``
-        for a completion."""
+        for a completion (then ``decode_step_s``, its decode time per token, if known)."""
         window = self._classes.get(class_name)
         if window is None:
             window = self._classes[class_name] = _ClassWindow()
         outcomes = window.outcomes
-        outcomes.append((now_s, elapsed_s))
+        outcomes.append((now_s, elapsed_s, None if elapsed_s is not None else decode_step_s))
         if elapsed_s is not None:
             window.num_cancels += 1
             window.last_cancel_s = now_s
         while outcomes and (len(outcomes) > PATIENCE_WINDOW_OUTCOMES
                             or outcomes[0][0] < now_s - PATIENCE_WINDOW_S):
-            if outcomes.popleft()[1] is not None:
+            if outcomes.popleft()[1] is not None:  # a cancellation left the window
                 window.num_cancels -= 1
-        window.estimate_s = self._estimate(window)
+        window.estimate = self._estimate(window)
 
-    def _estimate(self, window: _ClassWindow) -> float | None:
+    def _estimate(self, window: _ClassWindow) -> Patience | None:
         num = len(window.outcomes)
         num_cancels = window.num_cancels
         if (num < MIN_PATIENCE_OUTCOMES or num_cancels < MIN_PATIENCE_CANCELS
                 or num_cancels < self.min_cancel_share * num):
             return None
-        elapsed = sorted(e for _, e in window.outcomes if e is not None)
-        return elapsed[max(0, math.ceil(self.quantile * len(elapsed)) - 1)]  # nearest rank
+        elapsed = sorted(e for _, e, _ in window.outcomes if e is not None)
+        patience_s = elapsed[max(0, math.ceil(self.quantile * len(elapsed)) - 1)]  # nearest rank
+        steps = sorted(d for _, _, d in window.outcomes if d is not None)
+        return Patience(patience_s, steps[len(steps) // 2] if steps else None)
 
-    def patience_s(self, class_name: str, now_s: float) -> float | None:
-        """The class's patience estimate (seconds from arrival), ``None`` when inactive."""
+    def estimate(self, class_name: str, now_s: float) -> Patience | None:
+        """The class's patience estimate, ``None`` when inactive."""
         window = self._classes.get(class_name)
-        if window is None or window.estimate_s is None:
+        if window is None or window.estimate is None:
             return None
         if now_s - window.last_cancel_s > PATIENCE_WINDOW_S:
             return None
-        return window.estimate_s
+        return window.estimate
+
+    def patience_s(self, class_name: str, now_s: float) -> float | None:
+        """The class's patience (seconds from arrival), ``None`` when inactive."""
+        estimate = self.estimate(class_name, now_s)
+        return None if estimate is None else estimate.patience_s
 
     def active(self, now_s: float) -> dict[str, float]:
         """Every class with an active estimate (for the ``kvguard_client_patience_seconds`` gauge)."""

@@ -55,8 +55,9 @@ When such cancellations are at least ``min_cancel_share`` (default 5 %) of a cla
 outcomes (completions and client cancellations, the last 200 within 30 s, at least 20 of them
 and 5 cancellations), the ``patience_quantile``-th quantile (default 0.25) of elapsed-at-cancel
 becomes the class's patience, and steps 4–5 also require the first token early enough that the
-expected decode (``num_expected_output_tokens`` × the forecast join step) ends within the
-patience from arrival: a request that would fit its TTFT but be abandoned mid-stream is queued
+expected decode (``num_expected_output_tokens`` × the forecast join step, or × the median
+decode time per token of the window's completions when that is longer: under load, prefill
+chunks stretch every stream's steps) ends within the patience from arrival: a request that would fit its TTFT but be abandoned mid-stream is queued
 while that could still change, else shed as overload (the same reasons and retry advice). This
 stops the timeout-and-retry loop in which every admitted attempt is abandoned and retried, so
 the load never falls below capacity. A request that could not end within the patience even
@@ -74,7 +75,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from policies.always_admit import NO_REPLICA
-from policies.client_patience import ClientPatience
+from policies.client_patience import ClientPatience, Patience
 from policies.concurrency_cap import num_inflight
 from policies.cost import RequestCost
 from policies.decision import Admit, CompletionSample, Decision, Queue, Shed
@@ -167,7 +168,7 @@ class SloPolicy:
             if f is not None:
                 options.append((r, f))
         ratio = self.headroom_ratio(snapshot.now_s)
-        patience_s = self.patience.patience_s(cost.request_class.name, snapshot.now_s)
+        patience_s = self.patience.estimate(cost.request_class.name, snapshot.now_s)
         return (_admit(cost, snapshot, options, ratio, patience_s)
                 or self._queue_or_shed(cost, snapshot, fresh, options, ratio, patience_s))
 
@@ -186,7 +187,7 @@ class SloPolicy:
         """Completions and the clients' own cancellations feed the patience estimate; the
         guard's own cancellations (shutdown) and every other outcome are left out."""
         if sample.outcome == "completed":
-            self.patience.record(sample.class_name, sample.now_s, None)
+            self.patience.record(sample.class_name, sample.now_s, None, _decode_step_s(sample))
         elif sample.outcome == "canceled" and sample.client_left and sample.elapsed_s is not None:
             self.patience.record(sample.class_name, sample.now_s, sample.elapsed_s)
 
@@ -209,7 +210,7 @@ class SloPolicy:
 
     def _queue_or_shed(
         self, cost: RequestCost, snapshot: LoadSnapshot, fresh: tuple[ReplicaSnapshot, ...],
-        options: list[_Option], ratio: float, patience_s: float | None = None,
+        options: list[_Option], ratio: float, patience_s: Patience | None = None,
     ) -> Decision:
         now_s = snapshot.now_s
         if _is_retry_over_budget(cost, snapshot):
@@ -262,7 +263,7 @@ TTFT_TIE_S = 0.001
 
 
 def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
-           safety_ratio: float, patience_s: float | None = None) -> Admit | None:
+           safety_ratio: float, patience_s: Patience | None = None) -> Admit | None:
     """The lowest predicted TTFT among the replicas that fit now; forecasts within
     ``TTFT_TIE_S`` of each other tie, and a tie goes to the first in least-loaded order
     (requests ÷ weight, then free KV, then the heavier, then the id) — so equal idle replicas
@@ -291,19 +292,30 @@ def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
 
 
 def _first_token_by_s(cost: RequestCost, snapshot: LoadSnapshot, f: TtftForecast,
-                     patience_s: float | None) -> float:
+                     patience: Patience | None) -> float:
     """When the first token must land: the class deadline, and — while a client patience
     estimate is active — early enough that the expected decode (expected output tokens × the
-    forecast join step) ends within the patience from arrival. A request that could not end
-    within the patience even alone on an idle replica is held to its deadline only: shedding
-    it would not be the load's doing."""
-    if patience_s is None:
+    forecast join step, or × the decode time per token recent completions saw when that is
+    longer) ends within the patience from arrival. A request that could not end within the
+    patience even alone on an idle replica is held to its deadline only: shedding it would not
+    be the load's doing."""
+    if patience is None:
         return cost.deadline_s
+    patience_s, step_s = patience
     num_steps = max(0, cost.num_expected_output_tokens - 1)
     alone_s = f.own_prefill_s + num_steps * snapshot.step_time.step_s(0, 1, cost.num_prompt_tokens)
     if alone_s > patience_s:
         return cost.deadline_s
-    return min(cost.deadline_s, cost.arrival_s + patience_s - num_steps * f.join_step_s)
+    if step_s is None or step_s < f.join_step_s:
+        step_s = f.join_step_s
+    return min(cost.deadline_s, cost.arrival_s + patience_s - num_steps * step_s)
+
+
+def _decode_step_s(sample: CompletionSample) -> float | None:
+    """A completion's decode time per output token after the first (``None`` if unknown)."""
+    if sample.ttft_s is None or sample.elapsed_s is None or sample.num_output_tokens < 2:
+        return None
+    return max(0.0, sample.elapsed_s - sample.ttft_s) / (sample.num_output_tokens - 1)
 
 
 def _fits_now(

@@ -452,3 +452,18 @@ def test_only_the_clients_own_cancellations_count():
 def test_bad_patience_params_are_refused(params):
     with pytest.raises(ValueError, match=next(iter(params))):
         SloPolicy(**params)
+
+
+def test_the_decode_time_recent_completions_saw_counts_when_it_is_longer_than_the_forecast():
+    """Completions took 20 ms per token after the first (the forecast join step is 11 ms): 449
+    such steps take 8.98 s, past the 5.5 s patience, even from an idle replica's 0.0132 s."""
+    slow = dataclasses.replace(make_sample(ttft_s=0.1, output=8), elapsed_s=0.1 + 7 * 0.02)
+    fast = dataclasses.replace(make_sample(ttft_s=0.1, output=8), elapsed_s=0.1 + 7 * 0.005)
+    cancels = [canceled(5.5)] * 20
+    idle, cost = make_replica("a"), make_cost(**LONG)
+    assert decide(idle, cost=cost, policy=learned([slow] * 180 + cancels)) == Shed(
+        503, "slo_unattainable")
+    assert decide(idle, cost=cost, policy=learned([fast] * 180 + cancels)) == Admit(
+        "a", pytest.approx(0.0132))  # faster than the forecast: the forecast step holds
+    assert learned([slow] * 180 + cancels).patience.estimate("interactive", 0.0) == (
+        5.5, pytest.approx(0.02))
