@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
-from serving.unsupported_params import first_unsupported
 from serving.json_body import JsonBodyError, decode_json_object
+from serving.unsupported_params import first_unsupported
 
 __all__ = ["ApiError", "GenerationRequest", "parse_generation_request"]
 

@@ -50,9 +50,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package
     import tomli as tomllib
 
-from guard.proxy.config import ProxyConfig
 from guard.budget.config import LIMIT_KEYS, BudgetConfig
 from guard.budget.store import BudgetLimits
+from guard.proxy.config import ProxyConfig
 from policies.cost import RequestClass
 from policies.retry_budget import RetryBudgetConfig
 

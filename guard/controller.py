@@ -141,6 +141,8 @@ class AdmissionController:
         self.drain_rate = DrainRate()
         self.retry_budget = RetryBudget(config.retry_budget)
         self.metrics.retry_counts = lambda: self.retry_budget.counts(GLOBAL, self.clock())
+        if hasattr(self.policy, "client_patience"):  # the slo policy's learned patience
+            self.metrics.client_patience = lambda: self.policy.client_patience(self.clock())
         if trace is None and config.trace_path:
             trace = TraceWriter.open(config.trace_path, clock=self.clock)
         self.releases = ReleaseListeners(self.load_state, self.policy, self.metrics,

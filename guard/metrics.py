@@ -135,6 +135,8 @@ class GuardMetrics:
         self.loop_lag: LoopLag | None = None  # set by the owner that runs the sampler
         # (first attempts, retries, advised retries) in the retry budget's window, guard-wide
         self.retry_counts: Callable[[], tuple[int, int, int]] | None = None
+        # the policy's active client-patience estimate per class (policies that learn one)
+        self.client_patience: Callable[[], dict[str, float]] | None = None
         registry.register(_Collector(self))
 
     # --- the request path ----------------------------------------------------------------
@@ -249,6 +251,14 @@ class GuardMetrics:
             counts = self.retry_counts()
             for kind, value in zip(("first_attempts", "retries", "advised"), counts, strict=True):
                 family.add_metric((kind,), value)
+            yield family
+        if self.client_patience is not None:
+            family = GaugeMetricFamily("kvguard_client_patience_seconds", "How long clients "
+                                       "wait before abandoning an admitted request, learned from "
+                                       "their cancellations (absent while not estimated)",
+                                       labels=("class",))
+            for class_name, patience_s in sorted(self.client_patience().items()):
+                family.add_metric((class_name,), patience_s)
             yield family
         if self.loop_lag is not None:
             yield GaugeMetricFamily("kvguard_event_loop_lag_max_seconds", "Largest lateness of "

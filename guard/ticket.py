@@ -197,7 +197,9 @@ class Ticket:
             now_s=self.released_s, ttft_s=self.ttft_s, max_itl_s=self.max_itl_s,
             num_prompt_tokens=self.cost.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
-            ok=self.ok, met_slo=self.slo_met,
+            ok=self.ok, met_slo=self.slo_met, outcome=self.outcome,
+            elapsed_s=self.released_s - self.cost.arrival_s,
+            client_left=self.client_disconnected,
         )
 
     # -- releasing ------------------------------------------------------------------------

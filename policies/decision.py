@@ -46,3 +46,6 @@ class CompletionSample:
     num_output_tokens: int
     ok: bool  # completed without error
     met_slo: bool
+    outcome: str = "completed"  # the ticket's outcome (guard.ticket.OUTCOMES)
+    elapsed_s: float | None = None  # arrival → release
+    client_left: bool = False  # the client disconnected before the end (not the guard's doing)

@@ -49,6 +49,23 @@ Stale rule: with no fresh state the policy cannot predict, so it admits to the l
 beyond that it queues for at most ``stale_queue_s`` (state may refresh meanwhile) and sheds
 503 ``stale_state`` once even that would pass the deadline.
 
+Client patience (:mod:`policies.client_patience`): a client that disconnects from an admitted
+request before its response ends shows how long it was willing to wait (arrival → release).
+When such cancellations are at least ``min_cancel_share`` (default 5 %) of a class's recent
+outcomes (completions and client cancellations, the last 200 within 30 s, at least 20 of them
+and 5 cancellations), the ``patience_quantile``-th quantile (default 0.25) of elapsed-at-cancel
+becomes the class's patience, and steps 4–5 also require the first token early enough that the
+expected decode (``num_expected_output_tokens`` × the forecast join step, or × the median
+decode time per token of the window's completions when that is longer: under load, prefill
+chunks stretch every stream's steps) ends within the patience from arrival: a request that would fit its TTFT but be abandoned mid-stream is queued
+while that could still change, else shed as overload (the same reasons and retry advice). This
+stops the timeout-and-retry loop in which every admitted attempt is abandoned and retried, so
+the load never falls below capacity. A request that could not end within the patience even
+alone on an idle replica is held to its TTFT only. Only the client's own disconnects count
+(never a request the guard itself cancelled, e.g. at shutdown); the estimate lapses once
+cancellations fall below the share or 30 s after the last one. With no cancellations the
+decisions are exactly those described above.
+
 ``predicted_ttft_s`` on Admit and Queue is counted from the request's arrival (time already
 spent plus the forecast from now), so the guard can compare it with the TTFT it measures.
 """
@@ -58,6 +75,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from policies.always_admit import NO_REPLICA
+from policies.client_patience import ClientPatience, Patience
 from policies.concurrency_cap import num_inflight
 from policies.cost import RequestCost
 from policies.decision import Admit, CompletionSample, Decision, Queue, Shed
@@ -102,7 +120,7 @@ def shed_order(costs: Iterable[RequestCost]) -> list[RequestCost]:
 
 class SloPolicy:
     name = "slo"
-    observes_completions = False  # observe() ignores its sample: the guard need not build it
+    observes_completions = True  # observe() learns client patience from cancellations
 
     def __init__(
         self,
@@ -110,7 +128,10 @@ class SloPolicy:
         stale_queue_s: float = 0.5,
         ttft_safety_ratio: float = 1.2,
         pressure_hold_s: float = 5.0,
+        patience_quantile: float = 0.25,
+        min_cancel_share: float = 0.05,
     ) -> None:
+        self.patience = ClientPatience(patience_quantile, min_cancel_share)
         if stale_queue_s < 0:
             raise ValueError(f"stale_queue_s must be >= 0, got {stale_queue_s!r}")
         if not pressure_hold_s >= 0:
@@ -149,8 +170,9 @@ class SloPolicy:
         last_s = self._last_overload_shed_s  # headroom_ratio(), inlined: once per decision
         ratio = (self.ttft_safety_ratio if last_s is not None
                  and 0.0 <= snapshot.now_s - last_s <= self.pressure_hold_s else 1.0)
-        return (_admit(cost, snapshot, options, ratio)
-                or self._queue_or_shed(cost, snapshot, fresh, options, ratio))
+        patience_s = self.patience.estimate(cost.request_class.name, snapshot.now_s)
+        return (_admit(cost, snapshot, options, ratio, patience_s)
+                or self._queue_or_shed(cost, snapshot, fresh, options, ratio, patience_s))
 
     def headroom_ratio(self, now_s: float) -> float:
         """``ttft_safety_ratio`` under pressure (an overload shed within ``pressure_hold_s``),
@@ -164,7 +186,17 @@ class SloPolicy:
         pass
 
     def observe(self, sample: CompletionSample) -> None:
-        pass
+        """Completions and the clients' own cancellations feed the patience estimate; the
+        guard's own cancellations (shutdown) and every other outcome are left out."""
+        if sample.outcome == "completed":
+            self.patience.record(sample.class_name, sample.now_s, None, _decode_step_s(sample))
+        elif sample.outcome == "canceled" and sample.client_left and sample.elapsed_s is not None:
+            self.patience.record(sample.class_name, sample.now_s, sample.elapsed_s)
+
+    def client_patience(self, now_s: float) -> dict[str, float]:
+        """The active patience estimate per class at ``now_s`` (the
+        ``kvguard_client_patience_seconds`` gauge); a class without one is absent."""
+        return self.patience.active(now_s)
 
     def _decide_stale(
         self, cost: RequestCost, snapshot: LoadSnapshot, healthy: list[ReplicaSnapshot]
@@ -180,7 +212,7 @@ class SloPolicy:
 
     def _queue_or_shed(
         self, cost: RequestCost, snapshot: LoadSnapshot, fresh: tuple[ReplicaSnapshot, ...],
-        options: list[_Option], ratio: float,
+        options: list[_Option], ratio: float, patience_s: Patience | None = None,
     ) -> Decision:
         now_s = snapshot.now_s
         if _is_retry_over_budget(cost, snapshot):
@@ -195,12 +227,13 @@ class SloPolicy:
         later = [
             (r, f)
             for r, f in options
-            if now_s + f.ttft_s * ratio <= cost.deadline_s
+            if now_s + f.ttft_s * ratio <= _first_token_by_s(cost, snapshot, f, patience_s)
             and _itl_attainable(cost, snapshot, r)
         ]
         if later:
             _, best = min(later, key=lambda o: o[1].ttft_s)
-            until_s = cost.deadline_s - best.own_prefill_s * ratio
+            until_s = (_first_token_by_s(cost, snapshot, best, patience_s)
+                       - best.own_prefill_s * ratio)
             if until_s > now_s:
                 reason = KV_WAIT if best.is_blocked else ITL_WAIT
                 return Queue(until_s, reason, _since_arrival(cost, now_s, best))
@@ -232,12 +265,13 @@ TTFT_TIE_S = 0.001
 
 
 def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
-           safety_ratio: float) -> Admit | None:
+           safety_ratio: float, patience_s: Patience | None = None) -> Admit | None:
     """The lowest predicted TTFT among the replicas that fit now; forecasts within
     ``TTFT_TIE_S`` of each other tie, and a tie goes to the first in least-loaded order
     (requests ÷ weight, then free KV, then the heavier, then the id) — so equal idle replicas
     share a burst by weight, never all to whichever replica's state happened to arrive first.
-    The prediction times ``safety_ratio`` must land by the deadline."""
+    The prediction times ``safety_ratio`` must land by the deadline (and, while a client
+    patience estimate is active, early enough for the whole response to end within it)."""
     best: _Option | None = None
     best_ttft_s = 0.0
     now_s = snapshot.now_s
@@ -248,13 +282,40 @@ def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
                 continue
             if ttft_s >= best_ttft_s - TTFT_TIE_S and load_order(replica) >= load_order(best[0]):
                 continue
-        if _fits_now(cost, snapshot, replica, f, ttft_s * safety_ratio):
+        if _fits_now(cost, snapshot, replica, f, ttft_s * safety_ratio) and (
+                patience_s is None or snapshot.now_s + ttft_s * safety_ratio
+                <= _first_token_by_s(cost, snapshot, f, patience_s)):
             best, best_ttft_s = (replica, f), ttft_s
     if best is None:
         return None
     return Admit(best[0].replica_id, max(0.0, now_s - cost.arrival_s) + best_ttft_s)
 
 
+def _first_token_by_s(cost: RequestCost, snapshot: LoadSnapshot, f: TtftForecast,
+                     patience: Patience | None) -> float:
+    """When the first token must land: the class deadline, and — while a client patience
+    estimate is active — early enough that the expected decode (expected output tokens × the
+    forecast join step, or × the decode time per token recent completions saw when that is
+    longer) ends within the patience from arrival. A request that could not end within the
+    patience even alone on an idle replica is held to its deadline only: shedding it would not
+    be the load's doing."""
+    if patience is None:
+        return cost.deadline_s
+    patience_s, step_s = patience
+    num_steps = max(0, cost.num_expected_output_tokens - 1)
+    alone_s = f.own_prefill_s + num_steps * snapshot.step_time.step_s(0, 1, cost.num_prompt_tokens)
+    if alone_s > patience_s:
+        return cost.deadline_s
+    if step_s is None or step_s < f.join_step_s:
+        step_s = f.join_step_s
+    return min(cost.deadline_s, cost.arrival_s + patience_s - num_steps * step_s)
+
+
+def _decode_step_s(sample: CompletionSample) -> float | None:
+    """A completion's decode time per output token after the first (``None`` if unknown)."""
+    if sample.ttft_s is None or sample.elapsed_s is None or sample.num_output_tokens < 2:
+        return None
+    return max(0.0, sample.elapsed_s - sample.ttft_s) / (sample.num_output_tokens - 1)
 
 
 def _fits_now(

@@ -18,8 +18,9 @@ that cannot reach its backend logs, counts, and lets the lease expire).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 __all__ = ["BudgetLimits", "BudgetStore", "Denied", "Grant", "DENY_REASONS"]
 

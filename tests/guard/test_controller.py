@@ -244,3 +244,24 @@ def test_shared_reservations_a_failed_confirm_decides_again_and_counts_one_admis
         assert load_state.num_inflight("local") == 0
         await controller.aclose()
     run(go())
+
+
+def test_the_slo_policy_learns_client_patience_from_released_tickets_and_exports_it():
+    from policies.slo import SloPolicy
+    from tests.support.admission import make_cost, reserved
+
+    controller = make_controller(policy=SloPolicy())
+    gauge = ("kvguard_client_patience_seconds", {"class": "interactive"})
+    assert controller.registry.get_sample_value(*gauge) is None
+    controller.clock.now_s = 6.0  # every cost below arrived at 0.0
+    for i in range(200):
+        ticket = controller.tickets.issue(reserved(make_cost(f"r{i}")), 1.0)
+        if i % 10 == 0:  # the client left mid-stream, after 6 s
+            ticket.on_start(200, b"text/event-stream")
+            ticket.on_disconnect()
+            ticket.release(ticket.natural_outcome())
+        else:
+            ticket.release("completed")
+    assert controller.registry.get_sample_value(*gauge) == 6.0
+    controller.clock.now_s = 40.0  # 30 s without a cancellation: the estimate lapsed
+    assert controller.registry.get_sample_value(*gauge) is None

@@ -124,3 +124,22 @@ def test_natural_outcomes_are_honest():
     done.on_body(b'{"choices": [{"finish_reason": "length"}]}', False, 0.1)
     done.on_disconnect()  # after the last chunk: too late to matter
     assert done.natural_outcome() == "completed"
+
+
+def test_sample_says_who_canceled_and_after_how_long():
+    """The policy learns client patience only from the client's own disconnects."""
+    clock = FakeClock(0.0)
+    book = _book(clock, [])
+    left = book.issue(reserved(make_cost("left")), 0.0)  # the cost arrived at 0.0
+    left.on_start(200, SSE)
+    left.on_disconnect()
+    clock.now_s = 6.0
+    left.release(left.natural_outcome())
+    sample = left.sample()
+    assert (sample.outcome, sample.client_left, sample.elapsed_s) == ("canceled", True, 6.0)
+    ours = book.issue(reserved(make_cost("ours")), 0.0)  # our task cancelled (shutdown)
+    ours.release("canceled")
+    assert (ours.sample().outcome, ours.sample().client_left) == ("canceled", False)
+    done = book.issue(reserved(make_cost("done")), 0.0)
+    done.release("completed")
+    assert (done.sample().outcome, done.sample().client_left) == ("completed", False)

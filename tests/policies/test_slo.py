@@ -12,6 +12,7 @@ from policy_builders import (
     decoding,
     make_cost,
     make_replica,
+    make_sample,
     make_snapshot,
     prompt_waiting,
 )
@@ -324,3 +325,145 @@ def test_prefill_queued_ahead_in_the_guard_counts_toward_the_first_token():
     assert isinstance(decide(strict), Queue)
     d = decide(strict, queued_ahead=QueuedAhead(10, 20000, 10))
     assert d == Shed(503, "slo_unattainable")
+
+
+# --- client patience --------------------------------------------------------------------------
+# A long answer: 450 expected output tokens, 449 decode steps after the first token.
+LONG = dict(max_tokens=900, num_blocks=4)
+BACKLOG = dict(free=400, total=500, waiting=[prompt_waiting(1500)])  # TTFT 0.3932 s, join 12 ms
+
+
+def completed(now_s=0.0):
+    return make_sample(now_s=now_s)
+
+
+def canceled(elapsed_s, now_s=0.0, client_left=True):
+    return dataclasses.replace(make_sample(now_s=now_s, ok=False), outcome="canceled",
+                               elapsed_s=elapsed_s, client_left=client_left)
+
+
+def learned(samples):
+    policy = SloPolicy(ttft_safety_ratio=1.0)
+    for sample in samples:
+        policy.observe(sample)
+    return policy
+
+
+# 180 completions and 20 client cancellations after 5.5-5.8 s: 10 % of outcomes, p25 = 5.5 s
+CANCELING = [completed()] * 180 + [canceled(5.5 + 0.1 * (i // 5)) for i in range(20)]
+
+TABLE = [
+    dict(replicas=[make_replica("a")], cost=make_cost()),
+    dict(replicas=[make_replica("a", **BACKLOG)], cost=make_cost(**LONG)),
+    dict(replicas=[make_replica("a", **KV_SHORT)], cost=make_cost()),
+    dict(replicas=[make_replica("a", waiting=[prompt_waiting(5000)])], cost=make_cost()),
+    dict(replicas=[make_replica("a", **BACKLOG), make_replica("b")], cost=make_cost(**LONG)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(TABLE)))
+@pytest.mark.parametrize("history", [
+    [],
+    [completed()] * 200,
+    [completed()] * 195 + [canceled(5.5)] * 5,  # 2.5 %: under the 5 % share
+    [completed()] * 9 + [canceled(5.5)] * 10,  # under 20 outcomes in the window
+    [completed()] * 180 + [canceled(5.5, client_left=False)] * 20,  # the guard's own cancels
+])
+def test_without_client_cancellations_decisions_are_unchanged(case, history):
+    row = TABLE[case]
+    assert learned(history).patience.patience_s("interactive", 0.0) is None
+    assert (decide(*row["replicas"], cost=row["cost"], policy=learned(history))
+            == decide(*row["replicas"], cost=row["cost"]))
+
+
+def test_patience_is_a_low_quantile_of_elapsed_at_cancel():
+    policy = learned(CANCELING)
+    assert policy.patience.patience_s("interactive", 0.0) == pytest.approx(5.5)
+    assert policy.client_patience(0.0) == {"interactive": pytest.approx(5.5)}
+    assert policy.patience.patience_s("batch", 0.0) is None
+    assert learned([completed()] * 180 + [canceled(float(i)) for i in range(1, 21)]) \
+        .patience.patience_s("interactive", 0.0) == 5.0  # nearest rank: the 5th of 20
+
+
+def test_a_request_that_meets_its_ttft_but_would_be_abandoned_mid_stream_is_shed():
+    """TTFT 0.39 s fits the 1 s SLO, but 0.39 + 449 × 12 ms = 5.78 s > the 5.5 s patience."""
+    backlog = make_replica("a", **BACKLOG)
+    cost = make_cost(**LONG)
+    assert isinstance(decide(backlog, cost=cost), Admit)
+    assert decide(backlog, cost=cost, policy=learned(CANCELING)) == Shed(503, "slo_unattainable")
+    # an idle replica ends it in 0.0132 + 449 × 11 ms = 4.95 s: admitted; a short answer too
+    assert decide(make_replica("a"), cost=cost, policy=learned(CANCELING)) == Admit(
+        "a", pytest.approx(0.0132))
+    assert isinstance(decide(backlog, cost=make_cost(), policy=learned(CANCELING)), Admit)
+    # two replicas: the one where it ends within the patience, not the lowest TTFT alone
+    assert decide(backlog, make_replica("b"), cost=cost,
+                  policy=learned(CANCELING)).replica_id == "b"
+
+
+def test_patience_tightens_how_long_a_blocked_request_may_queue():
+    """KV_SHORT: blocks free in 0.208 s, the join step is 14 ms; with 7 s patience the first
+    token must land by 7 - 449 × 0.014 = 0.714 s, not the 1 s deadline."""
+    policy = learned([completed()] * 180 + [canceled(7.0)] * 20)
+    d = decide(make_replica("a", **KV_SHORT), cost=make_cost(**LONG), policy=policy)
+    assert d == Queue(pytest.approx(7.0 - 449 * 0.014 - KV_OWN_PREFILL_S), "kv_wait",
+                      pytest.approx(KV_WAIT_S + KV_OWN_PREFILL_S))
+    assert decide(make_replica("a", **KV_SHORT), cost=make_cost(**LONG)) == Queue(
+        pytest.approx(1.0 - KV_OWN_PREFILL_S), "kv_wait", pytest.approx(KV_WAIT_S + KV_OWN_PREFILL_S))
+
+
+def test_patience_shorter_than_an_idle_replica_could_serve_is_not_applied():
+    """4.95 s alone on an idle replica > 4 s patience: shedding it would not be the load's
+    doing, so only the TTFT deadline holds."""
+    policy = learned([completed()] * 180 + [canceled(4.0)] * 20)
+    backlog = make_replica("a", **BACKLOG)
+    assert decide(backlog, cost=make_cost(**LONG), policy=policy) == decide(
+        backlog, cost=make_cost(**LONG))
+
+
+def test_the_estimate_expires_once_cancellations_stop():
+    backlog = make_replica("a", **BACKLOG)
+    cost = make_cost(**LONG)
+    rolled = learned(CANCELING + [completed()] * 200)  # the window rolled past them
+    assert rolled.patience.patience_s("interactive", 0.0) is None
+    assert decide(backlog, cost=cost, policy=rolled) == decide(backlog, cost=cost)
+    idle = learned(CANCELING)  # no outcome at all for over 30 s
+    assert idle.patience.patience_s("interactive", 30.0) == pytest.approx(5.5)
+    assert idle.patience.patience_s("interactive", 30.5) is None
+    late = make_cost(arrival_s=30.5, **LONG)
+    assert decide(backlog, cost=late, now_s=30.5, policy=idle) == decide(backlog, cost=late,
+                                                                         now_s=30.5)
+    aged = learned(CANCELING + [completed(now_s=31.0)])  # older than 30 s leave the window
+    assert aged.patience.patience_s("interactive", 31.0) is None
+
+
+def test_only_the_clients_own_cancellations_count():
+    guard_canceled = [completed()] * 180 + [canceled(5.5, client_left=False)] * 20
+    policy = learned(guard_canceled)
+    assert policy.patience.patience_s("interactive", 0.0) is None
+    failed = dataclasses.replace(make_sample(ok=False), outcome="failed", elapsed_s=5.5)
+    assert learned([completed()] * 180 + [failed] * 20).patience.patience_s(
+        "interactive", 0.0) is None
+
+
+@pytest.mark.parametrize("params", [
+    dict(patience_quantile=0.0), dict(patience_quantile=1.5), dict(min_cancel_share=0.0),
+    dict(min_cancel_share=float("nan")),
+])
+def test_bad_patience_params_are_refused(params):
+    with pytest.raises(ValueError, match=next(iter(params))):
+        SloPolicy(**params)
+
+
+def test_the_decode_time_recent_completions_saw_counts_when_it_is_longer_than_the_forecast():
+    """Completions took 20 ms per token after the first (the forecast join step is 11 ms): 449
+    such steps take 8.98 s, past the 5.5 s patience, even from an idle replica's 0.0132 s."""
+    slow = dataclasses.replace(make_sample(ttft_s=0.1, output=8), elapsed_s=0.1 + 7 * 0.02)
+    fast = dataclasses.replace(make_sample(ttft_s=0.1, output=8), elapsed_s=0.1 + 7 * 0.005)
+    cancels = [canceled(5.5)] * 20
+    idle, cost = make_replica("a"), make_cost(**LONG)
+    assert decide(idle, cost=cost, policy=learned([slow] * 180 + cancels)) == Shed(
+        503, "slo_unattainable")
+    assert decide(idle, cost=cost, policy=learned([fast] * 180 + cancels)) == Admit(
+        "a", pytest.approx(0.0132))  # faster than the forecast: the forecast step holds
+    assert learned([slow] * 180 + cancels).patience.estimate("interactive", 0.0) == (
+        5.5, pytest.approx(0.02))
