@@ -34,6 +34,7 @@ def _fitted_rate(sent_s):
     return var / cov
 
 
+@pytest.mark.cpu_heavy  # a rate claim: the generator must get the CPU when it asks
 def test_achieved_rate_matches_declared_within_2_percent(echo_url):
     specs, result = _run(echo_url, rate_per_s=50.0, duration_s=4.0,
                          prompt_tokens=LengthDist("fixed", 16, 16),
