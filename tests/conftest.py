@@ -9,9 +9,10 @@ addopts; ``-n 0`` runs everything in this one process, in the natural order).
   asks — a load generator that must keep its schedule, gaps or rates that a starved process
   would stretch — and the torch runs that would starve them. Other tests run beside them.
   The wait for the lock is not part of a test's ``--timeout``.
-* Under xdist the files holding ``cpu_heavy`` tests are handed out first, each followed by a
-  file of other ``slow`` tests, so the long ones start early and the heavy ones rarely wait
-  for each other; the many fast files fill in at the end.
+* Under xdist the work is handed out in this order: the file with the most slow ``cpu_heavy``
+  tests (the chaos runs), the files of other ``slow`` tests (the other worker runs these meanwhile),
+  the other heavy files, then the many fast files, which fill in at the end; so the long ones
+  start early and a heavy test rarely waits for another.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ _HEAVY_MARKS = ("cpu_heavy", "smollm2")
 
 def _is_heavy(item: pytest.Item) -> bool:
     return any(item.get_closest_marker(name) for name in _HEAVY_MARKS)
+
+
+def _is_slow(item: pytest.Item) -> bool:
+    return item.get_closest_marker("slow") is not None
 
 
 @contextlib.contextmanager
@@ -59,10 +64,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    heavy = [f for f, its in files.items() if any(_is_heavy(i) for i in its)]
-    slow = [f for f, its in files.items()
-            if f not in heavy and any(i.get_closest_marker("slow") for i in its)]
-    first = [f for pair in zip(heavy, slow, strict=False) for f in pair]
-    first += heavy[len(slow):] + slow[len(heavy):]
+    heavy = [f for f, its in files.items() if any(map(_is_heavy, its))]
+    heavy.sort(key=lambda f: -sum(_is_heavy(i) and _is_slow(i) for i in files[f]))
+    slow = [f for f, its in files.items() if f not in heavy and any(map(_is_slow, its))]
+    first = heavy[:1] + slow + heavy[1:]
     order = first + [f for f in files if f not in first]
     items[:] = [item for f in order for item in files[f]]
