@@ -23,10 +23,12 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch  # imported where tensors are made: a sim replica reads only the tokenizer
 
 __all__ = [
     "GGUFContents",
@@ -232,6 +234,7 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _dequantize(buf: bytes, info: GGUFTensorInfo) -> torch.Tensor:
     import gguf  # the gguf package: quantization tables and numpy dequantizers
+    import torch
 
     qtype = gguf.GGMLQuantizationType(info.ggml_type)
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]

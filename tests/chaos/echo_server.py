@@ -120,5 +120,6 @@ app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                         Route("/metrics", metrics), Route("/attempts", attempts)])
 
 if __name__ == "__main__":
+    # A hung request (chaos-tenant-6) may still be open when the test ends it: stop within 1 s.
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
-                access_log=False)
+                access_log=False, timeout_graceful_shutdown=1)

@@ -39,6 +39,7 @@ def test_quick_bench_without_transformers_prints_our_rows(monkeypatch, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_heavy  # torch on every core
 def test_quick_bench_with_transformers_agrees_greedily(capsys):
     pytest.importorskip("transformers")
     assert bench.run(bench_args("--quick", "--model", "tiny", "--concurrency", "1,4")) == 0

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from server_helpers import start_engine  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(560)]
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_heavy, pytest.mark.timeout(560)]
 
 NUM_STREAMS = 40
 ITL_S = 2.0  # generous for a loaded CPU; a preemption stalls a stream far longer

@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from server_helpers import start_engine  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_heavy, pytest.mark.timeout(120)]
 
 TTFT_S = 1.0
 CAPACITY_RPS = 4.3  # measured: 8 slots, ~1.9 s per request at this time scale

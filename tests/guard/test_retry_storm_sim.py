@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from server_helpers import start_engine  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_heavy, pytest.mark.timeout(240)]
 
 CAPACITY_RPS = 4.3  # 8 slots, ~1.9 s per request at this time scale (as test_e2e_sim)
 NUM_USERS = 60  # ~7 s of arrivals: always-admit's backlog grows ~3 s past the patience

@@ -1,0 +1,72 @@
+"""Suite-wide rules for parallel runs (pytest-xdist: ``-n 2 --dist loadfile`` in pyproject's
+addopts; ``-n 0`` runs everything in this one process, in the natural order).
+
+* ``--dist loadfile``: every test file is one unit of work, so a module-scoped fixture (a fleet,
+  a chaos run) starts on one worker only, never once per worker.
+* ``cpu_heavy`` tests (and every ``smollm2`` test: torch on all cores) never run at the same
+  time as each other: each holds one lock file shared by the workers of this run while it runs
+  (its fixtures included). They are the tests whose result depends on getting the CPU when it
+  asks — a load generator that must keep its schedule, gaps or rates that a starved process
+  would stretch — and the torch runs that would starve them. Other tests run beside them.
+  The wait for the lock is not part of a test's ``--timeout``.
+* Under xdist the work is handed out in this order: the file with the most slow ``cpu_heavy``
+  tests (the chaos runs), the files of other ``slow`` tests (the other worker runs these meanwhile),
+  the other heavy files, then the many fast files, which fill in at the end; so the long ones
+  start early and a heavy test rarely waits for another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+_HEAVY_MARKS = ("cpu_heavy", "smollm2")
+
+
+def _is_heavy(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(name) for name in _HEAVY_MARKS)
+
+
+def _is_slow(item: pytest.Item) -> bool:
+    return item.get_closest_marker("slow") is not None
+
+
+@contextlib.contextmanager
+def _cpu_heavy_lock() -> Iterator[None]:
+    """Exclusive across this run's workers (nothing to do without xdist)."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:
+        yield
+        return
+    path = os.path.join(tempfile.gettempdir(), f"kvguard-pytest-{run_id}.cpu-heavy.lock")
+    with open(path, "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)  # released by the OS if this worker dies
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's timer
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    with _cpu_heavy_lock() if _is_heavy(item) else contextlib.nullcontext():
+        yield
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    heavy = [f for f, its in files.items() if any(map(_is_heavy, its))]
+    heavy.sort(key=lambda f: -sum(_is_heavy(i) and _is_slow(i) for i in files[f]))
+    slow = [f for f, its in files.items() if f not in heavy and any(map(_is_slow, its))]
+    first = heavy[:1] + slow + heavy[1:]
+    order = first + [f for f in files if f not in first]
+    items[:] = [item for f in order for item in files[f]]
