@@ -62,15 +62,26 @@ def test_every_user_is_accounted_for_and_no_bad_answer_counts(quick_run):
 
 
 def test_no_over_admission_and_no_hung_slo_client(quick_run):
-    """Over-admission: 0 with Redis up; within 10 % of a window while it was down."""
+    """Over-admission: 0 with Redis up, whatever the machine's speed. Within 10 % of a window
+    while Redis was down, and no hung slo client: both depend on timers running on time (the
+    guards' heartbeats divide the local share; a client is hung when it is still inside an
+    attempt past its own timeout), so they are judged on a valid run — on a starved one the
+    test is skipped with the generator's own reason, never passed."""
     result, _, _ = quick_run
-    slo = result["policies"]["slo"]
-    assert slo["num_hung"] == 0, slo
     redis_down = result["scenario"] in ("redis-kill", "redis-hang")
-    limit = THRESHOLDS["over_admission_ratio"]["max_redis_down" if redis_down else "max_redis_up"]
+    limits = THRESHOLDS["over_admission_ratio"]
     for verdict in result["policies"].values():
         ratio = verdict["over_admission_ratio"]
-        assert ratio is None or ratio <= limit, verdict
+        if not redis_down:
+            assert ratio is None or ratio <= limits["max_redis_up"], verdict
+    invalid = [w for v in result["policies"].values() for w in v["generator_warnings"]]
+    if invalid:
+        pytest.skip(f"run invalid (the load generator could not keep its schedule): {invalid[0]}")
+    slo = result["policies"]["slo"]
+    assert slo["num_hung"] == 0, slo
+    for verdict in result["policies"].values():
+        ratio = verdict["over_admission_ratio"]
+        assert ratio is None or ratio <= limits["max_redis_down"], verdict
 
 
 def test_slo_loses_nobody_and_beats_always_admit(quick_run):
