@@ -9,6 +9,10 @@ addopts; ``-n 0`` runs everything in this one process, in the natural order).
   asks — a load generator that must keep its schedule, gaps or rates that a starved process
   would stretch — and the torch runs that would starve them. Other tests run beside them.
   The wait for the lock is not part of a test's ``--timeout``.
+* ``exclusive`` tests (the chaos quick runs, whose verdict is only valid when their load
+  generator never waits for a CPU) run with nothing else: every other test holds a shared lock
+  while it runs, an exclusive test the exclusive one; a gate lock taken first keeps the other
+  worker from starting new tests while an exclusive test waits for the running one to end.
 * Under xdist the work is handed out in this order: the file with the most slow ``cpu_heavy``
   tests (the chaos runs), the files of other ``slow`` tests (the other worker runs these meanwhile),
   the other heavy files, then the many fast files, which fill in at the end; so the long ones
@@ -36,14 +40,21 @@ def _is_slow(item: pytest.Item) -> bool:
     return item.get_closest_marker("slow") is not None
 
 
+def _lock_path(name: str) -> str | None:
+    """This run's lock file ``name`` (None without xdist: nothing to share)."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:
+        return None
+    return os.path.join(tempfile.gettempdir(), f"kvguard-pytest-{run_id}.{name}.lock")
+
+
 @contextlib.contextmanager
 def _cpu_heavy_lock() -> Iterator[None]:
     """Exclusive across this run's workers (nothing to do without xdist)."""
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run_id is None:
+    path = _lock_path("cpu-heavy")
+    if path is None:
         yield
         return
-    path = os.path.join(tempfile.gettempdir(), f"kvguard-pytest-{run_id}.cpu-heavy.lock")
     with open(path, "a") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)  # released by the OS if this worker dies
         try:
@@ -52,9 +63,34 @@ def _cpu_heavy_lock() -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _whole_machine_lock(exclusive: bool) -> Iterator[None]:
+    """Shared by ordinary tests, exclusive for ``exclusive`` ones (see the module docstring)."""
+    gate_path, all_path = _lock_path("gate"), _lock_path("all")
+    if gate_path is None:
+        yield
+        return
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    with open(gate_path, "a") as gate, open(all_path, "a") as whole:
+        fcntl.flock(gate, mode)
+        try:
+            fcntl.flock(whole, mode)
+        finally:
+            if not exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(whole, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's timer
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    with _cpu_heavy_lock() if _is_heavy(item) else contextlib.nullcontext():
+    exclusive = item.get_closest_marker("exclusive") is not None
+    with _cpu_heavy_lock() if _is_heavy(item) else contextlib.nullcontext(), \
+            _whole_machine_lock(exclusive):
         yield
 
 

@@ -24,7 +24,8 @@ from guard.cli import SUBCOMMANDS
 
 # One scenario run (two fleets) happens inside the first test that needs it: ~1 min on an idle
 # 2-core machine, several under heavy contention; the suite's 300 s per-test guard is too short.
-pytestmark = [pytest.mark.slow, pytest.mark.cpu_heavy, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_heavy, pytest.mark.exclusive,
+              pytest.mark.timeout(900)]
 QUICK = ["burst", "retry-storm", "replica-kill", "redis-kill"]
 
 
