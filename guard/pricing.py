@@ -70,21 +70,6 @@ class PricedRequest:
     max_tokens_defaulted: bool  # the client sent no max_tokens; cost.max_tokens is the guard's
     raw: bytes = b""  # the body as the client sent it
 
-    def __init__(self, cost: RequestCost, body: dict, is_stream: bool, num_prompt_chars: int,
-                 num_overhead_tokens: int, is_exact: bool, max_tokens_defaulted: bool,
-                 raw: bytes = b"") -> None:
-        # One per request: straight into __dict__ (see policies.cost.RequestCost.__init__;
-        # tests/guard/test_pricing.py checks the fields and defaults match).
-        d = self.__dict__
-        d["cost"] = cost
-        d["body"] = body
-        d["is_stream"] = is_stream
-        d["num_prompt_chars"] = num_prompt_chars
-        d["num_overhead_tokens"] = num_overhead_tokens
-        d["is_exact"] = is_exact
-        d["max_tokens_defaulted"] = max_tokens_defaulted
-        d["raw"] = raw
-
     def forward_body(self) -> bytes:
         """The body to send upstream: as sent, or with the priced ``max_tokens`` filled in when
         the client sent none, so the replica runs exactly what the guard priced."""

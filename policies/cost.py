@@ -43,25 +43,6 @@ class RequestCost:
     deadline_s: float
     is_retry: bool = False
 
-    def __init__(self, request_id: str, tenant: str, request_class: RequestClass,
-                 num_prompt_tokens: int, max_tokens: int, num_expected_output_tokens: int,
-                 num_blocks: int, arrival_s: float, deadline_s: float,
-                 is_retry: bool = False) -> None:
-        # One per request: the fields go straight into __dict__, not through a frozen
-        # dataclass's object.__setattr__ per field (several times slower). Same fields, order
-        # and defaults as declared above (tests/policies/test_dataclass_inits.py checks).
-        d = self.__dict__
-        d["request_id"] = request_id
-        d["tenant"] = tenant
-        d["request_class"] = request_class
-        d["num_prompt_tokens"] = num_prompt_tokens
-        d["max_tokens"] = max_tokens
-        d["num_expected_output_tokens"] = num_expected_output_tokens
-        d["num_blocks"] = num_blocks
-        d["arrival_s"] = arrival_s
-        d["deadline_s"] = deadline_s
-        d["is_retry"] = is_retry
-
     @property
     def num_reserved_tokens(self) -> int:
         """Worst-case tokens this request may hold: prompt + max_tokens."""

@@ -138,22 +138,6 @@ class LoadSnapshot:
     retry_budget: RetryBudgetView = NO_RETRY_OVER_BUDGET  # whose retries are over budget now
     queued_ahead: QueuedAhead = NOTHING_AHEAD  # the guard's queue ahead of this request
 
-    def __init__(self, now_s: float, replicas: tuple[ReplicaSnapshot, ...],
-                 step_time: StepTimeModel, num_queued: int = 0, max_staleness_s: float = 2.0,
-                 drain_rate_rps: float = 0.0,
-                 retry_budget: RetryBudgetView = NO_RETRY_OVER_BUDGET,
-                 queued_ahead: QueuedAhead = NOTHING_AHEAD) -> None:
-        # One per decision: straight into __dict__ (see RequestCost.__init__).
-        d = self.__dict__
-        d["now_s"] = now_s
-        d["replicas"] = replicas
-        d["step_time"] = step_time
-        d["num_queued"] = num_queued
-        d["max_staleness_s"] = max_staleness_s
-        d["drain_rate_rps"] = drain_rate_rps
-        d["retry_budget"] = retry_budget
-        d["queued_ahead"] = queued_ahead
-
     def fresh_replicas(self) -> tuple[ReplicaSnapshot, ...]:
         now_s, max_staleness_s = self.now_s, self.max_staleness_s
         fresh = []  # a plain loop: a comprehension is one more call on the decision path

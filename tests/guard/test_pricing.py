@@ -355,17 +355,3 @@ def test_deep_json_is_a_400_not_a_recursion_error(depth):
         Pricer(GuardConfig()).price_request(raw, COMP, {}, ANON, 0.0, max_model_len=4096,
                                             block_size=16)
     assert (info.value.status, info.value.reason) == (400, "invalid_json")
-
-
-def test_priced_request_init_keeps_the_dataclass_fields_and_stays_frozen():
-    import dataclasses
-
-    from guard.pricing import PricedRequest
-    from tests.policies.test_dataclass_inits import init_matches_fields
-
-    init_matches_fields(PricedRequest)
-    priced = Pricer(GuardConfig()).price_request(b'{"prompt": "hi", "max_tokens": 4}', COMP, {},
-                                                 ANON, 0.0)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        priced.raw = b""  # type: ignore[misc]
-    assert priced.raw == b'{"prompt": "hi", "max_tokens": 4}' and not priced.max_tokens_defaulted
