@@ -281,10 +281,7 @@ class LoadState:
         reserved_s = cost.arrival_s if now_s is None else now_s
         reservation = Reservation(replica_id, cost, reserved_s)
         self._reservations[request_id] = reservation
-        self._book(replica_id).add(request_id, reservation)
-        self._dirty(replica_id)
-        if self.pending_listener is not None:
-            self.pending_listener.pending_added(replica_id, request_id, cost)
+        self._add(request_id, reservation)
         return reservation
 
     def reservation(self, request_id: str) -> Reservation | None:
@@ -296,13 +293,7 @@ class LoadState:
         reservation = self._reservations.pop(request_id, None)
         if reservation is None:
             return False
-        replica_id = reservation.replica_id
-        book = self._books[replica_id]
-        was_pending = request_id in book.pending
-        book.remove(request_id)
-        self._dirty(replica_id)
-        if was_pending and self.pending_listener is not None:
-            self.pending_listener.pending_ended(replica_id, request_id)
+        self._remove(request_id, reservation.replica_id)
         return True
 
     def move(self, request_id: str, replica_id: str, now_s: float) -> bool:
@@ -311,19 +302,27 @@ class LoadState:
         reservation = self._reservations.get(request_id)
         if reservation is None:
             return False
-        old_id = reservation.replica_id
-        old_book = self._books[old_id]
-        was_pending = request_id in old_book.pending
-        old_book.remove(request_id)
-        self._dirty(old_id)
-        if was_pending and self.pending_listener is not None:
-            self.pending_listener.pending_ended(old_id, request_id)
+        self._remove(request_id, reservation.replica_id)
         reservation.move_to(replica_id, now_s)
+        self._add(request_id, reservation)
+        return True
+
+    def _add(self, request_id: str, reservation: Reservation) -> None:
+        """Book ``reservation`` on its replica (pending there; shared when a listener is set)."""
+        replica_id = reservation.replica_id
         self._book(replica_id).add(request_id, reservation)
         self._dirty(replica_id)
         if self.pending_listener is not None:
             self.pending_listener.pending_added(replica_id, request_id, reservation.cost)
-        return True
+
+    def _remove(self, request_id: str, replica_id: str) -> None:
+        """Take the request off ``replica_id``'s book (withdrawn from sharing if still pending)."""
+        book = self._books[replica_id]
+        was_pending = request_id in book.pending
+        book.remove(request_id)
+        self._dirty(replica_id)
+        if was_pending and self.pending_listener is not None:
+            self.pending_listener.pending_ended(replica_id, request_id)
 
     def set_foreign(self, replica_id: str, entries: Mapping[str, RequestCost],
                     now_s: float) -> int:
