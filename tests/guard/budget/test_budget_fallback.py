@@ -25,6 +25,14 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=90))
 
 
+def run_then_kill(server, go) -> None:
+    """Run the test body ``go()`` to its end; the Redis server is killed whatever happened."""
+    try:
+        run(go())
+    finally:
+        server.kill()
+
+
 def fallback(url: str, limits: BudgetLimits, registry=None, **settings) -> FallbackStore:
     config = BudgetConfig(**{**SETTINGS, **settings})
     metrics = BudgetMetrics(registry) if registry is not None else None
@@ -61,10 +69,7 @@ def test_starts_without_redis_on_the_local_share_and_moves_to_redis_when_it_appe
         assert isinstance(grant, Grant)
         assert server.cli("hexists", tenant_keys("acme")[2], grant.grant_id).strip() == "1"
         await store.aclose()
-    try:
-        run(go())
-    finally:
-        server.kill()
+    run_then_kill(server, go)
 
 
 def test_redis_killed_breaker_opens_local_share_then_back_on_redis_with_scripts_reloaded():
@@ -89,10 +94,7 @@ def test_redis_killed_breaker_opens_local_share_then_back_on_redis_with_scripts_
         assert registry.get_sample_value("kvguard_budget_backend", {"backend": "redis"}) == 1
         assert server.cli("exists", tenant_keys("fresh")[1]).strip() == "1"
         await store.aclose()
-    try:
-        run(go())
-    finally:
-        server.kill()
+    run_then_kill(server, go)
 
 
 def test_hung_redis_never_holds_a_request_and_sigcont_brings_redis_back():
@@ -111,10 +113,7 @@ def test_hung_redis_never_holds_a_request_and_sigcont_brings_redis_back():
         await until(lambda: store.backend == "redis")
         assert isinstance(await timed_reserve(store, "acme"), Grant)
         await store.aclose()
-    try:
-        run(go())
-    finally:
-        server.kill()
+    run_then_kill(server, go)
 
 
 def test_local_share_divides_each_limit_by_the_live_guards():
@@ -133,10 +132,7 @@ def test_local_share_divides_each_limit_by_the_live_guards():
         assert admitted <= 3 * (30 // 3) + 3 * 3  # the local shares (+ calls before the breaker)
         for guard in guards:
             await guard.aclose()
-    try:
-        run(go())
-    finally:
-        server.kill()
+    run_then_kill(server, go)
 
 
 def test_grants_made_locally_are_settled_locally_and_charged_to_a_restarted_redis_once():
@@ -162,10 +158,7 @@ def test_grants_made_locally_are_settled_locally_and_charged_to_a_restarted_redi
         level = float(server.cli("hget", bucket, "tl"))
         assert 10_000 - 250 - 1 <= level <= 10_000 - 250 + refill(10_000, start_s)
         await store.aclose()
-    try:
-        run(go())
-    finally:
-        server.kill()
+    run_then_kill(server, go)
 
 
 def refill(per_minute: int, since_s: float) -> float:
@@ -197,10 +190,7 @@ def test_hung_redis_gets_the_local_decisions_charged_once_on_sigcont():
         assert sum(isinstance(o, Grant) for o in after) <= refill(60, start_s)
         assert {o.reason for o in after if isinstance(o, Denied)} == {"rpm_limit"}
         await store.aclose()
-    try:
-        run(go())
-    finally:
-        server.kill()
+    run_then_kill(server, go)
 
 
 def test_killed_redis_restarted_empty_does_not_grant_a_fresh_window():
@@ -220,10 +210,7 @@ def test_killed_redis_restarted_empty_does_not_grant_a_fresh_window():
         # 55 of 60 spent before and during the outage: about 5 left, not 60
         assert sum(isinstance(o, Grant) for o in after) <= 5 + refill(60, start_s)
         await store.aclose()
-    try:
-        run(go())
-    finally:
-        server.kill()
+    run_then_kill(server, go)
 
 
 def test_metrics_rtt_reclaimed_leases_and_bounded_remaining_tokens():
@@ -248,10 +235,7 @@ def test_metrics_rtt_reclaimed_leases_and_bounded_remaining_tokens():
         assert remaining["a"] is not None and 985 <= remaining["a"] <= 1000
         assert sum(v is not None for v in remaining.values()) == 2  # bounded label set
         await store.aclose()
-    try:
-        run(go())
-    finally:
-        server.kill()
+    run_then_kill(server, go)
 
 
 def test_local_share_starts_from_what_redis_had_left():
@@ -269,10 +253,7 @@ def test_local_share_starts_from_what_redis_had_left():
         # the breaker opened, and a little refill, come on top), not at a fresh 60
         assert sum(isinstance(o, Grant) for o in outcomes) <= 10 + 3 + 2
         await store.aclose()
-    try:
-        run(go())
-    finally:
-        server.kill()
+    run_then_kill(server, go)
 
 
 def test_first_requests_wait_for_the_first_connect_instead_of_a_local_share(redis_server):
@@ -339,10 +320,7 @@ def test_slow_redis_flapping_the_breaker_never_over_admits_and_redis_comes_back(
         assert granted + sum(isinstance(o, Grant) for o in after) <= 1.1 * 60 + refill(60, start_s)
         for guard in guards:
             await guard.aclose()
-    try:
-        run(go())
-    finally:
-        server.kill()
+    run_then_kill(server, go)
 
 
 def test_heartbeats_refresh_what_an_idle_guard_knows_is_left(redis_server):
