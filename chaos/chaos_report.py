@@ -57,9 +57,10 @@ def checks(verdicts: Mapping[str, Mapping], time_scale: float, redis_down: bool)
     """Per policy: figure -> {value, threshold, pass}; plus ``slo_vs_always_admit``."""
     out = {p: _policy_checks(p, v, time_scale, redis_down) for p, v in verdicts.items()}
     if "slo" in verdicts and "always_admit" in verdicts:
-        slo, base = (verdicts[p]["outcomes"]["good"] for p in ("slo", "always_admit"))
+        slo, base = (verdicts[p]["judged_good"] for p in ("slo", "always_admit"))
         out["slo_vs_always_admit"] = _check({"slo_good": slo, "always_admit_good": base},
-                                            slo >= base, "slo good users >= always_admit's")
+                                            slo >= base, "slo good users >= always_admit's "
+                                            "(tenants without a budget)")
     return out
 
 

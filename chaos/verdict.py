@@ -142,6 +142,12 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
         raise ValueError("capacity_per_replica_rps must be > 0")
     measured = [u for u in users if u.scheduled_s >= w.warmup_s]
     outcomes = _outcomes(measured, cls)
+    # What admission alone decides: users of every tenant without a budget. The budgeted
+    # tenant's denials (and the SDK's retries after them) are the budget working, and which of
+    # its requests land in the bucket's refill shifts with timing; counting them would make
+    # recovery, retry amplification and the slo-vs-always_admit comparison measure the budget.
+    judged = [u for u in users if budget is None or u.tenant != budget.tenant]
+    judged_measured = [u for u in judged if u.scheduled_s >= w.warmup_s]
     in_fault = [u for u in measured if w.start_s <= u.scheduled_s < w.end_s]
     fault_s = w.end_s - w.start_s
     offered_rps = len(in_fault) / fault_s
@@ -149,20 +155,22 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
     surviving_rps = capacity_per_replica_rps * w.num_surviving
     within_budget_rps = sum(not budget_denied(u) for u in in_fault) / fault_s
     servable_rps = min(within_budget_rps, surviving_rps)
-    sdk = [u for u in measured if u.client == "sdk"]
+    sdk = [u for u in judged_measured if u.client == "sdk"]
     return {
         "valid": not generator_warnings,
         "generator_warnings": list(generator_warnings),
         "num_users": len(measured),
         "outcomes": {o: outcomes.count(o) for o in USER_OUTCOMES},
+        "num_judged_users": len(judged_measured),
+        "judged_good": sum(u.outcome(cls) == "good" for u in judged_measured),
         "fault_window_s": [w.start_s, w.end_s],
         "offered_in_fault_rps": offered_rps,
         "offered_within_budget_in_fault_rps": within_budget_rps,
         "good_in_fault_rps": good_rps,
         "surviving_capacity_rps": surviving_rps,
         "goodput_over_surviving_capacity": good_rps / servable_rps if servable_rps > 0 else None,
-        "pre_fault_good_fraction": good_fraction(users, cls, *w.pre_fault_s),
-        "recovery_s": recovery_s(users, cls, w, slide_s),
+        "pre_fault_good_fraction": good_fraction(judged, cls, *w.pre_fault_s),
+        "recovery_s": recovery_s(judged, cls, w, slide_s),
         "attempts_per_user": _attempts_per_user(measured),
         "attempts_per_sdk_user": _attempts_per_user(sdk),
         "num_lost": outcomes.count("lost"),

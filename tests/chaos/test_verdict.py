@@ -105,6 +105,26 @@ def test_verdict_figures():
     assert good_fraction(users, CLS, 1.0, 4.0) == 1.0
 
 
+def test_the_budgeted_tenant_is_left_out_of_what_admission_is_judged_on():
+    """Its budget denials and the SDK retries after them are the budget working: they count in
+    the outcomes, not in recovery, retry amplification or the good users slo is compared on."""
+    free = [good(i / 10, index=i) for i in range(120)]
+    # the budgeted tenant: answered until its bucket empties at 5 s, then denied (and retried)
+    denied = [user(t, attempt(t, status=429, e2e_s=0.01), attempt(t + 0.5, status=429,
+                                                                 e2e_s=0.01))
+              for t in (5.0 + i / 10 for i in range(70))]
+    budgeted = [dataclasses.replace(u, tenant="b", index=200 + i)
+                for i, u in enumerate([good(1.0 + i / 10) for i in range(40)] + denied)]
+    budget = Budget("b", requests_per_minute=40, redis_down=False)
+    v = build_verdict(free + budgeted, CLS, _window(), 4.0, slide_s=2.0, budget=budget)
+    assert v["num_judged_users"] == 110 and v["judged_good"] == 110
+    assert v["outcomes"]["error"] == 70 and v["outcomes"]["good"] == 110 + 40
+    assert v["recovery_s"] == 0.0 and v["pre_fault_good_fraction"] == 1.0
+    assert v["attempts_per_sdk_user"] == 1.0 and v["attempts_per_user"] > 1.0
+    unjudged = build_verdict(free + budgeted, CLS, _window(), 4.0, slide_s=2.0)
+    assert unjudged["recovery_s"] is None and unjudged["judged_good"] == 150
+
+
 def test_a_lagging_generator_makes_the_run_invalid():
     v = build_verdict(_users_with_dip(5.0), CLS, _window(), 4.0, slide_s=2.0,
                       generator_warnings=["send lag p99 300 ms"])
