@@ -8,7 +8,10 @@ until the child answers its health check, and offers the signals fault injection
     child.stop()      # SIGSTOP: the process hangs (sockets stay open, nothing answers)
     child.cont()      # SIGCONT: a stopped process runs again
     child.restart()   # start it again on the same port (after kill, or kill it first)
-    child.terminate() # SIGTERM (graceful), SIGKILL after a timeout; what teardown calls
+    child.terminate() # SIGTERM (graceful), SIGKILL after a timeout
+    child.close()     # terminate for good: what teardown calls; a start after it (or racing
+                      # it, e.g. a fault's restart in a worker thread during Ctrl-C) is refused
+                      # or ended, so no restarted child outlives its fleet
 
 Signals go to this one pid, never to a process group or by name. The child's combined
 stdout/stderr is kept (the last ``max_output_lines`` lines) for error messages.
@@ -51,15 +54,21 @@ class ChildProcess:
         self._lines: collections.deque[str] = collections.deque(maxlen=max_output_lines)
         self.proc: subprocess.Popen | None = None
         self.num_starts = 0
+        self._lock = threading.Lock()   # orders a start's Popen against close()
+        self._closed = False
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout_s: float = 90.0) -> ChildProcess:
         """Start the child and wait until it is healthy (RuntimeError with its output if not)."""
-        if self.alive:
-            raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
-        self.proc = subprocess.Popen(list(self._argv_for(self.port)), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=self._env)
-        self.num_starts += 1
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name} was closed (its fleet is being torn down)")
+            if self.alive:
+                raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
+            self.proc = subprocess.Popen(list(self._argv_for(self.port)),
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True, env=self._env)
+            self.num_starts += 1
         ready = threading.Event()
         threading.Thread(target=self._pump, args=(self.proc, ready), daemon=True,
                          name=f"{self.name}-output").start()
@@ -69,6 +78,8 @@ class ChildProcess:
         while time.monotonic() < deadline_s:
             if self._health(self.url):
                 return self
+            if self._closed:
+                raise RuntimeError(f"{self.name} was closed while starting")
             if self.proc.poll() is not None:
                 self._fail(f"exited with code {self.proc.returncode} before it was healthy")
             time.sleep(0.05)
@@ -98,6 +109,13 @@ class ChildProcess:
         if self.proc is not None:
             self.proc.wait(timeout_s)
         return self.start(timeout_s)
+
+    def close(self, timeout_s: float = 15.0) -> int | None:
+        """Terminate for good: no start may follow, and one under way in another thread is
+        refused (before its Popen) or sees its new process ended here (after it)."""
+        with self._lock:
+            self._closed = True
+        return self.terminate(timeout_s)
 
     def terminate(self, timeout_s: float = 15.0) -> int | None:
         """SIGTERM (and SIGCONT, in case it is stopped), wait, then SIGKILL. The exit code."""

@@ -180,7 +180,7 @@ class Topology:
             children.append(self.redis)
         for child in children:
             with contextlib.suppress(Exception):
-                child.terminate()
+                child.close()
 
 
 def free_port() -> int:

@@ -1,6 +1,7 @@
 """The loopback fleet launcher: real sim replicas and a real redis-server, faults by signal."""
 
 import os
+import threading
 
 import httpx
 import pytest
@@ -31,6 +32,40 @@ def test_a_child_that_exits_early_is_reported_with_its_output():
                          port=1)
     with pytest.raises(RuntimeError, match="exited with code 3(.|\n)*boom"):
         child.start(timeout_s=10)
+    assert not child.alive
+
+
+def test_a_start_racing_teardown_leaves_no_process_behind():
+    """A fault's restart runs in a worker thread; Ctrl-C tears the fleet down meanwhile. The
+    restarted process must not outlive the fleet (it once did), and no start follows close."""
+    in_health, release = threading.Event(), threading.Event()
+
+    def health(url):                     # the child is up, its start is waiting to be healthy
+        in_health.set()
+        release.wait(30)
+        return False
+
+    child = ChildProcess("slow", lambda port: ["sleep", "60"], health, port=1)
+    errors = []
+
+    def restart():
+        try:
+            child.restart(timeout_s=30)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    worker = threading.Thread(target=restart)
+    worker.start()
+    assert in_health.wait(30)
+    pid = child.pid
+    child.close()                        # teardown, while the start is under way
+    release.set()
+    worker.join(30)
+    assert errors and "closed while starting" in errors[0]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(RuntimeError, match="closed"):
+        child.start(timeout_s=5)         # nothing starts after teardown
     assert not child.alive
 
 
