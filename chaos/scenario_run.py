@@ -125,7 +125,8 @@ def budget_for(spec: ScenarioSpec, sched: ScheduleConfig) -> Budget | None:
     return Budget(BUDGETED_TENANT, rpm, down)
 
 
-def _guard_toml(path: Path, policy: str, settings: RunSettings, budget: Budget | None) -> str:
+def _guard_toml(path: Path, policy: str, settings: RunSettings, budget: Budget | None,
+                trace_path: Path | None = None) -> str:
     extra = ""
     if budget is not None:
         extra = "\n\n".join(
@@ -135,6 +136,7 @@ def _guard_toml(path: Path, policy: str, settings: RunSettings, budget: Budget |
             for name in (TENANT, budget.tenant))
     c = settings.request_class
     return write_guard_config(str(path), policy=policy, ttft_s=c.ttft_s, itl_s=c.itl_s,
+                              trace_path=None if trace_path is None else str(trace_path),
                               extra_toml=extra)
 
 
@@ -194,7 +196,10 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
     cfgs = client_configs(settings)
     kinds = assign_clients(specs, spec.clients, settings.seed)
     budget = budget_for(spec, sched)
-    toml = _guard_toml(out / "guard.toml", policy, settings, budget)
+    # One entry point (the guard inside the replica): its trace explains each decision; with
+    # several proxies one shared trace file would interleave their lines, so none is written.
+    trace = out / "guard-trace.jsonl" if spec.proxies == 0 else None
+    toml = _guard_toml(out / "guard.toml", policy, settings, budget, trace)
     patience_s = settings.patience_s * k
     with Topology(_topology(spec, settings, toml)) as topo:
         entries = tuple(topo.proxy_urls or topo.replica_urls)

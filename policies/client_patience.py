@@ -15,11 +15,15 @@ disconnect counts: a cancellation the guard caused (its task cancelled at shutdo
 other outcome (failed, rejected upstream) is left out. The estimate lapses ``PATIENCE_WINDOW_S``
 after the last cancellation even when no outcome arrives to roll the window.
 
-The window also gives the decode time per output token that recent completions actually saw
-(release − first token, over the tokens after the first; the median): under load, prefill
-chunks interleaved with decode make a stream's steps far longer than a decode step alone, and a
+The window also gives the decode time per output token that recent streams actually saw
+(release − first token, over the tokens after the first): under load, prefill chunks
+interleaved with decode make a stream's steps far longer than a decode step alone, and a
 patience check that assumed the forecast join step would admit the very requests that are then
-abandoned mid-stream.
+abandoned mid-stream. It is the median of the last ``RECENT_DECODE_SAMPLES`` streams, completed
+*and* abandoned (an abandoned one's tokens relayed so far; its release is the client's
+disconnect, at most a step after its last token): the median over the whole window lagged a
+burst by many seconds (quiet-time paces outnumbered the burst's), and completions alone are the
+streams short enough to finish — the slow, long ones are the abandoned ones.
 
 Time is the caller's (the guard's clock, in the samples and in :meth:`patience_s`).
 """
@@ -37,24 +41,26 @@ __all__ = [
     "PATIENCE_WINDOW_S",
     "MIN_PATIENCE_OUTCOMES",
     "MIN_PATIENCE_CANCELS",
+    "RECENT_DECODE_SAMPLES",
 ]
 
 PATIENCE_WINDOW_OUTCOMES = 200  # recent outcomes per class
 PATIENCE_WINDOW_S = 30.0  # outcomes older than this leave the window
 MIN_PATIENCE_OUTCOMES = 20  # fewer outcomes than this: no estimate
 MIN_PATIENCE_CANCELS = 5  # fewer cancellations than this: no estimate
+RECENT_DECODE_SAMPLES = 16  # the decode pace is the median of this many latest streams
 
 
 class Patience(NamedTuple):
     patience_s: float  # arrival → the client gives up
-    decode_step_s: float | None  # recent completions' decode time per output token, if known
+    decode_step_s: float | None  # recent streams' decode time per output token, if known
 
 
 class _ClassWindow:
     __slots__ = ("outcomes", "num_cancels", "estimate", "last_cancel_s")
 
     def __init__(self) -> None:
-        # (released_s, elapsed_s of a cancellation | None, decode s/token of a completion | None)
+        # (released_s, elapsed_s of a cancellation | None, decode s/token of the stream | None)
         self.outcomes: deque[tuple[float, float | None, float | None]] = deque()
         self.num_cancels = 0
         self.estimate: Patience | None = None
@@ -76,12 +82,12 @@ class ClientPatience:
     def record(self, class_name: str, now_s: float, elapsed_s: float | None,
                decode_step_s: float | None = None) -> None:
         """One outcome: ``elapsed_s`` is arrival → release of a client cancellation, ``None``
-        for a completion (then ``decode_step_s``, its decode time per token, if known)."""
+        for a completion; ``decode_step_s``: the stream's decode time per token, if known."""
         window = self._classes.get(class_name)
         if window is None:
             window = self._classes[class_name] = _ClassWindow()
         outcomes = window.outcomes
-        outcomes.append((now_s, elapsed_s, None if elapsed_s is not None else decode_step_s))
+        outcomes.append((now_s, elapsed_s, decode_step_s))
         if elapsed_s is not None:
             window.num_cancels += 1
             window.last_cancel_s = now_s
@@ -99,7 +105,13 @@ class ClientPatience:
             return None
         elapsed = sorted(e for _, e, _ in window.outcomes if e is not None)
         patience_s = elapsed[max(0, math.ceil(self.quantile * len(elapsed)) - 1)]  # nearest rank
-        steps = sorted(d for _, _, d in window.outcomes if d is not None)
+        steps = []
+        for _, _, step_s in reversed(window.outcomes):  # the latest streams first
+            if step_s is not None:
+                steps.append(step_s)
+                if len(steps) == RECENT_DECODE_SAMPLES:
+                    break
+        steps.sort()
         return Patience(patience_s, steps[len(steps) // 2] if steps else None)
 
     def estimate(self, class_name: str, now_s: float) -> Patience | None:

@@ -56,8 +56,9 @@ outcomes (completions and client cancellations, the last 200 within 30 s, at lea
 and 5 cancellations), the ``patience_quantile``-th quantile (default 0.25) of elapsed-at-cancel
 becomes the class's patience, and steps 4–5 also require the first token early enough that the
 expected decode (``num_expected_output_tokens`` × the forecast join step, or × the median
-decode time per token of the window's completions when that is longer: under load, prefill
-chunks stretch every stream's steps) ends within the patience from arrival: a request that would fit its TTFT but be abandoned mid-stream is queued
+decode time per token of the latest 16 streams, completed or abandoned, when that is longer:
+under load, prefill chunks stretch every stream's steps) ends within the patience from
+arrival: a request that would fit its TTFT but be abandoned mid-stream is queued
 while that could still change, else shed as overload (the same reasons and retry advice). This
 stops the timeout-and-retry loop in which every admitted attempt is abandoned and retried, so
 the load never falls below capacity. A request that could not end within the patience even
@@ -191,7 +192,8 @@ class SloPolicy:
         if sample.outcome == "completed":
             self.patience.record(sample.class_name, sample.now_s, None, _decode_step_s(sample))
         elif sample.outcome == "canceled" and sample.client_left and sample.elapsed_s is not None:
-            self.patience.record(sample.class_name, sample.now_s, sample.elapsed_s)
+            self.patience.record(sample.class_name, sample.now_s, sample.elapsed_s,
+                                 _decode_step_s(sample))
 
     def client_patience(self, now_s: float) -> dict[str, float]:
         """The active patience estimate per class at ``now_s`` (the
@@ -295,7 +297,7 @@ def _first_token_by_s(cost: RequestCost, snapshot: LoadSnapshot, f: TtftForecast
                      patience: Patience | None) -> float:
     """When the first token must land: the class deadline, and — while a client patience
     estimate is active — early enough that the expected decode (expected output tokens × the
-    forecast join step, or × the decode time per token recent completions saw when that is
+    forecast join step, or × the decode time per token recent streams saw when that is
     longer) ends within the patience from arrival. A request that could not end within the
     patience even alone on an idle replica is held to its deadline only: shedding it would not
     be the load's doing."""
@@ -312,7 +314,9 @@ def _first_token_by_s(cost: RequestCost, snapshot: LoadSnapshot, f: TtftForecast
 
 
 def _decode_step_s(sample: CompletionSample) -> float | None:
-    """A completion's decode time per output token after the first (``None`` if unknown)."""
+    """A stream's decode time per output token after the first, to its release (``None`` if
+    unknown): a completion's, or an abandoned stream's over the tokens relayed before the
+    client left."""
     if sample.ttft_s is None or sample.elapsed_s is None or sample.num_output_tokens < 2:
         return None
     return max(0.0, sample.elapsed_s - sample.ttft_s) / (sample.num_output_tokens - 1)

@@ -337,9 +337,10 @@ def completed(now_s=0.0):
     return make_sample(now_s=now_s)
 
 
-def canceled(elapsed_s, now_s=0.0, client_left=True):
-    return dataclasses.replace(make_sample(now_s=now_s, ok=False), outcome="canceled",
-                               elapsed_s=elapsed_s, client_left=client_left)
+def canceled(elapsed_s, now_s=0.0, client_left=True, *, ttft_s=None, output=0):
+    """A client's cancellation; by default before its first token (it tells no decode pace)."""
+    return dataclasses.replace(make_sample(now_s=now_s, ok=False, ttft_s=ttft_s, output=output),
+                               outcome="canceled", elapsed_s=elapsed_s, client_left=client_left)
 
 
 def learned(samples):
@@ -467,3 +468,19 @@ def test_the_decode_time_recent_completions_saw_counts_when_it_is_longer_than_th
         "a", pytest.approx(0.0132))  # faster than the forecast: the forecast step holds
     assert learned([slow] * 180 + cancels).patience.estimate("interactive", 0.0) == (
         5.5, pytest.approx(0.02))
+
+
+def test_the_decode_pace_is_the_latest_streams_abandoned_ones_included():
+    """A burst slows every stream from 5 ms to 20 ms a token. The window still holds 180 quiet
+    completions, but the latest 16 streams — abandoned mid-stream, the completions being the
+    short ones that got away — saw 20 ms: that pace decides, and the request is shed."""
+    fast = dataclasses.replace(make_sample(ttft_s=0.1, output=8), elapsed_s=0.1 + 7 * 0.005)
+    abandoned = [canceled(5.5, ttft_s=0.5, output=251) for _ in range(20)]   # 5 s / 250 = 20 ms
+    idle, cost = make_replica("a"), make_cost(**LONG)
+    burst = learned([fast] * 180 + abandoned)
+    assert burst.patience.estimate("interactive", 0.0) == (5.5, pytest.approx(0.02))
+    assert decide(idle, cost=cost, policy=burst) == Shed(503, "slo_unattainable")
+    # the same 200 outcomes with the quiet completions last: 5 ms, below the forecast step
+    quiet = learned(abandoned + [fast] * 180)
+    assert quiet.patience.estimate("interactive", 0.0).decode_step_s == pytest.approx(0.005)
+    assert decide(idle, cost=cost, policy=quiet) == Admit("a", pytest.approx(0.0132))
