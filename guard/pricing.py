@@ -57,7 +57,9 @@ def tokenizer_counter(path: str) -> Callable[[str], int]:
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-@dataclass(frozen=True)
+# Built for every request: slotted, not frozen (a frozen __init__ sets each field through
+# object.__setattr__; docs/benchmarks.md §2). Never mutated after construction.
+@dataclass(slots=True)
 class PricedRequest:
     """A priced request plus what the middleware needs to forward it and learn from it."""
 

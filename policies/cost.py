@@ -23,7 +23,9 @@ class RequestClass:
             raise ValueError(f"class {self.name!r}: ttft_s and itl_s must be > 0")
 
 
-@dataclass(frozen=True)
+# Built for every request: slotted, not frozen (a frozen __init__ sets each field through
+# object.__setattr__; docs/benchmarks.md §2). Never mutated after construction.
+@dataclass(slots=True)
 class RequestCost:
     """A request priced in tokens and KV blocks.
 

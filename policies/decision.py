@@ -31,7 +31,9 @@ class Shed:
 Decision = Admit | Queue | Shed
 
 
-@dataclass(frozen=True)
+# Built for every request: slotted, not frozen (a frozen __init__ sets each field through
+# object.__setattr__; docs/benchmarks.md §2). Never mutated after construction.
+@dataclass(slots=True)
 class CompletionSample:
     """What a policy learns from when a request finishes (released exactly once)."""
 

@@ -125,7 +125,9 @@ class QueuedAhead:
 NOTHING_AHEAD = QueuedAhead()
 
 
-@dataclass(frozen=True)
+# Built for every request: slotted, not frozen (a frozen __init__ sets each field through
+# object.__setattr__; docs/benchmarks.md §2). Never mutated after construction.
+@dataclass(slots=True)
 class LoadSnapshot:
     """Everything a policy sees at decision time. ``now_s`` is the guard's clock."""
 
