@@ -173,19 +173,19 @@ class Pricer:
         chars, tokens, overhead, exact = self._count_prompt(data, path, rules)
         max_tokens, defaulted = self._max_tokens(data, tokens, exact, max_model_len)
         request_class = self._resolve_class(headers, tenant)
-        cost = RequestCost(
-            request_id=request_id or uuid.uuid4().hex,
-            tenant=tenant.name,
-            request_class=request_class,
-            num_prompt_tokens=tokens,
-            max_tokens=max_tokens,
-            num_expected_output_tokens=n * self.expected_output_tokens(request_class.name, max_tokens),
-            num_blocks=n * math.ceil((tokens + max_tokens) / block_size),
-            arrival_s=now_s,
-            deadline_s=(self._deadline_s(headers, now_s, request_class.ttft_s)
-                        if not self._deadline_headers.isdisjoint(headers)
-                        else now_s + request_class.ttft_s),  # no deadline hint: the class's
-            is_retry=self._is_retry(headers, tenant.name, now_s),
+        cost = RequestCost(  # positional (one per request; keywords cost more), in field order
+            request_id or uuid.uuid4().hex,
+            tenant.name,
+            request_class,
+            tokens,                                                   # num_prompt_tokens
+            max_tokens,
+            n * self.expected_output_tokens(request_class.name, max_tokens),
+            n * math.ceil((tokens + max_tokens) / block_size),        # num_blocks
+            now_s,                                                    # arrival_s
+            (self._deadline_s(headers, now_s, request_class.ttft_s)  # deadline_s
+             if not self._deadline_headers.isdisjoint(headers)
+             else now_s + request_class.ttft_s),  # no deadline hint: the class's
+            self._is_retry(headers, tenant.name, now_s),              # is_retry
         )
         raw = body if isinstance(body, bytes) else b""
         return PricedRequest(cost, data, bool(data.get("stream")), chars, overhead, exact, defaulted,

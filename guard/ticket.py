@@ -190,17 +190,19 @@ class Ticket:
         return self.num_content_chunks
 
     def sample(self) -> CompletionSample:
-        assert self.outcome is not None and self.released_s is not None
+        """Built once per request for the policy: fields read directly, positionally (the
+        properties above would be a call each)."""
+        released_s = self.released_s
+        assert self.outcome is not None and released_s is not None
+        cost = self.cost
+        first_token_s = self.first_token_s
+        output = self.num_usage_output_tokens
         return CompletionSample(
-            request_id=self.request_id, tenant=self.cost.tenant,
-            class_name=self.cost.request_class.name, replica_id=self.replica_id,
-            now_s=self.released_s, ttft_s=self.ttft_s, max_itl_s=self.max_itl_s,
-            num_prompt_tokens=self.cost.num_prompt_tokens,
-            num_output_tokens=self.num_output_tokens,
-            ok=self.ok, met_slo=self.slo_met, outcome=self.outcome,
-            elapsed_s=self.released_s - self.cost.arrival_s,
-            client_left=self.client_disconnected,
-        )
+            cost.request_id, cost.tenant, cost.request_class.name, self.reservation.replica_id,
+            released_s, None if first_token_s is None else first_token_s - cost.arrival_s,
+            self.max_itl_s, cost.num_prompt_tokens,
+            self.num_content_chunks if output is None else output, self.ok, self.slo_met,
+            self.outcome, released_s - cost.arrival_s, self.client_disconnected)
 
     # -- releasing ------------------------------------------------------------------------
     def release(self, outcome: str) -> bool:

@@ -395,16 +395,12 @@ class LoadState:
                 if s:
                     built.append(s)
             replicas = self._snapshots = tuple(built)
+        # positional (one per request; keywords cost more): now, replicas, step time, queued,
+        # staleness bound, drain rate, retry budget, queue ahead
         return LoadSnapshot(
-            now_s=now_s,
-            replicas=replicas,
-            step_time=self._mean_model(replicas) if self._step_time is None else self._step_time,
-            num_queued=num_queued,
-            max_staleness_s=self._max_staleness_s,
-            drain_rate_rps=drain_rate_rps,
-            retry_budget=retry_budget,
-            queued_ahead=queued_ahead,
-        )
+            now_s, replicas,
+            self._mean_model(replicas) if self._step_time is None else self._step_time,
+            num_queued, self._max_staleness_s, drain_rate_rps, retry_budget, queued_ahead)
 
     def step_time_model(self, replica_id: str) -> StepTimeModel:
         replica = self._replicas.get(replica_id)
