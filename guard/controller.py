@@ -72,6 +72,7 @@ from guard.admission_queue import AdmissionQueue
 from guard.background import Background
 from guard.budget.factory import build_budget_store
 from guard.budget.store import BudgetStore, Denied, Grant
+from guard.budget_grants import BudgetGrants
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import ClientDisconnected, PricingError
 from guard.loop_lag import LoopLag
@@ -83,7 +84,7 @@ from guard.replicas.poller import StatePoller, StateSource
 from guard.replicas.shared_reservations import SharedReservations
 from guard.request_rules import ReplicaRules
 from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
-from guard.ticket import Ticket, TicketBook
+from guard.ticket import TicketBook
 from guard.trace import TraceWriter
 from policies import make_policy
 from policies.cost import RequestCost
@@ -152,17 +153,15 @@ class AdmissionController:
             budget = build_budget_store(config, self.clock, self.registry)
             if budget is not None:
                 self.on_close.append(budget.aclose)
+        self.budget = budget
+        self.grants = BudgetGrants(budget, budget_lease_s) if budget is not None else None
         listeners = self.releases.listeners()
-        self.tickets = TicketBook(self.clock, listeners if budget is None else
-                                  (*listeners, self._end_grant))
+        self.tickets = TicketBook(self.clock, listeners if self.grants is None else
+                                  (*listeners, self.grants.on_released))
         self.rejecter = Rejecter(config, self.clock, self.metrics, self.queue, self.tickets,
                                  self.drain_rate,
                                  RetryAdvisor(rng if rng is not None else random.Random()),
                                  lambda: self.releases.service_s, trace, self.retry_budget)
-        self.budget = budget
-        self.budget_lease_s = budget_lease_s
-        self._grants: dict[str, Grant] = {}  # held budget grants (queued or in flight)
-        self._settling: set[asyncio.Task] = set()
         self._anonymous = config.anonymous_tenant
         self._id_prefix = f"g-{os.urandom(3).hex()}-"
         self._next_id = itertools.count(1)
@@ -230,12 +229,15 @@ class AdmissionController:
         self.metrics.counters(cost.request_class.name, cost.tenant).offered.value += 1
         self.retry_budget.record(cost.tenant, cost.is_retry, arrival_s)
         grant = None
-        if self.budget is not None:
-            outcome = await self.budget.reserve(cost.tenant, cost.num_prompt_tokens + cost.max_tokens,
-                                                self.budget_lease_s)
+        grants = self.grants
+        if grants is not None:  # the tenant budget: answered at once when the store can
+            tokens = cost.num_prompt_tokens + cost.max_tokens
+            outcome = grants.try_reserve(cost.tenant, tokens)
+            if outcome is None:
+                outcome = await grants.reserve(cost.tenant, tokens)
             if isinstance(outcome, Denied):
                 return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
-            grant = self._grants[outcome.grant_id] = outcome
+            grant = outcome
         try:
             ahead = self.queue.ahead_of(cost)
             result = self._decide(cost, arrival_s, ahead, commit=self.shared is None)
@@ -416,46 +418,27 @@ class AdmissionController:
 
     # --- budget grants ------------------------------------------------------------------------
     def _drop_grant(self, grant: Grant | None) -> None:
-        """A grant whose request will never run: released in the background."""
-        if grant is not None and self._grants.pop(grant.grant_id, None) is not None:
-            self._spawn(self.budget.release(grant))
-
-    def _end_grant(self, ticket: Ticket) -> None:
-        """Ticket release listener: settle a completed request's grant with its usage, release
-        every other one."""
-        grant = ticket.grant
-        if grant is None or self._grants.pop(grant.grant_id, None) is None:
-            return
-        if ticket.outcome == "completed":
-            self._spawn(self.budget.settle(grant, _used_tokens(ticket)))
-        else:
-            self._spawn(self.budget.release(grant))
-
-    def _spawn(self, work: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(work)
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        """A grant whose request will never run: released."""
+        if grant is not None:
+            self.grants.drop(grant)
 
     async def _housekeeping(self) -> None:
-        """Once a second: flush the trace; every ``budget_lease_s / 3``: renew held grants;
-        all the while, sample the event loop's lag."""
-        renew_every_s = self.budget_lease_s / 3
-        last_renew_s = time.monotonic()
+        """Once a second: flush the trace; every budget lease / 3: renew held grants; all the
+        while, sample the event loop's lag."""
         lag = asyncio.ensure_future(self.loop_lag.run())  # sampled while the guard runs
         try:
-            await self._housekeep(renew_every_s, last_renew_s)
+            await self._housekeep()
         finally:
             lag.cancel()
 
-    async def _housekeep(self, renew_every_s: float, last_renew_s: float) -> None:
+    async def _housekeep(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, renew_every_s))
+            grants = self.grants
+            await asyncio.sleep(1.0 if grants is None else min(1.0, grants.lease_s / 3))
             if self.trace is not None:
                 self.trace.flush()
-            if self.budget is not None and time.monotonic() - last_renew_s >= renew_every_s:
-                last_renew_s = time.monotonic()
-                if self._grants:
-                    await self.budget.renew(tuple(self._grants.values()), self.budget_lease_s)
+            if grants is not None:
+                await grants.renew_if_due()
 
     # --- background work ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -503,8 +486,8 @@ class AdmissionController:
     async def aclose(self) -> None:
         """Stop the background work, let budget settlements finish, flush the trace."""
         await self.background.aclose()
-        if self._settling:
-            await asyncio.gather(*self._settling, return_exceptions=True)
+        if self.grants is not None:
+            await self.grants.aclose()
         for close in self.on_close:
             await close()
         self.on_close.clear()
@@ -530,14 +513,6 @@ def _bearer(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer":
         return None
     return token.strip() or None
-
-
-def _used_tokens(ticket: Ticket) -> int:
-    """Prompt + completion tokens from the upstream's ``usage``, else the guard's counts."""
-    prompt = ticket.num_usage_prompt_tokens
-    if prompt is None:
-        prompt = ticket.cost.num_prompt_tokens
-    return prompt + ticket.num_output_tokens
 
 
 def _tokenizer_from(path: str) -> Callable[[str], int]:
