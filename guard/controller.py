@@ -78,6 +78,7 @@ from guard.errors import ClientDisconnected, PricingError
 from guard.loop_lag import LoopLag
 from guard.metrics import GaugeValues, GuardMetrics
 from guard.pricing import PricedRequest, Pricer, tokenizer_counter
+from guard.queue_wait import QueueWait
 from guard.release import ReleaseListeners
 from guard.replica_limits import ReplicaLimits
 from guard.replicas.load_state import LoadState
@@ -87,10 +88,8 @@ from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
 from guard.ticket import TicketBook
 from guard.trace import TraceWriter
 from policies import make_policy
-from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
 from policies.retry_budget import GLOBAL, RetryBudget
-from policies.snapshot import NOTHING_AHEAD
 
 __all__ = ["AdmissionController", "INVALID_KEY"]
 
@@ -171,6 +170,8 @@ class AdmissionController:
             self.on_close.append(shared_reservations.aclose)
         self.decider = Decider(self.policy, self.load_state, self.queue, self.drain_rate,
                                self.retry_budget, self.metrics, self.clock, shared_reservations)
+        self.waiting = QueueWait(self.queue, self.decider, self.metrics, self.clock, self.tickets,
+                                 self.load_state, self.rejecter, config.max_queue_wait_s)
         self.background = Background(lambda: self.queue.run(self.decider.pump_decide),
                                      self._make_poller if self._sources else None,
                                      self._update_limits, self._housekeeping)
@@ -256,13 +257,7 @@ class AdmissionController:
                              grant: Grant | None, client_gone: Callable[[], asyncio.Future] | None
                              ) -> Admission | Rejection | None:
         cost = priced.cost
-        enqueue_s = None
-        while isinstance(result, Queue):
-            enqueue_s = self.clock() if enqueue_s is None else enqueue_s
-            until_s = min(result.until_s, cost.arrival_s + self.config.max_queue_wait_s)
-            result = await self._wait(cost, until_s, enqueue_s, client_gone)
-            if self.shared is not None and isinstance(result, Admit):
-                result = await self.decider.confirmed(cost, result, NOTHING_AHEAD)
+        result, enqueue_s = await self.waiting.outcome(cost, result, client_gone)
         if result is None or isinstance(result, Shed):
             self._drop_grant(grant)
             if result is None:  # the client left while queued (already counted canceled)
@@ -305,42 +300,6 @@ class AdmissionController:
         it nowhere: the reservation stays until the adapter answers the failure and the
         ticket is released."""
         return self.decider.redispatch(admission, replica_ids)
-
-    async def _wait(self, cost: RequestCost, until_s: float, enqueue_s: float,
-                    client_gone: Callable[[], asyncio.Future] | None) -> Admit | Shed | None:
-        """Wait in the queue; None when the client left (nothing reserved is kept)."""
-        waiter = self.queue.push(cost, until_s, enqueue_s)
-        if isinstance(waiter, Shed):
-            return waiter
-        self.metrics.counters(cost.request_class.name, cost.tenant).queued.inc()
-        gone = client_gone() if client_gone is not None else None
-        watched = (waiter.future,) if gone is None else (waiter.future, gone)
-        try:
-            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            self._leave_queue(waiter)
-            raise
-        self.metrics.histograms(cost.request_class.name).queue_wait.observe(self.clock() - enqueue_s)
-        if gone is not None and gone.done():
-            self._leave_queue(waiter)
-            return None
-        return waiter.future.result()
-
-    def _leave_queue(self, waiter: Any) -> None:
-        """The queued client left (or our task was cancelled): counted canceled, and an
-        admission it already got is undone, so nothing leaks."""
-        self.queue.remove(waiter)
-        future, cost = waiter.future, waiter.cost
-        self.decider.forget(cost.request_id)
-        if future.done() and not future.cancelled() and isinstance(future.result(), Admit):
-            # admitted but never dispatched: released as canceled (frees the reservation)
-            ticket = self.tickets.issue(self.load_state.reservation(cost.request_id),
-                                        self.clock(), enqueue_s=waiter.enqueued_s)
-            ticket.release("canceled")
-        else:
-            self.rejecter.count_early(cost.request_id, cost.tenant, cost.arrival_s,
-                                      cost.request_class.name, "canceled", waiter.enqueued_s)
-        future.cancel()
 
     # --- drain --------------------------------------------------------------------------------
     def begin_drain(self) -> None:
