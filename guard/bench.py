@@ -190,7 +190,7 @@ async def measure_breakdown(policy: str, num: int = 3000) -> dict[str, float]:
 def _cycle(guard, cost, now_s: float) -> None:
     from policies.decision import Admit
 
-    decision = guard.controller._decide(cost, now_s)
+    decision = guard.controller.decider.decide(cost, now_s)
     if isinstance(decision, Admit):
         reservation = guard.controller.load_state.reservation(cost.request_id)
         guard.controller.tickets.issue(reservation, now_s).release("completed")

@@ -388,7 +388,8 @@ class GuardConfig:
 
     def budget_limits(self, tenant_name: str) -> BudgetLimits:
         """The budget of ``tenant_name``: its own limits over the ``[budget]`` defaults."""
-        return self._budget_limits.get(tenant_name, self.budget.default_limits)
+        limits = self._budget_limits.get(tenant_name)
+        return self.budget.default_limits if limits is None else limits
 
     @functools.cached_property
     def _budget_limits(self) -> Mapping[str, BudgetLimits]:

@@ -56,7 +56,6 @@ proxy on top.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import os
@@ -72,34 +71,31 @@ from guard.admission_queue import AdmissionQueue
 from guard.background import Background
 from guard.budget.factory import build_budget_store
 from guard.budget.store import BudgetStore, Denied, Grant
+from guard.budget_grants import BudgetGrants
 from guard.config import GuardConfig, TenantConfig
+from guard.decider import Decider
 from guard.errors import ClientDisconnected, PricingError
 from guard.loop_lag import LoopLag
 from guard.metrics import GaugeValues, GuardMetrics
 from guard.pricing import PricedRequest, Pricer, tokenizer_counter
+from guard.queue_wait import QueueWait
 from guard.release import ReleaseListeners
+from guard.replica_limits import ReplicaLimits
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import StatePoller, StateSource
 from guard.replicas.shared_reservations import SharedReservations
-from guard.request_rules import ReplicaRules
 from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
-from guard.ticket import Ticket, TicketBook
+from guard.ticket import TicketBook
 from guard.trace import TraceWriter
 from policies import make_policy
-from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
-from policies.prefill_pacing import full_step_s
 from policies.retry_budget import GLOBAL, RetryBudget
-from policies.shed_reasons import SHUTTING_DOWN
-from policies.snapshot import NOTHING_AHEAD, QueuedAhead
 
 __all__ = ["AdmissionController", "INVALID_KEY"]
 
 _log = logging.getLogger(__name__)
 
 INVALID_KEY = ("invalid_api_key", "Incorrect or missing API key.")
-MAX_REDECISIONS = 4  # shared KV reservations: decisions per request before the last one stands
-_DRAINING = Shed(503, SHUTTING_DOWN, retry_after_s=1.0)  # a floor: another replica can serve it
 Headers = Mapping[str, str]
 
 
@@ -152,30 +148,31 @@ class AdmissionController:
             budget = build_budget_store(config, self.clock, self.registry)
             if budget is not None:
                 self.on_close.append(budget.aclose)
+        self.budget = budget
+        self.grants = BudgetGrants(budget, budget_lease_s) if budget is not None else None
         listeners = self.releases.listeners()
-        self.tickets = TicketBook(self.clock, listeners if budget is None else
-                                  (*listeners, self._end_grant))
+        self.tickets = TicketBook(self.clock, listeners if self.grants is None else
+                                  (*listeners, self.grants.on_released))
         self.rejecter = Rejecter(config, self.clock, self.metrics, self.queue, self.tickets,
                                  self.drain_rate,
                                  RetryAdvisor(rng if rng is not None else random.Random()),
                                  lambda: self.releases.service_s, trace, self.retry_budget)
-        self.budget = budget
-        self.budget_lease_s = budget_lease_s
-        self._grants: dict[str, Grant] = {}  # held budget grants (queued or in flight)
-        self._settling: set[asyncio.Task] = set()
         self._anonymous = config.anonymous_tenant
         self._id_prefix = f"g-{os.urandom(3).hex()}-"
         self._next_id = itertools.count(1)
-        self.rules = ReplicaRules()  # what the replicas accept, from their latest state
+        self.replica_limits = ReplicaLimits(self.load_state, self.clock,
+                                            min(c.itl_s for c in config.classes))
+        self.rules = self.replica_limits.rules  # what the replicas accept, from their latest state
         self._sources = dict(sources) if sources is not None else None
-        self._chunk_warned: set[str] = set()  # replicas warned about their chunk budget
-        self.draining = False  # begin_drain: every decision sheds shutting_down
         self.shared = shared_reservations  # other guards' pending reservations, via Redis
-        self._decided_versions: dict[str, int] = {}  # request id -> shared view it was admitted on
         if shared_reservations is not None:
             shared_reservations.bind(self.load_state, self.registry, self.clock)
             self.on_close.append(shared_reservations.aclose)
-        self.background = Background(lambda: self.queue.run(self._pump_decide),
+        self.decider = Decider(self.policy, self.load_state, self.queue, self.drain_rate,
+                               self.retry_budget, self.metrics, self.clock, shared_reservations)
+        self.waiting = QueueWait(self.queue, self.decider, self.metrics, self.clock, self.tickets,
+                                 self.load_state, self.rejecter, config.max_queue_wait_s)
+        self.background = Background(lambda: self.queue.run(self.decider.pump_decide),
                                      self._make_poller if self._sources else None,
                                      self._update_limits, self._housekeeping)
 
@@ -193,6 +190,11 @@ class AdmissionController:
         controller = cls(config, sources, **kwargs)
         controller.on_close.append(client.aclose)
         return controller
+
+    @property
+    def draining(self) -> bool:
+        """Set by :meth:`begin_drain`: every decision sheds ``shutting_down``."""
+        return self.decider.draining
 
     @property
     def trace(self) -> TraceWriter | None:
@@ -230,17 +232,20 @@ class AdmissionController:
         self.metrics.counters(cost.request_class.name, cost.tenant).offered.value += 1
         self.retry_budget.record(cost.tenant, cost.is_retry, arrival_s)
         grant = None
-        if self.budget is not None:
-            outcome = await self.budget.reserve(cost.tenant, cost.num_prompt_tokens + cost.max_tokens,
-                                                self.budget_lease_s)
+        grants = self.grants
+        if grants is not None:  # the tenant budget: answered at once when the store can
+            tokens = cost.num_prompt_tokens + cost.max_tokens
+            outcome = grants.try_reserve(cost.tenant, tokens)
+            if outcome is None:
+                outcome = await grants.reserve(cost.tenant, tokens)
             if isinstance(outcome, Denied):
                 return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
-            grant = self._grants[outcome.grant_id] = outcome
+            grant = outcome
         try:
             ahead = self.queue.ahead_of(cost)
-            result = self._decide(cost, arrival_s, ahead, commit=self.shared is None)
+            result = self.decider.decide(cost, arrival_s, ahead, commit=self.shared is None)
             if self.shared is not None:
-                result = await self._confirmed(cost, result, ahead)
+                result = await self.decider.confirmed(cost, result, ahead)
             if isinstance(result, Admit):  # the common path: no queue, no extra coroutine
                 return self._admission(priced, result, None, grant)
             return await self._queue_or_shed(priced, result, headers, grant, client_gone)
@@ -252,13 +257,7 @@ class AdmissionController:
                              grant: Grant | None, client_gone: Callable[[], asyncio.Future] | None
                              ) -> Admission | Rejection | None:
         cost = priced.cost
-        enqueue_s = None
-        while isinstance(result, Queue):
-            enqueue_s = self.clock() if enqueue_s is None else enqueue_s
-            until_s = min(result.until_s, cost.arrival_s + self.config.max_queue_wait_s)
-            result = await self._wait(cost, until_s, enqueue_s, client_gone)
-            if self.shared is not None and isinstance(result, Admit):
-                result = await self._confirmed(cost, result, NOTHING_AHEAD)
+        result, enqueue_s = await self.waiting.outcome(cost, result, client_gone)
         if result is None or isinstance(result, Shed):
             self._drop_grant(grant)
             if result is None:  # the client left while queued (already counted canceled)
@@ -271,11 +270,11 @@ class AdmissionController:
 
     def _admission(self, priced: PricedRequest, admit: Admit, enqueue_s: float | None,
                    grant: Grant | None) -> Admission:
-        """Issue the ticket, complete, on the reservation ``_decide`` made; wrap it for the
+        """Issue the ticket, complete, on the reservation the decider made; wrap it for the
         adapter."""
         cost = priced.cost
         reservation = self.load_state.reservation(cost.request_id)
-        if reservation is None:  # _decide reserves on every Admit: a bug, never a request's fault
+        if reservation is None:  # every Admit reserves: a bug, never a request's fault
             raise RuntimeError(f"admitted request {cost.request_id} holds no reservation")
         ticket = self.tickets.issue(reservation, self.clock(), admit.predicted_ttft_s,
                                     enqueue_s, priced, grant)
@@ -294,119 +293,19 @@ class AdmissionController:
             return self._anonymous
         return tenant
 
-    def _decide(self, cost: RequestCost, now_s: float, ahead: QueuedAhead = NOTHING_AHEAD,
-                commit: bool = True) -> Admit | Queue | Shed:
-        """Decide on a fresh snapshot (behind ``ahead``, what waits in the queue before it); on
-        admit take the replica reservation (synchronously, so two decisions can never share
-        the same blocks) and, with ``commit``, count it admitted. Draining: shed, never admit."""
-        if self.draining:
-            return _DRAINING
-        snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
-                                            self.retry_budget.view(now_s), ahead)
-        decision = self.policy.decide(cost, snapshot)
-        if isinstance(decision, Admit):
-            self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
-            if commit:
-                self._commit(cost, decision, now_s)
-            elif self.shared is not None:  # the view it was decided on, for the confirmation
-                self._decided_versions[cost.request_id] = self.shared.version.get(
-                    decision.replica_id, 0)
-        return decision
-
-    def _pump_decide(self, cost: RequestCost, now_s: float,
-                     ahead: QueuedAhead = NOTHING_AHEAD) -> Admit | Queue | Shed:
-        """The queue pump's decision (counted admitted after confirmation when shared)."""
-        return self._decide(cost, now_s, ahead, commit=self.shared is None)
-
-    def _commit(self, cost: RequestCost, admit: Admit, now_s: float) -> None:
-        self.policy.admitted(cost, admit.replica_id, now_s)
-        self.metrics.counters(cost.request_class.name, cost.tenant).admitted.value += 1
-
-    async def _confirmed(self, cost: RequestCost, result: Admit | Queue | Shed,
-                         ahead: QueuedAhead) -> Admit | Queue | Shed:
-        """Shared KV reservations: publish the reservation and, when another guard reserved on
-        that replica since the decision, decide again on the view that includes it."""
-        for _ in range(MAX_REDECISIONS):
-            version = self._decided_versions.pop(cost.request_id, None)
-            if not isinstance(result, Admit):
-                return result
-            if version is None:  # not decided here since (cannot happen): the view now
-                version = self.shared.version.get(result.replica_id, 0)
-            try:
-                confirmed = await self.shared.confirm(result.replica_id, version)
-            except BaseException:  # cancelled (the client left): nothing stays reserved
-                self.load_state.release(cost.request_id)
-                raise
-            if confirmed:
-                break
-            self.load_state.release(cost.request_id)
-            if self.shared.redecided is not None:
-                self.shared.redecided.inc()
-            result = self._decide(cost, self.clock(), ahead, commit=False)
-        if isinstance(result, Admit):
-            self._commit(cost, result, self.clock())
-        return result
-
     def redispatch(self, admission: Admission, replica_ids: Collection[str]) -> str | None:
         """The policy re-decides an admitted request whose replica failed before answering
         (nothing reached the client) among ``replica_ids``. On Admit its reservation moves to
         the new replica (the ticket refers to it, so it follows). None when the policy admits
         it nowhere: the reservation stays until the adapter answers the failure and the
         ticket is released."""
-        ticket = admission.ticket
-        cost = ticket.cost
-        now_s = self.clock()
-        snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
-                                            self.retry_budget.view(now_s))
-        others = tuple(r for r in snapshot.replicas if r.replica_id in replica_ids)
-        decision = self.policy.decide(cost, dataclasses.replace(snapshot, replicas=others))
-        if not isinstance(decision, Admit) or not self.load_state.move(
-                cost.request_id, decision.replica_id, now_s):
-            return None
-        self.policy.admitted(cost, decision.replica_id, now_s)
-        return decision.replica_id
-
-    async def _wait(self, cost: RequestCost, until_s: float, enqueue_s: float,
-                    client_gone: Callable[[], asyncio.Future] | None) -> Admit | Shed | None:
-        """Wait in the queue; None when the client left (nothing reserved is kept)."""
-        waiter = self.queue.push(cost, until_s, enqueue_s)
-        if isinstance(waiter, Shed):
-            return waiter
-        self.metrics.counters(cost.request_class.name, cost.tenant).queued.inc()
-        gone = client_gone() if client_gone is not None else None
-        watched = (waiter.future,) if gone is None else (waiter.future, gone)
-        try:
-            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            self._leave_queue(waiter)
-            raise
-        self.metrics.histograms(cost.request_class.name).queue_wait.observe(self.clock() - enqueue_s)
-        if gone is not None and gone.done():
-            self._leave_queue(waiter)
-            return None
-        return waiter.future.result()
-
-    def _leave_queue(self, waiter: Any) -> None:
-        """The queued client left (or our task was cancelled): counted canceled, and an
-        admission it already got is undone, so nothing leaks."""
-        self.queue.remove(waiter)
-        future, cost = waiter.future, waiter.cost
-        self._decided_versions.pop(cost.request_id, None)
-        if future.done() and not future.cancelled() and isinstance(future.result(), Admit):
-            # admitted but never dispatched: released as canceled (frees the reservation)
-            ticket = self.tickets.issue(self.load_state.reservation(cost.request_id),
-                                        self.clock(), enqueue_s=waiter.enqueued_s)
-            ticket.release("canceled")
-        else:
-            self.rejecter.count_early(cost.request_id, cost.tenant, cost.arrival_s,
-                                      cost.request_class.name, "canceled", waiter.enqueued_s)
-        future.cancel()
+        return self.decider.redispatch(admission, replica_ids)
 
     # --- drain --------------------------------------------------------------------------------
     def begin_drain(self) -> None:
         """Stop admitting (SIGTERM): new and queued requests are shed 503 ``shutting_down`` with
         retry advice; admitted requests run on."""
-        self.draining = True
+        self.decider.draining = True
         self.queue.wake()
 
     async def wait_drained(self, poll_s: float = 0.05) -> None:
@@ -416,46 +315,27 @@ class AdmissionController:
 
     # --- budget grants ------------------------------------------------------------------------
     def _drop_grant(self, grant: Grant | None) -> None:
-        """A grant whose request will never run: released in the background."""
-        if grant is not None and self._grants.pop(grant.grant_id, None) is not None:
-            self._spawn(self.budget.release(grant))
-
-    def _end_grant(self, ticket: Ticket) -> None:
-        """Ticket release listener: settle a completed request's grant with its usage, release
-        every other one."""
-        grant = ticket.grant
-        if grant is None or self._grants.pop(grant.grant_id, None) is None:
-            return
-        if ticket.outcome == "completed":
-            self._spawn(self.budget.settle(grant, _used_tokens(ticket)))
-        else:
-            self._spawn(self.budget.release(grant))
-
-    def _spawn(self, work: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(work)
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        """A grant whose request will never run: released."""
+        if grant is not None:
+            self.grants.drop(grant)
 
     async def _housekeeping(self) -> None:
-        """Once a second: flush the trace; every ``budget_lease_s / 3``: renew held grants;
-        all the while, sample the event loop's lag."""
-        renew_every_s = self.budget_lease_s / 3
-        last_renew_s = time.monotonic()
+        """Once a second: flush the trace; every budget lease / 3: renew held grants; all the
+        while, sample the event loop's lag."""
         lag = asyncio.ensure_future(self.loop_lag.run())  # sampled while the guard runs
         try:
-            await self._housekeep(renew_every_s, last_renew_s)
+            await self._housekeep()
         finally:
             lag.cancel()
 
-    async def _housekeep(self, renew_every_s: float, last_renew_s: float) -> None:
+    async def _housekeep(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, renew_every_s))
+            grants = self.grants
+            await asyncio.sleep(1.0 if grants is None else min(1.0, grants.lease_s / 3))
             if self.trace is not None:
                 self.trace.flush()
-            if self.budget is not None and time.monotonic() - last_renew_s >= renew_every_s:
-                last_renew_s = time.monotonic()
-                if self._grants:
-                    await self.budget.renew(tuple(self._grants.values()), self.budget_lease_s)
+            if grants is not None:
+                await grants.renew_if_due()
 
     # --- background work ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -474,37 +354,13 @@ class AdmissionController:
         self.queue.wake()
 
     def _update_limits(self) -> None:
-        replicas = self.load_state.snapshot(self.clock()).replicas
-        if not replicas:
-            return
-        lengths = [r.max_model_len for r in replicas if r.max_model_len > 0]
-        served = self.load_state.served_models()
-        self.rules = ReplicaRules(min(lengths) if lengths else None, replicas[0].block_size,
-                                  served, strict=served is not None)
-        self._warn_chunk_budget(replicas)
-
-    def _warn_chunk_budget(self, replicas: tuple) -> None:
-        """Once per replica: its full prefill step is over the tightest class ITL, so no pacing
-        keeps running streams' gaps when a long prompt arrives (``kvguard plan --itl-ms``)."""
-        itl_s = min(c.itl_s for c in self.config.classes)
-        step_time = self.load_state.snapshot(self.clock()).step_time
-        for r in replicas:
-            if r.capacity_known and r.replica_id not in self._chunk_warned:
-                step_s = full_step_s(r, step_time)
-                if step_s > itl_s:
-                    self._chunk_warned.add(r.replica_id)
-                    _log.warning("replica %s: a step with a full %d-token prefill chunk takes "
-                                 "%.0f ms, over the tightest class ITL (%.0f ms): long prompts "
-                                 "will stretch running streams' gaps; lower its "
-                                 "--max-num-batched-tokens (kvguard plan --itl-ms)",
-                                 r.replica_id, r.max_num_batched_tokens, 1e3 * step_s,
-                                 1e3 * itl_s)
+        self.rules = self.replica_limits.update()
 
     async def aclose(self) -> None:
         """Stop the background work, let budget settlements finish, flush the trace."""
         await self.background.aclose()
-        if self._settling:
-            await asyncio.gather(*self._settling, return_exceptions=True)
+        if self.grants is not None:
+            await self.grants.aclose()
         for close in self.on_close:
             await close()
         self.on_close.clear()
@@ -530,14 +386,6 @@ def _bearer(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer":
         return None
     return token.strip() or None
-
-
-def _used_tokens(ticket: Ticket) -> int:
-    """Prompt + completion tokens from the upstream's ``usage``, else the guard's counts."""
-    prompt = ticket.num_usage_prompt_tokens
-    if prompt is None:
-        prompt = ticket.cost.num_prompt_tokens
-    return prompt + ticket.num_output_tokens
 
 
 def _tokenizer_from(path: str) -> Callable[[str], int]:

@@ -10,7 +10,12 @@ overlap, as they do in a server). The budget is far above what the run uses: not
 every request pays a reserve and a settle.
 
 Redis calls are counted by the server (``INFO commandstats`` before and after the Redis blocks):
-EVALSHA calls (reserve, settle batches, heartbeats) and all commands, per admitted request.
+EVALSHA calls (reserve, settle batches, heartbeats) and all commands, per admitted request, and
+the server's own time per EVALSHA (``usec_per_call``).
+
+Each block's thread CPU time is recorded too (``cpu_us``: CPU µs per request, the median over
+blocks): wall time less CPU time is what the guard spent waiting (for Redis, in the Redis
+variant) or descheduled; on a shared machine CPU time moves far less from run to run.
 Targets: ≤ 1 Redis call per admitted request; Redis budgets ≥ 0.8× the no-budget rate.
 """
 
@@ -23,6 +28,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
@@ -80,8 +86,9 @@ def _guard(policy: str, budget: str | None, redis_url: str | None, timeout_s: fl
                                registry=CollectorRegistry())
 
 
-async def _drive(app, num: int, concurrency: int) -> tuple[float, int]:
-    """Seconds to serve ``num`` requests ``concurrency`` at a time, and how many got 200."""
+async def _drive(app, num: int, concurrency: int) -> tuple[float, int, float]:
+    """Seconds to serve ``num`` requests ``concurrency`` at a time, how many got 200, and the
+    thread CPU seconds it took."""
     from guard.bench import _BODY, _SCOPE
 
     message = {"type": "http.request", "body": _BODY, "more_body": False}
@@ -104,9 +111,9 @@ async def _drive(app, num: int, concurrency: int) -> tuple[float, int]:
             await asyncio.sleep(0)  # let settles and other background tasks run, as a server would
 
     shares = [num // concurrency + (i < num % concurrency) for i in range(concurrency)]
-    start = time.perf_counter()
+    cpu_start, start = time.thread_time(), time.perf_counter()
     await asyncio.gather(*(worker(n) for n in shares if n))
-    return time.perf_counter() - start, ok
+    return time.perf_counter() - start, ok, time.thread_time() - cpu_start
 
 
 async def measure(redis_url: str, num: int, block: int, concurrency: int, policy: str,
@@ -121,14 +128,16 @@ async def measure(redis_url: str, num: int, block: int, concurrency: int, policy
     await _until_on_redis(guards["redis"])
     seconds = dict.fromkeys(guards, 0.0)
     admitted = dict.fromkeys(guards, 0)
+    cpu_us: dict[str, list[float]] = {name: [] for name in guards}  # per request, per block
     before = await stats.info("commandstats")
     local_before = guards["redis"].controller.budget.num_local_reserves
     for done in range(0, num, block):
         n = min(block, num - done)
         for name, app in guards.items():
-            took, ok = await _drive(app, n, concurrency)
+            took, ok, cpu_s = await _drive(app, n, concurrency)
             seconds[name] += took
             admitted[name] += ok
+            cpu_us[name].append(1e6 * cpu_s / n)
     await asyncio.sleep(0.1)  # the last settle batch
     after = await stats.info("commandstats")
     local = guards["redis"].controller.budget.num_local_reserves - local_before
@@ -136,16 +145,19 @@ async def measure(redis_url: str, num: int, block: int, concurrency: int, policy
     for app in guards.values():
         await app.aclose()
     evalsha = _calls(after, "evalsha") - _calls(before, "evalsha")
+    server_us = _usec(after, "evalsha") - _usec(before, "evalsha")
     # commands run inside scripts are counted too: only these come from the client
     client_side = ("evalsha", "eval", "ping", "hello", "script|load", "client|setinfo")
     total = sum(_calls(after, c) - _calls(before, c) for c in client_side)
     rates = {name: num / seconds[name] for name in guards}
     return {"requests_per_variant": num, "concurrency": concurrency, "policy": policy,
             "rate_rps": rates, "admitted": admitted,
+            "cpu_us": {name: statistics.median(cpu_us[name]) for name in guards},
             "ratio_redis_vs_none": rates["redis"] / rates["none"],
             "ratio_memory_vs_none": rates["memory"] / rates["none"],
             "redis_evalsha_per_admitted": evalsha / max(1, admitted["redis"]),
             "redis_commands_per_admitted": total / max(1, admitted["redis"]),
+            "redis_server_us_per_evalsha": server_us / max(1, evalsha),
             "redis_timeout_s": redis_timeout_s, "redis_reserves_on_local_share": local}
 
 
@@ -166,16 +178,21 @@ def _calls(info: dict, command: str) -> int:
     return int(info.get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
+def _usec(info: dict, command: str) -> int:
+    return int(info.get(f"cmdstat_{command}", {}).get("usec", 0))
+
+
 def render(r: dict) -> str:
     rate = r["rate_rps"]
     lines = [f"kvguard bench budget — {r['requests_per_variant']} requests per variant, "
              f"{r['concurrency']} in flight, policy {r['policy']}",
-             "variant        req/s   admitted   vs none"]
+             "variant        req/s   admitted   vs none   CPU µs/req"]
     for name in ("none", "memory", "redis"):
         lines.append(f"{name:<10} {rate[name]:>9.0f} {r['admitted'][name]:>10} "
-                     f"{rate[name] / rate['none']:>8.2f}×")
+                     f"{rate[name] / rate['none']:>8.2f}× {r['cpu_us'][name]:>12.1f}")
     lines.append(f"Redis EVALSHA per admitted request: {r['redis_evalsha_per_admitted']:.2f} "
                  f"(all client commands: {r['redis_commands_per_admitted']:.2f}); target ≤ 1")
+    lines.append(f"Redis server time per EVALSHA: {r['redis_server_us_per_evalsha']:.0f} µs")
     lines.append(f"Redis variant: timeout {r['redis_timeout_s'] * 1000:.0f} ms, "
                  f"{r['redis_reserves_on_local_share']} reserves fell back to the local share")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ defaults. Where the budgets are kept is the top-level ``redis_url`` (none: in th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,8 +58,8 @@ class BudgetConfig:
             raise ValueError("budget.lease_s: must be >= 3 × heartbeat_s and >= 10 × settle_delay_s")
         require_count("budget.breaker_failures", self.breaker_failures)
 
-    @property
-    def default_limits(self) -> BudgetLimits:
+    @functools.cached_property
+    def default_limits(self) -> BudgetLimits:  # built once (read on every budgeted request)
         return BudgetLimits(self.tokens_per_minute, self.requests_per_minute, self.max_concurrent)
 
     def limits(self, own: BudgetLimits) -> BudgetLimits:

@@ -32,7 +32,7 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -56,14 +56,6 @@ STARTUP_WAIT_S = 1.0  # the first requests wait this long, once, for the first c
 LIVE_WINDOW_BEATS = 10  # the local share divides by the most guards seen live in this many beats
 MAX_REFRESH_PER_BEAT = 32  # tenants whose levels one heartbeat reads again
 EPOCH_TTL_S = 3600.0  # the epoch key outlives every guard by this much
-
-
-async def _bounded(work: Awaitable[Any], timeout_s: float) -> Any:
-    """``work`` or TimeoutError after ``timeout_s`` (3.11+: ``asyncio.timeout``, no extra task)."""
-    if hasattr(asyncio, "timeout"):
-        async with asyncio.timeout(timeout_s):
-            return await work
-    return await asyncio.wait_for(work, timeout_s)
 
 
 class FallbackStore:
@@ -107,9 +99,8 @@ class FallbackStore:
         if not self._first_attempt.is_set():  # start-up: a local grant now would be on top of
             await self._await_first_attempt()  # the shared budget, so give Redis a moment
         if not self.breaker.is_open and self.redis is not None:
-            try:
-                outcome = await _bounded(self.redis.reserve(tenant, tokens, lease_s),
-                                         self._config.redis_timeout_s)
+            try:  # bounded by redis_timeout_s (one timer per batch, in the Redis store)
+                outcome = await self.redis.reserve(tenant, tokens, lease_s)
             except Exception as exc:  # noqa: BLE001 - any Redis trouble: serve locally
                 log.debug("budget reserve on redis failed: %r", exc)
                 self.breaker.record_failure()
@@ -134,15 +125,22 @@ class FallbackStore:
 
     async def settle(self, grant: Grant, used_tokens: int) -> None:
         if self.share.is_local(grant):
-            self._give_back(grant.tenant, await self.share.finish(grant, used_tokens))
+            self._give_back(grant.tenant, self.share.finish(grant, used_tokens))
         elif self.redis is not None:
             await self.redis.settle(grant, used_tokens)
 
     async def release(self, grant: Grant) -> None:
         if self.share.is_local(grant):
-            self._give_back(grant.tenant, await self.share.finish(grant, None))
+            self._give_back(grant.tenant, self.share.finish(grant, None))
         elif self.redis is not None:
             await self.redis.release(grant)
+
+    def finish_soon(self, grant: Grant, used_tokens: int | None) -> None:
+        """Settle (``used_tokens``) or release (None) without awaiting (see the Redis store's)."""
+        if self.share.is_local(grant):
+            self._give_back(grant.tenant, self.share.finish(grant, used_tokens))
+        elif self.redis is not None:
+            self.redis.finish_soon(grant, used_tokens)
 
     def _give_back(self, tenant: str, refund: tuple[float, float]) -> None:
         """A local grant's refund after its episode was charged to Redis: Redis gets it."""
@@ -241,7 +239,8 @@ class FallbackStore:
             client = await connect(self._url, self._config.redis_timeout_s)
             self.redis = RedisStore(client, self._limits_for,
                                     settle_delay_s=self._config.settle_delay_s,
-                                    on_reclaim=self._reclaimed, on_rtt=self._rtt)
+                                    on_reclaim=self._reclaimed, on_rtt=self._rtt,
+                                    reserve_timeout_s=self._config.redis_timeout_s)
         await asyncio.wait_for(self.redis.scripts.load(self.redis.client), PROBE_TIMEOUT_S)
         await asyncio.wait_for(self.redis.warm(), PROBE_TIMEOUT_S)
         await self._heartbeat()

@@ -110,16 +110,16 @@ class LocalShare:
     def is_local(self, grant: Grant) -> bool:
         return grant.grant_id in self._grants
 
-    async def finish(self, grant: Grant, used_tokens: int | None) -> tuple[float, float]:
+    def finish(self, grant: Grant, used_tokens: int | None) -> tuple[float, float]:
         """Settle (``used_tokens``) or release (None) a local grant. Returns the (tokens,
         requests) Redis must give back: the refund, when the episode was already charged."""
         episode = self._grants.pop(grant.grant_id)
         if used_tokens is None:
-            await self.store.release(grant)
+            self.store.finish_soon(grant, None)
             refund = (float(grant.tokens), 1.0)
         else:
             used = max(0, int(used_tokens))
-            await self.store.settle(grant, used)
+            self.store.finish_soon(grant, used)
             refund = (float(max(0, grant.tokens - used)), 0.0)
         if episode.charged:
             return refund

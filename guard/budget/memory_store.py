@@ -78,7 +78,9 @@ class MemoryStore:
         check_reserve_args(tenant, tokens, lease_s)
         limits = self._limits_for(tenant)
         now_s = self._clock()
-        state = self._tenants.setdefault(tenant, _Tenant(stamp_s=now_s))
+        state = self._tenants.get(tenant)
+        if state is None:
+            state = self._tenants[tenant] = _Tenant(stamp_s=now_s)
         levels = self._levels(state, limits, now_s)
         levels = self._reap(state, levels, limits, now_s)
         denied = self._check(state, levels, limits, tokens, now_s)
@@ -92,10 +94,14 @@ class MemoryStore:
         return denied or Grant(tenant, grant_id, tokens)
 
     async def settle(self, grant: Grant, used_tokens: int) -> None:
-        self._finish(grant, max(0, int(used_tokens)))
+        self.finish_soon(grant, used_tokens)
 
     async def release(self, grant: Grant) -> None:
-        self._finish(grant, None)
+        self.finish_soon(grant, None)
+
+    def finish_soon(self, grant: Grant, used_tokens: int | None) -> None:
+        """Settle (``used_tokens``) or release (None) now, without awaiting."""
+        self._finish(grant, None if used_tokens is None else max(0, int(used_tokens)))
 
     async def renew(self, grants: Sequence[Grant], lease_s: float) -> None:
         now_s = self._clock()

@@ -5,11 +5,14 @@ Redis ``TIME``, every key written with its TTL in the same script, keys hash-tag
 (works on a single server and on Redis Cluster).
 
 Round trips: reserves of one tenant that arrive in the same event-loop iteration go out as one
-EVALSHA (the script decides them in arrival order, exactly as separate calls would). Settles and
-releases are idempotent, so they are queued and carried by the tenant's next reserve (or flushed
-after ``settle_delay_s``); under steady traffic an admitted request costs at most one script call
-in all. With ``settle_delay_s = 0`` each settle is its own call. :meth:`charge` (what a guard
-decided on its local share while Redis was unusable) travels the same way.
+EVALSHA (the script decides them in arrival order, exactly as separate calls would), with one
+timer for the whole batch (``reserve_timeout_s``). Settles and releases are idempotent, so they
+are queued without awaiting (:meth:`finish_soon`) and carried by the tenant's next reserve (or
+flushed after ``settle_delay_s``); under steady traffic an admitted request costs at most one
+script call in all. With ``settle_delay_s = 0`` each settle is its own call. :meth:`charge` (what
+a guard decided on its local share while Redis was unusable) travels the same way. A batch's
+requests and settles travel as two string arguments and its decisions come back as one string:
+the client's cost is per argument and per reply element, far more than the server's.
 
 Every reply carries the tenant's bucket levels after the call (:attr:`levels`, with the time they
 were seen in :attr:`seen_s`): the local share starts from them when Redis goes away.
@@ -24,8 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,15 +51,41 @@ def _limit_args(limits: BudgetLimits) -> list[int]:
             limits.max_concurrent or 0]
 
 
+def _finishes(items: list[tuple[str, int]]) -> str:
+    """Settles and releases as the scripts' one string argument: "grant used ..." (-1: release)."""
+    return " ".join(f"{gid} {used}" for gid, used in items)
+
+
+def _fail(batch: list, exc: Exception) -> None:
+    """Every request of ``batch`` still waiting gets ``exc``."""
+    for *_, future in batch:
+        if not future.done():
+            future.set_exception(exc)
+
+
+def _expire(batch: list) -> None:
+    """A batch's reply did not come within the reserve timeout: its requests stop waiting (a
+    grant that arrives later is given back; see :meth:`RedisStore._send_reserves`)."""
+    for *_, future in batch:
+        if not future.done():
+            future.set_exception(TimeoutError("budget reserve: redis did not answer in time"))
+
+
 class RedisStore:
     """:class:`~guard.budget.store.BudgetStore` on a ``redis.asyncio`` client (or RedisCluster)."""
 
     def __init__(self, client: Any, limits_for: Callable[[str], BudgetLimits],
                  scripts: ScriptSet | None = None, settle_delay_s: float = 0.02,
                  on_reclaim: Callable[[int], None] | None = None,
-                 on_rtt: Callable[[float], None] | None = None) -> None:
+                 on_rtt: Callable[[float], None] | None = None,
+                 reserve_timeout_s: float | None = None) -> None:
         if settle_delay_s < 0:
             raise ValueError(f"settle_delay_s: must be >= 0, got {settle_delay_s!r}")
+        if reserve_timeout_s is not None and not reserve_timeout_s > 0:
+            raise ValueError(f"reserve_timeout_s: must be > 0 or None, got {reserve_timeout_s!r}")
+        self._reserve_timeout_s = reserve_timeout_s  # None: wait as long as the client does
+        self._id_prefix = f"{os.urandom(8).hex()}-"  # grant ids: unique per store, then a count
+        self._next_id = 0
         self.client = client
         self.scripts = scripts or ScriptSet()
         self._limits_for = limits_for
@@ -75,38 +104,47 @@ class RedisStore:
         self._charges: dict[str, list[float]] = {}  # tenant -> [tokens, requests] to take
 
     async def reserve(self, tenant: str, tokens: int, lease_s: float) -> Grant | Denied:
+        """Decided by Redis (raises the client's error, or TimeoutError past
+        ``reserve_timeout_s``)."""
         check_reserve_args(tenant, tokens, lease_s)
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         batch = self._batches.get(tenant)
         if batch is None:
             batch = self._batches[tenant] = []
-            self._spawn(self._send_batch(tenant))  # runs after this loop iteration's arrivals
-        batch.append((uuid.uuid4().hex, tokens, max(1, int(lease_s * 1000)), future))
+            timer = None  # one timer per batch, from its first arrival
+            if self._reserve_timeout_s is not None:
+                timer = loop.call_later(self._reserve_timeout_s, _expire, batch)
+            self._spawn(self._send_batch(tenant, batch, timer))  # after this iteration's arrivals
+        self._next_id += 1
+        batch.append((f"{self._id_prefix}{self._next_id:x}", tokens, max(1, int(lease_s * 1000)),
+                      future))
         return await future
 
-    async def _send_batch(self, tenant: str) -> None:
-        batch = self._batches.pop(tenant, [])
-        for start in range(0, len(batch), MAX_BATCH):
-            await self._send_reserves(tenant, batch[start:start + MAX_BATCH])
+    async def _send_batch(self, tenant: str, batch: list,
+                          timer: asyncio.TimerHandle | None) -> None:
+        if self._batches.get(tenant) is batch:
+            del self._batches[tenant]
+        try:
+            for start in range(0, len(batch), MAX_BATCH):
+                await self._send_reserves(tenant, batch[start:start + MAX_BATCH])
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def _send_reserves(self, tenant: str, batch: list) -> None:
         limits = self._limits_for(tenant)
         pending = self._pending.pop(tenant, [])
         charge = self._charges.pop(tenant, [0.0, 0.0])
-        args: list[Any] = [*_limit_args(limits), *charge, len(batch)]
-        for grant_id, tokens, lease_ms, _ in batch:
-            args += [grant_id, tokens, lease_ms]
-        for gid, used in pending:
-            args += [gid, used]
+        reserves = " ".join(f"{gid} {tokens} {lease_ms}" for gid, tokens, lease_ms, _ in batch)
+        args = [*_limit_args(limits), *charge, reserves, _finishes(pending)]
         try:
             reply = await self._call("reserve", tenant_keys(tenant), args)
         except BaseException as exc:
             self._requeue(tenant, pending)
             self._recharge(tenant, charge)
-            for *_, future in batch:
-                if not future.done():
-                    future.set_exception(exc if isinstance(exc, Exception) else
-                                         ConnectionError("budget reserve interrupted"))
+            _fail(batch, exc if isinstance(exc, Exception) else
+                  ConnectionError("budget reserve interrupted"))
             if not isinstance(exc, Exception):
                 raise
             return
@@ -114,13 +152,18 @@ class RedisStore:
         if reclaimed and self._on_reclaim is not None:
             self._on_reclaim(reclaimed)
         self._saw_levels(tenant, limits, reply[1], reply[2])
-        for i, (grant_id, tokens, _, future) in enumerate(batch):
-            granted, reason, retry_ms = reply[3 + 3 * i: 6 + 3 * i]
-            if int(granted):
+        decisions = str(reply[3]).split(" ")
+        if len(decisions) != len(batch):  # a script that does not match this client: never
+            _fail(batch, RuntimeError(f"budget reserve: {len(decisions)} decisions for "
+                                      f"{len(batch)} requests"))
+            return
+        for decision, (grant_id, tokens, _, future) in zip(decisions, batch, strict=True):
+            if decision == "1":
                 outcome: Grant | Denied = Grant(tenant, grant_id, tokens)
             else:
-                retry_ms = int(retry_ms)
-                outcome = Denied(str(reason), None if retry_ms < 0 else retry_ms / 1000)
+                reason, _, retry_ms = decision.partition(":")
+                wait_ms = float(retry_ms)
+                outcome = Denied(reason, None if wait_ms < 0 else wait_ms / 1000)
             if not future.done():
                 future.set_result(outcome)
             elif isinstance(outcome, Grant):  # its caller gave up waiting: give it back
@@ -132,6 +175,16 @@ class RedisStore:
 
     async def release(self, grant: Grant) -> None:
         await self._queue(grant, -1)
+
+    def finish_soon(self, grant: Grant, used_tokens: int | None) -> None:
+        """Settle (``used_tokens``) or release (None) without awaiting: queued for the tenant's
+        next reserve or the next flush (with ``settle_delay_s = 0``, a flush starts now)."""
+        used = -1 if used_tokens is None else max(0, int(used_tokens))
+        self._requeue(grant.tenant, [(grant.grant_id, used)])
+        if self._settle_delay_s == 0:
+            self._spawn(self.flush())
+        else:
+            self._schedule(self._settle_delay_s)
 
     def charge(self, tenant: str, tokens: float, requests: float) -> None:
         """Take ``tokens`` and ``requests`` from the tenant's shared bucket (negative: give back),
@@ -195,9 +248,7 @@ class RedisStore:
                             raise_errors: bool = False) -> bool:
         limits = self._limits_for(tenant)
         charge = self._charges.pop(tenant, [0.0, 0.0])
-        args: list[Any] = [*_limit_args(limits)[:2], *charge]
-        for gid, used in items:
-            args += [gid, used]
+        args = [*_limit_args(limits)[:2], *charge, _finishes(items)]
         try:
             reply = await self._call("settle", tenant_keys(tenant), args)
         except Exception as exc:  # noqa: BLE001 - never raise from settle; leases expire

@@ -14,6 +14,16 @@ Flow per admitted request::
 
 ``settle`` and ``release`` are idempotent per grant and never raise on store trouble (a store
 that cannot reach its backend logs, counts, and lets the lease expire).
+
+Two optional methods let a caller skip the awaiting where a store does not need it (the guard's
+:class:`~guard.budget_grants.BudgetGrants` uses them when present)::
+
+    store.reserve_now(tenant, tokens, lease_s) -> Grant | Denied  # decided without awaiting
+    store.finish_soon(grant, used_tokens | None)  # settle (or release: None) without awaiting;
+                                                   # queued where the backend is remote
+
+The in-memory store has both; the Redis and fallback stores have ``finish_soon`` (a Redis
+reservation is always awaited: Redis decides it before the request is admitted).
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def test_admit_returns_admission_and_release_settles_grant_with_usage():
         await controller.aclose()
         assert store.calls[-1] == ("settle", "g1", 8)
         assert count(controller, "kvguard_requests_completed_total") == 1
-        assert controller.tickets.num_held == 0 and controller._grants == {}
+        assert controller.tickets.num_held == 0 and controller.grants.held == {}
     run(main())
 
 
@@ -138,7 +138,7 @@ def test_held_grants_are_renewed_in_the_background():
     async def main():
         store = FakeStore()
         controller = make_controller(budget=store)
-        controller.budget_lease_s = 0.03  # renew every 10 ms (a hang guard bounds the wait)
+        controller.grants.lease_s = 0.03  # renew every 10 ms (a hang guard bounds the wait)
         admission = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
         await asyncio.wait_for(store.renewed.wait(), 5)
         assert ("renew", ("g1",)) in store.calls

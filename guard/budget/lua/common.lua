@@ -72,25 +72,40 @@ local function touch_leases(now)
   redis.call('PEXPIRE', GRANTS, ttl)
 end
 
--- Settle (used >= 0: charge what was used, refund the rest) or release (used < 0: refund all).
-local function finish(st, grant, used, tpm, rpm)
-  local reserved = redis.call('HGET', GRANTS, grant)
-  if not reserved then return 0 end
-  if used < 0 then
-    credit(st, tonumber(reserved), 1, tpm, rpm)
-  else
-    credit(st, tonumber(reserved) - used, 0, tpm, rpm)
+-- finishes: "grant used grant used ..." (used: tokens, or -1 to release), one string argument.
+-- Settles (charge what was used, refund the rest) or releases (refund all) each grant still held
+-- (the first mention of a grant counts); three Redis calls per FINISH_CHUNK grants.
+local FINISH_CHUNK = 1000
+local function finish_all(st, finishes, tpm, rpm)
+  local ids, used, seen = {}, {}, {}
+  for grant, u in string.gmatch(finishes, '(%S+) (%S+)') do
+    if not seen[grant] then
+      seen[grant] = true
+      ids[#ids + 1] = grant
+      used[#used + 1] = tonumber(u)
+    end
   end
-  redis.call('HDEL', GRANTS, grant)
-  redis.call('ZREM', LEASES, grant)
-  return 1
-end
-
--- ARGV[first], ARGV[first+1], ...: pairs (grant id, used tokens or -1) to finish.
-local function finish_all(st, first, tpm, rpm)
   local n = 0
-  for i = first, #ARGV - 1, 2 do
-    n = n + finish(st, ARGV[i], tonumber(ARGV[i + 1]), tpm, rpm)
+  for first = 1, #ids, FINISH_CHUNK do
+    local last = math.min(#ids, first + FINISH_CHUNK - 1)
+    local reserved = redis.call('HMGET', GRANTS, unpack(ids, first, last))
+    local held = {}
+    for i = first, last do
+      local tokens = reserved[i - first + 1]
+      if tokens then
+        if used[i] < 0 then
+          credit(st, tonumber(tokens), 1, tpm, rpm)
+        else
+          credit(st, tonumber(tokens) - used[i], 0, tpm, rpm)
+        end
+        held[#held + 1] = ids[i]
+      end
+    end
+    if #held > 0 then
+      redis.call('HDEL', GRANTS, unpack(held))
+      redis.call('ZREM', LEASES, unpack(held))
+      n = n + #held
+    end
   end
   return n
 end

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from guard.budget.local_share import LocalShare
 from guard.budget.store import BudgetLimits, Denied, Grant
 from tests.support.admission import FakeClock
@@ -38,11 +36,11 @@ def test_a_tenant_never_seen_on_redis_starts_from_a_full_share_less_what_is_owed
 def test_kept_redis_is_charged_the_net_local_use_and_later_refunds_go_back_to_it():
     local, _ = share()
     made = [o for o in grants(local, 3, seen=(600.0, 60.0)) if isinstance(o, Grant)]
-    asyncio.run(local.finish(made[0], 4))  # used 4 of 10: 6 refunded locally
-    asyncio.run(local.finish(made[1], None))  # released: 10 tokens and the request back
+    local.finish(made[0], 4)  # used 4 of 10: 6 refunded locally
+    local.finish(made[1], None)  # released: 10 tokens and the request back
     assert local.end("e1") == {"acme": (30.0 - 6 - 10, 2.0)}
     assert not local.in_episode
-    assert asyncio.run(local.finish(made[2], 7)) == (3.0, 0.0)  # Redis gets this refund
+    assert local.finish(made[2], 7) == (3.0, 0.0)  # Redis gets this refund
 
 
 def test_a_redis_that_lost_its_state_is_charged_the_guards_debt():

@@ -1,0 +1,123 @@
+"""``Decider``: the policy's decisions on fresh load snapshots, and what an admit reserves.
+
+Every decision (a new request, the queue pump's, a redispatch) is the policy's on a snapshot taken
+at that moment, behind what already waits in the queue. An admit takes the replica reservation
+synchronously, so two decisions can never share the same blocks, and is counted admitted when it
+stands. With shared KV reservations (several guards, :mod:`guard.replicas.shared_reservations`)
+an admit stands only once it is confirmed against the other guards' reservations: when another
+guard reserved on that replica since the decision, the request is decided again on the view that
+includes it (at most ``MAX_REDECISIONS`` times; the last decision stands). While draining every
+decision is a 503 ``shutting_down``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection
+from typing import Any
+
+from guard.admission import Admission
+from guard.admission_queue import AdmissionQueue
+from guard.metrics import GuardMetrics
+from guard.replicas.load_state import LoadState
+from guard.replicas.shared_reservations import SharedReservations
+from guard.shedding import DrainRate
+from policies.cost import RequestCost
+from policies.decision import Admit, Queue, Shed
+from policies.retry_budget import RetryBudget
+from policies.shed_reasons import SHUTTING_DOWN
+from policies.snapshot import NOTHING_AHEAD, QueuedAhead
+
+__all__ = ["Decider", "MAX_REDECISIONS"]
+
+MAX_REDECISIONS = 4  # shared KV reservations: decisions per request before the last one stands
+_DRAINING = Shed(503, SHUTTING_DOWN, retry_after_s=1.0)  # a floor: another replica can serve it
+
+
+class Decider:
+    """Decisions for one guard, over its policy, load state, queue and (optional) shared view."""
+
+    def __init__(self, policy: Any, load_state: LoadState, queue: AdmissionQueue,
+                 drain_rate: DrainRate, retry_budget: RetryBudget, metrics: GuardMetrics,
+                 clock: Callable[[], float], shared: SharedReservations | None) -> None:
+        self.policy = policy
+        self.load_state = load_state
+        self.queue = queue
+        self.drain_rate = drain_rate
+        self.retry_budget = retry_budget
+        self.metrics = metrics
+        self.clock = clock
+        self.shared = shared  # other guards' pending reservations, via Redis
+        self.draining = False  # every decision sheds shutting_down
+        self._decided_versions: dict[str, int] = {}  # request id -> shared view it was admitted on
+
+    def decide(self, cost: RequestCost, now_s: float, ahead: QueuedAhead = NOTHING_AHEAD,
+               commit: bool = True) -> Admit | Queue | Shed:
+        """Decide on a fresh snapshot (behind ``ahead``, what waits in the queue before it); on
+        admit take the replica reservation and, with ``commit``, count it admitted."""
+        if self.draining:
+            return _DRAINING
+        snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
+                                            self.retry_budget.view(now_s), ahead)
+        decision = self.policy.decide(cost, snapshot)
+        if isinstance(decision, Admit):
+            self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
+            if commit:
+                self.commit(cost, decision, now_s)
+            elif self.shared is not None:  # the view it was decided on, for the confirmation
+                self._decided_versions[cost.request_id] = self.shared.version.get(
+                    decision.replica_id, 0)
+        return decision
+
+    def pump_decide(self, cost: RequestCost, now_s: float,
+                    ahead: QueuedAhead = NOTHING_AHEAD) -> Admit | Queue | Shed:
+        """The queue pump's decision (counted admitted after confirmation when shared)."""
+        return self.decide(cost, now_s, ahead, commit=self.shared is None)
+
+    def commit(self, cost: RequestCost, admit: Admit, now_s: float) -> None:
+        self.policy.admitted(cost, admit.replica_id, now_s)
+        self.metrics.counters(cost.request_class.name, cost.tenant).admitted.value += 1
+
+    async def confirmed(self, cost: RequestCost, result: Admit | Queue | Shed,
+                        ahead: QueuedAhead) -> Admit | Queue | Shed:
+        """Shared KV reservations: publish the reservation and, when another guard reserved on
+        that replica since the decision, decide again on the view that includes it."""
+        for _ in range(MAX_REDECISIONS):
+            version = self._decided_versions.pop(cost.request_id, None)
+            if not isinstance(result, Admit):
+                return result
+            if version is None:  # not decided here since (cannot happen): the view now
+                version = self.shared.version.get(result.replica_id, 0)
+            try:
+                confirmed = await self.shared.confirm(result.replica_id, version)
+            except BaseException:  # cancelled (the client left): nothing stays reserved
+                self.load_state.release(cost.request_id)
+                raise
+            if confirmed:
+                break
+            self.load_state.release(cost.request_id)
+            if self.shared.redecided is not None:
+                self.shared.redecided.inc()
+            result = self.decide(cost, self.clock(), ahead, commit=False)
+        if isinstance(result, Admit):
+            self.commit(cost, result, self.clock())
+        return result
+
+    def forget(self, request_id: str) -> None:
+        """The request left before its confirmation: drop the view it was decided on."""
+        self._decided_versions.pop(request_id, None)
+
+    def redispatch(self, admission: Admission, replica_ids: Collection[str]) -> str | None:
+        """Re-decide an admitted request whose replica failed before answering among
+        ``replica_ids``: the new replica id (its reservation moved there), or None."""
+        cost = admission.ticket.cost
+        now_s = self.clock()
+        snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
+                                            self.retry_budget.view(now_s))
+        others = tuple(r for r in snapshot.replicas if r.replica_id in replica_ids)
+        decision = self.policy.decide(cost, dataclasses.replace(snapshot, replicas=others))
+        if not isinstance(decision, Admit) or not self.load_state.move(
+                cost.request_id, decision.replica_id, now_s):
+            return None
+        self.policy.admitted(cost, decision.replica_id, now_s)
+        return decision.replica_id
