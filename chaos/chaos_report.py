@@ -58,8 +58,10 @@ def checks(verdicts: Mapping[str, Mapping], time_scale: float, redis_down: bool)
     out = {p: _policy_checks(p, v, time_scale, redis_down) for p, v in verdicts.items()}
     if "slo" in verdicts and "always_admit" in verdicts:
         slo, base = (verdicts[p]["judged_good"] for p in ("slo", "always_admit"))
+        ratio = THRESHOLDS["slo_vs_always_admit"]["min_ratio"]
         out["slo_vs_always_admit"] = _check({"slo_good": slo, "always_admit_good": base},
-                                            slo >= base, "slo good users >= always_admit's "
+                                            slo >= ratio * base,
+                                            f"slo good users >= {ratio:g} x always_admit's "
                                             "(tenants without a budget)")
     return out
 

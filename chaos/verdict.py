@@ -41,6 +41,10 @@ THRESHOLDS: dict[str, dict] = {
     "num_lost": {"max": 0, "policy": "slo"},
     "num_hung": {"max": 0, "policy": "any"},
     "over_admission_ratio": {"max_redis_up": 0.0, "max_redis_down": 0.10, "policy": "any"},
+    # slo's good users (tenants without a budget) ÷ always_admit's on the same arrivals: in
+    # overload far above 1; below capacity both serve nearly everyone, and "no harm" is the
+    # admission-quality bar (≥ 0.98 × the unguarded run), not an exact tie in every user
+    "slo_vs_always_admit": {"min_ratio": 0.98},
 }
 RECOVERY_LEVEL_RATIO = 0.9
 BUDGET_REASONS: frozenset[str] = frozenset({"tpm_limit", "rpm_limit", "concurrency_limit"})

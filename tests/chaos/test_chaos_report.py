@@ -41,3 +41,13 @@ def test_report_lists_every_check_and_the_generator(tmp_path):
     runs = {p: (_users_with_dip(6.0), events, v) for p, v in verdicts.items()}
     path = plot_timelines(runs, CLS, 12.0, 1.0, tmp_path / "t.png", "burst")
     assert path.stat().st_size > 10_000
+
+
+def test_slo_is_held_to_the_no_harm_bar_against_always_admit():
+    """Below capacity both runs serve nearly everyone: one user either way (228 vs 229) is not
+    harm; 2 % fewer is."""
+    base = _verdict(6.0)
+    for slo_good, ok in ((228, True), (229, True), (224, True), (223, False)):
+        verdicts = {"always_admit": {**base, "judged_good": 228},
+                    "slo": {**base, "judged_good": slo_good}}
+        assert checks(verdicts, 2.0, False)["slo_vs_always_admit"]["pass"] is ok, slo_good
