@@ -54,14 +54,17 @@ RECENT_DECODE_SAMPLES = 16  # the decode pace is the median of this many latest 
 class Patience(NamedTuple):
     patience_s: float  # arrival → the client gives up
     decode_step_s: float | None  # recent streams' decode time per output token, if known
+    # most recent completions used their whole max_tokens: expect a request to run to its own
+    runs_to_max_tokens: bool = False
 
 
 class _ClassWindow:
     __slots__ = ("outcomes", "num_cancels", "estimate", "last_cancel_s")
 
     def __init__(self) -> None:
-        # (released_s, elapsed_s of a cancellation | None, decode s/token of the stream | None)
-        self.outcomes: deque[tuple[float, float | None, float | None]] = deque()
+        # (released_s, elapsed_s of a cancellation | None, decode s/token of the stream | None,
+        #  a completion that used its whole max_tokens | None for a cancellation)
+        self.outcomes: deque[tuple[float, float | None, float | None, bool | None]] = deque()
         self.num_cancels = 0
         self.estimate: Patience | None = None
         self.last_cancel_s: float | None = None
@@ -80,14 +83,16 @@ class ClientPatience:
         self._classes: dict[str, _ClassWindow] = {}
 
     def record(self, class_name: str, now_s: float, elapsed_s: float | None,
-               decode_step_s: float | None = None) -> None:
+               decode_step_s: float | None = None, ran_to_max_tokens: bool | None = None
+               ) -> None:
         """One outcome: ``elapsed_s`` is arrival → release of a client cancellation, ``None``
-        for a completion; ``decode_step_s``: the stream's decode time per token, if known."""
+        for a completion; ``decode_step_s``: the stream's decode time per token, if known;
+        ``ran_to_max_tokens``: a completion that generated its whole ``max_tokens``."""
         window = self._classes.get(class_name)
         if window is None:
             window = self._classes[class_name] = _ClassWindow()
         outcomes = window.outcomes
-        outcomes.append((now_s, elapsed_s, decode_step_s))
+        outcomes.append((now_s, elapsed_s, decode_step_s, ran_to_max_tokens))
         if elapsed_s is not None:
             window.num_cancels += 1
             window.last_cancel_s = now_s
@@ -103,16 +108,21 @@ class ClientPatience:
         if (num < MIN_PATIENCE_OUTCOMES or num_cancels < MIN_PATIENCE_CANCELS
                 or num_cancels < self.min_cancel_share * num):
             return None
-        elapsed = sorted(e for _, e, _ in window.outcomes if e is not None)
+        elapsed = sorted(e for _, e, _, _ in window.outcomes if e is not None)
         patience_s = elapsed[max(0, math.ceil(self.quantile * len(elapsed)) - 1)]  # nearest rank
         steps = []
-        for _, _, step_s in reversed(window.outcomes):  # the latest streams first
-            if step_s is not None:
+        capped = completions = 0
+        for _, _, step_s, ran_to_max in reversed(window.outcomes):  # the latest streams first
+            if step_s is not None and len(steps) < RECENT_DECODE_SAMPLES:
                 steps.append(step_s)
-                if len(steps) == RECENT_DECODE_SAMPLES:
-                    break
+            if ran_to_max is not None and completions < RECENT_DECODE_SAMPLES:
+                completions += 1
+                capped += ran_to_max
+            if len(steps) == completions == RECENT_DECODE_SAMPLES:
+                break
         steps.sort()
-        return Patience(patience_s, steps[len(steps) // 2] if steps else None)
+        return Patience(patience_s, steps[len(steps) // 2] if steps else None,
+                        completions > 0 and 2 * capped >= completions)
 
     def estimate(self, class_name: str, now_s: float) -> Patience | None:
         """The class's patience estimate, ``None`` when inactive."""

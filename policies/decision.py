@@ -51,3 +51,5 @@ class CompletionSample:
     outcome: str = "completed"  # the ticket's outcome (guard.ticket.OUTCOMES)
     elapsed_s: float | None = None  # arrival → release
     client_left: bool = False  # the client disconnected before the end (not the guard's doing)
+    max_tokens: int | None = None  # what the request allowed (a completion that used it all ran
+    #                                to its limit: its length says nothing of the natural one)

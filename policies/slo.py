@@ -190,7 +190,9 @@ class SloPolicy:
         """Completions and the clients' own cancellations feed the patience estimate; the
         guard's own cancellations (shutdown) and every other outcome are left out."""
         if sample.outcome == "completed":
-            self.patience.record(sample.class_name, sample.now_s, None, _decode_step_s(sample))
+            max_tokens = sample.max_tokens
+            self.patience.record(sample.class_name, sample.now_s, None, _decode_step_s(sample),
+                                 max_tokens is not None and sample.num_output_tokens >= max_tokens)
         elif sample.outcome == "canceled" and sample.client_left and sample.elapsed_s is not None:
             self.patience.record(sample.class_name, sample.now_s, sample.elapsed_s,
                                  _decode_step_s(sample))
@@ -303,8 +305,12 @@ def _first_token_by_s(cost: RequestCost, snapshot: LoadSnapshot, f: TtftForecast
     be the load's doing."""
     if patience is None:
         return cost.deadline_s
-    patience_s, step_s = patience
-    num_steps = max(0, cost.num_expected_output_tokens - 1)
+    patience_s, step_s, runs_to_max_tokens = patience
+    # While recent answers ran to their max_tokens, a request's own max_tokens is its length:
+    # the learned mean output would be the survivors' (the short requests that finished before
+    # their clients left), and a long request priced at it is admitted only to be abandoned.
+    num_steps = max(0, (cost.max_tokens if runs_to_max_tokens
+                        else cost.num_expected_output_tokens) - 1)
     alone_s = f.own_prefill_s + num_steps * snapshot.step_time.step_s(0, 1, cost.num_prompt_tokens)
     if alone_s > patience_s:
         return cost.deadline_s

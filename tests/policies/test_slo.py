@@ -467,7 +467,7 @@ def test_the_decode_time_recent_completions_saw_counts_when_it_is_longer_than_th
     assert decide(idle, cost=cost, policy=learned([fast] * 180 + cancels)) == Admit(
         "a", pytest.approx(0.0132))  # faster than the forecast: the forecast step holds
     assert learned([slow] * 180 + cancels).patience.estimate("interactive", 0.0) == (
-        5.5, pytest.approx(0.02))
+        5.5, pytest.approx(0.02), False)
 
 
 def test_the_decode_pace_is_the_latest_streams_abandoned_ones_included():
@@ -478,9 +478,28 @@ def test_the_decode_pace_is_the_latest_streams_abandoned_ones_included():
     abandoned = [canceled(5.5, ttft_s=0.5, output=251) for _ in range(20)]   # 5 s / 250 = 20 ms
     idle, cost = make_replica("a"), make_cost(**LONG)
     burst = learned([fast] * 180 + abandoned)
-    assert burst.patience.estimate("interactive", 0.0) == (5.5, pytest.approx(0.02))
+    assert burst.patience.estimate("interactive", 0.0) == (5.5, pytest.approx(0.02), False)
     assert decide(idle, cost=cost, policy=burst) == Shed(503, "slo_unattainable")
     # the same 200 outcomes with the quiet completions last: 5 ms, below the forecast step
     quiet = learned(abandoned + [fast] * 180)
     assert quiet.patience.estimate("interactive", 0.0).decode_step_s == pytest.approx(0.005)
     assert decide(idle, cost=cost, policy=quiet) == Admit("a", pytest.approx(0.0132))
+
+
+def test_while_answers_run_to_max_tokens_a_request_is_priced_at_its_own():
+    """Completions that used their whole max_tokens say nothing of how long a longer request
+    runs; under patience pressure they are the short requests that finished. 400 max_tokens
+    (learned expectation 200): 199 × 20 ms fits the 5.5 s patience, 399 × 20 ms does not,
+    and alone on the idle replica it would (399 × the 11 ms step)."""
+    def done(max_tokens):
+        return dataclasses.replace(make_sample(ttft_s=0.1, output=8), elapsed_s=0.1 + 7 * 0.02,
+                                   max_tokens=max_tokens)
+    cancels = [canceled(5.5)] * 20
+    idle, cost = make_replica("a"), make_cost(max_tokens=400, num_blocks=4)
+    assert cost.num_expected_output_tokens == 200
+    capped = learned([done(8)] * 180 + cancels)
+    assert capped.patience.estimate("interactive", 0.0).runs_to_max_tokens
+    assert decide(idle, cost=cost, policy=capped) == Shed(503, "slo_unattainable")
+    natural = learned([done(64)] * 180 + cancels)      # stopped on their own before the limit
+    assert not natural.patience.estimate("interactive", 0.0).runs_to_max_tokens
+    assert isinstance(decide(idle, cost=cost, policy=natural), Admit)
