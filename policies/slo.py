@@ -57,8 +57,10 @@ and 5 cancellations), the ``patience_quantile``-th quantile (default 0.25) of el
 becomes the class's patience, and steps 4–5 also require the first token early enough that the
 expected decode (``num_expected_output_tokens`` × the forecast join step, or × the median
 decode time per token of the latest 16 streams, completed or abandoned, when that is longer:
-under load, prefill chunks stretch every stream's steps) ends within the patience from
-arrival: a request that would fit its TTFT but be abandoned mid-stream is queued
+under load, prefill chunks stretch every stream's steps; and the request's own ``max_tokens``
+instead of the learned mean while most of the latest completions ran to their limit) ends
+within the patience from arrival: a request that would fit its TTFT but be abandoned
+mid-stream is queued
 while that could still change, else shed as overload (the same reasons and retry advice). This
 stops the timeout-and-retry loop in which every admitted attempt is abandoned and retried, so
 the load never falls below capacity. A request that could not end within the patience even
