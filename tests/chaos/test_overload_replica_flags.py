@@ -42,14 +42,18 @@ def test_num_blocks_that_is_not_an_integer_is_a_usage_error(capsys):
     assert "--num-blocks" in capsys.readouterr().err
 
 
-def test_chaos_settings_carry_num_blocks_to_their_replicas_and_capacity_probe():
-    settings = RunSettings(num_blocks=256)
+def test_chaos_settings_carry_the_kv_pool_and_seq_limit_to_replicas_and_capacity_probe():
+    settings = RunSettings(num_blocks=256, max_num_seqs=32)
     args = settings.engine_args()
     assert args[args.index("--num-blocks") + 1] == "256"
-    assert Scenario(settings.overload_args(16.0)).args.num_blocks == 256
+    assert args[args.index("--max-num-seqs") + 1] == "32"
+    probe = Scenario(settings.overload_args(16.0))
+    assert (probe.args.num_blocks, probe.args.max_num_seqs) == (256, 32)
     assert "--num-blocks" not in RunSettings().engine_args()
     with pytest.raises(ValueError, match="num_blocks must be >= 1"):
         RunSettings(num_blocks=0)
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        RunSettings(max_num_seqs=0)
 
 
 @pytest.mark.slow
