@@ -72,6 +72,8 @@ class Scenario:
     def __init__(self, args: argparse.Namespace) -> None:
         if args.time_scale <= 0:
             raise ValueError("--time-scale must be > 0")
+        if args.num_blocks is not None and args.num_blocks < 1:
+            raise ValueError(f"--num-blocks must be >= 1, got {args.num_blocks}")
         self.args = args
         self.scale = args.time_scale
         self.request_class = RequestClass("interactive", args.ttft * self.scale,
@@ -86,7 +88,8 @@ class Scenario:
         a = self.args
         return ["--model", a.model, "--backend", "sim", "--gpu", a.gpu,
                 "--time-scale", repr(self.scale), "--max-num-seqs", str(a.max_num_seqs),
-                "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+                "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+                *(["--num-blocks", str(a.num_blocks)] if a.num_blocks is not None else [])]
 
     def load_args(self, url: str, rate: float, out: Path, duration_s: float | None = None,
                   warmup_s: float | None = None, shape: str | None = None) -> argparse.Namespace:
@@ -121,6 +124,9 @@ def configure_scenario(p: argparse.ArgumentParser, out_default: str) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024,
                    help="prefill chunk: 1024 keeps a mixed step near 35 ms on an H100, "
                         "inside the 80 ms ITL limit")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks of the replica (default: what the GPU's memory holds); "
+                        "a small pool makes the replica KV-bound")
     p.add_argument("--prompt-tokens", default="512:2048")
     p.add_argument("--output-tokens", default="16:64")
     p.add_argument("--ttft", type=float, default=1.0, help="class TTFT limit, GPU seconds")

@@ -47,10 +47,16 @@ class RunSettings:
     itl_s: float = 0.08          # GPU seconds
     patience_s: float = 6.0      # GPU seconds a user waits in all
     max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 256
+    num_blocks: int | None = None  # KV blocks per replica; None: what the GPU holds
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0 or self.ttft_s <= 0 or self.itl_s <= 0 or self.patience_s <= 0:
             raise ValueError("time_scale, ttft_s, itl_s and patience_s must be > 0")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         LengthDist.parse(self.prompt_tokens), LengthDist.parse(self.output_tokens)
 
     @property
@@ -60,8 +66,9 @@ class RunSettings:
 
     def engine_args(self) -> tuple[str, ...]:
         return ("--model", self.model, "--backend", "sim", "--gpu", self.gpu,
-                "--time-scale", repr(self.time_scale),
-                "--max-num-batched-tokens", str(self.max_num_batched_tokens))
+                "--time-scale", repr(self.time_scale), "--max-num-seqs", str(self.max_num_seqs),
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                *(() if self.num_blocks is None else ("--num-blocks", str(self.num_blocks))))
 
     def overload_args(self, duration_s: float) -> argparse.Namespace:
         """The ``chaos.overload.Scenario`` arguments for measuring capacity the bench's way:
@@ -72,8 +79,8 @@ class RunSettings:
         configure_scenario(parser, "")
         args = parser.parse_args([])
         for key, value in dict(
-                model=self.model, gpu=self.gpu, time_scale=self.time_scale, max_num_seqs=256,
-                max_num_batched_tokens=self.max_num_batched_tokens,
+                model=self.model, gpu=self.gpu, time_scale=self.time_scale, max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens, num_blocks=self.num_blocks,
                 prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens,
                 ttft=self.ttft_s, itl=self.itl_s, duration=duration_s, warmup=3.0,
                 client_timeout=self.patience_s, seed=self.seed).items():

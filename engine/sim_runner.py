@@ -125,9 +125,14 @@ def build_sim_engine(model: str = "llama-7b", gpu: str = "h100-80g", time_scale:
     model_config = model_preset(model)
     gpu_spec = get_gpu(gpu)
     timing = timing_model or TimingModel(model_config, gpu_spec)
-    blocks = overrides.pop("num_blocks", None) or num_kv_blocks(
-        model_config, gpu_spec, gpu_memory_utilization, timing.dtype_bytes, block_size,
-        max_num_batched_tokens, max_num_seqs)
+    blocks = overrides.pop("num_blocks", None)
+    if blocks is not None:
+        if blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {blocks}")
+    else:
+        blocks = num_kv_blocks(model_config, gpu_spec, gpu_memory_utilization,
+                               timing.dtype_bytes, block_size, max_num_batched_tokens,
+                               max_num_seqs)
     if blocks < 1:
         raise ValueError(f"{model} does not fit on {gpu} at gpu_memory_utilization="
                          f"{gpu_memory_utilization}: no room left for KV blocks")

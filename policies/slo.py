@@ -18,7 +18,10 @@ prefill and the decode step of the batch once it joins. Then, in order:
    step is within the class ITL limit and within every declared ITL limit of the sequences
    already there (no running stream is pushed past its ITL), and the prefill landing in the
    next engine step — everything admitted since the last state refresh included — keeps that
-   step within the tightest ITL of the replica's streams (:mod:`policies.prefill_pacing`);
+   step within the tightest ITL of the replica's streams even if the step forecast is short by
+   ``itl_safety_ratio`` (default 1.2, always applied: pacing only delays an admission by a step
+   or two, and it fills steps up to this bound, so without headroom any step-forecast error is
+   a missed gap for every running stream) (:mod:`policies.prefill_pacing`);
 5. otherwise the request would have to wait. A retry whose tenant (or the whole guard) is over
    its retry budget (:mod:`policies.retry_budget`) is shed first, told not to retry
    (503 ``retry_shed``, ``should_retry=False``). Then the fast no: the forecast is made for
@@ -130,6 +133,7 @@ class SloPolicy:
         stale_max_inflight_per_replica: int = 4,
         stale_queue_s: float = 0.5,
         ttft_safety_ratio: float = 1.2,
+        itl_safety_ratio: float = 1.2,
         pressure_hold_s: float = 5.0,
         patience_quantile: float = 0.25,
         min_cancel_share: float = 0.05,
@@ -148,6 +152,9 @@ class SloPolicy:
         if not 1.0 <= ttft_safety_ratio <= 10.0:
             raise ValueError(f"ttft_safety_ratio must be in [1, 10], got {ttft_safety_ratio!r}")
         self.ttft_safety_ratio = ttft_safety_ratio
+        if not 1.0 <= itl_safety_ratio <= 10.0:
+            raise ValueError(f"itl_safety_ratio must be in [1, 10], got {itl_safety_ratio!r}")
+        self.itl_safety_ratio = itl_safety_ratio
 
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
         replicas = snapshot.replicas
@@ -174,7 +181,7 @@ class SloPolicy:
         ratio = (self.ttft_safety_ratio if last_s is not None
                  and 0.0 <= snapshot.now_s - last_s <= self.pressure_hold_s else 1.0)
         patience_s = self.patience.estimate(cost.request_class.name, snapshot.now_s)
-        return (_admit(cost, snapshot, options, ratio, patience_s)
+        return (_admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio)
                 or self._queue_or_shed(cost, snapshot, fresh, options, ratio, patience_s))
 
     def headroom_ratio(self, now_s: float) -> float:
@@ -271,13 +278,15 @@ TTFT_TIE_S = 0.001
 
 
 def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
-           safety_ratio: float, patience_s: Patience | None = None) -> Admit | None:
+           safety_ratio: float, patience_s: Patience | None = None,
+           itl_ratio: float = 1.0) -> Admit | None:
     """The lowest predicted TTFT among the replicas that fit now; forecasts within
     ``TTFT_TIE_S`` of each other tie, and a tie goes to the first in least-loaded order
     (requests ÷ weight, then free KV, then the heavier, then the id) — so equal idle replicas
     share a burst by weight, never all to whichever replica's state happened to arrive first.
     The prediction times ``safety_ratio`` must land by the deadline (and, while a client
-    patience estimate is active, early enough for the whole response to end within it)."""
+    patience estimate is active, early enough for the whole response to end within it); the
+    next prefill step times ``itl_ratio`` must fit the tightest running ITL."""
     best: _Option | None = None
     best_ttft_s = 0.0
     now_s = snapshot.now_s
@@ -288,7 +297,7 @@ def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
                 continue
             if ttft_s >= best_ttft_s - TTFT_TIE_S and load_order(replica) >= load_order(best[0]):
                 continue
-        if _fits_now(cost, snapshot, replica, f, ttft_s * safety_ratio) and (
+        if _fits_now(cost, snapshot, replica, f, ttft_s * safety_ratio, itl_ratio) and (
                 patience_s is None or snapshot.now_s + ttft_s * safety_ratio
                 <= _first_token_by_s(cost, snapshot, f, patience_s)):
             best, best_ttft_s = (replica, f), ttft_s
@@ -332,7 +341,7 @@ def _decode_step_s(sample: CompletionSample) -> float | None:
 
 def _fits_now(
     cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot, f: TtftForecast,
-    ttft_s: float
+    ttft_s: float, itl_ratio: float = 1.0
 ) -> bool:
     now_s = snapshot.now_s
     if f.num_missing_blocks > 0 or f.num_missing_seqs > 0 or now_s + ttft_s > cost.deadline_s:
@@ -344,7 +353,7 @@ def _fits_now(
     if load.min_itl_s is not None and join_step_s > load.min_itl_s:
         return False
     return load.num_seqs == 0 or prefill_fits_gaps(  # no running stream: nothing to pace
-        cost, replica, snapshot.step_time, now_s, f.num_queued_prefill_tokens)
+        cost, replica, snapshot.step_time, now_s, f.num_queued_prefill_tokens, itl_ratio)
 
 
 def _itl_attainable(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot) -> bool:

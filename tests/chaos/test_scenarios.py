@@ -142,11 +142,12 @@ def test_fleet_demo_runs_seed_for_always_admit_and_slo_with_the_demo_flags(monke
 
     monkeypatch.setattr(fleet_demo, "run_scenario", fake_run)
     assert kvguard(["demo", "--scenario", "seed", "--replica-capacity", "5.5", "--time-scale", "3",
-                    "--ttft", "0.5", "--seed", "7", "--out", str(tmp_path / "d")]) == 0
+                    "--ttft", "0.5", "--seed", "7", "--num-blocks", "300", "--max-num-seqs", "32",
+                    "--out", str(tmp_path / "d")]) == 0
     assert seen["spec"] == "seed" and seen["policies"] == ["always_admit", "slo"]
     assert seen["capacity"] == (5.5, "given (--replica-capacity)") and not seen["quick"]
     s = seen["settings"]
-    assert (s.time_scale, s.ttft_s, s.seed) == (3.0, 0.5, 7)
+    assert (s.time_scale, s.ttft_s, s.seed, s.num_blocks, s.max_num_seqs) == (3.0, 0.5, 7, 300, 32)
     assert seen["out"] == tmp_path / "d"
 
 

@@ -97,6 +97,12 @@ def test_sim_kv_blocks_match_kvguard_plan_json():
     assert engine.state()["num_total_blocks"] == planned
 
 
+def test_num_blocks_override_sizes_the_pool_and_zero_is_refused_not_ignored():
+    assert build_sim_engine("llama-7b", "a100-80g", num_blocks=512).num_total_blocks == 512
+    with pytest.raises(ValueError, match="num_blocks must be >= 1"):
+        build_sim_engine("llama-7b", "a100-80g", num_blocks=0)
+
+
 def test_model_that_does_not_fit_is_a_clear_error():
     with pytest.raises(ValueError, match="does not fit"):
         build_sim_engine("llama-7b", "a100-80g", gpu_memory_utilization=0.1)

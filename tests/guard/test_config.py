@@ -44,6 +44,7 @@ def test_example_file_loads_and_a_middleware_accepts_it():
     guard = AdmissionMiddleware(lambda *a: None, c)  # every policy param is one the policy takes
     assert guard.controller.policy.stale_max_inflight_per_replica == 4
     assert guard.controller.policy.patience.quantile == 0.25
+    assert guard.controller.policy.itl_safety_ratio == 1.2
 
 
 def test_middleware_refuses_replicas_naming_them():

@@ -63,6 +63,8 @@ def test_unknown_name_lists_the_valid_ones():
         ("gradient", {"latency": "p50"}),
         ("token-rate", {"tokens_per_minute": -1}),
         ("slo", {"ttft_safety_ratio": 30.0}),
+        ("slo", {"itl_safety_ratio": 0.9}),  # a ratio below 1 would pace past the ITL
+        ("slo", {"itl_safety_ratio": 11.0}),
     ],
 )
 def test_bad_params_are_value_errors(name, params):
