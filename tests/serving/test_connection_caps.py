@@ -6,6 +6,7 @@ and the app sees the disconnect."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 
@@ -16,6 +17,7 @@ from starlette.routing import Route
 
 from serving import ServerLimits
 from serving.limited_protocol import ConnectionTable, uvicorn_config
+from tests.support.loopback import LoopbackServer
 
 
 class EndlessStream:
@@ -45,31 +47,16 @@ class EndlessStream:
 
 @pytest.fixture()
 def serve():
-    servers = []
+    with contextlib.ExitStack() as stack:
+        def start(limits: ServerLimits, app=None):
+            app = app or Starlette(routes=[Route("/", lambda r: PlainTextResponse("ok"))])
+            table = ConnectionTable(limits)
+            server = stack.enter_context(LoopbackServer(
+                app, start_timeout_s=20.0,
+                make_config=lambda app, **options: uvicorn_config(app, table, **options)))
+            return server.port, table
 
-    def start(limits: ServerLimits, app=None):
-        import uvicorn
-
-        app = app or Starlette(routes=[Route("/", lambda r: PlainTextResponse("ok"))])
-        table = ConnectionTable(limits)
-        server = uvicorn.Server(uvicorn_config(app, table, log_level="warning", lifespan="off"))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        servers.append((server, thread, sock))
-        for _ in range(400):  # hang guard: 20 s
-            if server.started:
-                break
-            threading.Event().wait(0.05)
-        assert server.started
-        return sock.getsockname()[1], table
-
-    yield start
-    for server, thread, sock in servers:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+        yield start
 
 
 async def _get(port: int) -> bytes:

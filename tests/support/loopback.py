@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -20,13 +21,18 @@ __all__ = ["LoopbackServer"]
 
 
 class LoopbackServer:
-    def __init__(self, app: Any, *, start_timeout_s: float = 10.0, **config: Any) -> None:
+    """``make_config(app, **options)`` builds the ``uvicorn.Config`` (default: uvicorn's own;
+    e.g. ``serving.limited_protocol.uvicorn_config`` with its connection table bound)."""
+
+    def __init__(self, app: Any, *, start_timeout_s: float = 10.0,
+                 make_config: Callable[..., uvicorn.Config] = uvicorn.Config,
+                 **config: Any) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         options = {"log_level": "warning", "lifespan": "off", **config}
-        self.server = uvicorn.Server(uvicorn.Config(app, **options))
+        self.server = uvicorn.Server(make_config(app, **options))
         self.server.install_signal_handlers = lambda: None  # the test process owns its signals
         self._start_timeout_s = start_timeout_s
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
