@@ -127,7 +127,7 @@ def _site_path(args: argparse.Namespace) -> str | None:
 
 
 def _env(loop: str, site: str | None, checkout: Path | None = None) -> dict[str, str]:
-    """PYTHONPATH for a child: ``checkout`` first (another version of kvguard), then ours, then
+    """PYTHONPATH for a child: ``checkout`` (another version of kvguard) in place of ours, then
     the bench's uvloop/httptools site when the child runs on uvloop."""
     paths = [str(checkout.resolve()) if checkout is not None else os.environ.get("PYTHONPATH")]
     if site is not None and loop == "uvloop":
@@ -137,9 +137,11 @@ def _env(loop: str, site: str | None, checkout: Path | None = None) -> dict[str,
 
 def _proxy(upstream: str, config: str, loop: str, http: str, site: str | None,
            checkout: Path | None = None) -> ChildProcess:
-    # -P: the current directory is not put first on sys.path, so --against's checkout wins
+    # -P for another checkout: the current directory is not put first on sys.path, so the
+    # checkout's guard/ is the one imported
+    isolate = ["-P"] if checkout is not None else []
     return ChildProcess(
-        "proxy", lambda port: [sys.executable, "-P", "-m", "guard.cli", "proxy", "--upstream",
+        "proxy", lambda port: [sys.executable, *isolate, "-m", "guard.cli", "proxy", "--upstream",
                                upstream, "--config", config, "--loop", loop, "--http", http,
                                "--host", "127.0.0.1", "--port", str(port)],
         http_health, ready_pattern=r"kvguard proxy listening on (\S+)",
