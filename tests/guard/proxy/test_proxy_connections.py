@@ -7,6 +7,8 @@ each accepted connection carried; the proxy's state polls (``GET /kvguard/state`
 
 import json
 
+import pytest
+
 from guard.proxy.state_client import StateResponse
 from guard.proxy.transports import UpstreamError
 from tests.guard.proxy.proxy_helpers import proxy_child, running, upstream_child, write_config
@@ -21,9 +23,10 @@ def _stream(client, url: str) -> None:
         assert b"[DONE]" in b"".join(response.iter_raw())
 
 
+@pytest.mark.parametrize("upstream_client", ["aiohttp", "httpx"])
 def test_sequential_requests_reuse_a_kept_alive_connection_shared_with_state_polls(
-        tmp_path, client):
-    config = write_config(tmp_path, policy="always_admit")
+        tmp_path, client, upstream_client):
+    config = write_config(tmp_path, policy="always_admit", client=upstream_client)
     with running(upstream_child("ok")) as upstream, \
             running(proxy_child([upstream.url], config)) as proxy:
         for _ in range(NUM_STREAMS):
