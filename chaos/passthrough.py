@@ -1,6 +1,6 @@
 """Trivial pass-through proxies: the floor ``kvguard bench proxy --floor`` measures kvguard against.
 
-Two floors, each one process in front of one upstream, doing nothing but moving bytes:
+Three floors, each one process in front of one upstream, doing nothing but moving bytes:
 
 * ``tcp``: an asyncio byte pump. Each client connection gets its own upstream connection and
   every byte read on one side is written to the other at once. No HTTP parsing at all: the cost
@@ -9,6 +9,13 @@ Two floors, each one process in front of one upstream, doing nothing but moving 
   ``kvguard proxy``). Every request is POSTed upstream as it came; the status, end-to-end headers
   and body chunks come back as they arrive. No admission, no routing, no bookkeeping: the cost of
   the HTTP stacks ``kvguard proxy`` is built on (``--loop``/``--http`` pick uvicorn's).
+* ``http``: HTTP/1.1 on raw asyncio protocols, no ASGI server and no client library. The
+  request head is parsed and re-framed (hop-by-hop headers dropped, ``host`` and
+  ``content-length`` set) onto a pooled keep-alive upstream connection; the response head is
+  parsed and re-written, and the body bytes go to the client as they arrive while their framing
+  (``content-length`` or chunked) is followed to find the end. One request at a time per
+  connection (no pipelining), no timeouts, no limits: a measure of what HTTP handling in Python
+  costs without the stacks, not a server to deploy.
 
     python -m chaos.passthrough --mode asgi --upstream http://127.0.0.1:8001 --port 0
 
@@ -24,7 +31,9 @@ import signal
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["PassthroughApp", "TcpPump", "main"]
+from chaos.raw_http_relay import HttpRelay
+
+__all__ = ["PassthroughApp", "TcpPump", "HttpRelay", "main"]
 
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
                          b"host", b"date", b"server", b"te", b"trailer", b"upgrade"})
@@ -124,13 +133,14 @@ class TcpPump:
         client.pending.clear()
 
 
-async def _serve_tcp(upstream: str, host: str, port: int) -> None:
+async def _serve_raw(mode: str, upstream: str, host: str, port: int) -> None:
     from serving.draining_server import listening_socket
 
     parts = urlsplit(upstream)
+    factory = TcpPump if mode == "tcp" else HttpRelay
     sock = listening_socket(host, port)
     server = await asyncio.get_running_loop().create_server(
-        TcpPump(parts.hostname, parts.port or 80), sock=sock)
+        factory(parts.hostname, parts.port or 80), sock=sock)
     bound_host, bound_port = sock.getsockname()[:2]
     print(_READY.format(url=f"http://{bound_host}:{bound_port}"), flush=True)
     stop = asyncio.Event()
@@ -162,7 +172,7 @@ def _serve_asgi(upstream: str, host: str, port: int, loop: str, http: str) -> No
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chaos.passthrough", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("tcp", "asgi"), required=True)
+    parser.add_argument("--mode", choices=("tcp", "http", "asgi"), required=True)
     parser.add_argument("--upstream", required=True, help="http://HOST:PORT of the one upstream")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
@@ -171,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if urlsplit(args.upstream).scheme != "http" or not urlsplit(args.upstream).hostname:
         parser.error(f"--upstream: expected http://HOST:PORT, got {args.upstream!r}")
-    if args.mode == "tcp":
-        asyncio.run(_serve_tcp(args.upstream, args.host, args.port))
+    if args.mode in ("tcp", "http"):
+        asyncio.run(_serve_raw(args.mode, args.upstream, args.host, args.port))
     else:
         _serve_asgi(args.upstream, args.host, args.port, args.loop, args.http)
     return 0

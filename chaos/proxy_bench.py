@@ -8,8 +8,9 @@ all alike. Per target: TTFT (first content token at the client) and end-to-end, 
 LiteLLM proxy (one worker, installed into ``.venv-litellm/``; ``--no-litellm`` skips it);
 ``--stacks`` adds ``always_admit`` with the httpx client and on uvloop + httptools (installed by
 the bench into ``.bench-site/`` when the environment lacks them). ``--floor`` adds the trivial
-pass-through proxies of :mod:`chaos.passthrough` (a TCP byte pump, and uvicorn + aiohttp with no
-admission; with ``--stacks`` that one on uvloop + httptools too): what any Python proxy on these
+pass-through proxies of :mod:`chaos.passthrough` (a TCP byte pump, HTTP/1.1 relayed on raw
+asyncio protocols, and uvicorn + aiohttp with no admission; with ``--stacks`` that one on
+uvloop + httptools too): what any Python proxy on these
 stacks adds on this machine. ``--against DIR`` adds both policies' ``kvguard proxy`` run from
 another checkout (``DIR``), so two versions of the proxy are measured in one interleaved run.
 
@@ -62,6 +63,7 @@ STACK_VARIANTS = {  # --stacks: the HTTP client and server stacks side by side
 }
 FLOOR_VARIANTS = {  # --floor: name -> (chaos.passthrough mode, uvicorn loop, uvicorn http)
     "passthrough tcp": ("tcp", "asyncio", "h11"),
+    "passthrough http (raw asyncio)": ("http", "asyncio", "h11"),
     "passthrough asgi": ("asgi", "asyncio", "h11"),
     "passthrough asgi uvloop": ("asgi", "uvloop", "httptools"),
 }

@@ -20,7 +20,7 @@ def _passthrough(mode: str, upstream: str) -> ChildProcess:
         "--port", str(port)], http_health, ready_pattern=r"passthrough listening on (\S+)")
 
 
-@pytest.mark.parametrize("mode", ["tcp", "asgi"])
+@pytest.mark.parametrize("mode", ["tcp", "http", "asgi"])
 def test_passthrough_relays_streams_and_json_unchanged(mode):
     with running(upstream_child("ok")) as upstream, \
             running(_passthrough(mode, upstream.url)) as proxy, \
@@ -34,6 +34,10 @@ def test_passthrough_relays_streams_and_json_unchanged(mode):
         answer = client.post(proxy.url + "/v1/completions", json={**body, "stream": False})
         assert answer.status_code == 200 and answer.json()["usage"]["total_tokens"] == 6
         assert client.get(upstream.url + "/count").json() == {"posts": 2}
+        # one client connection, one request at a time: one kept-alive upstream connection
+        posting = [c for c in client.get(upstream.url + "/connections").json()
+                   if any(r.startswith("POST") for r in c)]
+        assert len(posting) == 1
 
 
 def test_passthrough_refuses_an_upstream_that_is_not_an_http_url():
