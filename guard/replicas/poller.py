@@ -1,7 +1,8 @@
 """Refreshing every replica's load state: :class:`StatePoller` and the sources it reads.
 
 :class:`HttpStateSource` reads ``GET {url}/kvguard/state`` (or ``{url}/metrics`` for a vLLM
-upstream) over httpx; :class:`AsgiStateSource` does an in-process ``GET /kvguard/state`` on the
+upstream) over an httpx-shaped client (the proxy passes its pooled upstream transport);
+:class:`AsgiStateSource` does an in-process ``GET /kvguard/state`` on the
 wrapped ASGI app. A source whose replica answers but publishes no state (404, or a body that is
 not a JSON object) raises :class:`StateUnavailable`; the poller then registers the replica as
 healthy with unknown capacity (:meth:`guard.replicas.load_state.LoadState.mark_unknown_capacity`) instead
@@ -18,8 +19,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-import httpx
-
 from guard.config import ReplicaConfig
 from guard.errors import StateUnavailable
 
@@ -29,6 +28,7 @@ if TYPE_CHECKING:  # load_state re-exports this module's names
 __all__ = [
     "AsgiStateSource",
     "HttpStateSource",
+    "StateClient",
     "NoStateSource",
     "StatePoller",
     "StateSource",
@@ -37,6 +37,15 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+class StateClient(Protocol):
+    """What :class:`HttpStateSource` needs of an HTTP client: ``httpx.AsyncClient``, or the
+    proxy's :class:`guard.proxy.state_client.TransportStateClient` (its pooled transport)."""
+
+    async def get(self, url: str, timeout: float) -> Any:
+        """An answer with ``status_code``, ``content``, ``text`` and ``raise_for_status()``."""
+        ...
 
 
 class StateSource(Protocol):
@@ -51,7 +60,7 @@ class StateSource(Protocol):
 class HttpStateSource:
     """``GET {url}/kvguard/state`` (kind ``kvguard``) or ``GET {url}/metrics`` (kind ``vllm``)."""
 
-    def __init__(self, url: str, kind: str = "kvguard", *, client: httpx.AsyncClient,
+    def __init__(self, url: str, kind: str = "kvguard", *, client: StateClient,
                  timeout_s: float = 1.0, max_model_len: int | None = None):
         if kind not in ("kvguard", "vllm"):
             raise ValueError(f"HttpStateSource: kind must be 'kvguard' or 'vllm', got {kind!r}")
@@ -133,7 +142,7 @@ def _state_document(body: bytes, where: str) -> dict:
     return state
 
 
-def state_sources(replicas: tuple[ReplicaConfig, ...], client: httpx.AsyncClient,
+def state_sources(replicas: tuple[ReplicaConfig, ...], client: StateClient,
                   app: Callable | None = None, timeout_s: float = 1.0,
                   local_replica_id: str = "local") -> dict[str, StateSource]:
     """One source per configured replica; no replicas means ``app`` itself is the one replica."""

@@ -2,7 +2,9 @@
 
 Run as ``python upstream_server.py MODE MODEL``; it prints ``upstream listening on
 http://127.0.0.1:PORT``. ``GET /health`` is 200 and ``GET /v1/models`` lists MODEL in every
-mode; ``GET /count`` is the number of POSTs received. A POST gets, by MODE:
+mode; ``GET /count`` is the number of POSTs received; ``GET /connections`` lists, per accepted
+connection, the ``METHOD PATH`` of every request it carried (``/connections`` itself left out).
+A POST gets, by MODE:
 
 * ``ok``: a JSON completion with usage (or, with ``"stream": true``, three SSE chunks and
   ``[DONE]``);
@@ -16,6 +18,7 @@ import json
 import sys
 
 COUNT = {"posts": 0}
+CONNECTIONS: list[list[str]] = []  # per accepted connection: "METHOD PATH" of each request
 
 
 def _response(status: str, body: bytes, content_type: bytes = b"application/json") -> bytes:
@@ -69,14 +72,22 @@ async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter
 
 async def _serve(mode: str, model: str, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter) -> None:
+    carried: list[str] = []
+    CONNECTIONS.append(carried)
     try:
         while True:
             method, path, body = await _read_request(reader)
+            if path != "/connections":
+                carried.append(f"{method} {path}")
             if method == "POST":
                 keep = await _post(mode, model, body, writer)
             elif path == "/v1/models":
                 models = {"object": "list", "data": [{"id": model, "object": "model"}]}
                 writer.write(_response("200 OK", json.dumps(models).encode()))
+                keep = True
+            elif path == "/connections":
+                listed = [c for c in CONNECTIONS if c]
+                writer.write(_response("200 OK", json.dumps(listed).encode()))
                 keep = True
             elif path == "/count":
                 writer.write(_response("200 OK", json.dumps(COUNT).encode()))

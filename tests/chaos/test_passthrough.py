@@ -1,0 +1,54 @@
+"""The bench's floor proxies (``chaos.passthrough``): real processes on loopback in front of a
+raw-HTTP upstream; a stream and a JSON answer come through unchanged in both modes."""
+
+import argparse
+import json
+import sys
+
+import httpx
+import pytest
+
+from chaos import proxy_bench
+from chaos.child import ChildProcess
+from chaos.topology import http_health
+from tests.guard.proxy.proxy_helpers import running, upstream_child
+
+
+def _passthrough(mode: str, upstream: str) -> ChildProcess:
+    return ChildProcess(f"passthrough-{mode}", lambda port: [
+        sys.executable, "-m", "chaos.passthrough", "--mode", mode, "--upstream", upstream,
+        "--port", str(port)], http_health, ready_pattern=r"passthrough listening on (\S+)")
+
+
+@pytest.mark.parametrize("mode", ["tcp", "http", "asgi"])
+def test_passthrough_relays_streams_and_json_unchanged(mode):
+    with running(upstream_child("ok")) as upstream, \
+            running(_passthrough(mode, upstream.url)) as proxy, \
+            httpx.Client(timeout=30.0, trust_env=False) as client:
+        body = {"model": "fake-model", "prompt": "hi", "max_tokens": 3, "stream": True}
+        with client.stream("POST", proxy.url + "/v1/completions", json=body) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert response.headers["content-type"] == "text/event-stream"
+        texts = [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]]
+        assert texts == ["a", " b", " c"] and lines[-1] == "data: [DONE]"
+        answer = client.post(proxy.url + "/v1/completions", json={**body, "stream": False})
+        assert answer.status_code == 200 and answer.json()["usage"]["total_tokens"] == 6
+        assert client.get(upstream.url + "/count").json() == {"posts": 2}
+        # one client connection, one request at a time: one kept-alive upstream connection
+        posting = [c for c in client.get(upstream.url + "/connections").json()
+                   if any(r.startswith("POST") for r in c)]
+        assert len(posting) == 1
+
+
+def test_passthrough_refuses_an_upstream_that_is_not_an_http_url():
+    with pytest.raises(SystemExit):
+        from chaos.passthrough import main
+        main(["--mode", "tcp", "--upstream", "127.0.0.1:80"])
+
+
+def test_bench_against_must_be_a_kvguard_checkout(tmp_path):
+    parser = argparse.ArgumentParser()
+    proxy_bench.configure(parser)
+    args = parser.parse_args(["--against", str(tmp_path), "--no-litellm"])
+    with pytest.raises(ValueError, match="not a kvguard checkout"):
+        proxy_bench.run(args)
