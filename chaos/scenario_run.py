@@ -203,9 +203,10 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
     cfgs = client_configs(settings)
     kinds = assign_clients(specs, spec.clients, settings.seed)
     budget = budget_for(spec, sched)
-    # One entry point (the guard inside the replica): its trace explains each decision; with
-    # several proxies one shared trace file would interleave their lines, so none is written.
-    trace = out / "guard-trace.jsonl" if spec.proxies == 0 else None
+    # One guard (inside the replica, or one proxy): its trace explains each decision and when
+    # it relayed each chunk; several proxies would interleave their lines in one shared file,
+    # so none is written then.
+    trace = out / "guard-trace.jsonl" if spec.proxies <= 1 else None
     toml = _guard_toml(out / "guard.toml", policy, settings, budget, trace)
     patience_s = settings.patience_s * k
     with Topology(_topology(spec, settings, toml)) as topo:

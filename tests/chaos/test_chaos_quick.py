@@ -50,7 +50,7 @@ def quick_run(request, tmp_path_factory):
 def test_every_user_is_accounted_for_and_no_bad_answer_counts(quick_run):
     result, users, out = quick_run
     assert (out / "timeline.png").stat().st_size > 0 and (out / "report.md").exists()
-    if quick_variant(catalogue()[result["scenario"]]).proxies == 0:   # one guard: its trace
+    if quick_variant(catalogue()[result["scenario"]]).proxies <= 1:   # one guard: its trace
         for policy in result["policies"]:
             first = json.loads(open(out / policy / "guard-trace.jsonl").readline())
             assert first["source"] == "guard" and first["decision"] in ("admit", "queue", "shed")
