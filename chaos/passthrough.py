@@ -32,11 +32,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from chaos.raw_http_relay import HttpRelay
+from guard.proxy.transports import HOP_BY_HOP
 
 __all__ = ["PassthroughApp", "TcpPump", "HttpRelay", "main"]
 
-_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
-                         b"host", b"date", b"server", b"te", b"trailer", b"upgrade"})
+# the proxy's hop-by-hop set, plus what this process's own server writes on every response
+_HOP_BY_HOP = HOP_BY_HOP | {b"date", b"server"}
 _READY = "passthrough listening on {url}"
 
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 
+from guard.proxy.transports import HOP_BY_HOP
+
 __all__ = ["HttpRelay"]
 
-_REQUEST_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding",
-                                 b"content-length", b"host", b"te", b"trailer", b"upgrade"})
+_REQUEST_HOP_BY_HOP = HOP_BY_HOP  # the proxy's: host and content-length are set again here
 _RESPONSE_HOP_BY_HOP = frozenset({b"connection", b"keep-alive"})  # framing headers stay as sent
 
 
