@@ -47,6 +47,15 @@ def test_example_file_loads_and_a_middleware_accepts_it():
     assert guard.controller.policy.itl_safety_ratio == 1.2
 
 
+def test_retry_budget_keys_reach_the_budget_every_request_is_recorded_into():
+    from guard.middleware import AdmissionMiddleware
+
+    config = GuardConfig(retry_budget_ratio=0.3, retry_budget_window_s=4.0,
+                         retry_budget_min_retries=7)
+    budget = AdmissionMiddleware(lambda *a: None, config).controller.retry_budget.config
+    assert (budget.budget_ratio, budget.window_s, budget.min_retries) == (0.3, 4.0, 7)
+
+
 def test_middleware_refuses_replicas_naming_them():
     from guard.config import ReplicaConfig
     from guard.middleware import AdmissionMiddleware
