@@ -1,7 +1,8 @@
 """``ProxyConfig``: the standalone proxy's own settings, the ``[proxy]`` table of guard.toml.
 
     [proxy]
-    upstream_client = "aiohttp"    # or "httpx" (kvguard bench proxy compares them)
+    upstream_client = "aiohttp"    # or "httpx", or "h1" (HTTP/1.1 on raw asyncio protocols);
+                                   # kvguard bench proxy --stacks compares them
     connect_timeout_s = 5.0        # TCP connect to a replica; past it: re-dispatch once, then 502
     read_timeout_s = 60.0          # silence from a replica (response head or next chunk): 504 /
                                    # an SSE error event
@@ -23,7 +24,7 @@ from serving.checks import require_count, require_seconds
 
 __all__ = ["ProxyConfig"]
 
-_CLIENTS = ("aiohttp", "httpx")
+_CLIENTS = ("aiohttp", "httpx", "h1")
 
 
 @dataclass(frozen=True)

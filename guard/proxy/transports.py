@@ -1,7 +1,8 @@
 """Pooled keep-alive HTTP clients to the upstream replicas, behind one small interface.
 
-Two implementations of :class:`Transport`, chosen by the proxy's ``upstream_client`` key:
-``aiohttp`` (the default: the faster of the two in ``kvguard bench proxy``) and ``httpx``.
+Three implementations of :class:`Transport`, chosen by the proxy's ``upstream_client`` key:
+``aiohttp`` (the default), ``httpx``, and ``h1`` (HTTP/1.1 on raw asyncio protocols,
+:mod:`guard.proxy.h1_transport`); ``kvguard bench proxy --stacks`` compares them.
 Each keeps one connection pool for all upstreams with keep-alive, never decompresses (bytes
 pass through as the upstream sent them) and maps its own exceptions onto one tree::
 
@@ -33,7 +34,7 @@ __all__ = [
     "HOP_BY_HOP",
 ]
 
-UPSTREAM_CLIENTS = ("aiohttp", "httpx")
+UPSTREAM_CLIENTS = ("aiohttp", "httpx", "h1")
 Headers = list[tuple[bytes, bytes]]
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-connection",
                         b"proxy-authorization", b"te", b"trailer", b"transfer-encoding",
@@ -251,4 +252,9 @@ def make_transport(name: str, connect_timeout_s: float, read_timeout_s: float,
     if name == "httpx":
         return HttpxTransport(connect_timeout_s, read_timeout_s, max_connections_per_replica,
                               num_replicas)
+    if name == "h1":
+        from guard.proxy.h1_transport import H1Transport  # it imports this module's names
+
+        return H1Transport(connect_timeout_s, read_timeout_s, max_connections_per_replica,
+                           num_replicas)
     raise ValueError(f"upstream_client: must be one of {UPSTREAM_CLIENTS}, got {name!r}")

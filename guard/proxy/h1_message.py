@@ -1,0 +1,173 @@
+"""HTTP/1.1 messages for the ``h1`` upstream client: the request head it writes, the response
+head it parses and the chunked body framing it removes. Pure functions and one small decoder,
+no I/O (:mod:`guard.proxy.h1_transport` drives them from an asyncio protocol).
+
+Strict where a proxy must be: a status line that is not ``HTTP/1.x NNN``, a header line without
+a colon or with a space in its name, an unparseable or conflicting ``content-length``, a chunk
+size that is not plain hex, or a missing CRLF after a chunk's data raises :class:`MessageError`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MessageError", "ResponseHead", "ChunkedDecoder", "request_head", "parse_head",
+           "NO_BODY", "LENGTH", "CHUNKED", "UNTIL_CLOSE", "MAX_HEAD_BYTES"]
+
+from guard.proxy.transports import HOP_BY_HOP, _SERVER_WRITTEN
+
+# body framings of a response
+NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE = 0, 1, 2, 3
+MAX_HEAD_BYTES = 64 * 1024  # a response head (or one chunk-size/trailer line) longer is garbage
+_HEX = b"0123456789abcdefABCDEF"
+_NAME_BAD = (b" ", b"\t", b"\r", b"\n")
+
+
+class MessageError(ValueError):
+    """The upstream's bytes are not a valid HTTP/1.1 response."""
+
+
+def request_head(method: bytes, target: bytes, host: bytes,
+                 headers: list[tuple[bytes, bytes]], body_length: int | None) -> bytes:
+    """``METHOD target HTTP/1.1`` with ``host``, the end-to-end ``headers`` (hop-by-hop ones and
+    any with a CR or LF in them are left out) and ``content-length`` unless ``body_length`` is
+    None."""
+    parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
+    for name, value in headers:
+        if name.lower() not in HOP_BY_HOP:
+            parts += (name, b": ", value, b"\r\n")
+    if body_length is not None:
+        parts += (b"content-length: ", b"%d" % body_length, b"\r\n")
+    parts.append(b"\r\n")
+    head = b"".join(parts)
+    if head.count(b"\n") != head.count(b"\r\n"):  # a bare LF would split a header in two
+        kept = [(n, v) for n, v in headers if not any(c in n or c in v for c in (b"\r", b"\n"))]
+        return request_head(method, target, host, kept, body_length)
+    return head
+
+
+class ResponseHead:
+    """A parsed response head: status, end-to-end headers (names lower-case; hop-by-hop,
+    ``date`` and ``server`` removed), the body's framing and whether the connection may carry
+    another request afterwards."""
+
+    __slots__ = ("status", "headers", "framing", "length", "keep_alive")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], framing: int,
+                 length: int, keep_alive: bool) -> None:
+        self.status = status
+        self.headers = headers
+        self.framing = framing
+        self.length = length  # LENGTH only
+        self.keep_alive = keep_alive
+
+
+def parse_head(head: bytes) -> ResponseHead:
+    """The response head ``head`` (without its final blank line); raises :class:`MessageError`."""
+    lines = head.split(b"\r\n")
+    status_line = lines[0]
+    if (len(status_line) < 12 or not status_line.startswith(b"HTTP/1.")
+            or status_line[7] not in b"01" or status_line[8] != 0x20
+            or not status_line[9:12].isdigit() or status_line[12:13] not in (b"", b" ")):
+        raise MessageError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
+    status = int(status_line[9:12])
+    if not 100 <= status <= 599:
+        raise MessageError(f"status {status} out of range")
+    keep_alive = status_line[7] == 0x31  # HTTP/1.1
+    headers = []
+    lengths: set[bytes] = set()
+    codings: list[bytes] = []
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or any(c in name for c in _NAME_BAD):
+            raise MessageError(f"bad header line: {line[:80]!r}")
+        name = name.lower()
+        value = value.strip(b" \t")
+        if name not in _SERVER_WRITTEN:
+            headers.append((name, value))
+        elif name == b"content-length":
+            lengths.update(v.strip(b" \t") for v in value.split(b","))
+        elif name == b"transfer-encoding":
+            codings += (c.strip(b" \t").lower() for c in value.split(b","))
+        elif name == b"connection":
+            if b"close" in (t.strip(b" \t").lower() for t in value.split(b",")):
+                keep_alive = False
+    if status < 200 or status in (204, 304):
+        return ResponseHead(status, headers, NO_BODY, 0, keep_alive)
+    if codings:  # transfer-encoding wins over content-length, and then the connection ends
+        if lengths:
+            keep_alive = False
+        if codings[-1] == b"chunked":
+            return ResponseHead(status, headers, CHUNKED, 0, keep_alive)
+        return ResponseHead(status, headers, UNTIL_CLOSE, 0, False)
+    if lengths:
+        if len(lengths) != 1:
+            raise MessageError(f"conflicting content-length values {sorted(lengths)!r}")
+        (length,) = lengths
+        if not length.isdigit() or len(length) > 18:
+            raise MessageError(f"bad content-length {length[:40]!r}")
+        return ResponseHead(status, headers, LENGTH, int(length), keep_alive)
+    return ResponseHead(status, headers, UNTIL_CLOSE, 0, False)
+
+
+_SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
+
+
+class ChunkedDecoder:
+    """Removes chunked framing from bytes fed in any split; ``done`` once the last chunk and
+    its trailer are in, ``extra`` when bytes followed them (the connection is not reusable)."""
+
+    __slots__ = ("_state", "_left", "_line", "done", "extra")
+
+    def __init__(self) -> None:
+        self._state = _SIZE
+        self._left = 0
+        self._line = b""
+        self.done = False
+        self.extra = False
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The body bytes in ``data``, in order; raises :class:`MessageError` on bad framing."""
+        out = []
+        pos, end = 0, len(data)
+        while pos < end:
+            state = self._state
+            if state == _DATA:
+                take = min(self._left, end - pos)
+                out.append(data if take == end else data[pos:pos + take])
+                pos += take
+                self._left -= take
+                if not self._left:
+                    self._state, self._left = _DATA_END, 2
+            elif state == _DATA_END:  # the CRLF after a chunk's data (it may arrive split)
+                if data[pos] != (0x0D if self._left == 2 else 0x0A):
+                    raise MessageError("chunk data not followed by CRLF")
+                pos += 1
+                self._left -= 1
+                if not self._left:
+                    self._state = _SIZE
+            elif state == _DONE:
+                self.extra = True
+                break
+            else:  # _SIZE or _TRAILER: one CRLF-terminated line
+                line_end = data.find(b"\n", pos)
+                if line_end < 0:
+                    self._line += data[pos:]
+                    if len(self._line) > MAX_HEAD_BYTES:
+                        raise MessageError("chunk-size or trailer line too long")
+                    break
+                line = self._line + data[pos:line_end]
+                self._line = b""
+                pos = line_end + 1
+                if not line.endswith(b"\r"):
+                    raise MessageError("chunk line not ended by CRLF")
+                if state == _SIZE:
+                    self._size_line(line[:-1])
+                elif line == b"\r":
+                    self._state, self.done = _DONE, True
+        return out
+
+    def _size_line(self, line: bytes) -> None:
+        size = line.split(b";", 1)[0].strip(b" \t")
+        if not size or size.strip(_HEX) or len(size) > 16:
+            raise MessageError(f"bad chunk size {line[:40]!r}")
+        self._left = int(size, 16)
+        self._state = _DATA if self._left else _TRAILER
