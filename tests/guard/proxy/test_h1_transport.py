@@ -1,0 +1,517 @@
+"""The h1 upstream client against real HTTP/1.1 servers on loopback (asyncio servers in the
+test's own loop, each answering as the test scripts it): framing, pooling, timeouts, faults.
+
+Timeouts here are small so that failures show quickly; no assertion is about how long
+anything took (``wait_for`` bounds are hang guards)."""
+
+import asyncio
+import socket
+
+import pytest
+
+from guard.proxy import h1_transport
+from guard.proxy.h1_transport import H1Transport
+from guard.proxy.transports import (
+    UpstreamBroken,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+    make_transport,
+)
+
+JSON = [(b"content-type", b"application/json")]
+HANG_GUARD_S = 20.0
+
+
+class Server:
+    """A loopback server: each request's (head, body) is recorded per connection and answered by
+    ``answer(server, conn_index, request_index, head, writer)``, which returns False to close."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.connections: list[list[tuple[bytes, bytes]]] = []
+        self.closed_by_peer: list[asyncio.Event] = []
+        self.readers: list[asyncio.StreamReader] = []
+        self.release = asyncio.Event()
+        self._server = None
+        self.url = ""
+
+    async def __aenter__(self):
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        self._server.close()
+
+    async def _serve(self, reader, writer) -> None:
+        index = len(self.connections)
+        requests: list[tuple[bytes, bytes]] = []
+        self.connections.append(requests)
+        self.closed_by_peer.append(asyncio.Event())
+        self.readers.append(reader)
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    self.closed_by_peer[index].set()
+                    return
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                body = await reader.readexactly(length) if length else b""
+                requests.append((head, body))
+                if not await self.answer(self, index, len(requests) - 1, head, writer):
+                    return
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.closed_by_peer[index].set()
+        finally:
+            writer.close()
+
+    async def until_the_client_closes(self, conn: int) -> None:
+        """Inside ``answer``: read (and drop) until the client closes connection ``conn``."""
+        try:
+            while await self.readers[conn].read(1 << 16):
+                pass
+        except ConnectionError:
+            pass
+        self.closed_by_peer[conn].set()
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(c) for c in self.connections)
+
+
+def ok(body: bytes = b'{"ok": true}', extra: bytes = b"") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + extra +
+            b"content-length: %d\r\n\r\n" % len(body) + body)
+
+
+async def answer_ok(server, conn, index, head, writer) -> bool:
+    writer.write(ok())
+    return True
+
+
+def run(main):
+    asyncio.run(asyncio.wait_for(main(), HANG_GUARD_S))
+
+
+async def read_all(response) -> bytes:
+    try:
+        return b"".join([chunk async for chunk in response.chunks()])
+    finally:
+        await response.aclose()
+
+
+def transport(**kwargs) -> H1Transport:
+    values = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "max_connections_per_replica": 8}
+    return H1Transport(**{**values, **kwargs})
+
+
+def test_make_transport_builds_it():
+    assert isinstance(make_transport("h1", 1.0, 2.0, 3, 1), H1Transport)
+
+
+def test_post_is_framed_and_sequential_requests_share_a_kept_alive_connection():
+    async def answer(server, conn, index, head, writer):
+        writer.write(ok(b"x" * (index + 1), b"connection: keep-alive\r\nkeep-alive: timeout=5\r\n"
+                        b"date: today\r\nserver: test\r\nx-request-id: r%d\r\n" % index))
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            for i in range(3):
+                response = await client.send(server.url + "/v1/completions?q=1",
+                                             [*JSON, (b"connection", b"close")], b'{"n": %d}' % i)
+                assert response.status == 200
+                assert response.headers == [(b"content-type", b"application/json"),
+                                            (b"x-request-id", b"r%d" % i)]
+                assert await read_all(response) == b"x" * (i + 1)
+            assert await client.get(server.url + "/health", 2.0) == (200, b"x" * 4)
+            await client.aclose()
+        assert len(server.connections) == 1
+        head, body = server.connections[0][0]
+        port = server.url.rsplit(":", 1)[1]
+        assert head == (b"POST /v1/completions?q=1 HTTP/1.1\r\nhost: 127.0.0.1:%s\r\n"
+                        b"content-type: application/json\r\ncontent-length: 8\r\n\r\n"
+                        % port.encode())
+        assert body == b'{"n": 0}'
+        assert server.connections[0][3][0].startswith(b"GET /health HTTP/1.1\r\n")
+    run(main)
+
+
+def test_a_chunked_stream_is_handed_on_as_it_arrives_not_at_its_end():
+    events = [b"data: %d\n\n" % i for i in range(5)]
+    taken = asyncio.Queue()
+
+    async def answer(server, conn, index, head, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        for event in events:
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            assert await taken.get() == event  # the next one only once the client has this one
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            response = await client.send(server.url + "/v1/completions", JSON, b"{}")
+            async for chunk in response.chunks():
+                await taken.put(chunk)
+            await response.aclose()
+            again = await client.send(server.url + "/v1/completions", JSON, b"{}")
+            async for chunk in again.chunks():
+                await taken.put(chunk)
+            await again.aclose()
+            await client.aclose()
+        assert len(server.connections) == 1  # read to the end: back to the pool
+    run(main)
+
+
+def test_chunked_framing_written_one_byte_at_a_time():
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (b"a" * 20, b"\r\n0\r\n", b"z")) \
+        + b"0\r\n\r\n"
+
+    async def answer(server, conn, index, head, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i in range(len(body)):
+            writer.write(body[i:i + 1])
+            await writer.drain()
+            await asyncio.sleep(0)
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            for _ in range(2):
+                response = await client.send(server.url + "/x", JSON, b"{}")
+                assert await read_all(response) == b"a" * 20 + b"\r\n0\r\n" + b"z"
+            await client.aclose()
+        assert len(server.connections) == 1
+    run(main)
+
+
+def test_a_close_delimited_body_ends_at_close_and_its_connection_is_not_reused():
+    async def answer(server, conn, index, head, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\npart one, ")
+        await writer.drain()
+        writer.write(b"part two")
+        return False
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            for _ in range(2):
+                response = await client.send(server.url + "/x", JSON, b"{}")
+                assert await read_all(response) == b"part one, part two"
+            await client.aclose()
+        assert [len(c) for c in server.connections] == [1, 1]
+    run(main)
+
+
+@pytest.mark.parametrize("reply", [b"\x00\x01 this is not HTTP at all \r\n\r\n",
+                                   b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2"
+                                   b"\r\n\r\nxx", b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n",
+                                   b"HTTP/1.1 20"])
+def test_a_garbage_head_is_unreachable_and_sent_once(reply):
+    async def answer(server, conn, index, head, writer):
+        if index == 0:
+            writer.write(ok())
+            return True
+        writer.write(reply)
+        return False
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            assert await client.get(server.url + "/health", 2.0) == (200, b'{"ok": true}')
+            with pytest.raises(UpstreamUnreachable):
+                await client.send(server.url + "/x", JSON, b"{}")  # on the reused connection
+            await client.aclose()
+        assert server.num_requests == 2  # bytes came back: never retried
+    run(main)
+
+
+def test_silence_before_the_head_or_between_chunks_is_a_timeout():
+    async def answer(server, conn, index, head, writer):
+        if b"/chunk" in head:
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await server.until_the_client_closes(conn)
+        return False
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport(read_timeout_s=0.2)
+            with pytest.raises(UpstreamTimeout):
+                await client.send(server.url + "/head", JSON, b"{}")
+            response = await client.send(server.url + "/chunk", JSON, b"{}")
+            chunks = []
+            with pytest.raises(UpstreamTimeout):
+                async for chunk in response.chunks():
+                    chunks.append(chunk)
+            assert chunks == [b"first"]
+            await response.aclose()
+            with pytest.raises(UpstreamTimeout):
+                await transport(read_timeout_s=60.0).get(server.url + "/head", 0.2)
+            for closed in server.closed_by_peer:  # every timed-out connection was closed
+                await closed.wait()
+            await client.aclose()
+    run(main)
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked", "reset"])
+def test_a_body_cut_mid_way_is_broken(framing):
+    async def answer(server, conn, index, head, writer):
+        if framing == "length":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n" + b"x" * 10)
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"a\r\nxxxxxxxxxx\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        if framing == "reset":
+            writer.transport.abort()
+        return False
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            response = await client.send(server.url + "/x", JSON, b"{}")
+            received = []
+            with pytest.raises(UpstreamBroken):
+                async for chunk in response.chunks():
+                    received.append(chunk)
+            assert b"".join(received) == b"x" * 10
+            await response.aclose()
+            await client.aclose()
+    run(main)
+
+
+def test_a_bad_chunk_size_mid_body_is_broken():
+    async def answer(server, conn, index, head, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\nzz\r\n")
+        await server.until_the_client_closes(conn)
+        return False
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            response = await client.send(server.url + "/x", JSON, b"{}")
+            with pytest.raises(UpstreamBroken):
+                await read_all(response)
+            await server.closed_by_peer[0].wait()
+            await client.aclose()
+    run(main)
+
+
+def test_a_pooled_connection_the_upstream_closed_is_retried_once_on_a_fresh_one():
+    async def answer(server, conn, index, head, writer):
+        if conn == 0 and index == 1:
+            return False  # closes as the second request arrives, without a byte of answer
+        writer.write(ok())
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            for _ in range(2):
+                response = await client.send(server.url + "/x", JSON, b"{}")
+                assert response.status == 200 and await read_all(response) == b'{"ok": true}'
+            await client.aclose()
+        assert [len(c) for c in server.connections] == [2, 1]
+    run(main)
+
+
+def test_a_fresh_connection_closed_before_any_byte_is_unreachable_and_not_retried():
+    async def answer(server, conn, index, head, writer):
+        return False
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            with pytest.raises(UpstreamUnreachable):
+                await client.send(server.url + "/x", JSON, b"{}")
+            with pytest.raises(UpstreamUnreachable):  # and a reused one: retried once only
+                await client.send(server.url + "/x", JSON, b"{}")
+            await client.aclose()
+        assert server.num_requests == 2
+    run(main)
+
+
+def test_connections_the_upstream_closes_after_each_answer_never_lose_a_request():
+    async def answer(server, conn, index, head, writer):
+        writer.write(ok())  # keep-alive by the headers, then closed anyway
+        await writer.drain()
+        return False
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            for _ in range(10):
+                response = await client.send(server.url + "/x", JSON, b"{}")
+                assert await read_all(response) == b'{"ok": true}'
+            await client.aclose()
+        assert server.num_requests == len(server.connections) >= 10
+    run(main)
+
+
+def test_leaving_a_response_early_closes_its_connection_at_once():
+    async def answer(server, conn, index, head, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await server.until_the_client_closes(conn)
+        return False
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport(keepalive_s=600.0)  # no idle sweep could close it instead
+            response = await client.send(server.url + "/x", JSON, b"{}")
+            async for chunk in response.chunks():
+                assert chunk == b"first"
+                break
+            await response.aclose()
+            await server.closed_by_peer[0].wait()  # the upstream sees its client go
+            unread = await client.send(server.url + "/x", JSON, b"{}")
+            await unread.aclose()  # not even the first chunk read
+            await server.closed_by_peer[1].wait()
+            await client.aclose()
+        assert [len(c) for c in server.connections] == [1, 1]
+    run(main)
+
+
+def test_a_complete_body_left_unread_still_returns_its_connection():
+    async def answer(server, conn, index, head, writer):
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 7\r\n"
+                     b"content-length: 2\r\n\r\n{}")
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            for _ in range(3):
+                response = await client.send(server.url + "/x", JSON, b"{}")
+                assert response.status == 503 and (b"retry-after", b"7") in response.headers
+                await asyncio.sleep(0.01)  # the 2-byte body is in (it came with the head)
+                await response.aclose()
+            await client.aclose()
+        assert len(server.connections) == 1
+    run(main)
+
+
+def test_connections_per_replica_are_capped():
+    async def answer(server, conn, index, head, writer):
+        await server.release.wait()
+        writer.write(ok())
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport(max_connections_per_replica=2)
+
+            async def one():
+                return await read_all(await client.send(server.url + "/x", JSON, b"{}"))
+
+            tasks = [asyncio.ensure_future(one()) for _ in range(5)]
+            while server.num_requests < 2:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            assert len(server.connections) == 2 and server.num_requests == 2
+            server.release.set()
+            assert await asyncio.gather(*tasks) == [b'{"ok": true}'] * 5
+            await client.aclose()
+        assert len(server.connections) == 2 and server.num_requests == 5
+    run(main)
+
+
+def test_idle_connections_are_closed_after_keepalive_s():
+    async def main():
+        async with Server(answer_ok) as server:
+            client = transport(keepalive_s=0.05)
+            assert (await client.get(server.url + "/a", 2.0))[0] == 200
+            await server.closed_by_peer[0].wait()  # closed by the pool's sweep
+            assert (await client.get(server.url + "/b", 2.0))[0] == 200
+            expired = transport(keepalive_s=0.0)  # expired when next taken: a new connection
+            for _ in range(2):
+                assert (await expired.get(server.url + "/c", 2.0))[0] == 200
+            await client.aclose()
+            await expired.aclose()
+        assert [len(c) for c in server.connections] == [1, 1, 1, 1]
+    run(main)
+
+
+def test_a_slow_consumer_pauses_reading_from_the_upstream():
+    size = 8 << 20
+
+    async def answer(server, conn, index, head, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        for _ in range(size >> 16):
+            writer.write(b"y" * (1 << 16))
+            await writer.drain()
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            response = await client.send(server.url + "/x", JSON, b"{}")
+            conn = response._conn
+            while conn.transport.is_reading():  # the server keeps writing, nobody reads
+                await asyncio.sleep(0.01)
+            # what one read can add past the bound (asyncio reads up to 256 KiB at a time)
+            assert conn._num_pending_bytes <= h1_transport._HIGH_WATER_BYTES + (256 << 10)
+            assert len(await read_all(response)) == size
+            await client.aclose()
+    run(main)
+
+
+def test_an_interim_100_head_is_skipped():
+    async def answer(server, conn, index, head, writer):
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + ok())
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            response = await client.send(server.url + "/x", JSON, b"{}")
+            assert response.status == 200 and await read_all(response) == b'{"ok": true}'
+            await client.aclose()
+    run(main)
+
+
+def test_a_refused_connect_is_unreachable():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, never listening: connects are refused
+
+        async def main():
+            client = transport()
+            with pytest.raises(UpstreamUnreachable):
+                await client.send(f"http://127.0.0.1:{port}/x", JSON, b"{}")
+            with pytest.raises(UpstreamUnreachable):
+                await client.get(f"http://127.0.0.1:{port}/health", 1.0)
+            await client.aclose()
+        run(main)
+
+
+@pytest.mark.parametrize("reply", [ok(extra=b"connection: close\r\n"),
+                                   ok().replace(b"HTTP/1.1", b"HTTP/1.0"),
+                                   ok(b"{}") + b"extra bytes after the body"])
+def test_a_connection_the_answer_says_not_to_reuse_is_not_reused(reply):
+    async def answer(server, conn, index, head, writer):
+        writer.write(reply)  # and the socket stays open
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            for _ in range(2):
+                response = await client.send(server.url + "/x", JSON, b"{}")
+                assert response.status == 200
+                await read_all(response)
+            await client.aclose()
+        assert [len(c) for c in server.connections] == [1, 1]
+    run(main)
