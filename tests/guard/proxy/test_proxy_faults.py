@@ -3,6 +3,7 @@ streams, a hung (SIGSTOP) replica, 500s and garbage, re-dispatch before the firs
 
 import asyncio
 import json
+import socket
 import time
 
 import httpx
@@ -12,6 +13,8 @@ from proxy_helpers import proxy_child, running, upstream_child, write_config
 from chaos.topology import Topology, TopologySpec
 
 pytestmark = pytest.mark.slow
+# the default upstream client and the one on raw asyncio protocols (same contract, same faults)
+CLIENTS = pytest.mark.parametrize("upstream_client", ["aiohttp", "h1"])
 
 BODY = {"model": "llama-7b", "prompt": "the quick brown fox", "max_tokens": 4}
 
@@ -53,8 +56,9 @@ async def _stream(client: httpx.AsyncClient, url: str, started: asyncio.Queue) -
                 "ended_s": time.monotonic()}
 
 
-def test_kill9_during_20_streams(tmp_path, client):
-    config = write_config(tmp_path)
+@CLIENTS
+def test_kill9_during_20_streams(tmp_path, client, upstream_client):
+    config = write_config(tmp_path, client=upstream_client)
     spec = TopologySpec(num_replicas=2, num_proxies=1, proxy_args=("--config", config))
     with Topology(spec) as fleet:
         proxy_url = fleet.proxy_urls[0]
@@ -115,9 +119,11 @@ def test_kill9_during_20_streams(tmp_path, client):
         assert "r0" in served, served
 
 
-def test_hung_replica_gets_504_within_the_read_timeout_then_is_ejected(tmp_path, client):
+@CLIENTS
+def test_hung_replica_gets_504_within_the_read_timeout_then_is_ejected(tmp_path, client,
+                                                                        upstream_client):
     read_timeout_s = 1.0
-    config = write_config(tmp_path, read_timeout_s=read_timeout_s)
+    config = write_config(tmp_path, read_timeout_s=read_timeout_s, client=upstream_client)
     with Topology(TopologySpec(num_replicas=1)) as fleet, \
             running(proxy_child(fleet.replica_urls, config, state_source="none")) as proxy:
         assert client.post(proxy.url + "/v1/completions", json=BODY).status_code == 200
@@ -140,9 +146,11 @@ def test_hung_replica_gets_504_within_the_read_timeout_then_is_ejected(tmp_path,
         assert client.post(proxy.url + "/v1/completions", json=BODY).status_code == 200
 
 
+@CLIENTS
 @pytest.mark.parametrize("mode", ["status500", "garbage"])
-def test_failing_upstream_is_a_clear_502_then_ejected(tmp_path, client, mode):
-    config = write_config(tmp_path, probe_interval_s=30.0)  # stays ejected while we look
+def test_failing_upstream_is_a_clear_502_then_ejected(tmp_path, client, mode, upstream_client):
+    # stays ejected while we look
+    config = write_config(tmp_path, probe_interval_s=30.0, client=upstream_client)
     with running(upstream_child(mode)) as bad, \
             running(proxy_child([bad.url], config, state_source="none")) as proxy:
         for _ in range(2):
@@ -156,8 +164,9 @@ def test_failing_upstream_is_a_clear_502_then_ejected(tmp_path, client, mode):
         assert client.get(bad.url + "/count").json()["posts"] == posts  # never sent again
 
 
-def test_failure_before_the_first_byte_is_redispatched_once(tmp_path, client):
-    config = write_config(tmp_path, probe_interval_s=30.0)
+@CLIENTS
+def test_failure_before_the_first_byte_is_redispatched_once(tmp_path, client, upstream_client):
+    config = write_config(tmp_path, probe_interval_s=30.0, client=upstream_client)
     with running(upstream_child("garbage")) as bad, running(upstream_child("ok")) as good, \
             running(proxy_child([bad.url, good.url], config, state_source="none")) as proxy:
         for _ in range(6):
@@ -168,8 +177,29 @@ def test_failure_before_the_first_byte_is_redispatched_once(tmp_path, client):
             client.get(bad.url + "/count").json()["posts"] >= 1
 
 
-def test_a_replicas_503_moves_the_request_on_and_never_ejects_it(tmp_path, client):
-    config = write_config(tmp_path, probe_interval_s=30.0)
+@CLIENTS
+def test_a_refused_connect_is_redispatched_and_the_dead_replica_ejected(tmp_path, client,
+                                                                         upstream_client):
+    config = write_config(tmp_path, probe_interval_s=30.0, client=upstream_client)
+    with socket.socket() as dead, running(upstream_child("ok")) as good:
+        dead.bind(("127.0.0.1", 0))  # bound, never listening: every connect is refused
+        dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+        with running(proxy_child([dead_url, good.url], config, state_source="none",
+                                 healthy=False)) as proxy:
+            for _ in range(6):
+                response = client.post(proxy.url + "/v1/completions",
+                                       json={**BODY, "stream": True})
+                assert response.status_code == 200 and response.headers["x-kvguard-replica"] == "r1"
+                assert response.text.rstrip().endswith("data: [DONE]")
+            assert _replica_state(client, proxy.url, "r0")["ejected"]
+            assert _metric(client, proxy.url, "kvguard_proxy_redispatches_total") >= 1
+            assert client.get(good.url + "/count").json()["posts"] == 6
+
+
+@CLIENTS
+def test_a_replicas_503_moves_the_request_on_and_never_ejects_it(tmp_path, client,
+                                                                 upstream_client):
+    config = write_config(tmp_path, probe_interval_s=30.0, client=upstream_client)
     with running(upstream_child("status503")) as busy, running(upstream_child("ok")) as good, \
             running(proxy_child([busy.url], config, state_source="none")) as alone, \
             running(proxy_child([busy.url, good.url], config, state_source="none")) as pair:

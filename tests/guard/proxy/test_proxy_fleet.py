@@ -31,9 +31,21 @@ def fleet(tmp_path_factory):
         yield topology
 
 
+@pytest.fixture(scope="module")
+def proxy_urls(fleet, tmp_path_factory):
+    """The fleet's proxy (aiohttp upstream client) and one on the h1 client, same replicas."""
+    config = write_config(tmp_path_factory.mktemp("proxy-h1"), client="h1")
+    with running(proxy_child(fleet.replica_urls, config)) as h1:
+        yield {"aiohttp": fleet.proxy_urls[0], "h1": h1.url}
+
+
+CLIENTS = pytest.mark.parametrize("upstream_client", ["aiohttp", "h1"])
+
+
+@CLIENTS
 @pytest.mark.parametrize("path", list(BODIES))
-def test_json_and_stream_pass_through(fleet, client, path):
-    url = fleet.proxy_urls[0] + path
+def test_json_and_stream_pass_through(proxy_urls, client, path, upstream_client):
+    url = proxy_urls[upstream_client] + path
     response = client.post(url, json=BODIES[path])
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 6
@@ -122,9 +134,11 @@ def test_weights_split_concurrent_streams_on_replicas_without_state(fleet, clien
     assert (replicas["r0"]["num_inflight"], replicas["r1"]["num_inflight"]) == (30, 10)
 
 
-def test_client_disconnect_frees_the_upstream_blocks(fleet, client):
+@CLIENTS
+def test_client_disconnect_frees_the_upstream_blocks(fleet, proxy_urls, client, upstream_client):
+    proxy_url = proxy_urls[upstream_client]
     body = {**BODIES["/v1/completions"], "max_tokens": 3000, "stream": True}
-    with client.stream("POST", fleet.proxy_urls[0] + "/v1/completions", json=body) as stream:
+    with client.stream("POST", proxy_url + "/v1/completions", json=body) as stream:
         replica = int(stream.headers["x-kvguard-replica"][1:])
         first = next(stream.iter_lines())  # the stream is running on the replica
         state = client.get(fleet.replica_urls[replica] + "/kvguard/state").json()
@@ -140,7 +154,7 @@ def test_client_disconnect_frees_the_upstream_blocks(fleet, client):
         time.sleep(0.02)
     print(f"blocks freed {freed_s} s after the client left")
     assert freed_s is not None and freed_s < 10.0
-    proxy_state = client.get(fleet.proxy_urls[0] + "/kvguard/state").json()
+    proxy_state = client.get(proxy_url + "/kvguard/state").json()
     assert proxy_state["num_in_flight"] == 0
 
 
