@@ -1,6 +1,6 @@
 """HTTP/1.1 messages for the ``h1`` upstream client: the request head it writes, the response
 head it parses and the chunked body framing it removes. Pure functions and one small decoder,
-no I/O (:mod:`guard.proxy.h1_transport` drives them from an asyncio protocol).
+no I/O (:mod:`guard.proxy.h1_connection` drives them from an asyncio protocol).
 
 Strict where a proxy must be: a status line that is not ``HTTP/1.x NNN``, a header line without
 a colon or with a space in its name, an unparseable or conflicting ``content-length``, a chunk
@@ -9,10 +9,10 @@ size that is not plain hex, or a missing CRLF after a chunk's data raises :class
 
 from __future__ import annotations
 
+from guard.proxy.transports import _SERVER_WRITTEN, HOP_BY_HOP
+
 __all__ = ["MessageError", "ResponseHead", "ChunkedDecoder", "request_head", "parse_head",
            "NO_BODY", "LENGTH", "CHUNKED", "UNTIL_CLOSE", "MAX_HEAD_BYTES"]
-
-from guard.proxy.transports import HOP_BY_HOP, _SERVER_WRITTEN
 
 # body framings of a response
 NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE = 0, 1, 2, 3

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from guard.proxy import h1_transport
+from guard.proxy import h1_connection
 from guard.proxy.h1_transport import H1Transport
 from guard.proxy.transports import (
     UpstreamBroken,
@@ -462,7 +462,7 @@ def test_a_slow_consumer_pauses_reading_from_the_upstream():
             while conn.transport.is_reading():  # the server keeps writing, nobody reads
                 await asyncio.sleep(0.01)
             # what one read can add past the bound (asyncio reads up to 256 KiB at a time)
-            assert conn._num_pending_bytes <= h1_transport._HIGH_WATER_BYTES + (256 << 10)
+            assert conn._num_pending_bytes <= h1_connection.HIGH_WATER_BYTES + (256 << 10)
             assert len(await read_all(response)) == size
             await client.aclose()
     run(main)
