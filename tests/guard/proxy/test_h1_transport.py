@@ -5,7 +5,10 @@ Timeouts here are small so that failures show quickly; no assertion is about how
 anything took (``wait_for`` bounds are hang guards)."""
 
 import asyncio
+import shutil
 import socket
+import ssl
+import subprocess
 
 import pytest
 
@@ -515,3 +518,32 @@ def test_a_connection_the_answer_says_not_to_reuse_is_not_reused(reply):
             await client.aclose()
         assert [len(c) for c in server.connections] == [1, 1]
     run(main)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_https_replicas_are_verified_against_the_default_ca_store(tmp_path, monkeypatch):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+
+    async def main(expect_ok: bool):
+        server = await asyncio.start_server(
+            lambda r, w: Server(answer_ok)._serve(r, w), "127.0.0.1", 0, ssl=server_tls)
+        url = f"https://localhost:{server.sockets[0].getsockname()[1]}/health"
+        client = transport()
+        try:
+            if expect_ok:
+                assert await client.get(url, 5.0) == (200, b'{"ok": true}')
+            else:
+                with pytest.raises(UpstreamUnreachable):
+                    await client.get(url, 5.0)
+        finally:
+            await client.aclose()
+            server.close()
+
+    run(lambda: main(expect_ok=False))  # a certificate nobody vouches for is refused
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the default store now trusts it
+    run(lambda: main(expect_ok=True))
