@@ -6,7 +6,8 @@ all alike. Per target: TTFT (first content token at the client) and end-to-end, 
 "added" is the target's figure minus the direct one. Targets: ``kvguard proxy`` with
 ``always_admit`` and with ``slo`` (aiohttp upstream client, uvicorn on asyncio + h11) and
 LiteLLM proxy (one worker, installed into ``.venv-litellm/``; ``--no-litellm`` skips it);
-``--stacks`` adds ``always_admit`` with the httpx client and on uvloop + httptools (installed by
+``--stacks`` adds ``always_admit`` with the httpx client, with the h1 client (HTTP/1.1 on raw
+asyncio protocols), on uvloop + httptools, and the h1 client on those (uvloop and httptools installed by
 the bench into ``.bench-site/`` when the environment lacks them). ``--floor`` adds the trivial
 pass-through proxies of :mod:`chaos.passthrough` (a TCP byte pump, HTTP/1.1 relayed on raw
 asyncio protocols, and uvicorn + aiohttp with no admission; with ``--stacks`` that one on
@@ -60,6 +61,8 @@ VARIANTS = {
 STACK_VARIANTS = {  # --stacks: the HTTP client and server stacks side by side
     "kvguard always_admit httpx": ("always_admit", "httpx", "asyncio", "h11"),
     "kvguard always_admit uvloop": ("always_admit", "aiohttp", "uvloop", "httptools"),
+    "kvguard always_admit h1 client": ("always_admit", "h1", "asyncio", "h11"),
+    "kvguard always_admit h1 client uvloop": ("always_admit", "h1", "uvloop", "httptools"),
 }
 FLOOR_VARIANTS = {  # --floor: name -> (chaos.passthrough mode, uvicorn loop, uvicorn http)
     "passthrough tcp": ("tcp", "asyncio", "h11"),
