@@ -547,3 +547,28 @@ def test_https_replicas_are_verified_against_the_default_ca_store(tmp_path, monk
     run(lambda: main(expect_ok=False))  # a certificate nobody vouches for is refused
     monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the default store now trusts it
     run(lambda: main(expect_ok=True))
+
+
+def test_a_connect_that_never_completes_is_unreachable_after_connect_timeout_s():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)  # never accepted: once its queue is full, new SYNs are dropped
+        port = listener.getsockname()[1]
+        fillers = []
+        try:
+            for _ in range(3):
+                filler = socket.socket()
+                filler.setblocking(False)
+                filler.connect_ex(("127.0.0.1", port))
+                fillers.append(filler)
+
+            async def main():
+                client = transport(connect_timeout_s=0.3)
+                with pytest.raises(UpstreamUnreachable, match="timed out"):
+                    await client.send(f"http://127.0.0.1:{port}/x", JSON, b"{}")
+                assert client._pools and all(p.num_open == 0 for p in client._pools.values())
+                await client.aclose()
+            run(main)
+        finally:
+            for filler in fillers:
+                filler.close()
