@@ -133,8 +133,10 @@ class H1Connection(asyncio.Protocol):
         if exchange is not None:
             if exchange.more_body and self._buffer:
                 self._feed_body(exchange)
-            if len(self._buffer) > _MAX_BUFFERED and not self._read_paused:
-                self._read_paused = True  # a pipelining client far ahead of its responses
+            if (len(self._buffer) > _MAX_BUFFERED or exchange.num_buffered > _MAX_BUFFERED) \
+                    and not self._read_paused:
+                # a body the app does not read yet, or a client pipelining far ahead
+                self._read_paused = True
                 self.transport.pause_reading()
             return
         buffer = self._buffer
@@ -193,7 +195,8 @@ class H1Connection(asyncio.Protocol):
 
     def body_read(self) -> None:
         """The app took the body buffered so far: read on if reading was paused for it."""
-        if self._read_paused and len(self._buffer) <= _MAX_BUFFERED:
+        if self._read_paused and len(self._buffer) <= _MAX_BUFFERED and \
+                not self.transport.is_closing():
             self._read_paused = False
             self.transport.resume_reading()
 
@@ -293,7 +296,8 @@ class _Exchange:
     """One request/response cycle: the ASGI ``receive`` and ``send`` of one request."""
 
     __slots__ = ("conn", "task", "method", "keep_alive", "http10", "expect_continue",
-                 "more_body", "body_left", "chunks", "_body", "_delivered", "disconnected",
+                 "more_body", "body_left", "chunks", "_body", "num_buffered", "_delivered",
+                 "disconnected",
                  "started", "complete", "_waiter", "_chunked_out", "_length_left", "_no_body")
 
     def __init__(self, conn: H1Connection, request: RequestHead) -> None:
@@ -307,6 +311,7 @@ class _Exchange:
         self.body_left = request.content_length or 0
         self.more_body = request.chunked or self.body_left > 0  # request body still arriving
         self._body: list[bytes] = []
+        self.num_buffered = 0  # body bytes received, not yet given to the app
         self._delivered = False  # the last http.request message went to the app
         self.disconnected = False
         self.started = False
@@ -336,6 +341,7 @@ class _Exchange:
     def add_body(self, data: bytes, last: bool) -> None:
         if data:
             self._body.append(data)
+            self.num_buffered += len(data)
         if self.chunks is None:
             self.body_left -= len(data)
         if last:
@@ -357,6 +363,7 @@ class _Exchange:
             if not self._delivered and (self._body or not self.more_body):
                 body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
                 self._body.clear()
+                self.num_buffered = 0
                 self._delivered = not self.more_body
                 self.conn.body_read()
                 return {"type": "http.request", "body": body, "more_body": self.more_body}

@@ -398,3 +398,49 @@ def test_two_waiting_receives_both_see_the_disconnect(server):
         assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
     assert done.wait(30.0)
     assert woken == ["http.disconnect", "http.disconnect"]
+
+
+def test_a_body_the_app_does_not_read_yet_is_not_buffered_without_bound(server):
+    """The client sends 16 MiB while the app holds off reading: the server stops reading
+    (TCP pushes back on the client) instead of buffering it all; then the app gets every byte."""
+    go = threading.Event()
+    seen: list[int] = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while not go.is_set():  # bounded by the test's own hang guard below
+            await asyncio.sleep(0.01)
+        size = 0
+        while True:
+            message = await receive()
+            size += len(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        seen.append(size)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    srv = server(app)
+    total = 16 * 1024 * 1024
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sender = threading.Thread(target=sock.sendall, args=(
+        b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % total + b"x" * total,),
+        daemon=True)
+    sender.start()
+    sender.join(1.0)  # it blocks: the server stopped reading
+    assert sender.is_alive()
+    buffered = srv.call(_num_buffered(srv))
+    assert buffered <= 1024 * 1024, buffered  # 256 KiB mark + at most a few reads
+    go.set()
+    sender.join(30.0)
+    sock.settimeout(30.0)
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+    sock.close()
+    assert seen == [total]
+
+
+async def _num_buffered(srv) -> int:
+    return sum(len(c._buffer) + (c.exchange.num_buffered if c.exchange else 0)
+               for c in srv.server.connections)
