@@ -46,11 +46,13 @@ log = logging.getLogger("kvguard.http")
 
 
 class H1Server:
-    """Serves ``app`` on listening sockets; ``table`` holds the limits and counts connections."""
+    """Serves ``app`` on listening sockets; ``table`` holds the limits and counts connections.
+    ``lifespan=False``: the app gets no ``lifespan`` scope."""
 
-    def __init__(self, app: Any, table: ConnectionTable, *, graceful_timeout_s: float = 30.0
-                 ) -> None:
+    def __init__(self, app: Any, table: ConnectionTable, *, graceful_timeout_s: float = 30.0,
+                 lifespan: bool = True) -> None:
         self.app = app
+        self.use_lifespan = lifespan
         self.table = table
         self.graceful_timeout_s = graceful_timeout_s
         self.connections: set[H1Connection] = set()
@@ -68,8 +70,9 @@ class H1Server:
         """Lifespan startup, then listen on ``sockets``; False when the app's startup failed."""
         self.loop = asyncio.get_running_loop()
         self._tick()
-        self._lifespan = _Lifespan(self.app, self.lifespan_state)
-        if not await self._lifespan.startup():
+        if self.use_lifespan:
+            self._lifespan = _Lifespan(self.app, self.lifespan_state)
+        if self._lifespan is not None and not await self._lifespan.startup():
             self._stop_clock()
             return False
         for sock in sockets:
@@ -146,6 +149,8 @@ class _Lifespan:
             return True
         if reply["type"] == "lifespan.startup.failed":
             log.error("Application startup failed: %s", reply.get("message", ""))
+        elif reply["type"] != "error":
+            log.error("Application startup failed: unexpected %r", reply["type"])
         return False
 
     async def shutdown(self) -> None:

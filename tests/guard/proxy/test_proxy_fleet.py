@@ -141,7 +141,10 @@ def test_client_disconnect_frees_the_upstream_blocks(fleet, client, tmp_path, ht
 def _disconnect_frees_the_blocks(fleet, client, proxy_url: str, body: dict) -> None:
     with client.stream("POST", proxy_url + "/v1/completions", json=body) as stream:
         replica = int(stream.headers["x-kvguard-replica"][1:])
-        first = next(stream.iter_lines())  # the stream is running on the replica
+        # hold the line iterator: a discarded one is closed at once, and closing it closes the
+        # connection (the client would leave before the replica's state is read)
+        lines = stream.iter_lines()
+        first = next(lines)  # the stream is running on the replica
         state = client.get(fleet.replica_urls[replica] + "/kvguard/state").json()
         assert state["running"] and state["num_free_blocks"] < state["num_total_blocks"], \
             (first, state)
