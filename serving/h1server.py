@@ -3,7 +3,8 @@
 uvicorn's per-request and per-chunk machinery (and its protocol classes under
 ``serving.limited_protocol``) cost most of what ``kvguard proxy`` added to a request (docs/
 benchmarks.md §7). This server does the same job in one protocol class per connection
-(``serving.h1_connection``) with a strict head parser (``serving.h1_head``):
+(``serving.h1_connection``), one request cycle at a time (``serving.h1_exchange``), with a
+strict head parser (``serving.h1_head``):
 
 * ASGI 3 ``http`` scopes (``lifespan`` too: startup before listening, shutdown at exit; an app
   that returns from ``lifespan`` without a word runs without it), ``http.request`` with the
