@@ -150,8 +150,8 @@ class Exchange:
         elif kind == "http.response.start":
             if self.started:
                 raise RuntimeError("http.response.start sent twice")
-            self.started = True
             head = self._head(message["status"], message.get("headers", ()))
+            self.started = True  # a head that fails to build is still answered 500
             if not self.disconnected:
                 self.conn.write(head)
         else:

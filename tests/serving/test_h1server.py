@@ -444,3 +444,16 @@ def test_a_body_the_app_does_not_read_yet_is_not_buffered_without_bound(server):
 async def _num_buffered(srv) -> int:
     return sum(len(c._buffer) + (c.exchange.num_buffered if c.exchange else 0)
                for c in srv.server.connections)
+
+
+@pytest.mark.parametrize("headers", [[(b"x-a", b"b\r\nset-cookie: injected")],
+                                     [(b"content-length", b"nope")]])
+def test_a_response_head_the_app_gets_wrong_is_a_500_not_an_injection(server, headers):
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+    srv = server(app)
+    answer = _send(srv.port, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 500 ") and b"injected" not in answer, answer
