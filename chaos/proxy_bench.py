@@ -6,8 +6,9 @@ all alike. Per target: TTFT (first content token at the client) and end-to-end, 
 "added" is the target's figure minus the direct one. Targets: ``kvguard proxy`` with
 ``always_admit`` and with ``slo`` (aiohttp upstream client, uvicorn on asyncio + h11) and
 LiteLLM proxy (one worker, installed into ``.venv-litellm/``; ``--no-litellm`` skips it);
-``--stacks`` adds ``always_admit`` with the httpx client and on uvloop + httptools (installed by
-the bench into ``.bench-site/`` when the environment lacks them). ``--floor`` adds the trivial
+``--stacks`` adds ``always_admit`` with the httpx client, on uvloop + httptools (installed by
+the bench into ``.bench-site/`` when the environment lacks them), and on kvguard's own HTTP
+server (``--http kvguard``, on asyncio and on uvloop). ``--floor`` adds the trivial
 pass-through proxies of :mod:`chaos.passthrough` (a TCP byte pump, HTTP/1.1 relayed on raw
 asyncio protocols, and uvicorn + aiohttp with no admission; with ``--stacks`` that one on
 uvloop + httptools too): what any Python proxy on these
@@ -17,7 +18,9 @@ another checkout (``DIR``), so two versions of the proxy are measured in one int
 **Shedding.** A second sim replica (real time) behind ``kvguard proxy`` (``slo``) gets
 open-loop arrivals at ``--shed-rate`` req/s for ``--shed-duration-s`` (``0`` skips it): the
 replica is far over capacity, so almost everything is shed. Reported: sheds answered per
-second, shed latency p50/p99/max, and requests that got no answer (must be 0).
+second, shed latency p50/p99/max, requests that got no answer (must be 0), and the proxy
+process's CPU per answered request. ``--shed-http`` (repeatable) runs it once per proxy HTTP
+server (``kvguard proxy --http``; default ``auto``, i.e. uvicorn).
 
 Under CPU contention wall-clock figures swell; each target's CPU time per request (its process
 tree's user + system seconds over the measured requests, background polling included) is
@@ -60,6 +63,10 @@ VARIANTS = {
 STACK_VARIANTS = {  # --stacks: the HTTP client and server stacks side by side
     "kvguard always_admit httpx": ("always_admit", "httpx", "asyncio", "h11"),
     "kvguard always_admit uvloop": ("always_admit", "aiohttp", "uvloop", "httptools"),
+    # kvguard's own HTTP/1.1 server (serving.h1server) in place of uvicorn
+    "kvguard always_admit kvguard-http": ("always_admit", "aiohttp", "asyncio", "kvguard"),
+    "kvguard always_admit kvguard-http uvloop": ("always_admit", "aiohttp", "uvloop",
+                                                 "kvguard"),
 }
 FLOOR_VARIANTS = {  # --floor: name -> (chaos.passthrough mode, uvicorn loop, uvicorn http)
     "passthrough tcp": ("tcp", "asyncio", "h11"),
@@ -89,6 +96,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="where uvloop/httptools go when the environment lacks them")
     parser.add_argument("--shed-rate", type=float, default=2000.0, help="req/s (0: skip)")
     parser.add_argument("--shed-duration-s", type=float, default=10.0)
+    parser.add_argument("--shed-http", action="append", default=None,
+                        choices=("auto", "h11", "httptools", "kvguard"),
+                        help="the proxy's --http for the shedding run (repeatable: one run "
+                             "each; default auto)")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
 
 
@@ -103,8 +114,10 @@ def run(args: argparse.Namespace) -> int:
         results["latency"] = _latency(args, Path(work))
         _print_latency(results["latency"])
         if args.shed_rate > 0:
-            results["shedding"] = _shedding(args, Path(work))
-            print(json.dumps({"shedding": results["shedding"]}, indent=2))
+            for http in args.shed_http or ["auto"]:
+                key = "shedding" if http == "auto" else f"shedding {http}"
+                results[key] = _shedding(args, Path(work), http)
+                print(json.dumps({key: results[key]}, indent=2), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0
@@ -292,11 +305,20 @@ def _print_latency(rows: dict) -> None:
             print(f"LiteLLM adds {ratio:.1f}x the median end-to-end latency of {name}")
 
 
-def _shedding(args: argparse.Namespace, work: Path) -> dict:
+def _shedding(args: argparse.Namespace, work: Path, http: str) -> dict:
     spec = TopologySpec(num_replicas=1, num_proxies=1,
-                        proxy_args=("--config", _proxy_config(work, "slo", "aiohttp")))
+                        proxy_args=("--config", _proxy_config(work, "slo", "aiohttp"),
+                                    "--http", http))
     body = {"model": MODEL, "prompt": "x " * 200, "max_tokens": 512}
     with Topology(spec) as fleet:
+        pid = fleet.proxies[0].pid
+        cpu_before_s = _cpu_s(pid)
         result = run_open_loop(fleet.proxy_urls[0] + "/v1/completions", body,
                                rate_rps=args.shed_rate, duration_s=args.shed_duration_s)
-    return result.summary()
+        cpu_s = _cpu_s(pid) - cpu_before_s
+    summary = result.summary()
+    answered = sum(n for status, n in summary["statuses"].items() if status.isdigit())
+    summary["http"] = http
+    summary["proxy_cpu_s"] = round(cpu_s, 3)
+    summary["proxy_cpu_ms_per_answer"] = round(1000 * cpu_s / answered, 3) if answered else None
+    return summary

@@ -9,7 +9,15 @@ import time
 
 import httpx
 import pytest
-from proxy_helpers import proxy_child, running, sse_lines, upstream_child, write_config
+from proxy_helpers import (
+    HTTP_SERVER,
+    HTTP_SERVERS,
+    proxy_child,
+    running,
+    sse_lines,
+    upstream_child,
+    write_config,
+)
 
 from chaos.topology import Topology, TopologySpec
 
@@ -26,7 +34,8 @@ BODIES = {
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     config = write_config(tmp_path_factory.mktemp("proxy"))
-    spec = TopologySpec(num_replicas=2, num_proxies=1, proxy_args=("--config", config))
+    spec = TopologySpec(num_replicas=2, num_proxies=1, proxy_args=("--config", config,
+                                                                 "--http", HTTP_SERVER))
     with Topology(spec) as topology:
         yield topology
 
@@ -122,11 +131,20 @@ def test_weights_split_concurrent_streams_on_replicas_without_state(fleet, clien
     assert (replicas["r0"]["num_inflight"], replicas["r1"]["num_inflight"]) == (30, 10)
 
 
-def test_client_disconnect_frees_the_upstream_blocks(fleet, client):
+@pytest.mark.parametrize("http", HTTP_SERVERS)
+def test_client_disconnect_frees_the_upstream_blocks(fleet, client, tmp_path, http):
     body = {**BODIES["/v1/completions"], "max_tokens": 3000, "stream": True}
-    with client.stream("POST", fleet.proxy_urls[0] + "/v1/completions", json=body) as stream:
+    with running(proxy_child(fleet.replica_urls, write_config(tmp_path), http=http)) as proxy:
+        _disconnect_frees_the_blocks(fleet, client, proxy.url, body)
+
+
+def _disconnect_frees_the_blocks(fleet, client, proxy_url: str, body: dict) -> None:
+    with client.stream("POST", proxy_url + "/v1/completions", json=body) as stream:
         replica = int(stream.headers["x-kvguard-replica"][1:])
-        first = next(stream.iter_lines())  # the stream is running on the replica
+        # hold the line iterator: a discarded one is closed at once, and closing it closes the
+        # connection (the client would leave before the replica's state is read)
+        lines = stream.iter_lines()
+        first = next(lines)  # the stream is running on the replica
         state = client.get(fleet.replica_urls[replica] + "/kvguard/state").json()
         assert state["running"] and state["num_free_blocks"] < state["num_total_blocks"], \
             (first, state)
@@ -140,7 +158,7 @@ def test_client_disconnect_frees_the_upstream_blocks(fleet, client):
         time.sleep(0.02)
     print(f"blocks freed {freed_s} s after the client left")
     assert freed_s is not None and freed_s < 10.0
-    proxy_state = client.get(fleet.proxy_urls[0] + "/kvguard/state").json()
+    proxy_state = client.get(proxy_url + "/kvguard/state").json()
     assert proxy_state["num_in_flight"] == 0
 
 
@@ -173,9 +191,10 @@ def test_vllm_style_upstream_is_routed_and_protected(fleet, client, tmp_path):
         assert bad.status_code == 400
 
 
-def test_sigterm_drains_then_exits_zero(fleet, client, tmp_path):
+@pytest.mark.parametrize("http", HTTP_SERVERS)
+def test_sigterm_drains_then_exits_zero(fleet, client, tmp_path, http):
     config = write_config(tmp_path)
-    with running(proxy_child(fleet.replica_urls, config)) as proxy:
+    with running(proxy_child(fleet.replica_urls, config, http=http)) as proxy:
         body = {**BODIES["/v1/completions"], "max_tokens": 200, "stream": True}
         with client.stream("POST", proxy.url + "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
