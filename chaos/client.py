@@ -11,7 +11,8 @@ and could not offer high rates: its connection pool rescans every connection, an
 idle one counts every connection again, each time a request enters or leaves the pool, so with
 thousands of connections the generator's CPU per request grew with the connections it held
 (``kvguard bench sheds`` at 2,000 req/s spent minutes at 100 % CPU in that scan). aiohttp's
-pool does constant work per request (``kvguard bench loadgen`` measures it).
+pool does not rescan its connections per request (``kvguard bench loadgen`` measures the
+generator's CPU per request).
 """
 
 from __future__ import annotations

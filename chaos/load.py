@@ -159,8 +159,10 @@ def few_collections(gen0_threshold: int = 20_000) -> Iterator[None]:
     already (the schedule, the bodies) is frozen out of collection, and a young collection
     runs every ``gen0_threshold`` allocations instead of every 700. With thousands of requests
     in flight each collection walks every live task and buffer: at 1,000 sheds/s the default
-    thresholds cost the generator ~35 % of its CPU (1.15 ms vs 0.75 ms per request, measured
-    with ``kvguard bench loadgen``). The thresholds and the frozen set are restored after."""
+    thresholds cost the generator ~35 % of its CPU (1.15 ms vs 0.75 ms per request against a
+    trivial loopback server answering 503s, as ``kvguard bench loadgen --answer shed`` runs),
+    and a full collection pauses the loop for tens of ms. The thresholds are restored after
+    and the frozen set unfrozen (anything frozen before the run is unfrozen with it)."""
     before = gc.get_threshold()
     gc.freeze()
     gc.set_threshold(gen0_threshold, *before[1:])
