@@ -18,9 +18,10 @@ another checkout (``DIR``), so two versions of the proxy are measured in one int
 **Shedding.** A second sim replica (real time) behind ``kvguard proxy`` (``slo``) gets
 open-loop arrivals at ``--shed-rate`` req/s for ``--shed-duration-s`` (``0`` skips it): the
 replica is far over capacity, so almost everything is shed. Reported: sheds answered per
-second, shed latency p50/p99/max, requests that got no answer (must be 0), and the proxy
-process's CPU per answered request. ``--shed-http`` (repeatable) runs it once per proxy HTTP
-server (``kvguard proxy --http``; default ``auto``, i.e. uvicorn).
+second, shed latency p50/p99/max, requests that got no answer (must be 0), and the CPU per
+request of the proxy process and of the sender (this process). ``--shed-http`` (repeatable)
+runs it once per proxy HTTP server (``kvguard proxy --http``; default ``auto``, i.e. uvicorn).
+``--requests 0`` runs the shedding part alone.
 
 Under CPU contention wall-clock figures swell; each target's CPU time per request (its process
 tree's user + system seconds over the measured requests, background polling included) is
@@ -79,7 +80,8 @@ _CONTENT = re.compile(rb'"text"\s*:\s*"(?!")')
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=300, help="latency requests per target")
+    parser.add_argument("--requests", type=int, default=300,
+                        help="latency requests per target (0: skip the latency part)")
     parser.add_argument("--warmup", type=int, default=20, help="unmeasured requests per target")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--stacks", action="store_true",
@@ -104,15 +106,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.requests < 1 or args.warmup < 0 or args.max_tokens < 1 or args.shed_rate < 0:
-        raise ValueError("--requests and --max-tokens must be >= 1, --warmup/--shed-rate >= 0")
+    if args.requests < 0 or args.warmup < 0 or args.max_tokens < 1 or args.shed_rate < 0:
+        raise ValueError("--max-tokens must be >= 1, --requests/--warmup/--shed-rate >= 0")
+    if args.requests == 0 and args.shed_rate == 0:
+        raise ValueError("--requests 0 and --shed-rate 0 leave nothing to measure")
     if args.against is not None and not (args.against / "guard" / "proxy").is_dir():
         raise ValueError(f"--against: {args.against} is not a kvguard checkout (no guard/proxy/)")
     exit_on_sigterm()
     results: dict = {"machine": os.uname().nodename, "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="kvguard-bench-proxy-") as work:
-        results["latency"] = _latency(args, Path(work))
-        _print_latency(results["latency"])
+        if args.requests > 0:
+            results["latency"] = _latency(args, Path(work))
+            _print_latency(results["latency"])
         if args.shed_rate > 0:
             for http in args.shed_http or ["auto"]:
                 key = "shedding" if http == "auto" else f"shedding {http}"
@@ -311,14 +316,18 @@ def _shedding(args: argparse.Namespace, work: Path, http: str) -> dict:
                                     "--http", http))
     body = {"model": MODEL, "prompt": "x " * 200, "max_tokens": 512}
     with Topology(spec) as fleet:
-        pid = fleet.proxies[0].pid
-        cpu_before_s = _cpu_s(pid)
+        proxy_pid = fleet.proxies[0].pid
+        proxy_cpu0, sender_cpu0 = _cpu_s(proxy_pid), time.process_time()
         result = run_open_loop(fleet.proxy_urls[0] + "/v1/completions", body,
                                rate_rps=args.shed_rate, duration_s=args.shed_duration_s)
-        cpu_s = _cpu_s(pid) - cpu_before_s
+        proxy_cpu_s = _cpu_s(proxy_pid) - proxy_cpu0
+        sender_cpu_s = time.process_time() - sender_cpu0
     summary = result.summary()
     answered = sum(n for status, n in summary["statuses"].items() if status.isdigit())
+    per = 1e6 / max(1, result.num_sent)
     summary["http"] = http
-    summary["proxy_cpu_s"] = round(cpu_s, 3)
-    summary["proxy_cpu_ms_per_answer"] = round(1000 * cpu_s / answered, 3) if answered else None
+    summary["proxy_cpu_us_per_request"] = round(proxy_cpu_s * per, 1)
+    summary["proxy_cpu_ms_per_answer"] = (round(1000 * proxy_cpu_s / answered, 3)
+                                          if answered else None)
+    summary["sender_cpu_us_per_request"] = round(sender_cpu_s * per, 1)
     return summary
