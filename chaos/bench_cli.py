@@ -18,6 +18,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "overload": ("chaos.overload", "the reference overload, every policy side by side"),
     "proxy": ("chaos.proxy_bench", "kvguard proxy's added latency and shed rate vs LiteLLM"),
     "sheds": ("chaos.shed_bench", "shed latency and event-loop lag under a 2,000 req/s flood"),
+    "loadgen": ("chaos.loadgen_bench", "the load generator's own CPU per request, trivial server"),
     "shed-cost": ("guard.proxy.shed_cost", "CPU µs per shed in kvguard proxy's app, in-process"),
     "budget": ("guard.budget.bench", "request rate with Redis / in-memory / no budgets"),
     "serving": ("serving.bench", "what the connection limits cost: limited vs plain uvicorn"),

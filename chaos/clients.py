@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from tenacity import AsyncRetrying, retry_if_result, stop_after_attempt, wait_random_exponential
 
 from chaos.client import CompletionClient, request_body, require_loopback
@@ -121,9 +121,10 @@ def _retry_after_s(record: RequestRecord) -> float:
 
 
 class HttpUserClient:
-    """The ``tenacity``, ``bad_citizen`` and ``timeout_retry`` kinds, over a shared httpx client."""
+    """The ``tenacity``, ``bad_citizen`` and ``timeout_retry`` kinds, over a shared aiohttp
+    session."""
 
-    def __init__(self, cfg: ClientConfig, http: httpx.AsyncClient, entries: EntryPicker, *,
+    def __init__(self, cfg: ClientConfig, http: aiohttp.ClientSession, entries: EntryPicker, *,
                  model: str | None, class_header: str = "x-kvguard-class",
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], object] = asyncio.sleep) -> None:
@@ -201,7 +202,7 @@ class HttpUserClient:
         await retrying(one)
 
 
-def make_user_client(cfg: ClientConfig, http: httpx.AsyncClient, entries: EntryPicker, *,
+def make_user_client(cfg: ClientConfig, http: aiohttp.ClientSession, entries: EntryPicker, *,
                      model: str | None, class_header: str = "x-kvguard-class",
                      clock: Callable[[], float] = time.monotonic):
     """The client for ``cfg.kind`` (the SDK one is imported only when asked for)."""

@@ -7,8 +7,10 @@ all alike. Per target: TTFT (first content token at the client) and end-to-end, 
 ``always_admit`` and with ``slo`` (aiohttp upstream client, uvicorn on asyncio + h11) and
 LiteLLM proxy (one worker, installed into ``.venv-litellm/``; ``--no-litellm`` skips it);
 ``--stacks`` adds ``always_admit`` with the httpx client, with the h1 client (HTTP/1.1 on raw
-asyncio protocols), on uvloop + httptools, and the h1 client on those (uvloop and httptools installed by
-the bench into ``.bench-site/`` when the environment lacks them). ``--floor`` adds the trivial
+asyncio protocols), on uvloop + httptools (installed by the bench into ``.bench-site/`` when
+the environment lacks them), the h1 client on those, and on kvguard's own HTTP server
+(``--http kvguard``, on asyncio and on uvloop; with the aiohttp and with the h1 client).
+``--floor`` adds the trivial
 pass-through proxies of :mod:`chaos.passthrough` (a TCP byte pump, HTTP/1.1 relayed on raw
 asyncio protocols, and uvicorn + aiohttp with no admission; with ``--stacks`` that one on
 uvloop + httptools too): what any Python proxy on these
@@ -18,7 +20,10 @@ another checkout (``DIR``), so two versions of the proxy are measured in one int
 **Shedding.** A second sim replica (real time) behind ``kvguard proxy`` (``slo``) gets
 open-loop arrivals at ``--shed-rate`` req/s for ``--shed-duration-s`` (``0`` skips it): the
 replica is far over capacity, so almost everything is shed. Reported: sheds answered per
-second, shed latency p50/p99/max, and requests that got no answer (must be 0).
+second, shed latency p50/p99/max, requests that got no answer (must be 0), and the CPU per
+request of the proxy process and of the sender (this process). ``--shed-http`` (repeatable)
+runs it once per proxy HTTP server (``kvguard proxy --http``; default ``auto``, i.e. uvicorn).
+``--requests 0`` runs the shedding part alone.
 
 Under CPU contention wall-clock figures swell; each target's CPU time per request (its process
 tree's user + system seconds over the measured requests, background polling included) is
@@ -63,6 +68,14 @@ STACK_VARIANTS = {  # --stacks: the HTTP client and server stacks side by side
     "kvguard always_admit uvloop": ("always_admit", "aiohttp", "uvloop", "httptools"),
     "kvguard always_admit h1 client": ("always_admit", "h1", "asyncio", "h11"),
     "kvguard always_admit h1 client uvloop": ("always_admit", "h1", "uvloop", "httptools"),
+    # kvguard's own HTTP/1.1 server (serving.h1server) in place of uvicorn
+    "kvguard always_admit kvguard-http": ("always_admit", "aiohttp", "asyncio", "kvguard"),
+    "kvguard always_admit kvguard-http uvloop": ("always_admit", "aiohttp", "uvloop",
+                                                 "kvguard"),
+    # both halves kvguard's own: its server and the h1 upstream client
+    "kvguard always_admit kvguard-http h1 client": ("always_admit", "h1", "asyncio", "kvguard"),
+    "kvguard always_admit kvguard-http h1 client uvloop": ("always_admit", "h1", "uvloop",
+                                                           "kvguard"),
 }
 FLOOR_VARIANTS = {  # --floor: name -> (chaos.passthrough mode, uvicorn loop, uvicorn http)
     "passthrough tcp": ("tcp", "asyncio", "h11"),
@@ -75,7 +88,8 @@ _CONTENT = re.compile(rb'"text"\s*:\s*"(?!")')
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=300, help="latency requests per target")
+    parser.add_argument("--requests", type=int, default=300,
+                        help="latency requests per target (0: skip the latency part)")
     parser.add_argument("--warmup", type=int, default=20, help="unmeasured requests per target")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--stacks", action="store_true",
@@ -92,22 +106,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="where uvloop/httptools go when the environment lacks them")
     parser.add_argument("--shed-rate", type=float, default=2000.0, help="req/s (0: skip)")
     parser.add_argument("--shed-duration-s", type=float, default=10.0)
+    parser.add_argument("--shed-http", action="append", default=None,
+                        choices=("auto", "h11", "httptools", "kvguard"),
+                        help="the proxy's --http for the shedding run (repeatable: one run "
+                             "each; default auto)")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.requests < 1 or args.warmup < 0 or args.max_tokens < 1 or args.shed_rate < 0:
-        raise ValueError("--requests and --max-tokens must be >= 1, --warmup/--shed-rate >= 0")
+    if args.requests < 0 or args.warmup < 0 or args.max_tokens < 1 or args.shed_rate < 0:
+        raise ValueError("--max-tokens must be >= 1, --requests/--warmup/--shed-rate >= 0")
+    if args.requests == 0 and args.shed_rate == 0:
+        raise ValueError("--requests 0 and --shed-rate 0 leave nothing to measure")
     if args.against is not None and not (args.against / "guard" / "proxy").is_dir():
         raise ValueError(f"--against: {args.against} is not a kvguard checkout (no guard/proxy/)")
     exit_on_sigterm()
     results: dict = {"machine": os.uname().nodename, "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="kvguard-bench-proxy-") as work:
-        results["latency"] = _latency(args, Path(work))
-        _print_latency(results["latency"])
+        if args.requests > 0:
+            results["latency"] = _latency(args, Path(work))
+            _print_latency(results["latency"])
         if args.shed_rate > 0:
-            results["shedding"] = _shedding(args, Path(work))
-            print(json.dumps({"shedding": results["shedding"]}, indent=2))
+            for http in args.shed_http or ["auto"]:
+                key = "shedding" if http == "auto" else f"shedding {http}"
+                results[key] = _shedding(args, Path(work), http)
+                print(json.dumps({key: results[key]}, indent=2), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0
@@ -295,11 +318,24 @@ def _print_latency(rows: dict) -> None:
             print(f"LiteLLM adds {ratio:.1f}x the median end-to-end latency of {name}")
 
 
-def _shedding(args: argparse.Namespace, work: Path) -> dict:
+def _shedding(args: argparse.Namespace, work: Path, http: str) -> dict:
     spec = TopologySpec(num_replicas=1, num_proxies=1,
-                        proxy_args=("--config", _proxy_config(work, "slo", "aiohttp")))
+                        proxy_args=("--config", _proxy_config(work, "slo", "aiohttp"),
+                                    "--http", http))
     body = {"model": MODEL, "prompt": "x " * 200, "max_tokens": 512}
     with Topology(spec) as fleet:
+        proxy_pid = fleet.proxies[0].pid
+        proxy_cpu0, sender_cpu0 = _cpu_s(proxy_pid), time.process_time()
         result = run_open_loop(fleet.proxy_urls[0] + "/v1/completions", body,
                                rate_rps=args.shed_rate, duration_s=args.shed_duration_s)
-    return result.summary()
+        proxy_cpu_s = _cpu_s(proxy_pid) - proxy_cpu0
+        sender_cpu_s = time.process_time() - sender_cpu0
+    summary = result.summary()
+    answered = sum(n for status, n in summary["statuses"].items() if status.isdigit())
+    per = 1e6 / max(1, result.num_sent)
+    summary["http"] = http
+    summary["proxy_cpu_us_per_request"] = round(proxy_cpu_s * per, 1)
+    summary["proxy_cpu_ms_per_answer"] = (round(1000 * proxy_cpu_s / answered, 3)
+                                          if answered else None)
+    summary["sender_cpu_us_per_request"] = round(sender_cpu_s * per, 1)
+    return summary

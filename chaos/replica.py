@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from chaos.topology import http_health
+
 __all__ = ["ReplicaProcess", "write_guard_config", "exit_on_sigterm", "wait_idle"]
 
 _READY = re.compile(r"kvguard engine listening on (http://\S+)")
@@ -64,10 +66,8 @@ class ReplicaProcess:
                                f"{self.output()[-2000:]}")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.base_url + "/health", timeout=2.0,
-                             trust_env=False).status_code == 200:
-                    return
+            if http_health(self.base_url):
+                return
             if self.proc.poll() is not None:
                 break
             time.sleep(0.05)

@@ -8,8 +8,16 @@ many requests were answered, the shed latency at the client (p50/p99; target p99
 this machine), the admitted ones' goodput, and the guard's own event-loop lag (the largest
 lateness of a 10 ms timer while the flood ran; target ≤ 50 ms), read from its metrics.
 
-The load generator reports its own lag and CPU wait: on an oversubscribed machine the numbers
-include that wait and the run says so.
+A shed is a 429/503 the guard decided (it carries ``x-kvguard-reason``). A 503 without one is
+the server refusing a connection over its per-client cap (``serving.limited_protocol``): it
+happens when the generator holds more than 1,024 connections, i.e. when answers come back
+slowly, and is counted apart (``refused``).
+
+What bounds the run on a small machine is printed beside it: the CPU per offered request of
+the replica process (server, guard and sim engine together) and of the load generator (this
+process), and the generator's CPU wait, send lag and achieved rate. The generator and the
+replica share the machine's cores; a run where the generator fell behind its schedule or
+waited for a CPU says so, and its latencies include that wait.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from chaos.load_cli import configure as configure_load
 from chaos.load_cli import run_once
@@ -51,14 +60,20 @@ def loop_lag_max_s(metrics_text: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
+def _is_shed(r) -> bool:
+    return r.status in (429, 503) and r.reason is not None
+
+
 def shed_row(records, rate: float, duration_s: float) -> dict:
-    """Counts and shed latencies (client-side, seconds) of one flood run."""
-    sheds = [r.e2e_s for r in records if r.status in (429, 503) and r.e2e_s is not None]
+    """Counts and shed latencies (client-side, seconds) of one flood run: a shed is the guard's
+    429/503 (with ``x-kvguard-reason``); another 503 is a refused connection."""
+    sheds = [r.e2e_s for r in records if _is_shed(r) and r.e2e_s is not None]
     answered = [r for r in records if r.status is not None]
     return {
         "offered": len(records), "offered_rps": rate, "answered": len(answered),
         "answered_rps": len(answered) / duration_s if duration_s > 0 else 0.0,
         "admitted": sum(r.status == 200 for r in records), "shed": len(sheds),
+        "refused": sum(r.status == 503 and r.reason is None for r in records),
         "no_answer": len(records) - len(answered),
         "shed_p50_s": percentile(sheds, 50), "shed_p99_s": percentile(sheds, 99),
         "shed_max_s": max(sheds, default=None),
@@ -87,28 +102,60 @@ def run(args: argparse.Namespace) -> int:
                    "--time-scale", repr(args.time_scale), "--max-num-seqs",
                    str(args.max_num_seqs), "--guard", config]
     with ReplicaProcess.start(engine_args) as replica:
+        server = psutil.Process(replica.proc.pid)
+        server_cpu0 = _cpu_s(server)
         summary = run_once(_load_args(replica.base_url, args, out), args.rate, out, None)
+        server_cpu_s = _cpu_s(server) - server_cpu0
         metrics = httpx.get(replica.base_url + "/kvguard/metrics", timeout=10.0,
                             trust_env=False).text
     row = shed_row(read_records(out / "requests.jsonl"), args.rate, args.duration)
     row["loop_lag_max_s"] = loop_lag_max_s(metrics)
+    row.update(_cost_row(summary, server_cpu_s, row["offered"]))
     row["warnings"] = summary["warnings"]
     (out / "sheds.json").write_text(json.dumps(
         {"command": " ".join(["kvguard", "bench", "sheds", *sys.argv[3:]]), **row}, indent=1))
     print(render(row))
+    print(render_cost(row))
     for w in row["warnings"]:
         print(f"WARNING: {w}", file=sys.stderr)
     return 0
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def _cost_row(summary: dict, server_cpu_s: float, offered: int) -> dict:
+    """What the flood cost each side in CPU, and how the generator kept up. The replica's CPU
+    is over the load run (the report writing after it is the generator's own)."""
+    gen = summary["load_generator"]
+    lag = summary["send_lag_s"]
+    per = 1e6 / offered if offered else 0.0
+    return {"server_cpu_us_per_request": server_cpu_s * per,
+            "loadgen_cpu_us_per_request": gen["cpu_s"] * per,
+            "loadgen_cpu_wait_s": gen["cpu_wait_s"], "loadgen_wall_s": gen["wall_s"],
+            "loadgen_achieved_rps": summary["achieved_rate_per_s"],
+            "loadgen_lag_p99_s": lag.get("p99")}
+
+
+def render_cost(row: dict) -> str:
+    wait = row["loadgen_cpu_wait_s"]
+    return (f"replica CPU {row['server_cpu_us_per_request']:.0f} µs/request; load generator "
+            f"CPU {row['loadgen_cpu_us_per_request']:.0f} µs/request, achieved "
+            f"{row['loadgen_achieved_rps'] or 0:.0f} req/s, send lag p99 "
+            f"{1000 * (row['loadgen_lag_p99_s'] or 0):.0f} ms, waited for a CPU "
+            f"{'—' if wait is None else f'{wait:.1f}'} s of {row['loadgen_wall_s']:.1f} s")
 
 
 def render(row: dict) -> str:
     def ms(x):
         return "—" if x is None else f"{1000 * x:.1f}"
 
-    return ("| offered (req/s) | answered (req/s) | admitted | shed | no answer | "
+    return ("| offered (req/s) | answered (req/s) | admitted | shed | refused | no answer | "
             "shed p50 (ms) | shed p99 (ms) | shed max (ms) | guard loop lag max (ms) |\n"
-            "|---|---|---|---|---|---|---|---|---|\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n"
             f"| {row['offered']} ({row['offered_rps']:.0f}) | {row['answered']} "
             f"({row['answered_rps']:.0f}) | {row['admitted']} | {row['shed']} | "
-            f"{row['no_answer']} | {ms(row['shed_p50_s'])} | {ms(row['shed_p99_s'])} | "
+            f"{row['refused']} | {row['no_answer']} | {ms(row['shed_p50_s'])} | {ms(row['shed_p99_s'])} | "
             f"{ms(row['shed_max_s'])} | {ms(row['loop_lag_max_s'])} |")

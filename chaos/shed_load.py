@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from chaos.load import few_collections
+
 __all__ = ["ShedResult", "run_open_loop"]
 
 
@@ -93,4 +95,5 @@ def run_open_loop(url: str, body: dict, *, rate_rps: float, duration_s: float,
     """Send ``rate_rps × duration_s`` requests open-loop; every one ends within ``timeout_s``."""
     if not rate_rps > 0 or not duration_s > 0 or not timeout_s > 0:
         raise ValueError("rate_rps, duration_s and timeout_s must be > 0")
-    return asyncio.run(_run(url, body, rate_rps, duration_s, timeout_s, max_connections))
+    with few_collections():
+        return asyncio.run(_run(url, body, rate_rps, duration_s, timeout_s, max_connections))

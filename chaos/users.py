@@ -23,7 +23,14 @@ import psutil
 
 from chaos.client import make_http_client
 from chaos.clients import ClientConfig, EntryPicker, UserProgress, make_user_client, user_record
-from chaos.load import LoadResult, _cpu_wait_s, _raise_fd_limit, rate_of, sustained_rate_of
+from chaos.load import (
+    LoadResult,
+    _cpu_wait_s,
+    _raise_fd_limit,
+    few_collections,
+    rate_of,
+    sustained_rate_of,
+)
 from chaos.records import RequestRecord, RequestSpec
 from chaos.schedule import prompt_token_ids
 from chaos.user_record import UserRecord
@@ -157,6 +164,13 @@ async def run_users(specs: Sequence[RequestSpec], kinds: Sequence[str],
     _raise_fd_limit(cfg.max_connections + 256)
     entries = EntryPicker(cfg.entry_urls)
     prompts = [prompt_token_ids(cfg.seed, s) for s in specs]  # before the clock: ~1 ms each
+    with few_collections():  # the prompts are frozen out of collection too
+        return await _run_users(specs, kinds, client_cfgs, cfg, clock, on_start, entries,
+                                prompts)
+
+
+async def _run_users(specs, kinds, client_cfgs, cfg: UserRunConfig, clock, on_start, entries,
+                     prompts) -> UserRunResult:
     proc = psutil.Process()
     async with make_http_client(cfg.max_connections) as http:
         clients = {k: make_user_client(c, http, entries, model=cfg.model,

@@ -11,7 +11,9 @@ its only required argument (repeatable; the first listed is the outermost). ``--
 is shorthand for ``--middleware guard.middleware:AdmissionMiddleware`` with ``KVGUARD_CONFIG``
 set to CONFIG, mounted outermost; the engine package itself never imports ``guard``.
 
-Slow or greedy clients are bounded by ``serving.ServerLimits`` (``--header-timeout-s``,
+``--http`` picks the HTTP server: uvicorn with h11 (the default) or httptools, or ``kvguard``,
+kvguard's own HTTP/1.1 server on asyncio protocols (``serving.h1server``). Slow or greedy
+clients are bounded by ``serving.ServerLimits`` (``--header-timeout-s``,
 ``--body-timeout-s``, ``--keep-alive-timeout-s``, ``--max-connections``,
 ``--max-connections-per-client``); connections it closes are counted in
 ``kvguard_engine_connections_closed_total{reason}``. Writes to clients that went away and
@@ -64,6 +66,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "the guard's max_body_bytes)")
     parser.add_argument("--shutdown-timeout-s", type=float, default=10.0)
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--http", choices=("h11", "httptools", "auto", "kvguard"),
+                        default="h11",
+                        help="HTTP server: uvicorn with its h11 (default) or httptools parser "
+                             "(auto: httptools when installed), or kvguard's own HTTP/1.1 "
+                             "server (serving.h1server)")
     add_limit_arguments(parser)
 
 
@@ -194,17 +201,28 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     table = ConnectionTable(limits, on_close=metrics.record_connection_closed)
-    config = uvicorn_config(app, table, log_level=args.log_level, access_log=False,
-                            lifespan="on",
-                            timeout_graceful_shutdown=max(1, int(args.shutdown_timeout_s)))
+    drain = lambda: _drain(app, async_engine, args.shutdown_timeout_s)  # noqa: E731
+    ready_line = f"kvguard engine listening on {url}"
+    graceful_timeout_s = max(1, int(args.shutdown_timeout_s))
     install_quiet_logging()
-    server = draining_server(config,
-                             lambda: _drain(app, async_engine, args.shutdown_timeout_s),
-                             f"kvguard engine listening on {url}")
     try:
-        server.run(sockets=[sock])
+        if args.http == "kvguard":
+            return _run_h1server(app, table, sock, drain, ready_line, graceful_timeout_s)
+        config = uvicorn_config(app, table, http=args.http, log_level=args.log_level,
+                                access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=graceful_timeout_s)
+        draining_server(config, drain, ready_line).run(sockets=[sock])
     finally:
         sock.close()
         if trace is not None:
             trace.close()
     return 0
+
+
+def _run_h1server(app, table, sock, drain, ready_line: str, graceful_timeout_s: float) -> int:
+    """``--http kvguard``: the same app, limits, drain and ready line on serving.h1server."""
+    from serving.h1server import H1Server
+    from serving.h1server import run as serve
+
+    server = H1Server(app, table, graceful_timeout_s=graceful_timeout_s)
+    return 0 if serve(server, [sock], drain=drain, ready_line=ready_line) else 1

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import PricingError
 from guard.idempotency_keys import IdempotencyKeys
+from guard.output_lengths import OutputLengths
 from guard.request_rules import (
     ReplicaRules,
     chat_texts,
@@ -46,7 +47,12 @@ MIN_CHARS_PER_TOKEN, MAX_CHARS_PER_TOKEN = 1.0, 8.0
 CALIBRATION_DECAY = 0.02  # weight of each new usage observation in the decayed sums
 CALIBRATION_PRIOR_TOKENS = 200.0  # the initial ratio counts as this many observed tokens
 _RETRY_COUNT_NAMES = frozenset(name for name, _ in RETRY_COUNT_HEADERS)
-MIN_OUTPUT_SAMPLES = 8  # completions of a class before its learned output length is used
+MIN_OUTPUT_SAMPLES = 8  # endings of a class before its learned output length is used
+
+
+def _num_choices(priced: PricedRequest) -> int:
+    n = priced.body.get("n")
+    return n if isinstance(n, int) and n > 1 else 1
 
 
 def tokenizer_counter(path: str) -> Callable[[str], int]:
@@ -90,7 +96,7 @@ class Pricer:
         self._chars_sum = cpt * CALIBRATION_PRIOR_TOKENS
         self._tokens_sum = CALIBRATION_PRIOR_TOKENS
         self._chars_per_token = cpt
-        self._outputs: dict[str, list] = {}  # class -> [completions seen, mean output tokens]
+        self._outputs: dict[str, OutputLengths] = {}  # class -> its recent endings
         self._recent_keys = IdempotencyKeys(config.idempotency_ttl_s, config.max_idempotency_bytes)
         self._deadline_headers = frozenset({"x-stainless-read-timeout", config.deadline_header})
 
@@ -112,15 +118,17 @@ class Pricer:
         ratio = self._chars_sum / self._tokens_sum
         self._chars_per_token = min(MAX_CHARS_PER_TOKEN, max(MIN_CHARS_PER_TOKEN, ratio))
 
-    def observe_output(self, class_name: str, num_output_tokens: int) -> None:
-        """A request of ``class_name`` completed with ``num_output_tokens`` generated."""
+    def observe_output(self, class_name: str, num_output_tokens: int,
+                       max_tokens: int | None = None, *, censored: bool = False) -> None:
+        """A request of ``class_name`` ended with ``num_output_tokens`` generated per choice:
+        censored (only a lower bound on its natural length) when it reached ``max_tokens`` or
+        when ``censored`` says so (the stream was left early). See
+        :mod:`guard.output_lengths`."""
         learned = self._outputs.get(class_name)
         if learned is None:
-            self._outputs[class_name] = [1, float(num_output_tokens)]
-            return
-        n = learned[0] = learned[0] + 1
-        weight = max(1.0 / n, 0.05) if n > 1 else 0.5  # after a reset the old mean counts half  # a plain mean at first, then an EWMA that tracks drift
-        learned[1] += weight * (num_output_tokens - learned[1])
+            learned = self._outputs[class_name] = OutputLengths()
+        learned.observe(num_output_tokens, censored or (
+            max_tokens is not None and num_output_tokens >= max_tokens))
 
     def observe_completion(self, priced: PricedRequest, num_prompt_tokens: int | None,
                            num_output_tokens: int | None) -> None:
@@ -129,23 +137,33 @@ class Pricer:
             self.observe_usage(priced.num_prompt_chars, num_prompt_tokens,
                                priced.num_overhead_tokens)
         if num_output_tokens is not None:
-            self.observe_output(priced.cost.request_class.name, num_output_tokens)
+            cost = priced.cost
+            self.observe_output(cost.request_class.name, num_output_tokens // _num_choices(priced),
+                                cost.max_tokens)
 
-    def expected_output_tokens(self, class_name: str, max_tokens: int) -> int:
-        """``max_tokens`` until the class has ``MIN_OUTPUT_SAMPLES`` completions (KV cost is
-        never underestimated before anything is learned), then the learned mean, capped."""
+    def observe_abandoned(self, priced: PricedRequest, num_output_tokens: int) -> None:
+        """A stream that ended early (the client left, the upstream failed) after
+        ``num_output_tokens``: its request would have run at least that long."""
+        self.observe_output(priced.cost.request_class.name,
+                            num_output_tokens // _num_choices(priced), censored=True)
+
+    def expected_output_tokens(self, class_name: str, max_tokens: int,
+                               now_s: float | None = None) -> int:
+        """``max_tokens`` until the class has ``MIN_OUTPUT_SAMPLES`` endings (KV cost is never
+        underestimated before anything is learned), then E[min(length, max_tokens)] from its
+        recent endings, censored ones counted as lower bounds (:mod:`guard.output_lengths`)."""
         learned = self._outputs.get(class_name)
-        if learned is None or learned[0] < MIN_OUTPUT_SAMPLES:
+        if learned is None or learned.num_fresh < MIN_OUTPUT_SAMPLES:
             return max_tokens
-        return max(1, min(max_tokens, round(learned[1])))
+        return learned.expected(max_tokens, now_s)  # now_s: when the table may be rebuilt
 
     def observe_preemptions(self, num_new: int) -> None:
         """A replica preempted ``num_new`` sequences: the learned output lengths let the guard
         admit more than fits, so every class goes back to ``max_tokens`` until it has
-        ``MIN_OUTPUT_SAMPLES`` fresh completions (the learned mean is kept as their start)."""
+        ``MIN_OUTPUT_SAMPLES`` fresh endings (what was learned is kept as their start)."""
         if num_new > 0:
             for learned in self._outputs.values():
-                learned[0] = 0
+                learned.reset()
 
     # --- pricing ----------------------------------------------------------------------------
 
@@ -179,7 +197,7 @@ class Pricer:
             request_class,
             tokens,                                                   # num_prompt_tokens
             max_tokens,
-            n * self.expected_output_tokens(request_class.name, max_tokens),
+            n * self.expected_output_tokens(request_class.name, max_tokens, now_s),
             n * math.ceil((tokens + max_tokens) / block_size),        # num_blocks
             now_s,                                                    # arrival_s
             (self._deadline_s(headers, now_s, request_class.ttft_s)  # deadline_s

@@ -54,6 +54,9 @@ class ReleaseListeners:
         now_s = ticket.released_s
         self._drain_rate.record(now_s)
         if ticket.outcome != "completed":
+            if ticket.num_content_chunks and ticket.priced is not None and ticket.outcome in (
+                    "canceled", "failed"):  # a stream cut short: its length is a lower bound
+                self._pricer.observe_abandoned(ticket.priced, ticket.num_content_chunks)
             return
         self.service_s += SERVICE_EWMA_WEIGHT * (now_s - ticket.dispatch_s - self.service_s)
         if ticket.priced is not None and ticket.ok:

@@ -291,11 +291,11 @@ class Rejecter:
         """When the ``num_ahead + 1``-th in-flight request is expected to finish, from each
         ticket's dispatch time and the measured service time; None with nothing in flight or
         more requests ahead than in flight (the turnover estimate covers that)."""
-        held = self._tickets.held()
-        if not held or num_ahead >= len(held):
+        dispatched_s = self._tickets.dispatch_times()
+        if not dispatched_s or num_ahead >= len(dispatched_s):
             return None
-        finishes_s = sorted(t.dispatch_s + service_s for t in held)
-        return max(0.0, finishes_s[num_ahead] - now_s)
+        dispatched_s.sort()  # adding the same service time keeps the order
+        return max(0.0, dispatched_s[num_ahead] + service_s - now_s)
 
     def reject_early(self, request_id: str, tenant: TenantConfig | str | None,
                      arrival_s: float, error: PricingError, class_name: str | None = None,

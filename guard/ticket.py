@@ -257,6 +257,11 @@ class TicketBook:
     def held(self) -> tuple[Ticket, ...]:
         return tuple(self._held.values())
 
+    def dispatch_times(self) -> list[float]:
+        """Every held ticket's ``dispatch_s``, in no particular order (a new list: one pass,
+        no tuple of the tickets on the way; retry advice reads it for every shed)."""
+        return [t.dispatch_s for t in self._held.values()]
+
     def _released(self, ticket: Ticket) -> None:
         self._held.pop(id(ticket), None)
         for listener in self._listeners:

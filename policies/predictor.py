@@ -75,9 +75,13 @@ def never_fits(cost: RequestCost, replica: ReplicaSnapshot) -> bool:
 def forecast(
     cost: RequestCost, replica: ReplicaSnapshot, step_time: StepTimeModel,
     ahead: QueuedAhead = NOTHING_AHEAD, now_s: float | None = None,
+    pending: int | None = None,
 ) -> TtftForecast | None:
     """Predict ``cost`` on ``replica`` if dispatched now, behind ``ahead``; ``None`` when it
-    can never fit there."""
+    can never fit there. ``pending``: the replica's pending prefill tokens at ``now_s`` when
+    the caller has them already (a forecast of the same replica and instant behind nothing
+    carries them as ``num_queued_prefill_tokens``): walking the reservations again costs
+    O(requests in flight)."""
     if never_fits(cost, replica):
         return None
     load = replica.load
@@ -92,9 +96,10 @@ def forecast(
             _steps_until_freed(load, missing_blocks), _steps_until_finished(load, missing_seqs)
         )
     chunk = max(1, replica.max_num_batched_tokens - num_decode_seqs)
-    num_queued = (load.num_queued_prefill_tokens if now_s is None
-                  else pending_prefill_tokens(replica, step_time, now_s))
-    num_queued += ahead.num_prefill_tokens
+    if pending is None:
+        pending = (load.num_queued_prefill_tokens if now_s is None
+                   else pending_prefill_tokens(replica, step_time, now_s))
+    num_queued = pending + ahead.num_prefill_tokens
     num_prompt = cost.num_prompt_tokens
     queued_s = _prefill_s(num_queued, chunk, decode_s, step_time)
     total_s = _prefill_s(num_queued + num_prompt, chunk, decode_s, step_time)

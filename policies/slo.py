@@ -182,7 +182,7 @@ class SloPolicy:
                  and 0.0 <= snapshot.now_s - last_s <= self.pressure_hold_s else 1.0)
         patience_s = self.patience.estimate(cost.request_class.name, snapshot.now_s)
         return (_admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio)
-                or self._queue_or_shed(cost, snapshot, fresh, options, ratio, patience_s))
+                or self._queue_or_shed(cost, snapshot, options, ratio, patience_s))
 
     def headroom_ratio(self, now_s: float) -> float:
         """``ttft_safety_ratio`` under pressure (an overload shed within ``pressure_hold_s``),
@@ -224,19 +224,23 @@ class SloPolicy:
         return Shed(503, STALE_STATE)
 
     def _queue_or_shed(
-        self, cost: RequestCost, snapshot: LoadSnapshot, fresh: tuple[ReplicaSnapshot, ...],
-        options: list[_Option], ratio: float, patience_s: Patience | None = None,
+        self, cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option], ratio: float,
+        patience_s: Patience | None = None,
     ) -> Decision:
         now_s = snapshot.now_s
         if _is_retry_over_budget(cost, snapshot):
             return RETRY_OVER_BUDGET
         ahead = snapshot.queued_ahead
         if ahead.num_requests:  # the fast no: forecast the earliest start, behind the queue
-            options = []
-            for r in fresh:
-                f = forecast(cost, r, snapshot.step_time, ahead, now_s)
+            # ``options`` holds every fresh replica the request can ever fit (forecast behind
+            # nothing, at this instant): their pending prefill is known, not walked again
+            behind = []
+            for r, alone in options:
+                f = forecast(cost, r, snapshot.step_time, ahead, now_s,
+                             pending=alone.num_queued_prefill_tokens)
                 if f is not None:
-                    options.append((r, f))
+                    behind.append((r, f))
+            options = behind
         later = [
             (r, f)
             for r, f in options
@@ -317,9 +321,11 @@ def _first_token_by_s(cost: RequestCost, snapshot: LoadSnapshot, f: TtftForecast
     if patience is None:
         return cost.deadline_s
     patience_s, step_s, runs_to_max_tokens = patience
-    # While recent answers ran to their max_tokens, a request's own max_tokens is its length:
-    # the learned mean output would be the survivors' (the short requests that finished before
-    # their clients left), and a long request priced at it is admitted only to be abandoned.
+    # While recent answers ran to their max_tokens, a request's own max_tokens is its length.
+    # The guard's pricer already counts capped and abandoned endings as lower bounds
+    # (guard.output_lengths); a cost priced by anything else may hold a plain mean of the
+    # survivors (the short requests that finished before their clients left), and a long
+    # request priced at it is admitted only to be abandoned.
     num_steps = max(0, (cost.max_tokens if runs_to_max_tokens
                         else cost.num_expected_output_tokens) - 1)
     alone_s = f.own_prefill_s + num_steps * snapshot.step_time.step_s(0, 1, cost.num_prompt_tokens)

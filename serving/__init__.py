@@ -1,5 +1,6 @@
 """The HTTP serving layer shared by ``kvguard engine`` and ``kvguard proxy``: uvicorn with
-header/body/idle timeouts and connection caps, and quiet logging of client disconnects.
+header/body/idle timeouts and connection caps (``limited_protocol``), or kvguard's own HTTP/1.1
+server with the same limits (``h1server``), and quiet logging of client disconnects.
 
 Imports uvicorn and h11 lazily (inside the functions that serve), never torch, ``engine`` or
 ``guard``; both of those may import it.

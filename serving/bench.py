@@ -1,11 +1,13 @@
 """``kvguard bench serving``: what the connection limits cost, side by side.
 
-One trivial ASGI app is served twice by uvicorn on loopback in this process: with uvicorn's own
-h11 protocol and with ``serving.limited_protocol`` (header/body deadlines, connection caps).
+One trivial ASGI app is served three times on loopback in this process: by uvicorn with its own
+h11 protocol (``plain``), by uvicorn with ``serving.limited_protocol`` (``limited``: header/body
+deadlines, connection caps), and by kvguard's own HTTP/1.1 server (``kvguard``,
+``serving.h1server``, the same limits), each on its own event loop in a thread.
 A raw-socket client alternates blocks of requests between the two servers so drift hits both
 equally, in two modes: ``keep-alive`` (one connection, many requests: the per-request phase
 timers) and ``new-connection`` (a connection per request: accept, counting, close). It prints the
-median and p99 latency and the request rate of each, and the limited/plain rate ratio.
+median and p99 latency and the request rate of each, and each one's rate over plain's.
 """
 
 from __future__ import annotations
@@ -32,6 +34,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=4000,
                         help="requests per server and mode (default 4000)")
     parser.add_argument("--block", type=int, default=200, help="requests per alternating block")
+
+
+def _serve_h1():
+    import asyncio
+
+    from serving.h1server import H1Server
+    from serving.limited_protocol import ConnectionTable
+    from serving.server_limits import ServerLimits
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    server = H1Server(_app, ConnectionTable(ServerLimits()), lifespan=False)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    if not asyncio.run_coroutine_threadsafe(server.start([sock]), loop).result(20.0):
+        raise RuntimeError("bench server did not start")
+    return server, sock.getsockname()[1]
 
 
 def _serve(limited: bool):
@@ -112,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.block < 1:
         raise ValueError("--requests and --block must be >= 1")
     servers = {name: _serve(name == "limited") for name in ("plain", "limited")}
+    servers["kvguard"] = _serve_h1()
     ports = {name: port for name, (_, port) in servers.items()}
     try:
         print(f"{'mode':<15} {'protocol':<8} {'n':>6} {'median µs':>10} {'p99 µs':>9} "
@@ -121,9 +142,10 @@ def run(args: argparse.Namespace) -> int:
             for name, r in results.items():
                 print(f"{mode:<15} {name:<8} {r['n']:>6} {r['median_us']:>10.1f} "
                       f"{r['p99_us']:>9.1f} {r['rate_rps']:>8.0f}")
-            ratio = results["limited"]["rate_rps"] / results["plain"]["rate_rps"]
-            print(f"{mode:<15} limited / plain request rate: {ratio:.3f}")
+            for name in ("limited", "kvguard"):
+                ratio = results[name]["rate_rps"] / results["plain"]["rate_rps"]
+                print(f"{mode:<15} {name} / plain request rate: {ratio:.3f}")
     finally:
         for server, _ in servers.values():
-            server.should_exit = True
+            server.should_exit = True  # uvicorn's; the kvguard server's thread is a daemon
     return 0

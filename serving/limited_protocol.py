@@ -31,12 +31,13 @@ from typing import Any
 
 from serving.server_limits import ServerLimits
 
-__all__ = ["REFUSAL_LINGER_S", "ConnectionTable", "limited_protocol_class", "uvicorn_config"]
+__all__ = ["REFUSAL", "REFUSAL_LINGER_S", "ConnectionTable", "limited_protocol_class",
+           "uvicorn_config"]
 
 _REFUSAL_BODY = json.dumps({"error": {
     "message": "Too many open connections; retry shortly.", "type": "server_error",
     "param": None, "code": "too_many_connections"}}).encode()
-_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
             b"retry-after: 1\r\nconnection: close\r\ncontent-length: "
             + str(len(_REFUSAL_BODY)).encode() + b"\r\n\r\n" + _REFUSAL_BODY)
 REFUSAL_LINGER_S = 1.0
@@ -127,7 +128,7 @@ def limited_protocol_class(table: ConnectionTable, http: str = "h11") -> type:
             """503, then a lingering close: half-close, discard what the client still sends,
             close when it does or after ``REFUSAL_LINGER_S`` (closing at once with its request
             unread would reset the connection and lose the 503)."""
-            transport.write(_REFUSAL)
+            transport.write(REFUSAL)
             if transport.can_write_eof():
                 transport.write_eof()
             self._deadline = self.loop.call_later(REFUSAL_LINGER_S, transport.close)

@@ -14,7 +14,9 @@ passes, then the process exits 0; a second signal exits at once.
 
 Slow or greedy clients are bounded as in ``kvguard engine`` (``serving.ServerLimits``:
 ``--header-timeout-s``, ``--body-timeout-s``, ``--keep-alive-timeout-s``, ``--write-timeout-s``,
-``--max-connections``, ``--max-connections-per-client``), over either HTTP parser.
+``--max-connections``, ``--max-connections-per-client``), on every ``--http`` server: uvicorn
+(``h11``, ``httptools``; ``auto`` picks httptools when installed) or ``kvguard``, kvguard's own
+HTTP/1.1 server on asyncio protocols (``serving.h1server``), which adds less latency.
 """
 
 from __future__ import annotations
@@ -43,9 +45,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000, help="0 picks a free port")
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
-                        help="uvicorn event loop (auto: uvloop when installed)")
-    parser.add_argument("--http", choices=("auto", "h11", "httptools"), default="auto",
-                        help="uvicorn HTTP parser (auto: httptools when installed)")
+                        help="event loop (auto: uvloop when installed)")
+    parser.add_argument("--http", choices=("auto", "h11", "httptools", "kvguard"),
+                        default="auto",
+                        help="HTTP server: uvicorn with its h11 or httptools parser (auto: "
+                             "httptools when installed), or kvguard's own HTTP/1.1 server "
+                             "(serving.h1server)")
     parser.add_argument("--log-level", default="warning")
     add_limit_arguments(parser)
 
@@ -81,13 +86,36 @@ def run(args: argparse.Namespace) -> int:
     sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    ready_line = f"kvguard proxy listening on {url}"
+    graceful_timeout_s = max(1, int(app.config.proxy.drain_timeout_s))
+    if args.http == "kvguard":
+        return _run_h1server(app, table, sock, args, ready_line, graceful_timeout_s)
     config = uvicorn_config(app, table, http=args.http, log_level=args.log_level,
                             access_log=False, lifespan="on", loop=args.loop,
-                            timeout_graceful_shutdown=max(1, int(app.config.proxy.drain_timeout_s)))
+                            timeout_graceful_shutdown=graceful_timeout_s)
     install_quiet_logging()
-    server = draining_server(config, lambda: _drain(app), f"kvguard proxy listening on {url}")
+    server = draining_server(config, lambda: _drain(app), ready_line)
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
     return 0 if server.started else 1
+
+
+def _run_h1server(app, table, sock, args: argparse.Namespace, ready_line: str,
+                  graceful_timeout_s: float) -> int:
+    """``--http kvguard``: the same app, limits, drain and ready line on serving.h1server."""
+    import logging
+
+    from serving.h1server import H1Server
+    from serving.h1server import run as serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    install_quiet_logging()
+    server = H1Server(app, table, graceful_timeout_s=graceful_timeout_s)
+    try:
+        started = serve(server, [sock], drain=lambda: _drain(app), ready_line=ready_line,
+                        loop=args.loop)
+    finally:
+        sock.close()
+    return 0 if started else 1

@@ -22,6 +22,36 @@ def test_spec_rejects_what_it_cannot_start(kwargs, message):
         TopologySpec(**kwargs)
 
 
+def test_the_health_check_reads_the_status_and_builds_no_http_client(monkeypatch):
+    """200 is healthy; a 503, a refused connection or a server that closes at once are not.
+    The fault driver polls this from the load generator's own process while a replica
+    restarts, so it must not build a client (with its TLS context) per poll as httpx.get did."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/ok/health" else 503)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(httpx, "Client", None)  # any httpx client built here would now fail
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert http_health(base + "/ok") and http_health(base + "/ok/")
+        assert not http_health(base + "/busy")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not http_health(base + "/ok")  # refused now
+    with pytest.raises(ValueError, match="http://host:port"):
+        http_health("redis://127.0.0.1:6379")
+
+
 def test_port_zero_needs_a_readiness_line():
     with pytest.raises(ValueError, match="ready_pattern"):
         ChildProcess("x", lambda port: ["true"], http_health)

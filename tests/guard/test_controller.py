@@ -246,6 +246,30 @@ def test_shared_reservations_a_failed_confirm_decides_again_and_counts_one_admis
     run(go())
 
 
+def test_a_stream_the_client_left_teaches_the_pricer_a_lower_bound():
+    """Streams cut short (client gone) are censored endings: after 8 completions of 4 tokens
+    and 8 streams left after 6, a request allowed 8 tokens is priced at 4 + 0.5 x 4 = 6.
+    Dropping them, as the pricer once did, prices it at 4."""
+    controller = make_controller()
+
+    async def go():
+        for i in range(16):
+            admission = await controller.admit("/v1/completions", HEADERS, body_of)
+            if i % 2:
+                assert complete(admission, b'{"usage": {"prompt_tokens": 5, '
+                                           b'"completion_tokens": 4}}')
+                continue
+            admission.on_start(200, b"text/event-stream")
+            for _ in range(6):
+                admission.on_body(b'data: {"choices": [{"text": "x"}]}\n\n', True)
+            admission.on_disconnect()
+            assert admission.finish()
+            assert admission.ticket.outcome == "canceled"
+        assert controller.pricer.expected_output_tokens("interactive", 8) == 6
+        await controller.aclose()
+    run(go())
+
+
 def test_the_slo_policy_learns_client_patience_from_released_tickets_and_exports_it():
     from policies.slo import SloPolicy
     from tests.support.admission import make_cost, reserved

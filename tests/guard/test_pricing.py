@@ -333,6 +333,59 @@ def test_preemptions_send_every_class_back_to_max_tokens():
     assert 40 < pricer.expected_output_tokens("interactive", 1000) <= 200
 
 
+def test_requests_that_run_to_their_max_tokens_are_priced_at_their_own():
+    """A completion that used its whole max_tokens would have gone on: a lower bound, not a
+    length. Requests asking 16-64 tokens that all run to the end are each priced at their own
+    max_tokens, not at the ~40 mean of what was observed (the old learner's answer)."""
+    pricer = Pricer(GuardConfig())
+    for max_tokens in (16, 32, 48, 64) * 4:
+        pricer.observe_output("interactive", max_tokens, max_tokens)
+    assert pricer.expected_output_tokens("interactive", 64) == 64
+    assert pricer.expected_output_tokens("interactive", 16) == 16
+    assert pricer.expected_output_tokens("interactive", 1000) == 1000  # no sign they stop
+    cost = price(pricer, {"prompt": "x", "max_tokens": 60, "n": 2})
+    assert cost.num_expected_output_tokens == 2 * 60
+
+
+def test_natural_stops_and_capped_completions_together():
+    """Half stop on their own at 100 tokens, half ran into a 50-token cap: the capped ones say
+    only "more than 50", so a request allowed 200 tokens is priced at 100 (the mean of what
+    was seen, 75, would price it short)."""
+    pricer = Pricer(GuardConfig())
+    for _ in range(8):
+        pricer.observe_output("interactive", 100, 400)
+        pricer.observe_output("interactive", 50, 50)
+    assert pricer.expected_output_tokens("interactive", 200) == 100
+    assert pricer.expected_output_tokens("interactive", 60) == 60
+
+
+def test_abandoned_streams_count_as_at_least_what_they_produced():
+    """Under overload slow streams are abandoned and only short requests finish. 8 stopped at
+    20 tokens, 8 were left after 30: half of the class is known to run past 30, so a request
+    allowed 100 tokens is priced at 20 + 0.5 x 80 = 60, not at the 20 the finished ones say."""
+    pricer = Pricer(GuardConfig())
+    priced = pricer.price_request(json.dumps({"prompt": "x", "max_tokens": 100}).encode(), COMP,
+                                  {}, ANON, 0.0, max_model_len=4096, block_size=16)
+    for _ in range(8):
+        pricer.observe_completion(priced, None, 20)
+        pricer.observe_abandoned(priced, 30)
+    assert pricer.expected_output_tokens("interactive", 100) == 60
+    assert pricer.expected_output_tokens("interactive", 25) == 20 + round(0.5 * 5)
+
+
+def test_the_learned_table_follows_the_latest_endings():
+    """Only the latest endings count (the window), and the table is rebuilt as they come."""
+    pricer = Pricer(GuardConfig())
+    for _ in range(300):
+        pricer.observe_output("interactive", 40, 1000)
+    assert pricer.expected_output_tokens("interactive", 1000) == 40
+    for i in range(200):
+        pricer.observe_output("interactive", 300, 1000)
+        if i % 3 == 0:
+            pricer.expected_output_tokens("interactive", 1000)  # priced between endings
+    assert pricer.expected_output_tokens("interactive", 1000) == 300
+
+
 def test_pricing_is_fast():
     """Not a timing assertion: prints the per-request cost for the report."""
     pricer = Pricer(GuardConfig())
@@ -355,3 +408,23 @@ def test_deep_json_is_a_400_not_a_recursion_error(depth):
         Pricer(GuardConfig()).price_request(raw, COMP, {}, ANON, 0.0, max_model_len=4096,
                                             block_size=16)
     assert (info.value.status, info.value.reason) == (400, "invalid_json")
+
+
+def test_the_survival_table_is_rebuilt_on_count_or_age_not_per_request():
+    """Pricing reads the table; it is rebuilt after REBUILD_EVERY new endings, or after any
+    new ending once REBUILD_AFTER_S has passed, so a busy class does not pay a rebuild per
+    request."""
+    from guard.output_lengths import REBUILD_AFTER_S, REBUILD_EVERY, OutputLengths
+
+    lengths = OutputLengths()
+    for _ in range(64):
+        lengths.observe(40, False)
+    assert lengths.expected(1000, now_s=0.0) == 40
+    for _ in range(REBUILD_EVERY - 1):
+        lengths.observe(1000, True)
+    assert lengths.expected(1000, now_s=0.1) == 40  # stale, but neither old nor many enough
+    with_long = lengths.expected(1000, now_s=REBUILD_AFTER_S)  # old enough: rebuilt
+    assert with_long > 40
+    for _ in range(REBUILD_EVERY):
+        lengths.observe(5, False)
+    assert lengths.expected(1000, now_s=REBUILD_AFTER_S) < with_long  # many enough: at once

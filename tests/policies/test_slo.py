@@ -318,6 +318,25 @@ def test_a_request_whose_earliest_start_misses_its_deadline_is_shed_without_queu
         assert d == Shed(503, "no_kv_capacity", retry_after_s=pytest.approx(496 * 0.013))
 
 
+def test_the_fast_no_walks_each_replicas_reservations_once_per_decision(monkeypatch):
+    """The pending prefill is O(requests in flight) to compute; the forecast behind the queue
+    reuses the one of the forecast behind nothing (same replica, same instant)."""
+    import policies.predictor as predictor
+
+    calls = []
+    real = predictor.pending_prefill_tokens
+
+    def counted(replica, step_time, now_s):
+        calls.append(replica.replica_id)
+        return real(replica, step_time, now_s)
+
+    monkeypatch.setattr(predictor, "pending_prefill_tokens", counted)
+    replicas = [make_replica(name, **KV_SHORT) for name in ("a", "b")]
+    d = decide(*replicas, queued_ahead=QueuedAhead(30, 960, 120))
+    assert d == Shed(503, "no_kv_capacity", retry_after_s=pytest.approx(496 * 0.013))
+    assert sorted(calls) == ["a", "b"]
+
+
 def test_prefill_queued_ahead_in_the_guard_counts_toward_the_first_token():
     """Not admissible now (the join step is over a running stream's ITL); the forecast behind
     20,000 queued prompt tokens is 3.4 s: shed now rather than at the deadline."""

@@ -1,5 +1,6 @@
-"""Connection caps and the write deadline on a real uvicorn server (in a thread, loopback)
-serving a tiny app through ``serving.limited_protocol``: over a cap, a connection gets 503 and
+"""Connection caps and the write deadline on a real server (in a thread, loopback) serving a
+tiny app: uvicorn through ``serving.limited_protocol``, and kvguard's own ``serving.h1server``
+(each test runs on both). Over a cap, a connection gets 503 and
 is closed, and closing one frees its slot; a client that stops reading a long response is cut
 and the app sees the disconnect."""
 
@@ -17,7 +18,7 @@ from starlette.routing import Route
 
 from serving import ServerLimits
 from serving.limited_protocol import ConnectionTable, uvicorn_config
-from tests.support.loopback import LoopbackServer
+from tests.support.loopback import H1LoopbackServer, LoopbackServer
 
 
 class EndlessStream:
@@ -45,15 +46,18 @@ class EndlessStream:
             self.ended.set()
 
 
-@pytest.fixture()
-def serve():
+@pytest.fixture(params=["uvicorn", "kvguard"])
+def serve(request):
     with contextlib.ExitStack() as stack:
         def start(limits: ServerLimits, app=None):
             app = app or Starlette(routes=[Route("/", lambda r: PlainTextResponse("ok"))])
             table = ConnectionTable(limits)
-            server = stack.enter_context(LoopbackServer(
-                app, start_timeout_s=20.0,
-                make_config=lambda app, **options: uvicorn_config(app, table, **options)))
+            if request.param == "kvguard":
+                server = stack.enter_context(H1LoopbackServer(app, table))
+            else:
+                server = stack.enter_context(LoopbackServer(
+                    app, start_timeout_s=20.0,
+                    make_config=lambda app, **options: uvicorn_config(app, table, **options)))
             return server.port, table
 
         yield start

@@ -1,6 +1,7 @@
 """Slow and greedy clients against a real ``kvguard engine --model tiny`` over loopback: 50
 connections that trickle their head or body at 1 byte/s, sit idle after a request, or send
-nothing are all cut by the configured timeouts while a normal request is served."""
+nothing are all cut by the configured timeouts while a normal request is served. On uvicorn
+(h11) and on kvguard's own HTTP server (``--http kvguard``)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ pytestmark = pytest.mark.slow
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S = 2.0, 2.0, 2.0
 
 
-@pytest.fixture(scope="module")
-def engine():
-    args = ["--model", "tiny", "--device", "cpu", "--num-blocks", "64",
+@pytest.fixture(scope="module", params=["h11", "kvguard"])
+def engine(request):
+    args = ["--model", "tiny", "--device", "cpu", "--num-blocks", "64", "--http", request.param,
             "--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
             "--keep-alive-timeout-s", str(KEEP_ALIVE_TIMEOUT_S)]
     with start_engine(args) as eng:

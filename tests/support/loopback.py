@@ -1,4 +1,5 @@
-"""uvicorn in a thread on a free loopback port, for tests that need a real HTTP server.
+"""uvicorn (or kvguard's own ``H1Server``) in a thread on a free loopback port, for tests that
+need a real HTTP server.
 
     with LoopbackServer(app) as server:
         httpx.get(server.url + "/health")
@@ -17,7 +18,7 @@ from typing import Any
 
 import uvicorn
 
-__all__ = ["LoopbackServer"]
+__all__ = ["H1LoopbackServer", "LoopbackServer"]
 
 
 class LoopbackServer:
@@ -51,3 +52,57 @@ class LoopbackServer:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.sock.close()
+
+
+class H1LoopbackServer:
+    """``serving.h1server.H1Server`` in a thread on a free loopback port (its own event loop),
+    with ``table`` (a ``ConnectionTable``) holding its limits and counting its connections."""
+
+    def __init__(self, app: Any, table: Any, *, start_timeout_s: float = 10.0,
+                 graceful_timeout_s: float = 5.0) -> None:
+        import asyncio
+
+        from serving.h1server import H1Server
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.table = table
+        self.server = H1Server(app, table, graceful_timeout_s=graceful_timeout_s)
+        self.loop = asyncio.new_event_loop()
+        self._start_timeout_s = start_timeout_s
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def call(self, coro: Any, timeout_s: float = 30.0) -> Any:
+        """Run ``coro`` on the server's loop and wait for its result (a hang guard)."""
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def __enter__(self) -> H1LoopbackServer:
+        self.thread.start()
+        if not self.call(self.server.start([self.sock]), self._start_timeout_s):
+            raise RuntimeError("the app's lifespan startup failed")
+        return self
+
+    async def _finish(self) -> None:
+        """Stop the server, then end what the app left running (no task is left to the GC)."""
+        import asyncio
+
+        if not self.server.draining:
+            await self.server.stop()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.call(self._finish())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+            self.loop.close()
+            self.sock.close()

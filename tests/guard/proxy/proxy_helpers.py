@@ -10,6 +10,11 @@ from chaos.child import ChildProcess
 from chaos.topology import http_health
 
 UPSTREAM = Path(__file__).with_name("upstream_server.py")
+# The proxy tests run on kvguard's own HTTP server (``--http kvguard``); the slow-client, drain
+# and pass-through tests also run on uvicorn (``UVICORN``), which ``--http auto`` picks.
+HTTP_SERVER = "kvguard"
+UVICORN = "auto"
+HTTP_SERVERS = (HTTP_SERVER, UVICORN)
 
 # Small timeouts so failures show quickly; the assertions use wide multiples of them.
 PROXY_CONFIG = """
@@ -45,10 +50,12 @@ def running(child: ChildProcess, timeout_s: float = 90.0):
 
 
 def proxy_child(upstreams: list[str], config: str, *, state_source: str = "kvguard",
-                healthy: bool = True, extra_args: tuple[str, ...] = ()) -> ChildProcess:
-    """``kvguard proxy`` for these upstreams (none: the config's ``[[replicas]]``);
-    ``healthy=False`` waits only for the port."""
+                healthy: bool = True, extra_args: tuple[str, ...] = (),
+                http: str = HTTP_SERVER) -> ChildProcess:
+    """``kvguard proxy`` for these upstreams (none: the config's ``[[replicas]]``) on the
+    ``http`` server; ``healthy=False`` waits only for the port."""
     args = [a for url in upstreams for a in ("--upstream", url)] + list(extra_args)
+    args += ["--http", http]
 
     def argv(port: int) -> list[str]:
         return [sys.executable, "-m", "guard.cli", "proxy", *args, "--state-source",

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from proxy_helpers import proxy_child, running, upstream_child, write_config
+from proxy_helpers import HTTP_SERVER, proxy_child, running, upstream_child, write_config
 
 from chaos.topology import Topology, TopologySpec
 
@@ -59,7 +59,8 @@ async def _stream(client: httpx.AsyncClient, url: str, started: asyncio.Queue) -
 @CLIENTS
 def test_kill9_during_20_streams(tmp_path, client, upstream_client):
     config = write_config(tmp_path, client=upstream_client)
-    spec = TopologySpec(num_replicas=2, num_proxies=1, proxy_args=("--config", config))
+    spec = TopologySpec(num_replicas=2, num_proxies=1, proxy_args=("--config", config,
+                                                                 "--http", HTTP_SERVER))
     with Topology(spec) as fleet:
         proxy_url = fleet.proxy_urls[0]
 

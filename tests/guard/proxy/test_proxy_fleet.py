@@ -9,7 +9,15 @@ import time
 
 import httpx
 import pytest
-from proxy_helpers import proxy_child, running, sse_lines, upstream_child, write_config
+from proxy_helpers import (
+    HTTP_SERVER,
+    HTTP_SERVERS,
+    proxy_child,
+    running,
+    sse_lines,
+    upstream_child,
+    write_config,
+)
 
 from chaos.topology import Topology, TopologySpec
 
@@ -26,14 +34,16 @@ BODIES = {
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     config = write_config(tmp_path_factory.mktemp("proxy"))
-    spec = TopologySpec(num_replicas=2, num_proxies=1, proxy_args=("--config", config))
+    spec = TopologySpec(num_replicas=2, num_proxies=1, proxy_args=("--config", config,
+                                                                 "--http", HTTP_SERVER))
     with Topology(spec) as topology:
         yield topology
 
 
 @pytest.fixture(scope="module")
 def proxy_urls(fleet, tmp_path_factory):
-    """The fleet's proxy (aiohttp upstream client) and one on the h1 client, same replicas."""
+    """The fleet's proxy (aiohttp upstream client) and one on the h1 client, same replicas and
+    server."""
     config = write_config(tmp_path_factory.mktemp("proxy-h1"), client="h1")
     with running(proxy_child(fleet.replica_urls, config)) as h1:
         yield {"aiohttp": fleet.proxy_urls[0], "h1": h1.url}
@@ -134,13 +144,25 @@ def test_weights_split_concurrent_streams_on_replicas_without_state(fleet, clien
     assert (replicas["r0"]["num_inflight"], replicas["r1"]["num_inflight"]) == (30, 10)
 
 
-@CLIENTS
-def test_client_disconnect_frees_the_upstream_blocks(fleet, proxy_urls, client, upstream_client):
-    proxy_url = proxy_urls[upstream_client]
+@pytest.mark.parametrize("http", HTTP_SERVERS)
+def test_client_disconnect_frees_the_upstream_blocks(fleet, client, tmp_path, http):
     body = {**BODIES["/v1/completions"], "max_tokens": 3000, "stream": True}
+    with running(proxy_child(fleet.replica_urls, write_config(tmp_path), http=http)) as proxy:
+        _disconnect_frees_the_blocks(fleet, client, proxy.url, body)
+
+
+def test_client_disconnect_frees_the_upstream_blocks_over_the_h1_client(fleet, proxy_urls, client):
+    body = {**BODIES["/v1/completions"], "max_tokens": 3000, "stream": True}
+    _disconnect_frees_the_blocks(fleet, client, proxy_urls["h1"], body)
+
+
+def _disconnect_frees_the_blocks(fleet, client, proxy_url: str, body: dict) -> None:
     with client.stream("POST", proxy_url + "/v1/completions", json=body) as stream:
         replica = int(stream.headers["x-kvguard-replica"][1:])
-        first = next(stream.iter_lines())  # the stream is running on the replica
+        # hold the line iterator: a discarded one is closed at once, and closing it closes the
+        # connection (the client would leave before the replica's state is read)
+        lines = stream.iter_lines()
+        first = next(lines)  # the stream is running on the replica
         state = client.get(fleet.replica_urls[replica] + "/kvguard/state").json()
         assert state["running"] and state["num_free_blocks"] < state["num_total_blocks"], \
             (first, state)
@@ -187,9 +209,10 @@ def test_vllm_style_upstream_is_routed_and_protected(fleet, client, tmp_path):
         assert bad.status_code == 400
 
 
-def test_sigterm_drains_then_exits_zero(fleet, client, tmp_path):
+@pytest.mark.parametrize("http", HTTP_SERVERS)
+def test_sigterm_drains_then_exits_zero(fleet, client, tmp_path, http):
     config = write_config(tmp_path)
-    with running(proxy_child(fleet.replica_urls, config)) as proxy:
+    with running(proxy_child(fleet.replica_urls, config, http=http)) as proxy:
         body = {**BODIES["/v1/completions"], "max_tokens": 200, "stream": True}
         with client.stream("POST", proxy.url + "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()

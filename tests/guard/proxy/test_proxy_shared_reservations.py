@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from chaos.topology import SIM_REPLICA_ARGS, Topology, TopologySpec
+from tests.guard.proxy.proxy_helpers import HTTP_SERVER
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +82,7 @@ def test_three_proxies_on_one_redis_admit_no_more_kv_than_one_proxy(tmp_path):
     config = tmp_path / "guard.toml"
     config.write_text(CONFIG)
     spec = TopologySpec(num_replicas=2, replica_args=REPLICA_ARGS, num_proxies=3,
-                        proxy_args=("--config", str(config)), redis=True)
+                        proxy_args=("--config", str(config), "--http", HTTP_SERVER), redis=True)
     with Topology(spec) as fleet:
         replicas, proxies = fleet.replica_urls, fleet.proxy_urls
         for url in proxies:  # each proxy has its Redis link up before the burst

@@ -1,12 +1,12 @@
 """``kvguard proxy`` (a real process over loopback) bounds slow clients like the engine does:
 50 connections trickling their head or body, idle after a request, or silent are all cut by
 the configured timeouts while a normal request is relayed; over the per-client cap a
-connection gets 503 and is closed."""
+connection gets 503 and is closed. On kvguard's own HTTP server and on uvicorn."""
 
 import asyncio
 
 import pytest
-from proxy_helpers import proxy_child, running, upstream_child, write_config
+from proxy_helpers import HTTP_SERVERS, proxy_child, running, upstream_child, write_config
 
 from tests.support.slow_clients import TRICKLE_FOR_S, slowloris
 
@@ -30,11 +30,12 @@ async def _over_the_cap(url: str) -> bytes:
             w.close()
 
 
-def test_proxy_cuts_slow_clients_and_caps_connections(tmp_path):
+@pytest.mark.parametrize("http", HTTP_SERVERS)
+def test_proxy_cuts_slow_clients_and_caps_connections(tmp_path, http):
     config = write_config(tmp_path)
     with running(upstream_child("ok")) as upstream, \
             running(proxy_child([upstream.url], config, state_source="none",
-                                extra_args=LIMITS)) as proxy:
+                                extra_args=LIMITS, http=http)) as proxy:
         closed_after_s, probe, _ = asyncio.run(slowloris(proxy.url, "/v1/completions", BODY))
         over_cap = asyncio.run(_over_the_cap(proxy.url))
     assert probe.status_code == 200, probe.text

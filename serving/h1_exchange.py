@@ -1,0 +1,218 @@
+"""One request/response cycle on an ``serving.h1_connection.H1Connection``: the ASGI
+``receive`` and ``send`` of one request.
+
+``receive()`` hands the app the request body as it arrives (content-length or chunked, already
+decoded by the connection), then ``http.disconnect`` once the connection is lost or the
+response has ended; several receives may wait at once (the proxy reads the body and watches
+for the disconnect separately). ``send()`` writes the response head at once and each body
+message at once: ``content-length`` when the app gave one, chunked otherwise (HTTP/1.0: until
+the connection closes), nothing for HEAD, 1xx, 204 and 304; while the client does not read,
+a ``more_body`` send waits for the write buffer to drain. An app that raises or returns
+before the response ended is answered 500 (nothing sent yet) or cut (``H1Connection.fail``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from serving.h1_head import ChunkedBody, RequestHead
+
+if TYPE_CHECKING:
+    from serving.h1_connection import H1Connection
+
+__all__ = ["Exchange", "error_response"]
+
+log = logging.getLogger("kvguard.http")
+
+_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode())
+                 for s in HTTPStatus}
+_DISCONNECT = {"type": "http.disconnect"}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_ERROR_CODES = {400: "bad_request", 431: "request_header_fields_too_large",
+                500: "internal_error", 505: "http_version_not_supported"}
+
+
+def error_response(status: int, message: str) -> bytes:
+    """A complete JSON error answer that closes the connection."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": _ERROR_CODES.get(status, "error")}}).encode()
+    return (_STATUS_LINES[status] + b"content-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n" % len(body) + body)
+
+
+class Exchange:
+    """One request/response cycle: the ASGI ``receive`` and ``send`` of one request."""
+
+    __slots__ = ("conn", "task", "method", "keep_alive", "http10", "expect_continue",
+                 "more_body", "body_left", "chunks", "_body", "num_buffered", "_delivered",
+                 "disconnected",
+                 "started", "complete", "_waiter", "_chunked_out", "_length_left", "_no_body")
+
+    def __init__(self, conn: H1Connection, request: RequestHead) -> None:
+        self.conn = conn
+        self.task: asyncio.Task | None = None
+        self.method = request.method
+        self.keep_alive = request.keep_alive
+        self.http10 = request.http_version == "1.0"
+        self.expect_continue = request.expect_continue
+        self.chunks = ChunkedBody() if request.chunked else None
+        self.body_left = request.content_length or 0
+        self.more_body = request.chunked or self.body_left > 0  # request body still arriving
+        self._body: list[bytes] = []
+        self.num_buffered = 0  # body bytes received, not yet given to the app
+        self._delivered = False  # the last http.request message went to the app
+        self.disconnected = False
+        self.started = False
+        self.complete = False
+        self._waiter: asyncio.Event | None = None
+        self._chunked_out = False
+        self._length_left: int | None = None
+        self._no_body = False
+
+    async def run(self, app: Any, scope: dict) -> None:
+        try:
+            await app(scope, self.receive, self.send)
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                log.error("Exception in ASGI application", exc_info=exc)
+            if not self.complete:
+                self.conn.fail(self)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            if not self.complete:
+                if not self.disconnected:
+                    log.error("ASGI app returned without completing the response")
+                self.conn.fail(self)
+
+    # --- the request body and the disconnect, for receive() -----------------------------------
+    def add_body(self, data: bytes, last: bool) -> None:
+        if data:
+            self._body.append(data)
+            self.num_buffered += len(data)
+        if self.chunks is None:
+            self.body_left -= len(data)
+        if last:
+            self.more_body = False
+        self._wake()
+
+    def lost(self) -> None:
+        self.disconnected = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None:
+            self._waiter.set()
+
+    async def receive(self) -> dict:
+        while True:
+            if self.disconnected or self.complete:
+                return _DISCONNECT
+            if not self._delivered and (self._body or not self.more_body):
+                body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
+                self._body.clear()
+                self.num_buffered = 0
+                self._delivered = not self.more_body
+                self.conn.body_read()
+                return {"type": "http.request", "body": body, "more_body": self.more_body}
+            if self.expect_continue:
+                self.expect_continue = False
+                if not self.started:
+                    self.conn.write(_CONTINUE)
+            if self._waiter is None:  # an Event: the body reader and a disconnect watch
+                self._waiter = asyncio.Event()  # may both wait
+            self._waiter.clear()
+            await self._waiter.wait()
+
+    # --- the response, for send() -------------------------------------------------------------
+    async def send(self, message: dict) -> None:
+        kind = message["type"]
+        if kind == "http.response.body":
+            if not self.started or self.complete:
+                raise RuntimeError("http.response.body before http.response.start or after "
+                                   "the response ended")
+            if self.disconnected:
+                return
+            body = message.get("body", b"")
+            more = message.get("more_body", False)
+            self._write_body(body, more)
+            if not more:
+                self.complete = True
+                self._wake()
+                self.conn.response_complete(self)
+            elif self.conn.write_paused:
+                await self.conn.drain()
+        elif kind == "http.response.start":
+            if self.started:
+                raise RuntimeError("http.response.start sent twice")
+            head = self._head(message["status"], message.get("headers", ()))
+            self.started = True  # a head that fails to build is still answered 500
+            if not self.disconnected:
+                self.conn.write(head)
+        else:
+            raise RuntimeError(f"unexpected ASGI message {kind!r}")
+
+    def _head(self, status: int, headers: Any) -> bytes:
+        line = _STATUS_LINES.get(status)
+        if line is None:
+            if not 100 <= status <= 999:
+                raise RuntimeError(f"invalid HTTP status {status!r}")
+            line = b"HTTP/1.1 %d \r\n" % status
+        parts = [line, self.conn.server.date_header]
+        length = None
+        for name, value in headers:
+            name = name.lower()
+            if b"\n" in value or b"\r" in value or b"\n" in name or b"\r" in name or \
+                    b":" in name:
+                raise RuntimeError(f"invalid response header {name!r}")
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding":
+                continue  # the server frames the body itself
+            elif name == b"connection":
+                if b"close" in value.lower():
+                    self.keep_alive = False
+                continue
+            parts.append(b"%s: %s\r\n" % (name, value))
+        self._no_body = self.method == "HEAD" or status in (204, 304) or status < 200
+        if not self._no_body:
+            if length is not None:
+                self._length_left = length
+            elif self.http10:
+                self.keep_alive = False  # the body ends when the connection closes
+            else:
+                self._chunked_out = True
+                parts.append(b"transfer-encoding: chunked\r\n")
+        if self.conn.server.draining or self.more_body:
+            self.keep_alive = False
+        if not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        elif self.http10:
+            parts.append(b"connection: keep-alive\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+    def _write_body(self, body: bytes, more: bool) -> None:
+        conn = self.conn
+        if self._no_body:
+            return
+        if self._chunked_out:
+            if body:
+                out = b"%x\r\n%s\r\n" % (len(body), body)
+                conn.write(out + b"0\r\n\r\n" if not more else out)
+            elif not more:
+                conn.write(b"0\r\n\r\n")
+            return
+        if self._length_left is not None:
+            self._length_left -= len(body)
+            if self._length_left < 0:
+                raise RuntimeError("response body longer than its content-length")
+            if not more and self._length_left:
+                self.keep_alive = False  # cut short: the client must see the connection end
+        if body:
+            conn.write(body)

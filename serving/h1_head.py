@@ -1,0 +1,228 @@
+"""Strict parsing of an HTTP/1.1 request head and of a chunked request body (``serving.h1server``).
+
+``parse_head(head)`` takes the bytes before the blank line and returns a ``RequestHead`` or
+raises ``BadRequest(status, reason)``; nothing that fails here ever reaches the app. Refused
+(400 unless said):
+
+* a malformed request line (not ``METHOD SP target SP HTTP/x.y``, a method that is not a token,
+  a target with a control character, space or non-ASCII byte, or not in origin form / ``*``
+  / absolute form); ``CONNECT``; a version other than 1.0 / 1.1 (505);
+* a malformed header line: no colon, whitespace before the colon, a name that is not a token,
+  a control character in the value, a bare CR or LF, a continuation line (obs-fold);
+* more than ``MAX_HEADERS`` header lines (431); an HTTP/1.1 request without exactly one Host;
+* ``Content-Length`` not all digits (so never negative), longer than 18 digits, or repeated
+  with a different value; ``Transfer-Encoding`` other than exactly ``chunked`` (or on HTTP/1.0);
+  both ``Content-Length`` and ``Transfer-Encoding`` (the request-smuggling pair).
+
+The head's size limit (``MAX_HEAD_BYTES``, 431) is the connection's to check while bytes
+arrive. ``ChunkedBody`` decodes a chunked body incrementally with the same strictness (hex
+size line, CRLF after each chunk, bounded size lines and trailers).
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import unquote
+
+__all__ = ["BadRequest", "ChunkedBody", "MAX_HEADERS", "MAX_HEAD_BYTES", "RequestHead",
+           "parse_head"]
+
+MAX_HEAD_BYTES = 16 * 1024  # request line and headers (h11's default)
+MAX_HEADERS = 100
+_MAX_SIZE_LINE = 1024  # a chunk-size line with its extensions
+_MAX_TRAILER_BYTES = 16 * 1024
+
+_TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_REQUEST_LINE = re.compile(rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])")
+_HEADER = re.compile(rb"(" + _TOKEN + rb"):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*")
+_ABSOLUTE = re.compile(rb"https?://[^/?#]*", re.IGNORECASE)
+
+
+class BadRequest(Exception):
+    """A request the server answers itself (``status``) and then closes the connection."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class RequestHead:
+    """What the server needs from one parsed head (headers lower-cased, values stripped)."""
+
+    __slots__ = ("method", "raw_path", "path", "query_string", "http_version", "headers",
+                 "content_length", "chunked", "keep_alive", "expect_continue")
+
+    def __init__(self, method: str, raw_path: bytes, query_string: bytes, http_version: str,
+                 headers: list[tuple[bytes, bytes]]) -> None:
+        self.method = method
+        self.raw_path = raw_path
+        text = raw_path.decode("ascii")
+        self.path = unquote(text) if "%" in text else text
+        self.query_string = query_string
+        self.http_version = http_version
+        self.headers = headers
+        self.content_length: int | None = None
+        self.chunked = False
+        self.keep_alive = http_version == "1.1"
+        self.expect_continue = False
+
+
+def parse_head(head: bytes) -> RequestHead:
+    """The request head (request line and header lines, without the final blank line)."""
+    lines = head.split(b"\r\n")
+    if len(lines) > MAX_HEADERS + 1:
+        raise BadRequest(431, "too many header lines")
+    match = _REQUEST_LINE.fullmatch(lines[0])
+    if match is None:
+        raise BadRequest(400, "malformed request line")
+    method_b, target, major, minor = match.groups()
+    if (major, minor) not in ((b"1", b"1"), (b"1", b"0")):
+        raise BadRequest(505, "HTTP version not supported")
+    method = method_b.decode("ascii")
+    if method == "CONNECT":
+        raise BadRequest(400, "CONNECT is not supported")
+    raw_path, query_string = _split_target(target, method)
+    request = RequestHead(method, raw_path, query_string, "1.1" if minor == b"1" else "1.0",
+                          _headers(lines))
+    _framing(request)
+    return request
+
+
+def _split_target(target: bytes, method: str) -> tuple[bytes, bytes]:
+    if target[0] != 0x2F:  # "/"
+        if target == b"*" and method == "OPTIONS":
+            return b"*", b""
+        absolute = _ABSOLUTE.match(target)
+        if absolute is None:
+            raise BadRequest(400, "request target is not a path")
+        target = target[absolute.end():] or b"/"
+        if target[0] != 0x2F:
+            raise BadRequest(400, "request target is not a path")
+    raw_path, _, query_string = target.partition(b"?")
+    if b"#" in raw_path:
+        raise BadRequest(400, "fragment in the request target")
+    return raw_path, query_string
+
+
+def _headers(lines: list[bytes]) -> list[tuple[bytes, bytes]]:
+    headers = []
+    for line in lines[1:]:
+        match = _HEADER.fullmatch(line)
+        if match is None:
+            if line[:1] in (b" ", b"\t"):
+                raise BadRequest(400, "obsolete line folding")
+            raise BadRequest(400, "malformed header line")
+        headers.append((match[1].lower(), match[2]))
+    return headers
+
+
+def _framing(request: RequestHead) -> None:
+    """Body framing, keep-alive and Expect from the headers; the smuggling checks."""
+    num_hosts = 0
+    transfer_encoding = None
+    for name, value in request.headers:
+        if name == b"content-length":
+            if not value.isdigit() or len(value) > 18:
+                raise BadRequest(400, "invalid content-length")
+            length = int(value)
+            if request.content_length is not None and request.content_length != length:
+                raise BadRequest(400, "conflicting content-length headers")
+            request.content_length = length
+        elif name == b"transfer-encoding":
+            if transfer_encoding is not None or value.lower() != b"chunked":
+                raise BadRequest(400, "transfer-encoding other than chunked")
+            transfer_encoding = value
+        elif name == b"host":
+            num_hosts += 1
+        elif name == b"connection":
+            tokens = {t.strip() for t in value.lower().split(b",")}
+            if b"close" in tokens:
+                request.keep_alive = False
+            elif b"keep-alive" in tokens and request.http_version == "1.0":
+                request.keep_alive = True
+        elif name == b"expect" and value.lower() == b"100-continue":
+            request.expect_continue = True
+    if request.http_version == "1.1" and num_hosts != 1:
+        raise BadRequest(400, "an HTTP/1.1 request needs exactly one host header")
+    if transfer_encoding is not None:
+        if request.content_length is not None:
+            raise BadRequest(400, "both content-length and transfer-encoding")
+        if request.http_version == "1.0":
+            raise BadRequest(400, "transfer-encoding on HTTP/1.0")
+        request.chunked = True
+
+
+class ChunkedBody:
+    """Incremental decoder of a chunked request body. ``feed(data)`` returns the body bytes in
+    ``data`` and how many bytes of ``data`` it used (the rest belongs to the next request once
+    ``done``); raises ``BadRequest`` on malformed framing."""
+
+    __slots__ = ("done", "_left", "_line", "_state", "_trailer_bytes")
+
+    def __init__(self) -> None:
+        self.done = False
+        self._left = 0  # data bytes left in the current chunk
+        self._line = b""  # a size or trailer line split across reads
+        self._state = "size"  # size | data | crlf | trailer
+        self._trailer_bytes = 0
+
+    def feed(self, data: bytes) -> tuple[bytes, int]:
+        out = []
+        pos, end = 0, len(data)
+        while pos < end and not self.done:
+            if self._state == "data":
+                taken = min(self._left, end - pos)
+                out.append(data[pos:pos + taken])
+                pos += taken
+                self._left -= taken
+                if self._left == 0:
+                    self._state = "crlf"
+                continue
+            if self._state == "crlf":
+                need = 2 - len(self._line)
+                self._line += data[pos:pos + need]
+                pos += min(need, end - pos)
+                if len(self._line) == 2:
+                    if self._line != b"\r\n":
+                        raise BadRequest(400, "chunk data not followed by CRLF")
+                    self._line, self._state = b"", "size"
+                continue
+            line, pos = self._take_line(data, pos)
+            if line is None:
+                break
+            if self._state == "size":
+                self._size(line)
+            else:
+                self._trailer(line)
+        return b"".join(out), pos
+
+    def _take_line(self, data: bytes, pos: int) -> tuple[bytes | None, int]:
+        newline = data.find(b"\n", pos)
+        limit = _MAX_SIZE_LINE if self._state == "size" else _MAX_TRAILER_BYTES
+        if newline < 0:
+            self._line += data[pos:]
+            if len(self._line) > limit:
+                raise BadRequest(400, "chunk size line or trailer too long")
+            return None, len(data)
+        line = self._line + data[pos:newline + 1]
+        self._line = b""
+        if len(line) > limit or not line.endswith(b"\r\n") or b"\r" in line[:-2]:
+            raise BadRequest(400, "malformed chunk size line or trailer")
+        return line[:-2], newline + 1
+
+    def _size(self, line: bytes) -> None:
+        size, _, _extensions = line.partition(b";")
+        size = size.rstrip(b" \t")
+        if not size or len(size) > 15 or size.strip(b"0123456789abcdefABCDEF"):
+            raise BadRequest(400, "invalid chunk size")
+        self._left = int(size, 16)
+        self._state = "data" if self._left else "trailer"
+
+    def _trailer(self, line: bytes) -> None:
+        if not line:
+            self.done = True
+            return
+        self._trailer_bytes += len(line) + 2
+        if self._trailer_bytes > _MAX_TRAILER_BYTES or _HEADER.fullmatch(line) is None:
+            raise BadRequest(400, "malformed or oversized trailer")

@@ -1,0 +1,459 @@
+"""kvguard's own HTTP/1.1 server (``serving.h1server``) over real loopback sockets: malformed
+and smuggling heads are answered 400/431/505 and never reach the app; bodies (content-length,
+chunked, split across writes, 100-continue); keep-alive reuse, ``connection: close``, HTTP/1.0,
+pipelining; ``http.disconnect`` on a client that leaves mid-stream; slow clients cut by the
+limits; app errors; lifespan; drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+
+import httpx
+import pytest
+
+from serving import ServerLimits
+from serving.limited_protocol import ConnectionTable
+from tests.support.loopback import H1LoopbackServer
+from tests.support.slow_clients import TRICKLE_FOR_S, slowloris
+
+
+class Recorder:
+    """Echo app: answers ``{"method", "path", "query", "body", "client"}`` as JSON, with the
+    body read message by message; records every request it saw and how each ended."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self.lifespan: list[str] = []
+        self.disconnected = threading.Event()
+        self.events: list[str] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                self.lifespan.append(message["type"])
+                if message["type"] == "lifespan.startup":
+                    scope["state"]["greeting"] = "hi"
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        self.requests.append(scope)
+        path = scope["path"]
+        self.events.append("start " + path)
+        if path == "/boom":
+            raise RuntimeError("boom before the response")
+        if path == "/stream":
+            return await self._stream(receive, send)
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected.set()
+                return
+            chunks.append(message["body"])
+            if not message["more_body"]:
+                break
+        body = json.dumps({"method": scope["method"], "path": path,
+                           "query": scope["query_string"].decode(),
+                           "body": b"".join(chunks).decode(), "client": list(scope["client"]),
+                           "state": scope["state"].get("greeting"),
+                           "num_messages": len(chunks)}).encode()
+        headers = [(b"content-type", b"application/json")]
+        if path != "/chunked":
+            headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if path == "/after-start-boom":
+            raise RuntimeError("boom after the response started")
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        self.events.append("end " + path)
+
+    async def _stream(self, receive, send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        message = await receive()  # the next message can only be the disconnect
+        if message["type"] == "http.disconnect":
+            self.disconnected.set()
+
+
+@pytest.fixture()
+def server():
+    with contextlib.ExitStack() as stack:
+        def start(app=None, limits: ServerLimits | None = None) -> H1LoopbackServer:
+            table = ConnectionTable(limits or ServerLimits())
+            return stack.enter_context(H1LoopbackServer(app or Recorder(), table))
+
+        yield start
+
+
+async def _exchange(port: int, raw: bytes, read_until_close: bool = True) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw)
+    try:
+        if read_until_close:
+            return await asyncio.wait_for(reader.read(), 30.0)
+        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30.0)
+    finally:
+        writer.close()
+
+
+def _send(port: int, raw: bytes) -> bytes:
+    return asyncio.run(_exchange(port, raw))
+
+
+BAD_HEADS = [
+    (b"GARBAGE / NOT-HTTP\r\n\r\n", 400),
+    (b"GET  / HTTP/1.1\r\nhost: x\r\n\r\n", 400),  # two spaces
+    (b"GET foo HTTP/1.1\r\nhost: x\r\n\r\n", 400),  # not a path
+    (b"GET /a\x01b HTTP/1.1\r\nhost: x\r\n\r\n", 400),
+    (b"G(T / HTTP/1.1\r\nhost: x\r\n\r\n", 400),  # method not a token
+    (b"CONNECT x:443 HTTP/1.1\r\nhost: x\r\n\r\n", 400),
+    (b"GET / HTTP/2.0\r\nhost: x\r\n\r\n", 505),
+    (b"GET / HTTP/1.1\r\n\r\n", 400),  # no host
+    (b"GET / HTTP/1.1\r\nhost: x\r\nhost: y\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nhost : x\r\n\r\n", 400),  # whitespace before the colon
+    (b"GET / HTTP/1.1\r\nhost: x\r\nno-colon\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nhost: x\r\nx-a: 1\r\n  folded\r\n\r\n", 400),  # obs-fold
+    (b"GET / HTTP/1.1\r\nhost: x\r\nx-a: b\x00c\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nhost: x\nx-a: b\r\n\r\n", 400),  # bare LF
+    (b"GET / HTTP/1.1\r\nhost: x\rx-a: b\r\n\r\n", 400),  # bare CR
+    # request smuggling: both framings, an obfuscated or repeated TE, conflicting lengths
+    (b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\ntransfer-encoding: chunked\r\n\r\n"
+     b"0\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip, chunked\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: xchunked\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+     b"transfer-encoding: chunked\r\n\r\n", 400),
+    (b"POST / HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabcd", 400),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: -1\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: +3\r\n\r\nabc", 400),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 3, 3\r\n\r\nabc", 400),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1e3\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 99999999999999999999\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nhost: x\r\n" + b"x-a: b\r\n" * 101 + b"\r\n", 431),
+    (b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20_000 + b"\r\n\r\n", 431),
+]
+
+
+@pytest.mark.parametrize("raw,status", BAD_HEADS, ids=range(len(BAD_HEADS)))
+def test_malformed_heads_are_refused_and_never_reach_the_app(server, raw, status):
+    srv = server()
+    answer = _send(srv.port, raw)
+    assert answer.startswith(b"HTTP/1.1 %d " % status), answer
+    assert b"connection: close" in answer and b'"error"' in answer
+    assert srv.server.app.requests == []
+    # the server is fine afterwards
+    assert httpx.get(srv.url + "/ok", trust_env=False).json()["path"] == "/ok"
+
+
+def test_a_smuggled_second_request_is_not_served(server):
+    """CL.TE: with both headers the whole message is refused, so the "body" that would be a
+    second request for a server that trusted the other header never runs."""
+    srv = server()
+    answer = _send(srv.port, b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 35\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n0\r\n\r\n"
+                             b"GET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400 ") and answer.count(b"HTTP/1.1") == 1
+    assert srv.server.app.requests == []
+
+
+def test_scope_and_content_length_body_split_across_writes(server):
+    srv = server()
+
+    async def main() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(b"POST /a%20b/c?x=1&y=%20 HTTP/1.1\r\nHost: x\r\nX-Up: V\r\n"
+                     b"content-length: 10\r\n\r\nhel")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"lo worl")
+        writer.write(b"d")  # never read: past the content-length
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30.0)
+        length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+        body = await asyncio.wait_for(reader.readexactly(length), 30.0)
+        writer.close()
+        return body
+
+    answer = json.loads(asyncio.run(main()))
+    assert answer["body"] == "hello worl" and answer["query"] == "x=1&y=%20"
+    assert answer["path"] == "/a b/c" and answer["state"] == "hi"
+    scope = srv.server.app.requests[0]
+    assert scope["raw_path"] == b"/a%20b/c" and scope["http_version"] == "1.1"
+    assert scope["scheme"] == "http" and scope["root_path"] == ""
+    assert scope["server"] == ("127.0.0.1", srv.port)
+    assert scope["asgi"]["version"] == "3.0"
+    assert (b"x-up", b"V") in scope["headers"] and (b"host", b"x") in scope["headers"]
+
+
+def test_chunked_request_body_with_extensions_and_trailers(server):
+    srv = server()
+    answer = _send(srv.port, b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: Chunked\r\n"
+                             b"connection: close\r\n\r\n5;ext=1\r\nhello\r\n1\r\n \r\n"
+                             b"5\r\nworld\r\n0\r\nx-trailer: t\r\n\r\n")
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200 ") and b"connection: close" in head
+    assert json.loads(body)["body"] == "hello world"
+
+
+@pytest.mark.parametrize("bad_chunk", [b"zz\r\nhello\r\n0\r\n\r\n", b"5\r\nhelloXX0\r\n\r\n",
+                                       b"-5\r\nhello\r\n0\r\n\r\n"])
+def test_malformed_chunked_body_is_400_and_the_app_sees_a_disconnect(server, bad_chunk):
+    srv = server()
+    answer = _send(srv.port, b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+                             b"\r\n" + bad_chunk)
+    assert answer.startswith(b"HTTP/1.1 400 "), answer
+    assert srv.server.app.disconnected.wait(30.0)
+
+
+def test_keep_alive_reuses_one_connection_and_close_ends_it(server):
+    srv = server()
+    with httpx.Client(base_url=srv.url, trust_env=False) as client:
+        answers = [client.post("/k", content=b"x" * i).json() for i in range(5)]
+        closed = client.get("/last", headers={"connection": "close"})
+    assert [a["body"] for a in answers] == ["x" * i for i in range(5)]
+    assert len({tuple(a["client"]) for a in answers}) == 1  # one connection
+    assert closed.headers["connection"] == "close"
+
+
+def test_http10_is_closed_after_the_response_unless_keep_alive(server):
+    srv = server()
+    answer = _send(srv.port, b"GET /chunked HTTP/1.0\r\n\r\n")  # no content-length: until close
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding" not in head
+    assert b"connection: close" in head and json.loads(body)["path"] == "/chunked"
+    kept = asyncio.run(_exchange(srv.port, b"GET /k HTTP/1.0\r\nconnection: keep-alive\r\n\r\n",
+                                 read_until_close=False))
+    assert b"connection: keep-alive" in kept
+
+
+def test_pipelined_requests_are_answered_in_order_one_at_a_time(server):
+    srv = server()
+    answer = _send(srv.port, b"GET /one HTTP/1.1\r\nhost: x\r\n\r\n"
+                             b"POST /two HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi"
+                             b"GET /three HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    assert answer.count(b"HTTP/1.1 200 ") == 3
+    assert answer.index(b'"/one"') < answer.index(b'"/two"') < answer.index(b'"/three"')
+    assert srv.server.app.events == ["start /one", "end /one", "start /two", "end /two",
+                                     "start /three", "end /three"]
+
+
+def test_chunked_response_when_the_app_gives_no_length(server):
+    srv = server()
+    with httpx.Client(base_url=srv.url, trust_env=False) as client:
+        response = client.get("/chunked")
+    assert response.headers["transfer-encoding"] == "chunked"
+    assert response.json()["path"] == "/chunked"
+
+
+def test_expect_100_continue_then_the_body(server):
+    srv = server()
+
+    async def main() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(b"POST /e HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n"
+                     b"expect: 100-continue\r\nconnection: close\r\n\r\n")
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30.0)
+        writer.write(b"abc")
+        rest = await asyncio.wait_for(reader.read(), 30.0)
+        writer.close()
+        return interim, rest
+
+    interim, rest = asyncio.run(main())
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert json.loads(rest.split(b"\r\n\r\n", 1)[1])["body"] == "abc"
+
+
+def test_head_request_gets_no_body(server):
+    srv = server()
+    answer = _send(srv.port, b"HEAD /h HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200 ") and body == b""
+
+
+def test_client_leaving_mid_stream_is_a_prompt_disconnect(server):
+    srv = server()
+
+    async def main() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.wait_for(reader.readuntil(b"data: 1\n\n"), 30.0)
+        writer.close()
+
+    asyncio.run(main())
+    assert srv.server.app.disconnected.wait(30.0)  # hang guard: the app is never woken else
+    assert srv.call(_num_connections(srv)) == 0
+
+
+async def _num_connections(srv) -> int:
+    return len(srv.server.connections)
+
+
+def test_app_error_before_the_response_is_500_json(server):
+    srv = server()
+    answer = _send(srv.port, b"GET /boom HTTP/1.1\r\nhost: x\r\n\r\n")
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 500 ") and b"connection: close" in head
+    assert json.loads(body)["error"]["type"] == "server_error"
+
+
+def test_app_error_after_the_response_started_closes_the_connection(server):
+    srv = server()
+    answer = _send(srv.port, b"GET /after-start-boom HTTP/1.1\r\nhost: x\r\n\r\n")
+    head, body = answer.split(b"\r\n\r\n", 1)  # read() returned: the server closed
+    length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+    assert head.startswith(b"HTTP/1.1 200 ") and len(body) < length
+
+
+def test_lifespan_runs_around_serving_and_the_state_reaches_requests(server):
+    app = Recorder()
+    srv = server(app)
+    assert app.lifespan == ["lifespan.startup"]
+    assert httpx.get(srv.url + "/s", trust_env=False).json()["state"] == "hi"
+    srv.call(srv.server.stop())
+    assert app.lifespan == ["lifespan.startup", "lifespan.shutdown"]
+
+
+def test_a_failed_startup_does_not_listen():
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "lifespan.startup.failed", "message": "no"})
+
+    srv = H1LoopbackServer(app, ConnectionTable(ServerLimits()))
+    with pytest.raises(RuntimeError, match="startup failed"), srv:
+        pass
+    assert not srv.server.started
+
+
+def test_stop_closes_idle_connections_and_lets_a_response_finish(server):
+    release = threading.Event()
+
+    async def slow(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"a", "more_body": True})
+        while not release.is_set():  # bounded by the test's own hang guard below
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b"b", "more_body": False})
+
+    srv = server(slow)
+    idle = socket.create_connection(("127.0.0.1", srv.port))
+    busy = socket.create_connection(("127.0.0.1", srv.port))
+    busy.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert busy.recv(4096).startswith(b"HTTP/1.1 200 ")
+    stopping = asyncio.run_coroutine_threadsafe(srv.server.stop(), srv.loop)
+    idle.settimeout(30.0)
+    assert idle.recv(1) == b""  # closed by the drain
+    release.set()
+    busy.settimeout(30.0)
+    rest = b""
+    while chunk := busy.recv(4096):
+        rest += chunk
+    assert rest.endswith(b"1\r\nb\r\n0\r\n\r\n")  # finished, then closed
+    stopping.result(30.0)
+    idle.close()
+    busy.close()
+
+
+@pytest.mark.slow
+def test_slow_clients_are_cut_while_a_probe_is_served(server):
+    srv = server(limits=ServerLimits(header_timeout_s=2, body_timeout_s=2,
+                                     keep_alive_timeout_s=2))
+    srv.server.app.requests.clear()
+    closed_after_s, probe, _ = asyncio.run(slowloris(srv.url, "/v1/completions", {"a": 1}))
+    assert probe.status_code == 200 and json.loads(probe.json()["body"]) == {"a": 1}
+    never_cut = [i for i, t in enumerate(closed_after_s) if t is None]
+    assert not never_cut, f"connections still open after {TRICKLE_FOR_S} s: {never_cut}"
+    closed = srv.table.num_closed_by_reason
+    assert closed["header_timeout"] >= 25 and closed["body_timeout"] >= 15, closed
+    assert srv.table.num_open == 0 or srv.call(_num_connections(srv)) == srv.table.num_open
+
+
+def test_two_waiting_receives_both_see_the_disconnect(server):
+    """The proxy reads the body and watches for the disconnect with separate receive() calls;
+    each waiting one must be woken."""
+    woken: list[str] = []
+    done = threading.Event()
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await receive()  # the (empty) body
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        first, second = await asyncio.gather(receive(), receive())
+        woken.extend([first["type"], second["type"]])
+        done.set()
+
+    srv = server(app)
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+    assert done.wait(30.0)
+    assert woken == ["http.disconnect", "http.disconnect"]
+
+
+def test_a_body_the_app_does_not_read_yet_is_not_buffered_without_bound(server):
+    """The client sends 16 MiB while the app holds off reading: the server stops reading
+    (TCP pushes back on the client) instead of buffering it all; then the app gets every byte."""
+    go = threading.Event()
+    seen: list[int] = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while not go.is_set():  # bounded by the test's own hang guard below
+            await asyncio.sleep(0.01)
+        size = 0
+        while True:
+            message = await receive()
+            size += len(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        seen.append(size)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    srv = server(app)
+    total = 16 * 1024 * 1024
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sender = threading.Thread(target=sock.sendall, args=(
+        b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % total + b"x" * total,),
+        daemon=True)
+    sender.start()
+    sender.join(1.0)  # it blocks: the server stopped reading
+    assert sender.is_alive()
+    buffered = srv.call(_num_buffered(srv))
+    assert buffered <= 1024 * 1024, buffered  # 256 KiB mark + at most a few reads
+    go.set()
+    sender.join(30.0)
+    sock.settimeout(30.0)
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+    sock.close()
+    assert seen == [total]
+
+
+async def _num_buffered(srv) -> int:
+    return sum(len(c._buffer) + (c.exchange.num_buffered if c.exchange else 0)
+               for c in srv.server.connections)
+
+
+@pytest.mark.parametrize("headers", [[(b"x-a", b"b\r\nset-cookie: injected")],
+                                     [(b"content-length", b"nope")]])
+def test_a_response_head_the_app_gets_wrong_is_a_500_not_an_injection(server, headers):
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+    srv = server(app)
+    answer = _send(srv.port, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 500 ") and b"injected" not in answer, answer
