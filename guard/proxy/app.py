@@ -85,7 +85,7 @@ class ProxyApp:
             proxy.max_connections_per_replica, len(self.urls))
         self.health = ReplicaHealth(self.urls, proxy.eject_after_failures, proxy.probe_interval_s,
                                     self._mark_unhealthy, self._probe, self.clock)
-        # state polls ride the requests' pooled transport (aiohttp: ~4x less CPU than httpx)
+        # state polls ride the requests' pooled transport (~4x less CPU than an httpx client)
         sources = state_sources(config.replicas, TransportStateClient(self.transport),
                                 timeout_s=config.state_timeout_s)
         gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}

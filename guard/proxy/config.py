@@ -1,8 +1,8 @@
 """``ProxyConfig``: the standalone proxy's own settings, the ``[proxy]`` table of guard.toml.
 
     [proxy]
-    upstream_client = "aiohttp"    # or "httpx", or "h1" (HTTP/1.1 on raw asyncio protocols);
-                                   # kvguard bench proxy --stacks compares them
+    upstream_client = "h1"         # HTTP/1.1 on raw asyncio protocols; or "aiohttp", "httpx"
+                                   # (kvguard bench proxy --stacks compares them)
     connect_timeout_s = 5.0        # TCP connect to a replica; past it: re-dispatch once, then 502
     read_timeout_s = 60.0          # silence from a replica (response head or next chunk): 504 /
                                    # an SSE error event
@@ -29,7 +29,7 @@ _CLIENTS = ("aiohttp", "httpx", "h1")
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    upstream_client: str = "aiohttp"
+    upstream_client: str = "h1"
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 60.0
     eject_after_failures: int = 3

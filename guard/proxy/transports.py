@@ -1,8 +1,8 @@
 """Pooled keep-alive HTTP clients to the upstream replicas, behind one small interface.
 
 Three implementations of :class:`Transport`, chosen by the proxy's ``upstream_client`` key:
-``aiohttp`` (the default), ``httpx``, and ``h1`` (HTTP/1.1 on raw asyncio protocols,
-:mod:`guard.proxy.h1_transport`); ``kvguard bench proxy --stacks`` compares them.
+``h1`` (the default: HTTP/1.1 on raw asyncio protocols, :mod:`guard.proxy.h1_transport`),
+``aiohttp`` and ``httpx``; ``kvguard bench proxy --stacks`` compares them.
 Each keeps one connection pool for all upstreams with keep-alive, never decompresses (bytes
 pass through as the upstream sent them) and maps its own exceptions onto one tree::
 

@@ -33,7 +33,7 @@ upstream_client = "{client}"
 
 
 def write_config(directory: Path, *, policy: str = "slo", read_timeout_s: float = 2.0,
-                 client: str = "aiohttp", probe_interval_s: float = 0.2) -> str:
+                 client: str = "h1", probe_interval_s: float = 0.2) -> str:
     path = directory / f"proxy-{policy}-{client}.toml"
     path.write_text(PROXY_CONFIG.format(policy=policy, read_timeout_s=read_timeout_s,
                                         client=client, probe_interval_s=probe_interval_s))

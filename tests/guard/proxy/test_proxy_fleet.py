@@ -42,11 +42,11 @@ def fleet(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def proxy_urls(fleet, tmp_path_factory):
-    """The fleet's proxy (aiohttp upstream client) and one on the h1 client, same replicas and
-    server."""
-    config = write_config(tmp_path_factory.mktemp("proxy-h1"), client="h1")
-    with running(proxy_child(fleet.replica_urls, config)) as h1:
-        yield {"aiohttp": fleet.proxy_urls[0], "h1": h1.url}
+    """The fleet's proxy (the default upstream client, h1) and one on the aiohttp client, same
+    replicas and server."""
+    config = write_config(tmp_path_factory.mktemp("proxy-aiohttp"), client="aiohttp")
+    with running(proxy_child(fleet.replica_urls, config)) as other:
+        yield {"h1": fleet.proxy_urls[0], "aiohttp": other.url}
 
 
 CLIENTS = pytest.mark.parametrize("upstream_client", ["aiohttp", "h1"])
@@ -151,9 +151,10 @@ def test_client_disconnect_frees_the_upstream_blocks(fleet, client, tmp_path, ht
         _disconnect_frees_the_blocks(fleet, client, proxy.url, body)
 
 
-def test_client_disconnect_frees_the_upstream_blocks_over_the_h1_client(fleet, proxy_urls, client):
+def test_client_disconnect_frees_the_upstream_blocks_over_the_aiohttp_client(fleet, proxy_urls,
+                                                                              client):
     body = {**BODIES["/v1/completions"], "max_tokens": 3000, "stream": True}
-    _disconnect_frees_the_blocks(fleet, client, proxy_urls["h1"], body)
+    _disconnect_frees_the_blocks(fleet, client, proxy_urls["aiohttp"], body)
 
 
 def _disconnect_frees_the_blocks(fleet, client, proxy_url: str, body: dict) -> None:
