@@ -56,6 +56,7 @@ class ChildProcess:
         self.num_starts = 0
         self._lock = threading.Lock()   # orders a start's Popen against close()
         self._closed = False
+        self._pump_thread: threading.Thread | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout_s: float = 90.0) -> ChildProcess:
@@ -70,8 +71,9 @@ class ChildProcess:
                                          text=True, env=self._env)
             self.num_starts += 1
         ready = threading.Event()
-        threading.Thread(target=self._pump, args=(self.proc, ready), daemon=True,
-                         name=f"{self.name}-output").start()
+        self._pump_thread = threading.Thread(target=self._pump, args=(self.proc, ready),
+                                             daemon=True, name=f"{self.name}-output")
+        self._pump_thread.start()
         deadline_s = time.monotonic() + timeout_s
         if self._ready is not None and (not ready.wait(timeout_s) or not self.url):
             self._fail(f"did not print its readiness line within {timeout_s:.0f} s")
@@ -88,6 +90,8 @@ class ChildProcess:
 
     def _fail(self, why: str) -> None:
         self.terminate()
+        if self._pump_thread is not None:  # the process is gone: its last lines are in the pipe
+            self._pump_thread.join(5.0)
         raise RuntimeError(f"{self.name} {why}:\n{self.output()[-3000:]}")
 
     def _pump(self, proc: subprocess.Popen, ready: threading.Event) -> None:

@@ -14,9 +14,9 @@ passes, then the process exits 0; a second signal exits at once.
 
 Slow or greedy clients are bounded as in ``kvguard engine`` (``serving.ServerLimits``:
 ``--header-timeout-s``, ``--body-timeout-s``, ``--keep-alive-timeout-s``, ``--write-timeout-s``,
-``--max-connections``, ``--max-connections-per-client``), on every ``--http`` server: uvicorn
-(``h11``, ``httptools``; ``auto`` picks httptools when installed) or ``kvguard``, kvguard's own
-HTTP/1.1 server on asyncio protocols (``serving.h1server``), which adds less latency.
+``--max-connections``, ``--max-connections-per-client``), on every ``--http`` server: ``kvguard``
+(the default), kvguard's own HTTP/1.1 server on asyncio protocols (``serving.h1server``), which
+adds less latency, or uvicorn (``h11``, ``httptools``; ``auto`` picks httptools when installed).
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=9000, help="0 picks a free port")
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                         help="event loop (auto: uvloop when installed)")
-    parser.add_argument("--http", choices=("auto", "h11", "httptools", "kvguard"),
-                        default="auto",
-                        help="HTTP server: uvicorn with its h11 or httptools parser (auto: "
-                             "httptools when installed), or kvguard's own HTTP/1.1 server "
-                             "(serving.h1server)")
+    parser.add_argument("--http", choices=("kvguard", "auto", "h11", "httptools"),
+                        default="kvguard",
+                        help="HTTP server: kvguard's own HTTP/1.1 server (serving.h1server; "
+                             "the default), or uvicorn with its h11 or httptools parser "
+                             "(auto: httptools when installed)")
     parser.add_argument("--log-level", default="warning")
     add_limit_arguments(parser)
 
