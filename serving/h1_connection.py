@@ -27,7 +27,7 @@ from typing import Any
 
 from serving.h1_exchange import Exchange, error_response
 from serving.h1_head import MAX_HEAD_BYTES, BadRequest, RequestHead, parse_head
-from serving.limited_protocol import REFUSAL, REFUSAL_LINGER_S
+from serving.limited_protocol import REFUSAL, REFUSAL_LINGER_S, PhaseDeadlines
 
 __all__ = ["H1Connection"]
 
@@ -35,10 +35,9 @@ log = logging.getLogger("kvguard.http")
 
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _MAX_BUFFERED = 256 * 1024  # unread request bytes before reading pauses
-_TIMEOUT_REASONS = {"head": "header_timeout", "body": "body_timeout"}
 
 
-class H1Connection(asyncio.Protocol):
+class H1Connection(PhaseDeadlines, asyncio.Protocol):
     """``server`` is the ``serving.h1server.H1Server`` (app, table, lifespan state, date)."""
 
     def __init__(self, server: Any) -> None:
@@ -249,25 +248,9 @@ class H1Connection(asyncio.Protocol):
             transport.write_eof()
         self._deadline = self.loop.call_later(REFUSAL_LINGER_S, transport.close)
 
-    # --- deadlines ----------------------------------------------------------------------------
-    def _arm(self, phase: str, timeout_s: float | None) -> None:
-        self._cancel()
-        self._phase = phase
-        if timeout_s is not None:
-            self._deadline = self.loop.call_later(timeout_s, self._expire, phase)
-
-    def _cancel(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-
-    def _expire(self, phase: str) -> None:
-        self._deadline = None
-        if self._phase != phase or self.transport.is_closing():
-            return
-        if phase in _TIMEOUT_REASONS:
-            self.server.table.closed(_TIMEOUT_REASONS[phase])
-        self.transport.close()
+    # --- deadlines (serving.limited_protocol.PhaseDeadlines) -----------------------------------
+    def _connection_table(self):
+        return self.server.table
 
     def _expire_write(self) -> None:
         self._write_deadline = None

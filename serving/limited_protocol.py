@@ -31,8 +31,8 @@ from typing import Any
 
 from serving.server_limits import ServerLimits
 
-__all__ = ["REFUSAL", "REFUSAL_LINGER_S", "ConnectionTable", "limited_protocol_class",
-           "uvicorn_config"]
+__all__ = ["REFUSAL", "REFUSAL_LINGER_S", "ConnectionTable", "PhaseDeadlines",
+           "limited_protocol_class", "uvicorn_config"]
 
 _REFUSAL_BODY = json.dumps({"error": {
     "message": "Too many open connections; retry shortly.", "type": "server_error",
@@ -42,6 +42,40 @@ REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\
             + str(len(_REFUSAL_BODY)).encode() + b"\r\n\r\n" + _REFUSAL_BODY)
 REFUSAL_LINGER_S = 1.0
 _TIMEOUT_REASONS = {"head": "header_timeout", "body": "body_timeout"}
+
+
+class PhaseDeadlines:
+    """One deadline at a time for a connection's current phase (mixed into both servers'
+    protocols). The protocol sets ``loop``, ``transport``, ``_phase`` and ``_deadline`` (None)
+    and names its ``_connection_table()``; a head or body deadline that passes is counted there
+    by reason, and any deadline that passes closes the connection."""
+
+    _phase: str
+    _deadline: Any
+
+    def _connection_table(self) -> ConnectionTable:
+        raise NotImplementedError
+
+    def _arm(self, phase: str, timeout_s: float | None) -> None:
+        self._cancel()
+        self._phase = phase
+        if timeout_s is not None:
+            self._deadline = self.loop.call_later(timeout_s, self._expire, phase)
+
+    def _cancel(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self, phase: str) -> None:
+        self._deadline = None
+        transport = self.transport
+        if self._phase != phase or transport is None or transport.is_closing():
+            return
+        reason = _TIMEOUT_REASONS.get(phase)  # keep-alive idle: closed, not counted
+        if reason is not None:
+            self._connection_table().closed(reason)
+        transport.close()
 
 
 class ConnectionTable:
@@ -106,7 +140,7 @@ def limited_protocol_class(table: ConnectionTable, http: str = "h11") -> type:
     base = _base_protocol(http)
     limits = table.limits
 
-    class LimitedProtocol(base):
+    class LimitedProtocol(PhaseDeadlines, base):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._client_addr: str | None = None  # set once counted in the table
@@ -187,23 +221,8 @@ def limited_protocol_class(table: ConnectionTable, http: str = "h11") -> type:
             elif self._phase in ("head", "body"):
                 self._arm("serving", None)
 
-        def _arm(self, phase: str, timeout_s: float | None) -> None:
-            self._cancel()
-            self._phase = phase
-            if timeout_s is not None:
-                self._deadline = self.loop.call_later(timeout_s, self._expire, phase)
-
-        def _cancel(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _expire(self, phase: str) -> None:
-            self._deadline = None
-            if self._phase != phase or self.transport is None or self.transport.is_closing():
-                return
-            table.closed(_TIMEOUT_REASONS[phase])
-            self.transport.close()
+        def _connection_table(self) -> ConnectionTable:
+            return table
 
     return LimitedProtocol
 
