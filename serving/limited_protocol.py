@@ -53,9 +53,6 @@ class PhaseDeadlines:
     _phase: str
     _deadline: Any
 
-    def _connection_table(self) -> ConnectionTable:
-        raise NotImplementedError
-
     def _arm(self, phase: str, timeout_s: float | None) -> None:
         self._cancel()
         self._phase = phase
