@@ -38,7 +38,7 @@ from chaos.replica import ReplicaProcess, exit_on_sigterm, write_guard_config
 from chaos.report import read_records
 from chaos.stats import percentile
 
-__all__ = ["configure", "run", "shed_row", "loop_lag_max_s"]
+__all__ = ["configure", "run", "shed_row", "loop_lag_max_s", "engine_args"]
 
 _LOOP_LAG = re.compile(r"^kvguard_event_loop_lag_max_seconds\s+([0-9.eE+-]+)$", re.M)
 
@@ -52,7 +52,17 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft", type=float, default=1.0, help="class TTFT limit, wall seconds")
     p.add_argument("--itl", type=float, default=1.0, help="class ITL limit, wall seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--http", choices=("h11", "kvguard"), default="h11",
+                   help="the replica's HTTP server (kvguard engine --http): uvicorn's h11 "
+                        "(the engine's default) or kvguard's own")
     p.add_argument("--out", default=None, help="output folder (default runs/sheds-<time>)")
+
+
+def engine_args(args: argparse.Namespace, guard_config: str) -> list[str]:
+    """The small, slow sim replica with the guard mounted, on the chosen HTTP server."""
+    return ["--model", "llama-7b", "--backend", "sim", "--gpu", "h100-80g",
+            "--time-scale", repr(args.time_scale), "--max-num-seqs", str(args.max_num_seqs),
+            "--guard", guard_config, "--http", args.http]
 
 
 def loop_lag_max_s(metrics_text: str) -> float | None:
@@ -98,10 +108,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = write_guard_config(str(out / "guard.toml"), policy="slo", ttft_s=args.ttft,
                                 itl_s=args.itl)
-    engine_args = ["--model", "llama-7b", "--backend", "sim", "--gpu", "h100-80g",
-                   "--time-scale", repr(args.time_scale), "--max-num-seqs",
-                   str(args.max_num_seqs), "--guard", config]
-    with ReplicaProcess.start(engine_args) as replica:
+    with ReplicaProcess.start(engine_args(args, config)) as replica:
         server = psutil.Process(replica.proc.pid)
         server_cpu0 = _cpu_s(server)
         summary = run_once(_load_args(replica.base_url, args, out), args.rate, out, None)
@@ -110,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
                             trust_env=False).text
     row = shed_row(read_records(out / "requests.jsonl"), args.rate, args.duration)
     row["loop_lag_max_s"] = loop_lag_max_s(metrics)
+    row["http"] = args.http
     row.update(_cost_row(summary, server_cpu_s, row["offered"]))
     row["warnings"] = summary["warnings"]
     (out / "sheds.json").write_text(json.dumps(

@@ -41,3 +41,18 @@ def test_loop_lag_is_read_from_the_guard_metrics():
     text = "# HELP x\nkvguard_event_loop_lag_max_seconds 0.0375\nother 1\n"
     assert loop_lag_max_s(text) == pytest.approx(0.0375)
     assert loop_lag_max_s("nothing here") is None
+
+
+def test_the_replica_runs_on_the_http_server_asked_for():
+    import argparse
+
+    from chaos.shed_bench import configure, engine_args
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    default = engine_args(parser.parse_args([]), "g.toml")
+    assert default[default.index("--http") + 1] == "h11"
+    ours = engine_args(parser.parse_args(["--http", "kvguard"]), "g.toml")
+    assert ours[ours.index("--http") + 1] == "kvguard" and "g.toml" in ours
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--http", "nginx"])
