@@ -28,6 +28,7 @@ from guard.request_rules import (
     parse_body,
 )
 from guard.retry_headers import RETRY_COUNT_HEADERS, is_retry_attempt
+from policies.client_patience import client_software
 from policies.cost import RequestClass, RequestCost
 
 __all__ = [
@@ -204,6 +205,7 @@ class Pricer:
              if not self._deadline_headers.isdisjoint(headers)
              else now_s + request_class.ttft_s),  # no deadline hint: the class's
             self._is_retry(headers, tenant.name, now_s),              # is_retry
+            client_software(headers.get("user-agent")),               # client
         )
         raw = body if isinstance(body, bytes) else b""
         return PricedRequest(cost, data, bool(data.get("stream")), chars, overhead, exact, defaulted,

@@ -202,7 +202,8 @@ class Ticket:
             released_s, None if first_token_s is None else first_token_s - cost.arrival_s,
             self.max_itl_s, cost.num_prompt_tokens,
             self.num_content_chunks if output is None else output, self.ok, self.slo_met,
-            self.outcome, released_s - cost.arrival_s, self.client_disconnected, cost.max_tokens)
+            self.outcome, released_s - cost.arrival_s, self.client_disconnected, cost.max_tokens,
+            cost.client)
 
     # -- releasing ------------------------------------------------------------------------
     def release(self, outcome: str) -> bool:

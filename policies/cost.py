@@ -44,6 +44,9 @@ class RequestCost:
     arrival_s: float
     deadline_s: float
     is_retry: bool = False
+    # the client software its User-Agent names (policies.client_patience.client_software):
+    # client patience is learned per tenant and client software
+    client: str = ""
 
     @property
     def num_reserved_tokens(self) -> int:

@@ -53,3 +53,4 @@ class CompletionSample:
     client_left: bool = False  # the client disconnected before the end (not the guard's doing)
     max_tokens: int | None = None  # what the request allowed (a completion that used it all ran
     #                                to its limit: its length says nothing of the natural one)
+    client: str = ""  # the request's client software (RequestCost.client)

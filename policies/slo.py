@@ -54,23 +54,26 @@ beyond that it queues for at most ``stale_queue_s`` (state may refresh meanwhile
 
 Client patience (:mod:`policies.client_patience`): a client that disconnects from an admitted
 request before its response ends shows how long it was willing to wait (arrival → release).
-When such cancellations are at least ``min_cancel_share`` (default 5 %) of a class's recent
-outcomes (completions and client cancellations, the last 200 within 30 s, at least 20 of them
-and 5 cancellations), the ``patience_quantile``-th quantile (default 0.25) of elapsed-at-cancel
-becomes the class's patience, and steps 4–5 also require the first token early enough that the
+Patience is learned per client — the class, the tenant and the client software its
+``User-Agent`` names — since one app's 9 s timeout says nothing of another's. When a client's
+cancellations are at least ``min_cancel_share`` (default 5 %) of its recent outcomes
+(completions and client cancellations, the last 200 within 30 s, at least 20 of them and 5
+cancellations), the ``patience_quantile``-th quantile (default 0.25) of elapsed-at-cancel
+becomes its patience, and steps 4–5 also require the first token early enough that the
 expected decode (``num_expected_output_tokens`` × the forecast join step, or × the median
-decode time per token of the latest 16 streams, completed or abandoned, when that is longer:
-under load, prefill chunks stretch every stream's steps; and the request's own ``max_tokens``
-instead of the learned mean while most of the latest completions ran to their limit) ends
-within the patience from arrival: a request that would fit its TTFT but be abandoned
-mid-stream is queued
-while that could still change, else shed as overload (the same reasons and retry advice). This
-stops the timeout-and-retry loop in which every admitted attempt is abandoned and retried, so
-the load never falls below capacity. A request that could not end within the patience even
-alone on an idle replica is held to its TTFT only. Only the client's own disconnects count
-(never a request the guard itself cancelled, e.g. at shutdown); the estimate lapses once
-cancellations fall below the share or 30 s after the last one. With no cancellations the
-decisions are exactly those described above.
+decode time per token of the class's latest 16 streams, completed or abandoned, when that is
+longer: under load, prefill chunks stretch every stream's steps; and the request's own
+``max_tokens`` instead of the learned mean while most of the latest completions ran to their
+limit) ends within the patience from arrival: a request that would fit its TTFT but be
+abandoned mid-stream is queued while that could still change, else shed as overload (the same
+reasons and retry advice). This stops the timeout-and-retry loop in which every admitted
+attempt is abandoned and retried, so the load never falls below capacity, without holding the
+patient clients to the impatient ones' limit. A request that could not end within the
+patience even alone on an idle replica is held to its TTFT only. Only the client's own
+disconnects count (never a request the guard itself cancelled, e.g. at shutdown). Once
+started, the estimate holds until 60 s after the client's last cancellation — cancellations
+stopping is what the check achieves, not a sign the clients became patient. With no
+cancellations the decisions are exactly those described above.
 
 ``predicted_ttft_s`` on Admit and Queue is counted from the request's arrival (time already
 spent plus the forecast from now), so the guard can compare it with the TTFT it measures.
@@ -180,7 +183,8 @@ class SloPolicy:
         last_s = self._last_overload_shed_s  # headroom_ratio(), inlined: once per decision
         ratio = (self.ttft_safety_ratio if last_s is not None
                  and 0.0 <= snapshot.now_s - last_s <= self.pressure_hold_s else 1.0)
-        patience_s = self.patience.estimate(cost.request_class.name, snapshot.now_s)
+        patience_s = self.patience.estimate(cost.request_class.name, snapshot.now_s, cost.tenant,
+                                            cost.client)
         return (_admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio)
                 or self._queue_or_shed(cost, snapshot, options, ratio, patience_s))
 
@@ -200,11 +204,13 @@ class SloPolicy:
         guard's own cancellations (shutdown) and every other outcome are left out."""
         if sample.outcome == "completed":
             max_tokens = sample.max_tokens
-            self.patience.record(sample.class_name, sample.now_s, None, _decode_step_s(sample),
-                                 max_tokens is not None and sample.num_output_tokens >= max_tokens)
+            self.patience.record(sample.class_name, sample.now_s, sample.elapsed_s, False,
+                                 _decode_step_s(sample),
+                                 max_tokens is not None and sample.num_output_tokens >= max_tokens,
+                                 sample.tenant, sample.client)
         elif sample.outcome == "canceled" and sample.client_left and sample.elapsed_s is not None:
-            self.patience.record(sample.class_name, sample.now_s, sample.elapsed_s,
-                                 _decode_step_s(sample))
+            self.patience.record(sample.class_name, sample.now_s, sample.elapsed_s, True,
+                                 _decode_step_s(sample), None, sample.tenant, sample.client)
 
     def client_patience(self, now_s: float) -> dict[str, float]:
         """The active patience estimate per class at ``now_s`` (the

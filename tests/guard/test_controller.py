@@ -277,15 +277,44 @@ def test_the_slo_policy_learns_client_patience_from_released_tickets_and_exports
     controller = make_controller(policy=SloPolicy())
     gauge = ("kvguard_client_patience_seconds", {"class": "interactive"})
     assert controller.registry.get_sample_value(*gauge) is None
-    controller.clock.now_s = 6.0  # every cost below arrived at 0.0
-    for i in range(200):
+    for i in range(200):  # every cost below arrived at 0.0
         ticket = controller.tickets.issue(reserved(make_cost(f"r{i}")), 1.0)
         if i % 10 == 0:  # the client left mid-stream, after 6 s
+            controller.clock.now_s = 6.0
             ticket.on_start(200, b"text/event-stream")
             ticket.on_disconnect()
             ticket.release(ticket.natural_outcome())
-        else:
+        else:  # the others had their answers after 2 s
+            controller.clock.now_s = 2.0
             ticket.release("completed")
+    controller.clock.now_s = 6.0
     assert controller.registry.get_sample_value(*gauge) == 6.0
-    controller.clock.now_s = 40.0  # 30 s without a cancellation: the estimate lapsed
+    controller.clock.now_s = 66.0  # held while cancellations stop, up to 60 s after the last
+    assert controller.registry.get_sample_value(*gauge) == 6.0
+    controller.clock.now_s = 66.5  # then it lapses
     assert controller.registry.get_sample_value(*gauge) is None
+
+
+def test_the_client_software_of_a_request_reaches_the_policys_completion_sample():
+    """Client patience is learned per client software: the User-Agent's first product is on
+    the priced cost and on the sample the policy learns from."""
+    seen = []
+
+    from policies.always_admit import AlwaysAdmit
+
+    class Recorder(AlwaysAdmit):
+        observes_completions = True
+
+        def observe(self, sample):
+            seen.append(sample)
+
+    controller = make_controller(policy=Recorder())
+
+    async def go():
+        for agent in ("Python/3.12 aiohttp/3.9.5", "OpenAI/Python 1.54.0", None):
+            headers = dict(HEADERS) if agent is None else {**HEADERS, "user-agent": agent}
+            admission = await controller.admit("/v1/completions", headers, body_of)
+            assert complete(admission)
+        await controller.aclose()
+    run(go())
+    assert [s.client for s in seen] == ["python", "openai", ""]

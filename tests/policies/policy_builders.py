@@ -29,6 +29,7 @@ def make_cost(
     tenant: str = "acme",
     is_retry: bool = False,
     num_blocks: int | None = None,
+    client: str = "",
 ) -> RequestCost:
     blocks = -(-(prompt + max_tokens) // BLOCK_SIZE) if num_blocks is None else num_blocks
     return RequestCost(
@@ -42,6 +43,7 @@ def make_cost(
         arrival_s=arrival_s,
         deadline_s=arrival_s + klass.ttft_s if deadline_s is None else deadline_s,
         is_retry=is_retry,
+        client=client,
     )
 
 

@@ -17,6 +17,7 @@ from policy_builders import (
     prompt_waiting,
 )
 
+from policies.client_patience import MAX_CLIENT_KEYS, client_software, patience_quantile_s
 from policies.cost import RequestClass
 from policies.decision import Admit, Queue, Shed
 from policies.slo import SloPolicy, shed_order
@@ -352,8 +353,8 @@ LONG = dict(max_tokens=900, num_blocks=4)
 BACKLOG = dict(free=400, total=500, waiting=[prompt_waiting(1500)])  # TTFT 0.3932 s, join 12 ms
 
 
-def completed(now_s=0.0):
-    return make_sample(now_s=now_s)
+def completed(now_s=0.0, elapsed_s=None):
+    return dataclasses.replace(make_sample(now_s=now_s), elapsed_s=elapsed_s)
 
 
 def canceled(elapsed_s, now_s=0.0, client_left=True, *, ttft_s=None, output=0):
@@ -391,18 +392,18 @@ TABLE = [
 ])
 def test_without_client_cancellations_decisions_are_unchanged(case, history):
     row = TABLE[case]
-    assert learned(history).patience.patience_s("interactive", 0.0) is None
+    assert learned(history).patience.patience_s("interactive", 0.0, "acme") is None
     assert (decide(*row["replicas"], cost=row["cost"], policy=learned(history))
             == decide(*row["replicas"], cost=row["cost"]))
 
 
 def test_patience_is_a_low_quantile_of_elapsed_at_cancel():
     policy = learned(CANCELING)
-    assert policy.patience.patience_s("interactive", 0.0) == pytest.approx(5.5)
+    assert policy.patience.patience_s("interactive", 0.0, "acme") == pytest.approx(5.5)
     assert policy.client_patience(0.0) == {"interactive": pytest.approx(5.5)}
-    assert policy.patience.patience_s("batch", 0.0) is None
+    assert policy.patience.patience_s("batch", 0.0, "acme") is None
     assert learned([completed()] * 180 + [canceled(float(i)) for i in range(1, 21)]) \
-        .patience.patience_s("interactive", 0.0) == 5.0  # nearest rank: the 5th of 20
+        .patience.patience_s("interactive", 0.0, "acme") == 5.0  # nearest rank: the 5th of 20
 
 
 def test_a_request_that_meets_its_ttft_but_would_be_abandoned_mid_stream_is_shed():
@@ -440,29 +441,97 @@ def test_patience_shorter_than_an_idle_replica_could_serve_is_not_applied():
         backlog, cost=make_cost(**LONG))
 
 
-def test_the_estimate_expires_once_cancellations_stop():
+def test_a_started_estimate_holds_while_cancellations_stop_then_lapses():
+    """Cancellations falling below the share is what the check achieves: the estimate holds
+    (dropping it let the guard fill the TTFT budget again until the next wave of abandoned
+    requests), and lapses 60 s after the client's last cancellation."""
     backlog = make_replica("a", **BACKLOG)
     cost = make_cost(**LONG)
-    rolled = learned(CANCELING + [completed()] * 200)  # the window rolled past them
-    assert rolled.patience.patience_s("interactive", 0.0) is None
-    assert decide(backlog, cost=cost, policy=rolled) == decide(backlog, cost=cost)
-    idle = learned(CANCELING)  # no outcome at all for over 30 s
-    assert idle.patience.patience_s("interactive", 30.0) == pytest.approx(5.5)
-    assert idle.patience.patience_s("interactive", 30.5) is None
-    late = make_cost(arrival_s=30.5, **LONG)
-    assert decide(backlog, cost=late, now_s=30.5, policy=idle) == decide(backlog, cost=late,
-                                                                         now_s=30.5)
-    aged = learned(CANCELING + [completed(now_s=31.0)])  # older than 30 s leave the window
-    assert aged.patience.patience_s("interactive", 31.0) is None
+    rolled = learned(CANCELING + [completed()] * 200)  # the window rolled past the cancels
+    assert rolled.patience.patience_s("interactive", 0.0, "acme") == pytest.approx(5.5)
+    assert decide(backlog, cost=cost, policy=rolled) == Shed(503, "slo_unattainable")
+    idle = learned(CANCELING)  # no outcome at all since
+    assert idle.patience.patience_s("interactive", 60.0, "acme") == pytest.approx(5.5)
+    assert idle.patience.patience_s("interactive", 60.5, "acme") is None
+    late = make_cost(arrival_s=60.5, **LONG)
+    assert decide(backlog, cost=late, now_s=60.5, policy=idle) == decide(backlog, cost=late,
+                                                                         now_s=60.5)
+    # once lapsed, it starts again only from the share: completions alone do not revive it
+    idle.observe(completed(now_s=61.0))
+    assert idle.patience.patience_s("interactive", 61.0, "acme") is None
+    # newer cancellations while it holds keep its value current
+    longer = learned(CANCELING + [completed(now_s=1.0)] * 150
+                     + [canceled(8.0, now_s=2.0)] * 60)
+    assert longer.patience.patience_s("interactive", 2.0, "acme") == pytest.approx(8.0)
+
+
+def test_a_retry_cut_short_by_its_users_deadline_does_not_set_the_patience():
+    """Kaplan–Meier over cancellations and completions: 5 attempts cancelled 0.6–1.0 s in (retries
+    whose users' own deadlines ran out) are 5 drops among ~200 requests still running then; of
+    the 22 still running at 9 s, 12 were abandoned at 9 s — the patience is 9 s. (The quarter
+    of the cancellations alone would say 1.0 s.)"""
+    history = ([completed(elapsed_s=3.0)] * 173 + [canceled(0.6 + 0.1 * i) for i in range(5)]
+               + [canceled(9.0)] * 12 + [completed(elapsed_s=12.0)] * 10)
+    assert learned(history).patience.patience_s("interactive", 0.0, "acme") == pytest.approx(9.0)
+    # and once started, one such cancellation leaves the held value as it is
+    held = learned(history + [completed(elapsed_s=3.0)] * 200 + [canceled(0.59)])
+    assert held.patience.patience_s("interactive", 0.0, "acme") == pytest.approx(9.0)
+
+
+def test_clients_that_outwait_the_cancellations_mean_no_patience_limit():
+    """20 cancellations at 5.5 s, but 100 completions ran 10 s: of the 120 requests still
+    running at 5.5 s only a sixth were abandoned — under the quarter: no estimate."""
+    history = [completed(elapsed_s=10.0)] * 100 + [canceled(5.5)] * 20
+    assert learned(history).patience.patience_s("interactive", 0.0, "acme") is None
+    assert patience_quantile_s([(0.0, 5.5, True)] * 5 + [(0.0, 10.0, False)] * 15, 0.25) == 5.5
+    assert patience_quantile_s([(0.0, 5.5, True)] * 4 + [(0.0, 10.0, False)] * 16, 0.25) is None
+    assert patience_quantile_s([(0.0, None, True)] * 20, 0.25) is None  # unknown elapsed
+
+
+def test_patience_is_learned_per_client_software_and_tenant():
+    """A script on aiohttp that gives up after 5.5 s says nothing of the SDK app beside it:
+    only the script's requests are held to its patience."""
+    script = [dataclasses.replace(c, client="python") for c in CANCELING]
+    policy = learned([dataclasses.replace(completed(), client="openai")] * 100 + script)
+    assert policy.patience.patience_s("interactive", 0.0, "acme", "python") == pytest.approx(5.5)
+    assert policy.patience.patience_s("interactive", 0.0, "acme", "openai") is None
+    assert policy.patience.patience_s("interactive", 0.0, "other", "python") is None
+    assert policy.client_patience(0.0) == {"interactive": pytest.approx(5.5)}
+    backlog = make_replica("a", **BACKLOG)
+    held = make_cost(client="python", **LONG)
+    patient = make_cost(client="openai", **LONG)
+    assert decide(backlog, cost=held, policy=policy) == Shed(503, "slo_unattainable")
+    assert isinstance(decide(backlog, cost=patient, policy=policy), Admit)
+    other_tenant = make_cost(client="python", tenant="other", **LONG)
+    assert isinstance(decide(backlog, cost=other_tenant, policy=policy), Admit)
+
+
+def test_client_software_is_the_user_agents_first_product():
+    assert client_software("OpenAI/Python 1.54.0") == "openai"
+    assert client_software("Python/3.12 aiohttp/3.9.5") == "python"
+    assert client_software("curl/8.5.0") == "curl"
+    assert client_software("  Mozilla/5.0 (X11)") == "mozilla"
+    assert client_software("lonely") == "lonely"
+    assert client_software(None) == client_software("") == ""
+    assert len(client_software("x" * 500)) == 32
+
+
+def test_client_keys_are_bounded():
+    policy = learned([])
+    for i in range(MAX_CLIENT_KEYS + 50):
+        policy.observe(dataclasses.replace(completed(), client=f"app{i}"))
+    assert len(policy.patience._clients) == MAX_CLIENT_KEYS
+    assert ("interactive", "acme", "app0") not in policy.patience._clients
+    assert ("interactive", "acme", f"app{MAX_CLIENT_KEYS + 49}") in policy.patience._clients
 
 
 def test_only_the_clients_own_cancellations_count():
     guard_canceled = [completed()] * 180 + [canceled(5.5, client_left=False)] * 20
     policy = learned(guard_canceled)
-    assert policy.patience.patience_s("interactive", 0.0) is None
+    assert policy.patience.patience_s("interactive", 0.0, "acme") is None
     failed = dataclasses.replace(make_sample(ok=False), outcome="failed", elapsed_s=5.5)
     assert learned([completed()] * 180 + [failed] * 20).patience.patience_s(
-        "interactive", 0.0) is None
+        "interactive", 0.0, "acme") is None
 
 
 @pytest.mark.parametrize("params", [
@@ -485,7 +554,7 @@ def test_the_decode_time_recent_completions_saw_counts_when_it_is_longer_than_th
         503, "slo_unattainable")
     assert decide(idle, cost=cost, policy=learned([fast] * 180 + cancels)) == Admit(
         "a", pytest.approx(0.0132))  # faster than the forecast: the forecast step holds
-    assert learned([slow] * 180 + cancels).patience.estimate("interactive", 0.0) == (
+    assert learned([slow] * 180 + cancels).patience.estimate("interactive", 0.0, "acme") == (
         5.5, pytest.approx(0.02), False)
 
 
@@ -497,11 +566,11 @@ def test_the_decode_pace_is_the_latest_streams_abandoned_ones_included():
     abandoned = [canceled(5.5, ttft_s=0.5, output=251) for _ in range(20)]   # 5 s / 250 = 20 ms
     idle, cost = make_replica("a"), make_cost(**LONG)
     burst = learned([fast] * 180 + abandoned)
-    assert burst.patience.estimate("interactive", 0.0) == (5.5, pytest.approx(0.02), False)
+    assert burst.patience.estimate("interactive", 0.0, "acme") == (5.5, pytest.approx(0.02), False)
     assert decide(idle, cost=cost, policy=burst) == Shed(503, "slo_unattainable")
     # the same 200 outcomes with the quiet completions last: 5 ms, below the forecast step
     quiet = learned(abandoned + [fast] * 180)
-    assert quiet.patience.estimate("interactive", 0.0).decode_step_s == pytest.approx(0.005)
+    assert quiet.patience.estimate("interactive", 0.0, "acme").decode_step_s == pytest.approx(0.005)
     assert decide(idle, cost=cost, policy=quiet) == Admit("a", pytest.approx(0.0132))
 
 
@@ -517,8 +586,8 @@ def test_while_answers_run_to_max_tokens_a_request_is_priced_at_its_own():
     idle, cost = make_replica("a"), make_cost(max_tokens=400, num_blocks=4)
     assert cost.num_expected_output_tokens == 200
     capped = learned([done(8)] * 180 + cancels)
-    assert capped.patience.estimate("interactive", 0.0).runs_to_max_tokens
+    assert capped.patience.estimate("interactive", 0.0, "acme").runs_to_max_tokens
     assert decide(idle, cost=cost, policy=capped) == Shed(503, "slo_unattainable")
     natural = learned([done(64)] * 180 + cancels)      # stopped on their own before the limit
-    assert not natural.patience.estimate("interactive", 0.0).runs_to_max_tokens
+    assert not natural.patience.estimate("interactive", 0.0, "acme").runs_to_max_tokens
     assert isinstance(decide(idle, cost=cost, policy=natural), Admit)
