@@ -255,7 +255,8 @@ class GuardMetrics:
         if self.client_patience is not None:
             family = GaugeMetricFamily("kvguard_client_patience_seconds", "How long clients "
                                        "wait before abandoning an admitted request, learned from "
-                                       "their cancellations (absent while not estimated)",
+                                       "their cancellations: the shortest any client of the "
+                                       "class holds (absent while none holds)",
                                        labels=("class",))
             for class_name, patience_s in sorted(self.client_patience().items()):
                 family.add_metric((class_name,), patience_s)
