@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 
 from guard.proxy.transports import HOP_BY_HOP
+from serving.chunked import ChunkedDecoder
 
 __all__ = ["HttpRelay"]
 
@@ -36,35 +37,20 @@ def _head_lines(head: bytes, drop: frozenset[bytes]) -> tuple[list[bytes], dict[
 
 
 class _BodyEnd:
-    """Follows a response body's framing; ``feed(data)`` is True once the body is complete."""
+    """Follows a response body's framing; ``feed(data)`` is True once the body is complete
+    (chunked framing through the decoder kvguard's own HTTP halves use)."""
 
     def __init__(self, fields: dict[bytes, bytes]) -> None:
-        self.chunked = b"chunked" in fields.get(b"transfer-encoding", b"").lower()
-        self.left = -1 if self.chunked else int(fields.get(b"content-length", b"-1"))
-        self.size_line = b""
-        self.last = False  # inside the zero-size chunk's trailer
+        chunked = b"chunked" in fields.get(b"transfer-encoding", b"").lower()
+        self.chunks = ChunkedDecoder(trailer_field=None) if chunked else None
+        self.left = -1 if chunked else int(fields.get(b"content-length", b"-1"))
 
     def feed(self, data: bytes) -> bool:
-        if not self.chunked:
+        if self.chunks is None:
             self.left -= len(data)
             return self.left == 0 if self.left >= 0 else False  # no length: ends at close
-        pos = 0
-        while pos < len(data):
-            if self.left > 0:  # inside a chunk (its data and CRLF)
-                taken = min(self.left, len(data) - pos)
-                self.left -= taken
-                pos += taken
-                if self.left == 0 and self.last:
-                    return True
-                continue
-            end = data.find(b"\r\n", pos)
-            if end < 0:
-                self.size_line += data[pos:]
-                return False
-            size = int((self.size_line + data[pos:end]).split(b";")[0], 16)
-            self.size_line, pos = b"", end + 2
-            self.left, self.last = size + 2, size == 0
-        return False
+        self.chunks.decode(data, [])
+        return self.chunks.done
 
 
 class _Upstream(asyncio.Protocol):

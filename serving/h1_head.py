@@ -15,8 +15,8 @@ raises ``BadRequest(status, reason)``; nothing that fails here ever reaches the 
   both ``Content-Length`` and ``Transfer-Encoding`` (the request-smuggling pair).
 
 The head's size limit (``MAX_HEAD_BYTES``, 431) is the connection's to check while bytes
-arrive. ``ChunkedBody`` decodes a chunked body incrementally with the same strictness (hex
-size line, CRLF after each chunk, bounded size lines and trailers).
+arrive. ``ChunkedBody`` decodes a chunked body incrementally with the same strictness (the one
+decoder both HTTP halves share, :mod:`serving.chunked`; here trailers must be header fields).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote
 
+from serving.chunked import ChunkedDecoder, ChunkedError
+
 __all__ = ["BadRequest", "ChunkedBody", "MAX_HEADERS", "MAX_HEAD_BYTES", "RequestHead",
            "parse_head"]
 
 MAX_HEAD_BYTES = 16 * 1024  # request line and headers (h11's default)
 MAX_HEADERS = 100
-_MAX_SIZE_LINE = 1024  # a chunk-size line with its extensions
-_MAX_TRAILER_BYTES = 16 * 1024
 
 _TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
 _REQUEST_LINE = re.compile(rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])")
@@ -153,76 +153,21 @@ def _framing(request: RequestHead) -> None:
         request.chunked = True
 
 
-class ChunkedBody:
-    """Incremental decoder of a chunked request body. ``feed(data)`` returns the body bytes in
-    ``data`` and how many bytes of ``data`` it used (the rest belongs to the next request once
-    ``done``); raises ``BadRequest`` on malformed framing."""
+class ChunkedBody(ChunkedDecoder):
+    """Incremental decoder of a chunked request body (:mod:`serving.chunked`, trailer lines
+    checked as header fields). ``feed(data)`` returns the body bytes in ``data`` and how many
+    bytes of ``data`` it used (the rest belongs to the next request once ``done``); raises
+    ``BadRequest`` on malformed framing."""
 
-    __slots__ = ("done", "_left", "_line", "_state", "_trailer_bytes")
+    __slots__ = ()
 
     def __init__(self) -> None:
-        self.done = False
-        self._left = 0  # data bytes left in the current chunk
-        self._line = b""  # a size or trailer line split across reads
-        self._state = "size"  # size | data | crlf | trailer
-        self._trailer_bytes = 0
+        super().__init__(trailer_field=_HEADER.fullmatch)
 
     def feed(self, data: bytes) -> tuple[bytes, int]:
-        out = []
-        pos, end = 0, len(data)
-        while pos < end and not self.done:
-            if self._state == "data":
-                taken = min(self._left, end - pos)
-                out.append(data[pos:pos + taken])
-                pos += taken
-                self._left -= taken
-                if self._left == 0:
-                    self._state = "crlf"
-                continue
-            if self._state == "crlf":
-                need = 2 - len(self._line)
-                self._line += data[pos:pos + need]
-                pos += min(need, end - pos)
-                if len(self._line) == 2:
-                    if self._line != b"\r\n":
-                        raise BadRequest(400, "chunk data not followed by CRLF")
-                    self._line, self._state = b"", "size"
-                continue
-            line, pos = self._take_line(data, pos)
-            if line is None:
-                break
-            if self._state == "size":
-                self._size(line)
-            else:
-                self._trailer(line)
-        return b"".join(out), pos
-
-    def _take_line(self, data: bytes, pos: int) -> tuple[bytes | None, int]:
-        newline = data.find(b"\n", pos)
-        limit = _MAX_SIZE_LINE if self._state == "size" else _MAX_TRAILER_BYTES
-        if newline < 0:
-            self._line += data[pos:]
-            if len(self._line) > limit:
-                raise BadRequest(400, "chunk size line or trailer too long")
-            return None, len(data)
-        line = self._line + data[pos:newline + 1]
-        self._line = b""
-        if len(line) > limit or not line.endswith(b"\r\n") or b"\r" in line[:-2]:
-            raise BadRequest(400, "malformed chunk size line or trailer")
-        return line[:-2], newline + 1
-
-    def _size(self, line: bytes) -> None:
-        size, _, _extensions = line.partition(b";")
-        size = size.rstrip(b" \t")
-        if not size or len(size) > 15 or size.strip(b"0123456789abcdefABCDEF"):
-            raise BadRequest(400, "invalid chunk size")
-        self._left = int(size, 16)
-        self._state = "data" if self._left else "trailer"
-
-    def _trailer(self, line: bytes) -> None:
-        if not line:
-            self.done = True
-            return
-        self._trailer_bytes += len(line) + 2
-        if self._trailer_bytes > _MAX_TRAILER_BYTES or _HEADER.fullmatch(line) is None:
-            raise BadRequest(400, "malformed or oversized trailer")
+        out: list[bytes] = []
+        try:
+            used = self.decode(data, out)
+        except ChunkedError as exc:
+            raise BadRequest(400, str(exc)) from None
+        return b"".join(out), used

@@ -10,14 +10,15 @@ size that is not plain hex, or a missing CRLF after a chunk's data raises :class
 from __future__ import annotations
 
 from guard.proxy.transports import _SERVER_WRITTEN, HOP_BY_HOP
+from serving.chunked import ChunkedDecoder as BaseChunkedDecoder
+from serving.chunked import ChunkedError
 
 __all__ = ["MessageError", "ResponseHead", "ChunkedDecoder", "request_head", "parse_head",
            "NO_BODY", "LENGTH", "CHUNKED", "UNTIL_CLOSE", "MAX_HEAD_BYTES"]
 
 # body framings of a response
 NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE = 0, 1, 2, 3
-MAX_HEAD_BYTES = 64 * 1024  # a response head (or one chunk-size/trailer line) longer is garbage
-_HEX = b"0123456789abcdefABCDEF"
+MAX_HEAD_BYTES = 64 * 1024  # a response head longer is garbage
 _NAME_BAD = (b" ", b"\t", b"\r", b"\n")
 
 
@@ -108,66 +109,25 @@ def parse_head(head: bytes) -> ResponseHead:
     return ResponseHead(status, headers, UNTIL_CLOSE, 0, False)
 
 
-_SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
+class ChunkedDecoder(BaseChunkedDecoder):
+    """Removes chunked framing from bytes fed in any split (:mod:`serving.chunked`, the decoder
+    kvguard's server uses too; an upstream's trailers are bounded and dropped unread); ``done``
+    once the last chunk and its trailer are in, ``extra`` when bytes followed them (the
+    connection is not reusable)."""
 
-
-class ChunkedDecoder:
-    """Removes chunked framing from bytes fed in any split; ``done`` once the last chunk and
-    its trailer are in, ``extra`` when bytes followed them (the connection is not reusable)."""
-
-    __slots__ = ("_state", "_left", "_line", "done", "extra")
+    __slots__ = ("extra",)
 
     def __init__(self) -> None:
-        self._state = _SIZE
-        self._left = 0
-        self._line = b""
-        self.done = False
+        super().__init__(trailer_field=None)
         self.extra = False
 
     def feed(self, data: bytes) -> list[bytes]:
         """The body bytes in ``data``, in order; raises :class:`MessageError` on bad framing."""
-        out = []
-        pos, end = 0, len(data)
-        while pos < end:
-            state = self._state
-            if state == _DATA:
-                take = min(self._left, end - pos)
-                out.append(data if take == end else data[pos:pos + take])
-                pos += take
-                self._left -= take
-                if not self._left:
-                    self._state, self._left = _DATA_END, 2
-            elif state == _DATA_END:  # the CRLF after a chunk's data (it may arrive split)
-                if data[pos] != (0x0D if self._left == 2 else 0x0A):
-                    raise MessageError("chunk data not followed by CRLF")
-                pos += 1
-                self._left -= 1
-                if not self._left:
-                    self._state = _SIZE
-            elif state == _DONE:
-                self.extra = True
-                break
-            else:  # _SIZE or _TRAILER: one CRLF-terminated line
-                line_end = data.find(b"\n", pos)
-                if line_end < 0:
-                    self._line += data[pos:]
-                    if len(self._line) > MAX_HEAD_BYTES:
-                        raise MessageError("chunk-size or trailer line too long")
-                    break
-                line = self._line + data[pos:line_end]
-                self._line = b""
-                pos = line_end + 1
-                if not line.endswith(b"\r"):
-                    raise MessageError("chunk line not ended by CRLF")
-                if state == _SIZE:
-                    self._size_line(line[:-1])
-                elif line == b"\r":
-                    self._state, self.done = _DONE, True
+        out: list[bytes] = []
+        try:
+            used = self.decode(data, out)
+        except ChunkedError as exc:
+            raise MessageError(str(exc)) from None
+        if used < len(data):
+            self.extra = True
         return out
-
-    def _size_line(self, line: bytes) -> None:
-        size = line.split(b";", 1)[0].strip(b" \t")
-        if not size or size.strip(_HEX) or len(size) > 16:
-            raise MessageError(f"bad chunk size {line[:40]!r}")
-        self._left = int(size, 16)
-        self._state = _DATA if self._left else _TRAILER
