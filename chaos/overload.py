@@ -89,7 +89,8 @@ class Scenario:
         return ["--model", a.model, "--backend", "sim", "--gpu", a.gpu,
                 "--time-scale", repr(self.scale), "--max-num-seqs", str(a.max_num_seqs),
                 "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-                *(["--num-blocks", str(a.num_blocks)] if a.num_blocks is not None else [])]
+                *(["--num-blocks", str(a.num_blocks)] if a.num_blocks is not None else []),
+                "--http", a.replica_http]
 
     def load_args(self, url: str, rate: float, out: Path, duration_s: float | None = None,
                   warmup_s: float | None = None, shape: str | None = None) -> argparse.Namespace:
@@ -127,6 +128,9 @@ def configure_scenario(p: argparse.ArgumentParser, out_default: str) -> None:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks of the replica (default: what the GPU's memory holds); "
                         "a small pool makes the replica KV-bound")
+    p.add_argument("--replica-http", choices=("h11", "kvguard", "httptools", "auto"),
+                   default="h11", help="the replicas' HTTP server (`kvguard engine --http`; "
+                   "default h11, the one every table in docs/benchmarks.md was measured on)")
     p.add_argument("--prompt-tokens", default="512:2048")
     p.add_argument("--output-tokens", default="16:64")
     p.add_argument("--ttft", type=float, default=1.0, help="class TTFT limit, GPU seconds")

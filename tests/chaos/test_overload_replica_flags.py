@@ -1,6 +1,6 @@
 """The overload bench's replica flags reach the replicas it starts (real sim replicas over
-loopback): ``--num-blocks`` sizes the KV pool of the bare replica and of the guarded one, and
-bad values are refused before anything starts."""
+loopback): ``--num-blocks`` sizes the KV pool of the bare replica and of the guarded one,
+``--replica-http`` picks their HTTP server, and bad values are refused before anything starts."""
 
 from __future__ import annotations
 
@@ -56,16 +56,25 @@ def test_chaos_settings_carry_the_kv_pool_and_seq_limit_to_replicas_and_capacity
         RunSettings(max_num_seqs=0)
 
 
+def test_replica_http_picks_the_replicas_server_and_defaults_to_h11():
+    args = scenario("--replica-http", "kvguard").engine_args()
+    assert args[args.index("--http") + 1] == "kvguard"
+    args = scenario().engine_args()
+    assert args[args.index("--http") + 1] == "h11"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["bare", "slo"])
-def test_the_replica_a_bench_row_runs_on_has_the_blocks_asked_for(policy, tmp_path,
+@pytest.mark.parametrize("policy, http", [("bare", "h11"), ("slo", "kvguard")])
+def test_the_replica_a_bench_row_runs_on_has_the_blocks_asked_for(policy, http, tmp_path,
                                                                    monkeypatch):
-    s = scenario("--gpu", "a100-80g", "--time-scale", "4", "--num-blocks", "512")
+    s = scenario("--gpu", "a100-80g", "--time-scale", "4", "--num-blocks", "512",
+                 "--replica-http", http)
     seen = {}
 
     def fake_run_once(args, rate, out, progress):
-        seen["state"] = httpx.get(args.url.rstrip("/") + "/kvguard/state", timeout=10.0,
-                                  trust_env=False).json()
+        response = httpx.get(args.url.rstrip("/") + "/kvguard/state", timeout=10.0,
+                             trust_env=False)
+        seen["state"], seen["server"] = response.json(), response.headers.get("server")
         raise _Seen
 
     monkeypatch.setattr(overload, "run_once", fake_run_once)
@@ -74,3 +83,4 @@ def test_the_replica_a_bench_row_runs_on_has_the_blocks_asked_for(policy, tmp_pa
     state = seen["state"]  # with the guard mounted in-process: the engine's state, relayed
     assert state["num_total_blocks"] == 512 and state["num_free_blocks"] == 512
     assert state["timing_model"]["gpu"]["name"] == "a100-80g" and state["time_scale"] == 4.0
+    assert seen["server"] == ("uvicorn" if http == "h11" else None)  # kvguard's names none
