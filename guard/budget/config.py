@@ -32,6 +32,9 @@ class BudgetConfig:
     ``retry_max_s``: the longest pause between reconnect attempts while on the local share.
     ``heartbeat_s``: how often a guard announces itself (live guards divide the local share).
     ``settle_delay_s``: settles are batched for this long (0: each settle is its own call).
+    ``expected_guards``: how many guards share these budgets, assumed until this guard has
+    reached Redis once (its start-up share is each limit ÷ this; afterwards the live guards
+    seen in Redis's heartbeats divide it). Set it to the number of guards you run.
     """
 
     tokens_per_minute: int | None = None
@@ -43,6 +46,7 @@ class BudgetConfig:
     retry_max_s: float = 1.0
     heartbeat_s: float = 1.0
     settle_delay_s: float = 0.02
+    expected_guards: int = 3
 
     def __post_init__(self) -> None:
         try:
@@ -57,6 +61,7 @@ class BudgetConfig:
         if not self.heartbeat_s * 3 <= self.lease_s or self.settle_delay_s * 10 > self.lease_s:
             raise ValueError("budget.lease_s: must be >= 3 × heartbeat_s and >= 10 × settle_delay_s")
         require_count("budget.breaker_failures", self.breaker_failures)
+        require_count("budget.expected_guards", self.expected_guards)
 
     @functools.cached_property
     def default_limits(self) -> BudgetLimits:  # built once (read on every budgeted request)

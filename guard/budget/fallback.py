@@ -14,9 +14,22 @@ levels of tenants this guard has not heard about for a beat, so its last view st
 A background task reconnects on a tenacity backoff (capped at ``retry_max_s``), reloads the
 scripts, charges Redis with what was admitted locally (once: net of refunds, or the guard's debt
 when Redis lost its state — see :mod:`guard.budget.local_share`), and closes the breaker.
-Start-up without Redis is the same state: local share, retrying (the very first requests wait,
-once and at most ``STARTUP_WAIT_S``, until Redis answers or refuses, so a guard that is merely
-still connecting does not hand out a local share on top of Redis).
+
+**Start-up.** The link is opened when the guard starts (:meth:`FallbackStore.open`, called by
+the controller's start: the ASGI lifespan of the middleware and of ``kvguard proxy``), not by
+the first request, and start-up waits — once, at most ``STARTUP_WAIT_S`` — until Redis answered
+or refused. A refused connection (Redis absent) ends the wait at once and the guard starts in
+local mode, retrying in the background: Redis never blocks or crash-loops a start. Until this
+guard has reached Redis once it has seen no heartbeat, so it cannot know how many guards share
+a budget; it then decides on a **start-up share**: each limit ÷ ``budget.expected_guards``
+(default 3; an operator sets it to the number of guards they run), never the whole limit. So a
+fleet that starts while Redis is absent, slow or hung admits at most one budget across
+``expected_guards`` guards (LiteLLM's per-pod full limit on a Redis error is the failure this
+avoids), and a guard that starts late beside guards already on Redis adds at most
+``limit ÷ expected_guards`` before its first contact. At that contact it charges Redis with
+exactly what it admitted locally (net of refunds: the full share it started from was not seeded
+from Redis, so nothing of it is owed twice) before deciding anything there. Requests that arrive
+before the start-up wait ended (a server without a lifespan) wait for it the same way.
 
 Grants remember where they were made: a local grant is settled locally (a refund after its
 episode was charged goes to Redis); a Redis grant whose settle cannot be delivered is retried,
@@ -72,6 +85,8 @@ class FallbackStore:
         self.breaker = Breaker(config.breaker_failures, self._on_breaker)
         self.breaker.is_open = True  # until the first connect succeeds (start-up: local share)
         self.share = LocalShare(limits_for, clock, on_reclaim=self._reclaimed)
+        self.share.live_guards = config.expected_guards  # the start-up share, until a heartbeat
+        self.ever_reached = False  # reached Redis once (False: decisions on the start-up share)
         self.local = self.share.store
         self.redis: RedisStore | None = None
         self.epoch: str | None = None  # Redis's epoch as last seen (a new one: state lost)
@@ -114,6 +129,17 @@ class FallbackStore:
         return self.share.reserve(tenant, tokens, lease_s, self.epoch,
                                   redis.levels.get(tenant) if redis is not None else None,
                                   redis.pending_charge(tenant) if redis is not None else (0.0, 0.0))
+
+    async def open(self) -> None:
+        """Start the link and wait until the first contact attempt ended: Redis answered or
+        refused, or ``STARTUP_WAIT_S`` passed (a hung or slow Redis). Never raises for Redis."""
+        self._ensure_started()
+        if not self._first_attempt.is_set():
+            await self._await_first_attempt()
+        if not self.ever_reached:
+            log.warning("budget backend: redis %s not reached at start-up; deciding on a "
+                        "start-up share (1/%d of each limit, budget.expected_guards) and "
+                        "retrying in the background", self._url, self.live_guards)
 
     async def _await_first_attempt(self) -> None:
         """Wait until Redis answered or refused, but never past the start-up window."""
@@ -188,7 +214,8 @@ class FallbackStore:
     # --- background: heartbeats while closed, reconnects while open -----------------------
 
     def start(self) -> None:
-        """Start connecting and heartbeating (needs a running loop; the first call does it)."""
+        """Start connecting and heartbeating without waiting (needs a running loop; see
+        :meth:`open`)."""
         self._ensure_started()
 
     def _ensure_started(self) -> None:
@@ -247,6 +274,7 @@ class FallbackStore:
         self._end_episode()
         if not await asyncio.wait_for(self.redis.flush(), PROBE_TIMEOUT_S):
             raise ConnectionError("budget charges not delivered")  # stay local, retry
+        self.ever_reached = True
         self.breaker.close()
 
     async def _heartbeat(self) -> None:

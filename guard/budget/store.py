@@ -23,7 +23,10 @@ Two optional methods let a caller skip the awaiting where a store does not need 
                                                    # queued where the backend is remote
 
 The in-memory store has both; the Redis and fallback stores have ``finish_soon`` (a Redis
-reservation is always awaited: Redis decides it before the request is admitted).
+reservation is always awaited: Redis decides it before the request is admitted). A store with
+a remote backend may also have ``await store.open()``: connect at the guard's start-up and
+return once the first contact attempt ended (the controller's start calls it; the fallback
+store has it).
 """
 
 from __future__ import annotations
