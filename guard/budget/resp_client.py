@@ -245,7 +245,7 @@ class RespClient:
         """Send one command; its reply (an error reply raises; past ``timeout_s``:
         ``redis.exceptions.TimeoutError`` and the connection is dropped)."""
         protocol = self._protocol
-        if protocol is None:
+        if protocol is None or protocol.transport.is_closing():
             protocol = await self._connect()
         return await self._send(protocol, encode_command(args))
 
