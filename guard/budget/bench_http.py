@@ -132,7 +132,7 @@ async def _drive(connections: list[_Connection], num: int,
     n = len(connections)
     shares = [num // n + (i < num % n) for i in range(n)]
     start = time.perf_counter()
-    await asyncio.gather(*(worker(c, k) for c, k in zip(connections, shares) if k))
+    await asyncio.gather(*(worker(c, k) for c, k in zip(connections, shares, strict=True) if k))
     return time.perf_counter() - start, ok
 
 

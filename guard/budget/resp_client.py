@@ -29,9 +29,13 @@ from urllib.parse import unquote, urlsplit
 
 from redis.exceptions import (
     AuthenticationError,
-    ConnectionError as RedisConnectionError,
     NoScriptError,
     ResponseError,
+)
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+)
+from redis.exceptions import (
     TimeoutError as RedisTimeoutError,
 )
 

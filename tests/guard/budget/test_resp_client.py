@@ -7,9 +7,8 @@ import asyncio
 import signal
 
 import pytest
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis_servers import RedisServer, free_port
 
