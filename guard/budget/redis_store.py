@@ -273,7 +273,8 @@ class RedisStore:
         await close()
 
     async def warm(self) -> None:
-        """Open the connections a burst will use (``MAX_IN_FLIGHT`` concurrent PINGs)."""
+        """Open the connections a burst will use (``MAX_IN_FLIGHT`` concurrent PINGs: redis-py
+        opens that many; the budget's own client pipelines them on its one connection)."""
         await asyncio.gather(*(self.client.ping() for _ in range(MAX_IN_FLIGHT)))
 
     def num_pending(self) -> int:

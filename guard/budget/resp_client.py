@@ -27,19 +27,12 @@ from collections import deque
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from redis.exceptions import (
-    AuthenticationError,
-    NoScriptError,
-    ResponseError,
-)
-from redis.exceptions import (
-    ConnectionError as RedisConnectionError,
-)
-from redis.exceptions import (
-    TimeoutError as RedisTimeoutError,
-)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["RespClient", "RespParser", "encode_command", "supports"]
+from guard.budget.resp import ErrorReply, RespParser, encode_command
+
+__all__ = ["RespClient", "supports"]
 
 MAX_PENDING_CALLS = 10_000  # calls waiting on one connection (a hung server: fail, not grow)
 
@@ -52,99 +45,6 @@ def supports(url: str) -> bool:
         return False
     db = parts.path.lstrip("/")
     return db == "" or db.isdigit()
-
-
-def encode_command(args: tuple[Any, ...]) -> bytes:
-    """One command as a RESP array of bulk strings (str, bytes, int and float arguments)."""
-    out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        if isinstance(arg, bytes):
-            data = arg
-        elif isinstance(arg, str):
-            data = arg.encode("utf-8")
-        elif isinstance(arg, (int, float)) and not isinstance(arg, bool):
-            data = repr(arg).encode("ascii")
-        else:
-            raise TypeError(f"redis argument of type {type(arg).__name__}: {arg!r}")
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
-
-
-class _Error:
-    """An error reply, delivered to its caller as an exception."""
-
-    __slots__ = ("message",)
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-    def exception(self) -> Exception:
-        if self.message.startswith("NOSCRIPT"):
-            return NoScriptError(self.message)
-        if self.message.startswith(("NOAUTH", "WRONGPASS")):
-            return AuthenticationError(self.message)
-        return ResponseError(self.message)
-
-
-class RespParser:
-    """Incremental RESP2 parser: :meth:`feed` bytes, then :meth:`replies` the complete ones
-    (an error reply is an :class:`_Error`; nil is None)."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-        self._pos = 0
-
-    def feed(self, data: bytes) -> None:
-        self._buffer += data
-
-    def replies(self) -> list[Any]:
-        out = []
-        while True:
-            start = self._pos
-            try:
-                reply = self._parse()
-            except IndexError:  # incomplete: wait for more bytes
-                self._pos = start
-                break
-            out.append(reply)
-        if self._pos:
-            del self._buffer[:self._pos]
-            self._pos = 0
-        return out
-
-    def _line(self) -> bytes:
-        end = self._buffer.find(b"\r\n", self._pos)
-        if end < 0:
-            raise IndexError
-        line = bytes(self._buffer[self._pos:end])
-        self._pos = end + 2
-        return line
-
-    def _parse(self) -> Any:
-        line = self._line()
-        kind, rest = line[:1], line[1:]
-        if kind == b"$":
-            length = int(rest)
-            if length < 0:
-                return None
-            end = self._pos + length
-            if len(self._buffer) < end + 2:
-                raise IndexError
-            data = bytes(self._buffer[self._pos:end])
-            self._pos = end + 2
-            return data.decode("utf-8", "replace")
-        if kind == b":":
-            return int(rest)
-        if kind == b"+":
-            return rest.decode("utf-8", "replace")
-        if kind == b"-":
-            return _Error(rest.decode("utf-8", "replace"))
-        if kind == b"*":
-            count = int(rest)
-            if count < 0:
-                return None
-            return [self._parse() for _ in range(count)]
-        raise ValueError(f"redis protocol error: unexpected reply type {line[:20]!r}")
 
 
 class _Protocol(asyncio.Protocol):
@@ -174,7 +74,7 @@ class _Protocol(asyncio.Protocol):
             future = waiting.popleft()
             if future.done():  # its caller gave up (timeout or cancel): the reply is dropped
                 continue
-            if isinstance(reply, _Error):
+            if isinstance(reply, ErrorReply):
                 future.set_exception(reply.exception())
             else:
                 future.set_result(reply)

@@ -12,7 +12,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis_servers import RedisServer, free_port
 
-from guard.budget.resp_client import RespClient, RespParser, encode_command, supports
+from guard.budget.resp import RespParser, encode_command
+from guard.budget.resp_client import RespClient, supports
 
 
 def run(coro):
