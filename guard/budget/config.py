@@ -35,6 +35,8 @@ class BudgetConfig:
     ``expected_guards``: how many guards share these budgets, assumed until this guard has
     reached Redis once (its start-up share is each limit ÷ this; afterwards the live guards
     seen in Redis's heartbeats divide it). Set it to the number of guards you run.
+    ``reserve_ahead``: far from a tenant's limit, a Redis batch also reserves grants ahead that
+    later requests take without a round trip (:mod:`guard.budget.grant_pool`).
     """
 
     tokens_per_minute: int | None = None
@@ -47,6 +49,7 @@ class BudgetConfig:
     heartbeat_s: float = 1.0
     settle_delay_s: float = 0.02
     expected_guards: int = 3
+    reserve_ahead: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -62,6 +65,9 @@ class BudgetConfig:
             raise ValueError("budget.lease_s: must be >= 3 × heartbeat_s and >= 10 × settle_delay_s")
         require_count("budget.breaker_failures", self.breaker_failures)
         require_count("budget.expected_guards", self.expected_guards)
+        if not isinstance(self.reserve_ahead, bool):
+            raise ValueError(f"budget.reserve_ahead: must be true or false, got "
+                             f"{self.reserve_ahead!r}")
 
     @functools.cached_property
     def default_limits(self) -> BudgetLimits:  # built once (read on every budgeted request)

@@ -113,6 +113,9 @@ class FallbackStore:
         self._ensure_started()
         if not self._first_attempt.is_set():  # start-up: a local grant now would be on top of
             await self._await_first_attempt()  # the shared budget, so give Redis a moment
+        held = self._from_pool(tenant, tokens, lease_s)
+        if held is not None:
+            return held
         if not self.breaker.is_open and self.redis is not None:
             try:  # bounded by redis_timeout_s (one timer per batch, in the Redis store)
                 outcome = await self.redis.reserve(tenant, tokens, lease_s)
@@ -129,6 +132,23 @@ class FallbackStore:
         return self.share.reserve(tenant, tokens, lease_s, self.epoch,
                                   redis.levels.get(tenant) if redis is not None else None,
                                   redis.pending_charge(tenant) if redis is not None else (0.0, 0.0))
+
+    def reserve_now(self, tenant: str, tokens: int, lease_s: float) -> Grant | None:
+        """A grant Redis reserved ahead for the tenant (far from its limit: see
+        :mod:`guard.budget.grant_pool`), without awaiting; None: await :meth:`reserve`."""
+        check_reserve_args(tenant, tokens, lease_s)
+        return self._from_pool(tenant, tokens, lease_s)
+
+    def _from_pool(self, tenant: str, tokens: int, lease_s: float) -> Grant | None:
+        """A held grant; while Redis is unusable, one up to a third of its lease old (Redis
+        still counts it; its holder renews it within a third of a lease) and no top-up."""
+        redis = self.redis
+        if redis is None:
+            return None
+        if self.breaker.is_open:
+            return redis.reserve_now(tenant, tokens, lease_s, top_up=False,
+                                     max_age_s=self._config.lease_s / 3)
+        return redis.reserve_now(tenant, tokens, lease_s)
 
     async def open(self) -> None:
         """Start the link and wait until the first contact attempt ended: Redis answered or
@@ -203,13 +223,16 @@ class FallbackStore:
         """Tokens left per tenant as last seen by the backend in use (for the metrics)."""
         if self.breaker.is_open or self.redis is None:
             return self.local.remaining_by_tenant()
-        return dict(self.redis.remaining)
+        pool = self.redis.pool  # grants held ahead are still this guard's to give
+        return {t: r + pool.held_amount(t)[0] for t, r in list(self.redis.remaining.items())}
 
     def remaining_requests(self) -> dict[str, float]:
         """Requests left per tenant as last seen by the backend in use (for the metrics)."""
         if self.breaker.is_open or self.redis is None:
             return self.local.remaining_requests_by_tenant()
-        return {t: r for t, (_, r) in list(self.redis.levels.items()) if r is not None}
+        pool = self.redis.pool
+        return {t: r + pool.held_amount(t)[1] for t, (_, r) in list(self.redis.levels.items())
+                if r is not None}
 
     # --- background: heartbeats while closed, reconnects while open -----------------------
 
@@ -230,6 +253,7 @@ class FallbackStore:
             if self.breaker.is_open:
                 await self._reconnect()
                 continue
+            self.redis.release_expired()  # grants held ahead and not used: back to Redis
             try:
                 await self._heartbeat()
                 if self.share.in_episode:  # local decisions while the breaker stayed closed
@@ -267,7 +291,9 @@ class FallbackStore:
             self.redis = RedisStore(client, self._limits_for,
                                     settle_delay_s=self._config.settle_delay_s,
                                     on_reclaim=self._reclaimed, on_rtt=self._rtt,
-                                    reserve_timeout_s=self._config.redis_timeout_s)
+                                    reserve_timeout_s=self._config.redis_timeout_s,
+                                    reserve_ahead=self._config.reserve_ahead,
+                                    live_guards=lambda: self.live_guards)
         await asyncio.wait_for(self.redis.scripts.load(self.redis.client), PROBE_TIMEOUT_S)
         await asyncio.wait_for(self.redis.warm(), PROBE_TIMEOUT_S)
         await self._heartbeat()
@@ -309,6 +335,7 @@ class FallbackStore:
                 0.0 if tokens_left is None else max(0.0, limits.tokens_per_minute - tokens_left) / n,
                 0.0 if requests_left is None else
                 max(0.0, limits.requests_per_minute - requests_left) / n)
+        self.redis.release_held()  # grants held ahead were in the lost state
         self.redis.forget_levels()
 
     def _end_episode(self) -> None:

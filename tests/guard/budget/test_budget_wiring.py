@@ -42,6 +42,7 @@ def test_tenant_limits_override_the_default_axis_by_axis():
     ({"budget": {"breaker_failures": 0}}, "budget.breaker_failures"),
     ({"budget": {"expected_guards": 0}}, "budget.expected_guards"),
     ({"budget": {"expected_guards": 2.5}}, "budget.expected_guards"),
+    ({"budget": {"reserve_ahead": "yes"}}, "budget.reserve_ahead"),
     ({"budget": {"colour": 1}}, "budget.colour"),
     ({"budget": 5}, "budget"),
     ({"tenants": [tenant(requests_per_minute=-3)]}, "requests_per_minute"),
