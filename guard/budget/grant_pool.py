@@ -4,8 +4,8 @@ Far from the limit a Redis decision is a formality (it grants), yet every reques
 trip for it. When a tenant's bucket, as Redis last reported it, holds far more than this guard
 could take ahead — ``MARGIN`` × the pool's target × the tokens per grant × the live guards, on
 each limited axis — a batch sent to Redis carries, after its real requests, extra reserves of
-1.5 × the batch's largest size (refunded at settle) up to the pool's target: four times the largest batch of the tenant's real
-requests seen (``MIN_POOL``..``MAX_POOL``), so a top-up (sent once the pool is half empty) lands
+1.5 × the batch's largest size (refunded at settle) up to the pool's target: ``BATCHES_AHEAD`` × the largest batch of the tenant's real
+requests seen (``MIN_POOL``..``MAX_POOL``), so a top-up (sent once a quarter is gone) lands
 before it runs dry. Those are ordinary grants in Redis (tokens and a request
 debited, a lease, reclaimed if this guard dies), held here: a later request of the tenant that
 fits one takes it at once (:meth:`GrantPool.take`) and settles it as any grant (Redis refunds
@@ -29,10 +29,11 @@ from collections.abc import Callable
 
 from guard.budget.store import BudgetLimits
 
-__all__ = ["GrantPool", "MAX_POOL", "MIN_POOL", "HOLD_S", "MARGIN"]
+__all__ = ["GrantPool", "BATCHES_AHEAD", "MAX_POOL", "MIN_POOL", "HOLD_S", "MARGIN"]
 
-MAX_POOL = 64  # grants held ahead per tenant at most
+MAX_POOL = 128  # grants held ahead per tenant at most
 MIN_POOL = 4  # the smallest pool worth a call
+BATCHES_AHEAD = 8  # a pool's target: this many of the tenant's largest batch
 HOLD_S = 1.0  # an unused held grant goes back after this
 MARGIN = 8  # pool only while the bucket holds this many times what all guards could hold
 
@@ -44,7 +45,7 @@ class GrantPool:
         self._clock = clock
         self._live_guards = live_guards
         self._held: dict[str, deque[tuple[str, int, float]]] = {}
-        self._target: dict[str, int] = {}  # tenant -> grants to hold (4 × its largest batch)
+        self._target: dict[str, int] = {}  # tenant -> grants to hold (its largest batch × 8)
         self.stale: list[tuple[str, str]] = []  # (tenant, grant) found expired by take()
         self.num_taken = 0  # requests answered from the pool
         self.num_reserved = 0  # grants reserved ahead (granted by Redis)
@@ -75,14 +76,15 @@ class GrantPool:
         return len(held) if held else 0
 
     def saw_batch(self, tenant: str, num_requests: int) -> None:
-        """A batch of ``num_requests`` real requests went to Redis: hold four times that (a
-        top-up, sent at half, lands before the pool runs dry), within ``MIN_POOL``..``MAX_POOL``."""
-        target = max(self._target.get(tenant, 0), MIN_POOL, 4 * num_requests)
+        """A batch of ``num_requests`` real requests went to Redis: hold ``BATCHES_AHEAD``
+        times that (a top-up, sent at three quarters, lands before the pool runs dry), within
+        ``MIN_POOL``..``MAX_POOL``."""
+        target = max(self._target.get(tenant, 0), MIN_POOL, BATCHES_AHEAD * num_requests)
         self._target[tenant] = min(MAX_POOL, target)
 
     def low(self, tenant: str) -> bool:
-        """Under half its target: time to top up."""
-        return self.num_held(tenant) < self._target.get(tenant, 0) // 2
+        """Under three quarters of its target: time to top up (two batches of slack)."""
+        return self.num_held(tenant) < self._target.get(tenant, 0) * 3 // 4
 
     def wanted(self, tenant: str, limits: BudgetLimits,
                levels: tuple[float | None, float | None] | None, size: int) -> int:

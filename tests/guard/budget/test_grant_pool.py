@@ -12,7 +12,7 @@ from redis_servers import RedisServer
 
 from guard.budget.config import BudgetConfig
 from guard.budget.fallback import FallbackStore
-from guard.budget.grant_pool import HOLD_S, MARGIN, MIN_POOL, GrantPool
+from guard.budget.grant_pool import BATCHES_AHEAD, HOLD_S, MARGIN, MIN_POOL, GrantPool
 from guard.budget.keys import tenant_keys
 from guard.budget.store import BudgetLimits, Denied, Grant
 from tests.support.admission import FakeClock
@@ -32,11 +32,12 @@ def pool(guards: int = 1) -> tuple[GrantPool, FakeClock]:
 def test_wanted_only_far_from_the_limit_and_never_with_a_concurrency_limit():
     grants, _ = pool(guards=3)
     assert grants.wanted("a", BIG, (1e7, 1e6), 10) == 0  # no batch seen yet: no target
-    grants.saw_batch("a", 2)  # target: 4 × 2 = 8
+    grants.saw_batch("a", 2)
+    target = BATCHES_AHEAD * 2
     assert grants.wanted("a", BIG, None, 10) == 0  # levels never seen
-    assert grants.wanted("a", BIG, (1e7, 1e6), 10) == 8
-    need = MARGIN * 8 * 3  # what every guard could hold, MARGIN times
-    assert grants.wanted("a", BIG, (need * 10, need), 10) == 8
+    assert grants.wanted("a", BIG, (1e7, 1e6), 10) == target
+    need = MARGIN * target * 3  # what every guard could hold, MARGIN times
+    assert grants.wanted("a", BIG, (need * 10, need), 10) == target
     assert grants.wanted("a", BIG, (need * 10 - 1, need), 10) == 0  # tokens too close
     assert grants.wanted("a", BIG, (need * 10, need - 1), 10) == 0  # requests too close
     slots = BudgetLimits(10_000_000, 1_000_000, max_concurrent=1000)
@@ -47,22 +48,24 @@ def test_wanted_only_far_from_the_limit_and_never_with_a_concurrency_limit():
 def test_take_hands_out_fitting_grants_and_moves_old_ones_to_stale():
     grants, clock = pool()
     grants.saw_batch("a", 1)
-    assert grants.wanted("a", BIG, (1e7, 1e6), 10) == MIN_POOL
-    for i in range(3):
+    assert grants.wanted("a", BIG, (1e7, 1e6), 10) == max(MIN_POOL, BATCHES_AHEAD)
+    for i in range(8):
         grants.add("a", f"g{i}", 10, lease_s=30.0)
-    assert grants.held_amount("a") == (30, 3)
+    assert grants.held_amount("a") == (80, 8)
     assert grants.take("a", 11) is None  # too small: Redis decides
     assert grants.take("a", 10) == ("g0", 10)
-    assert grants.low("a") is False and grants.wanted("a", BIG, (1e7, 1e6), 10) == 2
+    assert grants.take("a", 10) == ("g1", 10) and not grants.low("a")  # 6 of 8 left
+    assert grants.take("a", 10) == ("g2", 10) and grants.low("a")  # 5 of 8: top up
+    assert grants.wanted("a", BIG, (1e7, 1e6), 10) == 3
     clock.advance(HOLD_S)
     assert grants.take("a", 5) is None
-    assert grants.stale == [("a", "g1"), ("a", "g2")] and grants.num_held("a") == 0
+    assert grants.stale == [("a", f"g{i}") for i in range(3, 8)] and grants.num_held("a") == 0
     grants.stale.clear()
-    grants.add("a", "g3", 10, lease_s=30.0)
+    grants.add("a", "g8", 10, lease_s=30.0)
     clock.advance(HOLD_S / 2)
     assert grants.expired() == {}
     clock.advance(HOLD_S / 2)
-    assert grants.expired() == {"a": ["g3"]}
+    assert grants.expired() == {"a": ["g8"]}
 
 
 def test_a_grant_is_never_held_past_a_third_of_its_lease():
@@ -81,7 +84,7 @@ def test_far_from_the_limit_requests_take_grants_reserved_ahead_and_settle_them(
         assert all(isinstance(g, Grant) for g in first)  # levels now known
         await asyncio.gather(*(store.reserve(tenant, 10, 30.0) for _ in range(4)))
         held = store.pool.num_held(tenant)
-        assert held == 16  # 4 × the batch of 4, each of 1.5 × 10 + 1 tokens
+        assert held == BATCHES_AHEAD * 4  # the batch of 4, each of 1.5 × 10 + 1 tokens
         taken = [store.reserve_now(tenant, 12, 30.0) for _ in range(held)]
         assert all(isinstance(g, Grant) and g.tokens == 16 for g in taken)
         assert store.reserve_now(tenant, 12, 30.0) is None  # empty (a top-up is on its way)
@@ -104,7 +107,7 @@ def test_near_the_limit_every_decision_is_redis_own(redis_server):
     async def go():
         store, tenant = await backend.store(BudgetLimits(requests_per_minute=100)), backend.tenant()
         outcomes = []
-        for _ in range(30):  # batches of 4: a pool of 16 would need 8 × 16 = 128 left
+        for _ in range(30):  # batches of 4: a pool of 32 would need MARGIN × 32 left
             outcomes += await asyncio.gather(*(store.reserve(tenant, 1, 30.0) for _ in range(4)))
         assert sum(isinstance(o, Grant) for o in outcomes) == 100
         assert store.pool.num_reserved == 0
@@ -119,12 +122,12 @@ def test_a_dead_holders_grants_come_back_at_lease_expiry(redis_server):
         store, tenant = await backend.store(BIG), backend.tenant()
         for _ in range(2):
             await asyncio.gather(*(store.reserve(tenant, 10, 0.6) for _ in range(4)))
-        assert store.pool.num_held(tenant) == 16
+        assert store.pool.num_held(tenant) == BATCHES_AHEAD * 4
         await store.client.aclose()  # dies: nothing released, nothing renewed
         await asyncio.sleep(0.8)
         other = await backend.store(BIG)
         assert isinstance(await other.reserve(tenant, 10, 30.0), Grant)
-        assert int(redis_server.cli("hlen", tenant_keys(tenant)[2])) == 1  # 24 reclaimed
+        assert int(redis_server.cli("hlen", tenant_keys(tenant)[2])) == 1  # the rest reclaimed
         await other.aclose()
     run(go())
 
@@ -175,8 +178,8 @@ def test_grants_held_by_an_idle_guard_go_back_within_a_heartbeat_of_hold_s(redis
         tenant = f"idle{time.time_ns()}"
         for _ in range(2):
             await asyncio.gather(*(guard.reserve(tenant, 10, 5.0) for _ in range(4)))
-        assert guard.redis.pool.num_held(tenant) == 16
-        assert int(redis_server.cli("hlen", tenant_keys(tenant)[2])) == 24
+        assert guard.redis.pool.num_held(tenant) == BATCHES_AHEAD * 4
+        assert int(redis_server.cli("hlen", tenant_keys(tenant)[2])) == 8 + BATCHES_AHEAD * 4
         deadline = time.monotonic() + HOLD_S + 5.0
         while int(redis_server.cli("hlen", tenant_keys(tenant)[2])) != 8:  # the 8 requests'
             assert time.monotonic() < deadline, "held grants never went back"
