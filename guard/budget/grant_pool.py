@@ -44,7 +44,7 @@ class GrantPool:
     def __init__(self, clock: Callable[[], float], live_guards: Callable[[], int]) -> None:
         self._clock = clock
         self._live_guards = live_guards
-        self._held: dict[str, deque[tuple[str, int, float]]] = {}
+        self._held: dict[str, deque[tuple[str, int, float, float]]] = {}
         self._target: dict[str, int] = {}  # tenant -> grants to hold (its largest batch × 8)
         self.stale: list[tuple[str, str]] = []  # (tenant, grant) found expired by take()
         self.num_taken = 0  # requests answered from the pool
