@@ -339,9 +339,19 @@ class AdmissionController:
 
     # --- background work ------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start the queue pump, poll once, then start the poller (on the running loop)."""
+        """Open the budget store's link (:meth:`open_budget`), start the queue pump, poll once,
+        then start the poller (on the running loop)."""
+        await self.open_budget()
         if not self.background.is_running_here():
             await self.background.start()
+
+    async def open_budget(self) -> None:
+        """At start-up: a store with a remote backend (Redis) connects now, not on the first
+        request, and this waits — bounded, never failing on Redis — until its first contact
+        attempt ended (see :mod:`guard.budget.fallback`). Nothing for other stores."""
+        open_store = getattr(self.budget, "open", None)
+        if open_store is not None:
+            await open_store()
 
     def _make_poller(self) -> StatePoller:
         return StatePoller(self.load_state, self._sources, self.config.refresh_interval_s,

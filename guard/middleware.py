@@ -12,7 +12,8 @@ default when anonymous requests are refused). The guard's own Prometheus metrics
 the guard answers it only when the wrapped app says 404.
 
 The wrapped app is the one replica, ``local``, whose ``/kvguard/state`` is polled through the
-app itself (started on the first admitted request). An app without
+app itself (started on the first admitted request; a budget store's Redis link opens earlier,
+at lifespan startup, when the server runs the lifespan). An app without
 ``/kvguard/state`` (404 or not JSON) becomes a healthy replica of unknown capacity: the ``slo``
 policy then admits ``unknown_capacity_max_inflight`` requests at a time. ``[[replicas]]`` are
 the standalone proxy's: configured here they are refused at construction.
@@ -126,7 +127,9 @@ class AdmissionMiddleware:
     def _lifespan_receive(self, receive: Receive) -> Receive:
         async def wrapped() -> Message:
             message = await receive()
-            if message["type"] == "lifespan.shutdown":
+            if message["type"] == "lifespan.startup":  # budgets' Redis link: now, not on the
+                await self.controller.open_budget()     # first request (bounded wait)
+            elif message["type"] == "lifespan.shutdown":
                 await self.aclose()
             return message
         return wrapped

@@ -17,6 +17,9 @@ Each block's thread CPU time is recorded too (``cpu_us``: CPU µs per request, t
 blocks): wall time less CPU time is what the guard spent waiting (for Redis, in the Redis
 variant) or descheduled; on a shared machine CPU time moves far less from run to run.
 Targets: ≤ 1 Redis call per admitted request; Redis budgets ≥ 0.8× the no-budget rate.
+
+``--http`` also serves the three guards over loopback HTTP and drives them as clients would
+(:mod:`guard.budget.bench_http`); both results are reported, side by side.
 """
 
 from __future__ import annotations
@@ -50,21 +53,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "kvguard:{bench}: are written)")
     parser.add_argument("--redis-timeout-s", type=float, default=0.05,
                         help="budget.redis_timeout_s of the Redis variant (default 0.05)")
+    parser.add_argument("--http", action="store_true",
+                        help="also serve the three guards over loopback HTTP (kvguard's server, "
+                             "one process each) and drive them as clients would")
+    parser.add_argument("--http-requests", type=int, default=6000,
+                        help="requests per variant over HTTP (with --http)")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     if min(args.requests, args.block, args.concurrency) < 1:
         raise ValueError("--requests, --block and --concurrency must be >= 1")
+    from guard.budget.bench_http import measure_http, render_http
+
     server = None if args.redis else _RedisServer.start()
     try:
         url = args.redis or server.url
         results = asyncio.run(measure(url, args.requests, args.block, args.concurrency,
                                       args.policy, args.redis_timeout_s))
+        if args.http:
+            results["http"] = asyncio.run(measure_http(
+                url, args.http_requests, args.block, args.concurrency, args.policy,
+                args.redis_timeout_s))
     finally:
         if server is not None:
             server.stop()
-    print(json.dumps(results, indent=2) if args.json else render(results))
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(render(results))
+        if "http" in results:
+            print(render_http(results["http"]))
     return 0
 
 

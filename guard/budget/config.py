@@ -32,6 +32,11 @@ class BudgetConfig:
     ``retry_max_s``: the longest pause between reconnect attempts while on the local share.
     ``heartbeat_s``: how often a guard announces itself (live guards divide the local share).
     ``settle_delay_s``: settles are batched for this long (0: each settle is its own call).
+    ``expected_guards``: how many guards share these budgets, assumed until this guard has
+    reached Redis once (its start-up share is each limit ÷ this; afterwards the live guards
+    seen in Redis's heartbeats divide it). Set it to the number of guards you run.
+    ``reserve_ahead``: far from a tenant's limit, a Redis batch also reserves grants ahead that
+    later requests take without a round trip (:mod:`guard.budget.grant_pool`).
     """
 
     tokens_per_minute: int | None = None
@@ -43,6 +48,8 @@ class BudgetConfig:
     retry_max_s: float = 1.0
     heartbeat_s: float = 1.0
     settle_delay_s: float = 0.02
+    expected_guards: int = 3
+    reserve_ahead: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -57,6 +64,10 @@ class BudgetConfig:
         if not self.heartbeat_s * 3 <= self.lease_s or self.settle_delay_s * 10 > self.lease_s:
             raise ValueError("budget.lease_s: must be >= 3 × heartbeat_s and >= 10 × settle_delay_s")
         require_count("budget.breaker_failures", self.breaker_failures)
+        require_count("budget.expected_guards", self.expected_guards)
+        if not isinstance(self.reserve_ahead, bool):
+            raise ValueError(f"budget.reserve_ahead: must be true or false, got "
+                             f"{self.reserve_ahead!r}")
 
     @functools.cached_property
     def default_limits(self) -> BudgetLimits:  # built once (read on every budgeted request)

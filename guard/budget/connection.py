@@ -1,7 +1,11 @@
-"""A ``redis.asyncio`` client for a URL, single server or Cluster (detected from the server).
+"""A Redis client for a URL, single server or Cluster (detected from the server).
 
-Short socket and connect timeouts (the guard never waits on Redis longer than ``timeout_s``);
-no client-side retries: the breaker in :mod:`guard.budget.fallback` decides what happens next.
+A single server on a plain ``redis://`` URL gets the budget store's own pipelined client
+(:class:`~guard.budget.resp_client.RespClient`: a quarter of redis-py's CPU per call); a Cluster,
+or a URL with TLS, a unix socket or options, gets ``redis.asyncio`` (``RedisCluster`` for a
+Cluster). Short socket and connect timeouts (the guard never waits on Redis longer than
+``timeout_s``); no client-side retries: the breaker in :mod:`guard.budget.fallback` decides what
+happens next.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+
+from guard.budget.resp_client import RespClient, supports
 
 __all__ = ["connect"]
 
@@ -21,7 +27,10 @@ async def connect(url: str, timeout_s: float) -> Any:
     """
     options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                    decode_responses=True)
-    client = aioredis.Redis.from_url(url, retry_on_timeout=False, **options)
+    if supports(url):
+        client: Any = RespClient.from_url(url, timeout_s)
+    else:
+        client = aioredis.Redis.from_url(url, retry_on_timeout=False, **options)
     try:
         info = await client.info("cluster")
     except BaseException:

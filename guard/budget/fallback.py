@@ -14,9 +14,22 @@ levels of tenants this guard has not heard about for a beat, so its last view st
 A background task reconnects on a tenacity backoff (capped at ``retry_max_s``), reloads the
 scripts, charges Redis with what was admitted locally (once: net of refunds, or the guard's debt
 when Redis lost its state — see :mod:`guard.budget.local_share`), and closes the breaker.
-Start-up without Redis is the same state: local share, retrying (the very first requests wait,
-once and at most ``STARTUP_WAIT_S``, until Redis answers or refuses, so a guard that is merely
-still connecting does not hand out a local share on top of Redis).
+
+**Start-up.** The link is opened when the guard starts (:meth:`FallbackStore.open`, called by
+the controller's start: the ASGI lifespan of the middleware and of ``kvguard proxy``), not by
+the first request, and start-up waits — once, at most ``STARTUP_WAIT_S`` — until Redis answered
+or refused. A refused connection (Redis absent) ends the wait at once and the guard starts in
+local mode, retrying in the background: Redis never blocks or crash-loops a start. Until this
+guard has reached Redis once it has seen no heartbeat, so it cannot know how many guards share
+a budget; it then decides on a **start-up share**: each limit ÷ ``budget.expected_guards``
+(default 3; an operator sets it to the number of guards they run), never the whole limit. So a
+fleet that starts while Redis is absent, slow or hung admits at most one budget across
+``expected_guards`` guards (LiteLLM's per-pod full limit on a Redis error is the failure this
+avoids), and a guard that starts late beside guards already on Redis adds at most
+``limit ÷ expected_guards`` before its first contact. At that contact it charges Redis with
+exactly what it admitted locally (net of refunds: the full share it started from was not seeded
+from Redis, so nothing of it is owed twice) before deciding anything there. Requests that arrive
+before the start-up wait ended (a server without a lifespan) wait for it the same way.
 
 Grants remember where they were made: a local grant is settled locally (a refund after its
 episode was charged goes to Redis); a Redis grant whose settle cannot be delivered is retried,
@@ -72,6 +85,8 @@ class FallbackStore:
         self.breaker = Breaker(config.breaker_failures, self._on_breaker)
         self.breaker.is_open = True  # until the first connect succeeds (start-up: local share)
         self.share = LocalShare(limits_for, clock, on_reclaim=self._reclaimed)
+        self.share.live_guards = config.expected_guards  # the start-up share, until a heartbeat
+        self.ever_reached = False  # reached Redis once (False: decisions on the start-up share)
         self.local = self.share.store
         self.redis: RedisStore | None = None
         self.epoch: str | None = None  # Redis's epoch as last seen (a new one: state lost)
@@ -98,6 +113,9 @@ class FallbackStore:
         self._ensure_started()
         if not self._first_attempt.is_set():  # start-up: a local grant now would be on top of
             await self._await_first_attempt()  # the shared budget, so give Redis a moment
+        held = self._from_pool(tenant, tokens, lease_s)
+        if held is not None:
+            return held
         if not self.breaker.is_open and self.redis is not None:
             try:  # bounded by redis_timeout_s (one timer per batch, in the Redis store)
                 outcome = await self.redis.reserve(tenant, tokens, lease_s)
@@ -114,6 +132,34 @@ class FallbackStore:
         return self.share.reserve(tenant, tokens, lease_s, self.epoch,
                                   redis.levels.get(tenant) if redis is not None else None,
                                   redis.pending_charge(tenant) if redis is not None else (0.0, 0.0))
+
+    def reserve_now(self, tenant: str, tokens: int, lease_s: float) -> Grant | None:
+        """A grant Redis reserved ahead for the tenant (far from its limit: see
+        :mod:`guard.budget.grant_pool`), without awaiting; None: await :meth:`reserve`."""
+        check_reserve_args(tenant, tokens, lease_s)
+        return self._from_pool(tenant, tokens, lease_s)
+
+    def _from_pool(self, tenant: str, tokens: int, lease_s: float) -> Grant | None:
+        """A held grant; while Redis is unusable, one up to a third of its lease old (Redis
+        still counts it; its holder renews it within a third of a lease) and no top-up."""
+        redis = self.redis
+        if redis is None:
+            return None
+        if self.breaker.is_open:
+            return redis.reserve_now(tenant, tokens, lease_s, top_up=False,
+                                     max_age_s=self._config.lease_s / 3)
+        return redis.reserve_now(tenant, tokens, lease_s)
+
+    async def open(self) -> None:
+        """Start the link and wait until the first contact attempt ended: Redis answered or
+        refused, or ``STARTUP_WAIT_S`` passed (a hung or slow Redis). Never raises for Redis."""
+        self._ensure_started()
+        if not self._first_attempt.is_set():
+            await self._await_first_attempt()
+        if not self.ever_reached:
+            log.warning("budget backend: redis %s not reached at start-up; deciding on a "
+                        "start-up share (1/%d of each limit, budget.expected_guards) and "
+                        "retrying in the background", self._url, self.live_guards)
 
     async def _await_first_attempt(self) -> None:
         """Wait until Redis answered or refused, but never past the start-up window."""
@@ -177,18 +223,22 @@ class FallbackStore:
         """Tokens left per tenant as last seen by the backend in use (for the metrics)."""
         if self.breaker.is_open or self.redis is None:
             return self.local.remaining_by_tenant()
-        return dict(self.redis.remaining)
+        pool = self.redis.pool  # grants held ahead are still this guard's to give
+        return {t: r + pool.held_amount(t)[0] for t, r in list(self.redis.remaining.items())}
 
     def remaining_requests(self) -> dict[str, float]:
         """Requests left per tenant as last seen by the backend in use (for the metrics)."""
         if self.breaker.is_open or self.redis is None:
             return self.local.remaining_requests_by_tenant()
-        return {t: r for t, (_, r) in list(self.redis.levels.items()) if r is not None}
+        pool = self.redis.pool
+        return {t: r + pool.held_amount(t)[1] for t, (_, r) in list(self.redis.levels.items())
+                if r is not None}
 
     # --- background: heartbeats while closed, reconnects while open -----------------------
 
     def start(self) -> None:
-        """Start connecting and heartbeating (needs a running loop; the first call does it)."""
+        """Start connecting and heartbeating without waiting (needs a running loop; see
+        :meth:`open`)."""
         self._ensure_started()
 
     def _ensure_started(self) -> None:
@@ -203,6 +253,7 @@ class FallbackStore:
             if self.breaker.is_open:
                 await self._reconnect()
                 continue
+            self.redis.release_expired()  # grants held ahead and not used: back to Redis
             try:
                 await self._heartbeat()
                 if self.share.in_episode:  # local decisions while the breaker stayed closed
@@ -240,13 +291,16 @@ class FallbackStore:
             self.redis = RedisStore(client, self._limits_for,
                                     settle_delay_s=self._config.settle_delay_s,
                                     on_reclaim=self._reclaimed, on_rtt=self._rtt,
-                                    reserve_timeout_s=self._config.redis_timeout_s)
+                                    reserve_timeout_s=self._config.redis_timeout_s,
+                                    reserve_ahead=self._config.reserve_ahead,
+                                    live_guards=lambda: self.live_guards)
         await asyncio.wait_for(self.redis.scripts.load(self.redis.client), PROBE_TIMEOUT_S)
         await asyncio.wait_for(self.redis.warm(), PROBE_TIMEOUT_S)
         await self._heartbeat()
         self._end_episode()
         if not await asyncio.wait_for(self.redis.flush(), PROBE_TIMEOUT_S):
             raise ConnectionError("budget charges not delivered")  # stay local, retry
+        self.ever_reached = True
         self.breaker.close()
 
     async def _heartbeat(self) -> None:
@@ -281,6 +335,7 @@ class FallbackStore:
                 0.0 if tokens_left is None else max(0.0, limits.tokens_per_minute - tokens_left) / n,
                 0.0 if requests_left is None else
                 max(0.0, limits.requests_per_minute - requests_left) / n)
+        self.redis.release_held()  # grants held ahead were in the lost state
         self.redis.forget_levels()
 
     def _end_episode(self) -> None:

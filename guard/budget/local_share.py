@@ -11,8 +11,9 @@ A tenant this guard never saw on Redis starts from a full share.
 When the guard is back on Redis the episode ends and each tenant's local decisions are charged
 to the shared bucket, exactly once:
 
-- Redis kept its state (same epoch): the net tokens and requests admitted locally (reserved
-  less refunded), so the shared bucket ends where one bucket would have been.
+- Redis kept its state (same epoch), or the guard had never reached Redis (a start-up share,
+  not seeded from Redis): the net tokens and requests admitted locally (reserved less
+  refunded), so the shared bucket ends where one bucket would have been.
 - Redis lost its state (a restarted server: new epoch, its buckets full again): the guard's
   *debt* — its share's capacity less its local level now — so that once every guard has paid,
   the fresh bucket holds the sum of the local levels, i.e. what was left, not a new window.
@@ -132,7 +133,7 @@ class LocalShare:
         charges = {}
         for tenant, episode in self._episodes.items():
             episode.charged = True
-            if episode.epoch is not None and episode.epoch == epoch:
+            if episode.epoch is None or episode.epoch == epoch:
                 charges[tenant] = (episode.tokens, episode.requests)
             else:
                 charges[tenant] = self._debt(tenant)

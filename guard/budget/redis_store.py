@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from guard.budget.grant_pool import HOLD_S, GrantPool
 from guard.budget.keys import tenant_keys
 from guard.budget.memory_store import check_reserve_args
 from guard.budget.scripts import ScriptSet
@@ -78,7 +79,8 @@ class RedisStore:
                  scripts: ScriptSet | None = None, settle_delay_s: float = 0.02,
                  on_reclaim: Callable[[int], None] | None = None,
                  on_rtt: Callable[[float], None] | None = None,
-                 reserve_timeout_s: float | None = None) -> None:
+                 reserve_timeout_s: float | None = None, reserve_ahead: bool = True,
+                 live_guards: Callable[[], int] | None = None) -> None:
         if settle_delay_s < 0:
             raise ValueError(f"settle_delay_s: must be >= 0, got {settle_delay_s!r}")
         if reserve_timeout_s is not None and not reserve_timeout_s > 0:
@@ -102,31 +104,58 @@ class RedisStore:
         # requests) left after its last reserve or settle, None where unlimited
         self.seen_s: dict[str, float] = {}  # tenant -> when ``levels`` was last refreshed
         self._charges: dict[str, list[float]] = {}  # tenant -> [tokens, requests] to take
+        self.pool = GrantPool(time.monotonic, live_guards or (lambda: 1))
+        self._reserve_ahead = reserve_ahead
+        self._ahead: dict[str, tuple[int, int]] = {}  # tenant -> (tokens, lease_ms) per grant
+        self._ahead_in_flight: dict[str, int] = {}  # tenant -> grants asked ahead, unanswered
+
+    def reserve_now(self, tenant: str, tokens: int, lease_s: float, *, top_up: bool = True,
+                    max_age_s: float = HOLD_S) -> Grant | None:
+        """A grant reserved ahead (:mod:`guard.budget.grant_pool`) when one no older than
+        ``max_age_s`` is held for the tenant and fits ``tokens``; None: await :meth:`reserve`
+        (Redis decides). ``top_up=False``: no top-up call (Redis unusable)."""
+        check_reserve_args(tenant, tokens, lease_s)
+        taken = self.pool.take(tenant, tokens, max_age_s)
+        if self.pool.stale:
+            self.release_expired()
+        if taken is None:
+            return None
+        if top_up and self.pool.low(tenant) and not self._ahead_in_flight.get(tenant):
+            self._batch(tenant)  # top the pool up in the background (joins this loop's batch)
+        return Grant(tenant, taken[0], taken[1])
 
     async def reserve(self, tenant: str, tokens: int, lease_s: float) -> Grant | Denied:
         """Decided by Redis (raises the client's error, or TimeoutError past
         ``reserve_timeout_s``)."""
         check_reserve_args(tenant, tokens, lease_s)
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future = asyncio.get_running_loop().create_future()
+        batch = self._batch(tenant)
+        batch.append((self._grant_id(), tokens, max(1, int(lease_s * 1000)), future))
+        return await future
+
+    def _batch(self, tenant: str) -> list:
+        """The tenant's batch for this loop iteration (sent once the iteration's arrivals are
+        in; reserves ahead are added when it is sent)."""
         batch = self._batches.get(tenant)
         if batch is None:
+            loop = asyncio.get_running_loop()
             batch = self._batches[tenant] = []
             timer = None  # one timer per batch, from its first arrival
             if self._reserve_timeout_s is not None:
                 timer = loop.call_later(self._reserve_timeout_s, _expire, batch)
             self._spawn(self._send_batch(tenant, batch, timer))  # after this iteration's arrivals
+        return batch
+
+    def _grant_id(self) -> str:
         self._next_id += 1
-        batch.append((f"{self._id_prefix}{self._next_id:x}", tokens, max(1, int(lease_s * 1000)),
-                      future))
-        return await future
+        return f"{self._id_prefix}{self._next_id:x}"
 
     async def _send_batch(self, tenant: str, batch: list,
                           timer: asyncio.TimerHandle | None) -> None:
         if self._batches.get(tenant) is batch:
             del self._batches[tenant]
         try:
-            for start in range(0, len(batch), MAX_BATCH):
+            for start in range(0, max(1, len(batch)), MAX_BATCH):
                 await self._send_reserves(tenant, batch[start:start + MAX_BATCH])
         finally:
             if timer is not None:
@@ -134,30 +163,44 @@ class RedisStore:
 
     async def _send_reserves(self, tenant: str, batch: list) -> None:
         limits = self._limits_for(tenant)
+        ahead = self._ahead_of(tenant, limits, batch)
+        if not batch and not ahead:
+            return  # a top-up no longer wanted
         pending = self._pending.pop(tenant, [])
         charge = self._charges.pop(tenant, [0.0, 0.0])
-        reserves = " ".join(f"{gid} {tokens} {lease_ms}" for gid, tokens, lease_ms, _ in batch)
+        reserves = " ".join(f"{gid} {tokens} {lease_ms}"
+                            for gid, tokens, lease_ms, _ in (*batch, *ahead))
         args = [*_limit_args(limits), *charge, reserves, _finishes(pending)]
+        self._ahead_in_flight[tenant] = self._ahead_in_flight.get(tenant, 0) + len(ahead)
         try:
             reply = await self._call("reserve", tenant_keys(tenant), args)
         except BaseException as exc:
             self._requeue(tenant, pending)
             self._recharge(tenant, charge)
+            # grants asked ahead that Redis may have made all the same: released (a no-op for
+            # one it did not make), not left to their lease
+            self._requeue(tenant, [(grant_id, -1) for grant_id, *_ in ahead])
             _fail(batch, exc if isinstance(exc, Exception) else
                   ConnectionError("budget reserve interrupted"))
             if not isinstance(exc, Exception):
                 raise
             return
+        finally:
+            self._ahead_in_flight[tenant] -= len(ahead)
         reclaimed = int(reply[0])
         if reclaimed and self._on_reclaim is not None:
             self._on_reclaim(reclaimed)
-        self._saw_levels(tenant, limits, reply[1], reply[2])
         decisions = str(reply[3]).split(" ")
-        if len(decisions) != len(batch):  # a script that does not match this client: never
+        if len(decisions) != len(batch) + len(ahead):  # a script not matching this client
             _fail(batch, RuntimeError(f"budget reserve: {len(decisions)} decisions for "
-                                      f"{len(batch)} requests"))
+                                      f"{len(batch) + len(ahead)} requests"))
             return
-        for decision, (grant_id, tokens, _, future) in zip(decisions, batch, strict=True):
+        for decision, (grant_id, tokens, lease_ms, _) in zip(decisions[len(batch):], ahead,
+                                                             strict=True):
+            if decision == "1":
+                self.pool.add(tenant, grant_id, tokens, lease_ms / 1000)
+        self._saw_levels(tenant, limits, reply[1], reply[2])  # after the pool: may drain it
+        for decision, (grant_id, tokens, _, future) in zip(decisions, batch, strict=False):
             if decision == "1":
                 outcome: Grant | Denied = Grant(tenant, grant_id, tokens)
             else:
@@ -207,9 +250,44 @@ class RedisStore:
     def _saw_levels(self, tenant: str, limits: BudgetLimits, tokens: Any, requests: Any) -> None:
         if limits.tokens_per_minute is not None:
             self.remaining[tenant] = float(tokens)
-        self.levels[tenant] = (float(tokens) if limits.tokens_per_minute is not None else None,
-                               float(requests) if limits.requests_per_minute is not None else None)
+        levels = self.levels[tenant] = (
+            float(tokens) if limits.tokens_per_minute is not None else None,
+            float(requests) if limits.requests_per_minute is not None else None)
         self.seen_s[tenant] = time.monotonic()
+        if self.pool.num_held(tenant) and not self.pool.far_from_limit(tenant, limits, levels):
+            self._give_back({tenant: self.pool.drain(tenant)})  # nearing the limit
+
+    def _ahead_of(self, tenant: str, limits: BudgetLimits, batch: list) -> list:
+        """The reserves ahead to add to ``batch``: as many as the pool wants, of 1.5 × the
+        batch's largest size (a top-up with no request of its own: the last size)."""
+        if not self._reserve_ahead:
+            return []
+        if batch:
+            largest = max(t for _, t, _, _ in batch)  # with room: sizes vary a little
+            self._ahead[tenant] = (largest + largest // 2 + 1, max(m for _, _, m, _ in batch))
+            self.pool.saw_batch(tenant, len(batch))
+        size, lease_ms = self._ahead.get(tenant, (0, 0))
+        want = self.pool.wanted(tenant, limits, self.levels.get(tenant), size)
+        want = min(want - self._ahead_in_flight.get(tenant, 0), MAX_BATCH - len(batch))
+        return [(self._grant_id(), size, lease_ms, None) for _ in range(max(0, want))]
+
+    def release_expired(self) -> None:
+        """Held grants unused for ``HOLD_S`` go back (queued releases)."""
+        expired = self.pool.expired()
+        for tenant, grant_id in self.pool.stale:
+            expired.setdefault(tenant, []).append(grant_id)
+        self.pool.stale.clear()
+        self._give_back(expired)
+
+    def release_held(self) -> None:
+        """Every held grant goes back (Redis unusable, or closing)."""
+        self._give_back({t: self.pool.drain(t) for t in self.pool.tenants()})
+
+    def _give_back(self, grants: dict[str, list[str]]) -> None:
+        for tenant, ids in grants.items():
+            if ids:
+                self._requeue(tenant, [(grant_id, -1) for grant_id in ids])
+                self._schedule(self._settle_delay_s)
 
     def forget_levels(self) -> None:
         """Drop every level seen (Redis lost them: they describe buckets that are gone)."""
@@ -263,6 +341,7 @@ class RedisStore:
         return True
 
     async def aclose(self) -> None:
+        self.release_held()
         try:
             await asyncio.wait_for(self.flush(), timeout=1.0)
         except (asyncio.TimeoutError, OSError):
@@ -273,7 +352,8 @@ class RedisStore:
         await close()
 
     async def warm(self) -> None:
-        """Open the connections a burst will use (``MAX_IN_FLIGHT`` concurrent PINGs)."""
+        """Open the connections a burst will use (``MAX_IN_FLIGHT`` concurrent PINGs: redis-py
+        opens that many; the budget's own client pipelines them on its one connection)."""
         await asyncio.gather(*(self.client.ping() for _ in range(MAX_IN_FLIGHT)))
 
     def num_pending(self) -> int:

@@ -22,8 +22,13 @@ Two optional methods let a caller skip the awaiting where a store does not need 
     store.finish_soon(grant, used_tokens | None)  # settle (or release: None) without awaiting;
                                                    # queued where the backend is remote
 
-The in-memory store has both; the Redis and fallback stores have ``finish_soon`` (a Redis
-reservation is always awaited: Redis decides it before the request is admitted).
+The in-memory store has both; the Redis and fallback stores have ``finish_soon``, and a
+``reserve_now`` that answers only with a grant Redis reserved ahead (far from the tenant's
+limit: :mod:`guard.budget.grant_pool`) and returns None when Redis must decide (await
+``reserve``). A store with
+a remote backend may also have ``await store.open()``: connect at the guard's start-up and
+return once the first contact attempt ended (the controller's start calls it; the fallback
+store has it).
 """
 
 from __future__ import annotations

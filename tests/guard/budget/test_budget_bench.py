@@ -15,3 +15,15 @@ def test_bench_budget_admits_every_request_and_counts_redis_calls_and_cpu(redis_
     assert all(result["cpu_us"][name] > 0 for name in ("none", "memory", "redis"))
     assert result["redis_server_us_per_evalsha"] > 0
     assert "CPU µs/req" in render(result)
+
+
+def test_bench_budget_over_http_serves_the_three_guards_and_reports_each(redis_server):
+    from guard.budget.bench_http import measure_http, render_http
+
+    result = asyncio.run(measure_http(redis_server.url, num=40, block=20, concurrency=4,
+                                      policy="slo"))
+    assert result["admitted"] == {"none": 40, "memory": 40, "redis": 40}
+    assert result["statuses"] == {name: {200: 40} for name in ("none", "memory", "redis")}
+    assert 0 < result["redis_evalsha_per_admitted"] <= 1  # the served guard decided in Redis
+    assert all(result["rate_rps"][name] > 0 for name in ("none", "memory", "redis"))
+    assert "server CPU µs/req" in render_http(result)

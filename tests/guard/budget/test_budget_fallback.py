@@ -7,12 +7,13 @@ import signal
 import threading
 import time
 
+import pytest
 from prometheus_client import CollectorRegistry
 from redis_servers import RedisServer, free_port
 
 from guard.budget.config import BudgetConfig
-from guard.budget.fallback import FallbackStore
-from guard.budget.keys import tenant_keys
+from guard.budget.fallback import STARTUP_WAIT_S, FallbackStore
+from guard.budget.keys import LIVE_GUARDS_KEY, tenant_keys
 from guard.budget.metrics import BudgetMetrics
 from guard.budget.store import BudgetLimits, Denied, Grant
 
@@ -337,4 +338,52 @@ def test_heartbeats_refresh_what_an_idle_guard_knows_is_left(redis_server):
         await until(lambda: idle.redis.levels[tenant][1] <= 35)  # 29 left, plus refill
         await idle.aclose()
         await busy.aclose()
+    run(go())
+
+
+@pytest.mark.parametrize("redis_at_start", ["hung", "absent"])
+def test_guards_started_without_redis_admit_one_budget_and_pay_it_once_redis_answers(
+        redis_at_start):
+    """Three guards open their link while Redis is SIGSTOPped (or not running yet): start-up
+    is not held past its window, and never having seen a heartbeat each decides on
+    limit ÷ expected_guards, not the whole limit; once Redis answers each charges it what it
+    admitted, so the shared bucket holds what is left of one budget."""
+    server = RedisServer(port=free_port())
+    if redis_at_start == "hung":
+        server.start().signal(signal.SIGSTOP)
+
+    async def go():
+        guards = [fallback(server.url, BudgetLimits(requests_per_minute=30), expected_guards=3)
+                  for _ in range(3)]
+        start_s = time.monotonic()
+        await asyncio.gather(*(g.open() for g in guards))
+        assert time.monotonic() - start_s < STARTUP_WAIT_S + HANG_GUARD_S  # start-up not held
+        assert not any(g.ever_reached for g in guards)
+        assert {g.backend for g in guards} == {"local"}
+        admitted = 0
+        for guard in guards:
+            outcomes = [await timed_reserve(guard, "acme") for _ in range(20)]
+            admitted += sum(isinstance(o, Grant) for o in outcomes)
+        refill = int(30 * (time.monotonic() - start_s) / 60) + 1
+        assert 30 <= admitted <= 30 + refill  # one budget across the three, not one each
+        if redis_at_start == "hung":
+            server.signal(signal.SIGCONT)
+        else:
+            server.start()
+        await until(lambda: all(g.backend == "redis" for g in guards))
+        left = float(server.cli("hget", tenant_keys("acme")[0], "rl"))
+        assert left <= 30 - admitted + refill  # each guard's local admissions charged once
+        for guard in guards:
+            await guard.aclose()
+    run_then_kill(server, go)
+
+
+def test_open_connects_before_any_request_and_heartbeats(redis_server):
+    async def go():
+        store = fallback(redis_server.url, BudgetLimits(requests_per_minute=30))
+        await store.open()
+        assert store.backend == "redis" and store.ever_reached
+        assert store.num_local_reserves == 0
+        assert redis_server.cli("zscore", LIVE_GUARDS_KEY, store.instance_id).strip()
+        await store.aclose()
     run(go())

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from redis_servers import RedisServer
+from redis_servers import RedisServer, free_port
 
 from chaos.child import ChildProcess
 from chaos.topology import http_health
-from guard.budget.keys import tenant_keys
+from guard.budget.keys import LIVE_GUARDS_KEY, tenant_keys
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +24,7 @@ policy = "always-admit"
 [budget]
 redis_timeout_s = 1.0   # three proxies and the client share two busy cores: a hang guard only
 heartbeat_s = 0.2
+expected_guards = 3     # the start-up share before Redis was reached: 30 ÷ 3
 [[tenants]]
 name = "acme"
 api_key = "k-acme"
@@ -52,41 +53,99 @@ async def burst(urls: list[str], num: int) -> list[int]:
         return list(await asyncio.gather(*(one(i) for i in range(num))))
 
 
+def backend(url: str) -> str | None:
+    """The budget backend the proxy reports on /kvguard/metrics (None: not reported yet)."""
+    text = httpx.get(url + "/kvguard/metrics", timeout=5.0, trust_env=False).text
+    for name in ("redis", "local"):
+        if f'kvguard_budget_backend{{backend="{name}"}} 1.0' in text:
+            return name
+    return None
+
+
 def on_redis(url: str, timeout_s: float = 60.0) -> None:
-    """One request of the budgeted tenant (starting the proxy's Redis link), then wait until
-    the proxy reports Redis as its budget backend."""
-    httpx.post(url + "/v1/completions", headers={"authorization": "Bearer k-acme"},
-               json={"model": "fake-model", "prompt": "hi", "max_tokens": 1}, timeout=60.0,
-               trust_env=False)
+    """Wait until the proxy reports Redis as its budget backend (it connects at start-up)."""
     deadline = time.monotonic() + timeout_s
-    while 'kvguard_budget_backend{backend="redis"} 1.0' not in httpx.get(
-            url + "/kvguard/metrics", timeout=5.0, trust_env=False).text:
+    while backend(url) != "redis":
         assert time.monotonic() < deadline, f"{url} never reached Redis"
         time.sleep(0.1)
 
 
-def test_three_proxies_with_redis_admit_one_budget(tmp_path):
-    server = RedisServer().start()
-    config = tmp_path / "guard.toml"
-    config.write_text(CONFIG)
+def start_all(tmp_path: Path, redis_url: str, num_proxies: int = 3,
+              config: str = CONFIG) -> list[ChildProcess]:
+    """The upstream, then ``num_proxies`` proxies on ``redis_url`` (children[0]: the upstream)."""
+    path = tmp_path / "guard.toml"
+    path.write_text(config)
     upstream = ChildProcess("upstream", lambda port: [sys.executable, str(UPSTREAM), "ok",
                                                       "fake-model"],
                             http_health, ready_pattern=r"upstream listening on (\S+)")
     children = [upstream]
     try:
         upstream.start()
-        for _ in range(3):
-            children.append(proxy(upstream.url, config, server.url).start())
+        for _ in range(num_proxies):
+            children.append(proxy(upstream.url, path, redis_url).start())
+    except BaseException:
+        stop_all(children)
+        raise
+    return children
+
+
+def stop_all(children: list[ChildProcess]) -> None:
+    for child in reversed(children):
+        child.terminate()
+
+
+def test_three_proxies_with_redis_admit_one_budget(tmp_path):
+    server = RedisServer().start()
+    children = []
+    try:
+        children = start_all(tmp_path, server.url)
         start_s = time.monotonic()
-        for child in children[1:]:  # each on Redis before the burst (its first request starts
-            on_redis(child.url)     # the link; a slow first connect would decide locally)
+        for child in children[1:]:  # each on Redis before the burst (it connects at start-up;
+            on_redis(child.url)     # a slow first connect would decide on its start-up share)
         statuses = asyncio.run(burst([c.url for c in children[1:]], 90))
         elapsed_s = time.monotonic() - start_s
         assert set(statuses) <= {200, 429}
-        # 30 a minute, less the 3 warm-up requests, plus what refilled meanwhile
-        assert 25 <= statuses.count(200) <= 27 + int(30 * elapsed_s / 60) + 1
+        # 30 a minute, plus what refilled meanwhile
+        assert 30 <= statuses.count(200) <= 30 + int(30 * elapsed_s / 60) + 1
         assert server.cli("exists", tenant_keys("acme")[0]).strip() == "1"  # decided in Redis
     finally:
-        for child in reversed(children):
-            child.terminate()
+        stop_all(children)
+        server.kill()
+
+
+def test_a_proxy_reaches_redis_at_start_up_before_its_first_request(tmp_path):
+    server = RedisServer().start()
+    children = []
+    try:
+        children = start_all(tmp_path, server.url, num_proxies=1)
+        # no request sent yet: the heartbeat is already in Redis, the backend already Redis
+        assert int(server.cli("zcard", LIVE_GUARDS_KEY)) == 1
+        assert backend(children[1].url) == "redis"
+    finally:
+        stop_all(children)
+        server.kill()
+
+
+def test_proxies_started_without_redis_admit_one_budget_and_charge_it_when_redis_comes(tmp_path):
+    """Redis absent at start-up: the proxies start anyway (local, retrying), each on the
+    start-up share (30 ÷ expected_guards 3), so a burst over all three admits one budget, not
+    three; when Redis starts, each charges what it admitted and the shared bucket is spent."""
+    server = RedisServer(port=free_port())  # not running yet
+    children = []
+    try:
+        children = start_all(tmp_path, server.url)
+        start_s = time.monotonic()
+        assert {backend(c.url) for c in children[1:]} == {"local"}
+        statuses = asyncio.run(burst([c.url for c in children[1:]], 90))
+        refill = int(30 * (time.monotonic() - start_s) / 60) + 1
+        assert set(statuses) <= {200, 429}
+        admitted = statuses.count(200)
+        assert 30 <= admitted <= 30 + refill  # one budget across three proxies, not 30 each
+        server.start()
+        for child in children[1:]:
+            on_redis(child.url)
+        left = float(server.cli("hget", tenant_keys("acme")[0], "rl"))
+        assert left <= 30 - admitted + refill  # every proxy's local admissions charged
+    finally:
+        stop_all(children)
         server.kill()

@@ -40,6 +40,9 @@ def test_tenant_limits_override_the_default_axis_by_axis():
     ({"budget": {"redis_timeout_s": 30.0}}, "budget.redis_timeout_s"),
     ({"budget": {"heartbeat_s": 20.0}}, "budget.lease_s"),
     ({"budget": {"breaker_failures": 0}}, "budget.breaker_failures"),
+    ({"budget": {"expected_guards": 0}}, "budget.expected_guards"),
+    ({"budget": {"expected_guards": 2.5}}, "budget.expected_guards"),
+    ({"budget": {"reserve_ahead": "yes"}}, "budget.reserve_ahead"),
     ({"budget": {"colour": 1}}, "budget.colour"),
     ({"budget": 5}, "budget"),
     ({"tenants": [tenant(requests_per_minute=-3)]}, "requests_per_minute"),
@@ -141,3 +144,40 @@ def test_proxy_redis_flag_replaces_the_configs_redis_url(tmp_path):
     assert cli._config(args).redis_url == "redis://127.0.0.1:6390/1"
     with pytest.raises(ValueError, match="redis_url"):
         cli._config(parser.parse_args([*base, "--redis", "127.0.0.1:6379"]))
+
+
+def test_middleware_lifespan_startup_opens_the_redis_link_before_any_request(redis_server):
+    """The budget store reaches Redis (heartbeat written, backend redis) during the lifespan's
+    startup, with no request sent: a guard never meets its first requests unconnected."""
+    from guard.budget.keys import LIVE_GUARDS_KEY
+
+    async def app(scope, receive, send):  # a wrapped app that runs its own lifespan
+        assert scope["type"] == "lifespan"
+        while True:
+            message = await receive()
+            await send({"type": message["type"] + ".complete"})
+            if message["type"] == "lifespan.shutdown":
+                return
+
+    guard = AdmissionMiddleware(app, config(redis_url=redis_server.url,
+                                            tenants=[tenant(requests_per_minute=5)]),
+                                registry=CollectorRegistry())
+
+    async def go():
+        inbox: asyncio.Queue = asyncio.Queue()
+        sent: list[str] = []
+
+        async def send(message):
+            sent.append(message["type"])
+
+        await inbox.put({"type": "lifespan.startup"})
+        task = asyncio.ensure_future(guard({"type": "lifespan"}, inbox.get, send))
+        while "lifespan.startup.complete" not in sent:
+            await asyncio.sleep(0.01)
+        store = guard.controller.budget
+        assert store.backend == "redis" and store.ever_reached
+        assert redis_server.cli("zscore", LIVE_GUARDS_KEY, store.instance_id).strip()
+        await inbox.put({"type": "lifespan.shutdown"})
+        await task
+        assert sent[-1] == "lifespan.shutdown.complete"
+    asyncio.run(asyncio.wait_for(go(), 30))

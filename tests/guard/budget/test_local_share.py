@@ -49,3 +49,13 @@ def test_a_redis_that_lost_its_state_is_charged_the_guards_debt():
     clock.advance(6.0)  # refill of the share: 600 / 3 per minute → 20 tokens, 2 requests
     # capacity of the share (200, 20) less the level now (100 - 20 + 20, 10 - 2 + 2)
     assert local.end("e2") == {"acme": (100.0, 10.0)}
+
+
+def test_a_start_up_share_never_seeded_from_redis_is_charged_the_net_local_use():
+    local, clock = share()  # a guard that never reached Redis: full share, no epoch
+    made = [o for o in grants(local, 25, epoch=None) if isinstance(o, Grant)]
+    assert len(made) == 20  # 60 ÷ 3
+    local.finish(made[0], None)  # released: 10 tokens and the request back
+    clock.advance(6.0)  # refill is no credit: the share was never Redis's to begin with
+    local.live_guards = 1  # the first heartbeat saw fewer guards than expected: no matter
+    assert local.end("e7") == {"acme": (190.0, 19.0)}
