@@ -160,6 +160,11 @@ class Connection(asyncio.Protocol):
     def body_complete(self) -> bool:
         return self.phase == DONE and self._error is None
 
+    @property
+    def body_taken(self) -> bool:
+        """The body is complete and :meth:`next_body` has handed all of it on."""
+        return self.phase == DONE and self._error is None and not self._pending
+
     def close(self) -> None:
         """Close at once (mid-response: the upstream sees its client go)."""
         if not self.closed:

@@ -83,6 +83,11 @@ class _Response:
         while (data := await next_body()) is not None:
             yield data
 
+    @property
+    def ended(self) -> bool:
+        """The body is in whole and every byte of it was taken (by the last ``chunks`` item)."""
+        return self._conn.body_taken
+
     async def aclose(self) -> None:
         if self._closed:
             return

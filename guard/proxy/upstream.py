@@ -170,16 +170,19 @@ class Forwarder:
         if status < 500:
             self._health.record_success(replica_id)
         await client.start(status, response.headers)
+        ended = False
         try:
             async for chunk in response.chunks():
-                await client.body(chunk, True)
+                ended = response.ended  # the last chunk carries the end: one write, not two
+                await client.body(chunk, not ended)
         except (UpstreamTimeout, UpstreamBroken) as exc:
             timeout = isinstance(exc, UpstreamTimeout)
             self._fail(replica_id, "timeout" if timeout else "broken")
             code = "upstream_timeout" if timeout else "upstream_failed"
             await client.body(sse_error_event(code, str(exc)), False)
             return
-        await client.body(b"", False)
+        if not ended:
+            await client.body(b"", False)
 
     def _fail(self, replica_id: str, kind: str) -> None:
         self._counters.upstream_failure(replica_id, kind)

@@ -176,6 +176,45 @@ def test_a_chunked_stream_is_handed_on_as_it_arrives_not_at_its_end():
     run(main)
 
 
+def test_ended_says_whether_the_chunk_just_taken_was_the_last():
+    """The relay sends the last chunk with the end of the response when ``ended`` says so;
+    a terminator that comes in a later read leaves it False until then."""
+    async def answer(server, conn, index, head, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await server.release.wait()
+        if index == 0:  # the last chunk and the terminator in one write
+            writer.write(b"4\r\nlast\r\n0\r\n\r\n")
+        else:  # the terminator on its own, later
+            writer.write(b"4\r\nlast\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.write(b"0\r\n\r\n")
+        server.release.clear()
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            for _ in range(2):
+                response = await client.send(server.url + "/v1/completions", JSON, b"{}")
+                seen = []
+                async for chunk in response.chunks():
+                    seen.append((chunk, response.ended))
+                    if chunk == b"first":
+                        server.release.set()
+                await response.aclose()
+                assert seen[0] == (b"first", False)
+                assert [c for c, _ in seen] == [b"first", b"last"]
+                results.append(seen[-1][1])
+            await client.aclose()
+
+    results: list[bool] = []
+    run(main)
+    assert results == [True, False]
+
+
 def test_chunked_framing_written_one_byte_at_a_time():
     body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (b"a" * 20, b"\r\n0\r\n", b"z")) \
         + b"0\r\n\r\n"
