@@ -13,7 +13,11 @@ before the response ended is answered 500 (nothing sent yet) or cut (``H1Connect
 The scope's ``extensions`` carry ``kvguard.disconnect``: ``{"future": gone}`` where ``gone()``
 returns one future (made on first use) that completes when the connection is lost before the
 response ended, so an app can watch for its client leaving without a task waiting in
-``receive()`` (the proxy does, for every relayed request).
+``receive()`` (the proxy does, for every relayed request); and ``kvguard.body``:
+``{"write": write_body, "drain": drain}``, where ``write_body(body, more_body)`` is
+``send()`` of an ``http.response.body`` message done at once, from any callback (True: the
+client is not reading, await ``drain()`` before writing more), so a relay can hand on each
+upstream read from the upstream protocol's own callback.
 """
 
 from __future__ import annotations
@@ -150,22 +154,26 @@ class Exchange:
             await self._waiter.wait()
 
     # --- the response, for send() -------------------------------------------------------------
+    def write_body(self, body: bytes, more: bool) -> bool:
+        """An ``http.response.body`` message, written now; True when the client stopped
+        reading (await ``conn.drain()`` before the next)."""
+        if not self.started or self.complete:
+            raise RuntimeError("http.response.body before http.response.start or after "
+                               "the response ended")
+        if self.disconnected:
+            return False
+        self._write_body(body, more)
+        if not more:
+            self.complete = True
+            self._wake()
+            self.conn.response_complete(self)
+            return False
+        return self.conn.write_paused
+
     async def send(self, message: dict) -> None:
         kind = message["type"]
         if kind == "http.response.body":
-            if not self.started or self.complete:
-                raise RuntimeError("http.response.body before http.response.start or after "
-                                   "the response ended")
-            if self.disconnected:
-                return
-            body = message.get("body", b"")
-            more = message.get("more_body", False)
-            self._write_body(body, more)
-            if not more:
-                self.complete = True
-                self._wake()
-                self.conn.response_complete(self)
-            elif self.conn.write_paused:
+            if self.write_body(message.get("body", b""), message.get("more_body", False)):
                 await self.conn.drain()
         elif kind == "http.response.start":
             if self.started:

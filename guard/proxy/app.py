@@ -165,7 +165,7 @@ class ProxyApp:
             if isinstance(result, Admission):
                 return await self.forwarder.forward(
                     result, scope["path"], _upstream_headers(scope, result.request_id),
-                    exchange.client_gone(), send)
+                    exchange.client_gone(), send, exchange.writer)
             if result is not None:
                 await send_rejection(send, result)
         finally:
@@ -261,7 +261,7 @@ def _upstream_headers(scope: dict, request_id: str) -> list[tuple[bytes, bytes]]
 class _Exchange:
     """One request's body reader and disconnect watch, in the controller's terms."""
 
-    __slots__ = ("_receive", "_max_bytes", "_content_length", "gone", "_server_gone")
+    __slots__ = ("_receive", "_max_bytes", "_content_length", "gone", "_server_gone", "writer")
 
     def __init__(self, receive: Receive, max_bytes: int, declared: int | None,
                  extensions: dict | None = None) -> None:
@@ -272,6 +272,8 @@ class _Exchange:
         # kvguard's server says when the client left (serving.h1_exchange): no task per request
         watch = extensions.get("kvguard.disconnect") if extensions else None
         self._server_gone = watch["future"] if watch else None
+        body = extensions.get("kvguard.body") if extensions else None
+        self.writer = (body["write"], body["drain"]) if body else None  # chunks without a task
 
     def read_body(self) -> Awaitable[bytes]:
         return read_body(self._receive, self._max_bytes, self._content_length)

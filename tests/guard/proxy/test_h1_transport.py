@@ -510,6 +510,55 @@ def test_a_slow_consumer_pauses_reading_from_the_upstream():
     run(main)
 
 
+def test_push_hands_the_body_on_from_the_read_callback_and_stops_reading_when_asked():
+    """``push(sink)``: every piece in order with ``last`` on the final one; a sink that calls
+    ``stop_push`` gets nothing more and reading from the upstream pauses until the next push."""
+    size = 4 << 20
+
+    async def answer(server, conn, index, head, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(size >> 16):
+            writer.write(b"10000\r\n" + b"z" * (1 << 16) + b"\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            response = await client.send(server.url + "/x", JSON, b"{}")
+            got: list[tuple[int, bool]] = []
+            in_sink: list[bool] = []
+
+            def sink(data: bytes, last: bool) -> None:
+                in_sink.append(asyncio.current_task() is None)  # the protocol's callback
+                got.append((len(data), last))
+                if sum(n for n, _ in got) >= size // 2 and len(got) < 10_000:
+                    response.stop_push()
+
+            assert await response.push(sink) is False  # stopped half-way
+            conn = response._conn
+            taken = len(got)
+            while conn.transport.is_reading():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            assert len(got) == taken  # nothing handed on while stopped
+            got.append((0, False))  # from here on the sink never stops
+            more = got[:]
+
+            def rest(data: bytes, last: bool) -> None:
+                more.append((len(data), last))
+
+            assert await response.push(rest) is True
+            assert sum(n for n, _ in more) == size
+            assert not any(last for _, last in more[:-1])  # only the final piece may end it
+            assert any(in_sink)
+            await response.aclose()
+            await client.aclose()
+        assert len(server.connections) == 1
+    run(main)
+
+
 def test_an_interim_100_head_is_skipped():
     async def answer(server, conn, index, head, writer):
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + ok())
