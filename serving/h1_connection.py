@@ -147,6 +147,9 @@ class H1Connection(PhaseDeadlines, asyncio.Protocol):
                  "raw_path": request.raw_path, "query_string": request.query_string,
                  "headers": request.headers, "state": server.lifespan_state.copy()}
         exchange = Exchange(self, request)
+        scope["extensions"] = {"kvguard.disconnect": {"future": exchange.gone},
+                               "kvguard.body": {"write": exchange.write_body,
+                                                "drain": self.drain}}
         self.exchange = exchange
         if exchange.more_body:
             self._arm("body", self.limits.body_timeout_s)

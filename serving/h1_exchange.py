@@ -9,6 +9,15 @@ message at once: ``content-length`` when the app gave one, chunked otherwise (HT
 the connection closes), nothing for HEAD, 1xx, 204 and 304; while the client does not read,
 a ``more_body`` send waits for the write buffer to drain. An app that raises or returns
 before the response ended is answered 500 (nothing sent yet) or cut (``H1Connection.fail``).
+
+The scope's ``extensions`` carry ``kvguard.disconnect``: ``{"future": gone}`` where ``gone()``
+returns one future (made on first use) that completes when the connection is lost before the
+response ended, so an app can watch for its client leaving without a task waiting in
+``receive()`` (the proxy does, for every relayed request); and ``kvguard.body``:
+``{"write": write_body, "drain": drain}``, where ``write_body(body, more_body)`` is
+``send()`` of an ``http.response.body`` message done at once, from any callback (True: the
+client is not reading, await ``drain()`` before writing more), so a relay can hand on each
+upstream read from the upstream protocol's own callback.
 """
 
 from __future__ import annotations
@@ -51,7 +60,8 @@ class Exchange:
     __slots__ = ("conn", "task", "method", "keep_alive", "http10", "expect_continue",
                  "more_body", "body_left", "chunks", "_body", "num_buffered", "_delivered",
                  "disconnected",
-                 "started", "complete", "_waiter", "_chunked_out", "_length_left", "_no_body")
+                 "started", "complete", "_waiter", "_chunked_out", "_length_left", "_no_body",
+                 "_gone")
 
     def __init__(self, conn: H1Connection, request: RequestHead) -> None:
         self.conn = conn
@@ -73,6 +83,7 @@ class Exchange:
         self._chunked_out = False
         self._length_left: int | None = None
         self._no_body = False
+        self._gone: asyncio.Future | None = None  # gone(): the client left
 
     async def run(self, app: Any, scope: dict) -> None:
         try:
@@ -104,6 +115,19 @@ class Exchange:
     def lost(self) -> None:
         self.disconnected = True
         self._wake()
+        gone = self._gone
+        if gone is not None and not gone.done() and not self.complete:
+            gone.set_result(_DISCONNECT)
+
+    def gone(self) -> asyncio.Future:
+        """A future that completes (with the ``http.disconnect`` message) when the connection
+        is lost before the response ended; the same one on every call."""
+        gone = self._gone
+        if gone is None:
+            self._gone = gone = self.conn.loop.create_future()
+            if self.disconnected and not self.complete:
+                gone.set_result(_DISCONNECT)
+        return gone
 
     def _wake(self) -> None:
         if self._waiter is not None:
@@ -130,22 +154,26 @@ class Exchange:
             await self._waiter.wait()
 
     # --- the response, for send() -------------------------------------------------------------
+    def write_body(self, body: bytes, more: bool) -> bool:
+        """An ``http.response.body`` message, written now; True when the client stopped
+        reading (await ``conn.drain()`` before the next)."""
+        if not self.started or self.complete:
+            raise RuntimeError("http.response.body before http.response.start or after "
+                               "the response ended")
+        if self.disconnected:
+            return False
+        self._write_body(body, more)
+        if not more:
+            self.complete = True
+            self._wake()
+            self.conn.response_complete(self)
+            return False
+        return self.conn.write_paused
+
     async def send(self, message: dict) -> None:
         kind = message["type"]
         if kind == "http.response.body":
-            if not self.started or self.complete:
-                raise RuntimeError("http.response.body before http.response.start or after "
-                                   "the response ended")
-            if self.disconnected:
-                return
-            body = message.get("body", b"")
-            more = message.get("more_body", False)
-            self._write_body(body, more)
-            if not more:
-                self.complete = True
-                self._wake()
-                self.conn.response_complete(self)
-            elif self.conn.write_paused:
+            if self.write_body(message.get("body", b""), message.get("more_body", False)):
                 await self.conn.drain()
         elif kind == "http.response.start":
             if self.started:

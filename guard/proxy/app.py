@@ -157,14 +157,15 @@ class ProxyApp:
     async def _admit(self, scope: dict, receive: Receive, send: Send) -> None:
         """Admission by the controller, then the forwarder; bad input never leaves here."""
         headers = headers_from_scope(scope)
-        exchange = _Exchange(receive, self.config.max_body_bytes, content_length(headers))
+        exchange = _Exchange(receive, self.config.max_body_bytes, content_length(headers),
+                             scope.get("extensions"))
         try:
             result = await self.controller.admit(scope["path"], headers, exchange.read_body,
                                                  exchange.client_gone)
             if isinstance(result, Admission):
                 return await self.forwarder.forward(
                     result, scope["path"], _upstream_headers(scope, result.request_id),
-                    exchange.client_gone(), send)
+                    exchange.client_gone(), send, exchange.writer)
             if result is not None:
                 await send_rejection(send, result)
         finally:
@@ -260,13 +261,19 @@ def _upstream_headers(scope: dict, request_id: str) -> list[tuple[bytes, bytes]]
 class _Exchange:
     """One request's body reader and disconnect watch, in the controller's terms."""
 
-    __slots__ = ("_receive", "_max_bytes", "_content_length", "gone")
+    __slots__ = ("_receive", "_max_bytes", "_content_length", "gone", "_server_gone", "writer")
 
-    def __init__(self, receive: Receive, max_bytes: int, declared: int | None) -> None:
+    def __init__(self, receive: Receive, max_bytes: int, declared: int | None,
+                 extensions: dict | None = None) -> None:
         self._receive = receive
         self._max_bytes = max_bytes
         self._content_length = declared
         self.gone: asyncio.Future | None = None
+        # kvguard's server says when the client left (serving.h1_exchange): no task per request
+        watch = extensions.get("kvguard.disconnect") if extensions else None
+        self._server_gone = watch["future"] if watch else None
+        body = extensions.get("kvguard.body") if extensions else None
+        self.writer = (body["write"], body["drain"]) if body else None  # chunks without a task
 
     def read_body(self) -> Awaitable[bytes]:
         return read_body(self._receive, self._max_bytes, self._content_length)
@@ -274,12 +281,15 @@ class _Exchange:
     def client_gone(self) -> asyncio.Future:
         """Completes with the client's ``http.disconnect`` (made on first use)."""
         if self.gone is None:
-            self.gone = asyncio.ensure_future(_until_disconnect(self._receive))
+            if self._server_gone is not None:
+                self.gone = self._server_gone()
+            else:
+                self.gone = asyncio.ensure_future(_until_disconnect(self._receive))
         return self.gone
 
     def stop(self) -> None:
-        if self.gone is not None and not self.gone.done():
-            self.gone.cancel()
+        if self.gone is not None and not self.gone.done() and self._server_gone is None:
+            self.gone.cancel()  # the watch task (the server's future is the server's)
 
 
 async def _until_disconnect(receive: Receive) -> Message:

@@ -70,6 +70,8 @@ class Connection(asyncio.Protocol):
         self._waiter: asyncio.Future | None = None
         self._wait_since_s = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        # push_body(): each body piece goes to sink(data, last) from data_received
+        self._sink: Any = None
 
     # --- asyncio callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -156,9 +158,53 @@ class Connection(asyncio.Protocol):
                 return None
             await self._wait()
 
+    async def push_body(self, sink: Any) -> bool:
+        """Hand the body on as it arrives, without waking the caller per read:
+        ``sink(data, last)`` is called from the protocol callback for each piece (``last``: the
+        body ends with it) and must not raise. Returns True at the end of the body, False once
+        the sink called :meth:`stop_push` (it cannot take more now: call again when it can).
+        Raises like :meth:`next_body`; the read timeout still applies to each silence."""
+        self._sink = sink
+        try:
+            while True:
+                if self._sink is None:
+                    return False
+                if self._pending:  # arrived before the push began
+                    pending = self._pending
+                    data = pending[0] if len(pending) == 1 else b"".join(pending)
+                    self._pending = []
+                    self._num_pending_bytes = 0
+                    sink(data, self.phase == DONE and self._error is None)
+                    continue
+                if self._error is not None:
+                    raise self._error
+                if self.phase != BODY:
+                    return True
+                if self._paused:
+                    self._paused = False
+                    if not self.closed:
+                        self.transport.resume_reading()
+                await self._wait()
+        finally:
+            self._sink = None
+
+    def stop_push(self) -> None:
+        """From the sink: take no more now (reading pauses until :meth:`push_body` again)."""
+        if self._sink is not None:
+            self._sink = None
+            if not self._paused and not self.closed:
+                self._paused = True
+                self.transport.pause_reading()
+            self._wake()
+
     @property
     def body_complete(self) -> bool:
         return self.phase == DONE and self._error is None
+
+    @property
+    def body_taken(self) -> bool:
+        """The body is complete and :meth:`next_body` has handed all of it on."""
+        return self.phase == DONE and self._error is None and not self._pending
 
     def close(self) -> None:
         """Close at once (mid-response: the upstream sees its client go)."""
@@ -232,6 +278,14 @@ class Connection(asyncio.Protocol):
                 self.phase = DONE
             self._left -= len(data)
         if data:
+            sink = self._sink
+            if sink is not None:
+                self._wait_since_s = self.loop.time()  # a new silence window
+                sink(data, self.phase == DONE)
+                if self.phase != DONE and self._error is None:
+                    return  # nobody to wake: the sink has it
+                self._wake()
+                return
             self._pending.append(data)
             self._num_pending_bytes += len(data)
             if self._num_pending_bytes > HIGH_WATER_BYTES and not self._paused:

@@ -83,6 +83,18 @@ class _Response:
         while (data := await next_body()) is not None:
             yield data
 
+    async def push(self, sink) -> bool:
+        """:meth:`Connection.push_body`: ``sink(data, last)`` per read, from the protocol."""
+        return await self._conn.push_body(sink)
+
+    def stop_push(self) -> None:
+        self._conn.stop_push()
+
+    @property
+    def ended(self) -> bool:
+        """The body is in whole and every byte of it was taken (by the last ``chunks`` item)."""
+        return self._conn.body_taken
+
     async def aclose(self) -> None:
         if self._closed:
             return

@@ -65,6 +65,10 @@ class UpstreamBroken(UpstreamError):
 class UpstreamResponse(Protocol):
     status: int
     headers: Headers  # hop-by-hop headers removed (content-length too: the server re-frames)
+    # read after each chunk: True when that chunk was the body's last (the relay then sends it
+    # with the end of the response, one write instead of two); a client that cannot tell says
+    # False and the body ends with the empty chunk after the last
+    ended: bool
 
     def chunks(self) -> AsyncIterator[bytes]: ...
 
@@ -100,6 +104,7 @@ def _str_headers(headers: Headers) -> list[tuple[str, str]]:
 # --- aiohttp -------------------------------------------------------------------------------
 class _AiohttpResponse:
     __slots__ = ("status", "headers", "_response", "_done")
+    ended = False
 
     def __init__(self, response: Any) -> None:
         self._response = response
@@ -182,6 +187,7 @@ class AiohttpTransport:
 # --- httpx ---------------------------------------------------------------------------------
 class _HttpxResponse:
     __slots__ = ("status", "headers", "_response")
+    ended = False
 
     def __init__(self, response: httpx.Response) -> None:
         self._response = response

@@ -17,6 +17,9 @@ answer to the client:
 * a stream cut mid-way ends for the client with ``data: {"error": {...}}`` (no ``[DONE]``), so
   the ticket is released ``failed``;
 * every relayed response names its replica in ``x-kvguard-replica``;
+* on kvguard's own server with the ``h1`` client a stream's chunks go to the client from the
+  upstream connection's read callback (the server's ``kvguard.body`` extension), not through a
+  task wake-up per chunk; while the client does not read, reading from the upstream pauses;
 * the client's disconnect cancels the forwarding at once and aborts the upstream connection
   (the replica sees its client go and frees the sequence's KV blocks).
 
@@ -52,6 +55,8 @@ QUEUE_MS_HEADER = b"x-kvguard-queue-ms"
 Message = dict[str, Any]
 Send = Callable[[Message], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
+# the server's direct body writer (serving.h1_exchange ``kvguard.body``): (write_body, drain)
+BodyWriter = tuple[Callable[[bytes, bool], bool], Callable[[], Awaitable[None]]]
 # redispatch(admission, failed_replica_id) -> the new replica id, or None when there is none
 Redispatch = Callable[[Admission, str], "str | None"]
 
@@ -78,10 +83,11 @@ class Forwarder:
         self._counters = counters  # .redispatched(replica_id), .upstream_failure(replica_id, kind)
 
     async def forward(self, admission: Admission, path: str, headers: Headers,
-                      gone: asyncio.Future, send: Send) -> None:
+                      gone: asyncio.Future, send: Send, writer: BodyWriter | None = None) -> None:
         """Relay one admitted request and finish its admission exactly once. ``gone`` completes
-        when the client disconnects; the relay then stops at once."""
-        client = _Client(admission, send)
+        when the client disconnects; the relay then stops at once. ``writer``: the server's
+        direct body writer, when it has one."""
+        client = _Client(admission, send, writer)
         watch = _Watch(admission, asyncio.current_task())
         gone.add_done_callback(watch.on_gone)
         response: UpstreamResponse | None = None
@@ -170,20 +176,66 @@ class Forwarder:
         if status < 500:
             self._health.record_success(replica_id)
         await client.start(status, response.headers)
+        ended = False
         try:
-            async for chunk in response.chunks():
-                await client.body(chunk, True)
+            if client.writer is not None and hasattr(response, "push"):
+                ended = await _push(response, client)
+            else:
+                async for chunk in response.chunks():
+                    ended = response.ended  # the last chunk carries the end: one write
+                    await client.body(chunk, not ended)
         except (UpstreamTimeout, UpstreamBroken) as exc:
             timeout = isinstance(exc, UpstreamTimeout)
             self._fail(replica_id, "timeout" if timeout else "broken")
             code = "upstream_timeout" if timeout else "upstream_failed"
             await client.body(sse_error_event(code, str(exc)), False)
             return
-        await client.body(b"", False)
+        if not ended:
+            await client.body(b"", False)
 
     def _fail(self, replica_id: str, kind: str) -> None:
         self._counters.upstream_failure(replica_id, kind)
         self._health.record_failure(replica_id)
+
+
+async def _push(response: Any, client: _Client) -> bool:
+    """The stream handed on from the upstream's read callback; True when its last chunk
+    carried the end of the response."""
+    sink = _Sink(client, response)
+    drain = client.writer[1]
+    while not await response.push(sink):
+        if sink.error is not None:
+            raise sink.error
+        await drain()  # the client stopped reading: on once it reads again
+    if sink.error is not None:
+        raise sink.error
+    return sink.ended
+
+
+class _Sink:
+    """``sink(data, last)`` for :meth:`push`: what :meth:`_Client.body` does, called from the
+    upstream protocol (so it never raises: an error stops the push and is raised after it)."""
+
+    __slots__ = ("_admission", "_write", "_response", "ended", "error")
+
+    def __init__(self, client: _Client, response: Any) -> None:
+        self._admission = client.admission
+        self._write = client.writer[0]
+        self._response = response
+        self.ended = False
+        self.error: BaseException | None = None
+
+    def __call__(self, data: bytes, last: bool) -> None:
+        if self.error is not None:
+            return
+        try:
+            self._admission.on_body(data, not last)
+            if self._write(data, not last):
+                self._response.stop_push()  # the client's buffer is full
+            self.ended = last
+        except BaseException as exc:  # noqa: BLE001 - raised by the relay after the push
+            self.error = exc
+            self._response.stop_push()
 
 
 def _is_event_stream(headers: Headers) -> bool:
@@ -215,11 +267,12 @@ class _Client:
     """The client side of one relay: every message is shown to the admission first (status,
     first token, gaps, usage, end), and the proxy's headers are added to the response head."""
 
-    __slots__ = ("_admission", "_send")
+    __slots__ = ("admission", "_admission", "_send", "writer")
 
-    def __init__(self, admission: Admission, send: Send) -> None:
-        self._admission = admission
+    def __init__(self, admission: Admission, send: Send, writer: BodyWriter | None = None) -> None:
+        self.admission = self._admission = admission
         self._send = send
+        self.writer = writer
 
     async def start(self, status: int, headers: Headers) -> None:
         admission = self._admission

@@ -457,3 +457,35 @@ def test_a_response_head_the_app_gets_wrong_is_a_500_not_an_injection(server, he
     srv = server(app)
     answer = _send(srv.port, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 500 ") and b"injected" not in answer, answer
+
+
+def test_the_disconnect_future_completes_when_the_client_leaves_mid_response(server):
+    """``kvguard.disconnect`` in the scope: one future per request, done once the client left
+    before the response ended (and not for a response that ended first)."""
+    seen: dict[str, object] = {}
+    done = threading.Event()
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        gone = scope["extensions"]["kvguard.disconnect"]["future"]
+        assert gone() is gone()
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["path"] == "/whole":
+            await send({"type": "http.response.body", "body": b"x", "more_body": False})
+            seen["whole"] = gone().done()
+            return
+        await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        seen["message"] = await asyncio.wait_for(gone(), 30.0)
+        done.set()
+
+    srv = server(app)
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.sendall(b"GET /whole HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert b"\r\n\r\n" in sock.recv(4096)
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.sendall(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+    assert done.wait(30.0)
+    assert seen == {"whole": False, "message": {"type": "http.disconnect"}}

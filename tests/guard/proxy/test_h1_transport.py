@@ -176,6 +176,45 @@ def test_a_chunked_stream_is_handed_on_as_it_arrives_not_at_its_end():
     run(main)
 
 
+def test_ended_says_whether_the_chunk_just_taken_was_the_last():
+    """The relay sends the last chunk with the end of the response when ``ended`` says so;
+    a terminator that comes in a later read leaves it False until then."""
+    async def answer(server, conn, index, head, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await server.release.wait()
+        if index == 0:  # the last chunk and the terminator in one write
+            writer.write(b"4\r\nlast\r\n0\r\n\r\n")
+        else:  # the terminator on its own, later
+            writer.write(b"4\r\nlast\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.write(b"0\r\n\r\n")
+        server.release.clear()
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            for _ in range(2):
+                response = await client.send(server.url + "/v1/completions", JSON, b"{}")
+                seen = []
+                async for chunk in response.chunks():
+                    seen.append((chunk, response.ended))
+                    if chunk == b"first":
+                        server.release.set()
+                await response.aclose()
+                assert seen[0] == (b"first", False)
+                assert [c for c, _ in seen] == [b"first", b"last"]
+                results.append(seen[-1][1])
+            await client.aclose()
+
+    results: list[bool] = []
+    run(main)
+    assert results == [True, False]
+
+
 def test_chunked_framing_written_one_byte_at_a_time():
     body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (b"a" * 20, b"\r\n0\r\n", b"z")) \
         + b"0\r\n\r\n"
@@ -468,6 +507,55 @@ def test_a_slow_consumer_pauses_reading_from_the_upstream():
             assert conn._num_pending_bytes <= h1_connection.HIGH_WATER_BYTES + (256 << 10)
             assert len(await read_all(response)) == size
             await client.aclose()
+    run(main)
+
+
+def test_push_hands_the_body_on_from_the_read_callback_and_stops_reading_when_asked():
+    """``push(sink)``: every piece in order with ``last`` on the final one; a sink that calls
+    ``stop_push`` gets nothing more and reading from the upstream pauses until the next push."""
+    size = 4 << 20
+
+    async def answer(server, conn, index, head, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(size >> 16):
+            writer.write(b"10000\r\n" + b"z" * (1 << 16) + b"\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            response = await client.send(server.url + "/x", JSON, b"{}")
+            got: list[tuple[int, bool]] = []
+            in_sink: list[bool] = []
+
+            def sink(data: bytes, last: bool) -> None:
+                in_sink.append(asyncio.current_task() is None)  # the protocol's callback
+                got.append((len(data), last))
+                if sum(n for n, _ in got) >= size // 2 and len(got) < 10_000:
+                    response.stop_push()
+
+            assert await response.push(sink) is False  # stopped half-way
+            conn = response._conn
+            taken = len(got)
+            while conn.transport.is_reading():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            assert len(got) == taken  # nothing handed on while stopped
+            got.append((0, False))  # from here on the sink never stops
+            more = got[:]
+
+            def rest(data: bytes, last: bool) -> None:
+                more.append((len(data), last))
+
+            assert await response.push(rest) is True
+            assert sum(n for n, _ in more) == size
+            assert not any(last for _, last in more[:-1])  # only the final piece may end it
+            assert any(in_sink)
+            await response.aclose()
+            await client.aclose()
+        assert len(server.connections) == 1
     run(main)
 
 

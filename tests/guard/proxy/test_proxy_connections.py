@@ -6,6 +6,9 @@ each accepted connection carried; the proxy's state polls (``GET /kvguard/state`
 """
 
 import json
+import re
+import socket
+import time
 
 import pytest
 
@@ -40,6 +43,44 @@ def test_sequential_requests_reuse_a_kept_alive_connection_shared_with_state_pol
     assert len(posting) < NUM_STREAMS, json.dumps(connections)
     # the state polls ride the same pool (not a client of their own)
     assert any("GET /kvguard/state" in c for c in posting), json.dumps(connections)
+
+
+@pytest.mark.parametrize("upstream_client", ["h1", "aiohttp"])
+def test_a_client_that_stops_reading_gets_the_whole_stream_in_order_after(
+        tmp_path, upstream_client):
+    """~16 MB streamed while the client reads nothing for a while (the proxy's writes to it
+    pause, so does its reading from the upstream), then reads on: every event, in order."""
+    config = write_config(tmp_path, policy="always_admit", client=upstream_client)
+    with running(upstream_child("big")) as upstream, \
+            running(proxy_child([upstream.url], config, state_source="none")) as proxy:
+        host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+        body = b'{"model": "fake-model", "prompt": "hi", "max_tokens": 3, "stream": true}'
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            received = sock.recv(1 << 16)
+            time.sleep(1.5)  # nothing read: the client's buffers fill, the proxy's writes pause
+            while not received.endswith(b"\r\n0\r\n\r\n"):
+                chunk = sock.recv(1 << 20)
+                assert chunk, "the proxy closed the stream"
+                received += chunk
+    assert received.startswith(b"HTTP/1.1 200 ")
+    stream = _dechunk(received[received.index(b"\r\n\r\n") + 4:])
+    numbers = [int(n) for n in re.findall(rb'"text": "(\d{8})x', stream)]
+    assert numbers == list(range(4000))
+    assert stream.endswith(b"data: [DONE]\n\n")
+
+
+def _dechunk(body: bytes) -> bytes:
+    out, pos = [], 0
+    while True:
+        end = body.index(b"\r\n", pos)
+        size = int(body[pos:end], 16)
+        if not size:
+            return b"".join(out)
+        out.append(body[end + 2:end + 2 + size])
+        assert body[end + 2 + size:end + 4 + size] == b"\r\n"
+        pos = end + 4 + size
 
 
 def test_state_response_raises_for_an_error_status():

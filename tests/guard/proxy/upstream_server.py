@@ -10,6 +10,8 @@ A POST gets, by MODE:
   ``[DONE]``);
 * ``status500``: HTTP 500;
 * ``status503``: HTTP 503 with ``retry-after: 7`` (an engine over its connection cap);
+* ``big``: a stream of ``BIG_EVENTS`` ~4 KB events (numbered) and ``[DONE]``, written as fast
+  as the reader takes them;
 * ``garbage``: bytes that are not HTTP, then the connection closes.
 """
 
@@ -19,6 +21,7 @@ import sys
 
 COUNT = {"posts": 0}
 CONNECTIONS: list[list[str]] = []  # per accepted connection: "METHOD PATH" of each request
+BIG_EVENTS = 4000  # mode "big": ~16 MB of stream, more than loopback socket buffers hold
 
 
 def _response(status: str, body: bytes, content_type: bytes = b"application/json") -> bytes:
@@ -53,6 +56,15 @@ async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter
         writer.write(b"\x00\x01 this is not HTTP at all \r\n\r\n")
         return False
     request = json.loads(body or b"{}")
+    if mode == "big":  # a long stream, written as fast as the proxy takes it
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        for i in range(BIG_EVENTS):
+            data = b'data: {"choices": [{"index": 0, "text": "%08d%s"}]}\n\n' % (i, b"x" * 4000)
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await writer.drain()
+        writer.write(b"%x\r\ndata: [DONE]\n\n\r\n0\r\n\r\n" % len(b"data: [DONE]\n\n"))
+        return True
     if not request.get("stream"):
         payload = {"id": "x", "object": "text_completion", "model": model,
                    "choices": [{"index": 0, "text": "a b c", "finish_reason": "length"}],
