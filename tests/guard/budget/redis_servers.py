@@ -62,6 +62,7 @@ class RedisServer:
         deadline = time.monotonic() + 20
         while not _ping(self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()  # the caller may never get this object to kill it
                 raise RuntimeError(f"redis-server on {self.port} did not start")
             time.sleep(0.05)
         return self
