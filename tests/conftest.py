@@ -13,6 +13,11 @@ addopts; ``-n 0`` runs everything in this one process, in the natural order).
   generator never waits for a CPU) run with nothing else: every other test holds a shared lock
   while it runs, an exclusive test the exclusive one; a gate lock taken first keeps the other
   worker from starting new tests while an exclusive test waits for the running one to end.
+* Under xdist torch runs one intra-op thread (``OMP_NUM_THREADS=1``, set here before anything
+  imports torch, so the processes a test starts inherit it): the other worker is nearly always
+  running a test of its own, and two OpenMP threads on a 2-core machine that is also running
+  that test spin at every barrier (a 135 M-parameter decode step measured 10-30x slower than
+  on one thread while the other core was busy).
 * Under xdist the work is handed out in this order: the file with the most slow ``cpu_heavy``
   tests (the chaos runs), the files of other ``slow`` tests (the other worker runs these meanwhile),
   the other heavy files, then the many fast files, which fill in at the end; so the long ones
@@ -30,6 +35,9 @@ from collections.abc import Iterator
 import pytest
 
 _HEAVY_MARKS = ("cpu_heavy", "smollm2")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _is_heavy(item: pytest.Item) -> bool:
