@@ -19,15 +19,18 @@ addopts; ``-n 0`` runs everything in this one process, in the natural order).
   that test spin at every barrier (a 135 M-parameter decode step measured 10-30x slower than
   on one thread while the other core was busy).
 * Under xdist the work is handed out in this order: the file with the most slow ``cpu_heavy``
-  tests (the chaos runs), the files of other ``slow`` tests (the other worker runs these meanwhile),
-  the other heavy files, then the many fast files, which fill in at the end; so the long ones
-  start early and a heavy test rarely waits for another.
+  tests (the chaos runs), then the other heavy files and the files of other ``slow`` tests in
+  turn (one heavy, one slow, ...), then the many fast files, which fill in at the end; so the
+  long ones start early, and while one worker is in a heavy file the other is most likely in a
+  slow one that does not wait for the heavy lock (all the heavy files one after the other had
+  both workers in heavy files at once, one of them waiting on the lock).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import os
 import tempfile
 from collections.abc import Iterator
@@ -111,6 +114,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     heavy = [f for f, its in files.items() if any(map(_is_heavy, its))]
     heavy.sort(key=lambda f: -sum(_is_heavy(i) and _is_slow(i) for i in files[f]))
     slow = [f for f, its in files.items() if f not in heavy and any(map(_is_slow, its))]
-    first = heavy[:1] + slow + heavy[1:]
+    in_turn = [f for pair in itertools.zip_longest(heavy[1:], slow) for f in pair if f]
+    first = heavy[:1] + in_turn
     order = first + [f for f in files if f not in first]
     items[:] = [item for f in order for item in files[f]]
