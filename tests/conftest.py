@@ -19,12 +19,9 @@ addopts; ``-n 0`` runs everything in this one process, in the natural order).
   that test spin at every barrier (a 135 M-parameter decode step measured 10-30x slower than
   on one thread while the other core was busy).
 * Under xdist the work is handed out in this order: the file with the most slow ``cpu_heavy``
-  tests (the chaos runs), the files of other ``slow`` tests (the other worker runs these
-  meanwhile), then each other heavy file followed by an equal share of two thirds of the many
-  fast files, then the rest of the fast files, which fill in at the end. So the long ones start
-  early, and while one worker is in a heavy test the other is most likely in fast files (one
-  process, light), not waiting on the heavy lock: with all the heavy files one after the other,
-  both workers were often in heavy files at once, one of them waiting.
+  tests (the chaos runs), the files of other ``slow`` tests (the other worker runs these meanwhile),
+  the other heavy files, then the many fast files, which fill in at the end; so the long ones
+  start early and a heavy test rarely waits for another.
 """
 
 from __future__ import annotations
@@ -114,15 +111,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     heavy = [f for f, its in files.items() if any(map(_is_heavy, its))]
     heavy.sort(key=lambda f: -sum(_is_heavy(i) and _is_slow(i) for i in files[f]))
     slow = [f for f, its in files.items() if f not in heavy and any(map(_is_slow, its))]
-    fast = [f for f in files if f not in heavy and f not in slow]
-    # two thirds of the fast files' tests go after the heavy files, an equal share after each
-    per_heavy = 2 * sum(len(files[f]) for f in fast) / 3 / max(1, len(heavy) - 1)
-    order, fast_left, share = heavy[:1] + slow, iter(fast), 0.0
-    for heavy_file in heavy[1:]:
-        order.append(heavy_file)
-        share += per_heavy
-        while share > 0 and (f := next(fast_left, None)) is not None:
-            order.append(f)
-            share -= len(files[f])
-    order += list(fast_left)
+    first = heavy[:1] + slow + heavy[1:]
+    order = first + [f for f in files if f not in first]
     items[:] = [item for f in order for item in files[f]]
