@@ -9,8 +9,9 @@ Every process is a child of this one, on a free loopback port, health-checked be
 ``with Topology(spec)`` enters its block: replicas answer ``GET /health`` 200; proxies answer
 ``GET /health`` 200 (at least one replica routable); redis answers ``PING``. On leaving the
 block (normally, on an exception, or on Ctrl-C) the proxies are ended first, then the replicas,
-then redis, each by its own pid (SIGTERM, SIGKILL after a timeout). Processes of a topology
-that failed to start are ended the same way before the error propagates.
+then redis, each by its own pid (SIGTERM, SIGKILL after a timeout). Redis and the replicas start
+at the same time, then the proxies; the children of one kind are ended at the same time too.
+Processes of a topology that failed to start are ended the same way before the error propagates.
 
 Replicas run ``kvguard engine <replica_args> --host 127.0.0.1 --port 0``; proxies run
 ``kvguard proxy --upstream URL ... <proxy_args> --host 127.0.0.1 --port 0``; with
@@ -26,8 +27,9 @@ import http.client
 import shutil
 import socket
 import sys
+import threading
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from chaos.child import ChildProcess
@@ -128,13 +130,15 @@ class Topology:
 
             if "proxy" not in SUBCOMMANDS:
                 raise ValueError("num_proxies: this kvguard has no `kvguard proxy` subcommand")
+        # listed before they start, so that close() ends whichever did start if one fails
         if spec.redis:
             self.redis = self._redis_child()
-            self.redis.start(spec.start_timeout_s)
-        for index in range(spec.num_replicas):
-            self.replicas.append(self._replica_child(index).start(spec.start_timeout_s))
-        for index in range(spec.num_proxies):
-            self.proxies.append(self._proxy_child(index).start(spec.start_timeout_s))
+        self.replicas = [self._replica_child(index) for index in range(spec.num_replicas)]
+        first = [self.redis] if self.redis is not None else []
+        _at_once(lambda child: child.start(spec.start_timeout_s), [*first, *self.replicas])
+        # the proxies need the replicas' URLs (and redis's): they start once those are healthy
+        self.proxies = [self._proxy_child(index) for index in range(spec.num_proxies)]
+        _at_once(lambda child: child.start(spec.start_timeout_s), self.proxies)
 
     def _replica_child(self, index: int) -> ChildProcess:
         args = self.spec.replica_args
@@ -186,13 +190,38 @@ class Topology:
         return None if self.redis is None else f"redis://127.0.0.1:{self.redis.port}"
 
     def close(self) -> None:
-        """End every child by pid: proxies, then replicas, then redis. Safe to call twice."""
-        children = [*self.proxies, *self.replicas]
-        if self.redis is not None:
-            children.append(self.redis)
-        for child in children:
+        """End every child by pid: the proxies, then the replicas, then redis (the children of
+        one kind at once). Safe to call twice."""
+        for children in (self.proxies, self.replicas, [self.redis] if self.redis else []):
             with contextlib.suppress(Exception):
-                child.close()
+                _at_once(lambda child: child.close(), children)
+
+
+def _at_once(action: Callable[[ChildProcess], object], children: Sequence[ChildProcess]) -> None:
+    """``action(child)`` for every child at the same time, one thread each (starting a child
+    is mostly waiting for its imports and its health check; on two cores two starts take about
+    as long as one). Once every action has returned, the error of the first child (in the
+    given order) whose action failed is raised."""
+    if len(children) <= 1:
+        for child in children:
+            action(child)
+        return
+    errors: dict[int, BaseException] = {}
+
+    def run(index: int, child: ChildProcess) -> None:
+        try:
+            action(child)
+        except BaseException as exc:  # handed to the caller's thread below
+            errors[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i, child), daemon=True,
+                                name=f"topology-{child.name}") for i, child in enumerate(children)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[min(errors)]
 
 
 def free_port() -> int:
