@@ -6,7 +6,10 @@ A tenant's share does not start full: at the first local decision of an *episode
 local decisions) it starts from this guard's share of what Redis last reported left for the
 tenant (``remaining ÷ live guards``), less anything this guard still owes Redis from an earlier
 episode — so an outage at 80 % of a window hands out the remaining 20 %, not a fresh window.
-A tenant this guard never saw on Redis starts from a full share.
+A tenant this guard never saw on Redis starts from a full share. Either way never above what
+the local bucket itself holds now: it keeps its level between episodes and refills at the
+share's rate, so a guard whose breaker flaps (a slow, not a dead, Redis) cannot start episode
+after episode from the same stale report and hand out its share each time.
 
 When the guard is back on Redis the episode ends and each tenant's local decisions are charged
 to the shared bucket, exactly once:
@@ -101,11 +104,17 @@ class LocalShare:
               owed: tuple[float, float]) -> None:
         share = self.limits(tenant)
         n = self.live_guards
+        # never above what earlier episodes left in the local bucket (it refills at the
+        # share's rate): ``seen`` may predate other guards' local grants not yet charged, so a
+        # guard whose breaker flaps would otherwise start each episode from the same stale
+        # level and hand out its share again and again within one window
+        now_levels = self.store.levels_now(tenant)
         levels = []
-        for cap, left, own in ((share.tokens_per_minute, seen and seen[0], owed[0]),
-                               (share.requests_per_minute, seen and seen[1], owed[1])):
+        for cap, left, own, local_left in (
+                (share.tokens_per_minute, seen and seen[0], owed[0], now_levels[0]),
+                (share.requests_per_minute, seen and seen[1], owed[1], now_levels[1])):
             start = float(cap or 0) if left is None else left / n
-            levels.append(None if cap is None else start - own)
+            levels.append(None if cap is None else min(start - own, local_left))
         self.store.set_levels(tenant, levels[0], levels[1])
 
     def is_local(self, grant: Grant) -> bool:

@@ -27,6 +27,21 @@ def test_starts_from_its_share_of_what_redis_had_left_not_a_full_share():
     assert {o.reason for o in outcomes if isinstance(o, Denied)} == {"rpm_limit"}
 
 
+def test_a_flapping_breaker_does_not_hand_out_the_share_again_from_a_stale_report():
+    """Redis said 30 requests left (10 a guard). This guard's episode spends its 10 and ends;
+    its breaker opens again at once, and the next episode starts from the same report (other
+    guards' local grants are not charged yet): it may not spend those 10 again."""
+    local, clock = share()
+    first = grants(local, 12, seen=(300.0, 30.0))
+    assert sum(isinstance(o, Grant) for o in first) == 10
+    local.end("e1")
+    again = grants(local, 12, seen=(300.0, 30.0))
+    assert sum(isinstance(o, Grant) for o in again) == 0
+    local.end("e1")
+    clock.advance(6.0)  # the local bucket refills at the share's rate: 20 a minute → 2
+    assert sum(isinstance(o, Grant) for o in grants(local, 12, seen=(300.0, 30.0))) == 2
+
+
 def test_a_tenant_never_seen_on_redis_starts_from_a_full_share_less_what_is_owed():
     local, _ = share()
     outcomes = grants(local, 30, owed=(0.0, 5.0))  # 60 ÷ 3 = 20, 5 still owed to Redis
