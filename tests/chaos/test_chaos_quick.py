@@ -22,7 +22,7 @@ from chaos.user_record import USER_OUTCOMES, UserRecord
 from chaos.verdict import THRESHOLDS
 from guard.cli import SUBCOMMANDS
 
-# One scenario run (two fleets) happens inside the first test that needs it: 25-55 s on an idle
+# One scenario run (two fleets) happens inside the first test that needs it: 30-55 s on an idle
 # 2-core machine (each at its quick time scale), several minutes under heavy contention; the
 # suite's 300 s per-test guard is too short.
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_heavy, pytest.mark.exclusive,
