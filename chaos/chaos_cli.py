@@ -4,9 +4,8 @@
     kvguard chaos run NAME [--quick] [--policy P]... [--out DIR] [--json]
 
 ``run`` measures the capacity of one sim replica (a saturation probe and an open-loop sweep,
-as ``kvguard bench overload`` does; ``--quick`` uses the nominal capacity instead, and the
-scenario's quick time scale unless ``--time-scale`` is given; ``--capacity`` a given one),
-then serves the same seeded users once per policy — ``always_admit``, ``slo``
+as ``kvguard bench overload`` does; ``--quick`` uses the nominal capacity instead, ``--capacity``
+a given one), then serves the same seeded users once per policy — ``always_admit``, ``slo``
 and any ``--policy`` — each against a fresh topology with the scenario's faults, and writes
 ``verdict.json``, ``report.md`` and ``timeline.png`` into the output folder. The exit code is
 0 when every check passed, 1 when one failed (or a run was invalid), 2 for a usage error or a
@@ -28,11 +27,9 @@ from chaos.scenario_run import NOMINAL_REPLICA_CAPACITY_GPU_RPS, RunSettings, ru
 from chaos.scenarios import ScenarioSpec, catalogue, missing_dependencies, quick_variant
 from chaos.verdict import THRESHOLDS
 
-__all__ = ["configure", "run", "run_scenario", "measure_capacity_rps", "run_time_scale",
-           "BASE_POLICIES", "DEFAULT_TIME_SCALE"]
+__all__ = ["configure", "run", "run_scenario", "measure_capacity_rps", "BASE_POLICIES"]
 
 BASE_POLICIES: tuple[str, ...] = ("always_admit", "slo")
-DEFAULT_TIME_SCALE = 2.0
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -48,9 +45,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     r.add_argument("--json", action="store_true", help="print the verdict JSON on stdout")
     r.add_argument("--capacity", type=float, default=None,
                    help="capacity of one replica in req/s at this time scale (skips the sweep)")
-    r.add_argument("--time-scale", type=float, default=None,
-                   help="stretch every GPU step and every scenario time by this factor "
-                        "(default 2; with --quick, the scenario's quick time scale)")
+    r.add_argument("--time-scale", type=float, default=2.0,
+                   help="stretch every GPU step and every scenario time by this factor")
     r.add_argument("--seed", type=int, default=0)
 
 
@@ -65,13 +61,6 @@ def _list() -> int:
         state = "ready" if not missing else "UNAVAILABLE: " + "; ".join(missing)
         print(f"{name:13s} {spec.summary}\n{'':13s} [{topo}] {state}")
     return 0
-
-
-def run_time_scale(spec: ScenarioSpec, quick: bool, given: float | None) -> float:
-    """``--time-scale`` if given, else the scenario's quick time scale with ``--quick``, else 2."""
-    if given is not None:
-        return given
-    return spec.quick_time_scale if quick else DEFAULT_TIME_SCALE
 
 
 def measure_capacity_rps(settings: RunSettings, quick: bool, given_rps: float | None,
@@ -132,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"scenario {spec.name} cannot run in this build: " + "; ".join(missing))
     exit_on_sigterm()
     policies = list(dict.fromkeys([*BASE_POLICIES, *args.policy]))
-    settings = RunSettings(time_scale=run_time_scale(spec, args.quick, args.time_scale),
-                           seed=args.seed)
+    settings = RunSettings(time_scale=args.time_scale, seed=args.seed)
     out = Path(args.out or f"runs/chaos-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \

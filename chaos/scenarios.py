@@ -42,11 +42,6 @@ class ScenarioSpec:
     clients: Mapping[str, float] = field(default_factory=lambda: dict(SDK_ONLY))
     redis: bool = False
     budget_ratio: float | None = None  # a budgeted tenant (1 user in 4) asks this × its allowance
-    # The quick (CI) run's time scale: as low as keeps its whole topology's CPU per wall second
-    # about that of redis-kill at 2 (the heaviest quick run, valid on a quiet 2-core machine;
-    # measured 0.64-0.71 cores): burst at 1 0.58, retry-storm at 1 0.45-0.49, replica-kill at
-    # 1.5 0.71-0.76. The generator's validity checks (CPU wait, send lag) still judge each run.
-    quick_time_scale: float = 2.0
 
     def __post_init__(self) -> None:
         lo, hi = self.fault_window_s
@@ -59,8 +54,6 @@ class ScenarioSpec:
             raise ValueError(f"scenario {self.name}: one rate_step at most, with burst_load")
         if self.proxies == 0 and self.replicas != 1:
             raise ValueError(f"scenario {self.name}: an in-process guard fronts one replica")
-        if not self.quick_time_scale > 0:
-            raise ValueError(f"scenario {self.name}: quick_time_scale must be > 0")
 
     @property
     def rate_step(self) -> Fault | None:
@@ -83,12 +76,10 @@ def catalogue() -> dict[str, ScenarioSpec]:
     """Every scenario by name (full length; ``quick_variant`` shortens one)."""
     specs = [
         ScenarioSpec("burst", "a burst to 1.6 C for 6 s on 0.74 C, SDK clients", 1, 0, 24.0,
-                     4.0, 0.74, (_step(8.0, 6.0),), (8.0, 14.0), 1, burst_load=1.6,
-                     quick_time_scale=1.0),
+                     4.0, 0.74, (_step(8.0, 6.0),), (8.0, 14.0), 1, burst_load=1.6),
         ScenarioSpec("retry-storm", "a burst to 2 C with timeout-retry, bad-citizen, tenacity "
                      "and SDK clients", 1, 0, 24.0, 4.0, 0.74, (_step(8.0, 6.0),),
-                     (8.0, 14.0), 1, burst_load=2.0, clients=dict(RETRYING),
-                     quick_time_scale=1.0),
+                     (8.0, 14.0), 1, burst_load=2.0, clients=dict(RETRYING)),
         ScenarioSpec("recovery", "a 10 s burst to 3 C on 0.74 C, SDK clients retrying: how "
                      "fast does goodput come back once the burst ends?", 1, 0, 30.0, 4.0, 0.74,
                      (_step(8.0, 10.0),), (8.0, 18.0), 1, burst_load=3.0),
@@ -98,8 +89,7 @@ def catalogue() -> dict[str, ScenarioSpec]:
                      clients=dict(RETRYING)),
         ScenarioSpec("replica-kill", "SIGKILL one of 2 replicas behind the proxy at 0.74 C, "
                      "restart it 6 s later", 2, 1, 24.0, 4.0, 0.74,
-                     (Fault("replica_kill", 8.0, 6.0, 0),), (8.0, 14.0), 1,
-                     quick_time_scale=1.5),
+                     (Fault("replica_kill", 8.0, 6.0, 0),), (8.0, 14.0), 1),
         ScenarioSpec("proxy-kill", "SIGKILL one of 2 proxies behind the clients' round-robin, "
                      "restart it 6 s later", 2, 2, 24.0, 4.0, 0.74,
                      (Fault("proxy_kill", 8.0, 6.0, 0),), (8.0, 14.0), 2),

@@ -4,7 +4,6 @@ import dataclasses
 
 import pytest
 
-from chaos.chaos_cli import DEFAULT_TIME_SCALE, run_time_scale
 from chaos.faults import Fault
 from chaos.scenario_run import RunSettings, budget_for, client_configs, schedule_for
 from chaos.scenarios import ScenarioSpec, catalogue, missing_dependencies, quick_variant
@@ -28,22 +27,6 @@ def test_quick_variant_keeps_the_shape_and_fits_its_window(name):
     assert quick.warmup_s < lo < hi <= quick.duration_s - 4.0       # room to recover
     assert min(f.at_s for f in quick.faults) == 4.0
     assert all(f.duration_s is None or f.duration_s <= 3.0 for f in quick.faults)
-
-
-def test_quick_runs_use_their_own_time_scale_unless_one_is_given():
-    specs = catalogue()
-    # the one-process topologies run at 1, two replicas behind a proxy at 1.5; the heaviest
-    # quick topology (two proxies, two replicas, redis) and the full runs keep 2
-    assert {n: s.quick_time_scale for n, s in specs.items() if s.quick_time_scale != 2.0} == {
-        "burst": 1.0, "retry-storm": 1.0, "replica-kill": 1.5}
-    burst = quick_variant(specs["burst"])
-    assert burst.quick_time_scale == 1.0
-    assert run_time_scale(burst, True, None) == 1.0
-    assert run_time_scale(specs["burst"], False, None) == DEFAULT_TIME_SCALE == 2.0
-    assert run_time_scale(burst, True, 3.0) == 3.0
-    assert run_time_scale(specs["redis-kill"], True, None) == 2.0
-    with pytest.raises(ValueError, match="quick_time_scale"):
-        dataclasses.replace(specs["burst"], quick_time_scale=0.0)
 
 
 def test_recovery_is_a_10_s_burst_at_3_c_with_sdk_clients():
