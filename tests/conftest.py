@@ -13,9 +13,6 @@ addopts; ``-n 0`` runs everything in this one process, in the natural order).
   generator never waits for a CPU) run with nothing else: every other test holds a shared lock
   while it runs, an exclusive test the exclusive one; a gate lock taken first keeps the other
   worker from starting new tests while an exclusive test waits for the running one to end.
-  Consecutive exclusive tests on one worker keep the locks from one to the next: released in
-  between, the other worker took the gap to start a test of its own, which the next exclusive
-  test then had to wait out with its own worker idle.
 * Under xdist torch runs one intra-op thread (``OMP_NUM_THREADS=1``, set here before anything
   imports torch, so the processes a test starts inherit it): the other worker is nearly always
   running a test of its own, and two OpenMP threads on a 2-core machine that is also running
@@ -97,33 +94,12 @@ def _whole_machine_lock(exclusive: bool) -> Iterator[None]:
                 fcntl.flock(gate, fcntl.LOCK_UN)
 
 
-def _is_exclusive(item: pytest.Item | None) -> bool:
-    return item is not None and item.get_closest_marker("exclusive") is not None
-
-
-_exclusive_held: contextlib.ExitStack | None = None  # the locks of a run of exclusive tests
-
-
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's timer
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    global _exclusive_held
-    if not _is_exclusive(item):
-        with _cpu_heavy_lock() if _is_heavy(item) else contextlib.nullcontext(), \
-                _whole_machine_lock(False):
-            yield
-        return
-    if _exclusive_held is None:
-        held = contextlib.ExitStack()
-        if _is_heavy(item):
-            held.enter_context(_cpu_heavy_lock())
-        held.enter_context(_whole_machine_lock(True))
-        _exclusive_held = held
-    try:
+    exclusive = item.get_closest_marker("exclusive") is not None
+    with _cpu_heavy_lock() if _is_heavy(item) else contextlib.nullcontext(), \
+            _whole_machine_lock(exclusive):
         yield
-    finally:
-        if not _is_exclusive(nextitem):  # kept from one exclusive test to the next
-            _exclusive_held.close()
-            _exclusive_held = None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
