@@ -20,14 +20,13 @@ import argparse
 import asyncio
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 
 from guard.bench import _BODY
-from guard.budget.bench import _calls
+from guard.budget.bench import _calls, stop_child
 
 __all__ = ["measure_http", "VARIANTS"]
 
@@ -107,13 +106,7 @@ class _Server:
         return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime + stime
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_child(self.proc)
 
 
 async def _drive(connections: list[_Connection], num: int,
