@@ -30,7 +30,8 @@ def _settings(args: argparse.Namespace) -> RunSettings:
                        output_tokens=args.output_tokens, ttft_s=args.ttft, itl_s=args.itl,
                        patience_s=args.client_timeout,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
+                       max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
+                       replica_http=args.replica_http)
 
 
 def run_fleet_demo(args: argparse.Namespace) -> int:

@@ -53,7 +53,13 @@ from chaos.overload_table import (
     render_table,
     row_from_run,
 )
-from chaos.replica import ReplicaProcess, exit_on_sigterm, wait_idle, write_guard_config
+from chaos.replica import (
+    REPLICA_SERVERS,
+    ReplicaProcess,
+    exit_on_sigterm,
+    wait_idle,
+    write_guard_config,
+)
 from chaos.report import read_records
 from chaos.schedule import LengthDist
 from chaos.sdk_column import require_user_runner, sdk_row
@@ -128,7 +134,7 @@ def configure_scenario(p: argparse.ArgumentParser, out_default: str) -> None:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks of the replica (default: what the GPU's memory holds); "
                         "a small pool makes the replica KV-bound")
-    p.add_argument("--replica-http", choices=("h11", "kvguard", "httptools", "auto"),
+    p.add_argument("--replica-http", choices=REPLICA_SERVERS,
                    default="h11", help="the replicas' HTTP server (`kvguard engine --http`; "
                    "default h11, the one every table in docs/benchmarks.md was measured on)")
     p.add_argument("--prompt-tokens", default="512:2048")

@@ -27,7 +27,9 @@ import httpx
 
 from chaos.topology import http_health
 
-__all__ = ["ReplicaProcess", "write_guard_config", "exit_on_sigterm", "wait_idle"]
+__all__ = ["REPLICA_SERVERS", "ReplicaProcess", "write_guard_config", "exit_on_sigterm", "wait_idle"]
+
+REPLICA_SERVERS: tuple[str, ...] = ("h11", "kvguard", "httptools", "auto")  # `kvguard engine --http`
 
 _READY = re.compile(r"kvguard engine listening on (http://\S+)")
 

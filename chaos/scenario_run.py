@@ -17,7 +17,7 @@ from pathlib import Path
 
 from chaos.clients import ClientConfig
 from chaos.faults import Fault, FaultEvent, inject, scaled
-from chaos.replica import write_guard_config
+from chaos.replica import REPLICA_SERVERS, write_guard_config
 from chaos.scenarios import ScenarioSpec
 from chaos.schedule import LengthDist, ScheduleConfig, build_schedule
 from chaos.topology import Topology, TopologySpec
@@ -49,6 +49,7 @@ class RunSettings:
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 256
     num_blocks: int | None = None  # KV blocks per replica; None: what the GPU holds
+    replica_http: str = "h11"  # the replicas' `kvguard engine --http`
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0 or self.ttft_s <= 0 or self.itl_s <= 0 or self.patience_s <= 0:
@@ -57,6 +58,9 @@ class RunSettings:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.replica_http not in REPLICA_SERVERS:
+            raise ValueError(f"replica_http must be one of {REPLICA_SERVERS}, "
+                             f"got {self.replica_http!r}")
         LengthDist.parse(self.prompt_tokens), LengthDist.parse(self.output_tokens)
 
     @property
@@ -68,7 +72,8 @@ class RunSettings:
         return ("--model", self.model, "--backend", "sim", "--gpu", self.gpu,
                 "--time-scale", repr(self.time_scale), "--max-num-seqs", str(self.max_num_seqs),
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-                *(() if self.num_blocks is None else ("--num-blocks", str(self.num_blocks))))
+                *(() if self.num_blocks is None else ("--num-blocks", str(self.num_blocks))),
+                "--http", self.replica_http)
 
     def overload_args(self, duration_s: float) -> argparse.Namespace:
         """The ``chaos.overload.Scenario`` arguments for measuring capacity the bench's way:
@@ -83,7 +88,8 @@ class RunSettings:
                 max_num_batched_tokens=self.max_num_batched_tokens, num_blocks=self.num_blocks,
                 prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens,
                 ttft=self.ttft_s, itl=self.itl_s, duration=duration_s, warmup=3.0,
-                client_timeout=self.patience_s, seed=self.seed).items():
+                client_timeout=self.patience_s, seed=self.seed,
+                replica_http=self.replica_http).items():
             setattr(args, key, value)
         args.sweep = "0.8:1.5:0.1"
         return args

@@ -63,6 +63,22 @@ def test_replica_http_picks_the_replicas_server_and_defaults_to_h11():
     assert args[args.index("--http") + 1] == "h11"
 
 
+def test_replica_http_reaches_the_chaos_replicas_and_the_fleet_demo():
+    from chaos import demo
+    from chaos.fleet_demo import _settings
+
+    args = RunSettings(replica_http="kvguard").engine_args()
+    assert args[args.index("--http") + 1] == "kvguard"
+    assert Scenario(RunSettings(replica_http="kvguard").overload_args(16.0)).engine_args()[-1] \
+        == "kvguard"  # the capacity probe's replica too
+    with pytest.raises(ValueError, match="replica_http"):
+        RunSettings(replica_http="nginx")
+    p = argparse.ArgumentParser()
+    demo.configure(p)
+    settings = _settings(p.parse_args(["--scenario", "seed", "--replica-http", "kvguard"]))
+    assert settings.replica_http == "kvguard"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy, http", [("bare", "h11"), ("slo", "kvguard")])
 def test_the_replica_a_bench_row_runs_on_has_the_blocks_asked_for(policy, http, tmp_path,
