@@ -200,7 +200,8 @@ class RedisStore:
             if decision == "1":
                 self.pool.add(tenant, grant_id, tokens, lease_ms / 1000)
         self._saw_levels(tenant, limits, reply[1], reply[2])  # after the pool: may drain it
-        for decision, (grant_id, tokens, _, future) in zip(decisions, batch, strict=False):
+        for decision, (grant_id, tokens, _, future) in zip(decisions[:len(batch)], batch,
+                                                           strict=True):
             if decision == "1":
                 outcome: Grant | Denied = Grant(tenant, grant_id, tokens)
             else:
