@@ -112,22 +112,32 @@ class _ClientWindow:
 
 class _ClassPace:
     """Per class: the latest streams' decode time per token, and whether the latest completions
-    ran to their ``max_tokens``."""
-    __slots__ = ("steps", "capped")
+    ran to their ``max_tokens`` (both read on every decision while an estimate holds: worked
+    out once per new outcome, not per read)."""
+    __slots__ = ("steps", "capped", "_summary")
 
     def __init__(self) -> None:
         self.steps: deque[float] = deque(maxlen=RECENT_DECODE_SAMPLES)
         self.capped: deque[bool] = deque(maxlen=RECENT_DECODE_SAMPLES)
+        self._summary: tuple[float | None, bool] | None = None  # None: to work out again
 
-    def decode_step_s(self) -> float | None:
-        if not self.steps:
-            return None
-        steps = sorted(self.steps)
-        return steps[len(steps) // 2]
+    def add(self, decode_step_s: float | None, ran_to_max_tokens: bool | None) -> None:
+        if decode_step_s is not None:
+            self.steps.append(decode_step_s)
+            self._summary = None
+        if ran_to_max_tokens is not None:
+            self.capped.append(ran_to_max_tokens)
+            self._summary = None
 
-    def runs_to_max_tokens(self) -> bool:
-        capped = self.capped
-        return bool(capped) and 2 * sum(capped) >= len(capped)
+    def summary(self) -> tuple[float | None, bool]:
+        """(the median decode time per token, most completions ran to their max_tokens)."""
+        summary = self._summary
+        if summary is None:
+            steps = sorted(self.steps)
+            capped = self.capped
+            summary = self._summary = (steps[len(steps) // 2] if steps else None,
+                                       bool(capped) and 2 * sum(capped) >= len(capped))
+        return summary
 
 
 def patience_quantile_s(outcomes: Iterable[tuple[float, float | None, bool]],
@@ -182,10 +192,7 @@ class ClientPatience:
         pace = self._paces.get(class_name)
         if pace is None:
             pace = self._paces[class_name] = _ClassPace()
-        if decode_step_s is not None:
-            pace.steps.append(decode_step_s)
-        if ran_to_max_tokens is not None:
-            pace.capped.append(ran_to_max_tokens)
+        pace.add(decode_step_s, ran_to_max_tokens)
         key = (class_name, tenant, software)
         clients = self._clients
         window = clients.get(key)
@@ -235,8 +242,7 @@ class ClientPatience:
         patience_s = self._patience_s(self._clients.get((class_name, tenant, software)), now_s)
         if patience_s is None:
             return None
-        pace = self._paces[class_name]
-        return Patience(patience_s, pace.decode_step_s(), pace.runs_to_max_tokens())
+        return Patience(patience_s, *self._paces[class_name].summary())
 
     def patience_s(self, class_name: str, now_s: float, tenant: str = "",
                    software: str = "") -> float | None:
