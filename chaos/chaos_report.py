@@ -49,7 +49,10 @@ def _policy_checks(policy: str, v: Mapping, time_scale: float, redis_down: bool)
     a = v["attempts_per_sdk_user"]
     if a is not None:
         out["attempts_per_sdk_user"] = _check(a, a <= 1.10, "<= 1.10")
-    out["num_lost"] = _check(v["num_lost"], v["num_lost"] == 0, "0")
+    cut = v.get("num_cut_by_proxy_kill") or 0
+    out["num_lost"] = _check(v["num_lost"], v["num_lost"] - cut == 0,
+                             f"0 besides the {cut} stream(s) cut by the proxy kill" if cut
+                             else "0")
     return out
 
 
@@ -70,6 +73,12 @@ def _fmt(x, digits: int = 2) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
+def _lost(v: Mapping) -> str:
+    cut = v.get("num_cut_by_proxy_kill") or 0
+    n = v["outcomes"]["lost"]
+    return f"{n} ({cut} cut by the proxy kill)" if cut else str(n)
+
+
 def render_table(verdicts: Mapping[str, Mapping]) -> str:
     head = ("| policy | valid | goodput ÷ surviving C | recovery (s) | attempts / user | "
             "attempts / SDK user | good | late | error | lost | hung | over-admission |")
@@ -81,7 +90,7 @@ def render_table(verdicts: Mapping[str, Mapping]) -> str:
             f"{_fmt(v['goodput_over_surviving_capacity'])} | "
             f"{'never' if v['recovery_s'] is None else _fmt(v['recovery_s'], 1)} | "
             f"{_fmt(v['attempts_per_user'])} | {_fmt(v['attempts_per_sdk_user'])} | "
-            f"{o['good']} | {o['late']} | {o['error']} | {o['lost']} | {o['hung']} | "
+            f"{o['good']} | {o['late']} | {o['error']} | {_lost(v)} | {o['hung']} | "
             f"{_fmt(v['over_admission_ratio'])} |")
     return "\n".join(lines)
 

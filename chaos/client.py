@@ -136,16 +136,23 @@ async def _sse_lines(resp: aiohttp.ClientResponse):
 
 
 class CompletionClient:
-    """Sends planned requests to ``base_url`` over a shared ``aiohttp.ClientSession``."""
+    """Sends planned requests to ``base_url`` over a shared ``aiohttp.ClientSession``.
+
+    ``failover``, when given, stands for a load balancer in front of several entries: a connect
+    to ``base_url`` that fails is handed to it (``EntryPicker.connect_failed``), and the request
+    goes to the entry it names instead, within the same attempt; None from it lets the error
+    through. Only connects are re-sent (the request never left)."""
 
     def __init__(self, http: aiohttp.ClientSession, base_url: str, *, model: str | None,
                  timeout_s: float, class_header: str = "x-kvguard-class",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 failover: Callable[[str], str | None] | None = None) -> None:
         require_loopback(base_url)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self._http = http
-        self._url = base_url.rstrip("/") + "/v1/completions"
+        self._base = base_url.rstrip("/")
+        self._failover = failover
         self._model = model
         self._timeout_s = timeout_s
         self._class_header = class_header
@@ -178,7 +185,7 @@ class CompletionClient:
                 self._class_header: spec.request_class}
 
     async def _exchange(self, spec: RequestSpec, body: bytes, obs: Observation) -> None:
-        async with self._http.post(self._url, data=body, headers=self._headers(spec)) as resp:
+        async with await self._post(spec, body) as resp:
             obs.status = resp.status
             obs.headers = {k.lower(): v for k, v in resp.headers.items()}
             if not 200 <= resp.status < 300:
@@ -188,6 +195,20 @@ class CompletionClient:
             async for line in _sse_lines(resp):
                 if self._on_line(line, obs):
                     break
+
+    async def _post(self, spec: RequestSpec, body: bytes) -> aiohttp.ClientResponse:
+        base, tried = self._base, set()
+        while True:
+            try:
+                return await self._http.post(base + "/v1/completions", data=body,
+                                             headers=self._headers(spec))
+            except aiohttp.ClientConnectorError:
+                tried.add(base)
+                nxt = self._failover(base) if self._failover is not None else None
+                if nxt is None or nxt in tried:  # each entry is tried once per attempt
+                    raise
+                require_loopback(nxt)
+                base = nxt
 
     def _on_line(self, line: bytes, obs: Observation) -> bool:
         """Handle one SSE line; True once ``[DONE]`` arrived."""

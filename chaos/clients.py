@@ -89,18 +89,63 @@ class UserProgress:
 
 
 class EntryPicker:
-    """Round-robin over the entry URLs (a load balancer in front of M proxies), per attempt."""
+    """The load balancer in front of M proxies, as the scenario's clients reach it.
 
-    def __init__(self, urls: Sequence[str]) -> None:
+    Round-robin per attempt, with what nginx does by default for a server that refuses
+    connections (``proxy_next_upstream error``, ``max_fails=1``, ``fail_timeout=10s``): a
+    connect that fails goes on to the next entry within the same attempt, so the client never
+    sees it, and the entry that failed is left out of the round-robin for ``fail_timeout_s``,
+    then tried again. Only connects are re-sent: once a connection is made the request may have
+    reached the proxy, and a POST is not re-sent (nginx does not either), so a stream cut by a
+    proxy crash stays the client's to handle. When every entry is out, the round-robin goes on
+    over all of them (nginx then tries them all too).
+    """
+
+    def __init__(self, urls: Sequence[str], *, fail_timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not urls:
             raise ValueError("need at least one entry URL")
+        if fail_timeout_s < 0:
+            raise ValueError(f"fail_timeout_s must be >= 0, got {fail_timeout_s}")
         for u in urls:
             require_loopback(u)
         self.urls = tuple(u.rstrip("/") for u in urls)
+        self.fail_timeout_s = fail_timeout_s
+        self._clock = clock
         self._cycle = itertools.cycle(range(len(self.urls)))
+        self._out_until: dict[str, float] = {}  # entry -> when it is tried again
+        self.connect_failures: dict[str, int] = {}  # per entry, over the run
+        self.failovers = 0  # connects that went on to another entry
 
     def next(self) -> str:
+        if self._out_until:
+            now = self._clock()
+            for url, until in list(self._out_until.items()):
+                if until <= now:
+                    del self._out_until[url]
+        for _ in range(len(self.urls)):
+            url = self.urls[next(self._cycle)]
+            if url not in self._out_until:
+                return url
         return self.urls[next(self._cycle)]
+
+    def connect_failed(self, url: str) -> str | None:
+        """``url`` refused a connect: leave it out for ``fail_timeout_s`` and name the entry
+        to connect to instead (None when every entry is out or there is only one)."""
+        url = url.rstrip("/")
+        if url not in self.urls:
+            raise ValueError(f"{url!r} is not one of the entries {self.urls}")
+        self.connect_failures[url] = self.connect_failures.get(url, 0) + 1
+        self._out_until[url] = self._clock() + self.fail_timeout_s
+        nxt = self.next()
+        if nxt in self._out_until:
+            return None
+        self.failovers += 1
+        return nxt
+
+    def summary(self) -> dict:
+        return {"connect_failures": dict(self.connect_failures), "failovers": self.failovers,
+                "fail_timeout_s": self.fail_timeout_s}
 
 
 def user_record(spec: RequestSpec, cfg: ClientConfig, attempts: Sequence[RequestRecord], *,
@@ -154,7 +199,7 @@ class HttpUserClient:
         timeout_s = min(self.cfg.attempt_timeout_s or remaining, remaining)
         client = CompletionClient(self._http, self._entries.next(), model=self._model,
                                   timeout_s=timeout_s, class_header=self._class_header,
-                                  clock=self._clock)
+                                  clock=self._clock, failover=self._entries.connect_failed)
         progress.attempt_started_s = self._clock()
         try:
             return await client.send(spec, body, t0_s)

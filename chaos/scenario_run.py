@@ -224,15 +224,21 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
                                 model=settings.model)
         plan = [scaled(f, k) for f in spec.faults]
         result, events = asyncio.run(_drive(specs, kinds, cfgs, run_cfg, plan, topo))
+    if result.entries.get("failovers"):
+        log(f"  {policy}: the entry balancer sent {result.entries['failovers']} refused "
+            f"connect(s) on to another entry ({result.entries['connect_failures']})")
     window = fault_window(spec, settings, events)
     verdict = build_verdict(result.users, settings.request_class, window, capacity_rps,
                             slide_s=2.0 * k, generator_warnings=result.warnings(),
-                            budget=budget)
+                            budget=budget, proxy_kills_s=[
+                                e.t_s for e in events
+                                if e.kind == "proxy_kill" and e.action == "kill"])
     verdict["generator"] = {"cpu_percent_of_one_core": result.load.cpu_percent,
                             "cpu_wait_s": result.load.cpu_wait_s,
                             "send_lag_s": result.load.lag_s(),
                             "achieved_rate_per_s": result.load.achieved_rate_per_s,
-                            "scheduled_rate_per_s": result.load.scheduled_rate_per_s}
+                            "scheduled_rate_per_s": result.load.scheduled_rate_per_s,
+                            "entry_balancer": result.entries}
     with open(out / "users.jsonl", "w") as f:
         f.writelines(u.to_json() + "\n" for u in result.users)
     (out / "faults.json").write_text(json.dumps([e.to_dict() for e in events], indent=1))

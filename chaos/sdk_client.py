@@ -3,7 +3,7 @@
 One ``openai.AsyncOpenAI`` serves every user of the run (as one application process would),
 with the SDK's own retry loop untouched (default ``max_retries`` = 2). Its HTTP client gets a
 recording transport that (1) picks the entry URL per attempt, round-robin (a load balancer in
-front of M proxies), (2) times each attempt and keeps its status and retry headers, and (3)
+front of M proxies, which sends a refused connect on to the next entry: ``EntryPicker``), (2) times each attempt and keeps its status and retry headers, and (3)
 watches the SSE bytes for ``[DONE]`` and ``data: {"error": ...}`` events, so a truncated or
 failed stream is never mistaken for an answer (the SDK itself ends quietly on a cut stream).
 Token times are taken where the user sees them: as the SDK yields each chunk.
@@ -97,16 +97,13 @@ class _RecordingTransport(httpx2.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         state = self._users[int(request.headers[USER_HEADER])]
-        target = httpx2.URL(self._entries.next())
-        request.url = request.url.copy_with(host=target.host, port=target.port)
-        request.headers["host"] = f"{target.host}:{target.port}"
         obs = Observation()
         state.obs, state.start_s = obs, self._clock()
         obs.sent_s = state.start_s - state.t0_s
         state.progress.attempt_started_s = state.start_s
         finish = _finisher(state, obs, self._clock)
         try:
-            resp = await self._inner.handle_async_request(request)
+            resp = await self._send(request)
         except BaseException as exc:
             finish(exc)
             raise
@@ -117,6 +114,23 @@ class _RecordingTransport(httpx2.AsyncBaseTransport):
         return httpx2.Response(resp.status_code, headers=resp.headers, request=request,
                                stream=_WatchedStream(resp.stream, finish, obs),
                                extensions=resp.extensions)
+
+    async def _send(self, request: httpx2.Request) -> httpx2.Response:
+        """To the entry the balancer picks; a refused connect goes on to the entry it names
+        instead (the request never left, so this is one attempt, as behind nginx)."""
+        url, tried = self._entries.next(), set()
+        while True:
+            target = httpx2.URL(url)
+            request.url = request.url.copy_with(host=target.host, port=target.port)
+            request.headers["host"] = f"{target.host}:{target.port}"
+            try:
+                return await self._inner.handle_async_request(request)
+            except httpx2.ConnectError:
+                tried.add(url)
+                nxt = self._entries.connect_failed(url)
+                if nxt is None or nxt in tried:
+                    raise
+                url = nxt
 
     async def aclose(self) -> None:
         await self._inner.aclose()

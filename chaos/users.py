@@ -17,7 +17,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -61,6 +61,7 @@ class UserRunConfig:
 class UserRunResult:
     users: tuple[UserRecord, ...]
     load: LoadResult  # over first attempts: the generator's own rate, lag and CPU
+    entries: dict = field(default_factory=dict)  # EntryPicker.summary(): refused connects
 
     def warnings(self) -> list[str]:
         out = self.load.warnings()
@@ -195,4 +196,4 @@ async def _run_users(specs, kinds, client_cfgs, cfg: UserRunConfig, clock, on_st
         scheduled_rate_per_s=rate_of([s.scheduled_s for s in specs]),
         achieved_rate_per_s=sustained_rate_of(firsts),
         cpu_wait_s=None if wait0 is None or wait1 is None else wait1 - wait0)
-    return UserRunResult(tuple(records), load)
+    return UserRunResult(tuple(records), load, entries.summary())

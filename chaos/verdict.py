@@ -13,6 +13,12 @@ Figures, each with the threshold it is held to (``THRESHOLDS``):
 - ``attempts_per_user`` (all users) and ``attempts_per_sdk_user`` (users on the OpenAI SDK).
 - ``num_lost`` / ``num_hung``: users with neither an answer nor an explicit error within their
   patience / clients still inside an attempt past its own timeout at the drain deadline.
+- ``num_cut_by_proxy_kill``: the lost users whose last attempt was a stream a proxy had begun
+  (2xx) and that broke off, without ``[DONE]`` or an error event, when that proxy was SIGKILLed
+  (ending within ``CUT_SLACK_S`` of a kill). The process that would have sent the error event
+  is the one killed, and no client kind here re-sends a stream that broke (the OpenAI SDK does
+  not), so no policy can save these; the ``lost`` check counts the others. They stay in
+  ``num_lost`` and in every table.
 - ``over_admission_ratio``: budgeted runs only: the most 2xx answers to the budgeted tenant
   were ever ahead of what its requests-per-minute bucket allowed by then, as a share of one
   window's limit.
@@ -32,7 +38,7 @@ from policies.cost import RequestClass
 
 __all__ = ["THRESHOLDS", "FaultWindow", "Budget", "good_fraction", "recovery_s", "build_verdict",
            "over_admission_ratio", "per_second", "series", "budget_denied",
-           "BUDGET_REASONS"]
+           "BUDGET_REASONS", "cut_by_kill"]
 
 THRESHOLDS: dict[str, dict] = {
     "goodput_over_surviving_capacity": {"min": 0.9, "policy": "slo"},
@@ -47,6 +53,7 @@ THRESHOLDS: dict[str, dict] = {
     "slo_vs_always_admit": {"min_ratio": 0.98},
 }
 RECOVERY_LEVEL_RATIO = 0.9
+CUT_SLACK_S = 1.0  # a stream cut by a proxy's death ends this soon after the SIGKILL (wall s)
 BUDGET_REASONS: frozenset[str] = frozenset({"tpm_limit", "rpm_limit", "concurrency_limit"})
 
 
@@ -54,6 +61,21 @@ def budget_denied(user: UserRecord) -> bool:
     """Every attempt was refused for the tenant's budget (not servable by design)."""
     return bool(user.attempts) and all(a.status == 429 and a.reason in BUDGET_REASONS
                                        for a in user.attempts)
+
+
+def cut_by_kill(user: UserRecord, cls: RequestClass, kills_s: Sequence[float]) -> bool:
+    """``user`` is lost, and their last attempt was a begun (2xx) stream that broke off, with
+    neither ``[DONE]`` nor an error event, within ``CUT_SLACK_S`` after a kill in ``kills_s``
+    (run seconds) it had been sent before."""
+    if not kills_s or not user.attempts or user.outcome(cls) != "lost":
+        return False
+    a = user.attempts[-1]
+    if a.sent_s is None or a.e2e_s is None or a.status is None or not 200 <= a.status < 300:
+        return False
+    if a.saw_done or (a.error or "").startswith("stream error") or a.outcome == "canceled":
+        return False
+    end_s = a.sent_s + a.e2e_s
+    return any(a.sent_s < k <= end_s + 0.05 and end_s <= k + CUT_SLACK_S for k in kills_s)
 
 
 @dataclass(frozen=True)
@@ -140,8 +162,9 @@ def _attempts_per_user(users: Sequence[UserRecord]) -> float | None:
 def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow,
                   capacity_per_replica_rps: float, *, slide_s: float,
                   generator_warnings: Sequence[str] = (), budget: Budget | None = None,
-                  ) -> dict:
-    """Every figure of the verdict for one policy's run."""
+                  proxy_kills_s: Sequence[float] = ()) -> dict:
+    """Every figure of the verdict for one policy's run; ``proxy_kills_s``: the run seconds at
+    which a proxy the clients connect to was SIGKILLed."""
     if capacity_per_replica_rps <= 0:
         raise ValueError("capacity_per_replica_rps must be > 0")
     measured = [u for u in users if u.scheduled_s >= w.warmup_s]
@@ -178,6 +201,7 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
         "attempts_per_user": _attempts_per_user(measured),
         "attempts_per_sdk_user": _attempts_per_user(sdk),
         "num_lost": outcomes.count("lost"),
+        "num_cut_by_proxy_kill": sum(cut_by_kill(u, cls, proxy_kills_s) for u in measured),
         "num_hung": outcomes.count("hung"),
         "over_admission_ratio": None if budget is None else over_admission_ratio(users, budget),
     }

@@ -1,6 +1,6 @@
 """Checks against thresholds, the report and the timeline from hand-built verdicts."""
 
-from chaos.chaos_report import checks, plot_timelines, render_report
+from chaos.chaos_report import checks, plot_timelines, render_report, render_table
 from chaos.faults import FaultEvent
 from chaos.verdict import build_verdict
 from tests.chaos.test_verdict import CLS, _users_with_dip, _window
@@ -51,3 +51,14 @@ def test_slo_is_held_to_the_no_harm_bar_against_always_admit():
         verdicts = {"always_admit": {**base, "judged_good": 228},
                     "slo": {**base, "judged_good": slo_good}}
         assert checks(verdicts, 2.0, False)["slo_vs_always_admit"]["pass"] is ok, slo_good
+
+
+def test_lost_check_leaves_out_only_streams_cut_by_a_proxy_kill():
+    base = _verdict(6.0)
+    cut_only = {**base, "outcomes": {**base["outcomes"], "lost": 3}, "num_lost": 3,
+                "num_cut_by_proxy_kill": 3}
+    c = checks({"slo": cut_only}, time_scale=2.0, redis_down=False)["slo"]["num_lost"]
+    assert c["pass"] and c["value"] == 3 and "3 stream(s) cut by the proxy kill" in c["threshold"]
+    more = {**cut_only, "outcomes": {**base["outcomes"], "lost": 4}, "num_lost": 4}
+    assert not checks({"slo": more}, 2.0, False)["slo"]["num_lost"]["pass"]
+    assert "| 4 (3 cut by the proxy kill) |" in render_table({"slo": more})

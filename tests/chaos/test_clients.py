@@ -2,6 +2,7 @@
 waits, and how its user is judged. Lower bounds on waits only (never an upper timing bound)."""
 
 import asyncio
+import socket
 
 import httpx
 import pytest
@@ -145,6 +146,55 @@ def test_entry_picker_round_robins_and_refuses_remote_hosts():
         EntryPicker(["http://10.0.0.1:8000"])
     with pytest.raises(ValueError):
         EntryPicker([])
+
+
+def test_entry_picker_leaves_a_refusing_entry_out_for_its_fail_timeout():
+    now = [0.0]
+    a, b, c = (f"http://127.0.0.1:{p}" for p in (1, 2, 3))
+    p = EntryPicker([a, b, c], fail_timeout_s=10.0, clock=lambda: now[0])
+    assert p.next() == a
+    assert p.connect_failed(b + "/") == c                 # b is out; the connect goes to c
+    assert [p.next() for _ in range(4)] == [a, c, a, c]
+    now[0] = 9.9
+    assert p.next() == a and p.next() == c
+    now[0] = 10.0                                         # fail_timeout over: b is tried again
+    assert [p.next() for _ in range(3)] == [a, b, c]
+    assert p.connect_failed(a) == b and p.connect_failed(b) == c
+    assert p.connect_failed(c) is None                    # every entry out: the error goes through
+    assert p.next() in (a, b, c)                          # and the round-robin goes on over all
+    assert p.summary() == {"connect_failures": {b: 2, a: 1, c: 1}, "failovers": 3,
+                           "fail_timeout_s": 10.0}
+    with pytest.raises(ValueError, match="not one of the entries"):
+        p.connect_failed("http://127.0.0.1:4")
+    with pytest.raises(ValueError, match="fail_timeout_s"):
+        EntryPicker([a], fail_timeout_s=-1.0)
+    assert EntryPicker([a]).connect_failed(a) is None     # one entry: nowhere to go
+
+
+def _refusing_url() -> str:
+    """A loopback port nothing listens on (bound, then closed): connects are refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("kind", ["sdk", "tenacity", "bad_citizen"])
+def test_a_dead_entry_costs_the_users_nothing_behind_the_balancer(echo_url, kind):
+    """Two entries, one refusing connects (a SIGKILLed proxy): every user's one attempt is
+    answered by the other. Without the balancer's failover half of them would see a refused
+    connect (the SDK and the others would retry it as a second attempt, or lose the user)."""
+    dead = _refusing_url()
+    cfg = ClientConfig(kind=kind, patience_s=10.0, backoff_s=0.01, backoff_max_s=0.05)
+    run = UserRunConfig(entry_urls=(dead, echo_url), duration_s=0.1, drain_timeout_s=15.0,
+                        model="echo")
+    specs = [_spec(0, index=i) for i in range(6)]
+    result = asyncio.run(run_users(specs, [kind] * 6, {kind: cfg}, run))
+    assert [u.num_attempts for u in result.users] == [1] * 6
+    assert all(u.outcome(CLS) == "good" for u in result.users)
+    # every refused connect went on to the live entry (the users all start at once, so more
+    # than one may reach the dead entry before its first refusal leaves it out)
+    refused = result.entries["connect_failures"]
+    assert set(refused) == {dead} and refused[dead] == result.entries["failovers"] >= 1
 
 
 def test_client_config_is_validated():

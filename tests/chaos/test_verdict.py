@@ -6,7 +6,8 @@ import pytest
 
 from chaos.records import RequestRecord, classify_outcome
 from chaos.user_record import UserRecord
-from chaos.verdict import Budget, FaultWindow, build_verdict, good_fraction, recovery_s, series
+from chaos.verdict import (Budget, FaultWindow, build_verdict, cut_by_kill, good_fraction,
+                           recovery_s, series)
 from policies.cost import RequestClass
 
 CLS = RequestClass("interactive", ttft_s=1.0, itl_s=0.1)
@@ -186,3 +187,32 @@ def test_users_refused_for_their_budget_are_not_servable():
     v = build_verdict(users, CLS, _window(num_surviving=2), 20.0, slide_s=2.0)
     assert v["offered_in_fault_rps"] == 10.0 and v["offered_within_budget_in_fault_rps"] == 5.0
     assert v["goodput_over_surviving_capacity"] == 1.0
+
+
+def _cut(t_s, end_s, **kw):
+    """A begun stream that broke off at ``end_s`` without [DONE] or an error event."""
+    return attempt(t_s, e2e_s=end_s - t_s, saw_done=False,
+                   error=kw.pop("error", "RemoteProtocolError: peer closed connection"), **kw)
+
+
+def test_streams_cut_by_a_proxy_kill_are_lost_and_counted_apart():
+    kill_s = 10.0
+    cut = user(9.0, _cut(9.0, 10.02), index=1)                  # in flight at the kill
+    truncated_later = user(9.0, _cut(9.0, 12.0), index=2)       # broke off 2 s after it
+    cut_before = user(8.0, _cut(8.0, 9.5), index=3)             # broke off before it
+    after = user(10.5, _cut(10.5, 10.6), index=4)               # sent after the kill
+    explicit = user(9.0, attempt(9.0, e2e_s=1.02, error="stream error: {}", saw_done=False),
+                    index=5)
+    retried = user(9.0, _cut(9.0, 10.02), attempt(10.1, status=None, error="ConnectError"),
+                   index=6)                                     # its last attempt was no stream
+    users = [cut, truncated_later, cut_before, after, explicit, retried]
+    assert [verdict_cut(u, [kill_s]) for u in users] == [True, False, False, False, False,
+                                                         False]
+    assert not verdict_cut(cut, [])                             # no proxy was killed
+    v = build_verdict(users, CLS, _window(), 4.0, slide_s=2.0, proxy_kills_s=[kill_s])
+    assert v["num_lost"] == 5 and v["num_cut_by_proxy_kill"] == 1
+    assert build_verdict(users, CLS, _window(), 4.0, slide_s=2.0)["num_cut_by_proxy_kill"] == 0
+
+
+def verdict_cut(u, kills):
+    return cut_by_kill(u, CLS, kills)
