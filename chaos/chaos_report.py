@@ -106,6 +106,14 @@ def _generator_table(verdicts: Mapping[str, Mapping]) -> str:
                      f"{'—' if lag is None else f'{1000 * lag:.0f}'} | "
                      f"{g['cpu_percent_of_one_core']:.0f} | {_fmt(g['cpu_wait_s'], 1)} | "
                      f"{'; '.join(v['generator_warnings']) or 'none'} |")
+    for p, v in verdicts.items():
+        e = v["generator"].get("entry_balancer") or {}
+        if e.get("connect_failures"):
+            lines.append("")
+            lines.append(f"{p}: the entry balancer (nginx's defaults: a refused connect goes "
+                         f"on to the next entry, which is left out for "
+                         f"{e['fail_timeout_s']:g} s) sent {e['failovers']} refused "
+                         f"connect(s) on; refused per entry: {e['connect_failures']}.")
     return "\n".join(lines)
 
 

@@ -36,6 +36,11 @@ def test_report_lists_every_check_and_the_generator(tmp_path):
     md = render_report(result)
     assert "| slo | **no** |" in md and "send lag p99 300 ms" in md
     assert "slo.recovery_s: 0.0 (target <= 4 s) pass" in md and "**FAIL**" in md
+    assert "entry balancer" not in md                         # nothing was refused
+    verdicts["slo"]["generator"] = {**GENERATOR, "entry_balancer": {
+        "connect_failures": {"http://127.0.0.1:9": 2}, "failovers": 2, "fail_timeout_s": 10.0}}
+    assert "slo: the entry balancer (nginx's defaults" in render_report(result)
+    assert "sent 2 refused connect(s) on" in render_report(result)
     events = [FaultEvent(4.0, "rate_step", "rate", "rate up"),
               FaultEvent(6.0, "rate_step", "rate", "rate down")]
     runs = {p: (_users_with_dip(6.0), events, v) for p, v in verdicts.items()}
