@@ -90,7 +90,8 @@ def catalogue() -> dict[str, ScenarioSpec]:
         ScenarioSpec("replica-kill", "SIGKILL one of 2 replicas behind the proxy at 0.74 C, "
                      "restart it 6 s later", 2, 1, 24.0, 4.0, 0.74,
                      (Fault("replica_kill", 8.0, 6.0, 0),), (8.0, 14.0), 1),
-        ScenarioSpec("proxy-kill", "SIGKILL one of 2 proxies behind the clients' round-robin, "
+        ScenarioSpec("proxy-kill", "SIGKILL one of 2 proxies behind the clients' load "
+                     "balancer (round-robin; a refused connect goes on to the other), "
                      "restart it 6 s later", 2, 2, 24.0, 4.0, 0.74,
                      (Fault("proxy_kill", 8.0, 6.0, 0),), (8.0, 14.0), 2),
         ScenarioSpec("redis-kill", "SIGKILL the budgets' Redis for 6 s under 2 proxies; one "
