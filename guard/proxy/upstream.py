@@ -216,12 +216,14 @@ class _Sink:
     """``sink(data, last)`` for :meth:`push`: what :meth:`_Client.body` does, called from the
     upstream protocol (so it never raises: an error stops the push and is raised after it)."""
 
-    __slots__ = ("_admission", "_write", "_response", "ended", "error")
+    __slots__ = ("_admission", "_write", "_response", "_forwarded", "ended", "error")
 
     def __init__(self, client: _Client, response: Any) -> None:
-        self._admission = client.admission
+        self._admission = admission = client.admission
         self._write = client.writer[0]
         self._response = response
+        self._forwarded = admission.on_forwarded if admission.ticket.chunks_s is not None \
+            else None  # traced only
         self.ended = False
         self.error: BaseException | None = None
 
@@ -230,7 +232,10 @@ class _Sink:
             return
         try:
             self._admission.on_body(data, not last)
-            if self._write(data, not last):
+            full = self._write(data, not last)
+            if self._forwarded is not None:
+                self._forwarded()  # the chunk is with the client's transport
+            if full:
                 self._response.stop_push()  # the client's buffer is full
             self.ended = last
         except BaseException as exc:  # noqa: BLE001 - raised by the relay after the push
@@ -291,8 +296,11 @@ class _Client:
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def body(self, chunk: bytes, more_body: bool) -> None:
-        self._admission.on_body(chunk, more_body)
+        admission = self._admission
+        admission.on_body(chunk, more_body)
         await self._send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+        if admission.ticket.chunks_s is not None:  # traced only
+            admission.on_forwarded()
 
     async def reject(self, rejection: Rejection) -> None:
         """A failure answer made here (502/504) before anything else was sent."""

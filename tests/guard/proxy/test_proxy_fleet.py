@@ -71,6 +71,38 @@ def test_json_and_stream_pass_through(proxy_urls, client, path, upstream_client)
     assert all("error" not in c for c in chunks) and len(chunks) >= 6
 
 
+@CLIENTS
+def test_the_trace_has_when_each_content_chunk_was_forwarded(fleet, client, tmp_path,
+                                                             upstream_client):
+    """``chunks_s``: one time per content chunk, in order, within the response: on the h1
+    client's push path (chunks written from the upstream's read callback) and on the relay
+    task's path alike. Without them ``kvguard timeline`` cannot split a slow gap at the proxy."""
+    trace = tmp_path / "trace.jsonl"
+    config = tmp_path / "traced.toml"
+    config.write_text(f'trace_path = "{trace}"\n'
+                      + open(write_config(tmp_path, client=upstream_client)).read())
+    body = {**BODIES["/v1/completions"], "max_tokens": 8, "stream": True}
+    with running(proxy_child(fleet.replica_urls, str(config))) as proxy:
+        with client.stream("POST", proxy.url + "/v1/completions", json=body) as stream:
+            request_id = stream.headers["x-request-id"]
+            events = sse_lines(stream)
+        assert events[-1] == "data: [DONE]"
+        texts = [e for e in events[:-1] if json.loads(e[6:])["choices"]]
+        line = None
+        for _ in range(200):  # the trace line is written as the ticket is released
+            lines = [json.loads(x) for x in trace.read_text().splitlines()] \
+                if trace.exists() else []
+            line = next((x for x in lines if x["request_id"] == request_id), None)
+            if line is not None:
+                break
+            time.sleep(0.05)
+    assert line is not None and line["num_content_chunks"] >= 1
+    chunks = line["chunks_s"]
+    assert len(chunks) == line["num_content_chunks"] <= len(texts)
+    assert chunks == sorted(chunks)
+    assert line["first_token_s"] <= chunks[0] and chunks[-1] <= line["completion_s"]
+
+
 def test_models_are_the_union_of_the_replicas(fleet, client, tmp_path):
     config = write_config(tmp_path)
     with running(upstream_child("ok", "other-model")) as other, \
