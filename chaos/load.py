@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import resource
@@ -27,11 +28,13 @@ from chaos.schedule import prompt_token_ids
 from chaos.stats import distribution
 
 __all__ = ["LoadConfig", "LoadResult", "LiveCounts", "run_load", "rate_of", "sustained_rate_of",
-           "few_collections"]
+           "few_collections", "GcPauses"]
 
 MAX_RATE_SHORTFALL_RATIO = 0.02
 MAX_CPU_PERCENT = 85.0
 MAX_CPU_WAIT_RATIO = 0.10
+MAX_GC_PAUSE_S = 0.1
+_NO_FULL_COLLECTION = 1_000_000_000  # young collections before a full one: never, in a run
 _SCHEDSTAT = "/proc/self/schedstat"  # Linux: cpu ns, run-queue wait ns, time slices
 
 
@@ -102,6 +105,7 @@ class LoadResult:
     scheduled_rate_per_s: float | None
     achieved_rate_per_s: float | None
     cpu_wait_s: float | None = None  # runnable but kept off a CPU by the OS (Linux only)
+    gc_pause_max_s: float | None = None  # the longest cyclic-GC pause of this process
 
     @property
     def cpu_percent(self) -> float:
@@ -130,6 +134,10 @@ class LoadResult:
             out.append(f"the OS kept the load generator waiting for a CPU {self.cpu_wait_s:.1f}"
                        f" s of {self.wall_s:.1f} s: the machine is oversubscribed, so latencies "
                        "and send times include that wait")
+        if self.gc_pause_max_s is not None and self.gc_pause_max_s > MAX_GC_PAUSE_S:
+            out.append(f"the load generator's own garbage collector paused it "
+                       f"{1000 * self.gc_pause_max_s:.0f} ms: every latency it measured "
+                       "across that pause includes it")
         return out
 
 
@@ -153,24 +161,51 @@ def _raise_fd_limit(wanted: int) -> None:
             pass
 
 
+class GcPauses:
+    """How long Python's cyclic collector held this process during a run (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.longest_s = 0.0
+        self.total_s = 0.0
+        self.count = 0
+        self._start: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            pause_s = time.perf_counter() - self._start
+            self._start = None
+            self.count += 1
+            self.total_s += pause_s
+            self.longest_s = max(self.longest_s, pause_s)
+
+
 @contextlib.contextmanager
-def few_collections(gen0_threshold: int = 20_000) -> Iterator[None]:
-    """Keep Python's cyclic GC from eating the generator's CPU during a run: what exists
-    already (the schedule, the bodies) is frozen out of collection, and a young collection
-    runs every ``gen0_threshold`` allocations instead of every 700. With thousands of requests
-    in flight each collection walks every live task and buffer: at 1,000 sheds/s the default
-    thresholds cost the generator ~35 % of its CPU (1.15 ms vs 0.75 ms per request against a
-    trivial loopback server answering 503s, as ``kvguard bench loadgen --answer shed`` runs),
-    and a full collection pauses the loop for tens of ms. The thresholds are restored after
-    and the frozen set unfrozen (anything frozen before the run is unfrozen with it)."""
+def few_collections(gen0_threshold: int = 20_000) -> Iterator[GcPauses]:
+    """Keep Python's cyclic GC from eating the generator's CPU, and from stalling it, during a
+    run: what exists already (the schedule, the bodies) is frozen out of collection, a young
+    collection runs every ``gen0_threshold`` allocations instead of every 700, and the oldest
+    generation is not collected at all until the run ends. With thousands of requests in flight
+    each collection walks every live task and buffer: at 1,000 sheds/s the default thresholds
+    cost the generator ~35 % of its CPU (1.15 ms vs 0.75 ms per request against a trivial
+    loopback server answering 503s, as ``kvguard bench loadgen --answer shed`` runs). A full
+    collection walks everything the run made: 0.22–0.28 s in a quick chaos run's generator,
+    a stall of every stream it measures at once, seen as one over-limit gap in each (what had
+    been taken for a stall of the replicas at a restart). The thresholds are restored after
+    (the full collection comes then, outside the measurement) and the frozen set unfrozen
+    (anything frozen before the run is unfrozen with it). Yields the run's ``GcPauses``."""
     before = gc.get_threshold()
+    pauses = GcPauses()
+    gc.callbacks.append(pauses)
     gc.freeze()
-    gc.set_threshold(gen0_threshold, *before[1:])
+    gc.set_threshold(gen0_threshold, before[1], _NO_FULL_COLLECTION)
     try:
-        yield
+        yield pauses
     finally:
         gc.set_threshold(*before)
         gc.unfreeze()
+        gc.callbacks.remove(pauses)
 
 
 def _bodies(specs: list[RequestSpec], cfg: LoadConfig) -> list[bytes]:
@@ -225,8 +260,9 @@ async def run_load(specs: list[RequestSpec], cfg: LoadConfig,
     bodies = _bodies(specs, cfg)
     counts = LiveCounts(len(specs))
     proc = psutil.Process()
-    with few_collections():
-        return await _run(specs, bodies, cfg, counts, proc, on_tick, tick_s, clock)
+    with few_collections() as gc_pauses:
+        result = await _run(specs, bodies, cfg, counts, proc, on_tick, tick_s, clock)
+    return dataclasses.replace(result, gc_pause_max_s=gc_pauses.longest_s)
 
 
 async def _run(specs, bodies, cfg: LoadConfig, counts: LiveCounts, proc, on_tick, tick_s: float,

@@ -238,6 +238,7 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
                             "send_lag_s": result.load.lag_s(),
                             "achieved_rate_per_s": result.load.achieved_rate_per_s,
                             "scheduled_rate_per_s": result.load.scheduled_rate_per_s,
+                            "gc_pause_max_s": result.load.gc_pause_max_s,
                             "entry_balancer": result.entries}
     with open(out / "users.jsonl", "w") as f:
         f.writelines(u.to_json() + "\n" for u in result.users)

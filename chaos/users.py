@@ -14,6 +14,7 @@ against the schedule's, its send lag and its own CPU (``LoadResult.warnings``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -165,9 +166,11 @@ async def run_users(specs: Sequence[RequestSpec], kinds: Sequence[str],
     _raise_fd_limit(cfg.max_connections + 256)
     entries = EntryPicker(cfg.entry_urls)
     prompts = [prompt_token_ids(cfg.seed, s) for s in specs]  # before the clock: ~1 ms each
-    with few_collections():  # the prompts are frozen out of collection too
-        return await _run_users(specs, kinds, client_cfgs, cfg, clock, on_start, entries,
-                                prompts)
+    with few_collections() as gc_pauses:  # the prompts are frozen out of collection too
+        result = await _run_users(specs, kinds, client_cfgs, cfg, clock, on_start, entries,
+                                  prompts)
+    return dataclasses.replace(result, load=dataclasses.replace(
+        result.load, gc_pause_max_s=gc_pauses.longest_s))
 
 
 async def _run_users(specs, kinds, client_cfgs, cfg: UserRunConfig, clock, on_start, entries,

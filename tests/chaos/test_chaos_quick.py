@@ -16,7 +16,7 @@ import pytest
 
 from chaos.chaos_cli import measure_capacity_rps, run_scenario
 from chaos.clients import DEFAULT_RETRIES
-from chaos.scenario_run import BUDGETED_TENANT, RunSettings
+from chaos.scenario_run import RunSettings
 from chaos.scenarios import catalogue, missing_dependencies, quick_variant
 from chaos.user_record import USER_OUTCOMES, UserRecord
 from chaos.verdict import THRESHOLDS
@@ -89,23 +89,8 @@ def test_no_over_admission_and_no_hung_slo_client(quick_run):
         assert ratio is None or ratio <= limits["max_redis_down"], verdict
 
 
-def _one_stall_late(users: list[UserRecord], scenario: str) -> int:
-    """Judged users (after the warm-up, tenants without a budget) answered in time except for
-    exactly one gap over the limit: one stall of the stream they were on (every stream in
-    flight at that moment shows the same gap)."""
-    settings = RunSettings()
-    cls, warmup_s = settings.request_class, quick_variant(catalogue()[scenario]).warmup_s
-    count = 0
-    for u in users:
-        if u.scheduled_s < warmup_s * settings.time_scale or u.tenant == BUDGETED_TENANT:
-            continue
-        if u.outcome(cls) == "late" and u.ttft_from_arrival_s() <= cls.ttft_s:
-            count += sum(g > cls.itl_s for g in u.answer.itl_s) == 1
-    return count
-
-
 def test_slo_loses_nobody_and_beats_always_admit(quick_run):
-    result, users, _ = quick_run
+    result, _, _ = quick_run
     slo, base = result["policies"]["slo"], result["policies"]["always_admit"]
     invalid = [w for v in (slo, base) for w in v["generator_warnings"]]
     if invalid:
@@ -115,17 +100,9 @@ def test_slo_loses_nobody_and_beats_always_admit(quick_run):
     # shifts with timing in both runs alike), to the no-harm bar: below capacity both serve
     # nearly everyone and one user either way is not harm
     ratio = THRESHOLDS["slo_vs_always_admit"]["min_ratio"]
-    short = ratio * base["judged_good"] - slo["judged_good"]
-    scenario = result["scenario"]
-    stalls = _one_stall_late(users["slo"], scenario) - _one_stall_late(users["always_admit"],
-                                                                      scenario)
-    if short > 0 and stalls >= short:
-        # Known gap (issue 11): once in replica-kill, every slo stream in flight when the killed
-        # replica restarted showed one ~0.24 s gap (limit 0.16 s): a stall of the process
-        # serving them, not an admission decision (TTFT and every other gap were in time).
-        # Shown as xfail with the counts until the stall's cause is found.
-        pytest.xfail(f"slo short of always_admit by single-stall gaps: {slo['outcomes']} vs "
-                     f"{base['outcomes']}")
+    # (A ~0.24 s gap in every stream at once, seen once in replica-kill, was the load
+    # generator's own full garbage collection, 0.22-0.28 s in these runs: it no longer runs
+    # during a run, and a long pause of the generator makes the run invalid.)
     assert slo["judged_good"] >= ratio * base["judged_good"], (slo["outcomes"], base["outcomes"])
     assert slo["attempts_per_user"] <= 1 + max(DEFAULT_RETRIES.values())
     if slo["num_lost"]:

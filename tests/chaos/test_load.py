@@ -1,12 +1,13 @@
 """The open-loop load generator against a real SSE echo server on loopback."""
 
 import asyncio
+import gc
 from collections import Counter
 
 import pytest
 
 from chaos.client import require_loopback
-from chaos.load import LoadConfig, rate_of, run_load, sustained_rate_of
+from chaos.load import LoadConfig, few_collections, rate_of, run_load, sustained_rate_of
 from chaos.schedule import ClassShare, LengthDist, ScheduleConfig, build_schedule
 from guard.cli import main as kvguard
 
@@ -119,6 +120,38 @@ def test_self_report_warns_when_off_schedule_or_starved():
     text = " | ".join(bad.warnings())
     assert "off its schedule" in text and "4.0% short" in text
     assert "90% of a core" in text and "oversubscribed" in text
+
+
+def test_a_long_gc_pause_of_the_generator_makes_the_run_say_so():
+    from chaos.load import LoadResult
+    base = dict(records=(), duration_s=10.0, wall_s=10.0, cpu_s=2.0, scheduled_rate_per_s=50.0,
+                achieved_rate_per_s=49.5, cpu_wait_s=0.5)
+    assert LoadResult(**base, gc_pause_max_s=0.02).warnings() == []
+    (text,) = LoadResult(**base, gc_pause_max_s=0.24).warnings()
+    assert "garbage collector paused it 240 ms" in text
+
+
+def test_no_full_collection_stalls_a_run_and_young_ones_are_counted():
+    """Inside ``few_collections`` the oldest generation is never collected (a full collection
+    walks everything the run made: a quarter-second stall of every stream measured); young
+    collections still run and their pauses are on the record. Thresholds come back after."""
+    before = gc.get_threshold()
+    seen = []
+
+    def note(phase, info):
+        if phase == "stop":
+            seen.append(info["generation"])
+
+    gc.callbacks.append(note)
+    try:
+        with few_collections(gen0_threshold=100) as pauses:
+            kept = [[i] for i in range(300_000)]   # survivors: ~3,000 young collections
+        assert kept and 0 in seen and 1 in seen and 2 not in seen
+        assert pauses.count == len(seen) and pauses.longest_s > 0.0
+        assert pauses.total_s >= pauses.longest_s
+    finally:
+        gc.callbacks.remove(note)
+    assert gc.get_threshold() == before and pauses not in gc.callbacks
 
 
 def test_rate_of_send_times():
