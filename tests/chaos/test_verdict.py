@@ -6,8 +6,15 @@ import pytest
 
 from chaos.records import RequestRecord, classify_outcome
 from chaos.user_record import UserRecord
-from chaos.verdict import (Budget, FaultWindow, build_verdict, cut_by_kill, good_fraction,
-                           recovery_s, series)
+from chaos.verdict import (
+    Budget,
+    FaultWindow,
+    build_verdict,
+    cut_by_kill,
+    good_fraction,
+    recovery_s,
+    series,
+)
 from policies.cost import RequestClass
 
 CLS = RequestClass("interactive", ttft_s=1.0, itl_s=0.1)
