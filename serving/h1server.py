@@ -17,7 +17,9 @@ strict head parser (``serving.h1_head``):
 * drain like ``serving.draining_server``: the first SIGINT/SIGTERM runs the owner's ``drain``
   coroutine (new connections still accepted meanwhile), then stops accepting, closes idle
   keep-alive connections, lets in-flight responses end for up to ``graceful_timeout_s``, runs
-  the lifespan shutdown and returns; a second signal returns at once.
+  the lifespan shutdown and returns; a second signal returns at once;
+* ``run`` settles the heap once the app has started (``serving.heap``): the start-up objects
+  frozen out of the cyclic collector, young collections less often.
 
 No HTTP/2, no upgrades (WebSocket), no TLS: it serves ``kvguard proxy`` and ``kvguard engine``
 on a trusted network edge or behind a load balancer.
@@ -39,6 +41,7 @@ from email.utils import formatdate
 from typing import Any
 
 from serving.h1_connection import H1Connection
+from serving.heap import settle_heap
 from serving.limited_protocol import ConnectionTable
 
 __all__ = ["H1Server", "run"]
@@ -176,6 +179,7 @@ async def _serve(server: H1Server, sockets: list[socket.socket],
                  drain: Callable[[], Awaitable[None]] | None, ready_line: str | None) -> bool:
     if not await server.start(sockets):
         return False
+    settle_heap()  # the app's start-up heap, out of the collector's way (serving.heap)
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     forced = False
