@@ -6,7 +6,10 @@ decoded by the connection), then ``http.disconnect`` once the connection is lost
 response has ended; several receives may wait at once (the proxy reads the body and watches
 for the disconnect separately). ``send()`` writes the response head at once and each body
 message at once: ``content-length`` when the app gave one, chunked otherwise (HTTP/1.0: until
-the connection closes), nothing for HEAD, 1xx, 204 and 304; while the client does not read,
+the connection closes), nothing for HEAD, 1xx, 204 and 304 — except that a head announcing a
+non-empty ``content-length`` body goes out in the same write as the body's first bytes (a
+shed's 503 is one ``send`` syscall and one segment, not two; the client can do nothing with
+such a head before its body anyway); while the client does not read,
 a ``more_body`` send waits for the write buffer to drain. An app that raises or returns
 before the response ended is answered 500 (nothing sent yet) or cut (``H1Connection.fail``).
 
@@ -61,6 +64,7 @@ class Exchange:
                  "more_body", "body_left", "chunks", "_body", "num_buffered", "_delivered",
                  "disconnected",
                  "started", "complete", "_waiter", "_chunked_out", "_length_left", "_no_body",
+                 "_held_head",
                  "_gone")
 
     def __init__(self, conn: H1Connection, request: RequestHead) -> None:
@@ -82,6 +86,7 @@ class Exchange:
         self._waiter: asyncio.Event | None = None
         self._chunked_out = False
         self._length_left: int | None = None
+        self._held_head = b""  # a content-length head, written with the first body bytes
         self._no_body = False
         self._gone: asyncio.Future | None = None  # gone(): the client left
 
@@ -92,14 +97,22 @@ class Exchange:
             if not isinstance(exc, asyncio.CancelledError):
                 log.error("Exception in ASGI application", exc_info=exc)
             if not self.complete:
-                self.conn.fail(self)
+                self._fail()
             if not isinstance(exc, Exception):
                 raise
         else:
             if not self.complete:
                 if not self.disconnected:
                     log.error("ASGI app returned without completing the response")
-                self.conn.fail(self)
+                self._fail()
+
+    def _fail(self) -> None:
+        """The app ended without completing the response: a head held back for its body goes
+        out first, so the client sees the response cut, as when the head was written."""
+        if self._held_head and not self.disconnected:
+            self.conn.write(self._held_head)
+        self._held_head = b""
+        self.conn.fail(self)
 
     # --- the request body and the disconnect, for receive() -----------------------------------
     def add_body(self, data: bytes, last: bool) -> None:
@@ -180,7 +193,9 @@ class Exchange:
                 raise RuntimeError("http.response.start sent twice")
             head = self._head(message["status"], message.get("headers", ()))
             self.started = True  # a head that fails to build is still answered 500
-            if not self.disconnected:
+            if self._length_left:  # a fixed-length body follows: one write for both
+                self._held_head = head
+            elif not self.disconnected:
                 self.conn.write(head)
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
@@ -242,5 +257,7 @@ class Exchange:
                 raise RuntimeError("response body longer than its content-length")
             if not more and self._length_left:
                 self.keep_alive = False  # cut short: the client must see the connection end
+            if self._held_head:  # the head, in the same write as the first body bytes
+                body, self._held_head = self._held_head + body, b""
         if body:
             conn.write(body)
