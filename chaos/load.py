@@ -17,12 +17,14 @@ import gc
 import json
 import resource
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import psutil
 
 from chaos.client import CompletionClient, make_http_client, request_body, require_loopback
+from chaos.raw_client import RawCompletionClient, RawConnectionPool
 from chaos.records import OUTCOMES, RequestRecord, RequestSpec
 from chaos.schedule import prompt_token_ids
 from chaos.stats import distribution
@@ -30,6 +32,7 @@ from chaos.stats import distribution
 __all__ = ["LoadConfig", "LoadResult", "LiveCounts", "run_load", "rate_of", "sustained_rate_of",
            "few_collections", "GcPauses"]
 
+CLIENTS = ("aiohttp", "raw")
 MAX_RATE_SHORTFALL_RATIO = 0.02
 MAX_CPU_PERCENT = 85.0
 MAX_CPU_WAIT_RATIO = 0.10
@@ -48,9 +51,12 @@ class LoadConfig:
     drain_timeout_s: float = 30.0
     max_connections: int = 4096
     class_header: str = "x-kvguard-class"
+    client: str = "aiohttp"  # or "raw": chaos.raw_client, a cheaper sender for floods
 
     def __post_init__(self) -> None:
         require_loopback(self.url)
+        if self.client not in CLIENTS:
+            raise ValueError(f"client must be one of {', '.join(CLIENTS)}, got {self.client!r}")
         if self.duration_s <= 0 or self.timeout_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("duration_s and timeout_s must be > 0, drain_timeout_s >= 0")
         if self.max_connections < 1:
@@ -267,9 +273,7 @@ async def run_load(specs: list[RequestSpec], cfg: LoadConfig,
 
 async def _run(specs, bodies, cfg: LoadConfig, counts: LiveCounts, proc, on_tick, tick_s: float,
                clock) -> LoadResult:
-    async with make_http_client(cfg.max_connections) as http:
-        client = CompletionClient(http, cfg.url, model=cfg.model, timeout_s=cfg.timeout_s,
-                                  class_header=cfg.class_header, clock=clock)
+    async with _completion_client(cfg, clock) as client:
         cpu0, wait0, t0_s = sum(proc.cpu_times()[:2]), _cpu_wait_s(), clock()
         ticker = asyncio.create_task(_tick(on_tick, counts, t0_s, tick_s, clock))
         try:
@@ -287,6 +291,23 @@ async def _run(specs, bodies, cfg: LoadConfig, counts: LiveCounts, proc, on_tick
         achieved_rate_per_s=sustained_rate_of(records),
         cpu_wait_s=None if wait0 is None or wait1 is None else wait1 - wait0,
     )
+
+
+@contextlib.asynccontextmanager
+async def _completion_client(cfg: LoadConfig, clock) -> AsyncIterator[CompletionClient]:
+    """The configured client (``cfg.client``), its connections closed after the run."""
+    kwargs = {"model": cfg.model, "timeout_s": cfg.timeout_s, "class_header": cfg.class_header,
+              "clock": clock}
+    if cfg.client == "raw":
+        parts = urlsplit(cfg.url)
+        pool = RawConnectionPool(parts.hostname, parts.port or 80, cfg.max_connections)
+        try:
+            yield RawCompletionClient(pool, cfg.url, **kwargs)
+        finally:
+            pool.close()
+        return
+    async with make_http_client(cfg.max_connections) as http:
+        yield CompletionClient(http, cfg.url, **kwargs)
 
 
 async def _tick(on_tick, counts: LiveCounts, t0_s: float, tick_s: float, clock) -> None:

@@ -18,7 +18,7 @@ import httpx
 
 from chaos.client import require_loopback
 from chaos.goodput import Window
-from chaos.load import LoadConfig, run_load
+from chaos.load import CLIENTS, LoadConfig, run_load
 from chaos.plots import plot_sweep
 from chaos.progress import progress
 from chaos.report import write_run
@@ -60,6 +60,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds after the schedule to let requests finish")
     p.add_argument("--max-connections", type=int, default=4096)
+    p.add_argument("--client", choices=CLIENTS, default="aiohttp",
+                   help="the HTTP client: aiohttp, or raw asyncio protocols (chaos.raw_client: "
+                        "less CPU per request, for floods)")
     p.add_argument("--metrics-url", default=None,
                    help="Prometheus page(s) to reconcile with, comma-separated (default: "
                         "URL/kvguard/metrics and URL/metrics; 'none' to skip)")
@@ -177,7 +180,7 @@ def run_once(args, rate: float, out_dir: Path, model: str | None) -> dict:
     window = Window(args.warmup, args.duration)
     cfg = LoadConfig(url=args.url, duration_s=args.duration, seed=args.seed, model=model,
                      timeout_s=args.timeout, drain_timeout_s=args.drain_timeout,
-                     max_connections=args.max_connections)
+                     max_connections=args.max_connections, client=args.client)
     specs = build_schedule(sched)
     metrics_urls = _metrics_urls(args)
     before = _scrape_all(metrics_urls, args.admin_key)

@@ -114,6 +114,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hold-s", type=float, default=0.0,
                    help="the server answers after this long (keeps rate × hold pending)")
     p.add_argument("--max-connections", type=int, default=4096)
+    p.add_argument("--client", choices=("aiohttp", "raw"), default="aiohttp",
+                   help="the generator's HTTP client (chaos.load.CLIENTS)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,11 +133,12 @@ def run(args: argparse.Namespace) -> int:
     server = trivial_server(args.answer, args.tokens, args.hold_s).start()
     try:
         cfg = LoadConfig(url=server.url, duration_s=args.duration, timeout_s=30.0,
-                         drain_timeout_s=30.0, max_connections=args.max_connections)
+                         drain_timeout_s=30.0, max_connections=args.max_connections,
+                         client=args.client)
         result = asyncio.run(run_load(specs, cfg))
     finally:
         server.close()
-    row = loadgen_row(result)
+    row = {"client": args.client, **loadgen_row(result)}
     print(json.dumps(row, indent=1))
     for w in result.warnings():
         print(f"WARNING: {w}", file=sys.stderr)

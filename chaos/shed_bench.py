@@ -55,6 +55,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http", choices=("h11", "kvguard"), default="h11",
                    help="the replica's HTTP server (kvguard engine --http): uvicorn's h11 "
                         "(the engine's default) or kvguard's own")
+    p.add_argument("--client", choices=("raw", "aiohttp"), default="raw",
+                   help="the load generator's HTTP client: raw asyncio protocols "
+                        "(chaos.raw_client, the default: the sender's CPU shares the replica's "
+                        "cores) or aiohttp (every run before 2026-12-01 23:30)")
     p.add_argument("--out", default=None, help="output folder (default runs/sheds-<time>)")
 
 
@@ -97,7 +101,8 @@ def _load_args(url: str, args: argparse.Namespace, out: Path) -> argparse.Namesp
         "--url", url, "--rate", repr(args.rate), "--duration", repr(args.duration),
         "--prompt-tokens", "32:64", "--output-tokens", "8", "--ttft", repr(args.ttft),
         "--itl", repr(args.itl), "--seed", str(args.seed), "--timeout", "30",
-        "--drain-timeout", "30", "--max-connections", "4096", "--out", str(out), "--quiet"])
+        "--drain-timeout", "30", "--max-connections", "4096", "--client", args.client,
+        "--out", str(out), "--quiet"])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     row = shed_row(read_records(out / "requests.jsonl"), args.rate, args.duration)
     row["loop_lag_max_s"] = loop_lag_max_s(metrics)
     row["http"] = args.http
+    row["client"] = args.client
     row.update(_cost_row(summary, server_cpu_s, row["offered"]))
     row["warnings"] = summary["warnings"]
     (out / "sheds.json").write_text(json.dumps(

@@ -17,7 +17,7 @@ def _run(url, **kw):
                  output_tokens=LengthDist("fixed", 8, 8))
     load = dict(timeout_s=10.0, drain_timeout_s=5.0)
     for k in list(kw):
-        if k in ("timeout_s", "drain_timeout_s"):
+        if k in ("timeout_s", "drain_timeout_s", "client"):
             load[k] = kw.pop(k)
     sched.update(kw)
     specs = build_schedule(ScheduleConfig(**sched))
@@ -53,8 +53,12 @@ def test_achieved_rate_matches_declared_within_2_percent_or_says_it_lagged(echo_
     assert on_rate or result.warnings(), (_fitted_rate(sent), result.achieved_rate_per_s)
 
 
-def test_records_carry_tokens_gaps_usage_and_headers(echo_url):
-    _, result = _run(echo_url, rate_per_s=20.0)
+CLIENTS = pytest.mark.parametrize("client", ["aiohttp", "raw"])  # the same records from both
+
+
+@CLIENTS
+def test_records_carry_tokens_gaps_usage_and_headers(echo_url, client):
+    _, result = _run(echo_url, rate_per_s=20.0, client=client)
     for r in result.records:
         assert r.outcome == "completed" and r.saw_done and r.status == 200
         assert r.num_tokens_received == 8 and len(r.itl_s) == 7
@@ -63,8 +67,9 @@ def test_records_carry_tokens_gaps_usage_and_headers(echo_url):
         assert 0 < r.ttft_s <= r.e2e_s and r.lag_s >= 0
 
 
-def test_rejections_and_truncated_streams_are_told_apart(echo_url):
-    _, result = _run(echo_url, rate_per_s=40.0, num_tenants=3)
+@CLIENTS
+def test_rejections_and_truncated_streams_are_told_apart(echo_url, client):
+    _, result = _run(echo_url, rate_per_s=40.0, num_tenants=3, client=client)
     by_tenant = {}
     for r in result.records:
         by_tenant.setdefault(r.tenant, set()).add(r.outcome)
@@ -77,13 +82,15 @@ def test_rejections_and_truncated_streams_are_told_apart(echo_url):
     assert cut.truncated and cut.num_tokens_received == 2 and "truncated" in cut.error
 
 
-def test_client_timeout_and_drain_deadline_cancel(echo_url):
+@CLIENTS
+def test_client_timeout_and_drain_deadline_cancel(echo_url, client):
     slow = (ClassShare("slow"),)
-    _, timed_out = _run(echo_url, rate_per_s=10.0, duration_s=0.5, classes=slow, timeout_s=0.3)
+    _, timed_out = _run(echo_url, rate_per_s=10.0, duration_s=0.5, classes=slow, timeout_s=0.3,
+                        client=client)
     assert {r.outcome for r in timed_out.records} == {"canceled"}
     assert all("client timeout" in r.error for r in timed_out.records)
     _, drained = _run(echo_url, rate_per_s=10.0, duration_s=0.5, classes=slow,
-                      drain_timeout_s=0.2)
+                      drain_timeout_s=0.2, client=client)
     assert {r.outcome for r in drained.records} == {"canceled"}
     assert all("drain" in r.error for r in drained.records)
     assert drained.wall_s < 2.0    # 0.5 s schedule + 0.2 s drain, not 8 tokens x 0.1 s
