@@ -242,8 +242,10 @@ class RawCompletionClient(CompletionClient):
     (``http`` is that pool)."""
 
     def __init__(self, http: RawConnectionPool, base_url: str, **kwargs) -> None:
+        if kwargs.get("failover") is not None:
+            raise ValueError("the raw client talks to one entry: no failover")
         super().__init__(http, base_url, **kwargs)  # type: ignore[arg-type]
-        parts = urlsplit(self._url)
+        parts = urlsplit(base_url.rstrip("/") + "/v1/completions")
         self._path_line = f"POST {parts.path} HTTP/1.1\r\nhost: {parts.netloc}\r\n".encode()
 
     def _request(self, spec: RequestSpec, body: bytes) -> bytes:
