@@ -1,4 +1,8 @@
-"""The shed bench's arithmetic (pure): counts, shed latencies, the loop-lag metric."""
+"""The shed bench: its arithmetic (pure: counts, shed latencies, the loop-lag metric) and the
+generator's collector held off during the flood."""
+
+import argparse
+import gc
 
 import pytest
 
@@ -56,3 +60,22 @@ def test_the_replica_runs_on_the_http_server_asked_for():
     assert ours[ours.index("--http") + 1] == "kvguard" and "g.toml" in ours
     with pytest.raises(SystemExit):
         parser.parse_args(["--http", "nginx"])
+
+
+def test_the_flood_runs_with_the_generators_collector_off_and_restores_it(monkeypatch, tmp_path):
+    from chaos import shed_bench
+
+    seen = []
+    monkeypatch.setattr(shed_bench, "run_once",
+                        lambda *a: seen.append(gc.isenabled()) or {"warnings": []})
+    assert gc.isenabled()
+    assert shed_bench.flood(argparse.Namespace(), 2000.0, tmp_path) == {"warnings": []}
+    assert seen == [False] and gc.isenabled()
+
+    def failing(*a):
+        raise RuntimeError("the run failed")
+
+    monkeypatch.setattr(shed_bench, "run_once", failing)
+    with pytest.raises(RuntimeError):
+        shed_bench.flood(argparse.Namespace(), 2000.0, tmp_path)
+    assert gc.isenabled()  # back on after a failed run too
