@@ -2,9 +2,10 @@
 
 A replica process builds a large, long-lived heap before it serves (an engine's tokenizer and
 model tables: ~54 k tracked objects still alive for the sim's 7 B tokenizer). Every full
-collection walks all of it: in ``kvguard engine --http kvguard`` under ``kvguard bench sheds``
-(2,000 req/s) full collections took 114 and 165 ms, each a pause of the one event loop that
-every shed waits behind (docs/benchmarks.md, section 1b).
+collection walks all of it: 46 ms for that heap alone (best of 5, on a loaded machine), and
+104–175 ms per full collection in ``kvguard engine --http kvguard`` under ``kvguard bench
+sheds`` (2,000 req/s; that heap, the flood's own objects and CPU wait), each a pause of the
+one event loop every shed waits behind (docs/benchmarks.md, section 1b).
 
 :func:`settle_heap` runs once, after start-up and before the ready line: one full collection
 (nothing that is already garbage is kept), then ``gc.freeze()`` moves everything alive into
