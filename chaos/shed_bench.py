@@ -143,10 +143,11 @@ def flood(load_args: argparse.Namespace, rate: float, out: Path) -> dict:
     """The load run, with the generator's cyclic garbage collector off while it lasts (the run
     is bounded: ``--duration`` of arrivals, then at most 30 s of drain). Its collections
     pause the sender's one event loop, and every response that arrives meanwhile is read late
-    and counted slow: with ``few_collections`` alone (``chaos.load``) the generator still
-    paused 20–51 ms at a time in one 3 s flood (a full collection of 51 ms, young ones of 24
-    and 41 ms). Only reference cycles wait for the collection after the run; the replica's
-    own collector is untouched (it is what is measured)."""
+    and counted slow: with ``few_collections`` (``chaos.load``) the generator still paused
+    20–51 ms at a time in one 3 s flood (young collections of 24 and 41 ms; a full one of 51
+    ms, which ``few_collections`` now holds off too). Only reference cycles wait for the
+    collection after the run; the replica's own collector is untouched (it is what is
+    measured)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
