@@ -5,7 +5,8 @@
 accepted connections only then; protocol 0 leaves Nagle on and stalls streamed responses).
 ``draining_server`` is a ``uvicorn.Server`` whose first SIGINT/SIGTERM runs the owner's
 ``drain`` coroutine and then exits; a second signal exits at once. It prints ``ready_line``
-once the server listens.
+once the server listens, after settling the start-up heap (``serving.heap``), as kvguard's own
+server does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import contextlib
 import signal
 import socket
 from collections.abc import Awaitable, Callable
+
+from serving.heap import settle_heap
 
 __all__ = ["draining_server", "listening_socket"]
 
@@ -68,6 +71,7 @@ def draining_server(config, drain: Callable[[], Awaitable[None]], ready_line: st
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if self.started:
+                settle_heap()  # the app's start-up heap, out of the collector's way
                 print(ready_line, flush=True)
 
     return DrainingServer()

@@ -13,6 +13,7 @@ import textwrap
 import weakref
 
 import httpx
+import pytest
 
 from serving.heap import settle_heap
 
@@ -42,9 +43,25 @@ SERVER = textwrap.dedent("""
 """)
 
 
-def test_the_start_up_heap_is_frozen_once_the_server_runs():
+UVICORN_SERVER = SERVER.split("sock = socket.socket()")[0] + textwrap.dedent("""
+    import asyncio, uvicorn
+    from serving.draining_server import draining_server, listening_socket
+
+    sock = listening_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+
+    async def drain():
+        pass
+
+    config = uvicorn.Config(app, lifespan="off", log_level="warning", http="h11")
+    draining_server(config, drain, f"listening on http://127.0.0.1:{port}").run(sockets=[sock])
+""")
+
+
+@pytest.mark.parametrize("server", [SERVER, UVICORN_SERVER], ids=["kvguard", "uvicorn"])
+def test_the_start_up_heap_is_frozen_once_the_server_runs(server):
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, "-c", server], stdout=subprocess.PIPE, text=True,
                             env=env)
     try:
         line = proc.stdout.readline()  # the ready line (the process dies on a failure)
