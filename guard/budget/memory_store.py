@@ -28,6 +28,9 @@ MAX_CONCURRENT_RETRY_S = 1.0  # a full slot set advises a retry no later than th
 
 def check_reserve_args(tenant: str, tokens: int, lease_s: float) -> None:
     """ValueError for arguments no store accepts (nothing is charged)."""
+    if (tenant.__class__ is str and tenant and tokens.__class__ is int and tokens >= 1
+            and lease_s.__class__ is float and lease_s > 0):
+        return  # what the guard passes (exact types): the checks below, without their calls
     if not isinstance(tenant, str) or not tenant:
         raise ValueError(f"budget reserve: tenant must be a non-empty string, got {tenant!r}")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
@@ -36,12 +39,33 @@ def check_reserve_args(tenant: str, tokens: int, lease_s: float) -> None:
         raise ValueError(f"budget reserve: lease_s must be a number > 0, got {lease_s!r}")
 
 
-def _refilled(level: float | None, stamp_s: float, cap: int | None, now_s: float) -> float:
-    if cap is None:
-        return 0.0
-    if level is None:
-        return float(cap)
-    return min(float(cap), level + (now_s - stamp_s) * cap / REFILL_S)
+def _levels_at(state: _Tenant, tpm: int | None, rpm: int | None,
+               now_s: float) -> tuple[float, float]:
+    """The tenant's (tokens, requests) buckets refilled to ``now_s``: each axis is
+    ``min(limit, level + elapsed × limit / REFILL_S)``, full when never drawn (None), 0 when
+    unlimited."""
+    elapsed_s = now_s - state.stamp_s
+    if tpm is None:
+        tokens_level = 0.0
+    else:
+        tokens_level, cap = state.tokens_level, float(tpm)
+        if tokens_level is None:
+            tokens_level = cap
+        else:
+            tokens_level = tokens_level + elapsed_s * tpm / REFILL_S
+            if not tokens_level < cap:
+                tokens_level = cap
+    if rpm is None:
+        requests_level = 0.0
+    else:
+        requests_level, cap = state.requests_level, float(rpm)
+        if requests_level is None:
+            requests_level = cap
+        else:
+            requests_level = requests_level + elapsed_s * rpm / REFILL_S
+            if not requests_level < cap:
+                requests_level = cap
+    return tokens_level, requests_level
 
 
 def _clamp(value: float, cap: int | None) -> float:
@@ -81,17 +105,29 @@ class MemoryStore:
         state = self._tenants.get(tenant)
         if state is None:
             state = self._tenants[tenant] = _Tenant(stamp_s=now_s)
-        levels = self._levels(state, limits, now_s)
-        levels = self._reap(state, levels, limits, now_s)
-        denied = self._check(state, levels, limits, tokens, now_s)
-        if denied is None:
-            levels = (_clamp(levels[0] - tokens, limits.tokens_per_minute),
-                      _clamp(levels[1] - 1, limits.requests_per_minute))
+        tpm, rpm = limits.tokens_per_minute, limits.requests_per_minute
+        levels = _levels_at(state, tpm, rpm, now_s)
+        if now_s >= state.first_expiry_s:  # a lease may have expired: reclaim it first
+            levels = self._reap(state, levels, limits, now_s)
+        tokens_level, requests_level = levels
+        max_concurrent = limits.max_concurrent
+        if ((max_concurrent is None or len(state.leases) < max_concurrent)
+                and (rpm is None or requests_level >= 1)
+                and (tpm is None or (tokens <= tpm and tokens_level >= tokens))):
+            # granted (what _check() would find): both levels stay within [0, limit], so the
+            # clamps are no-ops; an unlimited axis stays 0
+            expiry_s = now_s + lease_s
             grant_id = grant_id or f"{self._id_prefix}{next(self._next_id)}"
-            state.leases[grant_id] = (tokens, now_s + lease_s)
-            state.first_expiry_s = min(state.first_expiry_s, now_s + lease_s)
+            state.leases[grant_id] = (tokens, expiry_s)
+            if expiry_s < state.first_expiry_s:
+                state.first_expiry_s = expiry_s
+            state.tokens_level = 0.0 if tpm is None else tokens_level - tokens
+            state.requests_level = 0.0 if rpm is None else requests_level - 1
+            state.stamp_s = now_s
+            return Grant(tenant, grant_id, tokens)
+        denied = self._check(state, levels, limits, tokens, now_s)
         self._store(state, levels, now_s)
-        return denied or Grant(tenant, grant_id, tokens)
+        return denied
 
     async def settle(self, grant: Grant, used_tokens: int) -> None:
         self.finish_soon(grant, used_tokens)
@@ -169,8 +205,7 @@ class MemoryStore:
 
     @staticmethod
     def _levels(state: _Tenant, limits: BudgetLimits, now_s: float) -> tuple[float, float]:
-        return (_refilled(state.tokens_level, state.stamp_s, limits.tokens_per_minute, now_s),
-                _refilled(state.requests_level, state.stamp_s, limits.requests_per_minute, now_s))
+        return _levels_at(state, limits.tokens_per_minute, limits.requests_per_minute, now_s)
 
     @staticmethod
     def _store(state: _Tenant, levels: tuple[float, float], now_s: float) -> None:
@@ -217,12 +252,12 @@ class MemoryStore:
             return  # already settled, released or reclaimed: idempotent
         limits = self._limits_for(grant.tenant)
         now_s = self._clock()
-        tokens_level, requests_level = self._levels(state, limits, now_s)
+        tpm, rpm = limits.tokens_per_minute, limits.requests_per_minute
+        tokens_level, requests_level = _levels_at(state, tpm, rpm, now_s)
         refund = held[0] if used_tokens is None else held[0] - used_tokens
-        tokens_level = _clamp(tokens_level + refund, limits.tokens_per_minute)
         if used_tokens is None:
-            requests_level = _clamp(requests_level + 1, limits.requests_per_minute)
-        self._store(state, (tokens_level, requests_level), now_s)
+            requests_level = _clamp(requests_level + 1, rpm)
+        self._store(state, (_clamp(tokens_level + refund, tpm), requests_level), now_s)
 
 
 def _ceil_ms(seconds: float) -> float:
