@@ -146,9 +146,9 @@ class FallbackStore:
         if redis is None:
             return None
         if self.breaker.is_open:
-            return redis.reserve_now(tenant, tokens, lease_s, top_up=False,
-                                     max_age_s=self._config.lease_s / 3)
-        return redis.reserve_now(tenant, tokens, lease_s)
+            return redis.take_held(tenant, tokens, top_up=False,
+                                   max_age_s=self._config.lease_s / 3)
+        return redis.take_held(tenant, tokens)
 
     async def open(self) -> None:
         """Start the link and wait until the first contact attempt ended: Redis answered or

@@ -25,7 +25,7 @@ slot). While a grant is held, its tokens are missing from what every guard sees 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from guard.budget.store import BudgetLimits
 
@@ -58,13 +58,19 @@ class GrantPool:
         if not held:
             return None
         now_s = self._clock()
-        while held and now_s - held[0][2] >= min(max_age_s, held[0][3]):
+        while held:
+            first = held[0]
+            age_s = now_s - first[2]
+            if age_s < max_age_s and age_s < first[3]:  # not past min(max_age_s, its own)
+                break
             self.stale.append((tenant, held.popleft()[0]))
-        if not held or held[0][1] < tokens:  # none left, or too small: Redis decides
+        else:
+            return None  # none left: Redis decides
+        if first[1] < tokens:  # too small: Redis decides
             return None
-        grant_id, size, _, _ = held.popleft()
+        held.popleft()
         self.num_taken += 1
-        return grant_id, size
+        return first[0], first[1]
 
     def held_amount(self, tenant: str) -> tuple[int, int]:
         """Tokens and requests held for ``tenant`` (taken out of Redis's levels, still ours)."""
@@ -84,7 +90,8 @@ class GrantPool:
 
     def low(self, tenant: str) -> bool:
         """Under three quarters of its target: time to top up (two batches of slack)."""
-        return self.num_held(tenant) < self._target.get(tenant, 0) * 3 // 4
+        held = self._held.get(tenant)
+        return (len(held) if held else 0) < self._target.get(tenant, 0) * 3 // 4
 
     def wanted(self, tenant: str, limits: BudgetLimits,
                levels: tuple[float | None, float | None] | None, size: int) -> int:
@@ -119,9 +126,20 @@ class GrantPool:
 
     def add(self, tenant: str, grant_id: str, tokens: int, lease_s: float) -> None:
         """A grant Redis made ahead, of ``tokens`` on a lease of ``lease_s``."""
-        self._held.setdefault(tenant, deque()).append((grant_id, tokens, self._clock(),
-                                                       lease_s / 3))
-        self.num_reserved += 1
+        self.add_many(tenant, (grant_id,), tokens, lease_s)
+
+    def add_many(self, tenant: str, grant_ids: Iterable[str], tokens: int,
+                 lease_s: float) -> None:
+        """Grants Redis made ahead in one call, each of ``tokens`` on a lease of ``lease_s``."""
+        now_s, max_age_s = self._clock(), lease_s / 3
+        entries = [(grant_id, tokens, now_s, max_age_s) for grant_id in grant_ids]
+        if not entries:
+            return
+        held = self._held.get(tenant)
+        if held is None:
+            held = self._held[tenant] = deque()
+        held.extend(entries)
+        self.num_reserved += len(entries)
 
     def drain(self, tenant: str) -> list[str]:
         """Every grant held for ``tenant``, removed (to be released)."""

@@ -115,12 +115,18 @@ class RedisStore:
         ``max_age_s`` is held for the tenant and fits ``tokens``; None: await :meth:`reserve`
         (Redis decides). ``top_up=False``: no top-up call (Redis unusable)."""
         check_reserve_args(tenant, tokens, lease_s)
-        taken = self.pool.take(tenant, tokens, max_age_s)
-        if self.pool.stale:
+        return self.take_held(tenant, tokens, top_up, max_age_s)
+
+    def take_held(self, tenant: str, tokens: int, top_up: bool = True,
+                  max_age_s: float = HOLD_S) -> Grant | None:
+        """:meth:`reserve_now` for arguments already checked (the fallback store's path)."""
+        pool = self.pool
+        taken = pool.take(tenant, tokens, max_age_s)
+        if pool.stale:
             self.release_expired()
         if taken is None:
             return None
-        if top_up and self.pool.low(tenant) and not self._ahead_in_flight.get(tenant):
+        if top_up and not self._ahead_in_flight.get(tenant) and pool.low(tenant):
             self._batch(tenant)  # top the pool up in the background (joins this loop's batch)
         return Grant(tenant, taken[0], taken[1])
 
@@ -163,14 +169,16 @@ class RedisStore:
 
     async def _send_reserves(self, tenant: str, batch: list) -> None:
         limits = self._limits_for(tenant)
-        ahead = self._ahead_of(tenant, limits, batch)
+        ahead, ahead_size, ahead_lease_ms = self._ahead_of(tenant, limits, batch)
         if not batch and not ahead:
             return  # a top-up no longer wanted
         pending = self._pending.pop(tenant, [])
         charge = self._charges.pop(tenant, [0.0, 0.0])
-        reserves = " ".join(f"{gid} {tokens} {lease_ms}"
-                            for gid, tokens, lease_ms, _ in (*batch, *ahead))
-        args = [*_limit_args(limits), *charge, reserves, _finishes(pending)]
+        reserves = [f"{gid} {tokens} {lease_ms}" for gid, tokens, lease_ms, _ in batch]
+        if ahead:  # one size and lease for all: formatted once
+            suffix = f" {ahead_size} {ahead_lease_ms}"
+            reserves.extend([gid + suffix for gid in ahead])
+        args = [*_limit_args(limits), *charge, " ".join(reserves), _finishes(pending)]
         self._ahead_in_flight[tenant] = self._ahead_in_flight.get(tenant, 0) + len(ahead)
         try:
             reply = await self._call("reserve", tenant_keys(tenant), args)
@@ -179,7 +187,7 @@ class RedisStore:
             self._recharge(tenant, charge)
             # grants asked ahead that Redis may have made all the same: released (a no-op for
             # one it did not make), not left to their lease
-            self._requeue(tenant, [(grant_id, -1) for grant_id, *_ in ahead])
+            self._requeue(tenant, [(grant_id, -1) for grant_id in ahead])
             _fail(batch, exc if isinstance(exc, Exception) else
                   ConnectionError("budget reserve interrupted"))
             if not isinstance(exc, Exception):
@@ -195,10 +203,10 @@ class RedisStore:
             _fail(batch, RuntimeError(f"budget reserve: {len(decisions)} decisions for "
                                       f"{len(batch) + len(ahead)} requests"))
             return
-        for decision, (grant_id, tokens, lease_ms, _) in zip(decisions[len(batch):], ahead,
-                                                             strict=True):
-            if decision == "1":
-                self.pool.add(tenant, grant_id, tokens, lease_ms / 1000)
+        if ahead:
+            self.pool.add_many(tenant, [grant_id for decision, grant_id
+                                        in zip(decisions[len(batch):], ahead, strict=True)
+                                        if decision == "1"], ahead_size, ahead_lease_ms / 1000)
         self._saw_levels(tenant, limits, reply[1], reply[2])  # after the pool: may drain it
         for decision, (grant_id, tokens, _, future) in zip(decisions[:len(batch)], batch,
                                                            strict=True):
@@ -223,11 +231,21 @@ class RedisStore:
     def finish_soon(self, grant: Grant, used_tokens: int | None) -> None:
         """Settle (``used_tokens``) or release (None) without awaiting: queued for the tenant's
         next reserve or the next flush (with ``settle_delay_s = 0``, a flush starts now)."""
-        used = -1 if used_tokens is None else max(0, int(used_tokens))
-        self._requeue(grant.tenant, [(grant.grant_id, used)])
+        if used_tokens is None:
+            used = -1
+        elif used_tokens.__class__ is int and used_tokens >= 0:
+            used = used_tokens
+        else:
+            used = max(0, int(used_tokens))
+        queue = self._pending.get(grant.tenant)  # _requeue() of one, without the list
+        if queue is None:
+            queue = self._pending[grant.tenant] = []
+        queue.append((grant.grant_id, used))
+        if len(queue) > MAX_PENDING:
+            del queue[: len(queue) - MAX_PENDING]
         if self._settle_delay_s == 0:
             self._spawn(self.flush())
-        else:
+        elif self._flusher is None:
             self._schedule(self._settle_delay_s)
 
     def charge(self, tenant: str, tokens: float, requests: float) -> None:
@@ -258,11 +276,13 @@ class RedisStore:
         if self.pool.num_held(tenant) and not self.pool.far_from_limit(tenant, limits, levels):
             self._give_back({tenant: self.pool.drain(tenant)})  # nearing the limit
 
-    def _ahead_of(self, tenant: str, limits: BudgetLimits, batch: list) -> list:
-        """The reserves ahead to add to ``batch``: as many as the pool wants, of 1.5 × the
-        batch's largest size (a top-up with no request of its own: the last size)."""
+    def _ahead_of(self, tenant: str, limits: BudgetLimits,
+                  batch: list) -> tuple[list[str], int, int]:
+        """The reserves ahead to add to ``batch``: the ids of as many grants as the pool wants,
+        each of 1.5 × the batch's largest size (a top-up with no request of its own: the last
+        size), and that size and their lease in ms."""
         if not self._reserve_ahead:
-            return []
+            return [], 0, 0
         if batch:
             largest = max(t for _, t, _, _ in batch)  # with room: sizes vary a little
             self._ahead[tenant] = (largest + largest // 2 + 1, max(m for _, _, m, _ in batch))
@@ -270,7 +290,11 @@ class RedisStore:
         size, lease_ms = self._ahead.get(tenant, (0, 0))
         want = self.pool.wanted(tenant, limits, self.levels.get(tenant), size)
         want = min(want - self._ahead_in_flight.get(tenant, 0), MAX_BATCH - len(batch))
-        return [(self._grant_id(), size, lease_ms, None) for _ in range(max(0, want))]
+        if want <= 0:
+            return [], size, lease_ms
+        first, self._next_id = self._next_id + 1, self._next_id + want  # _grant_id(), want times
+        prefix = self._id_prefix
+        return [f"{prefix}{n:x}" for n in range(first, first + want)], size, lease_ms
 
     def release_expired(self) -> None:
         """Held grants unused for ``HOLD_S`` go back (queued releases)."""
