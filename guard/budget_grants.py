@@ -40,9 +40,13 @@ class BudgetGrants:
 
     def try_reserve(self, tenant: str, tokens: int) -> Grant | Denied | None:
         """The store's answer when it can give one without awaiting; None: await :meth:`reserve`."""
-        if self._reserve_now is None:
+        reserve_now = self._reserve_now
+        if reserve_now is None:
             return None
-        return self._hold(self._reserve_now(tenant, tokens, self.lease_s))
+        outcome = reserve_now(tenant, tokens, self.lease_s)
+        if isinstance(outcome, Grant):  # _hold(), inlined: once per request
+            self.held[outcome.grant_id] = outcome
+        return outcome
 
     async def reserve(self, tenant: str, tokens: int) -> Grant | Denied:
         return self._hold(await self.store.reserve(tenant, tokens, self.lease_s))
@@ -70,7 +74,14 @@ class BudgetGrants:
     def on_released(self, ticket: Ticket) -> None:
         """Ticket release listener: a completed request is settled with its usage, every other
         outcome released."""
-        self.end(ticket.grant, used_tokens(ticket) if ticket.outcome == "completed" else None)
+        grant = ticket.grant
+        if grant is None:
+            return
+        used = used_tokens(ticket) if ticket.outcome == "completed" else None
+        if self._finish_soon is not None and self.held.pop(grant.grant_id, None) is not None:
+            self._finish_soon(grant, used)  # end(), inlined for the stores that have it
+        else:
+            self.end(grant, used)
 
     async def renew_if_due(self) -> None:
         """Renew every held grant when ``lease_s / 3`` has passed since the last renewal."""

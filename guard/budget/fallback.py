@@ -137,6 +137,9 @@ class FallbackStore:
         """A grant Redis reserved ahead for the tenant (far from its limit: see
         :mod:`guard.budget.grant_pool`), without awaiting; None: await :meth:`reserve`."""
         check_reserve_args(tenant, tokens, lease_s)
+        redis = self.redis
+        if redis is not None and not self.breaker.is_open:  # _from_pool(), the common case
+            return redis.take_held(tenant, tokens)
         return self._from_pool(tenant, tokens, lease_s)
 
     def _from_pool(self, tenant: str, tokens: int, lease_s: float) -> Grant | None:
