@@ -68,6 +68,22 @@ def test_take_hands_out_fitting_grants_and_moves_old_ones_to_stale():
     assert grants.expired() == {"a": ["g8"]}
 
 
+def test_grants_added_in_one_call_are_held_in_order_from_one_reading_of_the_clock():
+    grants, clock = pool()
+    grants.add_many("a", [], 10, lease_s=30.0)
+    assert grants.tenants() == [] and grants.num_reserved == 0  # nothing: no entry
+    grants.add("a", "g0", 10, lease_s=30.0)
+    clock.advance(0.5)
+    grants.add_many("a", (f"g{i}" for i in range(1, 4)), 12, lease_s=30.0)
+    assert grants.num_reserved == 4 and grants.held_amount("a") == (46, 4)
+    assert grants.take("a", 11) is None  # the oldest first: g0 is too small, Redis decides
+    grants.add_many("b", ["h0"], 10, lease_s=30.0)
+    clock.advance(HOLD_S - 0.5)  # g0 is HOLD_S old, g1..g3 half of it
+    assert grants.take("a", 11) == ("g1", 12) and grants.stale == [("a", "g0")]
+    clock.advance(0.5)  # g2, g3 and h0 are HOLD_S old, all from one reading
+    assert grants.expired() == {"a": ["g2", "g3"], "b": ["h0"]}
+
+
 def test_a_grant_is_never_held_past_a_third_of_its_lease():
     grants, clock = pool()
     grants.add("a", "short", 10, lease_s=0.9)
