@@ -64,4 +64,6 @@ def test_no_key_without_a_ttl_after_200_random_crashes(redis_server):
     keys = [k for k in redis_server.cli("--scan", "--pattern", "kvguard:*").split() if k]
     assert any("churn" in k for k in keys)  # the children did write
     for key in keys:
-        assert int(redis_server.cli("pttl", key)) > 0, key
+        # -1: a key without a TTL (the bug this guards against); -2: it expired since the
+        # scan (short leases do), which is the TTL working
+        assert int(redis_server.cli("pttl", key)) != -1, key
