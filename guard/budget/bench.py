@@ -1,10 +1,12 @@
 """``kvguard bench budget``: the guard's request rate with Redis budgets, in-memory budgets and
 none, side by side in one process and one run, and Redis calls per admitted request.
 
-The same trivial completion app (``guard.bench``) is wrapped three times in
-:class:`~guard.middleware.AdmissionMiddleware`: no budget configured; a tenant budget in the
-in-memory store; the same budget in Redis (a ``redis-server`` the bench starts on a free loopback
-port and kills by pid, or ``--redis URL``). Blocks of requests alternate between the three so
+The same trivial completion app (``guard.bench``) is wrapped four times in
+:class:`~guard.middleware.AdmissionMiddleware`: no tenant and no budget (``none``); the
+budgets' tenant, matched by its API key, without limits (``tenant``: so the budget's own cost
+is told apart from identifying the tenant, a SHA-256 of the key per request); a tenant budget
+in the in-memory store; the same budget in Redis (a ``redis-server`` the bench starts on a free loopback
+port and kills by pid, or ``--redis URL``). Blocks of requests alternate between the four so
 drift hits all equally; ``--concurrency`` requests are in flight at once (Redis round trips
 overlap, as they do in a server). The budget is far above what the run uses: nothing is denied,
 every request pays a reserve and a settle.
@@ -95,7 +97,9 @@ def _guard(policy: str, budget: str | None, redis_url: str | None, timeout_s: fl
     from guard.middleware import AdmissionMiddleware
 
     data: dict[str, Any] = {"policy": policy}
-    if budget is not None:
+    if budget == "tenant":  # the same tenant, matched by its API key, without any limit
+        data["tenants"] = [{"name": "bench", "api_key": _API_KEY}]
+    elif budget is not None:
         data["tenants"] = [{"name": "bench", "api_key": _API_KEY, "tokens_per_minute": _HUGE,
                             "requests_per_minute": _HUGE}]
     if budget == "redis":
@@ -139,7 +143,8 @@ async def measure(redis_url: str, num: int, block: int, concurrency: int, policy
                   redis_timeout_s: float = 0.05) -> dict:
     import redis.asyncio as aioredis
 
-    guards = {"none": _guard(policy, None, None), "memory": _guard(policy, "memory", None),
+    guards = {"none": _guard(policy, None, None), "tenant": _guard(policy, "tenant", None),
+              "memory": _guard(policy, "memory", None),
               "redis": _guard(policy, "redis", redis_url, redis_timeout_s)}
     stats = aioredis.Redis.from_url(redis_url)
     for app in guards.values():  # warm-up: connections, scripts, learning, first snapshot
@@ -174,6 +179,9 @@ async def measure(redis_url: str, num: int, block: int, concurrency: int, policy
             "cpu_us": {name: statistics.median(cpu_us[name]) for name in guards},
             "ratio_redis_vs_none": rates["redis"] / rates["none"],
             "ratio_memory_vs_none": rates["memory"] / rates["none"],
+            # what the budget alone costs: the same tenant, matched by its API key, no limits
+            "ratio_redis_vs_tenant": rates["redis"] / rates["tenant"],
+            "ratio_memory_vs_tenant": rates["memory"] / rates["tenant"],
             "redis_evalsha_per_admitted": evalsha / max(1, admitted["redis"]),
             "redis_commands_per_admitted": total / max(1, admitted["redis"]),
             "redis_server_us_per_evalsha": server_us / max(1, evalsha),
@@ -205,10 +213,13 @@ def render(r: dict) -> str:
     rate = r["rate_rps"]
     lines = [f"kvguard bench budget — {r['requests_per_variant']} requests per variant, "
              f"{r['concurrency']} in flight, policy {r['policy']}",
-             "variant        req/s   admitted   vs none   CPU µs/req"]
-    for name in ("none", "memory", "redis"):
+             "variant        req/s   admitted   vs none  vs tenant   CPU µs/req"]
+    for name in ("none", "tenant", "memory", "redis"):
         lines.append(f"{name:<10} {rate[name]:>9.0f} {r['admitted'][name]:>10} "
-                     f"{rate[name] / rate['none']:>8.2f}× {r['cpu_us'][name]:>12.1f}")
+                     f"{rate[name] / rate['none']:>8.2f}× {rate[name] / rate['tenant']:>9.2f}× "
+                     f"{r['cpu_us'][name]:>12.1f}")
+    lines.append("(tenant: the budgets' tenant matched by its API key, without limits: the "
+                 "'vs tenant' column is what the budget alone costs)")
     lines.append(f"Redis EVALSHA per admitted request: {r['redis_evalsha_per_admitted']:.2f} "
                  f"(all client commands: {r['redis_commands_per_admitted']:.2f}); target ≤ 1")
     lines.append(f"Redis server time per EVALSHA: {r['redis_server_us_per_evalsha']:.0f} µs")
