@@ -16,7 +16,9 @@ then sees ``http.disconnect``. A connection over a cap gets the 503 refusal. A m
 
 A request pipelined behind another waits in the buffer until the first response ends; reading
 pauses while more than 256 KiB of request bytes wait for the app. Each request's ASGI
-``receive``/``send`` is an ``Exchange`` (``serving.h1_exchange``).
+``receive``/``send`` is an ``Exchange`` (``serving.h1_exchange``); its app starts from the read
+callback that completed the head, its first step run at once inside its task
+(``serving.eager_task``), not one loop iteration later.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import asyncio
 import logging
 from typing import Any
 
+from serving.eager_task import start_eagerly
 from serving.h1_exchange import Exchange, error_response
 from serving.h1_head import MAX_HEAD_BYTES, BadRequest, RequestHead, parse_head
 from serving.limited_protocol import REFUSAL, REFUSAL_LINGER_S, PhaseDeadlines
@@ -157,7 +160,9 @@ class H1Connection(PhaseDeadlines, asyncio.Protocol):
                 self._feed_body(exchange)
         else:
             self._arm("serving", None)
-        exchange.task = task = self.loop.create_task(exchange.run(server.app, scope))
+        # from the read callback the app's first step runs now (the proxy's request is priced,
+        # admitted and sent upstream before the loop polls again); from a task, next iteration
+        exchange.task = task = start_eagerly(self.loop, exchange.run(server.app, scope))
         server.tasks.add(task)  # the loop holds tasks weakly
         task.add_done_callback(server.tasks.discard)
 

@@ -489,3 +489,29 @@ def test_the_disconnect_future_completes_when_the_client_leaves_mid_response(ser
         assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
     assert done.wait(30.0)
     assert seen == {"whole": False, "message": {"type": "http.disconnect"}}
+
+
+def test_an_app_started_from_the_read_callback_runs_in_its_task_and_sees_the_disconnect(server):
+    """The app's first step runs at once from the connection's read callback
+    (``serving.eager_task``), inside the request's task: ``asyncio.timeout`` works there, and a
+    client that leaves before sending the body it announced is ``http.disconnect``."""
+    seen: dict[str, object] = {}
+    done = threading.Event()
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        seen["task"] = asyncio.current_task() is not None
+        async with asyncio.timeout(30):  # raises RuntimeError outside a task
+            message = await receive()
+            while message["type"] == "http.request":  # the rest of the body never comes
+                message = await receive()
+        seen["message"] = message
+        done.set()
+
+    srv = server(app)
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc")
+        sock.sendall(b"")  # then the client leaves
+    assert done.wait(30.0)  # hang guard
+    assert seen == {"task": True, "message": {"type": "http.disconnect"}}
