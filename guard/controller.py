@@ -322,11 +322,11 @@ class AdmissionController:
     async def _housekeeping(self) -> None:
         """Once a second: flush the trace; every budget lease / 3: renew held grants; all the
         while, sample the event loop's lag."""
-        lag = asyncio.ensure_future(self.loop_lag.run())  # sampled while the guard runs
+        self.loop_lag.start()  # sampled while the guard runs
         try:
             await self._housekeep()
         finally:
-            lag.cancel()
+            self.loop_lag.stop()
 
     async def _housekeep(self) -> None:
         while True:

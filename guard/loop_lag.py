@@ -4,6 +4,11 @@ Everything the guard does — pricing, deciding, shedding, relaying every token 
 event loop, so a loop that is blocked delays every answer and stretches every stream's gaps at
 once. :class:`LoopLag` wakes every ``interval_s`` and records how late it woke; the guard
 exports the largest lag since start (``kvguard_event_loop_lag_max_seconds``).
+
+The guard samples with :meth:`LoopLag.start`: a timer callback that re-arms itself (one loop
+iteration per sample; a sleeping task took two, the timer's and the task's wake-up, plus a
+future each time). :meth:`LoopLag.run` is the same sampling as a coroutine, on an injected clock
+and sleep.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ class LoopLag:
         self.on_sample = on_sample
         self.max_lag_s = 0.0
         self.num_samples = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._due_s = 0.0
 
     def record(self, lag_s: float) -> None:
         lag_s = max(0.0, lag_s)
@@ -44,3 +52,23 @@ class LoopLag:
             due_s = self._clock() + self.interval_s
             await self._sleep(self.interval_s)
             self.record(self._clock() - due_s)
+
+    def start(self) -> None:
+        """Sample on the running loop from a timer callback until :meth:`stop` (the loop's own
+        clock; no task)."""
+        self.stop()
+        self._loop = asyncio.get_running_loop()
+        self._arm()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop = None
+
+    def _arm(self) -> None:
+        self._due_s = self._loop.time() + self.interval_s
+        self._timer = self._loop.call_at(self._due_s, self._sample)
+
+    def _sample(self) -> None:
+        self.record(self._loop.time() - self._due_s)
+        self._arm()

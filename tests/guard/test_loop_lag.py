@@ -1,6 +1,7 @@
 """LoopLag: lateness of a periodic timer, with an injected clock and sleep (no real waiting)."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -30,3 +31,22 @@ def test_a_clock_that_steps_back_is_not_negative_lag():
 def test_bad_interval_is_a_value_error():
     with pytest.raises(ValueError):
         LoopLag(0.0)
+
+
+def test_start_samples_from_a_timer_on_the_running_loop_until_stop():
+    async def main() -> None:
+        lag = LoopLag(0.001)
+        lag.start()
+        for _ in range(6000):  # hang guard
+            if lag.num_samples >= 3:
+                break
+            await asyncio.sleep(0.005)
+        time.sleep(0.05)  # the loop is blocked: the next sample is at least this late
+        await asyncio.sleep(0.005)
+        assert lag.max_lag_s >= 0.04
+        lag.stop()
+        taken = lag.num_samples
+        await asyncio.sleep(0.02)
+        assert lag.num_samples == taken  # no timer left
+
+    asyncio.run(main())
