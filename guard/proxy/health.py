@@ -43,6 +43,7 @@ class GatedSource:
     def __init__(self, replica_id: str, inner: StateSource, health: ReplicaHealth) -> None:
         self.replica_id = replica_id
         self.kind = inner.kind
+        self.local = getattr(inner, "local", False)  # answers without I/O (StatePoller)
         self.max_model_len = getattr(inner, "max_model_len", None)
         self._inner = inner
         self._health = health
@@ -76,6 +77,7 @@ class ReplicaHealth:
         self._probe = probe
         self._clock = clock
         self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self.num_ejections = dict.fromkeys(self._failures, 0)
         self.num_readmissions = dict.fromkeys(self._failures, 0)
 
@@ -98,6 +100,7 @@ class ReplicaHealth:
         self._mark_unhealthy(replica_id)
         log.warning("proxy: replica %s ejected after %d consecutive failures", replica_id,
                     self._failures[replica_id])
+        self._probe_while_ejected()
         return True
 
     def gate(self, replica_id: str, source: StateSource) -> GatedSource:
@@ -119,11 +122,22 @@ class ReplicaHealth:
                 log.warning("proxy: replica %s answers again: re-admitted", replica_id)
 
     def start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        """Probe ejected replicas from now on (on the running loop): the probe loop runs only
+        while a replica is ejected, so a healthy fleet costs no wake-ups."""
+        self._loop = asyncio.get_running_loop()
+        self._probe_while_ejected()
+
+    @property
+    def probing(self) -> bool:
+        """The probe loop is running (only while a replica is ejected)."""
+        return self._task is not None and not self._task.done()
+
+    def _probe_while_ejected(self) -> None:
+        if self._loop is not None and self._ejected and (self._task is None or self._task.done()):
+            self._task = self._loop.create_task(self._run())
 
     async def _run(self) -> None:
-        while True:
+        while self._ejected:
             await asyncio.sleep(max(0.02, self._probe_interval_s / 4))
             if self._ejected:
                 try:
@@ -132,6 +146,7 @@ class ReplicaHealth:
                     log.exception("proxy: probe round failed")
 
     async def stop(self) -> None:
+        self._loop = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

@@ -1,6 +1,7 @@
 """Ejection, probes and the gated state source (pure logic: injected clock and probe)."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -111,3 +112,35 @@ def test_proxy_table_reaches_the_config():
     config = GuardConfig.from_dict({"proxy": {"read_timeout_s": 5, "upstream_client": "httpx"}})
     assert config.proxy == ProxyConfig(read_timeout_s=5.0, upstream_client="httpx")
     assert GuardConfig().proxy == ProxyConfig()
+
+
+async def _until(condition) -> None:
+    for _ in range(6000):  # hang guard (~30 s), not a timing assertion
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition never held")
+
+
+def test_the_probe_loop_runs_only_while_a_replica_is_ejected_and_again_for_the_next():
+    async def main() -> None:
+        probed = []
+
+        async def probe(replica_id):
+            probed.append(replica_id)
+            return True
+
+        health = ReplicaHealth(["a", "b"], 1, 0.001, lambda _rid: None, probe, time.monotonic)
+        health.start()
+        assert not health.probing  # a healthy fleet: no wake-ups
+        assert health.record_failure("a")
+        assert health.probing
+        await _until(lambda: not health.is_ejected("a"))
+        await _until(lambda: not health.probing)  # nothing ejected: the loop ended
+        assert health.record_failure("b")  # the next ejection starts it again
+        await _until(lambda: not health.is_ejected("b"))
+        assert probed == ["a", "b"] and health.num_readmissions == {"a": 1, "b": 1}
+        await health.stop()
+        assert health.record_failure("a") and not health.probing  # stopped: no new loop
+
+    asyncio.run(main())
