@@ -84,6 +84,7 @@ class NoStateSource:
     """A replica configured with ``state_source = "none"``: never asked, unknown capacity."""
 
     kind = "kvguard"
+    local = True  # answers without I/O: polled without a timeout task (see StatePoller)
 
     async def fetch(self) -> Any:
         raise StateUnavailable("state_source is 'none'")
@@ -187,6 +188,11 @@ class StatePoller:
         self._timeout_s = timeout_s
         self._on_refresh = on_refresh
         self._errors = dict.fromkeys(self._sources, 0)
+        # sources that answer without I/O (``local``: state_source "none") are read in line,
+        # with no task and no timeout; the others concurrently, each under ``timeout_s``
+        self._local = {rid: src for rid, src in self._sources.items()
+                       if getattr(src, "local", False)}
+        self._remote = {rid: src for rid, src in self._sources.items() if rid not in self._local}
         self._task: asyncio.Task | None = None
         self.num_refreshes = 0
 
@@ -195,7 +201,12 @@ class StatePoller:
 
     async def refresh_now(self) -> None:
         """Refresh all replicas once, concurrently."""
-        await asyncio.gather(*(self._refresh_one(rid, src) for rid, src in self._sources.items()))
+        for rid, src in self._local.items():
+            await self._refresh_one(rid, src, bounded=False)
+        if self._remote:  # gathered even when one: a cancellation that meets a fetch just
+            # done is then still raised (asyncio.wait_for alone would swallow it, Python 3.11)
+            await asyncio.gather(*(self._refresh_one(rid, src)
+                                   for rid, src in self._remote.items()))
         self.num_refreshes += 1
         if self._on_refresh is not None:
             try:
@@ -203,9 +214,11 @@ class StatePoller:
             except Exception:
                 log.exception("state poller: on_refresh callback failed")
 
-    async def _refresh_one(self, replica_id: str, source: StateSource) -> None:
+    async def _refresh_one(self, replica_id: str, source: StateSource,
+                           bounded: bool = True) -> None:
         try:
-            payload = await asyncio.wait_for(source.fetch(), self._timeout_s)
+            fetch = source.fetch()
+            payload = await (asyncio.wait_for(fetch, self._timeout_s) if bounded else fetch)
             now_s = self._clock()
             if source.kind == "kvguard":
                 self._load_state.update_from_kvguard_state(replica_id, payload, now_s)

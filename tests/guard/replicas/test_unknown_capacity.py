@@ -103,3 +103,48 @@ def test_poller_registers_unknown_capacity_without_counting_errors():
     replica = load_state.replica_snapshot("local")
     assert (replica.capacity_known, replica.observed_s) == (False, 5.0)
     assert load_state.snapshot(5.0).fresh_replicas() == ()
+
+
+def test_state_source_none_is_refreshed_in_line_beside_remote_sources():
+    """``state_source = "none"`` answers without I/O, so the poller reads it in line (no task,
+    no timeout): every round still re-registers it (fresh ``observed_s``), a gated one that
+    fails (its replica ejected) still counts errors, and the remote sources refresh as before."""
+    from guard.proxy.health import ReplicaHealth
+    from guard.replicas.poller import NoStateSource
+
+    class Remote:
+        kind = "kvguard"
+
+        async def fetch(self):
+            await asyncio.sleep(0)  # a real suspension, as over HTTP
+            return {"model": "m", "max_model_len": 4096, "block_size": 16,
+                    "num_total_blocks": 100, "num_free_blocks": 60, "max_num_seqs": 8,
+                    "max_num_batched_tokens": 2048, "num_preemptions": 0, "step_count": 1,
+                    "now_s": 1.0, "running": [], "waiting": [], "iterations": []}
+
+    async def probe(_rid):
+        return False
+
+    async def main():
+        now = [1.0]
+        load_state = LoadState()
+        health = ReplicaHealth(["gated"], 1, 60.0, lambda _rid: None, probe, lambda: now[0])
+        sources = {"none": NoStateSource(), "gated": health.gate("gated", NoStateSource()),
+                   "r1": Remote(), "r2": Remote()}
+        poller = StatePoller(load_state, sources, interval_s=1.0, clock=lambda: now[0],
+                             unhealthy_after_errors=2)
+        await poller.refresh_now()
+        health.record_failure("gated")  # ejected: its gate fails every poll
+        now[0] = 2.0
+        await poller.refresh_now()
+        await poller.refresh_now()
+        return load_state, poller
+
+    load_state, poller = asyncio.run(main())
+    none = load_state.replica_snapshot("none")
+    assert (none.capacity_known, none.observed_s) == (False, 2.0) and load_state.is_healthy("none")
+    assert poller.consecutive_errors("gated") == 2 and not load_state.is_healthy("gated")
+    for rid in ("r1", "r2"):
+        snap = load_state.replica_snapshot(rid)
+        assert snap.capacity_known and snap.num_total_blocks == 100 and snap.observed_s == 2.0
+    assert poller.num_refreshes == 3
