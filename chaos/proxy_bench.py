@@ -4,8 +4,9 @@
 ``--max-tokens`` tokens at a time, the targets interleaved request by request so drift hits them
 all alike. Per target: TTFT (first content token at the client) and end-to-end, median and p99;
 "added" is the target's figure minus the direct one. Targets: ``kvguard proxy`` with
-``always_admit`` and with ``slo`` (aiohttp upstream client, uvicorn on asyncio + h11) and
-LiteLLM proxy (one worker, installed into ``.venv-litellm/``; ``--no-litellm`` skips it);
+``always_admit`` and with ``slo`` (aiohttp upstream client, uvicorn on asyncio + h11), both
+again on the proxy's defaults (``kvguard defaults ...``: kvguard's own HTTP server and the h1
+client, on asyncio) and LiteLLM proxy (one worker, installed into ``.venv-litellm/``; ``--no-litellm`` skips it);
 ``--stacks`` adds ``always_admit`` with the httpx client, with the h1 client (HTTP/1.1 on raw
 asyncio protocols), on uvloop + httptools (installed by the bench into ``.bench-site/`` when
 the environment lacks them), the h1 client on those, and on kvguard's own HTTP server
@@ -62,6 +63,9 @@ MODEL = "llama-7b"
 VARIANTS = {
     "kvguard always_admit": ("always_admit", "aiohttp", "asyncio", "h11"),
     "kvguard slo": ("slo", "aiohttp", "asyncio", "h11"),
+    # the proxy as it runs by default: kvguard's own HTTP server and the h1 client, on asyncio
+    "kvguard defaults always_admit": ("always_admit", "h1", "asyncio", "kvguard"),
+    "kvguard defaults slo": ("slo", "h1", "asyncio", "kvguard"),
 }
 STACK_VARIANTS = {  # --stacks: the HTTP client and server stacks side by side
     "kvguard always_admit httpx": ("always_admit", "httpx", "asyncio", "h11"),
@@ -72,8 +76,7 @@ STACK_VARIANTS = {  # --stacks: the HTTP client and server stacks side by side
     "kvguard always_admit kvguard-http": ("always_admit", "aiohttp", "asyncio", "kvguard"),
     "kvguard always_admit kvguard-http uvloop": ("always_admit", "aiohttp", "uvloop",
                                                  "kvguard"),
-    # both halves kvguard's own: its server and the h1 upstream client
-    "kvguard always_admit kvguard-http h1 client": ("always_admit", "h1", "asyncio", "kvguard"),
+    # both halves kvguard's own on uvloop (on asyncio: "kvguard defaults always_admit")
     "kvguard always_admit kvguard-http h1 client uvloop": ("always_admit", "h1", "uvloop",
                                                            "kvguard"),
 }
@@ -312,10 +315,11 @@ def _print_latency(rows: dict) -> None:
               f"{r['added_e2e_p99_ms']:7.2f} {r['cpu_ms_per_request']:8.3f}")
     if "litellm" in rows:
         for name in [n for n in rows if n.startswith("kvguard")]:
-            ours = rows[name]["added_e2e_p50_ms"]
-            theirs = rows["litellm"]["added_e2e_p50_ms"]
-            ratio = theirs / ours if ours > 0 else float("inf")
-            print(f"LiteLLM adds {ratio:.1f}x the median end-to-end latency of {name}")
+            for key, what in (("added_e2e_p50_ms", "end-to-end latency"),
+                              ("added_ttft_p50_ms", "time to first token")):
+                ours, theirs = rows[name][key], rows["litellm"][key]
+                ratio = theirs / ours if ours > 0 else float("inf")
+                print(f"LiteLLM adds {ratio:.1f}x the median {what} of {name}")
 
 
 def _shedding(args: argparse.Namespace, work: Path, http: str) -> dict:
