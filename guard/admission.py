@@ -53,9 +53,10 @@ class Admission:
         """The upstream's response status and content type (before any body)."""
         self.ticket.on_start(status, content_type)
 
-    def on_body(self, chunk: bytes, more_body: bool) -> None:
-        """One response body chunk as it goes to the client (first token, gaps, usage, end)."""
-        gap_s = self.ticket.on_body(chunk, more_body, self.clock())
+    def on_body(self, chunk: bytes, more_body: bool, now_s: float | None = None) -> None:
+        """One response body chunk as it goes to the client (first token, gaps, usage, end);
+        ``now_s``: when it went (default: now)."""
+        gap_s = self.ticket.on_body(chunk, more_body, self.clock() if now_s is None else now_s)
         if gap_s is not None:
             self.itl.observe(gap_s)
 

@@ -114,6 +114,7 @@ import guard.loop_lag
 async def _idle(self, max_samples=None):
     await asyncio.Event().wait()
 guard.loop_lag.LoopLag.run = _idle
+guard.loop_lag.LoopLag.start = lambda self, *args, **kwargs: None  # the timer-callback sampler
 from guard.cli import main
 sys.exit(main(sys.argv[1:]))
 '''

@@ -214,12 +214,15 @@ async def _push(response: Any, client: _Client) -> bool:
 
 class _Sink:
     """``sink(data, last)`` for :meth:`push`: what :meth:`_Client.body` does, called from the
-    upstream protocol (so it never raises: an error stops the push and is raised after it)."""
+    upstream protocol (so it never raises: an error stops the push and is raised after it).
+    The chunk goes to the client first and the admission sees it right after, stamped with the
+    time it went (the first token does not wait for the bookkeeping)."""
 
-    __slots__ = ("_admission", "_write", "_response", "_forwarded", "ended", "error")
+    __slots__ = ("_admission", "_clock", "_write", "_response", "_forwarded", "ended", "error")
 
     def __init__(self, client: _Client, response: Any) -> None:
         self._admission = admission = client.admission
+        self._clock = admission.clock
         self._write = client.writer[0]
         self._response = response
         self._forwarded = admission.on_forwarded if admission.ticket.chunks_s is not None \
@@ -231,10 +234,11 @@ class _Sink:
         if self.error is not None:
             return
         try:
-            self._admission.on_body(data, not last)
+            sent_s = self._clock()
             full = self._write(data, not last)
+            self._admission.on_body(data, not last, sent_s)
             if self._forwarded is not None:
-                self._forwarded()  # the chunk is with the client's transport
+                self._forwarded()  # the chunk is with the client's transport (after on_body)
             if full:
                 self._response.stop_push()  # the client's buffer is full
             self.ended = last
