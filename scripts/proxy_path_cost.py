@@ -28,6 +28,8 @@ runs under valgrind's callgrind (its loop-lag sampler off), twice (``--rounds`` 
 ``--rounds`` requests); the difference over the extra requests is its instructions per
 request (about ±4 % from run to run: what arrives in one read depends on timing).
 ``--profile NAME``: the proxy NAME under cProfile; its top functions by own time.
+``--idle-s S``: instead, each proxy's CPU while idle (no request) over ``S`` seconds, after a
+few requests: what its timers and polls cost.
 """
 
 from __future__ import annotations
@@ -293,6 +295,26 @@ def _callgrind(args, upstream: int, procs: list) -> None:
               f"({counts[0]} at {args.rounds // 5}, {counts[1]} at {args.rounds})", flush=True)
 
 
+def _idle(args, upstream: int, procs: list) -> None:
+    targets = []
+    for name, checkout in args.proxy:
+        cmd, env = _proxy_cmd(checkout, upstream, [])
+        proc, port = _start(cmd, r"listening on http://127\.0\.0\.1:(\d+)", env)
+        procs.append(proc)
+        targets.append(Target(name, port, proc.pid))
+    for target in targets:
+        target.connect()
+        for _ in range(20):
+            target.one()
+    time.sleep(1.0)  # the last request's after-work
+    cpu0 = {t.name: _cpu_s(t.pid) for t in targets}
+    time.sleep(args.idle_s)
+    for target in targets:
+        cpu_ms = 1000 * (_cpu_s(target.pid) - cpu0[target.name]) / args.idle_s
+        print(f"{target.name}: {cpu_ms:.1f} ms of CPU a second while idle "
+              f"(over {args.idle_s:g} s; /proc ticks: ±{1000 / os.sysconf('SC_CLK_TCK') / args.idle_s:.1f})")
+
+
 def _profile(args, upstream: int, procs: list) -> None:
     checkout = dict(args.proxy)[args.profile]
     script = Path(tempfile.mkdtemp(prefix="proxypath-prof-")) / "prof.py"
@@ -319,6 +341,8 @@ def main() -> int:
                              "after its response (release, pool) does not overlap the next")
     parser.add_argument("--callgrind", action="store_true")
     parser.add_argument("--profile", default=None, metavar="NAME")
+    parser.add_argument("--idle-s", type=float, default=0.0,
+                        help="measure each proxy's CPU while idle over this many seconds instead")
     parser.add_argument("--strace", action="append", default=[], metavar="NAME=OUT",
                         help="count proxy NAME's system calls (strace -c) over the warm-up and "
                              "the rounds into OUT")
@@ -334,7 +358,9 @@ def main() -> int:
     upstream = int(upstream_proc.stdout.readline())
     procs: list[subprocess.Popen] = [upstream_proc]
     try:
-        if args.callgrind:
+        if args.idle_s > 0:
+            _idle(args, upstream, procs)
+        elif args.callgrind:
             _callgrind(args, upstream, procs)
         elif args.profile:
             _profile(args, upstream, procs)
