@@ -214,7 +214,6 @@ class AdmissionController:
         ready = background.ready
         if ready is None or not ready.done() or background.loop is not asyncio.get_running_loop():
             await background.start()
-        self.loop_lag.wake()  # sampled again from now on if it paused while idle
         request_id = self._id_prefix + format(next(self._next_id), "x")
         # no tenants configured: everyone is the anonymous tenant (tenant(), without the call)
         tenant = self.tenant(headers.get("authorization")) if self.config.tenants else self._anonymous
@@ -323,15 +322,11 @@ class AdmissionController:
     async def _housekeeping(self) -> None:
         """Once a second: flush the trace; every budget lease / 3: renew held grants; all the
         while, sample the event loop's lag."""
-        self.loop_lag.start(self._busy)  # sampled while the guard has requests
+        self.loop_lag.start()  # sampled while the guard runs
         try:
             await self._housekeep()
         finally:
             self.loop_lag.stop()
-
-    def _busy(self) -> bool:
-        """Requests in flight or queued (the loop-lag sampler runs while there are)."""
-        return self.tickets.num_held > 0 or len(self.queue) > 0
 
     async def _housekeep(self) -> None:
         while True:

@@ -7,12 +7,8 @@ exports the largest lag since start (``kvguard_event_loop_lag_max_seconds``).
 
 The guard samples with :meth:`LoopLag.start`: a timer callback that re-arms itself (one loop
 iteration per sample; a sleeping task took two, the timer's and the task's wake-up, plus a
-future each time), and only while it has work (``busy()``: requests in flight or queued): the
-sampler pauses at the first sample that finds none and :meth:`LoopLag.wake` (each request's
-arrival) resumes it, so an idle guard costs no wake-ups (100 a second cost an idle proxy ~17 ms
-of CPU a second on a 2-core VM, each timer wake-up ~170 µs there). A stall while the guard is
-idle delays no request and is not sampled. :meth:`LoopLag.run` is the same sampling as a
-coroutine, on an injected clock and sleep.
+future each time). :meth:`LoopLag.run` is the same sampling as a coroutine, on an injected clock
+and sleep.
 """
 
 from __future__ import annotations
@@ -39,9 +35,8 @@ class LoopLag:
         self.max_lag_s = 0.0
         self.num_samples = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: asyncio.TimerHandle | None = None  # None while paused or stopped
+        self._timer: asyncio.TimerHandle | None = None
         self._due_s = 0.0
-        self._busy: Callable[[], bool] | None = None
 
     def record(self, lag_s: float) -> None:
         lag_s = max(0.0, lag_s)
@@ -58,29 +53,17 @@ class LoopLag:
             await self._sleep(self.interval_s)
             self.record(self._clock() - due_s)
 
-    def start(self, busy: Callable[[], bool] | None = None) -> None:
-        """Sample on the running loop from a timer callback (the loop's own clock; no task)
-        until :meth:`stop`; with ``busy``, only while ``busy()`` holds at each sample (paused
-        otherwise, until :meth:`wake`)."""
+    def start(self) -> None:
+        """Sample on the running loop from a timer callback until :meth:`stop` (the loop's own
+        clock; no task)."""
         self.stop()
         self._loop = asyncio.get_running_loop()
-        self._busy = busy
         self._arm()
-
-    def wake(self) -> None:
-        """Work arrived: resume sampling if it paused (nothing when running or stopped)."""
-        if self._timer is None and self._loop is not None and not self._loop.is_closed():
-            self._arm()
 
     def stop(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
         self._timer = self._loop = None
-
-    @property
-    def sampling(self) -> bool:
-        """A sample is due (started, and not paused for want of work)."""
-        return self._timer is not None
 
     def _arm(self) -> None:
         self._due_s = self._loop.time() + self.interval_s
@@ -88,8 +71,4 @@ class LoopLag:
 
     def _sample(self) -> None:
         self.record(self._loop.time() - self._due_s)
-        busy = self._busy
-        if busy is None or busy():
-            self._arm()
-        else:
-            self._timer = None  # paused: wake() resumes it
+        self._arm()

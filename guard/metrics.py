@@ -263,8 +263,7 @@ class GuardMetrics:
             yield family
         if self.loop_lag is not None:
             yield GaugeMetricFamily("kvguard_event_loop_lag_max_seconds", "Largest lateness of "
-                                    "the guard's 10 ms loop timer since start (sampled while "
-                                    "requests are in flight or queued)",
+                                    "the guard's 10 ms loop timer since start",
                                     value=self.loop_lag.max_lag_s)
 
     def _histogram_families(self) -> Iterator:

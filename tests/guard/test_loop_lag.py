@@ -50,33 +50,3 @@ def test_start_samples_from_a_timer_on_the_running_loop_until_stop():
         assert lag.num_samples == taken  # no timer left
 
     asyncio.run(main())
-
-
-def test_with_busy_it_pauses_when_there_is_no_work_and_wake_resumes_it():
-    async def main() -> None:
-        work = [True]
-        lag = LoopLag(0.001)
-        lag.start(busy=lambda: work[0])
-
-        async def until(condition) -> None:
-            for _ in range(6000):  # hang guard
-                if condition():
-                    return
-                await asyncio.sleep(0.002)
-            raise AssertionError("never")
-
-        await until(lambda: lag.num_samples >= 2)
-        work[0] = False
-        await until(lambda: not lag.sampling)  # the first sample without work paused it
-        paused_at = lag.num_samples
-        await asyncio.sleep(0.02)
-        assert lag.num_samples == paused_at  # no wake-ups while idle
-        work[0] = True
-        lag.wake()
-        assert lag.sampling
-        await until(lambda: lag.num_samples >= paused_at + 2)
-        lag.stop()
-        lag.wake()  # stopped: stays stopped
-        assert not lag.sampling
-
-    asyncio.run(main())
