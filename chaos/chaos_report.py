@@ -8,6 +8,7 @@ that ``slo`` served at least as many good users as ``always_admit``.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -168,7 +169,7 @@ def plot_timelines(runs: Mapping[str, tuple[Sequence[UserRecord], Sequence[Fault
         ax.grid(alpha=0.3)
     axes[0].legend(loc="upper left", fontsize=7, ncol=3)
     axes[-1].set_xlabel("run time (s)")
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle(textwrap.fill(title, 110), fontsize=11)  # a long summary stays on the page
     FigureCanvasAgg(fig)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
