@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 import sys
 import tempfile
+
+from callgrind_count import callgrind_instructions
 
 _RUN = r'''
 import asyncio, itertools, sys
@@ -78,15 +78,8 @@ VARIANTS = ("none", "tenant", "memory", "redis")
 
 
 def _count(root: str, num: int, which: str, url: str, out_dir: str) -> int:
-    env = {**os.environ, "PYTHONPATH": root, "PYTHONHASHSEED": "0"}
-    done = subprocess.run(
-        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_dir}/cg.{num}.{which}",
-         sys.executable, "-c", _RUN, str(num), which, url],
-        cwd=root, env=env, capture_output=True, text=True, check=False)
-    found = re.search(r"Collected : (\d+)", done.stderr)
-    if done.returncode != 0 or found is None:
-        raise RuntimeError(f"callgrind run in {root} failed:\n{done.stderr[-2000:]}")
-    return int(found.group(1))
+    return callgrind_instructions(root, _RUN, [str(num), which, url],
+                                  f"{out_dir}/cg.{num}.{which}")
 
 
 def main() -> int:

@@ -17,11 +17,10 @@ request rules, the forecast-error export) to compare like for like. About a minu
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
 import sys
 import tempfile
+
+from callgrind_count import callgrind_instructions
 
 _RUN = r'''
 import asyncio, itertools, os, sys
@@ -69,16 +68,9 @@ asyncio.run(main())
 
 
 def _count(root: str, num: int, which: str, ablate: str, out_dir: str) -> int:
-    env = {**os.environ, "PYTHONPATH": root, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1",
-           "OMP_NUM_THREADS": "1", "KVGUARD_ABLATE": ablate}
-    done = subprocess.run(
-        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_dir}/cg.{num}.{which}",
-         sys.executable, "-c", _RUN, str(num), which],
-        cwd=root, env=env, capture_output=True, text=True, check=False)
-    found = re.search(r"Collected : (\d+)", done.stderr)
-    if done.returncode != 0 or found is None:
-        raise RuntimeError(f"callgrind run in {root} failed:\n{done.stderr[-2000:]}")
-    return int(found.group(1))
+    return callgrind_instructions(root, _RUN, [str(num), which], f"{out_dir}/cg.{num}.{which}",
+                                  {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+                                   "KVGUARD_ABLATE": ablate})
 
 
 def main() -> int:

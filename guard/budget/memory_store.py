@@ -39,33 +39,23 @@ def check_reserve_args(tenant: str, tokens: int, lease_s: float) -> None:
         raise ValueError(f"budget reserve: lease_s must be a number > 0, got {lease_s!r}")
 
 
+def _refill(level: float | None, limit: int | None, elapsed_s: float) -> float:
+    """One axis refilled over ``elapsed_s``: ``min(limit, level + elapsed × limit / REFILL_S)``,
+    full when never drawn (None), 0 when unlimited."""
+    if limit is None:
+        return 0.0
+    if level is None:
+        return float(limit)
+    level += elapsed_s * limit / REFILL_S
+    return level if level < limit else float(limit)
+
+
 def _levels_at(state: _Tenant, tpm: int | None, rpm: int | None,
                now_s: float) -> tuple[float, float]:
-    """The tenant's (tokens, requests) buckets refilled to ``now_s``: each axis is
-    ``min(limit, level + elapsed × limit / REFILL_S)``, full when never drawn (None), 0 when
-    unlimited."""
+    """The tenant's (tokens, requests) buckets refilled to ``now_s``."""
     elapsed_s = now_s - state.stamp_s
-    if tpm is None:
-        tokens_level = 0.0
-    else:
-        tokens_level, cap = state.tokens_level, float(tpm)
-        if tokens_level is None:
-            tokens_level = cap
-        else:
-            tokens_level = tokens_level + elapsed_s * tpm / REFILL_S
-            if not tokens_level < cap:
-                tokens_level = cap
-    if rpm is None:
-        requests_level = 0.0
-    else:
-        requests_level, cap = state.requests_level, float(rpm)
-        if requests_level is None:
-            requests_level = cap
-        else:
-            requests_level = requests_level + elapsed_s * rpm / REFILL_S
-            if not requests_level < cap:
-                requests_level = cap
-    return tokens_level, requests_level
+    return (_refill(state.tokens_level, tpm, elapsed_s),
+            _refill(state.requests_level, rpm, elapsed_s))
 
 
 def _clamp(value: float, cap: int | None) -> float:
