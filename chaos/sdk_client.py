@@ -3,9 +3,10 @@
 One ``openai.AsyncOpenAI`` serves every user of the run (as one application process would),
 with the SDK's own retry loop untouched (default ``max_retries`` = 2). Its HTTP client gets a
 recording transport that (1) picks the entry URL per attempt, round-robin (a load balancer in
-front of M proxies, which sends a refused connect on to the next entry: ``EntryPicker``), (2) times each attempt and keeps its status and retry headers, and (3)
-watches the SSE bytes for ``[DONE]`` and ``data: {"error": ...}`` events, so a truncated or
-failed stream is never mistaken for an answer (the SDK itself ends quietly on a cut stream).
+front of M proxies, which sends a refused connect on to the next entry: ``EntryPicker``),
+(2) times each attempt and keeps its status and retry headers, and (3) watches the SSE bytes
+for ``[DONE]`` and ``data: {"error": ...}`` events, so a truncated or failed stream is never
+mistaken for an answer (the SDK itself ends quietly on a cut stream).
 Token times are taken where the user sees them: as the SDK yields each chunk.
 
 The token-id prompt travels in ``extra_body`` (it replaces the ``prompt=""`` placeholder in

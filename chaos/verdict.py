@@ -18,7 +18,8 @@ Figures, each with the threshold it is held to (``THRESHOLDS``):
   (ending within ``CUT_SLACK_S`` of a kill). The process that would have sent the error event
   is the one killed, and no client kind here re-sends a stream that broke (the OpenAI SDK does
   not), so no policy can save these; the ``lost`` check counts the others. They stay in
-  ``num_lost`` and in every table.
+  ``num_lost`` and in every table. Attempts do not record which entry served them, so a stream
+  through a surviving proxy that broke off in that same second would be counted here too.
 - ``over_admission_ratio``: budgeted runs only: the most 2xx answers to the budgeted tenant
   were ever ahead of what its requests-per-minute bucket allowed by then, as a share of one
   window's limit.
