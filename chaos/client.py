@@ -88,6 +88,7 @@ class Observation:
     saw_done: bool = False
     canceled: bool = False
     headers: dict[str, str] = field(default_factory=dict)
+    entry: str | None = None  # the entry URL the request was sent to (after any failover)
 
     def add_tokens(self, num_tokens: int, now_s: float) -> None:
         """``num_tokens`` generated tokens arrived together at ``now_s``."""
@@ -185,7 +186,7 @@ class CompletionClient:
                 self._class_header: spec.request_class}
 
     async def _exchange(self, spec: RequestSpec, body: bytes, obs: Observation) -> None:
-        async with await self._post(spec, body) as resp:
+        async with await self._post(spec, body, obs) as resp:
             obs.status = resp.status
             obs.headers = {k.lower(): v for k, v in resp.headers.items()}
             if not 200 <= resp.status < 300:
@@ -196,10 +197,12 @@ class CompletionClient:
                 if self._on_line(line, obs):
                     break
 
-    async def _post(self, spec: RequestSpec, body: bytes) -> aiohttp.ClientResponse:
+    async def _post(self, spec: RequestSpec, body: bytes,
+                    obs: Observation) -> aiohttp.ClientResponse:
         base, tried = self._base, set()
         while True:
             try:
+                obs.entry = base
                 return await self._http.post(base + "/v1/completions", data=body,
                                              headers=self._headers(spec))
             except aiohttp.ClientConnectorError:
@@ -249,4 +252,5 @@ def observation_record(spec: RequestSpec, obs: Observation, start: float) -> Req
         retry_after_ms=_float_header(h, "retry-after-ms"),
         should_retry=h.get("x-should-retry"), reason=h.get("x-kvguard-reason"),
         queue_ms=_float_header(h, "x-kvguard-queue-ms"), request_id=h.get("x-request-id"),
+        entry=obs.entry,
     )

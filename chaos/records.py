@@ -82,6 +82,7 @@ class RequestRecord:
     reason: str | None = None
     queue_ms: float | None = None
     request_id: str | None = None
+    entry: str | None = None  # the entry URL that took the request (several behind a balancer)
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

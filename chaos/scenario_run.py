@@ -217,6 +217,8 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
     patience_s = settings.patience_s * k
     with Topology(_topology(spec, settings, toml)) as topo:
         entries = tuple(topo.proxy_urls or topo.replica_urls)
+        killed = {topo.proxy_urls[f.target].rstrip("/") for f in spec.faults
+                  if f.kind == "proxy_kill" and f.target < len(topo.proxy_urls)}
         log(f"  {policy}: {len(specs)} users over {sched.duration_s:g} s into {len(entries)} "
             f"entry point(s)")
         run_cfg = UserRunConfig(entry_urls=entries, duration_s=sched.duration_s,
@@ -232,7 +234,8 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
                             slide_s=2.0 * k, generator_warnings=result.warnings(),
                             budget=budget, proxy_kills_s=[
                                 e.t_s for e in events
-                                if e.kind == "proxy_kill" and e.action == "kill"])
+                                if e.kind == "proxy_kill" and e.action == "kill"],
+                            killed_entries=killed)
     verdict["generator"] = {"cpu_percent_of_one_core": result.load.cpu_percent,
                             "cpu_wait_s": result.load.cpu_wait_s,
                             "send_lag_s": result.load.lag_s(),

@@ -104,7 +104,7 @@ class _RecordingTransport(httpx2.AsyncBaseTransport):
         state.progress.attempt_started_s = state.start_s
         finish = _finisher(state, obs, self._clock)
         try:
-            resp = await self._send(request)
+            resp = await self._send(request, obs)
         except BaseException as exc:
             finish(exc)
             raise
@@ -116,7 +116,7 @@ class _RecordingTransport(httpx2.AsyncBaseTransport):
                                stream=_WatchedStream(resp.stream, finish, obs),
                                extensions=resp.extensions)
 
-    async def _send(self, request: httpx2.Request) -> httpx2.Response:
+    async def _send(self, request: httpx2.Request, obs: Observation) -> httpx2.Response:
         """To the entry the balancer picks; a refused connect goes on to the entry it names
         instead (the request never left, so this is one attempt, as behind nginx)."""
         url, tried = self._entries.next(), set()
@@ -124,6 +124,7 @@ class _RecordingTransport(httpx2.AsyncBaseTransport):
             target = httpx2.URL(url)
             request.url = request.url.copy_with(host=target.host, port=target.port)
             request.headers["host"] = f"{target.host}:{target.port}"
+            obs.entry = url
             try:
                 return await self._inner.handle_async_request(request)
             except httpx2.ConnectError:

@@ -18,8 +18,8 @@ Figures, each with the threshold it is held to (``THRESHOLDS``):
   (ending within ``CUT_SLACK_S`` of a kill). The process that would have sent the error event
   is the one killed, and no client kind here re-sends a stream that broke (the OpenAI SDK does
   not), so no policy can save these; the ``lost`` check counts the others. They stay in
-  ``num_lost`` and in every table. Attempts do not record which entry served them, so a stream
-  through a surviving proxy that broke off in that same second would be counted here too.
+  ``num_lost`` and in every table. Each attempt records the entry it went to: one through a
+  proxy that lived is never counted here.
 - ``over_admission_ratio``: budgeted runs only: the most 2xx answers to the budgeted tenant
   were ever ahead of what its requests-per-minute bucket allowed by then, as a share of one
   window's limit.
@@ -31,7 +31,7 @@ run is not a result.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from chaos.user_record import USER_OUTCOMES, UserRecord
@@ -64,13 +64,17 @@ def budget_denied(user: UserRecord) -> bool:
                                        for a in user.attempts)
 
 
-def cut_by_kill(user: UserRecord, cls: RequestClass, kills_s: Sequence[float]) -> bool:
+def cut_by_kill(user: UserRecord, cls: RequestClass, kills_s: Sequence[float],
+                killed_entries: Collection[str] = ()) -> bool:
     """``user`` is lost, and their last attempt was a begun (2xx) stream that broke off, with
     neither ``[DONE]`` nor an error event, within ``CUT_SLACK_S`` after a kill in ``kills_s``
-    (run seconds) it had been sent before."""
+    (run seconds) it had been sent before — through one of ``killed_entries`` when the attempt
+    recorded its entry and the kills are named (an attempt without one is judged on time)."""
     if not kills_s or not user.attempts or user.outcome(cls) != "lost":
         return False
     a = user.attempts[-1]
+    if killed_entries and a.entry is not None and a.entry not in killed_entries:
+        return False  # it went through a proxy that lived
     if a.sent_s is None or a.e2e_s is None or a.status is None or not 200 <= a.status < 300:
         return False
     if a.saw_done or (a.error or "").startswith("stream error") or a.outcome == "canceled":
@@ -163,9 +167,11 @@ def _attempts_per_user(users: Sequence[UserRecord]) -> float | None:
 def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow,
                   capacity_per_replica_rps: float, *, slide_s: float,
                   generator_warnings: Sequence[str] = (), budget: Budget | None = None,
-                  proxy_kills_s: Sequence[float] = ()) -> dict:
+                  proxy_kills_s: Sequence[float] = (),
+                  killed_entries: Collection[str] = ()) -> dict:
     """Every figure of the verdict for one policy's run; ``proxy_kills_s``: the run seconds at
-    which a proxy the clients connect to was SIGKILLed."""
+    which a proxy the clients connect to was SIGKILLed; ``killed_entries``: those proxies'
+    entry URLs."""
     if capacity_per_replica_rps <= 0:
         raise ValueError("capacity_per_replica_rps must be > 0")
     measured = [u for u in users if u.scheduled_s >= w.warmup_s]
@@ -202,7 +208,8 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
         "attempts_per_user": _attempts_per_user(measured),
         "attempts_per_sdk_user": _attempts_per_user(sdk),
         "num_lost": outcomes.count("lost"),
-        "num_cut_by_proxy_kill": sum(cut_by_kill(u, cls, proxy_kills_s) for u in measured),
+        "num_cut_by_proxy_kill": sum(cut_by_kill(u, cls, proxy_kills_s, killed_entries)
+                                     for u in measured),
         "num_hung": outcomes.count("hung"),
         "over_admission_ratio": None if budget is None else over_admission_ratio(users, budget),
     }

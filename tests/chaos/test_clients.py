@@ -191,6 +191,7 @@ def test_a_dead_entry_costs_the_users_nothing_behind_the_balancer(echo_url, kind
     result = asyncio.run(run_users(specs, [kind] * 6, {kind: cfg}, run))
     assert [u.num_attempts for u in result.users] == [1] * 6
     assert all(u.outcome(CLS) == "good" for u in result.users)
+    assert {u.attempts[0].entry for u in result.users} == {echo_url}  # where it went in the end
     # every refused connect went on to the live entry (the users all start at once, so more
     # than one may reach the dead entry before its first refusal leaves it out)
     refused = result.entries["connect_failures"]

@@ -219,7 +219,16 @@ def test_streams_cut_by_a_proxy_kill_are_lost_and_counted_apart():
     v = build_verdict(users, CLS, _window(), 4.0, slide_s=2.0, proxy_kills_s=[kill_s])
     assert v["num_lost"] == 5 and v["num_cut_by_proxy_kill"] == 1
     assert build_verdict(users, CLS, _window(), 4.0, slide_s=2.0)["num_cut_by_proxy_kill"] == 0
+    # each attempt's entry: one through the proxy that lived is not the kill's
+    dead, alive = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    via = {e: user(9.0, dataclasses.replace(_cut(9.0, 10.02), entry=e), index=7)
+           for e in (dead, alive)}
+    assert verdict_cut(via[dead], [kill_s], [dead]) and not verdict_cut(via[alive], [kill_s],
+                                                                          [dead])
+    v = build_verdict([*via.values()], CLS, _window(), 4.0, slide_s=2.0, proxy_kills_s=[kill_s],
+                      killed_entries=[dead])
+    assert v["num_lost"] == 2 and v["num_cut_by_proxy_kill"] == 1
 
 
-def verdict_cut(u, kills):
-    return cut_by_kill(u, CLS, kills)
+def verdict_cut(u, kills, killed_entries=()):
+    return cut_by_kill(u, CLS, kills, killed_entries)
