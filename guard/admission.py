@@ -60,12 +60,13 @@ class Admission:
         if gap_s is not None:
             self.itl.observe(gap_s)
 
-    def on_forwarded(self) -> None:
+    def on_forwarded(self, now_s: float | None = None) -> None:
         """The chunk last given to :meth:`on_body` is with the client's transport (recorded
-        for the trace, content chunks only, when the ticket keeps ``chunks_s``)."""
+        for the trace, content chunks only, when the ticket keeps ``chunks_s``); ``now_s``:
+        when it went (default: now)."""
         chunks = self.ticket.chunks_s
         if chunks is not None and len(chunks) < self.ticket.num_content_chunks:
-            chunks.append(self.clock())
+            chunks.append(self.clock() if now_s is None else now_s)
 
     def on_disconnect(self) -> None:
         """The client went away (before the end of the response: the request is canceled)."""

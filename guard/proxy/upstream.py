@@ -237,8 +237,8 @@ class _Sink:
             sent_s = self._clock()
             full = self._write(data, not last)
             self._admission.on_body(data, not last, sent_s)
-            if self._forwarded is not None:
-                self._forwarded()  # the chunk is with the client's transport (after on_body)
+            if self._forwarded is not None:  # the chunk went at sent_s (counted by on_body)
+                self._forwarded(sent_s)
             if full:
                 self._response.stop_push()  # the client's buffer is full
             self.ended = last
