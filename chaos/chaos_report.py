@@ -98,15 +98,18 @@ def render_table(verdicts: Mapping[str, Mapping]) -> str:
 
 def _generator_table(verdicts: Mapping[str, Mapping]) -> str:
     lines = ["| policy | scheduled (users/s) | achieved | send lag p99 (ms) | CPU (% of a core) "
-             "| waited for a CPU (s) | longest GC pause (ms) | warnings |", "|" + "---|" * 8]
+             "| waited for a CPU (s) | longest GC pause (ms) | loop lag max (ms) | warnings |",
+             "|" + "---|" * 9]
     for p, v in verdicts.items():
         g = v["generator"]
-        lag, gc_s = g["send_lag_s"].get("p99"), g.get("gc_pause_max_s")
+        lag, gc_s, stall_s = (g["send_lag_s"].get("p99"), g.get("gc_pause_max_s"),
+                              g.get("loop_lag_max_s"))
         lines.append(f"| {p} | {_fmt(g['scheduled_rate_per_s'])} | "
                      f"{_fmt(g['achieved_rate_per_s'])} | "
                      f"{'—' if lag is None else f'{1000 * lag:.0f}'} | "
                      f"{g['cpu_percent_of_one_core']:.0f} | {_fmt(g['cpu_wait_s'], 1)} | "
                      f"{'—' if gc_s is None else f'{1000 * gc_s:.0f}'} | "
+                     f"{'—' if stall_s is None else f'{1000 * stall_s:.0f}'} | "
                      f"{'; '.join(v['generator_warnings']) or 'none'} |")
     for p, v in verdicts.items():
         e = v["generator"].get("entry_balancer") or {}

@@ -41,11 +41,15 @@ class ChildProcess:
 
     def __init__(self, name: str, argv_for: Callable[[int], Sequence[str]], health: HealthCheck,
                  *, ready_pattern: str | None = None, port: int = 0,
-                 env: dict[str, str] | None = None, max_output_lines: int = 400) -> None:
+                 env: dict[str, str] | None = None, max_output_lines: int = 400,
+                 niceness: int = 0) -> None:
         if port == 0 and ready_pattern is None:
             raise ValueError(f"{name}: port 0 needs a ready_pattern that captures the URL")
+        if isinstance(niceness, bool) or not isinstance(niceness, int) or not 0 <= niceness <= 19:
+            raise ValueError(f"{name}: niceness must be an integer in [0, 19], got {niceness!r}")
         self.name = name
         self._argv_for = argv_for
+        self.niceness = niceness  # > 0: started under `nice -n` (the same pid after its exec)
         self._health = health
         self._ready = re.compile(ready_pattern) if ready_pattern else None
         self.port = port
@@ -66,7 +70,10 @@ class ChildProcess:
                 raise RuntimeError(f"{self.name} was closed (its fleet is being torn down)")
             if self.alive:
                 raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
-            self.proc = subprocess.Popen(list(self._argv_for(self.port)),
+            argv = list(self._argv_for(self.port))
+            if self.niceness:
+                argv = ["nice", "-n", str(self.niceness), *argv]
+            self.proc = subprocess.Popen(argv,
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          text=True, env=self._env)
             self.num_starts += 1

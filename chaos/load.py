@@ -28,15 +28,17 @@ from chaos.raw_client import RawCompletionClient, RawConnectionPool
 from chaos.records import OUTCOMES, RequestRecord, RequestSpec
 from chaos.schedule import prompt_token_ids
 from chaos.stats import distribution
+from guard.loop_lag import LoopLag
 
 __all__ = ["LoadConfig", "LoadResult", "LiveCounts", "run_load", "rate_of", "sustained_rate_of",
-           "few_collections", "GcPauses"]
+           "few_collections", "GcPauses", "loop_lag"]
 
 CLIENTS = ("aiohttp", "raw")
 MAX_RATE_SHORTFALL_RATIO = 0.02
 MAX_CPU_PERCENT = 85.0
 MAX_CPU_WAIT_RATIO = 0.10
 MAX_GC_PAUSE_S = 0.1
+MAX_LOOP_LAG_S = 0.1  # the generator's loop late by more: every stream it measures shows it
 _NO_FULL_COLLECTION = 1_000_000_000  # young collections before a full one: never, in a run
 _SCHEDSTAT = "/proc/self/schedstat"  # Linux: cpu ns, run-queue wait ns, time slices
 
@@ -112,6 +114,7 @@ class LoadResult:
     achieved_rate_per_s: float | None
     cpu_wait_s: float | None = None  # runnable but kept off a CPU by the OS (Linux only)
     gc_pause_max_s: float | None = None  # the longest cyclic-GC pause of this process
+    loop_lag_max_s: float | None = None  # this process's event loop at its latest (loop_lag)
 
     @property
     def cpu_percent(self) -> float:
@@ -144,6 +147,10 @@ class LoadResult:
             out.append(f"the load generator's own garbage collector paused it "
                        f"{1000 * self.gc_pause_max_s:.0f} ms: every latency it measured "
                        "across that pause includes it")
+        if self.loop_lag_max_s is not None and self.loop_lag_max_s > MAX_LOOP_LAG_S:
+            out.append(f"the load generator's event loop ran {1000 * self.loop_lag_max_s:.0f} ms "
+                       "late at once (busy, or kept off a CPU): every stream in flight then "
+                       "shows that gap")
         return out
 
 
@@ -185,6 +192,26 @@ class GcPauses:
             self.count += 1
             self.total_s += pause_s
             self.longest_s = max(self.longest_s, pause_s)
+
+
+@contextlib.contextmanager
+def loop_lag() -> Iterator[LoopLag]:
+    """The generator's own event-loop lag during a run (``guard.loop_lag.LoopLag``: a 10 ms
+    timer's largest lateness), on the running loop. The generator timestamps every chunk it
+    reads on that loop, so a loop late by L — busy with other users' work, kept off a CPU by
+    the OS or by the host of the virtual machine, or held by a collection — adds up to L to a
+    gap of every stream in flight at once, whatever the server did. Seen here: sends up to
+    0.2 s late and a ~0.15–0.2 s gap in every in-flight stream of a quick chaos run, through
+    both proxies and both replicas at once, in one of two runs of the same arrivals (the send
+    lag's p99 stayed under its bound in some of them). With ``MAX_LOOP_LAG_S`` such a run is
+    invalid, as one with a long GC pause is. Measured from the run's start: building the
+    clients before it (the OpenAI SDK's first import: ~0.5 s) is no part of the run."""
+    lag = LoopLag()
+    lag.start()
+    try:
+        yield lag
+    finally:
+        lag.stop()
 
 
 @contextlib.contextmanager
@@ -277,9 +304,10 @@ async def _run(specs, bodies, cfg: LoadConfig, counts: LiveCounts, proc, on_tick
         cpu0, wait0, t0_s = sum(proc.cpu_times()[:2]), _cpu_wait_s(), clock()
         ticker = asyncio.create_task(_tick(on_tick, counts, t0_s, tick_s, clock))
         try:
-            tasks = await _dispatch(client, specs, bodies, t0_s, counts, clock)
-            records = await _drain(tasks, specs, t0_s + cfg.duration_s + cfg.drain_timeout_s,
-                                   clock)
+            with loop_lag() as lag:  # from the run's start: the client is built before it
+                tasks = await _dispatch(client, specs, bodies, t0_s, counts, clock)
+                records = await _drain(tasks, specs, t0_s + cfg.duration_s + cfg.drain_timeout_s,
+                                       clock)
         finally:
             ticker.cancel()
         wall_s, cpu_s, wait1 = clock() - t0_s, sum(proc.cpu_times()[:2]) - cpu0, _cpu_wait_s()
@@ -290,6 +318,7 @@ async def _run(specs, bodies, cfg: LoadConfig, counts: LiveCounts, proc, on_tick
         scheduled_rate_per_s=rate_of([s.scheduled_s for s in specs]),
         achieved_rate_per_s=sustained_rate_of(records),
         cpu_wait_s=None if wait0 is None or wait1 is None else wait1 - wait0,
+        loop_lag_max_s=lag.max_lag_s,
     )
 
 

@@ -44,7 +44,9 @@ _PROXY_READY = r"kvguard proxy listening on (http://\S+)"
 @dataclass(frozen=True)
 class TopologySpec:
     """What to start. ``replica_args`` go to every ``kvguard engine``, ``proxy_args`` to every
-    ``kvguard proxy`` (e.g. ``("--config", "guard.toml")``)."""
+    ``kvguard proxy`` (e.g. ``("--config", "guard.toml")``). ``niceness`` > 0 starts every child
+    under ``nice -n``: on a machine the fleet shares with the load generator that times it, the
+    instrument is served first and the fleet absorbs the CPU contention."""
 
     num_replicas: int = 2
     replica_args: tuple[str, ...] = SIM_REPLICA_ARGS
@@ -53,6 +55,7 @@ class TopologySpec:
     redis: bool = False
     start_timeout_s: float = 90.0
     env: Mapping[str, str] = field(default_factory=dict)
+    niceness: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_replicas", "num_proxies"):
@@ -146,7 +149,8 @@ class Topology:
             f"replica-{index}",
             lambda port: [sys.executable, "-m", "guard.cli", "engine", *args,
                           "--host", "127.0.0.1", "--port", str(port)],
-            http_health, ready_pattern=_ENGINE_READY, env=dict(self.spec.env))
+            http_health, ready_pattern=_ENGINE_READY, env=dict(self.spec.env),
+            niceness=self.spec.niceness)
 
     def _proxy_child(self, index: int) -> ChildProcess:
         return self.proxy_child(self.spec.proxy_args, f"proxy-{index}")
@@ -167,14 +171,15 @@ class Topology:
             name,
             lambda port: [sys.executable, "-m", "guard.cli", "proxy", *upstreams, *args,
                           "--host", "127.0.0.1", "--port", str(port)],
-            http_health, ready_pattern=_PROXY_READY, env=env)
+            http_health, ready_pattern=_PROXY_READY, env=env, niceness=self.spec.niceness)
 
     def _redis_child(self) -> ChildProcess:
         port = free_port()
         child = ChildProcess(
             "redis", lambda p: ["redis-server", "--port", str(p), "--bind", "127.0.0.1",
                                 "--save", "", "--appendonly", "no"],
-            lambda url: redis_health(f"redis://127.0.0.1:{port}"), port=port)
+            lambda url: redis_health(f"redis://127.0.0.1:{port}"), port=port,
+            niceness=self.spec.niceness)
         return child
 
     @property

@@ -29,6 +29,7 @@ from chaos.load import (
     _cpu_wait_s,
     _raise_fd_limit,
     few_collections,
+    loop_lag,
     rate_of,
     sustained_rate_of,
 )
@@ -185,9 +186,10 @@ async def _run_users(specs, kinds, client_cfgs, cfg: UserRunConfig, clock, on_st
         if on_start is not None:
             on_start(t0_s)
         try:
-            tasks = await _dispatch(users, specs, kinds, prompts, t0_s, clock)
-            records = await _drain(users, tasks, list(specs), list(kinds),
-                                   t0_s + cfg.duration_s + cfg.drain_timeout_s, cfg, clock)
+            with loop_lag() as lag:  # from the run's start: the clients are built before it
+                tasks = await _dispatch(users, specs, kinds, prompts, t0_s, clock)
+                records = await _drain(users, tasks, list(specs), list(kinds),
+                                       t0_s + cfg.duration_s + cfg.drain_timeout_s, cfg, clock)
         finally:
             for c in clients.values():
                 if hasattr(c, "aclose"):
@@ -198,5 +200,6 @@ async def _run_users(specs, kinds, client_cfgs, cfg: UserRunConfig, clock, on_st
         records=tuple(firsts), duration_s=cfg.duration_s, wall_s=wall_s, cpu_s=cpu_s,
         scheduled_rate_per_s=rate_of([s.scheduled_s for s in specs]),
         achieved_rate_per_s=sustained_rate_of(firsts),
-        cpu_wait_s=None if wait0 is None or wait1 is None else wait1 - wait0)
+        cpu_wait_s=None if wait0 is None or wait1 is None else wait1 - wait0,
+        loop_lag_max_s=lag.max_lag_s)
     return UserRunResult(tuple(records), load, entries.summary())

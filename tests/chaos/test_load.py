@@ -199,3 +199,25 @@ def test_plain_progress_prints_a_few_lines():
     assert "sent 4/10 in-flight 1 completed 3" in lines[0]
     with progress(stream, quiet=True) as on_tick:
         assert on_tick is None
+
+
+def test_the_generators_own_loop_lag_is_measured_and_makes_the_run_say_so():
+    """A generator whose loop is late (here: one long C call holding it, as a collection, a
+    busy burst or the OS keeping the process off a CPU would) records it; past the bound the
+    run is invalid; under it there is no such warning."""
+    from chaos.load import LoadResult, loop_lag
+
+    async def busy():
+        with loop_lag() as lag:
+            await asyncio.sleep(0.03)   # a few samples on time
+            sum(range(20_000_000))      # the loop held (~0.2-0.6 s): no timer fires meanwhile
+            await asyncio.sleep(0.03)   # the late timer fires now
+        return lag
+
+    lag = asyncio.run(busy())
+    assert lag.max_lag_s >= 0.1 and lag.num_samples >= 2
+    base = dict(records=(), duration_s=10.0, wall_s=10.0, cpu_s=2.0, scheduled_rate_per_s=50.0,
+                achieved_rate_per_s=49.5, cpu_wait_s=0.5)
+    assert LoadResult(**base, loop_lag_max_s=0.03).warnings() == []
+    (text,) = LoadResult(**base, loop_lag_max_s=0.21).warnings()
+    assert "event loop ran 210 ms late" in text

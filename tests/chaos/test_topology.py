@@ -174,3 +174,31 @@ def test_kvguard_fleet_prints_urls_and_stops_everything_on_sigint():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_child_started_nicer_runs_at_that_niceness_under_its_own_pid():
+    """The fleet runs below the load generator that times it (``niceness``): the process the
+    pid names is the command itself (``nice`` execs it), so kills by pid still reach it."""
+    import psutil
+
+    health_seen = []
+
+    def health(url):
+        health_seen.append(url)
+        return True
+
+    child = ChildProcess("nice", lambda port: ["sleep", "60"], health, port=1, niceness=5)
+    try:
+        child.start(timeout_s=10)
+        proc = psutil.Process(child.pid)
+        for _ in range(100):             # `nice` execs `sleep` right after the fork
+            if proc.name() == "sleep":
+                break
+            threading.Event().wait(0.01)
+        assert proc.name() == "sleep"
+        assert proc.nice() == min(19, os.nice(0) + 5)
+    finally:
+        child.close()
+    assert not child.alive
+    with pytest.raises(ValueError, match="niceness"):
+        ChildProcess("x", lambda port: ["true"], health, port=1, niceness=-1)
