@@ -18,12 +18,16 @@ uvloop + httptools too): what any Python proxy on these
 stacks adds on this machine. ``--against DIR`` adds both policies' ``kvguard proxy`` run from
 another checkout (``DIR``), so two versions of the proxy are measured in one interleaved run.
 
-**Shedding.** A second sim replica (real time) behind ``kvguard proxy`` (``slo``) gets
-open-loop arrivals at ``--shed-rate`` req/s for ``--shed-duration-s`` (``0`` skips it): the
-replica is far over capacity, so almost everything is shed. Reported: sheds answered per
-second, shed latency p50/p99/max, requests that got no answer (must be 0), and the CPU per
-request of the proxy process and of the sender (this process). ``--shed-http`` (repeatable)
-runs it once per proxy HTTP server (``kvguard proxy --http``; default ``auto``, i.e. uvicorn).
+**Shedding.** The flood of ``kvguard bench sheds`` — open-loop arrivals of short streamed
+prompts at ``--shed-rate`` req/s for ``--shed-duration-s`` (``0`` skips it), sent with
+``chaos.raw_client`` and the sender's collector off — goes through ``kvguard proxy`` (``slo``,
+its default h1 upstream client) to the same small, slow sim replica (4 sequences, time scale
+20): almost everything is shed, and the proxy decides every request. Reported as by ``bench
+sheds``: requests answered, sheds, connection-cap refusals, requests without an answer (must
+be 0), shed latency p50/p99/max at the client, the proxy's event-loop lag, and the CPU per
+request of the proxy process and of the sender (this process), with the sender's own warnings
+when it fell behind. ``--shed-http`` (repeatable) runs it once per proxy HTTP server
+(``kvguard proxy --http``; default ``kvguard``, the proxy's own default).
 ``--requests 0`` runs the shedding part alone.
 
 Under CPU contention wall-clock figures swell; each target's CPU time per request (its process
@@ -53,7 +57,9 @@ import psutil
 from chaos.child import ChildProcess
 from chaos.litellm_proxy import ensure_venv, litellm_child
 from chaos.replica import exit_on_sigterm
-from chaos.shed_load import run_open_loop
+from chaos.report import read_records
+from chaos.shed_bench import engine_args, flood, loop_lag_max_s, shed_row
+from chaos.shed_bench import load_args as flood_load_args
 from chaos.topology import Topology, TopologySpec, free_port, http_health
 
 __all__ = ["configure", "run", "VARIANTS"]
@@ -112,7 +118,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shed-http", action="append", default=None,
                         choices=("auto", "h11", "httptools", "kvguard"),
                         help="the proxy's --http for the shedding run (repeatable: one run "
-                             "each; default auto)")
+                             "each; default kvguard, the proxy's default)")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
 
 
@@ -130,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
             results["latency"] = _latency(args, Path(work))
             _print_latency(results["latency"])
         if args.shed_rate > 0:
-            for http in args.shed_http or ["auto"]:
-                key = "shedding" if http == "auto" else f"shedding {http}"
+            for http in args.shed_http or ["kvguard"]:
+                key = "shedding" if http == "kvguard" else f"shedding {http}"
                 results[key] = _shedding(args, Path(work), http)
                 print(json.dumps({key: results[key]}, indent=2), flush=True)
     if args.out:
@@ -323,23 +329,33 @@ def _print_latency(rows: dict) -> None:
 
 
 def _shedding(args: argparse.Namespace, work: Path, http: str) -> dict:
+    """The flood of ``kvguard bench sheds`` (its arrivals, raw sender with its collector off,
+    small slow replica), sent through ``kvguard proxy`` (``slo``, its default h1 upstream
+    client) on the ``http`` server: the proxy decides every request and sheds almost all."""
+    flood_args = argparse.Namespace(
+        rate=args.shed_rate, duration=args.shed_duration_s, time_scale=20.0, max_num_seqs=4,
+        ttft=1.0, itl=1.0, seed=0, http="h11", client="raw")
+    config = work / f"proxy-shed-{http}.toml"
+    config.write_text('policy = "slo"\n[classes.interactive]\nttft_s = 1.0\nitl_s = 1.0\n')
     spec = TopologySpec(num_replicas=1, num_proxies=1,
-                        proxy_args=("--config", _proxy_config(work, "slo", "aiohttp"),
-                                    "--http", http))
-    body = {"model": MODEL, "prompt": "x " * 200, "max_tokens": 512}
+                        replica_args=tuple(engine_args(flood_args, None)),
+                        proxy_args=("--config", str(config), "--http", http))
+    out = work / f"shed-{http}"
+    out.mkdir(parents=True, exist_ok=True)
     with Topology(spec) as fleet:
-        proxy_pid = fleet.proxies[0].pid
-        proxy_cpu0, sender_cpu0 = _cpu_s(proxy_pid), time.process_time()
-        result = run_open_loop(fleet.proxy_urls[0] + "/v1/completions", body,
-                               rate_rps=args.shed_rate, duration_s=args.shed_duration_s)
-        proxy_cpu_s = _cpu_s(proxy_pid) - proxy_cpu0
-        sender_cpu_s = time.process_time() - sender_cpu0
-    summary = result.summary()
-    answered = sum(n for status, n in summary["statuses"].items() if status.isdigit())
-    per = 1e6 / max(1, result.num_sent)
-    summary["http"] = http
-    summary["proxy_cpu_us_per_request"] = round(proxy_cpu_s * per, 1)
-    summary["proxy_cpu_ms_per_answer"] = (round(1000 * proxy_cpu_s / answered, 3)
-                                          if answered else None)
-    summary["sender_cpu_us_per_request"] = round(sender_cpu_s * per, 1)
-    return summary
+        proxy = psutil.Process(fleet.proxies[0].pid)
+        proxy_cpu0 = sum(proxy.cpu_times()[:2])
+        summary = flood(flood_load_args(fleet.proxy_urls[0], flood_args, out), args.shed_rate,
+                        out)
+        proxy_cpu_s = sum(proxy.cpu_times()[:2]) - proxy_cpu0
+        metrics = httpx.get(fleet.proxy_urls[0] + "/kvguard/metrics", timeout=10.0,
+                            trust_env=False).text
+    row = shed_row(read_records(out / "requests.jsonl"), args.shed_rate, args.shed_duration_s)
+    row["loop_lag_max_s"] = loop_lag_max_s(metrics)
+    row["http"] = http
+    row["proxy_cpu_us_per_request"] = round(proxy_cpu_s * 1e6 / max(1, row["offered"]), 1)
+    gen = summary["load_generator"]
+    row["sender_cpu_us_per_request"] = round(gen["cpu_s"] * 1e6 / max(1, row["offered"]), 1)
+    row["sender_achieved_rps"] = summary["achieved_rate_per_s"]
+    row["warnings"] = summary["warnings"]
+    return row

@@ -42,7 +42,7 @@ from chaos.replica import ReplicaProcess, exit_on_sigterm, write_guard_config
 from chaos.report import read_records
 from chaos.stats import percentile
 
-__all__ = ["configure", "run", "flood", "shed_row", "loop_lag_max_s", "engine_args"]
+__all__ = ["configure", "run", "flood", "shed_row", "loop_lag_max_s", "engine_args", "load_args"]
 
 _LOOP_LAG = re.compile(r"^kvguard_event_loop_lag_max_seconds\s+([0-9.eE+-]+)$", re.M)
 
@@ -66,11 +66,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder (default runs/sheds-<time>)")
 
 
-def engine_args(args: argparse.Namespace, guard_config: str) -> list[str]:
-    """The small, slow sim replica with the guard mounted, on the chosen HTTP server."""
+def engine_args(args: argparse.Namespace, guard_config: str | None) -> list[str]:
+    """The small, slow sim replica on the chosen HTTP server, with the guard mounted (None:
+    bare, for a proxy in front)."""
+    guard = [] if guard_config is None else ["--guard", guard_config]
     return ["--model", "llama-7b", "--backend", "sim", "--gpu", "h100-80g",
             "--time-scale", repr(args.time_scale), "--max-num-seqs", str(args.max_num_seqs),
-            "--guard", guard_config, "--http", args.http]
+            *guard, "--http", args.http]
 
 
 def loop_lag_max_s(metrics_text: str) -> float | None:
@@ -98,7 +100,8 @@ def shed_row(records, rate: float, duration_s: float) -> dict:
     }
 
 
-def _load_args(url: str, args: argparse.Namespace, out: Path) -> argparse.Namespace:
+def load_args(url: str, args: argparse.Namespace, out: Path) -> argparse.Namespace:
+    """The flood's ``kvguard load`` arguments against ``url`` (a replica or a proxy)."""
     p = argparse.ArgumentParser()
     configure_load(p)
     return p.parse_args([
@@ -120,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     with ReplicaProcess.start(engine_args(args, config)) as replica:
         server = psutil.Process(replica.proc.pid)
         server_cpu0 = _cpu_s(server)
-        summary = flood(_load_args(replica.base_url, args, out), args.rate, out)
+        summary = flood(load_args(replica.base_url, args, out), args.rate, out)
         server_cpu_s = _cpu_s(server) - server_cpu0
         metrics = httpx.get(replica.base_url + "/kvguard/metrics", timeout=10.0,
                             trust_env=False).text

@@ -58,6 +58,8 @@ def test_the_replica_runs_on_the_http_server_asked_for():
     assert default[default.index("--http") + 1] == "h11"
     ours = engine_args(parser.parse_args(["--http", "kvguard"]), "g.toml")
     assert ours[ours.index("--http") + 1] == "kvguard" and "g.toml" in ours
+    bare = engine_args(parser.parse_args([]), None)  # behind kvguard bench proxy's proxy
+    assert "--guard" not in bare and bare == [a for a in default if a not in ("--guard", "g.toml")]
     with pytest.raises(SystemExit):
         parser.parse_args(["--http", "nginx"])
 
