@@ -242,8 +242,8 @@ class AdmissionController:
                 return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
             grant = outcome
         try:
-            ahead = self.queue.ahead_of(cost)
-            result = self.decider.decide(cost, arrival_s, ahead, commit=self.shared is None)
+            result, ahead = self.decider.decide_arrival(cost, arrival_s,
+                                                        commit=self.shared is None)
             if self.shared is not None:
                 result = await self.decider.confirmed(cost, result, ahead)
             if isinstance(result, Admit):  # the common path: no queue, no extra coroutine

@@ -69,6 +69,27 @@ class Decider:
                     decision.replica_id, 0)
         return decision
 
+    def decide_arrival(self, cost: RequestCost, now_s: float, commit: bool = True
+                       ) -> tuple[Admit | Queue | Shed, QueuedAhead]:
+        """A newcomer's decision, behind the waiters queued ahead of it (its rank or a better
+        one), and what it was decided behind. It never takes capacity a waiter ahead could
+        have: decided Admit while such waiters are queued, it lets them decide first on that
+        capacity (the queue's pump, now), then is decided again behind those still waiting.
+        (Without this, a newcomer decided between a state refresh and the pump's next run took
+        the seat a refresh had just shown free, and the waiter it passed was shed at the next
+        decision: the slowest sheds of a flood were such waiters.)"""
+        ahead = self.queue.ahead_of(cost)
+        if not ahead.num_requests:
+            return self.decide(cost, now_s, ahead, commit), ahead
+        decision = self.decide(cost, now_s, ahead, commit=False)
+        if isinstance(decision, Admit):
+            self.load_state.release(cost.request_id)
+            self._decided_versions.pop(cost.request_id, None)
+            self.queue.pump(self.pump_decide, now_s)
+            ahead = self.queue.ahead_of(cost)
+            decision = self.decide(cost, now_s, ahead, commit)
+        return decision, ahead
+
     def pump_decide(self, cost: RequestCost, now_s: float,
                     ahead: QueuedAhead = NOTHING_AHEAD) -> Admit | Queue | Shed:
         """The queue pump's decision (counted admitted after confirmation when shared)."""

@@ -318,3 +318,31 @@ def test_the_client_software_of_a_request_reaches_the_policys_completion_sample(
         await controller.aclose()
     run(go())
     assert [s.client for s in seen] == ["python", "openai", ""]
+
+
+def test_a_newcomer_never_takes_the_seat_a_queued_request_is_waiting_for():
+    """Capacity frees up (a state refresh showed a seat) and a newcomer is decided before the
+    queue's pump has run: the waiter ahead gets the seat, the newcomer waits behind it. (It
+    used to take the seat, and the waiter it passed was shed at its next decision.)"""
+    async def main():
+        policy = SlotPolicy(num_slots=0)
+        controller = make_controller(policy)
+        first = asyncio.ensure_future(controller.admit("/v1/completions", HEADERS,
+                                                       lambda: body_of()))
+        while len(controller.queue) == 0:
+            await asyncio.sleep(0)
+        (waiter,) = controller.queue.waiters()
+        policy.num_slots = 1             # a seat is free now; the pump has not run since
+        second = asyncio.ensure_future(controller.admit("/v1/completions", HEADERS,
+                                                        lambda: body_of()))
+        admission = await first
+        assert isinstance(admission, Admission)
+        assert policy.admitted_ids == [waiter.cost.request_id]
+        await asyncio.sleep(0)
+        assert not second.done() and len(controller.queue) == 1  # behind it, still waiting
+        complete(admission)
+        later = await second             # the seat comes back: now the newcomer's turn
+        assert isinstance(later, Admission) and len(policy.admitted_ids) == 2
+        complete(later)
+        await controller.aclose()
+    run(main())
