@@ -8,7 +8,10 @@ For a request dispatched to a replica now, the first token arrives after
    effectively free now are ``free - reserved - committed``. When that is short, sequences are
    taken in order of expected finish (remaining prefill chunks + remaining output tokens), each
    returning its final block count, until the deficit is covered; the wait is that many
-   decode steps at the current decode step time;
+   decode steps of the batch holding them, every sequence on the replica decoding (a batch
+   of reservations and prompts not yet prefilled has no decode step of its own yet: timing
+   the wait by the decode batch of the moment told a flood that four just-admitted requests
+   would free their seats 4× sooner than they did);
 2. the prefill work queued ahead of it (prompt tokens not yet prefilled by running, waiting and
    reserved sequences), then its own prompt, processed in chunks of
    ``max_num_batched_tokens - num_decode_seqs`` tokens, each chunk step costing
@@ -24,8 +27,12 @@ prefill queued on the replica is what is still pending *now*: the backlog it rep
 since it was observed, plus the guard's admissions since (:func:`policies.prefill_pacing.
 pending_prefill_tokens`); the state is up to one refresh old, and counting all of it again
 made the forecast pessimistic by up to a refresh's worth of prefill. A deficit larger than what
-every known sequence returns is extrapolated from the finish schedule (the same turnover again). The sum is conservative: it does not overlap the
-resource wait with the queued prefill. ``join_step_s`` is the decode step of the batch once it
+every known sequence returns (a queue ahead deeper than the batch) is met by the same sequences'
+seats and blocks again, each held first by the request that takes it for a whole run — its
+prefill chunks and expected output, this request's own taken as theirs (extrapolating by the
+running batch's *remaining* steps instead told a flood that the fifth of four seats frees in a
+step or two, so it queued requests that were shed at the next decision). The sum is
+conservative: it does not overlap the resource wait with the queued prefill. ``join_step_s`` is the decode step of the batch once it
 has joined: every sequence on the replica plus this one, with all prompts in.
 """
 
@@ -90,12 +97,19 @@ def forecast(
     missing_blocks = (cost.num_blocks + ahead.num_blocks
                       - (replica.num_available_blocks - load.num_committed_blocks))
     missing_seqs = load.num_seqs + 1 + ahead.num_requests - replica.max_num_seqs
-    wait_steps = 0
-    if missing_blocks > 0 or missing_seqs > 0:
-        wait_steps = max(
-            _steps_until_freed(load, missing_blocks), _steps_until_finished(load, missing_seqs)
-        )
     chunk = max(1, replica.max_num_batched_tokens - num_decode_seqs)
+    wait_s = 0.0
+    if missing_blocks > 0 or missing_seqs > 0:
+        # one request's whole run (its prefill chunks and expected output): how long a seat
+        # that frees up is held again by whoever takes it
+        run_steps = -(-cost.num_prompt_tokens // chunk) + max(1, cost.num_expected_output_tokens)
+        wait_steps = max(_steps_until_freed(load, missing_blocks, run_steps),
+                         _steps_until_finished(load, missing_seqs, run_steps))
+        # the steps waited are those of the batch that holds the seats and blocks: every
+        # sequence there decoding (the ones still to prefill, the guard's reservations among
+        # them, decode too before they finish)
+        wait_s = wait_steps * step_time.step_s(0, min(replica.max_num_seqs, load.num_seqs),
+                                               load.num_context_tokens)
     if pending is None:
         pending = (load.num_queued_prefill_tokens if now_s is None
                    else pending_prefill_tokens(replica, step_time, now_s))
@@ -107,7 +121,7 @@ def forecast(
     return TtftForecast(
         max(0, missing_blocks),
         max(0, missing_seqs),
-        wait_steps * decode_s,
+        wait_s,
         queued_s,
         total_s - queued_s,
         step_time.step_s(0, num_join_seqs, load.num_context_tokens + num_prompt),
@@ -138,26 +152,25 @@ def _prefill_s(num_tokens: int, chunk: int, decode_s: float, step_time: StepTime
     return -(-num_tokens // chunk) * decode_s + step_time.per_prefill_token_s * num_tokens
 
 
-def _steps_until_freed(load: ReplicaLoad, num_missing_blocks: int) -> int:
+def _steps_until_freed(load: ReplicaLoad, num_missing_blocks: int, run_steps: int) -> int:
     if num_missing_blocks <= 0:
         return 0
     schedule = load.finish_schedule
     if not schedule.num_steps:
         return 0  # no known sequence holds the blocks: nothing to predict a wait from
     freed = schedule.num_freed_blocks
-    i = bisect_left(freed, num_missing_blocks)
-    if i < len(freed):
-        return schedule.num_steps[i]
-    turnover = schedule.num_steps[-1]  # everything known finishes, and the deficit remains:
-    return -(-turnover * num_missing_blocks // max(1, freed[-1]))  # as many turnovers again
+    rounds = (num_missing_blocks - 1) // max(1, freed[-1])  # turnovers of everything known
+    i = bisect_left(freed, num_missing_blocks - rounds * freed[-1])
+    return schedule.num_steps[i] + rounds * run_steps
 
 
-def _steps_until_finished(load: ReplicaLoad, num_missing_seqs: int) -> int:
+def _steps_until_finished(load: ReplicaLoad, num_missing_seqs: int, run_steps: int) -> int:
+    """The ``num_missing_seqs``-th seat to free up: the batch's own finishes first, then each
+    seat again once the request that took it has run (``run_steps``)."""
     if num_missing_seqs <= 0:
         return 0
     steps = load.finish_schedule.num_steps
     if not steps:
         return 0  # max_num_seqs < 1: nothing running will make room
-    if num_missing_seqs <= len(steps):
-        return steps[num_missing_seqs - 1]
-    return -(-steps[-1] * num_missing_seqs // len(steps))  # turnovers of the whole batch
+    rounds, i = divmod(num_missing_seqs - 1, len(steps))
+    return steps[i] + rounds * run_steps

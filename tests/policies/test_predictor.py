@@ -82,6 +82,34 @@ def test_seq_slot_wait_when_max_num_seqs_is_reached():
     assert f.join_step_s == pytest.approx(0.012)  # the batch stays at max_num_seqs
 
 
+def test_a_queue_deeper_than_the_batch_waits_for_each_seat_to_turn_over_a_whole_run():
+    """Four seats, all taken, freeing after 3, 3, 5 and 7 steps; 4 requests queued ahead take
+    those; this one gets the first seat again once the request that took it has run: its
+    prefill (1 chunk) and its expected output (16 tokens) — not 3 more steps, as extrapolating
+    by what the running batch has left said (and a flood queued until it was shed)."""
+    from policies.snapshot import QueuedAhead
+
+    running = [decoding(32, 3), decoding(32, 3), decoding(32, 5), decoding(32, 7)]
+    replica = make_replica(max_num_seqs=4, running=running)
+    first = forecast(make_cost(), replica, STEP)
+    assert (first.num_missing_seqs, first.wait_s) == (1, pytest.approx(3 * 0.014))
+    behind = forecast(make_cost(), replica, STEP, QueuedAhead(4, 128, 16))
+    assert behind.num_missing_seqs == 5
+    assert behind.wait_s == pytest.approx((3 + 1 + 16) * 0.014)
+    seventh = forecast(make_cost(), replica, STEP, QueuedAhead(6, 192, 24))
+    assert seventh.wait_s == pytest.approx((5 + 17) * 0.014)  # the third seat, second round
+
+
+def test_the_wait_for_a_seat_is_timed_by_the_batch_that_holds_it():
+    """Both seats are held by prompts not yet prefilled (nothing decodes now: a 10 ms step);
+    they decode before they finish, so the steps waited are 2-sequence decode steps (12 ms)."""
+    replica = make_replica(max_num_seqs=2, waiting=[prompt_waiting(100), prompt_waiting(100)])
+    f = forecast(make_cost(), replica, STEP)
+    (first_finish, _) = replica.load.finish_schedule.num_steps
+    assert f.num_missing_seqs == 1 and first_finish > 0
+    assert f.wait_s == pytest.approx(first_finish * 0.012)
+
+
 def test_context_tokens_enter_the_step_time():
     from policies.step_time import StepTimeModel
 

@@ -26,6 +26,7 @@ from policies.snapshot import QueuedAhead
 # Three running seqs commit the replica's 5 free blocks; the next 4 free after 16 steps of 13 ms.
 KV_SHORT = dict(free=5, running=[decoding(32, 16), decoding(32, 16), decoding(16, 40)])
 KV_WAIT_S = 16 * 0.013
+WAIT_BEHIND_30_S = (16 + 12 * 17) * 0.013  # KV_SHORT behind 30 queued 4-block requests
 KV_OWN_PREFILL_S = 0.013 + 0.0032
 
 
@@ -315,8 +316,11 @@ def test_a_request_whose_earliest_start_misses_its_deadline_is_shed_without_queu
     d = decide(make_replica("a", **KV_SHORT), queued_ahead=ahead)
     if expected is Queue:
         assert isinstance(d, Queue) and d.reason == "kv_wait"
-    else:  # at once, with the predicted wait for the blocks as Retry-After
-        assert d == Shed(503, "no_kv_capacity", retry_after_s=pytest.approx(496 * 0.013))
+    else:  # at once, with the predicted wait for the blocks as Retry-After: 124 blocks short,
+        # 10 come back per turnover of the known seqs (3 + 3 after 16 steps, 4 after 40): 12
+        # turnovers, each seat held for a whole run (1 prefill step + 16 expected tokens), then
+        # the last 4 blocks 16 steps into the next one
+        assert d == Shed(503, "no_kv_capacity", retry_after_s=pytest.approx(WAIT_BEHIND_30_S))
 
 
 def test_the_fast_no_walks_each_replicas_reservations_once_per_decision(monkeypatch):
@@ -334,7 +338,7 @@ def test_the_fast_no_walks_each_replicas_reservations_once_per_decision(monkeypa
     monkeypatch.setattr(predictor, "pending_prefill_tokens", counted)
     replicas = [make_replica(name, **KV_SHORT) for name in ("a", "b")]
     d = decide(*replicas, queued_ahead=QueuedAhead(30, 960, 120))
-    assert d == Shed(503, "no_kv_capacity", retry_after_s=pytest.approx(496 * 0.013))
+    assert d == Shed(503, "no_kv_capacity", retry_after_s=pytest.approx(WAIT_BEHIND_30_S))
     assert sorted(calls) == ["a", "b"]
 
 
