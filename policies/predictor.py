@@ -32,8 +32,9 @@ seats and blocks again, each held first by the request that takes it for a whole
 prefill chunks and expected output, this request's own taken as theirs (extrapolating by the
 running batch's *remaining* steps instead told a flood that the fifth of four seats frees in a
 step or two, so it queued requests that were shed at the next decision). The sum is
-conservative: it does not overlap the resource wait with the queued prefill. ``join_step_s`` is the decode step of the batch once it
-has joined: every sequence on the replica plus this one, with all prompts in.
+conservative: it does not overlap the resource wait with the queued prefill. ``join_step_s``
+is the decode step of the batch once it has joined: every sequence on the replica plus this
+one, with all prompts in.
 """
 
 from __future__ import annotations
@@ -159,8 +160,11 @@ def _steps_until_freed(load: ReplicaLoad, num_missing_blocks: int, run_steps: in
     if not schedule.num_steps:
         return 0  # no known sequence holds the blocks: nothing to predict a wait from
     freed = schedule.num_freed_blocks
-    rounds = (num_missing_blocks - 1) // max(1, freed[-1])  # turnovers of everything known
-    i = bisect_left(freed, num_missing_blocks - rounds * freed[-1])
+    per_turnover = freed[-1]
+    if per_turnover <= 0:
+        return 0  # the known sequences return no blocks: nothing to predict a wait from
+    rounds = (num_missing_blocks - 1) // per_turnover  # turnovers of everything known first
+    i = bisect_left(freed, num_missing_blocks - rounds * per_turnover)
     return schedule.num_steps[i] + rounds * run_steps
 
 
