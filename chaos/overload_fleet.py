@@ -28,7 +28,7 @@ from chaos.load_cli import run_once
 from chaos.overload_table import row_from_run
 from chaos.replica import wait_idle, write_guard_config
 from chaos.report import read_records
-from chaos.topology import Topology, TopologySpec
+from chaos.topology import FLEET_NICENESS, Topology, TopologySpec
 
 __all__ = ["Fleet", "PROXY_ARGS"]
 
@@ -46,7 +46,8 @@ class Fleet:
         self.scenario = scenario
         self.num_replicas = num_replicas
         self.topology = Topology(TopologySpec(num_replicas=num_replicas,
-                                              replica_args=tuple(scenario.engine_args())))
+                                              replica_args=tuple(scenario.engine_args()),
+                                              niceness=FLEET_NICENESS))
 
     def __enter__(self) -> Fleet:
         self.topology.__enter__()

@@ -20,7 +20,7 @@ from chaos.faults import Fault, FaultEvent, inject, scaled
 from chaos.replica import REPLICA_SERVERS, write_guard_config
 from chaos.scenarios import ScenarioSpec
 from chaos.schedule import LengthDist, ScheduleConfig, build_schedule
-from chaos.topology import Topology, TopologySpec
+from chaos.topology import FLEET_NICENESS, Topology, TopologySpec
 from chaos.users import UserRunConfig, UserRunResult, assign_clients, run_users
 from chaos.verdict import Budget, FaultWindow, build_verdict
 from policies.cost import RequestClass
@@ -151,13 +151,6 @@ def _guard_toml(path: Path, policy: str, settings: RunSettings, budget: Budget |
     return write_guard_config(str(path), policy=policy, ttft_s=c.ttft_s, itl_s=c.itl_s,
                               trace_path=None if trace_path is None else str(trace_path),
                               extra_toml=extra)
-
-
-# The fleet runs `nice -n` this much below the load generator: on a small machine the users'
-# clock (every TTFT and gap of the verdict) is read first, and the fleet under test takes the
-# CPU contention (quick redis-kill runs, 2 cores: a ~0.2 s gap in every in-flight stream at
-# once in 3 of 5 runs at equal priority, the generator's sends up to 0.2 s late then).
-FLEET_NICENESS = 5
 
 
 def _topology(spec: ScenarioSpec, settings: RunSettings, toml: str) -> TopologySpec:

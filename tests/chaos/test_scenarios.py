@@ -160,3 +160,21 @@ def test_capacity_measurement_arguments_cover_every_flag_the_bench_reads(tmp_pat
     scenario = Scenario(RunSettings().overload_args(16.0))
     args = scenario.load_args("http://127.0.0.1:1", 3.0, tmp_path)
     assert args.shape == "poisson" and args.rate == 3.0
+
+
+@pytest.mark.parametrize("name", ["recovery", "seed"])  # one replica in-process; a fleet
+def test_every_scenario_fleet_runs_below_the_load_generator(name, tmp_path):
+    """The users' clock is read first on a small machine: every child of a scenario's topology
+    (and of the fleet bake-off) starts at FLEET_NICENESS."""
+    from chaos.overload_fleet import Fleet
+    from chaos.scenario_run import _topology
+    from chaos.topology import FLEET_NICENESS
+
+    spec = _topology(catalogue()[name], RunSettings(), str(tmp_path / "guard.toml"))
+    assert spec.niceness == FLEET_NICENESS > 0
+
+    class Scenario:
+        def engine_args(self):
+            return ["--model", "llama-7b", "--backend", "sim"]
+
+    assert Fleet(Scenario(), 2).topology.spec.niceness == FLEET_NICENESS
