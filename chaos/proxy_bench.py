@@ -56,7 +56,7 @@ import psutil
 
 from chaos.child import ChildProcess
 from chaos.litellm_proxy import ensure_venv, litellm_child
-from chaos.replica import exit_on_sigterm
+from chaos.replica import exit_on_sigterm, write_guard_config
 from chaos.report import read_records
 from chaos.shed_bench import engine_args, flood, loop_lag_max_s, shed_row
 from chaos.shed_bench import load_args as flood_load_args
@@ -335,19 +335,19 @@ def _shedding(args: argparse.Namespace, work: Path, http: str) -> dict:
     flood_args = argparse.Namespace(
         rate=args.shed_rate, duration=args.shed_duration_s, time_scale=20.0, max_num_seqs=4,
         ttft=1.0, itl=1.0, seed=0, http="h11", client="raw")
-    config = work / f"proxy-shed-{http}.toml"
-    config.write_text('policy = "slo"\n[classes.interactive]\nttft_s = 1.0\nitl_s = 1.0\n')
+    config = write_guard_config(str(work / f"proxy-shed-{http}.toml"), policy="slo",
+                                ttft_s=flood_args.ttft, itl_s=flood_args.itl)  # bench sheds' guard
     spec = TopologySpec(num_replicas=1, num_proxies=1,
                         replica_args=tuple(engine_args(flood_args, None)),
-                        proxy_args=("--config", str(config), "--http", http))
+                        proxy_args=("--config", config, "--http", http))
     out = work / f"shed-{http}"
     out.mkdir(parents=True, exist_ok=True)
     with Topology(spec) as fleet:
-        proxy = psutil.Process(fleet.proxies[0].pid)
-        proxy_cpu0 = sum(proxy.cpu_times()[:2])
+        proxy_pid = fleet.proxies[0].pid
+        proxy_cpu0 = _cpu_s(proxy_pid)
         summary = flood(flood_load_args(fleet.proxy_urls[0], flood_args, out), args.shed_rate,
                         out)
-        proxy_cpu_s = sum(proxy.cpu_times()[:2]) - proxy_cpu0
+        proxy_cpu_s = _cpu_s(proxy_pid) - proxy_cpu0
         metrics = httpx.get(fleet.proxy_urls[0] + "/kvguard/metrics", timeout=10.0,
                             trust_env=False).text
     row = shed_row(read_records(out / "requests.jsonl"), args.shed_rate, args.shed_duration_s)
