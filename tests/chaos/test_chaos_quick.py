@@ -70,8 +70,9 @@ def test_no_over_admission_and_no_hung_slo_client(quick_run):
     """Over-admission: 0 with Redis up, whatever the machine's speed. Within 10 % of a window
     while Redis was down, and no hung slo client: both depend on timers running on time (the
     guards' heartbeats divide the local share; a client is hung when it is still inside an
-    attempt past its own timeout), so they are judged on a valid run — on a starved one the
-    test is skipped with the generator's own reason, never passed."""
+    attempt past its own timeout), so each policy's are judged on its own run when that run
+    is valid; when none is, the test is skipped with the generator's own reason, never
+    passed."""
     result, _, _ = quick_run
     redis_down = result["scenario"] in ("redis-kill", "redis-hang")
     limits = THRESHOLDS["over_admission_ratio"]
@@ -79,17 +80,33 @@ def test_no_over_admission_and_no_hung_slo_client(quick_run):
         ratio = verdict["over_admission_ratio"]
         if not redis_down:
             assert ratio is None or ratio <= limits["max_redis_up"], verdict
-    invalid = [w for v in result["policies"].values() for w in v["generator_warnings"]]
-    if invalid:
-        pytest.skip(f"run invalid (the load generator could not keep its schedule): {invalid[0]}")
-    slo = result["policies"]["slo"]
-    assert slo["num_hung"] == 0, slo
-    for verdict in result["policies"].values():
+    valid = {p: v for p, v in result["policies"].items() if not v["generator_warnings"]}
+    if not valid:
+        warning = result["policies"]["slo"]["generator_warnings"][0]
+        pytest.skip(f"run invalid (the load generator could not keep its schedule): {warning}")
+    if "slo" in valid:
+        assert valid["slo"]["num_hung"] == 0, valid["slo"]
+    for verdict in valid.values():
         ratio = verdict["over_admission_ratio"]
         assert ratio is None or ratio <= limits["max_redis_down"], verdict
 
 
-def test_slo_loses_nobody_and_beats_always_admit(quick_run):
+def test_slo_loses_nobody(quick_run):
+    """Judged on slo's own run: every slo user got an answer or an explicit error within their
+    patience (retry-storm once lost a few, before slo learned each client's patience), within
+    the retry bound."""
+    result, _, _ = quick_run
+    slo = result["policies"]["slo"]
+    if slo["generator_warnings"]:
+        pytest.skip("run invalid (the load generator could not keep its schedule on this "
+                    f"machine now): {slo['generator_warnings'][0]}")
+    assert slo["attempts_per_user"] <= 1 + max(DEFAULT_RETRIES.values())
+    assert slo["num_lost"] == 0, slo["outcomes"]
+
+
+def test_slo_beats_always_admit(quick_run):
+    """A comparison: both runs must be valid (a stalled generator makes either one look worse
+    than its policy is)."""
     result, _, _ = quick_run
     slo, base = result["policies"]["slo"], result["policies"]["always_admit"]
     invalid = [w for v in (slo, base) for w in v["generator_warnings"]]
@@ -101,10 +118,6 @@ def test_slo_loses_nobody_and_beats_always_admit(quick_run):
     # nearly everyone and one user either way is not harm
     ratio = THRESHOLDS["slo_vs_always_admit"]["min_ratio"]
     # (A ~0.24 s gap in every stream at once, seen once in replica-kill, was the load
-    # generator's own full garbage collection, 0.22-0.28 s in these runs: it no longer runs
-    # during a run, and a long pause of the generator makes the run invalid.)
+    # generator's own full garbage collection; a ~0.2 s one in redis-kill was its event loop
+    # kept off a CPU: a long GC pause or loop lag of the generator makes the run invalid.)
     assert slo["judged_good"] >= ratio * base["judged_good"], (slo["outcomes"], base["outcomes"])
-    assert slo["attempts_per_user"] <= 1 + max(DEFAULT_RETRIES.values())
-    # every slo user got an answer or an explicit error within their patience (retry-storm
-    # once lost a few, before slo learned each client's patience)
-    assert slo["num_lost"] == 0, slo["outcomes"]
