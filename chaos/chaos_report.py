@@ -102,14 +102,14 @@ def _generator_table(verdicts: Mapping[str, Mapping]) -> str:
              "|" + "---|" * 9]
     for p, v in verdicts.items():
         g = v["generator"]
-        lag, gc_s, stall_s = (g["send_lag_s"].get("p99"), g.get("gc_pause_max_s"),
-                              g.get("loop_lag_max_s"))
+        lag, gc_s, loop_s = (g["send_lag_s"].get("p99"), g.get("gc_pause_max_s"),
+                             g.get("loop_lag_max_s"))
         lines.append(f"| {p} | {_fmt(g['scheduled_rate_per_s'])} | "
                      f"{_fmt(g['achieved_rate_per_s'])} | "
                      f"{'—' if lag is None else f'{1000 * lag:.0f}'} | "
                      f"{g['cpu_percent_of_one_core']:.0f} | {_fmt(g['cpu_wait_s'], 1)} | "
                      f"{'—' if gc_s is None else f'{1000 * gc_s:.0f}'} | "
-                     f"{'—' if stall_s is None else f'{1000 * stall_s:.0f}'} | "
+                     f"{'—' if loop_s is None else f'{1000 * loop_s:.0f}'} | "
                      f"{'; '.join(v['generator_warnings']) or 'none'} |")
     for p, v in verdicts.items():
         e = v["generator"].get("entry_balancer") or {}

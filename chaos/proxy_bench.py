@@ -58,6 +58,7 @@ from chaos.child import ChildProcess
 from chaos.litellm_proxy import ensure_venv, litellm_child
 from chaos.replica import exit_on_sigterm, write_guard_config
 from chaos.report import read_records
+from chaos.shed_bench import configure as configure_sheds
 from chaos.shed_bench import engine_args, flood, loop_lag_max_s, shed_row
 from chaos.shed_bench import load_args as flood_load_args
 from chaos.topology import Topology, TopologySpec, free_port, http_health
@@ -332,9 +333,10 @@ def _shedding(args: argparse.Namespace, work: Path, http: str) -> dict:
     """The flood of ``kvguard bench sheds`` (its arrivals, raw sender with its collector off,
     small slow replica), sent through ``kvguard proxy`` (``slo``, its default h1 upstream
     client) on the ``http`` server: the proxy decides every request and sheds almost all."""
-    flood_args = argparse.Namespace(
-        rate=args.shed_rate, duration=args.shed_duration_s, time_scale=20.0, max_num_seqs=4,
-        ttft=1.0, itl=1.0, seed=0, http="h11", client="raw")
+    parser = argparse.ArgumentParser()
+    configure_sheds(parser)  # bench sheds' own defaults: replica, SLO, sender
+    flood_args = parser.parse_args(["--rate", repr(args.shed_rate),
+                                    "--duration", repr(args.shed_duration_s)])
     config = write_guard_config(str(work / f"proxy-shed-{http}.toml"), policy="slo",
                                 ttft_s=flood_args.ttft, itl_s=flood_args.itl)  # bench sheds' guard
     spec = TopologySpec(num_replicas=1, num_proxies=1,
