@@ -35,6 +35,8 @@ MAX_HEADERS = 100
 _TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
 _REQUEST_LINE = re.compile(rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])")
 _HEADER = re.compile(rb"(" + _TOKEN + rb"):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*")
+_HEADER_LINES = re.compile(rb"^(" + _TOKEN + rb"):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*\r$",
+                           re.MULTILINE)  # _HEADER, every line of a block (each ends in CR)
 _ABSOLUTE = re.compile(rb"https?://[^/?#]*", re.IGNORECASE)
 
 
@@ -70,10 +72,10 @@ class RequestHead:
 
 def parse_head(head: bytes) -> RequestHead:
     """The request head (request line and header lines, without the final blank line)."""
-    lines = head.split(b"\r\n")
-    if len(lines) > MAX_HEADERS + 1:
+    if head.count(b"\r\n") > MAX_HEADERS:
         raise BadRequest(431, "too many header lines")
-    match = _REQUEST_LINE.fullmatch(lines[0])
+    end = head.find(b"\r\n")
+    match = _REQUEST_LINE.fullmatch(head if end < 0 else head[:end])
     if match is None:
         raise BadRequest(400, "malformed request line")
     method_b, target, major, minor = match.groups()
@@ -84,7 +86,7 @@ def parse_head(head: bytes) -> RequestHead:
         raise BadRequest(400, "CONNECT is not supported")
     raw_path, query_string = _split_target(target, method)
     request = RequestHead(method, raw_path, query_string, "1.1" if minor == b"1" else "1.0",
-                          _headers(lines))
+                          [] if end < 0 else _headers(head[end + 2:]))
     _framing(request)
     return request
 
@@ -105,16 +107,19 @@ def _split_target(target: bytes, method: str) -> tuple[bytes, bytes]:
     return raw_path, query_string
 
 
-def _headers(lines: list[bytes]) -> list[tuple[bytes, bytes]]:
-    headers = []
-    for line in lines[1:]:
-        match = _HEADER.fullmatch(line)
-        if match is None:
+def _headers(block: bytes) -> list[tuple[bytes, bytes]]:
+    """The header lines (``block``: the head after the request line), names lower-cased."""
+    # one scan for the whole block: a line matches only whole (anchored at its start, ending
+    # at its CR), so as many matches as lines means every line is a valid field line
+    found = _HEADER_LINES.findall(block + b"\r")
+    if len(found) == block.count(b"\n") + 1:
+        return [(name.lower(), value) for name, value in found]
+    for line in block.split(b"\r\n"):  # which line is wrong, and how
+        if _HEADER.fullmatch(line) is None:
             if line[:1] in (b" ", b"\t"):
                 raise BadRequest(400, "obsolete line folding")
             raise BadRequest(400, "malformed header line")
-        headers.append((match[1].lower(), match[2]))
-    return headers
+    raise BadRequest(400, "malformed header line")  # a bare LF between two valid lines
 
 
 def _framing(request: RequestHead) -> None:
