@@ -8,7 +8,8 @@ its response, the release, never overlaps the next target's request).
         [--strace NAME=OUT ...] [--pyspy NAME=OUT] [--callgrind] [--profile NAME]
 
 Targets: ``direct`` (the upstream itself), each ``--proxy`` (``kvguard proxy``, ``always_admit``,
-``--http kvguard`` on asyncio with the default upstream client, run from CHECKOUT: a kvguard
+``--http kvguard`` on asyncio — on uvloop when named with ``--uvloop NAME`` — with the
+default upstream client, run from CHECKOUT: a kvguard
 source tree, so two versions are measured in one interleaved run; default one proxy, ``this``,
 from this checkout), and with ``--floor`` HTTP/1.1 relayed on raw asyncio protocols
 (``chaos.passthrough --mode http``). The upstream streams one SSE event per token: the
@@ -184,9 +185,10 @@ def _start(cmd: list[str], pattern: str, env: dict | None = None, **kw) -> tuple
 
 
 def _proxy_cmd(checkout: Path, upstream: int, wrap: list[str],
-               runner: str | None = None) -> tuple[list[str], dict]:
+               runner: str | None = None, loop: str = "asyncio") -> tuple[list[str], dict]:
     """The command of one target; ``runner``: a script run in place of ``-m guard.cli``
-    (its arguments the same), e.g. to patch the proxy before it starts."""
+    (its arguments the same), e.g. to patch the proxy before it starts; ``loop``: its
+    ``--loop``."""
     runner = runner or os.environ.get("PROXY_RUNNER")
     if str(checkout) == "floor":  # the raw-protocol HTTP relay of this checkout
         return [*wrap, sys.executable, "-m", "chaos.passthrough", "--mode", "http",
@@ -196,7 +198,7 @@ def _proxy_cmd(checkout: Path, upstream: int, wrap: list[str],
     entry = [runner] if runner else ["-m", "guard.cli"]
     cmd = [*wrap, sys.executable, "-P", *entry, "proxy", "--upstream",
            f"http://127.0.0.1:{upstream}", "--state-source", "none", "--config", str(config),
-           "--http", "kvguard", "--loop", "asyncio", "--port", "0"]
+           "--http", "kvguard", "--loop", loop, "--port", "0"]
     return cmd, {"PYTHONPATH": str(checkout.resolve())}
 
 
@@ -208,7 +210,8 @@ def _pct(values: list[float], q: float) -> float:
 def _latency(args, upstream: int, procs: list) -> None:
     targets = [Target("direct", upstream, None)]
     for name, checkout in args.proxy:
-        cmd, env = _proxy_cmd(checkout, upstream, [])
+        cmd, env = _proxy_cmd(checkout, upstream, [],
+                              loop="uvloop" if name in args.uvloop else "asyncio")
         proc, port = _start(cmd, r"listening on http://127\.0\.0\.1:(\d+)", env)
         procs.append(proc)
         targets.append(Target(name, port, proc.pid))
@@ -298,7 +301,8 @@ def _callgrind(args, upstream: int, procs: list) -> None:
 def _idle(args, upstream: int, procs: list) -> None:
     targets = []
     for name, checkout in args.proxy:
-        cmd, env = _proxy_cmd(checkout, upstream, [])
+        cmd, env = _proxy_cmd(checkout, upstream, [],
+                              loop="uvloop" if name in args.uvloop else "asyncio")
         proc, port = _start(cmd, r"listening on http://127\.0\.0\.1:(\d+)", env)
         procs.append(proc)
         targets.append(Target(name, port, proc.pid))
@@ -334,6 +338,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--proxy", action="append", default=[], metavar="NAME=CHECKOUT")
     parser.add_argument("--floor", action="store_true")
+    parser.add_argument("--uvloop", action="append", default=[], metavar="NAME",
+                        help="proxy NAME runs on uvloop (--loop uvloop); the others on asyncio")
     parser.add_argument("--rounds", type=int, default=1000)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--gap-ms", type=float, default=3.0,
@@ -353,6 +359,9 @@ def main() -> int:
     here = Path(__file__).resolve().parent.parent
     args.proxy = [(p.split("=", 1)[0], Path(p.split("=", 1)[1])) for p in args.proxy] or \
         [("this", here)]
+    unknown = set(args.uvloop) - {name for name, _ in args.proxy}
+    if unknown:
+        parser.error(f"--uvloop {', '.join(sorted(unknown))}: no --proxy of that name")
     upstream_proc = subprocess.Popen([sys.executable, "-c", _UPSTREAM], stdout=subprocess.PIPE,
                                      text=True)
     upstream = int(upstream_proc.stdout.readline())
