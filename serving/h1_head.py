@@ -119,7 +119,9 @@ def _headers(block: bytes) -> list[tuple[bytes, bytes]]:
             if line[:1] in (b" ", b"\t"):
                 raise BadRequest(400, "obsolete line folding")
             raise BadRequest(400, "malformed header line")
-    raise BadRequest(400, "malformed header line")  # a bare LF between two valid lines
+    # not reached: a block of valid lines is one match a line, and a bare CR or LF makes
+    # its line invalid above
+    raise BadRequest(400, "malformed header line")
 
 
 def _framing(request: RequestHead) -> None:
