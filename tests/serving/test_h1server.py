@@ -11,6 +11,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -220,6 +221,60 @@ def test_keep_alive_reuses_one_connection_and_close_ends_it(server):
     assert [a["body"] for a in answers] == ["x" * i for i in range(5)]
     assert len({tuple(a["client"]) for a in answers}) == 1  # one connection
     assert closed.headers["connection"] == "close"
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """One whole response of the Recorder (it always sends content-length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = sock.recv(65536)
+        assert more, f"the connection closed before the response: {data!r}"
+        data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        more = sock.recv(65536)
+        assert more, "the connection closed inside the response"
+        body += more
+    return head
+
+
+def _closed_within(sock: socket.socket, timeout_s: float) -> bool:
+    sock.settimeout(timeout_s)
+    try:
+        return sock.recv(65536) == b""
+    except TimeoutError:
+        return False
+
+
+def test_the_keep_alive_deadline_counts_from_the_last_response(server):
+    """Deadlines are lazy (one timer per connection, set again when it finds the phase's due
+    time ahead): a connection kept busy past its first keep-alive window stays open, and is
+    closed once it idles a whole window after its last response."""
+    srv = server(limits=ServerLimits(header_timeout_s=1.0, keep_alive_timeout_s=2.0))
+    request = b"GET /k HTTP/1.1\r\nhost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.settimeout(30.0)
+        for _ in range(3):  # 2.8 s in all: past the first request's window
+            sock.sendall(request)
+            assert _answer(sock).startswith(b"HTTP/1.1 200 ")
+            time.sleep(1.4)
+        assert _closed_within(sock, 30.0)  # idle a whole window: closed
+    assert len(srv.server.app.requests) == 3
+
+
+def test_a_head_deadline_nearer_than_the_running_timer_replaces_it(server):
+    """A keep-alive window far longer than the header timeout: the next request's head that
+    stalls is still cut at the header timeout (counted), not when the idle timer would fire."""
+    srv = server(limits=ServerLimits(header_timeout_s=0.5, keep_alive_timeout_s=60.0))
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.settimeout(30.0)
+        sock.sendall(b"GET /k HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert _answer(sock).startswith(b"HTTP/1.1 200 ")
+        time.sleep(1.0)  # the connection's first timer (its first head's) has run by now
+        sock.sendall(b"GET /k HTTP/1.1\r\n")  # and nothing more
+        assert _closed_within(sock, 30.0)
+    assert srv.table.num_closed_by_reason["header_timeout"] == 1
 
 
 def test_http10_is_closed_after_the_response_unless_keep_alive(server):
