@@ -18,6 +18,8 @@ strict head parser (``serving.h1_head``):
   coroutine (new connections still accepted meanwhile), then stops accepting, closes idle
   keep-alive connections, lets in-flight responses end for up to ``graceful_timeout_s``, runs
   the lifespan shutdown and returns; a second signal returns at once;
+* every connection waiting in the accept queue is accepted at once, on uvloop too
+  (``serving.acceptor``: libuv takes one per loop iteration);
 * ``run`` settles the heap once the app has started (``serving.heap``): the start-up objects
   frozen out of the cyclic collector, young collections less often.
 
@@ -40,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from email.utils import formatdate
 from typing import Any
 
+from serving.acceptor import Acceptor
 from serving.h1_connection import H1Connection
 from serving.heap import settle_heap
 from serving.limited_protocol import ConnectionTable
@@ -66,7 +69,7 @@ class H1Server:
         self.started = False
         self.date_header = b""
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._servers: list[asyncio.base_events.Server] = []
+        self.acceptors: list[Acceptor] = []
         self._lifespan: _Lifespan | None = None
         self._clock: asyncio.TimerHandle | None = None
 
@@ -79,9 +82,10 @@ class H1Server:
         if self._lifespan is not None and not await self._lifespan.startup():
             self._stop_clock()
             return False
-        for sock in sockets:
-            self._servers.append(await self.loop.create_server(
-                lambda: H1Connection(self), sock=sock, backlog=2048))
+        for sock in sockets:  # every waiting connection accepted at once (serving.acceptor)
+            acceptor = Acceptor(self.loop, sock, lambda: H1Connection(self), backlog=2048)
+            acceptor.start()
+            self.acceptors.append(acceptor)
         self.started = True
         return True
 
@@ -89,8 +93,8 @@ class H1Server:
         """Stop accepting, close idle connections, let the others end (up to the graceful
         timeout, or until ``force()``), then the lifespan shutdown (skipped when forced)."""
         self.draining = True
-        for server in self._servers:
-            server.close()
+        for acceptor in self.acceptors:
+            acceptor.close()
         for connection in list(self.connections):
             connection.close_if_idle()
         deadline_s = time.monotonic() + self.graceful_timeout_s
