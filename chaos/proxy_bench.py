@@ -6,11 +6,12 @@ all alike. Per target: TTFT (first content token at the client) and end-to-end, 
 "added" is the target's figure minus the direct one. Targets: ``kvguard proxy`` with
 ``always_admit`` and with ``slo`` (aiohttp upstream client, uvicorn on asyncio + h11), both
 again on the proxy's defaults (``kvguard defaults ...``: kvguard's own HTTP server and the h1
-client, on asyncio) and LiteLLM proxy (one worker, installed into ``.venv-litellm/``; ``--no-litellm`` skips it);
+client, on uvloop — what ``--loop auto`` picks, uvloop being a core dependency) and LiteLLM proxy (one worker, installed into ``.venv-litellm/``; ``--no-litellm`` skips it);
 ``--stacks`` adds ``always_admit`` with the httpx client, with the h1 client (HTTP/1.1 on raw
 asyncio protocols), on uvloop + httptools (installed by the bench into ``.bench-site/`` when
 the environment lacks them), the h1 client on those, and on kvguard's own HTTP server
-(``--http kvguard``, on asyncio and on uvloop; with the aiohttp and with the h1 client).
+(``--http kvguard``, on asyncio and on uvloop with the aiohttp client, on asyncio with the h1
+client).
 ``--floor`` adds the trivial
 pass-through proxies of :mod:`chaos.passthrough` (a TCP byte pump, HTTP/1.1 relayed on raw
 asyncio protocols, and uvicorn + aiohttp with no admission; with ``--stacks`` that one on
@@ -70,9 +71,10 @@ MODEL = "llama-7b"
 VARIANTS = {
     "kvguard always_admit": ("always_admit", "aiohttp", "asyncio", "h11"),
     "kvguard slo": ("slo", "aiohttp", "asyncio", "h11"),
-    # the proxy as it runs by default: kvguard's own HTTP server and the h1 client, on asyncio
-    "kvguard defaults always_admit": ("always_admit", "h1", "asyncio", "kvguard"),
-    "kvguard defaults slo": ("slo", "h1", "asyncio", "kvguard"),
+    # the proxy as it runs by default: kvguard's own HTTP server and the h1 client, on uvloop
+    # (--loop auto picks it: a core dependency)
+    "kvguard defaults always_admit": ("always_admit", "h1", "uvloop", "kvguard"),
+    "kvguard defaults slo": ("slo", "h1", "uvloop", "kvguard"),
 }
 STACK_VARIANTS = {  # --stacks: the HTTP client and server stacks side by side
     "kvguard always_admit httpx": ("always_admit", "httpx", "asyncio", "h11"),
@@ -83,9 +85,9 @@ STACK_VARIANTS = {  # --stacks: the HTTP client and server stacks side by side
     "kvguard always_admit kvguard-http": ("always_admit", "aiohttp", "asyncio", "kvguard"),
     "kvguard always_admit kvguard-http uvloop": ("always_admit", "aiohttp", "uvloop",
                                                  "kvguard"),
-    # both halves kvguard's own on uvloop (on asyncio: "kvguard defaults always_admit")
-    "kvguard always_admit kvguard-http h1 client uvloop": ("always_admit", "h1", "uvloop",
-                                                           "kvguard"),
+    # both halves kvguard's own on asyncio (on uvloop: "kvguard defaults always_admit")
+    "kvguard always_admit kvguard-http h1 client asyncio": ("always_admit", "h1", "asyncio",
+                                                            "kvguard"),
 }
 FLOOR_VARIANTS = {  # --floor: name -> (chaos.passthrough mode, uvicorn loop, uvicorn http)
     "passthrough tcp": ("tcp", "asyncio", "h11"),
