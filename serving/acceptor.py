@@ -13,9 +13,9 @@ clients that time out retry on fresh ones.
 ``batch`` (64) waiting connections — the rest stay readable, so the next iteration goes on;
 a burst is taken in steps between the loop's other work, not in one long iteration — gives
 each ``TCP_NODELAY`` and hands it to the loop's ``connect_accepted_socket`` (which owns it
-from then on). Out of file descriptors (``EMFILE`` and kin) it stops reading the listener for
-a second, as asyncio's own server does, and logs it; a connection reset before it was
-accepted is skipped.
+from then on). Out of file descriptors (``EMFILE`` and kin), or on any other accept error, it
+stops reading the listener for a second, as asyncio's own server does for those, and logs it;
+a connection reset before it was accepted is skipped.
 """
 
 from __future__ import annotations
@@ -92,12 +92,13 @@ class Acceptor:
                 return  # none left
             except ConnectionAbortedError:
                 continue  # reset by the client while it waited
-            except OSError as exc:
-                if exc.errno not in _OUT_OF_RESOURCES:
-                    log.error("accept() on %s failed: %r", self.sock.getsockname(), exc)
-                    return
-                log.error("accept() on %s: %s; accepting again in %g s",
-                          self.sock.getsockname(), exc.strerror, RETRY_AFTER_S)
+            except OSError as exc:  # EMFILE and kin, or anything else: pause, never spin
+                if exc.errno in _OUT_OF_RESOURCES:
+                    log.error("accept() on %s: %s; accepting again in %g s",
+                              self.sock.getsockname(), exc.strerror, RETRY_AFTER_S)
+                else:
+                    log.error("accept() on %s failed: %r; accepting again in %g s",
+                              self.sock.getsockname(), exc, RETRY_AFTER_S)
                 self._unread()
                 self._retry = self.loop.call_later(RETRY_AFTER_S, self._resume)
                 return

@@ -18,8 +18,8 @@ strict head parser (``serving.h1_head``):
   coroutine (new connections still accepted meanwhile), then stops accepting, closes idle
   keep-alive connections, lets in-flight responses end for up to ``graceful_timeout_s``, runs
   the lifespan shutdown and returns; a second signal returns at once;
-* every connection waiting in the accept queue is accepted at once, on uvloop too
-  (``serving.acceptor``: libuv takes one per loop iteration);
+* connections waiting in the accept queue are accepted up to 64 per loop iteration, on
+  uvloop too (``serving.acceptor``: libuv takes one per iteration);
 * ``run`` settles the heap once the app has started (``serving.heap``): the start-up objects
   frozen out of the cyclic collector, young collections less often.
 
@@ -82,7 +82,7 @@ class H1Server:
         if self._lifespan is not None and not await self._lifespan.startup():
             self._stop_clock()
             return False
-        for sock in sockets:  # every waiting connection accepted at once (serving.acceptor)
+        for sock in sockets:  # up to 64 waiting connections per iteration (serving.acceptor)
             acceptor = Acceptor(self.loop, sock, lambda: H1Connection(self), backlog=2048)
             acceptor.start()
             self.acceptors.append(acceptor)

@@ -251,14 +251,14 @@ def test_the_keep_alive_deadline_counts_from_the_last_response(server):
     """Deadlines are lazy (one timer per connection, set again when it finds the phase's due
     time ahead): a connection kept busy past its first keep-alive window stays open, and is
     closed once it idles a whole window after its last response."""
-    srv = server(limits=ServerLimits(header_timeout_s=1.0, keep_alive_timeout_s=2.0))
+    srv = server(limits=ServerLimits(header_timeout_s=1.0, keep_alive_timeout_s=3.0))
     request = b"GET /k HTTP/1.1\r\nhost: x\r\n\r\n"
     with socket.create_connection(("127.0.0.1", srv.port)) as sock:
         sock.settimeout(30.0)
-        for _ in range(3):  # 2.8 s in all: past the first request's window
+        for _ in range(3):  # 4.8 s in all: past the first request's window
             sock.sendall(request)
             assert _answer(sock).startswith(b"HTTP/1.1 200 ")
-            time.sleep(1.4)
+            time.sleep(1.6)
         assert _closed_within(sock, 30.0)  # idle a whole window: closed
     assert len(srv.server.app.requests) == 3
 
