@@ -26,6 +26,8 @@ import logging
 import socket
 from collections.abc import Callable
 
+from serving.eager_task import start_eagerly
+
 __all__ = ["Acceptor"]
 
 log = logging.getLogger("kvguard.http")
@@ -109,7 +111,8 @@ class Acceptor:
             except OSError:  # gone already
                 conn.close()
                 continue
-            task = self.loop.create_task(self._connect(conn))
+            # its transport is made now, in this iteration (serving.eager_task), not the next
+            task = start_eagerly(self.loop, self._connect(conn))
             self._starting.add(task)  # the loop holds tasks weakly
             task.add_done_callback(self._starting.discard)
 

@@ -140,5 +140,9 @@ def test_close_stops_accepting_and_closes_the_listener(kind):
 
 
 def test_bad_backlog_is_refused():
-    with pytest.raises(ValueError, match="backlog"):
-        Acceptor(asyncio.new_event_loop(), socket.socket(), asyncio.Protocol, backlog=0)
+    loop = asyncio.new_event_loop()
+    try:
+        with socket.socket() as sock, pytest.raises(ValueError, match="backlog"):
+            Acceptor(loop, sock, asyncio.Protocol, backlog=0)
+    finally:
+        loop.close()
