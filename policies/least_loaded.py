@@ -36,12 +36,18 @@ def load_order(replica: ReplicaSnapshot) -> tuple[float, float, float, str]:
 
 def least_loaded(replicas: Iterable[ReplicaSnapshot]) -> ReplicaSnapshot | None:
     """The first replica in :func:`load_order`; ``None`` when there is none."""
+    if isinstance(replicas, (list, tuple)) and len(replicas) == 1:
+        return replicas[0]  # one candidate: no order to compute (a proxy before one replica)
     return min(replicas, key=load_order, default=None)
 
 
 def route_least_loaded(snapshot: LoadSnapshot) -> Admit | Shed:
     """Admit to the least-loaded healthy replica; 503 ``no_replica`` when none is healthy."""
-    replica = least_loaded(r for r in snapshot.replicas if r.healthy)
+    healthy = []  # a plain loop: a generator is one more call per replica, per request
+    for replica in snapshot.replicas:
+        if replica.healthy:
+            healthy.append(replica)
+    replica = least_loaded(healthy)
     if replica is None:
         return Shed(503, NO_REPLICA)
     return Admit(replica.replica_id)
