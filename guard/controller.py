@@ -15,7 +15,8 @@ ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy anot
 * ``path``: the request path (the adapter decides which paths are admitted, with
   :meth:`GuardConfig.is_admitted_path`); ``headers``: lower-case names → values
   (:func:`guard.body.headers_from_scope` for ASGI);
-  ``read_body()``: an awaitable returning the whole body, raising
+  ``read_body()``: the whole body, or an awaitable returning it (an adapter that already
+  holds the whole body returns it as is: no coroutine to run), raising
   :class:`~guard.errors.BodyTooLarge` past ``config.max_body_bytes`` or
   :class:`~guard.errors.ClientDisconnected`; it is only called once the tenant is known.
 * ``client_gone()``: returns one future (the same one on every call; made on first use) that
@@ -205,7 +206,8 @@ class AdmissionController:
         self.releases.trace = self.rejecter.trace = trace
 
     # --- the flow ---------------------------------------------------------------------------
-    async def admit(self, path: str, headers: Headers, read_body: Callable[[], Awaitable[bytes]],
+    async def admit(self, path: str, headers: Headers,
+                    read_body: Callable[[], bytes | Awaitable[bytes]],
                     client_gone: Callable[[], asyncio.Future] | None = None
                     ) -> Admission | Rejection | None:
         """Price, budget, decide and (maybe) wait: see the module docstring."""
@@ -220,7 +222,9 @@ class AdmissionController:
         if tenant is None:
             return self.rejecter.reject_early(request_id, None, arrival_s, PricingError(401, *INVALID_KEY))
         try:
-            body = await read_body()
+            body = read_body()
+            if body.__class__ is not bytes:  # an awaitable: the body still arriving
+                body = await body
             priced = self.pricer.price_request(body, path, headers, tenant, arrival_s,
                                                request_id=request_id, rules=self.rules)
         except PricingError as error:

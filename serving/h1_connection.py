@@ -152,14 +152,16 @@ class H1Connection(PhaseDeadlines, asyncio.Protocol):
         exchange = Exchange(self, request)
         scope["extensions"] = {"kvguard.disconnect": {"future": exchange.gone},
                                "kvguard.body": {"write": exchange.write_body,
-                                                "drain": self.drain}}
+                                                "drain": self.drain,
+                                                "take": exchange.take_body}}
         self.exchange = exchange
-        if exchange.more_body:
-            self._arm("body", self.limits.body_timeout_s)
-            if self._buffer:
-                self._feed_body(exchange)
-        else:
-            self._arm("serving", None)
+        if exchange.more_body and self._buffer:  # the body, or its start, came with the head
+            self._feed_body(exchange)
+        if not exchange.disconnected:  # (a malformed chunked body was refused: no phase)
+            if exchange.more_body:
+                self._arm("body", self.limits.body_timeout_s)
+            else:  # the whole request is read: one phase change, not head → body → serving
+                self._arm("serving", None)
         # from the read callback the app's first step runs now (the proxy's request is priced,
         # admitted and sent upstream before the loop polls again); from a task, next iteration
         exchange.task = task = start_eagerly(self.loop, exchange.run(server.app, scope))

@@ -17,7 +17,9 @@ The scope's ``extensions`` carry ``kvguard.disconnect``: ``{"future": gone}`` wh
 returns one future (made on first use) that completes when the connection is lost before the
 response ended, so an app can watch for its client leaving without a task waiting in
 ``receive()`` (the proxy does, for every relayed request); and ``kvguard.body``:
-``{"write": write_body, "drain": drain}``, where ``write_body(body, more_body)`` is
+``{"write": write_body, "drain": drain, "take": take_body}``, where ``take_body()`` returns the
+whole request body when all of it has arrived and none was received yet (the ``receive()``
+that would return it, without a coroutine; None otherwise), and ``write_body(body, more_body)`` is
 ``send()`` of an ``http.response.body`` message done at once, from any callback (True: the
 client is not reading, await ``drain()`` before writing more), so a relay can hand on each
 upstream read from the upstream protocol's own callback.
@@ -165,6 +167,21 @@ class Exchange:
                 self._waiter = asyncio.Event()  # may both wait
             self._waiter.clear()
             await self._waiter.wait()
+
+    def take_body(self) -> bytes | None:
+        """The whole request body, when all of it arrived and ``receive()`` gave none of it
+        yet (then ``receive()`` goes on as after that message); None otherwise."""
+        if self.more_body or self._delivered or self.disconnected or self.complete:
+            return None
+        body = self._body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        self.num_buffered = 0
+        self._delivered = True
+        conn = self.conn
+        if conn._read_paused:
+            conn.body_read()
+        return data
 
     # --- the response, for send() -------------------------------------------------------------
     def write_body(self, body: bytes, more: bool) -> bool:

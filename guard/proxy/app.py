@@ -43,6 +43,7 @@ from guard.admission import Admission
 from guard.body import content_length, headers_from_scope, read_body
 from guard.config import GuardConfig
 from guard.controller import AdmissionController
+from guard.errors import BodyTooLarge
 from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.proxy.health import ReplicaHealth
 from guard.proxy.metrics import ProxyMetrics
@@ -261,7 +262,8 @@ def _upstream_headers(scope: dict, request_id: str) -> list[tuple[bytes, bytes]]
 class _Exchange:
     """One request's body reader and disconnect watch, in the controller's terms."""
 
-    __slots__ = ("_receive", "_max_bytes", "_content_length", "gone", "_server_gone", "writer")
+    __slots__ = ("_receive", "_max_bytes", "_content_length", "gone", "_server_gone", "writer",
+                 "_take_body")
 
     def __init__(self, receive: Receive, max_bytes: int, declared: int | None,
                  extensions: dict | None = None) -> None:
@@ -274,9 +276,19 @@ class _Exchange:
         self._server_gone = watch["future"] if watch else None
         body = extensions.get("kvguard.body") if extensions else None
         self.writer = (body["write"], body["drain"]) if body else None  # chunks without a task
+        self._take_body = body.get("take") if body else None  # the body, when all arrived
 
-    def read_body(self) -> Awaitable[bytes]:
-        return read_body(self._receive, self._max_bytes, self._content_length)
+    def read_body(self) -> bytes | Awaitable[bytes]:
+        """The body itself when the server already holds all of it (no coroutine); else an
+        awaitable of it, read under the byte limit."""
+        take, limit = self._take_body, self._max_bytes
+        if take is not None and (self._content_length or 0) <= limit:
+            body = take()
+            if body is not None:
+                if len(body) > limit:  # chunked: no length declared
+                    raise BodyTooLarge(limit)
+                return body
+        return read_body(self._receive, limit, self._content_length)
 
     def client_gone(self) -> asyncio.Future:
         """Completes with the client's ``http.disconnect`` (made on first use)."""

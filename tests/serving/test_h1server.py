@@ -570,3 +570,61 @@ def test_an_app_started_from_the_read_callback_runs_in_its_task_and_sees_the_dis
         sock.sendall(b"")  # then the client leaves
     assert done.wait(30.0)  # hang guard
     assert seen == {"task": True, "message": {"type": "http.disconnect"}}
+
+
+class TakeApp:
+    """Takes the body with ``kvguard.body``'s ``take`` when the server holds all of it, else
+    reads it with ``receive()``; answers how it got it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        take = scope["extensions"]["kvguard.body"]["take"]
+        body = take()
+        again = take()
+        how = "take"
+        if body is None:
+            how, chunks = "receive", []
+            while True:
+                message = await receive()
+                chunks.append(message["body"])
+                if not message["more_body"]:
+                    break
+            body = b"".join(chunks)
+        self.seen.append((how, body, again))
+        answer = json.dumps({"how": how, "body": body.decode()}).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(answer)).encode())]})
+        await send({"type": "http.response.body", "body": answer, "more_body": False})
+
+
+def test_take_gives_a_body_already_whole_once_and_receive_one_still_arriving(server):
+    srv = server(TakeApp())
+
+    async def main() -> list[dict]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        answers = []
+        # whole in one write; then the same connection, the body split across two writes;
+        # then an empty body
+        for parts in ([b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhello"],
+                      [b"POST /b HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nhel",
+                       b"lo worl"],
+                      [b"POST /c HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"]):
+            for i, part in enumerate(parts):
+                if i:
+                    await asyncio.sleep(0.05)
+                writer.write(part)
+                await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30.0)
+            length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+            answers.append(json.loads(await asyncio.wait_for(reader.readexactly(length), 30.0)))
+        writer.close()
+        return answers
+
+    answers = asyncio.run(main())
+    assert answers == [{"how": "take", "body": "hello"}, {"how": "receive", "body": "hello worl"},
+                       {"how": "take", "body": ""}]
+    assert [again for _, _, again in srv.server.app.seen] == [None, None, None]

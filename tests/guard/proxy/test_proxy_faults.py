@@ -214,6 +214,40 @@ def test_a_replicas_503_moves_the_request_on_and_never_ejects_it(tmp_path, clien
         assert not _replica_state(client, pair.url, "r0")["ejected"]
 
 
+def _chunked_post(port: int, body: bytes) -> bytes:
+    """One chunked POST written whole in one send (the proxy's server holds all of it when
+    the head is parsed); the raw answer."""
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(part), part)
+                      for part in (body[:40], body[40:]) if part)
+    request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n" + chunks + b"0\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=30.0) as sock:
+        sock.sendall(request)
+        answer = b""
+        while data := sock.recv(65536):
+            answer += data
+    return answer
+
+
+def test_a_whole_chunked_body_is_held_to_the_byte_limit_and_relayed_under_it(tmp_path, client):
+    config = write_config(tmp_path)
+    with open(config) as f:
+        text = f.read()
+    with open(config, "w") as f:
+        f.write("max_body_bytes = 300\n" + text)
+    small = json.dumps(BODY).encode()
+    large = json.dumps({**BODY, "prompt": "x" * 400}).encode()
+    with running(upstream_child("ok")) as upstream, \
+            running(proxy_child([upstream.url], config, state_source="none")) as proxy:
+        port = int(proxy.url.rsplit(":", 1)[1])
+        refused = _chunked_post(port, large)
+        assert refused.startswith(b"HTTP/1.1 413 "), refused[:200]
+        assert client.get(upstream.url + "/count").json()["posts"] == 0
+        relayed = _chunked_post(port, small)
+        assert relayed.startswith(b"HTTP/1.1 200 "), relayed[:200]
+        assert client.get(upstream.url + "/count").json()["posts"] == 1
+
+
 def test_bad_input_never_reaches_an_upstream(tmp_path, client):
     config = write_config(tmp_path)
     with running(upstream_child("ok")) as upstream, \
