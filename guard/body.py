@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from guard.errors import BodyTooLarge, ClientDisconnected
 
-__all__ = ["content_length", "headers_from_scope", "read_body"]
+__all__ = ["content_length", "headers_from_pairs", "headers_from_scope", "read_body"]
 
 Receive = Callable[[], Awaitable[dict]]
 
@@ -36,8 +36,13 @@ async def read_body(receive: Receive, max_bytes: int, content_length: int | None
 
 def headers_from_scope(scope: Mapping[str, Any]) -> dict[str, str]:
     """ASGI ``scope["headers"]`` as a dict of lower-case names (last value wins)."""
+    return headers_from_pairs(scope.get("headers", ()))
+
+
+def headers_from_pairs(pairs: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """``(name, value)`` byte pairs as a dict of lower-case names (last value wins)."""
     headers = {}  # a plain loop: a comprehension is one more call per request
-    for name, value in scope.get("headers", ()):
+    for name, value in pairs:
         headers[name.decode("latin-1").lower()] = value.decode("latin-1")
     return headers
 

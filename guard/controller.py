@@ -225,32 +225,97 @@ class AdmissionController:
             body = read_body()
             if body.__class__ is not bytes:  # an awaitable: the body still arriving
                 body = await body
-            priced = self.pricer.price_request(body, path, headers, tenant, arrival_s,
-                                               request_id=request_id, rules=self.rules)
         except PricingError as error:
             return self.rejecter.reject_early(request_id, tenant, arrival_s, error)
         except ClientDisconnected:
             self.rejecter.count_early(request_id, tenant, arrival_s, None, "canceled")
             return None
+        result = self._priced(path, headers, body, tenant, arrival_s, request_id, client_gone)
+        if result is None or result.__class__ is Admission or isinstance(result, Rejection):
+            return result
+        return await result
+
+    def admit_now(self, path: str, headers: Headers, body: bytes,
+                  client_gone: Callable[[], asyncio.Future] | None = None
+                  ) -> Admission | Rejection | None | Awaitable[Admission | Rejection | None]:
+        """:meth:`admit` of a body already read whole, run synchronously as far as the flow goes
+        without waiting: the result itself, or an awaitable of it where the flow must wait
+        (start-up, a budget store that cannot answer at once, shared reservations, the queue).
+        An adapter that holds the whole body (the proxy on kvguard's server) decides and
+        forwards within the read callback this way, with no task before the request is sent."""
+        if not self.background.is_running_here():
+            return self.admit(path, headers, lambda: body, client_gone)  # start-up first
+        arrival_s = self.clock()
+        request_id = self._id_prefix + format(next(self._next_id), "x")
+        tenant = self.tenant(headers.get("authorization")) if self.config.tenants else self._anonymous
+        if tenant is None:
+            return self.rejecter.reject_early(request_id, None, arrival_s, PricingError(401, *INVALID_KEY))
+        return self._priced(path, headers, body, tenant, arrival_s, request_id, client_gone)
+
+    def _priced(self, path: str, headers: Headers, body: bytes, tenant: TenantConfig,
+                arrival_s: float, request_id: str,
+                client_gone: Callable[[], asyncio.Future] | None
+                ) -> Admission | Rejection | None | Awaitable[Admission | Rejection | None]:
+        """Price, budget and decide, without waiting where the answer is at hand (see
+        :meth:`admit_now`)."""
+        try:
+            priced = self.pricer.price_request(body, path, headers, tenant, arrival_s,
+                                               request_id=request_id, rules=self.rules)
+        except PricingError as error:
+            return self.rejecter.reject_early(request_id, tenant, arrival_s, error)
         cost = priced.cost
         self.metrics.counters(cost.request_class.name, cost.tenant).offered.value += 1
         self.retry_budget.record(cost.tenant, cost.is_retry, arrival_s)
-        grant = None
         grants = self.grants
-        if grants is not None:  # the tenant budget: answered at once when the store can
-            tokens = cost.num_prompt_tokens + cost.max_tokens
-            outcome = grants.try_reserve(cost.tenant, tokens)
-            if outcome is None:
-                outcome = await grants.reserve(cost.tenant, tokens)
-            if isinstance(outcome, Denied):
-                return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
-            grant = outcome
+        if grants is None:
+            return self._decided(priced, headers, None, client_gone)
+        # the tenant budget: answered at once when the store can
+        outcome = grants.try_reserve(cost.tenant, cost.num_prompt_tokens + cost.max_tokens)
+        if outcome is None:
+            return self._reserved_then_decided(priced, headers, client_gone)
+        if isinstance(outcome, Denied):
+            return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
+        return self._decided(priced, headers, outcome, client_gone)
+
+    async def _reserved_then_decided(self, priced: PricedRequest, headers: Headers,
+                                     client_gone: Callable[[], asyncio.Future] | None
+                                     ) -> Admission | Rejection | None:
+        """The budget store's answer waited for, then the decision."""
+        cost = priced.cost
+        outcome = await self.grants.reserve(cost.tenant, cost.num_prompt_tokens + cost.max_tokens)
+        if isinstance(outcome, Denied):
+            return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
+        result = self._decided(priced, headers, outcome, client_gone)
+        if result.__class__ is Admission or isinstance(result, Rejection):
+            return result
+        return await result
+
+    def _decided(self, priced: PricedRequest, headers: Headers, grant: Grant | None,
+                 client_gone: Callable[[], asyncio.Future] | None
+                 ) -> Admission | Awaitable[Admission | Rejection | None]:
+        """The policy's decision: the admission at once on Admit (the common path: no queue,
+        no coroutine), else an awaitable of the outcome (confirmation, queue, shed)."""
+        cost = priced.cost
         try:
-            result, ahead = self.decider.decide_arrival(cost, arrival_s,
+            result, ahead = self.decider.decide_arrival(cost, cost.arrival_s,
                                                         commit=self.shared is None)
+            if self.shared is None and isinstance(result, Admit):
+                return self._admission(priced, result, None, grant)
+        except BaseException:
+            self._drop_grant(grant)
+            raise
+        return self._settled(priced, result, ahead, headers, grant, client_gone)
+
+    async def _settled(self, priced: PricedRequest, result: Admit | Queue | Shed,
+                       ahead: Any, headers: Headers, grant: Grant | None,
+                       client_gone: Callable[[], asyncio.Future] | None
+                       ) -> Admission | Rejection | None:
+        """A decision that needs waiting: confirmed against the other guards' reservations,
+        queued, or shed; the grant is dropped unless the request is admitted."""
+        try:
             if self.shared is not None:
-                result = await self.decider.confirmed(cost, result, ahead)
-            if isinstance(result, Admit):  # the common path: no queue, no extra coroutine
+                result = await self.decider.confirmed(priced.cost, result, ahead)
+            if isinstance(result, Admit):
                 return self._admission(priced, result, None, grant)
             return await self._queue_or_shed(priced, result, headers, grant, client_gone)
         except BaseException:

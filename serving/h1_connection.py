@@ -18,7 +18,10 @@ A request pipelined behind another waits in the buffer until the first response 
 pauses while more than 256 KiB of request bytes wait for the app. Each request's ASGI
 ``receive``/``send`` is an ``Exchange`` (``serving.h1_exchange``); its app starts from the read
 callback that completed the head, its first step run at once inside its task
-(``serving.eager_task``), not one loop iteration later.
+(``serving.eager_task``), not one loop iteration later. An app with a direct handler
+(``http_direct``, see ``serving.h1server``) is offered each request first, once its body is in:
+a ``content-length`` body of up to 256 KiB that did not come with the head is waited for (under
+the body deadline) before anything of the app runs, unless the client expects ``100-continue``.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class H1Connection(PhaseDeadlines, asyncio.Protocol):
         self._lingering = False  # answered and half-closed: further input is discarded
         self._client: tuple | None = None
         self._server_addr: tuple | None = None
+        self._held: RequestHead | None = None  # its app not started until its body is in
 
     # --- asyncio callbacks --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -85,6 +89,7 @@ class H1Connection(PhaseDeadlines, asyncio.Protocol):
             return  # refused: never counted
         self.server.table.release(self._client_addr)
         self._client_addr = None
+        self._held = None
         self.server.connections.discard(self)
         if self.exchange is not None:
             self.exchange.lost()
@@ -143,30 +148,62 @@ class H1Connection(PhaseDeadlines, asyncio.Protocol):
         self._start(request)
 
     def _start(self, request: RequestHead) -> None:
+        exchange = Exchange(self, request)
+        self.exchange = exchange
+        if exchange.more_body and self._buffer:  # the body, or its start, came with the head
+            self._feed_body(exchange)
+        if exchange.disconnected:  # a malformed chunked body was refused: no phase (the
+            pass                   # ASGI app still runs, and sees the disconnect)
+        elif exchange.more_body:
+            self._arm("body", self.limits.body_timeout_s)
+            if self.server.direct is not None and not request.expect_continue and \
+                    exchange.chunks is None and exchange.body_left <= _MAX_BUFFERED:
+                self._held = request  # a direct handler gets it whole: served once it is in
+                return
+        else:  # the whole request is read: one phase change, not head → body → serving
+            self._arm("serving", None)
+        self._serve(request, exchange)
+
+    def _serve(self, request: RequestHead, exchange: Exchange) -> None:
+        """The app's direct handler when the body is in and it takes the request; else the
+        ASGI app."""
         server = self.server
+        if server.direct is not None and not exchange.more_body and not exchange.disconnected \
+                and self._run_direct(server.direct, request, exchange):
+            return
         scope = {"type": "http", "asgi": _ASGI, "http_version": request.http_version,
                  "server": self._server_addr, "client": self._client, "scheme": "http",
                  "method": request.method, "root_path": "", "path": request.path,
                  "raw_path": request.raw_path, "query_string": request.query_string,
                  "headers": request.headers, "state": server.lifespan_state.copy()}
-        exchange = Exchange(self, request)
         scope["extensions"] = {"kvguard.disconnect": {"future": exchange.gone},
                                "kvguard.body": {"write": exchange.write_body,
                                                 "drain": self.drain,
                                                 "take": exchange.take_body}}
-        self.exchange = exchange
-        if exchange.more_body and self._buffer:  # the body, or its start, came with the head
-            self._feed_body(exchange)
-        if not exchange.disconnected:  # (a malformed chunked body was refused: no phase)
-            if exchange.more_body:
-                self._arm("body", self.limits.body_timeout_s)
-            else:  # the whole request is read: one phase change, not head → body → serving
-                self._arm("serving", None)
         # from the read callback the app's first step runs now (the proxy's request is priced,
         # admitted and sent upstream before the loop polls again); from a task, next iteration
-        exchange.task = task = start_eagerly(self.loop, exchange.run(server.app, scope))
-        server.tasks.add(task)  # the loop holds tasks weakly
-        task.add_done_callback(server.tasks.discard)
+        self._run(exchange, exchange.run(server.app, scope))
+
+    def _run_direct(self, direct: Any, request: RequestHead, exchange: Exchange) -> bool:
+        """The app's ``http_direct(request, exchange)`` (see ``serving.h1server``): False when
+        it leaves the request to ASGI; else the coroutine it returned runs as the request's
+        task. One that raises is answered 500, as an ASGI app that raises."""
+        try:
+            rest = direct(request, exchange)
+        except Exception as exc:  # noqa: BLE001 - the request's failure, not the server's
+            log.error("Exception in the app's direct request handler", exc_info=exc)
+            exchange.fail()
+            return True
+        if rest is None:
+            return False
+        self._run(exchange, exchange.run(rest))
+        return True
+
+    def _run(self, exchange: Exchange, call: Any) -> None:
+        """The request's task, its first step run here and now (``serving.eager_task``)."""
+        exchange.task = task = start_eagerly(self.loop, call)
+        self.server.tasks.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self.server.tasks.discard)
 
     def _feed_body(self, exchange: Exchange) -> None:
         buffer = self._buffer
@@ -185,6 +222,10 @@ class H1Connection(PhaseDeadlines, asyncio.Protocol):
             exchange.add_body(data, exchange.chunks.done)
         if not exchange.more_body and self._phase == "body":
             self._arm("serving", None)
+            held = self._held
+            if held is not None:  # its body came after its head: the request is served now
+                self._held = None
+                self._serve(held, exchange)
 
     def body_read(self) -> None:
         """The app took the body buffered so far: read on if reading was paused for it."""

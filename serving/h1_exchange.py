@@ -92,23 +92,26 @@ class Exchange:
         self._no_body = False
         self._gone: asyncio.Future | None = None  # gone(): the client left
 
-    async def run(self, app: Any, scope: dict) -> None:
+    async def run(self, app: Any, scope: dict | None = None) -> None:
+        """The ASGI ``app`` on this request's ``scope``, or (no scope) ``app`` is the awaitable
+        an app's direct handler left to do (``serving.h1server``); a failure or an incomplete
+        response is answered 500 or cut."""
         try:
-            await app(scope, self.receive, self.send)
+            await (app if scope is None else app(scope, self.receive, self.send))
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 log.error("Exception in ASGI application", exc_info=exc)
             if not self.complete:
-                self._fail()
+                self.fail()
             if not isinstance(exc, Exception):
                 raise
         else:
             if not self.complete:
                 if not self.disconnected:
                     log.error("ASGI app returned without completing the response")
-                self._fail()
+                self.fail()
 
-    def _fail(self) -> None:
+    def fail(self) -> None:
         """The app ended without completing the response: a head held back for its body goes
         out first, so the client sees the response cut, as when the head was written."""
         if self._held_head and not self.disconnected:

@@ -21,7 +21,14 @@ strict head parser (``serving.h1_head``):
 * connections waiting in the accept queue are accepted up to 64 per loop iteration, on
   uvloop too (``serving.acceptor``: libuv takes one per iteration);
 * ``run`` settles the heap once the app has started (``serving.heap``): the start-up objects
-  frozen out of the cyclic collector, young collections less often.
+  frozen out of the cyclic collector, young collections less often;
+* an app may also offer ``http_direct(request, exchange)``: called from the read callback for
+  each request whose head and body are in (``request`` the parsed ``serving.h1_head``
+  ``RequestHead``, ``exchange`` the ``serving.h1_exchange.Exchange``: ``take_body()``,
+  ``gone()``, ``send``, ``write_body``), before any scope or task exists. It returns None to
+  leave the request to the ASGI app, or a coroutine: what is left to do, run as the request's
+  task (first step at once); an exception is answered 500. It must not wait: it is how
+  ``kvguard proxy`` decides and writes a request upstream with no task in between.
 
 No HTTP/2, no upgrades (WebSocket), no TLS: it serves ``kvguard proxy`` and ``kvguard engine``
 on a trusted network edge or behind a load balancer.
@@ -59,6 +66,7 @@ class H1Server:
     def __init__(self, app: Any, table: ConnectionTable, *, graceful_timeout_s: float = 30.0,
                  lifespan: bool = True) -> None:
         self.app = app
+        self.direct = getattr(app, "http_direct", None)  # see the module docstring
         self.use_lifespan = lifespan
         self.table = table
         self.graceful_timeout_s = graceful_timeout_s

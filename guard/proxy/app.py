@@ -34,13 +34,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
 from guard.admission import Admission
-from guard.body import content_length, headers_from_scope, read_body
+from guard.body import content_length, headers_from_pairs, headers_from_scope, read_body
 from guard.config import GuardConfig
 from guard.controller import AdmissionController
 from guard.errors import BodyTooLarge
@@ -49,15 +49,20 @@ from guard.proxy.health import ReplicaHealth
 from guard.proxy.metrics import ProxyMetrics
 from guard.proxy.state_client import TransportStateClient
 from guard.proxy.transports import HOP_BY_HOP, Transport, UpstreamError, make_transport
-from guard.proxy.upstream import Forwarder
+from guard.proxy.upstream import BodyWriter, Forwarder
 from guard.relay import REQUEST_ID_HEADER
 from guard.replicas.poller import state_sources
 from guard.replicas.shared_reservations import SharedReservations
 from guard.shedding import Rejection, send_rejection
 
+if TYPE_CHECKING:
+    from serving.h1_exchange import Exchange
+    from serving.h1_head import RequestHead
+
 __all__ = ["ProxyApp"]
 
 Message = dict[str, Any]
+RawHeaders = list[tuple[bytes, bytes]]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
@@ -163,14 +168,62 @@ class ProxyApp:
         try:
             result = await self.controller.admit(scope["path"], headers, exchange.read_body,
                                                  exchange.client_gone)
-            if isinstance(result, Admission):
-                return await self.forwarder.forward(
-                    result, scope["path"], _upstream_headers(scope, result.request_id),
-                    exchange.client_gone(), send, exchange.writer)
-            if result is not None:
-                await send_rejection(send, result)
+            await self._answer(result, scope["path"], scope["headers"], exchange.client_gone,
+                               send, exchange.writer)
         finally:
             exchange.stop()
+
+    async def _answer(self, result: Admission | Rejection | None, path: str,
+                      raw_headers: RawHeaders, client_gone: Callable[[], asyncio.Future],
+                      send: Send, writer: BodyWriter | None) -> None:
+        """The controller's result answered: relayed from the replica, or the rejection."""
+        if isinstance(result, Admission):
+            return await self.forwarder.forward(
+                result, path, _upstream_headers(raw_headers, result.request_id), client_gone(),
+                send, writer)
+        if result is not None:
+            await send_rejection(send, result)
+
+    # --- kvguard's own server: the request decided and sent from its read callback ----------
+    def http_direct(self, request: RequestHead, exchange: Exchange) -> Coroutine | None:
+        """kvguard's server calls this for every request whose head and body are in, from the
+        read callback (``serving.h1_connection``), before any ASGI scope or task exists.
+        An admitted ``POST`` with a ``content-length`` body is decided right here (the
+        controller's :meth:`~guard.controller.AdmissionController.admit_now`) and, admitted,
+        written to its replica on an idle pooled connection (``h1`` client) before this
+        returns; what is left (the relay, or a rejection to send, or the wait when the flow
+        must wait) is the coroutine returned, which the server runs as the request's task.
+        Everything else (other routes, chunked or oversized bodies) gets None: the server
+        serves it through ASGI (:meth:`__call__`), as any other server would."""
+        if request.method != "POST" or request.chunked or not self._is_admitted(request.path):
+            return None
+        if (request.content_length or 0) > self.config.max_body_bytes:
+            return None  # the ASGI path answers 413
+        body = exchange.take_body()
+        if body is None:
+            return None
+        path, raw_headers = request.path, request.headers
+        headers = headers_from_pairs(raw_headers)
+        gone = exchange.gone
+        writer = (exchange.write_body, exchange.conn.drain)
+        result = self.controller.admit_now(path, headers, body, gone)
+        if result.__class__ is Admission:
+            upstream_headers = _upstream_headers(raw_headers, result.request_id)
+            try:
+                sent = self.forwarder.send_now(result, path, upstream_headers)
+            except BaseException as exc:
+                result.finish(exc)
+                raise
+            return self.forwarder.forward(result, path, upstream_headers, gone(), exchange.send,
+                                          writer, sent)
+        if result is None or isinstance(result, Rejection):
+            return self._answer(result, path, raw_headers, gone, exchange.send, writer)
+        return self._answer_later(result, path, raw_headers, gone, exchange.send, writer)
+
+    async def _answer_later(self, pending: Awaitable[Admission | Rejection | None], path: str,
+                            raw_headers: RawHeaders, client_gone: Callable[[], asyncio.Future],
+                            send: Send, writer: BodyWriter) -> None:
+        await self._answer(await pending, path, raw_headers, client_gone, send, writer)
 
     async def _models(self, send: Send) -> None:
         routable = [rid for rid in self.urls if self.routable(rid)]
@@ -248,11 +301,11 @@ class ProxyApp:
         await self.transport.aclose()
 
 
-def _upstream_headers(scope: dict, request_id: str) -> list[tuple[bytes, bytes]]:
+def _upstream_headers(raw_headers: RawHeaders, request_id: str) -> RawHeaders:
     """The client's end-to-end headers with the guard's ``x-request-id`` (the body may have
     been rewritten, so its length is the transport's to set)."""
     headers = []
-    for name, value in scope["headers"]:
+    for name, value in raw_headers:
         if name not in HOP_BY_HOP and name != REQUEST_ID_HEADER:
             headers.append((name, value))
     headers.append((REQUEST_ID_HEADER, request_id.encode()))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
+from collections.abc import Awaitable
 from urllib.parse import urlsplit
 
 from guard.proxy.h1_connection import DONE, IDLE, Connection, Stale
@@ -151,23 +152,51 @@ class H1Transport:
                     waiter.set_exception(UpstreamUnreachable("the upstream client was closed"))
 
     # --- exchanges -----------------------------------------------------------------------
+    def send_now(self, url: str, headers: Headers, body: bytes) -> Awaitable[_Response] | None:
+        """:meth:`send`, the request written at once when an idle pooled connection can take
+        it (from a protocol callback too: no task needed): an awaitable of the response, to
+        be awaited (it owns the connection until then). None when no connection is idle or
+        the URL is unusable; :meth:`send` then does it all, errors included."""
+        try:
+            pool, target, host = self._target(url)
+        except UpstreamUnreachable:
+            return None
+        if not pool.idle:
+            return None
+        conn = self._pop_idle(pool)
+        if conn is None:
+            return None
+        request = self._request(b"POST", target, host, headers, body)
+        conn.start(request)
+        return self._response(pool, request, conn)
+
     async def _exchange(self, url: str, method: bytes, headers: Headers,
                         body: bytes | None) -> _Response:
         pool, target, host = self._target(url)
-        request = request_head(method, target, host, headers,
-                               None if body is None else len(body))
-        if body:
-            request += body
+        request = self._request(method, target, host, headers, body)
+        conn = await self._acquire(pool, False)
+        conn.start(request)
+        return await self._response(pool, request, conn)
+
+    @staticmethod
+    def _request(method: bytes, target: bytes, host: bytes, headers: Headers,
+                 body: bytes | None) -> bytes:
+        request = request_head(method, target, host, headers, None if body is None else len(body))
+        return request + body if body else request
+
+    async def _response(self, pool: _Pool, request: bytes, conn: Connection) -> _Response:
+        """The response head to ``request``, already written on ``conn``; a pooled connection
+        the upstream closed under it is tried once more on a fresh one."""
         fresh = False
         while True:
-            conn = await self._acquire(pool, fresh)
-            conn.start(request)
             try:
                 head = await conn.read_head()
             except Stale as exc:
                 conn.close()
                 if conn.num_exchanges > 1 and not fresh:
                     fresh = True  # the upstream closed a pooled connection under us: once more
+                    conn = await self._acquire(pool, fresh)
+                    conn.start(request)
                     continue
                 raise UpstreamUnreachable(str(exc)) from None
             except BaseException:

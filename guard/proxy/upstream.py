@@ -47,7 +47,7 @@ from guard.proxy.transports import (
 from guard.relay import REQUEST_ID_HEADER
 from guard.shedding import Rejection
 
-__all__ = ["Forwarder", "sse_error_event", "REPLICA_HEADER"]
+__all__ = ["BodyWriter", "Forwarder", "sse_error_event", "REPLICA_HEADER"]
 
 REPLICA_HEADER = b"x-kvguard-replica"  # which replica answered, on every relayed response
 QUEUE_MS_HEADER = b"x-kvguard-queue-ms"
@@ -82,18 +82,30 @@ class Forwarder:
         self._redispatch = redispatch
         self._counters = counters  # .redispatched(replica_id), .upstream_failure(replica_id, kind)
 
+    def send_now(self, admission: Admission, path: str,
+                 headers: Headers) -> Awaitable[UpstreamResponse] | None:
+        """The request written to its replica at once when the transport can (``h1``, an idle
+        pooled connection): the awaitable of the response head, for :meth:`forward`'s ``sent``
+        (it must be handed there). None otherwise: :meth:`forward` sends it."""
+        send_now = getattr(self._transport, "send_now", None)
+        if send_now is None:
+            return None
+        return send_now(self._urls[admission.replica_id] + path, headers, admission.body)
+
     async def forward(self, admission: Admission, path: str, headers: Headers,
-                      gone: asyncio.Future, send: Send, writer: BodyWriter | None = None) -> None:
+                      gone: asyncio.Future, send: Send, writer: BodyWriter | None = None,
+                      sent: Awaitable[UpstreamResponse] | None = None) -> None:
         """Relay one admitted request and finish its admission exactly once. ``gone`` completes
         when the client disconnects; the relay then stops at once. ``writer``: the server's
-        direct body writer, when it has one."""
+        direct body writer, when it has one. ``sent``: :meth:`send_now`'s awaitable, when the
+        request was already written (its first attempt)."""
         client = _Client(admission, send, writer)
         watch = _Watch(admission, asyncio.current_task())
         gone.add_done_callback(watch.on_gone)
         response: UpstreamResponse | None = None
         error: BaseException | None = None
         try:
-            response = await self._open(admission, path, headers, admission.body, client)
+            response = await self._open(admission, path, headers, admission.body, client, sent)
             if response is not None:
                 await self._relay(admission.replica_id, response, client)
         except asyncio.CancelledError as exc:
@@ -114,12 +126,18 @@ class Forwarder:
             admission.finish(error)
 
     async def _open(self, admission: Admission, path: str, headers: Headers, body: bytes,
-                    client: _Client) -> UpstreamResponse | None:
+                    client: _Client, sent: Awaitable[UpstreamResponse] | None
+                    ) -> UpstreamResponse | None:
         """The upstream's response head, after at most one re-dispatch; None if answered."""
         for attempt in (0, 1):
             replica_id = admission.replica_id
             try:
-                response = await self._transport.send(self._urls[replica_id] + path, headers, body)
+                if sent is not None:  # the first attempt, written already
+                    sent, pending = None, sent
+                    response = await pending
+                else:
+                    response = await self._transport.send(self._urls[replica_id] + path,
+                                                          headers, body)
             except UpstreamUnreachable as exc:
                 failure = str(exc)
             except UpstreamTimeout as exc:

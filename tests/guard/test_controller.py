@@ -1,6 +1,7 @@
 """AdmissionController: the flow without ASGI, and its budget seam (a tiny fake store)."""
 
 import asyncio
+import inspect
 import json
 
 from prometheus_client import CollectorRegistry
@@ -345,4 +346,55 @@ def test_a_newcomer_never_takes_the_seat_a_queued_request_is_waiting_for():
         assert isinstance(later, Admission) and len(policy.admitted_ids) == 2
         complete(later)
         await controller.aclose()
+    run(main())
+
+
+def test_admit_now_answers_at_once_where_the_flow_need_not_wait():
+    """``admit_now`` (the proxy on kvguard's server): an Admit, a bad body or an unknown key
+    is the result itself, no coroutine; start-up, a budget store's answer and the queue are
+    awaitables; the outcomes are counted as ``admit`` counts them."""
+    async def main():
+        controller = make_controller(SlotPolicy(num_slots=1), allow_anonymous=False)
+        first = controller.admit_now("/v1/completions", HEADERS, BODY)
+        assert inspect.isawaitable(first)  # before start-up: the whole flow, start-up first
+        admission = await first
+        assert isinstance(admission, Admission)
+        assert complete(admission)
+        second = controller.admit_now("/v1/completions", HEADERS, BODY)
+        assert isinstance(second, Admission) and second.replica_id == "local"
+        assert controller.policy.admitted_ids[-1] == second.request_id  # committed already
+        bad = controller.admit_now("/v1/completions", HEADERS, b'{"prompt": ')
+        assert isinstance(bad, Rejection) and bad.status == 400
+        stranger = controller.admit_now("/v1/completions", {"authorization": "Bearer x"}, BODY)
+        assert isinstance(stranger, Rejection) and stranger.status == 401
+        third = controller.admit_now("/v1/completions", HEADERS, BODY)  # the one slot is taken
+        assert inspect.isawaitable(third)
+        waiting = asyncio.ensure_future(third)
+        while not len(controller.queue):
+            await asyncio.sleep(0)
+        assert complete(second)
+        admitted = await waiting
+        assert isinstance(admitted, Admission) and complete(admitted)
+        await controller.aclose()
+        assert count(controller, "kvguard_requests_offered_total") == 4  # the 400 too
+        assert count(controller, "kvguard_requests_admitted_total") == 3
+        assert count(controller, "kvguard_requests_completed_total") == 3
+        assert controller.tickets.num_held == 0 and len(controller.queue) == 0
+    run(main())
+
+
+def test_admit_now_waits_for_a_budget_store_that_cannot_answer_at_once():
+    async def main():
+        store = FakeStore(Denied("tokens", retry_after_s=2.0))
+        controller = make_controller(budget=store)
+        await controller.start()
+        denied = controller.admit_now("/v1/completions", HEADERS, BODY)
+        assert inspect.isawaitable(denied)  # the fake store answers only when awaited
+        denied = await denied
+        assert isinstance(denied, Rejection) and denied.status == 429
+        granted = await controller.admit_now("/v1/completions", HEADERS, BODY)
+        assert isinstance(granted, Admission) and granted.ticket.grant.grant_id == "g1"
+        assert complete(granted)
+        await controller.aclose()
+        assert store.calls[-1] == ("settle", "g1", 8)
     run(main())

@@ -628,3 +628,81 @@ def test_take_gives_a_body_already_whole_once_and_receive_one_still_arriving(ser
     assert answers == [{"how": "take", "body": "hello"}, {"how": "receive", "body": "hello worl"},
                        {"how": "take", "body": ""}]
     assert [again for _, _, again in srv.server.app.seen] == [None, None, None]
+
+
+class DirectApp(Recorder):
+    """A Recorder that also offers ``http_direct``: ``/direct`` is answered by the coroutine it
+    returns (what the handler saw: the body, and whether a task was running), ``/direct-boom``
+    raises in the handler, anything else goes to ASGI."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.direct_calls: list[tuple[str, bool]] = []
+
+    def http_direct(self, request, exchange):
+        # from the read callback: no task exists for the request yet
+        self.direct_calls.append((request.path, asyncio.current_task() is None))
+        if request.path == "/direct-boom":
+            raise RuntimeError("boom in the direct handler")
+        if request.path != "/direct":
+            return None
+        body = exchange.take_body()
+        return self._answer(exchange, body)
+
+    async def _answer(self, exchange, body: bytes) -> None:
+        payload = json.dumps({"body": body.decode(), "in_task": asyncio.current_task() is not None})
+        await exchange.send({"type": "http.response.start", "status": 200,
+                             "headers": [(b"content-length", str(len(payload)).encode())]})
+        await exchange.send({"type": "http.response.body", "body": payload.encode()})
+
+
+def _post(path: str, body: bytes) -> bytes:
+    return (b"POST %s HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
+            % (path.encode(), len(body)) + body)
+
+
+async def _in_two_writes(port: int, raw: bytes, split: int) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(raw[:split])
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the head alone first (nothing is timed on it)
+        writer.write(raw[split:])
+        return await asyncio.wait_for(reader.read(), 30.0)
+    finally:
+        writer.close()
+
+
+def _json_body(answer: bytes) -> dict:
+    return json.loads(answer.rsplit(b"\r\n\r\n", 1)[1])  # (after any 100 Continue)
+
+
+def test_an_apps_direct_handler_answers_without_asgi_or_leaves_the_request_to_it(server):
+    app = DirectApp()
+    srv = server(app)
+    direct = _send(srv.port, _post("/direct", b"hello"))
+    assert direct.startswith(b"HTTP/1.1 200 ")
+    assert _json_body(direct) == {"body": "hello", "in_task": True}  # the rest ran in a task
+    asgi = _send(srv.port, _post("/echo", b"via asgi"))
+    assert _json_body(asgi)["body"] == "via asgi"  # None: served through ASGI, body intact
+    boom = _send(srv.port, _post("/direct-boom", b"x"))
+    assert boom.startswith(b"HTTP/1.1 500 ") and b"internal_error" in boom
+    with httpx.Client(base_url=srv.url) as client:  # GET, no body: offered too
+        assert client.get("/get").status_code == 200
+    assert app.direct_calls == [("/direct", True), ("/echo", True), ("/direct-boom", True),
+                                ("/get", True)]
+    assert [scope["path"] for scope in app.requests] == ["/echo", "/get"]  # only these: ASGI
+
+
+def test_a_body_after_its_head_is_waited_for_then_offered_to_the_direct_handler(server):
+    app = DirectApp()
+    srv = server(app)
+    raw = _post("/direct", b"late body")
+    answer = asyncio.run(_in_two_writes(srv.port, raw, raw.index(b"\r\n\r\n") + 4))
+    assert _json_body(answer) == {"body": "late body", "in_task": True}
+    assert app.direct_calls == [("/direct", True)] and app.requests == []
+    # a client that expects 100-continue is not kept waiting for it: ASGI, as before
+    raw = _post("/direct", b"continued").replace(b"connection: close", b"connection: close\r\n"
+                                                 b"expect: 100-continue")
+    answer = asyncio.run(_in_two_writes(srv.port, raw, raw.index(b"\r\n\r\n") + 4))
+    assert _json_body(answer)["body"] == "continued" and app.requests[-1]["path"] == "/direct"

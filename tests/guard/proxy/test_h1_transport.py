@@ -351,15 +351,17 @@ def test_a_bad_chunk_size_mid_body_is_broken():
     run(main)
 
 
-def test_a_pooled_connection_the_upstream_closed_is_retried_once_on_a_fresh_one():
-    async def answer(server, conn, index, head, writer):
-        if conn == 0 and index == 1:
-            return False  # closes as the second request arrives, without a byte of answer
-        writer.write(ok())
-        return True
+async def answer_but_close_at_the_second(server, conn, index, head, writer) -> bool:
+    """The first connection closes as its second request arrives, without a byte of answer."""
+    if conn == 0 and index == 1:
+        return False
+    writer.write(ok())
+    return True
 
+
+def test_a_pooled_connection_the_upstream_closed_is_retried_once_on_a_fresh_one():
     async def main():
-        async with Server(answer) as server:
+        async with Server(answer_but_close_at_the_second) as server:
             client = transport()
             for _ in range(2):
                 response = await client.send(server.url + "/x", JSON, b"{}")
@@ -660,3 +662,48 @@ def test_a_connect_that_never_completes_is_unreachable_after_connect_timeout_s()
         finally:
             for filler in fillers:
                 filler.close()
+
+
+def test_send_now_writes_on_an_idle_pooled_connection_before_anything_awaits_it():
+    """``send_now`` (the proxy's read-callback path): with an idle pooled connection the request
+    is written before the call returns — the upstream has it before the caller waits on
+    anything — and awaiting the result gives the response, the connection going back to the
+    pool; with none idle (or an unusable URL) it writes nothing and says None."""
+    seen = asyncio.Event()
+
+    async def answer(server, conn, index, head, writer):
+        seen.set()
+        writer.write(ok(b"%d" % index))
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            assert client.send_now(server.url + "/x", JSON, b"{}") is None  # nothing pooled
+            assert client.send_now("ftp://nowhere/x", JSON, b"{}") is None
+            assert server.num_requests == 0
+            assert await read_all(await client.send(server.url + "/x", JSON, b"{}")) == b"0"
+            seen.clear()
+            pending = client.send_now(server.url + "/x", JSON, b'{"second": 1}')
+            assert pending is not None
+            await asyncio.wait_for(seen.wait(), HANG_GUARD_S)  # the upstream has it already
+            assert server.connections[0][1][1] == b'{"second": 1}'
+            response = await pending
+            assert response.status == 200 and await read_all(response) == b"1"
+            again = client.send_now(server.url + "/x", JSON, b"{}")  # pooled again
+            assert again is not None and await read_all(await again) == b"2"
+            await client.aclose()
+        assert len(server.connections) == 1
+    run(main)
+
+
+def test_send_now_on_a_pooled_connection_the_upstream_closed_is_retried_on_a_fresh_one():
+    async def main():
+        async with Server(answer_but_close_at_the_second) as server:
+            client = transport()
+            assert await read_all(await client.send(server.url + "/x", JSON, b"{}"))
+            response = await client.send_now(server.url + "/x", JSON, b"{}")
+            assert response.status == 200 and await read_all(response) == b'{"ok": true}'
+            await client.aclose()
+        assert [len(c) for c in server.connections] == [2, 1]
+    run(main)

@@ -1,0 +1,66 @@
+"""The proxy on kvguard's own server decides an admitted request and writes it to its replica
+from the server's read callback (``ProxyApp.http_direct``): no ASGI scope and no task exist
+before the request is on its way upstream; what is left runs in the request's task. A real
+upstream process, the proxy in-process on ``serving.h1server`` over loopback."""
+
+import asyncio
+
+from proxy_helpers import running, upstream_child
+
+from guard.config import GuardConfig
+from guard.proxy.app import ProxyApp
+from serving import ServerLimits
+from serving.limited_protocol import ConnectionTable
+from tests.support.loopback import H1LoopbackServer
+
+BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 8}
+
+
+class Recorded(ProxyApp):
+    """The proxy, recording what reached it through ASGI and each ``send_now`` of its transport
+    (whether a task was running, whether the request was written there and then)."""
+
+    def __init__(self, config: GuardConfig) -> None:
+        super().__init__(config)
+        self.asgi_paths: list[str] = []
+        self.sends: list[tuple[bool, bool]] = []
+        send_now = self.transport.send_now
+
+        def recorded(url, headers, body):
+            written = send_now(url, headers, body)
+            self.sends.append((asyncio.current_task() is None, written is not None))
+            return written
+
+        self.transport.send_now = recorded
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            self.asgi_paths.append(scope["path"])
+        return await super().__call__(scope, receive, send)
+
+
+def test_admitted_requests_are_written_upstream_from_the_read_callback(client):
+    with running(upstream_child("ok")) as upstream:
+        config = GuardConfig.from_dict({"policy": "always_admit", "replicas": [
+            {"replica_id": "r0", "url": upstream.url, "state_source": "none"}]})
+        app = Recorded(config)
+        with H1LoopbackServer(app, ConnectionTable(ServerLimits())) as proxy:
+            for stream in (False, True, False, True):
+                response = client.post(proxy.url + "/v1/completions",
+                                       json={**BODY, "stream": stream})
+                assert response.status_code == 200, response.text
+                assert response.headers["x-kvguard-replica"] == "r0"
+                if stream:
+                    assert response.text.rstrip().endswith("data: [DONE]")
+                else:
+                    assert response.json()["usage"]["completion_tokens"] > 0
+            bad = client.post(proxy.url + "/v1/completions", content=b'{"prompt": ')
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+            assert client.get(proxy.url + "/health").status_code == 200
+            assert app.num_in_flight == 0
+    # every admitted POST was decided outside ASGI; only the GET went through it
+    assert app.asgi_paths == ["/health"]
+    # each one reached send_now from the read callback (no task yet); the first found no
+    # pooled connection (forward() connected), the others were written there and then
+    assert [in_callback for in_callback, _ in app.sends] == [True] * 4
+    assert [written for _, written in app.sends] == [False, True, True, True]
