@@ -292,9 +292,9 @@ class AdmissionController:
 
     def _decided(self, priced: PricedRequest, headers: Headers, grant: Grant | None,
                  client_gone: Callable[[], asyncio.Future] | None
-                 ) -> Admission | Awaitable[Admission | Rejection | None]:
-        """The policy's decision: the admission at once on Admit (the common path: no queue,
-        no coroutine), else an awaitable of the outcome (confirmation, queue, shed)."""
+                 ) -> Admission | Rejection | Awaitable[Admission | Rejection | None]:
+        """The policy's decision: the admission or the shed at once (the common paths: no
+        coroutine), else an awaitable of the outcome (confirmation, queue)."""
         cost = priced.cost
         try:
             result, ahead = self.decider.decide_arrival(cost, cost.arrival_s,
@@ -304,6 +304,9 @@ class AdmissionController:
         except BaseException:
             self._drop_grant(grant)
             raise
+        if self.shared is None and isinstance(result, Shed):  # never queued
+            self._drop_grant(grant)
+            return self.rejecter.shed(cost, result, headers, None)
         return self._settled(priced, result, ahead, headers, grant, client_gone)
 
     async def _settled(self, priced: PricedRequest, result: Admit | Queue | Shed,

@@ -186,8 +186,10 @@ class H1Connection(PhaseDeadlines, asyncio.Protocol):
 
     def _run_direct(self, direct: Any, request: RequestHead, exchange: Exchange) -> bool:
         """The app's ``http_direct(request, exchange)`` (see ``serving.h1server``): False when
-        it leaves the request to ASGI; else the coroutine it returned runs as the request's
-        task. One that raises is answered 500, as an ASGI app that raises."""
+        it leaves the request to ASGI; True when it answered (no task: one that says so and
+        did not complete the response is answered 500 or cut); else the coroutine it
+        returned runs as the request's task. One that raises is answered 500, as an ASGI app
+        that raises."""
         try:
             rest = direct(request, exchange)
         except Exception as exc:  # noqa: BLE001 - the request's failure, not the server's
@@ -196,6 +198,12 @@ class H1Connection(PhaseDeadlines, asyncio.Protocol):
             return True
         if rest is None:
             return False
+        if rest is True:
+            if not exchange.complete:
+                if not exchange.disconnected:
+                    log.error("the app's direct handler answered without completing the response")
+                exchange.fail()
+            return True
         self._run(exchange, exchange.run(rest))
         return True
 

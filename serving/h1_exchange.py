@@ -209,16 +209,25 @@ class Exchange:
             if self.write_body(message.get("body", b""), message.get("more_body", False)):
                 await self.conn.drain()
         elif kind == "http.response.start":
-            if self.started:
-                raise RuntimeError("http.response.start sent twice")
-            head = self._head(message["status"], message.get("headers", ()))
-            self.started = True  # a head that fails to build is still answered 500
-            if self._length_left:  # a fixed-length body follows: one write for both
-                self._held_head = head
-            elif not self.disconnected:
-                self.conn.write(head)
+            self.start_response(message["status"], message.get("headers", ()))
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
+
+    def start_response(self, status: int, headers: Any) -> None:
+        """An ``http.response.start`` message, done now (from any callback)."""
+        if self.started:
+            raise RuntimeError("http.response.start sent twice")
+        head = self._head(status, headers)
+        self.started = True  # a head that fails to build is still answered 500
+        if self._length_left:  # a fixed-length body follows: one write for both
+            self._held_head = head
+        elif not self.disconnected:
+            self.conn.write(head)
+
+    def respond(self, status: int, headers: Any, body: bytes) -> None:
+        """A whole response written now, from any callback (a direct handler's answer)."""
+        self.start_response(status, headers)
+        self.write_body(body, False)
 
     def _head(self, status: int, headers: Any) -> bytes:
         line = _STATUS_LINES.get(status)

@@ -25,10 +25,11 @@ strict head parser (``serving.h1_head``):
 * an app may also offer ``http_direct(request, exchange)``: called from the read callback for
   each request whose head and body are in (``request`` the parsed ``serving.h1_head``
   ``RequestHead``, ``exchange`` the ``serving.h1_exchange.Exchange``: ``take_body()``,
-  ``gone()``, ``send``, ``write_body``), before any scope or task exists. It returns None to
-  leave the request to the ASGI app, or a coroutine: what is left to do, run as the request's
-  task (first step at once); an exception is answered 500. It must not wait: it is how
-  ``kvguard proxy`` decides and writes a request upstream with no task in between.
+  ``gone()``, ``send``, ``write_body``, ``respond``), before any scope or task exists. It
+  returns None to leave the request to the ASGI app, True once it answered the request whole
+  (``respond``: no task at all), or a coroutine: what is left to do, run as the request's task
+  (first step at once); an exception is answered 500. It must not wait: it is how ``kvguard
+  proxy`` decides and writes a request upstream, or sheds it, with no task in between.
 
 No HTTP/2, no upgrades (WebSocket), no TLS: it serves ``kvguard proxy`` and ``kvguard engine``
 on a trusted network edge or behind a load balancer.

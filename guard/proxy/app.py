@@ -185,15 +185,15 @@ class ProxyApp:
             await send_rejection(send, result)
 
     # --- kvguard's own server: the request decided and sent from its read callback ----------
-    def http_direct(self, request: RequestHead, exchange: Exchange) -> Coroutine | None:
+    def http_direct(self, request: RequestHead, exchange: Exchange) -> Coroutine | bool | None:
         """kvguard's server calls this for every request whose head and body are in, from the
         read callback (``serving.h1_connection``), before any ASGI scope or task exists.
         An admitted ``POST`` with a ``content-length`` body is decided right here (the
         controller's :meth:`~guard.controller.AdmissionController.admit_now`) and, admitted,
         written to its replica on an idle pooled connection (``h1`` client) before this
-        returns; what is left (the relay, or a rejection to send, or the wait when the flow
-        must wait) is the coroutine returned, which the server runs as the request's task.
-        Everything else (other routes, chunked or oversized bodies) gets None: the server
+        returns; what is left (the relay, or the wait when the flow must wait) is the
+        coroutine returned, which the server runs as the request's task. A rejection decided
+        here is written here (True: answered, no task at all). Everything else (other routes, chunked or oversized bodies) gets None: the server
         serves it through ASGI (:meth:`__call__`), as any other server would."""
         if request.method != "POST" or request.chunked or not self._is_admitted(request.path):
             return None
@@ -216,8 +216,12 @@ class ProxyApp:
                 raise
             return self.forwarder.forward(result, path, upstream_headers, gone(), exchange.send,
                                           writer, sent)
-        if result is None or isinstance(result, Rejection):
-            return self._answer(result, path, raw_headers, gone, exchange.send, writer)
+        if isinstance(result, Rejection):
+            body = result.body()
+            exchange.respond(result.status, result.headers(len(body)), body)
+            return True
+        if result is None:  # the client left (nothing to send)
+            return True
         return self._answer_later(result, path, raw_headers, gone, exchange.send, writer)
 
     async def _answer_later(self, pending: Awaitable[Admission | Rejection | None], path: str,

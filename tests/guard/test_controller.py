@@ -367,7 +367,11 @@ def test_admit_now_answers_at_once_where_the_flow_need_not_wait():
         assert isinstance(bad, Rejection) and bad.status == 400
         stranger = controller.admit_now("/v1/completions", {"authorization": "Bearer x"}, BODY)
         assert isinstance(stranger, Rejection) and stranger.status == 401
-        third = controller.admit_now("/v1/completions", HEADERS, BODY)  # the one slot is taken
+        controller.policy.queue_s = None  # the one slot is taken: a policy that sheds ...
+        shed = controller.admit_now("/v1/completions", HEADERS, BODY)
+        assert isinstance(shed, Rejection) and shed.status == 503  # ... sheds at once
+        controller.policy.queue_s = 5.0  # ... and one that queues
+        third = controller.admit_now("/v1/completions", HEADERS, BODY)
         assert inspect.isawaitable(third)
         waiting = asyncio.ensure_future(third)
         while not len(controller.queue):
@@ -376,8 +380,9 @@ def test_admit_now_answers_at_once_where_the_flow_need_not_wait():
         admitted = await waiting
         assert isinstance(admitted, Admission) and complete(admitted)
         await controller.aclose()
-        assert count(controller, "kvguard_requests_offered_total") == 4  # the 400 too
+        assert count(controller, "kvguard_requests_offered_total") == 5  # the 400 too
         assert count(controller, "kvguard_requests_admitted_total") == 3
+        assert count(controller, "kvguard_requests_rejected_total", reason="overloaded") == 1
         assert count(controller, "kvguard_requests_completed_total") == 3
         assert controller.tickets.num_held == 0 and len(controller.queue) == 0
     run(main())

@@ -632,18 +632,26 @@ def test_take_gives_a_body_already_whole_once_and_receive_one_still_arriving(ser
 
 class DirectApp(Recorder):
     """A Recorder that also offers ``http_direct``: ``/direct`` is answered by the coroutine it
-    returns (what the handler saw: the body, and whether a task was running), ``/direct-boom``
-    raises in the handler, anything else goes to ASGI."""
+    returns (what the handler saw: the body, and whether a task was running), ``/direct-now``
+    in the handler itself (True), ``/direct-forgot`` says True without answering,
+    ``/direct-boom`` raises in the handler, anything else goes to ASGI."""
 
     def __init__(self) -> None:
         super().__init__()
         self.direct_calls: list[tuple[str, bool]] = []
+        self.exchanges: list = []
 
     def http_direct(self, request, exchange):
         # from the read callback: no task exists for the request yet
         self.direct_calls.append((request.path, asyncio.current_task() is None))
+        self.exchanges.append(exchange)
         if request.path == "/direct-boom":
             raise RuntimeError("boom in the direct handler")
+        if request.path == "/direct-now":
+            exchange.respond(201, [(b"content-length", b"2")], b"ok")
+            return True
+        if request.path == "/direct-forgot":
+            return True
         if request.path != "/direct":
             return None
         body = exchange.take_body()
@@ -687,10 +695,15 @@ def test_an_apps_direct_handler_answers_without_asgi_or_leaves_the_request_to_it
     assert _json_body(asgi)["body"] == "via asgi"  # None: served through ASGI, body intact
     boom = _send(srv.port, _post("/direct-boom", b"x"))
     assert boom.startswith(b"HTTP/1.1 500 ") and b"internal_error" in boom
+    now = _send(srv.port, _post("/direct-now", b"x"))
+    assert now.startswith(b"HTTP/1.1 201 ") and now.endswith(b"\r\n\r\nok")
+    assert app.exchanges[-1].task is None  # answered in the read callback: no task at all
+    forgot = _send(srv.port, _post("/direct-forgot", b"x"))
+    assert forgot.startswith(b"HTTP/1.1 500 ")
     with httpx.Client(base_url=srv.url) as client:  # GET, no body: offered too
         assert client.get("/get").status_code == 200
     assert app.direct_calls == [("/direct", True), ("/echo", True), ("/direct-boom", True),
-                                ("/get", True)]
+                                ("/direct-now", True), ("/direct-forgot", True), ("/get", True)]
     assert [scope["path"] for scope in app.requests] == ["/echo", "/get"]  # only these: ASGI
 
 

@@ -24,6 +24,7 @@ class Recorded(ProxyApp):
         super().__init__(config)
         self.asgi_paths: list[str] = []
         self.sends: list[tuple[bool, bool]] = []
+        self.direct: list[str] = []  # what http_direct returned: asgi, answered or task
         send_now = self.transport.send_now
 
         def recorded(url, headers, body):
@@ -32,6 +33,11 @@ class Recorded(ProxyApp):
             return written
 
         self.transport.send_now = recorded
+
+    def http_direct(self, request, exchange):
+        rest = super().http_direct(request, exchange)
+        self.direct.append("asgi" if rest is None else "answered" if rest is True else "task")
+        return rest
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -58,7 +64,9 @@ def test_admitted_requests_are_written_upstream_from_the_read_callback(client):
             assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
             assert client.get(proxy.url + "/health").status_code == 200
             assert app.num_in_flight == 0
-    # every admitted POST was decided outside ASGI; only the GET went through it
+    # every admitted POST was decided outside ASGI (the 400 answered there and then, no task);
+    # only the GET went through it
+    assert app.direct == ["task"] * 4 + ["answered", "asgi"]
     assert app.asgi_paths == ["/health"]
     # each one reached send_now from the read callback (no task yet); the first found no
     # pooled connection (forward() connected), the others were written there and then
