@@ -33,9 +33,10 @@ DEFAULT_LOAD = 1.4  # × S (see the module docstring)
 def configure(p: argparse.ArgumentParser) -> None:
     configure_scenario(p, "runs/demo-<time>")
     p.set_defaults(duration=12.0, warmup=2.0)
-    p.add_argument("--load", type=float, default=DEFAULT_LOAD,
+    p.add_argument("--load", type=float, default=None,
                    help="offered load as a multiple of the measured saturation throughput S "
-                        f"(default {DEFAULT_LOAD}: past what the replica can serve)")
+                        f"(default {DEFAULT_LOAD}: past what the replica can serve; the "
+                        "single-replica demo only)")
     p.add_argument("--scenario", choices=("seed",), default=None,
                    help="the fleet version: the chaos `seed` scenario (4 sim replicas behind "
                         "the proxy, a burst to 1.16 C, one replica lost, retrying clients) "
@@ -60,10 +61,17 @@ def _table(rows: list[tuple[str, dict]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scenario is not None and args.load is not None:
+        raise ValueError("--load applies to the single-replica demo only (the scenario sets "
+                         "its own arrivals)")
+    if args.load is not None and not args.load > 0:
+        raise ValueError(f"--load must be > 0, got {args.load!r}")
     exit_on_sigterm()
     if args.scenario is not None:
         from chaos.fleet_demo import run_fleet_demo
         return run_fleet_demo(args)
+    if args.load is None:
+        args.load = DEFAULT_LOAD
     if args.replica_capacity is not None:
         raise ValueError("--replica-capacity applies to --scenario only")
     scenario = Scenario(args)

@@ -32,3 +32,10 @@ def test_demo_help_names_its_own_folder_and_only_its_own_flags():
     assert "runs/demo-<time>" in text and "overload" not in text
     for flag in ("--loads", "--policies", "--sweep", "--capacity"):  # the bake-off's, not demo's
         assert flag not in text
+
+
+def test_demo_load_is_refused_where_it_would_do_nothing_or_nonsense(capsys):
+    assert main(["demo", "--scenario", "seed", "--load", "2"]) == 2
+    assert "--load applies to the single-replica demo only" in capsys.readouterr().err
+    assert main(["demo", "--load", "0"]) == 2
+    assert "--load must be > 0" in capsys.readouterr().err
