@@ -89,6 +89,7 @@ from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
 from guard.ticket import TicketBook
 from guard.trace import TraceWriter
 from policies import make_policy
+from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
 from policies.retry_budget import GLOBAL, RetryBudget
 
@@ -231,9 +232,7 @@ class AdmissionController:
             self.rejecter.count_early(request_id, tenant, arrival_s, None, "canceled")
             return None
         result = self._priced(path, headers, body, tenant, arrival_s, request_id, client_gone)
-        if result is None or result.__class__ is Admission or isinstance(result, Rejection):
-            return result
-        return await result
+        return result if _answered(result) else await result
 
     def admit_now(self, path: str, headers: Headers, body: bytes,
                   client_gone: Callable[[], asyncio.Future] | None = None
@@ -286,9 +285,7 @@ class AdmissionController:
         if isinstance(outcome, Denied):
             return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
         result = self._decided(priced, headers, outcome, client_gone)
-        if result.__class__ is Admission or isinstance(result, Rejection):
-            return result
-        return await result
+        return result if _answered(result) else await result
 
     def _decided(self, priced: PricedRequest, headers: Headers, grant: Grant | None,
                  client_gone: Callable[[], asyncio.Future] | None
@@ -305,8 +302,7 @@ class AdmissionController:
             self._drop_grant(grant)
             raise
         if self.shared is None and isinstance(result, Shed):  # never queued
-            self._drop_grant(grant)
-            return self.rejecter.shed(cost, result, headers, None)
+            return self._shed(cost, result, headers, grant, None)
         return self._settled(priced, result, ahead, headers, grant, client_gone)
 
     async def _settled(self, priced: PricedRequest, result: Admit | Queue | Shed,
@@ -330,15 +326,21 @@ class AdmissionController:
                              ) -> Admission | Rejection | None:
         cost = priced.cost
         result, enqueue_s = await self.waiting.outcome(cost, result, client_gone)
-        if result is None or isinstance(result, Shed):
+        if result is None:  # the client left while queued (already counted canceled)
             self._drop_grant(grant)
-            if result is None:  # the client left while queued (already counted canceled)
-                return None
-            return self.rejecter.shed(cost, result, headers, enqueue_s)
+            return None
+        if isinstance(result, Shed):
+            return self._shed(cost, result, headers, grant, enqueue_s)
         admission = self._admission(priced, result, enqueue_s, grant)
         if client_gone is not None and client_gone().done():
             admission.on_disconnect()  # admitted in the same instant the client left
         return admission
+
+    def _shed(self, cost: RequestCost, shed: Shed, headers: Headers, grant: Grant | None,
+              enqueue_s: float | None) -> Rejection:
+        """A shed decision, final: the grant dropped, the rejection counted and made."""
+        self._drop_grant(grant)
+        return self.rejecter.shed(cost, shed, headers, enqueue_s)
 
     def _admission(self, priced: PricedRequest, admit: Admit, enqueue_s: float | None,
                    grant: Grant | None) -> Admission:
@@ -459,6 +461,11 @@ class AdmissionController:
         return GaugeValues(len(self.queue), self.tickets.num_held,
                            {r.replica_id: r.num_free_blocks for r in replicas},
                            {r.replica_id: r.num_reserved_blocks for r in replicas})
+
+
+def _answered(result: Any) -> bool:
+    """The flow's result itself (not an awaitable of it)."""
+    return result is None or result.__class__ is Admission or isinstance(result, Rejection)
 
 
 def _bearer(authorization: str | None) -> str | None:

@@ -85,6 +85,11 @@ class Rejection:
     def body(self) -> bytes:
         return _error_body(self.status, self.reason, self.message, self.param)
 
+    def response(self) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        """The response headers and body."""
+        body = self.body()
+        return self.headers(len(body)), body
+
     def headers(self, body_len: int) -> list[tuple[bytes, bytes]]:
         headers = [
             (b"content-type", b"application/json"),
@@ -102,8 +107,7 @@ class Rejection:
 
 async def send_rejection(send: Send, rejection: Rejection,
                          extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = rejection.body()
-    headers = rejection.headers(len(body))
+    headers, body = rejection.response()
     if extra_headers:
         headers.extend(extra_headers)
     await send({"type": "http.response.start", "status": rejection.status, "headers": headers})

@@ -193,8 +193,9 @@ class ProxyApp:
         written to its replica on an idle pooled connection (``h1`` client) before this
         returns; what is left (the relay, or the wait when the flow must wait) is the
         coroutine returned, which the server runs as the request's task. A rejection decided
-        here is written here (True: answered, no task at all). Everything else (other routes, chunked or oversized bodies) gets None: the server
-        serves it through ASGI (:meth:`__call__`), as any other server would."""
+        here is written here (True: answered, no task at all). Everything else (other routes,
+        chunked or oversized bodies) gets None: the server serves it through ASGI
+        (:meth:`__call__`), as any other server would."""
         if request.method != "POST" or request.chunked or not self._is_admitted(request.path):
             return None
         if (request.content_length or 0) > self.config.max_body_bytes:
@@ -205,8 +206,13 @@ class ProxyApp:
         path, raw_headers = request.path, request.headers
         headers = headers_from_pairs(raw_headers)
         gone = exchange.gone
-        writer = (exchange.write_body, exchange.conn.drain)
         result = self.controller.admit_now(path, headers, body, gone)
+        if isinstance(result, Rejection):
+            exchange.respond(result.status, *result.response())
+            return True
+        if result is None:  # the client left (nothing to send)
+            return True
+        writer = (exchange.write_body, exchange.conn.drain)
         if result.__class__ is Admission:
             upstream_headers = _upstream_headers(raw_headers, result.request_id)
             try:
@@ -216,12 +222,6 @@ class ProxyApp:
                 raise
             return self.forwarder.forward(result, path, upstream_headers, gone(), exchange.send,
                                           writer, sent)
-        if isinstance(result, Rejection):
-            body = result.body()
-            exchange.respond(result.status, result.headers(len(body)), body)
-            return True
-        if result is None:  # the client left (nothing to send)
-            return True
         return self._answer_later(result, path, raw_headers, gone, exchange.send, writer)
 
     async def _answer_later(self, pending: Awaitable[Admission | Rejection | None], path: str,

@@ -9,6 +9,7 @@ from proxy_helpers import running, upstream_child
 
 from guard.config import GuardConfig
 from guard.proxy.app import ProxyApp
+from guard.proxy.h1_transport import H1Transport
 from serving import ServerLimits
 from serving.limited_protocol import ConnectionTable
 from tests.support.loopback import H1LoopbackServer
@@ -16,23 +17,30 @@ from tests.support.loopback import H1LoopbackServer
 BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 8}
 
 
+class RecordedTransport(H1Transport):
+    """The h1 client, recording each ``send_now`` (whether a task was running, whether the
+    request was written there and then)."""
+
+    def __init__(self) -> None:
+        super().__init__(connect_timeout_s=5.0, read_timeout_s=30.0,
+                         max_connections_per_replica=8)
+        self.sends: list[tuple[bool, bool]] = []
+
+    def send_now(self, url, headers, body):
+        written = super().send_now(url, headers, body)
+        self.sends.append((asyncio.current_task() is None, written is not None))
+        return written
+
+
 class Recorded(ProxyApp):
-    """The proxy, recording what reached it through ASGI and each ``send_now`` of its transport
-    (whether a task was running, whether the request was written there and then)."""
+    """The proxy on that client, recording what reached it through ASGI and what its direct
+    handler returned."""
 
     def __init__(self, config: GuardConfig) -> None:
-        super().__init__(config)
+        super().__init__(config, transport=RecordedTransport())
         self.asgi_paths: list[str] = []
-        self.sends: list[tuple[bool, bool]] = []
+        self.sends = self.transport.sends
         self.direct: list[str] = []  # what http_direct returned: asgi, answered or task
-        send_now = self.transport.send_now
-
-        def recorded(url, headers, body):
-            written = send_now(url, headers, body)
-            self.sends.append((asyncio.current_task() is None, written is not None))
-            return written
-
-        self.transport.send_now = recorded
 
     def http_direct(self, request, exchange):
         rest = super().http_direct(request, exchange)
