@@ -5,6 +5,7 @@ every round, with a ``--gap-ms`` pause before each request so that the work a pr
 its response, the release, never overlaps the next target's request).
 
     python scripts/proxy_path_cost.py [--proxy NAME=CHECKOUT ...] [--floor] [--rounds 1000]
+        [--tail together|apart]
         [--strace NAME=OUT ...] [--pyspy NAME=OUT] [--callgrind] [--profile NAME]
 
 Targets: ``direct`` (the upstream itself), each ``--proxy`` (``kvguard proxy``, ``always_admit``,
@@ -14,7 +15,9 @@ source tree, so two versions are measured in one interleaved run; default one pr
 from this checkout), and with ``--floor`` HTTP/1.1 relayed on raw asyncio protocols
 (``chaos.passthrough --mode http``). The upstream streams one SSE event per token: the
 response head, 1 ms later the first token, then 7 more and ``[DONE]`` (``asyncio.sleep(0.0002)``
-apart, ~1 ms in practice). The proxies run with ``--state-source none`` (no state polls over
+apart, ~1 ms in practice), and the chunked terminator in the same write as ``[DONE]`` (``--tail
+apart``: ~50 µs later in a write of its own, as uvicorn, vLLM and kvguard's engine end a
+stream). The proxies run with ``--state-source none`` (no state polls over
 HTTP beside the requests).
 
 Printed per target: TTFT (the first content event at the client) and end-to-end (the final
@@ -49,6 +52,7 @@ from pathlib import Path
 
 _UPSTREAM = r'''
 import asyncio, sys
+APART = sys.argv[1:] == ["apart"]
 EVENTS = [b'data: {"choices": [{"text": "tok%d"}]}\n\n' % i for i in range(8)] + [b"data: [DONE]\n\n"]
 HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
         b"transfer-encoding: chunked\r\n\r\n")
@@ -84,6 +88,8 @@ class Upstream(asyncio.Protocol):
             if i:
                 await asyncio.sleep(0.0002)
             self.t.write(b"%x\r\n%s\r\n" % (len(event), event))
+        if APART:  # as uvicorn, vLLM and kvguard's engine end a stream: its own write, later
+            await asyncio.sleep(0.00005)
         self.t.write(b"0\r\n\r\n")
 async def main():
     loop = asyncio.get_running_loop()
@@ -345,6 +351,10 @@ def main() -> int:
     parser.add_argument("--gap-ms", type=float, default=3.0,
                         help="pause before each request, so that the previous target's work "
                              "after its response (release, pool) does not overlap the next")
+    parser.add_argument("--tail", choices=("together", "apart"), default="together",
+                        help="the upstream writes the chunked terminator with the [DONE] event "
+                             "(together) or ~50 us after it in a write of its own (apart: what "
+                             "uvicorn, vLLM and kvguard's engine do)")
     parser.add_argument("--callgrind", action="store_true")
     parser.add_argument("--profile", default=None, metavar="NAME")
     parser.add_argument("--idle-s", type=float, default=0.0,
@@ -362,8 +372,8 @@ def main() -> int:
     unknown = set(args.uvloop) - {name for name, _ in args.proxy}
     if unknown:
         parser.error(f"--uvloop {', '.join(sorted(unknown))}: no --proxy of that name")
-    upstream_proc = subprocess.Popen([sys.executable, "-c", _UPSTREAM], stdout=subprocess.PIPE,
-                                     text=True)
+    upstream_proc = subprocess.Popen([sys.executable, "-c", _UPSTREAM, args.tail],
+                                     stdout=subprocess.PIPE, text=True)
     upstream = int(upstream_proc.stdout.readline())
     procs: list[subprocess.Popen] = [upstream_proc]
     try:

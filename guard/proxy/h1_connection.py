@@ -291,6 +291,11 @@ class Connection(asyncio.Protocol):
             if self._num_pending_bytes > HIGH_WATER_BYTES and not self._paused:
                 self._paused = True
                 self.transport.pause_reading()
+        elif self.phase == DONE and self._sink is not None:
+            # the end of a chunked body read on its own (an upstream writes its last chunk and
+            # the terminator apart): the sink ends the client's body from here too, not the
+            # consumer's task after a wake-up
+            self._sink(b"", True)
         self._wake()
 
     def _garbage(self, why: str) -> None:

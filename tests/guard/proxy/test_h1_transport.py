@@ -561,6 +561,38 @@ def test_push_hands_the_body_on_from_the_read_callback_and_stops_reading_when_as
     run(main)
 
 
+def test_push_ends_the_body_from_the_read_callback_when_the_terminator_arrives_alone():
+    """An upstream that writes its last chunk and the chunked terminator apart (uvicorn and
+    kvguard's engine do: the final empty ``http.response.body`` is its own write): the sink
+    still gets ``last`` from the protocol's callback, an empty piece, so the client's body
+    ends there and not in the consumer's task after a wake-up."""
+    async def answer(server, conn, index, head, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                     b"e\r\ndata: [DONE]\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # read apart from the chunk before it
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport()
+            response = await client.send(server.url + "/x", JSON, b"{}")
+            got: list[tuple[bytes, bool, bool]] = []
+
+            def sink(data: bytes, last: bool) -> None:
+                got.append((data, last, asyncio.current_task() is None))
+
+            assert await response.push(sink) is True
+            assert b"".join(data for data, _, _ in got) == b"data: [DONE]\n\n"
+            assert got[-1] == (b"", True, True)  # the end, from the protocol's callback
+            assert not any(last for _, last, _ in got[:-1])
+            assert response._conn.body_complete and response._conn.keep_alive
+            await response.aclose()
+            await client.aclose()
+    run(main)
+
+
 def test_an_interim_100_head_is_skipped():
     async def answer(server, conn, index, head, writer):
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + ok())
