@@ -5,10 +5,12 @@ every round, with a ``--gap-ms`` pause before each request so that the work a pr
 its response, the release, never overlaps the next target's request).
 
     python scripts/proxy_path_cost.py [--proxy NAME=CHECKOUT ...] [--floor] [--rounds 1000]
-        [--tail together|apart]
+        [--tail together|apart] [--slo NAME ...]
         [--strace NAME=OUT ...] [--pyspy NAME=OUT] [--callgrind] [--profile NAME]
 
-Targets: ``direct`` (the upstream itself), each ``--proxy`` (``kvguard proxy``, ``always_admit``,
+Targets: ``direct`` (the upstream itself), each ``--proxy`` (``kvguard proxy``, ``always_admit``
+— ``slo`` when named with ``--slo NAME``, then polling the upstream's ``/kvguard/state``: an
+idle sim replica's —
 ``--http kvguard`` on asyncio — on uvloop when named with ``--uvloop NAME`` — with the
 default upstream client, run from CHECKOUT: a kvguard
 source tree, so two versions are measured in one interleaved run; default one proxy, ``this``,
@@ -54,6 +56,14 @@ _UPSTREAM = r'''
 import asyncio, sys
 APART = sys.argv[1:] == ["apart"]
 EVENTS = [b'data: {"choices": [{"text": "tok%d"}]}\n\n' % i for i in range(8)] + [b"data: [DONE]\n\n"]
+# an idle sim replica's /kvguard/state (llama-7b on a simulated H100), for --policy slo
+STATE = (b'{"model":"llama-7b","backend":"sim","max_model_len":4096,"block_size":16,'
+         b'"num_total_blocks":29132,"num_free_blocks":29132,"max_num_seqs":256,'
+         b'"max_num_batched_tokens":2048,"num_preemptions":0,"step_count":0,"now_s":1.0,'
+         b'"running":[],"waiting":[],"iterations":[],"timing_model":{"kind":"roofline",'
+         b'"step_time_prior":{"base_s":0.0041,"per_prefill_token_s":1.86e-05,'
+         b'"per_decode_seq_s":4.2e-06,"per_context_token_s":3.9e-08}},"time_scale":1.0,'
+         b'"admitting":true,"num_in_flight":0}')
 HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
         b"transfer-encoding: chunked\r\n\r\n")
 class Upstream(asyncio.Protocol):
@@ -75,7 +85,10 @@ class Upstream(asyncio.Protocol):
             if len(self.buf) < end + 4 + length:
                 return
             self.buf = self.buf[end + 4 + length:]
-            if head.startswith(b"GET"):
+            if head.startswith(b"GET /kvguard/state"):
+                self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(STATE), STATE))
+            elif head.startswith(b"GET"):
                 self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                              b"content-length: 35\r\n\r\n"
                              b'{"object": "list", "data": [], "ok": 1}'[:35])
@@ -129,7 +142,7 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 _CONTENT = re.compile(rb'"text"\s*:\s*"(?!")')
-_BODY = (b'{"model": "m", "prompt": "The proxy path says hello", "max_tokens": 8, '
+_BODY = (b'{"model": "llama-7b", "prompt": "The proxy path says hello", "max_tokens": 8, '
          b'"stream": true}')
 
 
@@ -191,19 +204,22 @@ def _start(cmd: list[str], pattern: str, env: dict | None = None, **kw) -> tuple
 
 
 def _proxy_cmd(checkout: Path, upstream: int, wrap: list[str],
-               runner: str | None = None, loop: str = "asyncio") -> tuple[list[str], dict]:
+               runner: str | None = None, loop: str = "asyncio",
+               policy: str = "always_admit") -> tuple[list[str], dict]:
     """The command of one target; ``runner``: a script run in place of ``-m guard.cli``
     (its arguments the same), e.g. to patch the proxy before it starts; ``loop``: its
-    ``--loop``."""
+    ``--loop``; ``policy``: its policy (any but ``always_admit`` polls the upstream's
+    ``/kvguard/state``)."""
     runner = runner or os.environ.get("PROXY_RUNNER")
     if str(checkout) == "floor":  # the raw-protocol HTTP relay of this checkout
         return [*wrap, sys.executable, "-m", "chaos.passthrough", "--mode", "http",
                 "--upstream", f"http://127.0.0.1:{upstream}", "--port", "0"], {}
     config = Path(tempfile.mkdtemp(prefix="proxypath-")) / "proxy.toml"
-    config.write_text('policy = "always_admit"\n')
+    config.write_text(f'policy = "{policy}"\n')
     entry = [runner] if runner else ["-m", "guard.cli"]
     cmd = [*wrap, sys.executable, "-P", *entry, "proxy", "--upstream",
-           f"http://127.0.0.1:{upstream}", "--state-source", "none", "--config", str(config),
+           f"http://127.0.0.1:{upstream}", "--state-source",
+           "none" if policy == "always_admit" else "kvguard", "--config", str(config),
            "--http", "kvguard", "--loop", loop, "--port", "0"]
     return cmd, {"PYTHONPATH": str(checkout.resolve())}
 
@@ -217,7 +233,8 @@ def _latency(args, upstream: int, procs: list) -> None:
     targets = [Target("direct", upstream, None)]
     for name, checkout in args.proxy:
         cmd, env = _proxy_cmd(checkout, upstream, [],
-                              loop="uvloop" if name in args.uvloop else "asyncio")
+                              loop="uvloop" if name in args.uvloop else "asyncio",
+                              policy="slo" if name in args.slo else "always_admit")
         proc, port = _start(cmd, r"listening on http://127\.0\.0\.1:(\d+)", env)
         procs.append(proc)
         targets.append(Target(name, port, proc.pid))
@@ -286,7 +303,8 @@ def _callgrind(args, upstream: int, procs: list) -> None:
             quiet = out.parent / "quiet.py"
             quiet.write_text(_QUIET)
             cmd, env = _proxy_cmd(checkout, upstream, [
-                "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"], str(quiet))
+                "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"], str(quiet),
+                policy="slo" if name in args.slo else "always_admit")
             proc, port = _start(cmd, r"listening on http://127\.0\.0\.1:(\d+)", env)
             target = Target(name, port, proc.pid)
             target.connect()
@@ -308,7 +326,8 @@ def _idle(args, upstream: int, procs: list) -> None:
     targets = []
     for name, checkout in args.proxy:
         cmd, env = _proxy_cmd(checkout, upstream, [],
-                              loop="uvloop" if name in args.uvloop else "asyncio")
+                              loop="uvloop" if name in args.uvloop else "asyncio",
+                              policy="slo" if name in args.slo else "always_admit")
         proc, port = _start(cmd, r"listening on http://127\.0\.0\.1:(\d+)", env)
         procs.append(proc)
         targets.append(Target(name, port, proc.pid))
@@ -329,7 +348,8 @@ def _profile(args, upstream: int, procs: list) -> None:
     checkout = dict(args.proxy)[args.profile]
     script = Path(tempfile.mkdtemp(prefix="proxypath-prof-")) / "prof.py"
     script.write_text(_PROFILE)
-    cmd, env = _proxy_cmd(checkout, upstream, [], str(script))
+    cmd, env = _proxy_cmd(checkout, upstream, [], str(script),
+                          policy="slo" if args.profile in args.slo else "always_admit")
     proc, port = _start(cmd, r"listening on http://127\.0\.0\.1:(\d+)", env)
     target = Target(args.profile, port, proc.pid)
     target.connect()
@@ -351,6 +371,9 @@ def main() -> int:
     parser.add_argument("--gap-ms", type=float, default=3.0,
                         help="pause before each request, so that the previous target's work "
                              "after its response (release, pool) does not overlap the next")
+    parser.add_argument("--slo", action="append", default=[], metavar="NAME",
+                        help="proxy NAME runs the slo policy, polling the upstream's "
+                             "/kvguard/state (an idle sim replica's); the others always_admit")
     parser.add_argument("--tail", choices=("together", "apart"), default="together",
                         help="the upstream writes the chunked terminator with the [DONE] event "
                              "(together) or ~50 us after it in a write of its own (apart: what "
@@ -369,9 +392,10 @@ def main() -> int:
     here = Path(__file__).resolve().parent.parent
     args.proxy = [(p.split("=", 1)[0], Path(p.split("=", 1)[1])) for p in args.proxy] or \
         [("this", here)]
-    unknown = set(args.uvloop) - {name for name, _ in args.proxy}
-    if unknown:
-        parser.error(f"--uvloop {', '.join(sorted(unknown))}: no --proxy of that name")
+    for option in ("uvloop", "slo"):
+        unknown = set(getattr(args, option)) - {name for name, _ in args.proxy}
+        if unknown:
+            parser.error(f"--{option} {', '.join(sorted(unknown))}: no --proxy of that name")
     upstream_proc = subprocess.Popen([sys.executable, "-c", _UPSTREAM, args.tail],
                                      stdout=subprocess.PIPE, text=True)
     upstream = int(upstream_proc.stdout.readline())

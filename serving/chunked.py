@@ -94,7 +94,8 @@ class ChunkedDecoder:
                 line = self._line + data[pos:line_end + 1]
                 self._line = b""
                 pos = line_end + 1
-                if len(line) > limit or not line.endswith(b"\r\n") or b"\r" in line[:-2]:
+                if len(line) > limit or not line.endswith(b"\r\n") or \
+                        line.find(b"\r", 0, len(line) - 2) >= 0:  # find: see h1_exchange._head
                     raise ChunkedError("malformed chunk size line or trailer")
                 if state == _SIZE:
                     self._size(line[:-2])

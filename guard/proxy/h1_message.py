@@ -9,6 +9,8 @@ size that is not plain hex, or a missing CRLF after a chunk's data raises :class
 
 from __future__ import annotations
 
+import re
+
 from guard.proxy.transports import _SERVER_WRITTEN, HOP_BY_HOP
 from serving.chunked import ChunkedDecoder as BaseChunkedDecoder
 from serving.chunked import ChunkedError
@@ -19,7 +21,9 @@ __all__ = ["MessageError", "ResponseHead", "ChunkedDecoder", "request_head", "pa
 # body framings of a response
 NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE = 0, 1, 2, 3
 MAX_HEAD_BYTES = 64 * 1024  # a response head longer is garbage
-_NAME_BAD = (b" ", b"\t", b"\r", b"\n")
+# whitespace, CR or LF in a header name (a regex, not ``b" " in name``: bytes ``in`` first tries
+# its operand as an int and formats the TypeError it discards, four per header)
+_NAME_BAD = re.compile(rb"[ \t\r\n]")
 
 
 class MessageError(ValueError):
@@ -78,7 +82,7 @@ def parse_head(head: bytes) -> ResponseHead:
     codings: list[bytes] = []
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
-        if not colon or not name or any(c in name for c in _NAME_BAD):
+        if not colon or not name or _NAME_BAD.search(name) is not None:
             raise MessageError(f"bad header line: {line[:80]!r}")
         name = name.lower()
         value = value.strip(b" \t")

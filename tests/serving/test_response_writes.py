@@ -24,14 +24,20 @@ class App:
     chunk is sent only once the test allows it; ``/boom``: a content-length head, then an
     error before the body."""
 
-    def __init__(self) -> None:
+    def __init__(self, bad_header: tuple[bytes, bytes] | None = None) -> None:
         self.release_stream = threading.Event()
+        self.bad_header = bad_header
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
         await receive()
         path = scope["path"]
+        if path == "/inject":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/plain"), self.bad_header]})
+            await send({"type": "http.response.body", "body": b"ok", "more_body": False})
+            return
         if path == "/stream":
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})
@@ -111,3 +117,17 @@ def test_a_held_head_still_reaches_the_client_when_the_app_fails(writes):
         answer, _ = asyncio.run(_ask(srv.port, "/boom"))  # read() returned: the server closed
     head, body = answer.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 503 ") and body == b""
+
+
+@pytest.mark.parametrize("bad_header", [
+    (b"x-a", b"1\r\nset-cookie: injected=1"), (b"x-a", b"1\nset-cookie: injected=1"),
+    (b"x-a", b"1\rset-cookie: injected=1"), (b"x-a\r\nset-cookie", b"injected=1"),
+    (b"set-cookie: injected", b"1"),
+])
+def test_a_header_that_would_split_the_response_head_is_never_written(writes, bad_header):
+    """An app's header with CR or LF in it, or a colon in its name, fails the response (500)
+    instead of reaching the client as a header of its own."""
+    with _server(App(bad_header)) as srv:
+        answer, _ = asyncio.run(_ask(srv.port, "/inject"))
+    assert answer.startswith(b"HTTP/1.1 500 ")
+    assert b"injected" not in answer and not any(b"injected" in w for w in writes)

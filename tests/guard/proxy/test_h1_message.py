@@ -110,7 +110,9 @@ def test_response_head_framing(raw, status, framing, length, keep_alive):
     b"HTTP/1.1 abc OK", b"HTTP/1.1 099 Low", b"HTTP/1.1 600 High", b"HTTP/1.2 200 OK",
     b"HTTP/1.1  200 OK", b"http/1.1 200 OK", b"HTTP/1.1 200 OK\r\nno colon here",
     b"HTTP/1.1 200 OK\r\nbad name: x", b"HTTP/1.1 200 OK\r\n: empty name",
-    b"HTTP/1.1 200 OK\r\n folded: x", b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2",
+    b"HTTP/1.1 200 OK\r\n folded: x", b"HTTP/1.1 200 OK\r\nbad\tname: x",
+    b"HTTP/1.1 200 OK\r\nbad\nname: x", b"HTTP/1.1 200 OK\r\nbad\rname: x",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2",
     b"HTTP/1.1 200 OK\r\ncontent-length: -1", b"HTTP/1.1 200 OK\r\ncontent-length: 0x10",
     b"HTTP/1.1 200 OK\r\ncontent-length: 1" + b"0" * 20,
 ])
