@@ -120,7 +120,8 @@ class Pricer:
         self._chars_per_token = min(MAX_CHARS_PER_TOKEN, max(MIN_CHARS_PER_TOKEN, ratio))
 
     def observe_output(self, class_name: str, num_output_tokens: int,
-                       max_tokens: int | None = None, *, censored: bool = False) -> None:
+                       max_tokens: int | None = None, *, censored: bool = False,
+                       now_s: float | None = None) -> None:
         """A request of ``class_name`` ended with ``num_output_tokens`` generated per choice:
         censored (only a lower bound on its natural length) when it reached ``max_tokens`` or
         when ``censored`` says so (the stream was left early). See
@@ -129,24 +130,26 @@ class Pricer:
         if learned is None:
             learned = self._outputs[class_name] = OutputLengths()
         learned.observe(num_output_tokens, censored or (
-            max_tokens is not None and num_output_tokens >= max_tokens))
+            max_tokens is not None and num_output_tokens >= max_tokens), now_s)
 
     def observe_completion(self, priced: PricedRequest, num_prompt_tokens: int | None,
-                           num_output_tokens: int | None) -> None:
-        """Learn from a completed request's upstream ``usage`` (either count may be unknown)."""
+                           num_output_tokens: int | None, now_s: float | None = None) -> None:
+        """Learn from a completed request's upstream ``usage`` (either count may be unknown);
+        ``now_s``: when it ended (the output-length table is then rebuilt here when due)."""
         if num_prompt_tokens is not None and not priced.is_exact:
             self.observe_usage(priced.num_prompt_chars, num_prompt_tokens,
                                priced.num_overhead_tokens)
         if num_output_tokens is not None:
             cost = priced.cost
             self.observe_output(cost.request_class.name, num_output_tokens // _num_choices(priced),
-                                cost.max_tokens)
+                                cost.max_tokens, now_s=now_s)
 
-    def observe_abandoned(self, priced: PricedRequest, num_output_tokens: int) -> None:
+    def observe_abandoned(self, priced: PricedRequest, num_output_tokens: int,
+                          now_s: float | None = None) -> None:
         """A stream that ended early (the client left, the upstream failed) after
         ``num_output_tokens``: its request would have run at least that long."""
         self.observe_output(priced.cost.request_class.name,
-                            num_output_tokens // _num_choices(priced), censored=True)
+                            num_output_tokens // _num_choices(priced), censored=True, now_s=now_s)
 
     def expected_output_tokens(self, class_name: str, max_tokens: int,
                                now_s: float | None = None) -> int:

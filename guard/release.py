@@ -56,14 +56,15 @@ class ReleaseListeners:
         if ticket.outcome != "completed":
             if ticket.num_content_chunks and ticket.priced is not None and ticket.outcome in (
                     "canceled", "failed"):  # a stream cut short: its length is a lower bound
-                self._pricer.observe_abandoned(ticket.priced, ticket.num_content_chunks)
+                self._pricer.observe_abandoned(ticket.priced, ticket.num_content_chunks, now_s)
             return
         self.service_s += SERVICE_EWMA_WEIGHT * (now_s - ticket.dispatch_s - self.service_s)
         if ticket.priced is not None and ticket.ok:
             output = ticket.num_usage_output_tokens
             if output is None and ticket.is_stream:
                 output = ticket.num_content_chunks
-            self._pricer.observe_completion(ticket.priced, ticket.num_usage_prompt_tokens, output)
+            self._pricer.observe_completion(ticket.priced, ticket.num_usage_prompt_tokens, output,
+                                            now_s)
 
     def after_release(self, ticket: Ticket) -> None:
         self._queue.wake()

@@ -266,6 +266,9 @@ def test_a_stream_the_client_left_teaches_the_pricer_a_lower_bound():
             admission.on_disconnect()
             assert admission.finish()
             assert admission.ticket.outcome == "canceled"
+        # each release rebuilt the table with its ending (then due: few endings), so pricing
+        # the next request builds nothing
+        assert controller.pricer._outputs["interactive"]._stale == 0
         assert controller.pricer.expected_output_tokens("interactive", 8) == 6
         await controller.aclose()
     run(go())

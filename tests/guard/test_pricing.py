@@ -431,3 +431,39 @@ def test_the_survival_table_is_rebuilt_on_count_or_age_not_per_request():
     for _ in range(REBUILD_EVERY):
         lengths.observe(5, False)
     assert lengths.expected(1000, now_s=REBUILD_AFTER_S) < with_long  # many enough: at once
+
+
+def test_an_ending_with_its_time_rebuilds_a_due_table_there_not_in_the_next_lookup(monkeypatch):
+    """At low load nearly every ending is due (REBUILD_AFTER_S apart): the guard's release
+    rebuilds the table with the ending (``now_s``), so the next request's lookup, on its way to
+    the decision, finds it built; an ending that is not due yet waits for the lookup's own
+    schedule as before."""
+    from guard.output_lengths import REBUILD_AFTER_S, OutputLengths
+
+    lengths = OutputLengths()
+    for _ in range(64):
+        lengths.observe(40, False)
+    assert lengths.expected(1000, now_s=0.0) == 40
+    real = OutputLengths._rebuild
+    builds: list[float] = []
+    monkeypatch.setattr(OutputLengths, "_rebuild", lambda self: (builds.append(1), real(self)))
+    lengths.observe(1000, True, now_s=1.0)  # due (1 s since the build): rebuilt right here
+    assert builds == [1]
+    assert lengths.expected(1000, now_s=1.01) > 40 and builds == [1]  # the lookup builds nothing
+    lengths.observe(5, False, now_s=1.1)  # 0.1 s after that build: not due
+    assert builds == [1]
+    lengths.expected(1000, now_s=1.2)
+    assert builds == [1]
+    lengths.expected(1000, now_s=1.0 + REBUILD_AFTER_S)  # the lookup's schedule: due now
+    assert builds == [1, 1]
+
+
+def test_the_pricer_hands_the_ending_time_on_to_the_class_table():
+    """``observe_completion(..., now_s)`` (what the release calls) rebuilds a due table there."""
+    pricer = Pricer(GuardConfig())
+    priced = pricer.price_request(json.dumps({"prompt": "x", "max_tokens": 100}).encode(), COMP,
+                                  {}, ANON, 0.0, max_model_len=4096, block_size=16)
+    for i in range(20):
+        pricer.observe_completion(priced, None, 20, now_s=float(i))
+    learned = pricer._outputs["interactive"]
+    assert learned._stale == 0 and learned._built_s == 19.0
