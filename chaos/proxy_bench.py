@@ -29,7 +29,10 @@ be 0), shed latency p50/p99/max at the client, the proxy's event-loop lag, and t
 request of the proxy process and of the sender (this process), with the sender's own warnings
 when it fell behind. ``--shed-http`` (repeatable) runs it once per proxy HTTP server
 (``kvguard proxy --http``; default ``kvguard``, the proxy's own default).
-``--requests 0`` runs the shedding part alone.
+``--requests 0`` runs the shedding part alone. ``--defaults-only`` keeps, of kvguard's
+variants, the two on the proxy's defaults; ``--copies N`` runs each kvguard variant in ``N``
+processes (``name #2``, ...), since one process's median can sit apart from another's of the
+same code.
 
 Under CPU contention wall-clock figures swell; each target's CPU time per request (its process
 tree's user + system seconds over the measured requests, background polling included) is
@@ -106,6 +109,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--stacks", action="store_true",
                         help="also run the httpx-client and uvloop+httptools variants")
+    parser.add_argument("--defaults-only", action="store_true",
+                        help="of kvguard's variants run only the proxy's defaults (both policies)")
+    parser.add_argument("--copies", type=int, default=1,
+                        help="run each kvguard variant in this many processes (a process's "
+                             "median can sit apart from another's of the same code)")
     parser.add_argument("--idle-s", type=float, default=3.0,
                         help="idle window that measures each process's background CPU")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM target")
@@ -128,6 +136,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.requests < 0 or args.warmup < 0 or args.max_tokens < 1 or args.shed_rate < 0:
         raise ValueError("--max-tokens must be >= 1, --requests/--warmup/--shed-rate >= 0")
+    if args.copies < 1:
+        raise ValueError("--copies must be >= 1")
+    if args.defaults_only and args.stacks:
+        raise ValueError("--defaults-only leaves out the --stacks variants: pick one")
     if args.requests == 0 and args.shed_rate == 0:
         raise ValueError("--requests 0 and --shed-rate 0 leave nothing to measure")
     if args.against is not None and not (args.against / "guard" / "proxy").is_dir():
@@ -204,14 +216,14 @@ def _latency(args: argparse.Namespace, work: Path) -> dict:
         with Topology(spec) as fleet:
             upstream = fleet.replica_urls[0]
             urls = {"direct": upstream}
-            variants = {**VARIANTS, **(STACK_VARIANTS if args.stacks else {})}
+            ours, variants = _variants(args)
             site = _site_path(args) if args.stacks else None
             for name, (policy, client, loop, http) in variants.items():
                 child = _proxy(upstream, _proxy_config(work, policy, client), loop, http, site)
                 children.append(child.start())
                 urls[name] = child.url
             if args.against is not None:
-                for name, (policy, client, loop, http) in VARIANTS.items():
+                for name, (policy, client, loop, http) in _copies(ours, args.copies).items():
                     child = _proxy(upstream, _proxy_config(work, policy, client), loop, http,
                                    None, args.against)
                     children.append(child.start())
@@ -233,6 +245,20 @@ def _latency(args: argparse.Namespace, work: Path) -> dict:
     finally:
         for child in children:
             child.terminate()
+
+
+def _variants(args: argparse.Namespace) -> tuple[dict, dict]:
+    """(kvguard's own variants, every kvguard target of this run), copies included in the
+    second; ``--against`` runs the first from the other checkout."""
+    ours = {name: variant for name, variant in VARIANTS.items()
+            if not args.defaults_only or "defaults" in name}
+    return ours, _copies({**ours, **(STACK_VARIANTS if args.stacks else {})}, args.copies)
+
+
+def _copies(variants: dict, copies: int) -> dict:
+    """Each variant ``copies`` times, the second and later named ``<name> #2`` and so on."""
+    return {(name if i == 0 else f"{name} #{i + 1}"): variant
+            for name, variant in variants.items() for i in range(copies)}
 
 
 def _cpu_s(pid: int) -> float:

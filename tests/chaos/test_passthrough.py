@@ -52,3 +52,25 @@ def test_bench_against_must_be_a_kvguard_checkout(tmp_path):
     args = parser.parse_args(["--against", str(tmp_path), "--no-litellm"])
     with pytest.raises(ValueError, match="not a kvguard checkout"):
         proxy_bench.run(args)
+
+
+def _bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    proxy_bench.configure(parser)
+    return parser.parse_args([*argv, "--no-litellm"])
+
+
+def test_bench_copies_and_defaults_only_pick_the_kvguard_targets():
+    ours, targets = proxy_bench._variants(_bench_args())
+    assert list(targets) == list(proxy_bench.VARIANTS) == list(ours)
+    ours, targets = proxy_bench._variants(_bench_args("--defaults-only", "--copies", "2"))
+    assert list(ours) == ["kvguard defaults always_admit", "kvguard defaults slo"]
+    assert list(targets) == ["kvguard defaults always_admit", "kvguard defaults always_admit #2",
+                             "kvguard defaults slo", "kvguard defaults slo #2"]
+    assert targets["kvguard defaults slo #2"] == proxy_bench.VARIANTS["kvguard defaults slo"]
+
+
+@pytest.mark.parametrize("argv", [("--copies", "0"), ("--defaults-only", "--stacks")])
+def test_bench_refuses_copies_below_one_and_defaults_only_with_stacks(argv):
+    with pytest.raises(ValueError):
+        proxy_bench.run(_bench_args(*argv))
