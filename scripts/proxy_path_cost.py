@@ -5,7 +5,7 @@ every round, with a ``--gap-ms`` pause before each request so that the work a pr
 its response, the release, never overlaps the next target's request).
 
     python scripts/proxy_path_cost.py [--proxy NAME=CHECKOUT ...] [--floor] [--rounds 1000]
-        [--tail together|apart] [--slo NAME ...]
+        [--tail together|apart|sim] [--slo NAME ...]
         [--strace NAME=OUT ...] [--pyspy NAME=OUT] [--callgrind] [--profile NAME]
 
 Targets: ``direct`` (the upstream itself), each ``--proxy`` (``kvguard proxy``, ``always_admit``
@@ -18,8 +18,9 @@ from this checkout), and with ``--floor`` HTTP/1.1 relayed on raw asyncio protoc
 (``chaos.passthrough --mode http``). The upstream streams one SSE event per token: the
 response head, 1 ms later the first token, then 7 more and ``[DONE]`` (``asyncio.sleep(0.0002)``
 apart, ~1 ms in practice), and the chunked terminator in the same write as ``[DONE]`` (``--tail
-apart``: ~50 µs later in a write of its own, as uvicorn, vLLM and kvguard's engine end a
-stream). The proxies run with ``--state-source none`` (no state polls over
+apart``: ~40 µs later in a write of its own, as uvicorn, vLLM and kvguard's engine end a
+stream; ``--tail sim``: that, and ``[DONE]`` ~50 µs after the last token, the three close
+writes that end a sim replica's stream). The proxies run with ``--state-source none`` (no state polls over
 HTTP beside the requests).
 
 Printed per target: TTFT (the first content event at the client) and end-to-end (the final
@@ -54,7 +55,7 @@ from pathlib import Path
 
 _UPSTREAM = r'''
 import asyncio, sys
-APART = sys.argv[1:] == ["apart"]
+TAIL = sys.argv[1] if len(sys.argv) > 1 else "together"
 EVENTS = [b'data: {"choices": [{"text": "tok%d"}]}\n\n' % i for i in range(8)] + [b"data: [DONE]\n\n"]
 # an idle sim replica's /kvguard/state (llama-7b on a simulated H100), for --policy slo
 STATE = (b'{"model":"llama-7b","backend":"sim","max_model_len":4096,"block_size":16,'
@@ -98,11 +99,12 @@ class Upstream(asyncio.Protocol):
         self.t.write(HEAD)
         await asyncio.sleep(0.001)
         for i, event in enumerate(EVENTS):
-            if i:
-                await asyncio.sleep(0.0002)
+            if i:  # sim: [DONE] right behind the last token, as a sim replica writes it
+                await asyncio.sleep(0.00005 if TAIL == "sim" and i == len(EVENTS) - 1
+                                    else 0.0002)
             self.t.write(b"%x\r\n%s\r\n" % (len(event), event))
-        if APART:  # as uvicorn, vLLM and kvguard's engine end a stream: its own write, later
-            await asyncio.sleep(0.00005)
+        if TAIL != "together":  # as uvicorn, vLLM and kvguard's engine end a stream: its own
+            await asyncio.sleep(0.00004)  # write, a moment later
         self.t.write(b"0\r\n\r\n")
 async def main():
     loop = asyncio.get_running_loop()
@@ -374,10 +376,11 @@ def main() -> int:
     parser.add_argument("--slo", action="append", default=[], metavar="NAME",
                         help="proxy NAME runs the slo policy, polling the upstream's "
                              "/kvguard/state (an idle sim replica's); the others always_admit")
-    parser.add_argument("--tail", choices=("together", "apart"), default="together",
+    parser.add_argument("--tail", choices=("together", "apart", "sim"), default="together",
                         help="the upstream writes the chunked terminator with the [DONE] event "
-                             "(together) or ~50 us after it in a write of its own (apart: what "
-                             "uvicorn, vLLM and kvguard's engine do)")
+                             "(together) or ~40 us after it in a write of its own (apart: what "
+                             "uvicorn, vLLM and kvguard's engine do); sim: also [DONE] ~50 us "
+                             "after the last token, the three writes of a sim replica's end")
     parser.add_argument("--callgrind", action="store_true")
     parser.add_argument("--profile", default=None, metavar="NAME")
     parser.add_argument("--idle-s", type=float, default=0.0,
