@@ -152,16 +152,16 @@ class H1Connection(PhaseDeadlines, asyncio.Protocol):
         self.exchange = exchange
         if exchange.more_body and self._buffer:  # the body, or its start, came with the head
             self._feed_body(exchange)
-        if exchange.disconnected:  # a malformed chunked body was refused: no phase (the
-            pass                   # ASGI app still runs, and sees the disconnect)
-        elif exchange.more_body:
+        # (a malformed chunked body was refused: no phase; the ASGI app still runs and sees
+        # the disconnect)
+        if exchange.more_body and not exchange.disconnected:
             self._arm("body", self.limits.body_timeout_s)
             if self.server.direct is not None and not request.expect_continue and \
                     exchange.chunks is None and exchange.body_left <= _MAX_BUFFERED:
                 self._held = request  # a direct handler gets it whole: served once it is in
                 return
-        else:  # the whole request is read: one phase change, not head → body → serving
-            self._arm("serving", None)
+        elif not exchange.disconnected:  # the whole request is read: one phase change, not
+            self._arm("serving", None)   # head → body → serving
         self._serve(request, exchange)
 
     def _serve(self, request: RequestHead, exchange: Exchange) -> None:
