@@ -26,6 +26,7 @@ each side turns them into its own (a 400 on the server, an upstream failure in t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 __all__ = ["ChunkedDecoder", "ChunkedError", "MAX_SIZE_LINE_BYTES", "MAX_TRAILER_BYTES"]
@@ -36,6 +37,8 @@ _MAX_SIZE_DIGITS = 15
 _HEX = b"0123456789abcdefABCDEF"
 
 _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
+# a plain size line (no extensions, no padding): the fast path's, for a chunk whole in one read
+_PLAIN_SIZE_LINE = re.compile(rb"[0-9a-fA-F]{1,%d}\r\n" % _MAX_SIZE_DIGITS)
 
 
 class ChunkedError(ValueError):
@@ -65,8 +68,22 @@ class ChunkedDecoder:
         """Append the body bytes in ``data`` to ``out``; return how many bytes of ``data`` were
         used (``len(data)`` unless the body ended inside it). Raises :class:`ChunkedError`."""
         pos, end = 0, len(data)
+        plain_size_line = _PLAIN_SIZE_LINE.match
         while pos < end:
             state = self._state
+            if state == _SIZE and not self._line:
+                # the fast path: a chunk whole in this read, behind a plain size line, is one
+                # slice (a streamed event arrives so: one chunk per read); anything else, the
+                # last chunk included, takes the general path below
+                line = plain_size_line(data, pos)
+                if line is not None:
+                    start = line.end()
+                    stop = start + int(data[pos:start - 2], 16)
+                    if start < stop and stop + 2 <= end and data[stop] == 0x0D \
+                            and data[stop + 1] == 0x0A:
+                        out.append(data[start:stop])
+                        pos = stop + 2
+                        continue
             if state == _DATA:
                 take = min(self._left, end - pos)
                 out.append(data if take == end else data[pos:pos + take])

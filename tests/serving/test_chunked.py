@@ -5,6 +5,8 @@ bounded, dropped)."""
 import re
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from guard.proxy.h1_message import ChunkedDecoder as UpstreamChunks
 from guard.proxy.h1_message import MessageError
@@ -96,3 +98,32 @@ def test_each_side_raises_its_own_error_and_reports_its_own_way():
     upstream = UpstreamChunks()
     assert b"".join(upstream.feed(BODY + b"junk")) == b"".join(PIECES)
     assert upstream.done and upstream.extra  # the client: bytes after the end break the link
+
+
+def test_whole_chunks_behind_plain_size_lines_are_sliced_without_the_line_parser(monkeypatch):
+    """The fast path: a read of whole chunks (a streamed event per read) is sliced directly;
+    the last chunk, an extension or a chunk split across reads go through the general path."""
+    def no_line_parser(self, line):
+        raise AssertionError(f"general path for {line!r}")
+
+    monkeypatch.setattr(ChunkedDecoder, "_size", no_line_parser)
+    decoder, out = ChunkedDecoder(trailer_field=None), []
+    data = b"5\r\nhello\r\n1A\r\n" + b"z" * 26 + b"\r\n"
+    assert decoder.decode(data, out) == len(data)
+    assert out == [b"hello", b"z" * 26] and not decoder.done
+    for general in (b"0\r\n\r\n", b"5;x=1\r\nhello\r\n", b"5\r\nhel"):
+        with pytest.raises(AssertionError, match="general path"):
+            ChunkedDecoder(trailer_field=None).decode(general, [])
+
+
+@given(st.lists(st.binary(min_size=1, max_size=40), max_size=6),
+       st.lists(st.sampled_from([b"", b";ext=1", b" ", b"\t;a"]), min_size=6, max_size=6),
+       st.lists(st.integers(min_value=1, max_value=400), max_size=5), st.booleans())
+def test_any_chunks_in_any_split_decode_to_their_data(payloads, extensions, cuts, upper):
+    body = b"".join(b"%s%s\r\n%s\r\n" % ((b"%X" if upper else b"%x") % len(p), extensions[i], p)
+                    for i, p in enumerate(payloads)) + b"0\r\n\r\n"
+    points = sorted({min(c, len(body)) for c in cuts} | {0, len(body)})
+    reads = [body[a:b] for a, b in zip(points, points[1:], strict=False) if b > a]
+    decoder, out = ChunkedDecoder(trailer_field=None), []
+    assert sum(decoder.decode(read, out) for read in reads) == len(body)
+    assert decoder.done and b"".join(out) == b"".join(payloads)
