@@ -21,7 +21,12 @@ answer to the client:
   upstream connection's read callback (the server's ``kvguard.body`` extension), not through a
   task wake-up per chunk; while the client does not read, reading from the upstream pauses;
 * the client's disconnect cancels the forwarding at once and aborts the upstream connection
-  (the replica sees its client go and frees the sequence's KV blocks).
+  (the replica sees its client go and frees the sequence's KV blocks);
+* once a response's last bytes are written to the client, the proxy yields its CPU once
+  (``sched_yield``) before the bookkeeping that follows (the relay's end, the pool, the
+  ticket's release): a client on the same machine that the write woke is often queued on the
+  proxy's own core (the kernel places a socket's reader beside its writer) and would wait out
+  that bookkeeping before it reads the end. With nothing else runnable it returns at once.
 
 Every connect error, timeout and 5xx but 503 is a failure for :class:`guard.proxy.health.ReplicaHealth`
 (ejection); any other answer is a success.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -47,7 +53,7 @@ from guard.proxy.transports import (
 from guard.relay import REQUEST_ID_HEADER
 from guard.shedding import Rejection
 
-__all__ = ["BodyWriter", "Forwarder", "sse_error_event", "REPLICA_HEADER"]
+__all__ = ["BodyWriter", "Forwarder", "sse_error_event", "yield_cpu", "REPLICA_HEADER"]
 
 REPLICA_HEADER = b"x-kvguard-replica"  # which replica answered, on every relayed response
 QUEUE_MS_HEADER = b"x-kvguard-queue-ms"
@@ -59,6 +65,11 @@ Headers = list[tuple[bytes, bytes]]
 BodyWriter = tuple[Callable[[bytes, bool], bool], Callable[[], Awaitable[None]]]
 # redispatch(admission, failed_replica_id) -> the new replica id, or None when there is none
 Redispatch = Callable[[Admission, str], "str | None"]
+
+
+# called once a response's last bytes are written: a task that write woke runs first (see the
+# module docstring); Unix has it, elsewhere there is nothing to do
+yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
 
 def sse_error_event(code: str, message: str) -> bytes:
@@ -255,6 +266,8 @@ class _Sink:
         try:
             sent_s = self._clock()
             full = self._write(data, not last)
+            if last:
+                yield_cpu()  # the answer is out: what follows is bookkeeping
             self._admission.on_body(data, not last, sent_s)
             if self._forwarded is not None:  # the chunk went at sent_s (counted by on_body)
                 self._forwarded(sent_s)
@@ -322,6 +335,8 @@ class _Client:
         admission = self._admission
         admission.on_body(chunk, more_body)
         await self._send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+        if not more_body:
+            yield_cpu()  # the answer is out: what follows is bookkeeping
         if admission.ticket.chunks_s is not None:  # traced only
             admission.on_forwarded()
 

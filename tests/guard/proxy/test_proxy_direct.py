@@ -80,3 +80,54 @@ def test_admitted_requests_are_written_upstream_from_the_read_callback(client):
     # pooled connection (forward() connected), the others were written there and then
     assert [in_callback for in_callback, _ in app.sends] == [True] * 4
     assert [written for _, written in app.sends] == [False, True, True, True]
+
+
+def test_the_cpu_is_yielded_once_after_the_last_write_and_before_the_release(client,
+                                                                             monkeypatch):
+    """Once a response's last bytes are written to the client, the proxy yields its CPU once
+    (a client the write woke on the same core runs before the proxy's bookkeeping); the ticket
+    is released only after. Streamed (pushed from the read callback) and JSON answers alike."""
+    from guard.proxy import upstream as forwarding
+    from serving.h1_connection import H1Connection
+
+    events: list[tuple[str, object]] = []
+    write = H1Connection.write
+
+    def recorded_write(conn, data):
+        events.append(("write", bytes(data)))
+        write(conn, data)
+
+    monkeypatch.setattr(H1Connection, "write", recorded_write)
+    with running(upstream_child("ok")) as upstream:
+        config = GuardConfig.from_dict({"policy": "always_admit", "replicas": [
+            {"replica_id": "r0", "url": upstream.url, "state_source": "none"}]})
+        app = Recorded(config)
+        monkeypatch.setattr(forwarding, "yield_cpu",
+                            lambda: events.append(("yield", app.num_in_flight)))
+        with H1LoopbackServer(app, ConnectionTable(ServerLimits())) as proxy:
+            for stream in (True, False, True):
+                events.clear()
+                response = client.post(proxy.url + "/v1/completions",
+                                       json={**BODY, "stream": stream})
+                assert response.status_code == 200, response.text
+                assert proxy.call(_settled(app))
+                yields = [i for i, (kind, _) in enumerate(events) if kind == "yield"]
+                assert len(yields) == 1, events  # once per response
+                at = yields[0]
+                assert events[at][1] == 1  # before the release: the request still in flight
+                kind, last = events[at - 1]  # right after the write that ended the response
+                assert kind == "write"
+                if stream:
+                    assert last.endswith(b"0\r\n\r\n")
+                else:
+                    assert last.endswith(response.content)
+                assert all(kind == "write" for kind, _ in events[:at])
+
+
+async def _settled(app) -> bool:
+    """True once nothing is in flight (the release runs after the response went out)."""
+    for _ in range(200):
+        if app.num_in_flight == 0:
+            return True
+        await asyncio.sleep(0.01)
+    return False
