@@ -2,7 +2,10 @@
 
 **Added latency.** One sim replica is reached directly and through each target, one streamed completion of
 ``--max-tokens`` tokens at a time, the targets interleaved request by request so drift hits them
-all alike. Per target: TTFT (first content token at the client) and end-to-end, median and p99;
+all alike: each round sends one request to every target in a shuffled order (seeded, so runs
+repeat it), with a ``--gap-ms`` pause before each request, so the work a process does after
+its response (a proxy's release, the replica finishing the sequence) never overlaps the next
+target's request, and no target always follows the same one. Per target: TTFT (first content token at the client) and end-to-end, median and p99;
 "added" is the target's figure minus the direct one. Targets: ``kvguard proxy`` with
 ``always_admit`` and with ``slo`` (aiohttp upstream client, uvicorn on asyncio + h11), both
 again on the proxy's defaults (``kvguard defaults ...``: kvguard's own HTTP server and the h1
@@ -46,6 +49,7 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import re
 import secrets
 import statistics
@@ -67,7 +71,7 @@ from chaos.shed_bench import engine_args, flood, loop_lag_max_s, shed_row
 from chaos.shed_bench import load_args as flood_load_args
 from chaos.topology import Topology, TopologySpec, free_port, http_health
 
-__all__ = ["configure", "run", "VARIANTS"]
+__all__ = ["configure", "round_orders", "run", "VARIANTS"]
 
 MODEL = "llama-7b"
 # name -> (policy, upstream client, uvicorn loop, uvicorn http)
@@ -114,6 +118,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copies", type=int, default=1,
                         help="run each kvguard variant in this many processes (a process's "
                              "median can sit apart from another's of the same code)")
+    parser.add_argument("--gap-ms", type=float, default=3.0,
+                        help="pause before each latency request (the last one's after-work "
+                             "is done; 0: back to back)")
     parser.add_argument("--idle-s", type=float, default=3.0,
                         help="idle window that measures each process's background CPU")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM target")
@@ -134,8 +141,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.requests < 0 or args.warmup < 0 or args.max_tokens < 1 or args.shed_rate < 0:
-        raise ValueError("--max-tokens must be >= 1, --requests/--warmup/--shed-rate >= 0")
+    if args.requests < 0 or args.warmup < 0 or args.max_tokens < 1 or args.shed_rate < 0 \
+            or not args.gap_ms >= 0:
+        raise ValueError("--max-tokens must be >= 1, --requests/--warmup/--shed-rate/--gap-ms "
+                         ">= 0")
     if args.copies < 1:
         raise ValueError("--copies must be >= 1")
     if args.defaults_only and args.stacks:
@@ -286,11 +295,13 @@ def _measure_all(urls: dict[str, str], pids: dict[str, int], args: argparse.Name
         time.sleep(args.idle_s)  # background work only: state polls, probes
         cpu_s = {name: _cpu_s(pid) for name, pid in pids.items()}
         idle_rate = {name: (cpu_s[name] - idle_cpu_s[name]) / args.idle_s for name in pids}
+        gap_s = args.gap_ms / 1000
         started_s = time.perf_counter()
-        for _ in range(args.requests):
-            for name, client in clients.items():
-                samples[name].append(_one_stream(client, body))
-        busy_s = time.perf_counter() - started_s
+        for order in round_orders(list(clients), args.requests):
+            for name in order:
+                time.sleep(gap_s)  # the previous request's after-work is done
+                samples[name].append(_one_stream(clients[name], body))
+        busy_s = time.perf_counter() - started_s  # the gaps included: polls go on in them
         cpu_s = {name: _cpu_s(pid) - cpu_s[name] for name, pid in pids.items()}
     finally:
         for client in clients.values():
@@ -301,6 +312,19 @@ def _measure_all(urls: dict[str, str], pids: dict[str, int], args: argparse.Name
         row["cpu_ms_per_request"] = 1000 * net_s / args.requests
         row["idle_cpu_ratio"] = idle_rate[name]
     return rows
+
+
+def round_orders(names: list[str], rounds: int, seed: int = 0) -> list[list[str]]:
+    """Each round's order of the targets: shuffled, from a fixed seed (a run repeats it), so
+    no target always follows the same one (what a process does after its response would
+    otherwise fall on one neighbour's requests every time)."""
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(rounds):
+        order = list(names)
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
 
 
 def _one_stream(client: httpx.Client, body: bytes) -> tuple[float, float]:

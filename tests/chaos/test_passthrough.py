@@ -74,3 +74,17 @@ def test_bench_copies_and_defaults_only_pick_the_kvguard_targets():
 def test_bench_refuses_copies_below_one_and_defaults_only_with_stacks(argv):
     with pytest.raises(ValueError):
         proxy_bench.run(_bench_args(*argv))
+
+
+def test_bench_rounds_shuffle_the_targets_so_none_always_follows_the_same_one():
+    names = ["direct", "a", "a #2", "slo", "slo #2"]
+    orders = proxy_bench.round_orders(names, 200)
+    assert all(sorted(order) == sorted(names) for order in orders)  # each round: every target
+    assert orders == proxy_bench.round_orders(names, 200)  # seeded: a run repeats it
+    after_slo = {order[order.index("slo") + 1] for order in orders if order[-1] != "slo"}
+    assert after_slo == set(names) - {"slo"}  # not always the same neighbour
+
+
+def test_bench_refuses_a_negative_gap():
+    with pytest.raises(ValueError, match="gap-ms"):
+        proxy_bench.run(_bench_args("--gap-ms", "-1"))
