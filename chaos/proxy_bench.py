@@ -153,6 +153,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--requests 0 and --shed-rate 0 leave nothing to measure")
     if args.against is not None and not (args.against / "guard" / "proxy").is_dir():
         raise ValueError(f"--against: {args.against} is not a kvguard checkout (no guard/proxy/)")
+    out = Path(args.out) if args.out else None
+    if out is not None:  # a bad path fails now, not after minutes of measuring
+        if out.is_dir():
+            raise ValueError(f"--out {out} is a folder: name the JSON file to write")
+        out.parent.mkdir(parents=True, exist_ok=True)
     exit_on_sigterm()
     results: dict = {"machine": os.uname().nodename, "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="kvguard-bench-proxy-") as work:
@@ -164,8 +169,8 @@ def run(args: argparse.Namespace) -> int:
                 key = "shedding" if http == "kvguard" else f"shedding {http}"
                 results[key] = _shedding(args, Path(work), http)
                 print(json.dumps({key: results[key]}, indent=2), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+    if out is not None:
+        out.write_text(json.dumps(results, indent=2))
     return 0
 
 

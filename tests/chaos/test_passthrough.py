@@ -88,3 +88,26 @@ def test_bench_rounds_shuffle_the_targets_so_none_always_follows_the_same_one():
 def test_bench_refuses_a_negative_gap():
     with pytest.raises(ValueError, match="gap-ms"):
         proxy_bench.run(_bench_args("--gap-ms", "-1"))
+
+
+def test_bench_out_is_made_ready_before_measuring_and_bad_input_changes_nothing(tmp_path,
+                                                                              monkeypatch):
+    out = tmp_path / "new" / "deeper" / "bench.json"
+    with pytest.raises(ValueError, match="gap-ms"):
+        proxy_bench.run(_bench_args("--out", str(out), "--gap-ms", "-1"))
+    assert not out.parent.exists()  # refused input: nothing made
+    with pytest.raises(ValueError, match="is a folder"):  # before anything starts
+        proxy_bench.run(_bench_args("--out", str(tmp_path), "--requests", "1",
+                                    "--shed-rate", "0"))
+    made = []
+
+    def measured(args, work):  # stands in for the minutes of measuring
+        made.append(out.parent.is_dir())
+        return {}
+
+    monkeypatch.setattr(proxy_bench, "_latency", measured)
+    monkeypatch.setattr(proxy_bench, "_print_latency", lambda rows: None)
+    assert proxy_bench.run(_bench_args("--out", str(out), "--requests", "1",
+                                       "--shed-rate", "0")) == 0
+    assert made == [True]  # the folder existed before the measuring began
+    assert json.loads(out.read_text())["latency"] == {}
