@@ -31,8 +31,10 @@ def test_recovers_known_coefficients_from_exact_samples():
 
 def test_recovers_coefficients_with_noise_and_error_shrinks():
     fitter = StepTimeFitter(PRIOR, window=256, min_samples=16)
-    for s in mixed_samples(600, seed=1, noise=0.03):
+    for i, s in enumerate(mixed_samples(600, seed=1, noise=0.03)):
         fitter.add(*s)
+        if i % 25 == 24:  # a state poll's worth of iterations, then the model is read
+            fitter.model()
     fitted = fitter.model()
     for prefill, decode, context in [(0, 8, 4000), (512, 4, 1000), (2000, 32, 30000)]:
         assert fitted.step_s(prefill, decode, context) == pytest.approx(
@@ -85,6 +87,28 @@ def test_refit_is_lazy_and_periodic():
     for s in samples[20:24]:
         fitter.add(*s)
     assert fitter.model() is not first
+
+
+def test_a_batch_of_records_costs_at_most_one_refit_and_is_predicted_by_the_model_in_use():
+    """A state poll adds its iterations, then reads the model: one fit per poll at most (a
+    fit every refit_every records while adding cost ~3 per 100 ms poll), and each record is
+    predicted by the model the policy was using, not one refitted half-way through the batch."""
+    fitter = StepTimeFitter(PRIOR, window=256, min_samples=16, refit_every=8)
+    fits = []
+    real_fit = fitter._fit
+    fitter._fit = lambda: fits.append(1) or real_fit()
+    samples = list(mixed_samples(100, seed=4))
+    for s in samples[:40]:
+        fitter.add(*s)
+    assert fits == []  # adding never fits
+    in_use = fitter.model()
+    assert len(fits) == 1 and in_use != PRIOR
+    for s in samples[40:65]:
+        fitter.add(*s)
+    expected = [abs(in_use.step_s(p, d, c) - t) / t for p, d, c, t in samples[40:65]]
+    assert list(fitter._errors)[-25:] == pytest.approx(expected)
+    fitter.model()
+    assert len(fits) == 2
 
 
 def test_batch_id_dedupe_and_unusable_samples():
