@@ -148,3 +148,21 @@ def test_state_source_none_is_refreshed_in_line_beside_remote_sources():
         snap = load_state.replica_snapshot(rid)
         assert snap.capacity_known and snap.num_total_blocks == 100 and snap.observed_s == 2.0
     assert poller.num_refreshes == 3
+
+
+@pytest.mark.parametrize("body, parsed", [
+    (b'{"kv": {"num_free_blocks": 12}}', {"kv": {"num_free_blocks": 12}}),
+    # what Python's JSON writes and orjson refuses: still a state document
+    (b'{"ewma": NaN, "ids": [18446744073709551616]}', {"ewma": "nan", "ids": [2 ** 64]}),
+])
+def test_a_state_document_parses_whatever_python_json_writes(body, parsed):
+    from guard.replicas.poller import _state_document
+
+    state = _state_document(body, "test")
+    if "ewma" in parsed:
+        assert state["ewma"] != state["ewma"] and state["ids"] == parsed["ids"]  # NaN
+    else:
+        assert state == parsed
+    for bad in (b"[1, 2]", b"{not json", b"\xff\xfe"):
+        with pytest.raises(StateUnavailable):
+            _state_document(bad, "test")
