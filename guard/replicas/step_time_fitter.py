@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -162,7 +163,9 @@ class StepTimeFitter:
                                float(np.quantile(errors, 0.9)))
 
     def _fit(self) -> StepTimeModel:
-        data = np.asarray(self._rows, dtype=float)
+        rows = self._rows  # fromiter over the flat values: half the time of asarray's discovery
+        data = np.fromiter(chain.from_iterable(rows), dtype=float, count=4 * len(rows))
+        data = data.reshape(len(rows), 4)
         x = np.column_stack([np.ones(len(data)), data[:, :3]])
         y = data[:, 3]
         prior = np.asarray(self.prior.as_tuple(), dtype=float)
