@@ -111,6 +111,19 @@ def test_a_batch_of_records_costs_at_most_one_refit_and_is_predicted_by_the_mode
     assert len(fits) == 2
 
 
+def test_by_default_a_refit_waits_for_an_eighth_of_the_window_of_new_records():
+    fitter = StepTimeFitter(PRIOR)  # window 256, min_samples 16, refit_every 32
+    samples = list(mixed_samples(100, seed=5))
+    for s in samples[:16]:
+        fitter.add(*s)
+    first = fitter.model()
+    for s in samples[16:47]:
+        fitter.add(*s)
+    assert fitter.model() is first  # 31 new records: still the model in use
+    fitter.add(*samples[47])
+    assert fitter.model() is not first
+
+
 def test_batch_id_dedupe_and_unusable_samples():
     fitter = StepTimeFitter(PRIOR)
     assert fitter.add(0, 4, 100, 0.01, batch_id=7)
