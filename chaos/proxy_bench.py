@@ -1,12 +1,13 @@
 """``kvguard bench proxy``: what ``kvguard proxy`` adds, next to LiteLLM proxy, in one run.
 
-**Added latency.** One sim replica is reached directly and through each target, one streamed completion of
-``--max-tokens`` tokens at a time, the targets interleaved request by request so drift hits them
-all alike: each round sends one request to every target in a shuffled order (seeded, so runs
-repeat it), with a ``--gap-ms`` pause before each request, so the work a process does after
-its response (a proxy's release, the replica finishing the sequence) never overlaps the next
-target's request, and no target always follows the same one. Per target: TTFT (first content token at the client) and end-to-end, median and p99;
-"added" is the target's figure minus the direct one. Targets: ``kvguard proxy`` with
+**Added latency.** One sim replica is reached directly and through each target, one streamed
+completion of ``--max-tokens`` tokens at a time, the targets interleaved request by request so
+drift hits them all alike: each round sends one request to every target in a shuffled order
+(seeded, so runs repeat it), with a ``--gap-ms`` pause before each request, so the work a
+process does after its response (a proxy's release, the replica finishing the sequence) never
+overlaps the next target's request, and no target always follows the same one. Per target:
+TTFT (first content token at the client) and end-to-end, median and p99; "added" is the
+target's figure minus the direct one. Targets: ``kvguard proxy`` with
 ``always_admit`` and with ``slo`` (aiohttp upstream client, uvicorn on asyncio + h11), both
 again on the proxy's defaults (``kvguard defaults ...``: kvguard's own HTTP server and the h1
 client, on uvloop — what ``--loop auto`` picks, uvloop being a core dependency) and LiteLLM proxy (one worker, installed into ``.venv-litellm/``; ``--no-litellm`` skips it);
