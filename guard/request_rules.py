@@ -17,21 +17,16 @@ about its replicas from their state documents:
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from guard.errors import PricingError
-from serving.json_body import MAX_JSON_DEPTH, nesting_depth_exceeds
+from serving.json_body import MAX_JSON_DEPTH, loads, nesting_depth_exceeds
 from serving.unsupported_params import UNSUPPORTED_PARAMS, first_unsupported
 
 __all__ = ["ROLES", "ReplicaRules", "chat_texts", "check_common", "optional_int", "parse_body",
            "completion_prompt"]
 
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")  # 18 digits always fit in 64 bits
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _UNSUPPORTED_NAMES = frozenset(UNSUPPORTED_PARAMS)
 
@@ -68,16 +63,7 @@ def parse_body(body: dict | bytes) -> dict:
             raise _bad(f"request body nests deeper than {MAX_JSON_DEPTH} levels", None,
                        "invalid_json")
         try:
-            # orjson first: one C call (the stdlib's Python layers cost ~3x as much run cold);
-            # the stdlib for what strict RFC 8259 refuses (NaN, lone surrogate escapes,
-            # UTF-16...) and where a number may pass 64 bits (orjson makes it a float)
-            if _LONG_DIGITS.search(body) is None:
-                try:
-                    body = orjson.loads(body)
-                except ValueError:
-                    body = json.loads(body)
-            else:
-                body = json.loads(body)
+            body = loads(body)  # orjson where it parses as the stdlib would
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise _bad(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
     if not isinstance(body, dict):

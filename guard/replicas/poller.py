@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-import orjson
-
 from guard.config import ReplicaConfig
 from guard.errors import StateUnavailable
+from serving.json_body import loads
 
 if TYPE_CHECKING:  # load_state re-exports this module's names
     from guard.replicas.load_state import LoadState
@@ -136,14 +134,10 @@ class AsgiStateSource:
 
 def _state_document(body: bytes, where: str) -> dict:
     """A ``/kvguard/state`` body as a dict; StateUnavailable when it is not a JSON object."""
-    try:  # orjson first (one C call: polls run while requests wait on the same loop); the
-        # stdlib for what orjson refuses and Python's JSON allows (NaN, integers past 64 bits)
-        state = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        try:
-            state = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise StateUnavailable(f"{where} is not JSON") from None
+    try:  # orjson where it parses as the stdlib would: polls share the requests' loop
+        state = loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise StateUnavailable(f"{where} is not JSON") from None
     if not isinstance(state, dict):
         raise StateUnavailable(f"{where} is not a JSON object")
     return state

@@ -163,6 +163,8 @@ def test_a_state_document_parses_whatever_python_json_writes(body, parsed):
         assert state["ewma"] != state["ewma"] and state["ids"] == parsed["ids"]  # NaN
     else:
         assert state == parsed
+    big = _state_document(b'{"ids": [18446744073709551617]}', "test")["ids"][0]
+    assert type(big) is int and big == 2 ** 64 + 1  # exact, not orjson's float past 64 bits
     for bad in (b"[1, 2]", b"{not json", b"\xff\xfe"):
         with pytest.raises(StateUnavailable):
             _state_document(bad, "test")
