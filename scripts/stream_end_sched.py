@@ -115,18 +115,18 @@ def _slices(text: str) -> dict[str, list[tuple[float, float, float, int]]]:
     return slices
 
 
-def _task(slices: dict, pid: int) -> list[tuple[float, float, float, int]]:
-    """The main thread's slices of process ``pid``."""
+def _task(slices: dict, pid: int) -> tuple[list, list[float]]:
+    """The main thread's slices of process ``pid``, and their start times (for bisection)."""
     for task, runs in slices.items():
         if task.endswith(f"[{pid}]"):
-            return runs
+            return runs, [r[0] for r in runs]
     raise RuntimeError(f"no scheduler events for pid {pid} in the trace")
 
 
-def _slice_at(runs: list, at_s: float) -> tuple[float, float, float, int]:
-    """The last slice that started at or before ``at_s``."""
-    index = bisect.bisect_right([r[0] for r in runs], at_s) - 1
-    return runs[max(index, 0)]
+def _slice_at(task: tuple[list, list[float]], at_s: float) -> tuple[float, float, float, int]:
+    """The last slice of ``task`` (from :func:`_task`) that started at or before ``at_s``."""
+    runs, starts = task
+    return runs[max(bisect.bisect_right(starts, at_s) - 1, 0)]
 
 
 def _report(recorded: dict, slices: dict, proxy_pid: int, max_tokens: int) -> None:
