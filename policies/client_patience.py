@@ -239,7 +239,10 @@ class ClientPatience:
     def estimate(self, class_name: str, now_s: float, tenant: str = "",
                  software: str = "") -> Patience | None:
         """The client's patience estimate, ``None`` when none holds."""
-        patience_s = self._patience_s(self._clients.get((class_name, tenant, software)), now_s)
+        window = self._clients.get((class_name, tenant, software))
+        if window is None or window.patience_s is None:  # the common case: no call further
+            return None
+        patience_s = self._patience_s(window, now_s)
         if patience_s is None:
             return None
         return Patience(patience_s, *self._paces[class_name].summary())

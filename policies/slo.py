@@ -90,7 +90,7 @@ from policies.cost import RequestCost
 from policies.decision import Admit, CompletionSample, Decision, Queue, Shed
 from policies.least_loaded import least_loaded, load_order
 from policies.param_check import check_int
-from policies.predictor import TtftForecast, forecast, never_fits
+from policies.predictor import TtftForecast, forecast
 from policies.prefill_pacing import prefill_fits_gaps
 from policies.shed_reasons import (
     CONTEXT_LENGTH_EXCEEDED,
@@ -101,7 +101,7 @@ from policies.shed_reasons import (
     SLO_UNATTAINABLE,
     STALE_STATE,
 )
-from policies.snapshot import LoadSnapshot, ReplicaSnapshot
+from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, ReplicaSnapshot
 
 __all__ = [
     "SloPolicy",
@@ -160,30 +160,41 @@ class SloPolicy:
         self.itl_safety_ratio = itl_safety_ratio
 
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
+        # One pass over the replicas for steps 1-3 and the fresh ones, in plain loops and
+        # inlined checks (never_fits, LoadSnapshot.fresh_replicas): this runs on the proxy's
+        # path to the upstream for every request, where each call is a cold code object.
         replicas = snapshot.replicas
-        never = _never_servable(cost, replicas)
-        if never is not None:
-            return never
-        for r in replicas:  # plain loops here: a comprehension is one more call per request
+        now_s = snapshot.now_s
+        max_staleness_s = snapshot.max_staleness_s
+        num_reserved_tokens = cost.num_prompt_tokens + cost.max_tokens
+        num_blocks = cost.num_blocks
+        servable = healthy = False
+        fresh = []
+        for r in replicas:
+            if num_reserved_tokens <= r.max_model_len and num_blocks <= r.num_total_blocks:
+                servable = True
             if r.healthy:
-                break
-        else:
+                healthy = True
+                if r.capacity_known and now_s - r.observed_s <= max_staleness_s:
+                    fresh.append(r)
+        if not servable and replicas:
+            return _never_servable(cost, replicas)
+        if not healthy:
             return Shed(503, NO_REPLICA)
-        if snapshot.now_s >= cost.deadline_s:
+        if now_s >= cost.deadline_s:
             return Shed(503, SLO_UNATTAINABLE)
-        fresh = snapshot.fresh_replicas()
         if not fresh:
             return self._decide_stale(cost, snapshot, [r for r in replicas if r.healthy])
         step_time = snapshot.step_time
         options = []
         for r in fresh:
-            f = forecast(cost, r, step_time, now_s=snapshot.now_s)
+            f = forecast(cost, r, step_time, NOTHING_AHEAD, now_s)
             if f is not None:
                 options.append((r, f))
         last_s = self._last_overload_shed_s  # headroom_ratio(), inlined: once per decision
         ratio = (self.ttft_safety_ratio if last_s is not None
-                 and 0.0 <= snapshot.now_s - last_s <= self.pressure_hold_s else 1.0)
-        patience_s = self.patience.estimate(cost.request_class.name, snapshot.now_s, cost.tenant,
+                 and 0.0 <= now_s - last_s <= self.pressure_hold_s else 1.0)
+        patience_s = self.patience.estimate(cost.request_class.name, now_s, cost.tenant,
                                             cost.client)
         return (_admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio)
                 or self._queue_or_shed(cost, snapshot, options, ratio, patience_s))
@@ -271,12 +282,8 @@ def _is_retry_over_budget(cost: RequestCost, snapshot: LoadSnapshot) -> bool:
     return cost.is_retry and snapshot.retry_budget.is_over(cost.tenant)
 
 
-def _never_servable(cost: RequestCost, replicas: tuple[ReplicaSnapshot, ...]) -> Shed | None:
-    if not replicas:
-        return None
-    for r in replicas:
-        if not never_fits(cost, r):
-            return None
+def _never_servable(cost: RequestCost, replicas: tuple[ReplicaSnapshot, ...]) -> Shed:
+    """The 400 for a request no replica can ever run (``never_fits`` on every one)."""
     if any(cost.num_reserved_tokens <= r.max_model_len for r in replicas):
         return Shed(400, NO_KV_CAPACITY, should_retry=False)
     return Shed(400, CONTEXT_LENGTH_EXCEEDED, should_retry=False)
@@ -307,9 +314,25 @@ def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
                 continue
             if ttft_s >= best_ttft_s - TTFT_TIE_S and load_order(replica) >= load_order(best[0]):
                 continue
-        if _fits_now(cost, snapshot, replica, f, ttft_s * safety_ratio, itl_ratio) and (
-                patience_s is None or snapshot.now_s + ttft_s * safety_ratio
-                <= _first_token_by_s(cost, snapshot, f, patience_s)):
+        # fits now: no wait for blocks or a slot, the first token by the deadline with the
+        # headroom, the joined decode step within the class ITL and every running stream's,
+        # and the next prefill step within the tightest running ITL (prefill pacing)
+        if f.num_missing_blocks > 0 or f.num_missing_seqs > 0:
+            continue
+        if now_s + ttft_s * safety_ratio > cost.deadline_s:
+            continue
+        join_step_s = f.join_step_s
+        if join_step_s > cost.request_class.itl_s:
+            continue
+        load = replica.load
+        if load.min_itl_s is not None and join_step_s > load.min_itl_s:
+            continue
+        if (load.num_seqs and f.num_queued_prefill_tokens  # else nothing to pace
+                and not prefill_fits_gaps(cost, replica, snapshot.step_time, now_s,
+                                          f.num_queued_prefill_tokens, itl_ratio)):
+            continue
+        if patience_s is None or now_s + ttft_s * safety_ratio <= _first_token_by_s(
+                cost, snapshot, f, patience_s):
             best, best_ttft_s = (replica, f), ttft_s
     if best is None:
         return None
@@ -349,23 +372,6 @@ def _decode_step_s(sample: CompletionSample) -> float | None:
     if sample.ttft_s is None or sample.elapsed_s is None or sample.num_output_tokens < 2:
         return None
     return max(0.0, sample.elapsed_s - sample.ttft_s) / (sample.num_output_tokens - 1)
-
-
-def _fits_now(
-    cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot, f: TtftForecast,
-    ttft_s: float, itl_ratio: float = 1.0
-) -> bool:
-    now_s = snapshot.now_s
-    if f.num_missing_blocks > 0 or f.num_missing_seqs > 0 or now_s + ttft_s > cost.deadline_s:
-        return False
-    join_step_s = f.join_step_s
-    if join_step_s > cost.request_class.itl_s:
-        return False
-    load = replica.load
-    if load.min_itl_s is not None and join_step_s > load.min_itl_s:
-        return False
-    return load.num_seqs == 0 or prefill_fits_gaps(  # no running stream: nothing to pace
-        cost, replica, snapshot.step_time, now_s, f.num_queued_prefill_tokens, itl_ratio)
 
 
 def _itl_attainable(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot) -> bool:

@@ -1,10 +1,13 @@
 """Hand-computed forecasts. STEP: 10 ms + 0.1 ms per prefill token + 1 ms per decoding seq."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from policy_builders import STEP, decoding, make_cost, make_replica, prompt_waiting
 
-from policies.predictor import forecast, predict_ttft_s, prefill_s
-from policies.snapshot import SeqLoad
+from policies.predictor import forecast, never_fits, predict_ttft_s, prefill_s
+from policies.snapshot import NOTHING_AHEAD, QueuedAhead, SeqLoad
+from policies.step_time import StepTimeModel
 
 
 def test_idle_replica_ttft_is_one_prefill_step():
@@ -144,3 +147,74 @@ def test_degenerate_limits_do_not_crash():
     f = forecast(make_cost(), make_replica(max_num_seqs=0), STEP)
     assert (f.num_missing_seqs, f.wait_s) == (1, 0.0)
     assert f.is_blocked
+
+
+# --- the one-function forecast equals its parts ---------------------------------------------
+# forecast() inlines the step-time model, never_fits, the chunked prefill time and the idle
+# case of pending_prefill_tokens (it runs per replica for every request on the proxy's path).
+# This oracle is the forecast written with the helpers, term for term: the two must agree
+# exactly, not approximately, on any state.
+
+
+def _reference_forecast(cost, replica, step_time, ahead, now_s):
+    from policies.predictor import TtftForecast, _steps_until_finished, _steps_until_freed
+    from policies.prefill_pacing import pending_prefill_tokens
+
+    if never_fits(cost, replica):
+        return None
+    load = replica.load
+    chunk = max(1, replica.max_num_batched_tokens - load.num_decode_seqs)
+    decode_s = step_time.step_s(0, load.num_decode_seqs, load.num_running_context_tokens)
+    missing_blocks = (cost.num_blocks + ahead.num_blocks
+                      - (replica.num_available_blocks - load.num_committed_blocks))
+    missing_seqs = load.num_seqs + 1 + ahead.num_requests - replica.max_num_seqs
+    wait_s = 0.0
+    if missing_blocks > 0 or missing_seqs > 0:
+        run_steps = -(-cost.num_prompt_tokens // chunk) + max(1, cost.num_expected_output_tokens)
+        wait_steps = max(_steps_until_freed(load, missing_blocks, run_steps),
+                         _steps_until_finished(load, missing_seqs, run_steps))
+        wait_s = wait_steps * step_time.step_s(0, min(replica.max_num_seqs, load.num_seqs),
+                                               load.num_context_tokens)
+    pending = (load.num_queued_prefill_tokens if now_s is None
+               else pending_prefill_tokens(replica, step_time, now_s))
+    num_queued = pending + ahead.num_prefill_tokens
+
+    def prefill(n):
+        return 0.0 if n <= 0 else -(-n // chunk) * decode_s + step_time.per_prefill_token_s * n
+
+    queued_s = prefill(num_queued)
+    total_s = prefill(num_queued + cost.num_prompt_tokens)
+    join = min(replica.max_num_seqs, load.num_seqs + 1)
+    return TtftForecast(max(0, missing_blocks), max(0, missing_seqs), wait_s, queued_s,
+                        total_s - queued_s,
+                        step_time.step_s(0, join, load.num_context_tokens + cost.num_prompt_tokens),
+                        num_queued)
+
+
+_seqs = st.lists(st.builds(SeqLoad, st.integers(0, 600), st.integers(0, 300), st.integers(0, 200),
+                           st.none(), st.one_of(st.none(), st.floats(8.0, 10.5))), max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 900), st.integers(1, 400), st.integers(0, 200), st.integers(1, 200),
+    _seqs, _seqs, _seqs, st.integers(0, 60), st.sampled_from([1, 4, 8, 64]),
+    st.sampled_from([1, 16, 64, 512]), st.floats(0.0, 3.0),
+    st.one_of(st.none(), st.builds(QueuedAhead, st.integers(1, 6), st.integers(0, 2000),
+                                   st.integers(0, 100))),
+    st.sampled_from([STEP, StepTimeModel(0.004, 2e-6, 3e-5, 2e-8),
+                     StepTimeModel(0.02, 0.0, 0.001, 1e-6)]),
+    st.sampled_from([None, 10.0]),
+)
+def test_the_inlined_forecast_is_exactly_its_parts(prompt, max_tokens, free, total, running,
+                                                    waiting, reserved, reserved_blocks,
+                                                    max_num_seqs, batched, age, ahead, step,
+                                                    now_s):
+    cost = make_cost(prompt=prompt, max_tokens=max_tokens)
+    replica = make_replica(free=min(free, total), total=total, running=running, waiting=waiting,
+                           reserved=reserved, reserved_blocks=reserved_blocks,
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
+                           observed_s=10.0 - age)
+    ahead = ahead or NOTHING_AHEAD
+    assert forecast(cost, replica, step, ahead, now_s) == _reference_forecast(
+        cost, replica, step, ahead, now_s)

@@ -21,7 +21,7 @@ from policies.client_patience import MAX_CLIENT_KEYS, client_software, patience_
 from policies.cost import RequestClass
 from policies.decision import Admit, Queue, Shed
 from policies.slo import SloPolicy, shed_order
-from policies.snapshot import QueuedAhead
+from policies.snapshot import QueuedAhead, SeqLoad
 
 # Three running seqs commit the replica's 5 free blocks; the next 4 free after 16 steps of 13 ms.
 KV_SHORT = dict(free=5, running=[decoding(32, 16), decoding(32, 16), decoding(16, 40)])
@@ -336,10 +336,20 @@ def test_the_fast_no_walks_each_replicas_reservations_once_per_decision(monkeypa
         return real(replica, step_time, now_s)
 
     monkeypatch.setattr(predictor, "pending_prefill_tokens", counted)
+    # a reservation admitted since the state: its prompt is pending, so there is a walk
+    resv = (SeqLoad(0, 40, 4, admitted_s=0.0),)
+    replicas = [make_replica(name, **KV_SHORT, reserved=resv, reserved_blocks=3)
+                for name in ("a", "b")]
+    d = decide(*replicas, queued_ahead=QueuedAhead(30, 960, 120))
+    assert isinstance(d, Shed) and d.reason == "no_kv_capacity"
+    assert sorted(calls) == ["a", "b"]
+    # nothing pending and nothing admitted since the state: no walk at all (the idle case),
+    # and the same decision as with one
+    calls.clear()
     replicas = [make_replica(name, **KV_SHORT) for name in ("a", "b")]
     d = decide(*replicas, queued_ahead=QueuedAhead(30, 960, 120))
     assert d == Shed(503, "no_kv_capacity", retry_after_s=pytest.approx(WAIT_BEHIND_30_S))
-    assert sorted(calls) == ["a", "b"]
+    assert calls == []
 
 
 def test_prefill_queued_ahead_in_the_guard_counts_toward_the_first_token():
