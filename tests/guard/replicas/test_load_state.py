@@ -82,6 +82,30 @@ def test_snapshot_from_kvguard_state():
     assert snap.step_time == PRIOR and snap.max_staleness_s == 2.0
 
 
+def test_a_state_update_leaves_the_next_decision_no_summing_to_do(monkeypatch):
+    """The engine groups' sums and the mean step-time model are built when the state arrives
+    (the poll), not by the first decision after it: at low load a refresh lands between most
+    requests, so that work sat on every request's way to the upstream."""
+    import policies.replica_load as replica_load
+    import policies.snapshot as snapshot_module
+
+    ls = make_state()
+    ls.update_from_kvguard_state(
+        "r0", state(running=[seq("a")], waiting=[seq("b", prefill_left=30)]), now_s=10.0)
+    ls.update_from_kvguard_state("r1", state(running=[seq("c")]), now_s=10.0)
+    summed = []
+    real_of = replica_load.ReplicaLoad.of
+    monkeypatch.setattr(replica_load.ReplicaLoad, "of",
+                        classmethod(lambda cls, *a: summed.append(a) or real_of(*a)))
+    monkeypatch.setattr(snapshot_module.SeqTotals, "of",
+                        staticmethod(lambda *a: summed.append(a)))
+    monkeypatch.setattr(ls, "_mean_model", lambda replicas: summed.append(replicas))
+    snap = ls.snapshot(10.5)
+    loads = [r.load for r in snap.replicas]
+    assert summed == []
+    assert [x.num_seqs for x in loads] == [2, 1] and snap.step_time == PRIOR
+
+
 def test_staleness_and_unhealthy():
     ls = make_state()
     ls.update_from_kvguard_state("r0", state(), now_s=10.0)
