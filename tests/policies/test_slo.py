@@ -530,6 +530,19 @@ def test_client_software_is_the_user_agents_first_product():
     assert len(client_software("x" * 500)) == 32
 
 
+def test_client_software_answers_are_kept_per_agent_and_the_table_is_bounded():
+    import policies.client_patience as cp
+
+    cp._KNOWN_AGENTS.clear()
+    assert client_software("OpenAI/Python 1.54.0") == "openai"
+    assert cp._KNOWN_AGENTS == {"OpenAI/Python 1.54.0": "openai"}
+    assert client_software("OpenAI/Python 1.54.0") == "openai"  # from the table
+    for i in range(cp.MAX_KNOWN_AGENTS * 3):  # a client that makes up agents grows nothing
+        assert client_software(f"bot{i}/1.0") == f"bot{i}"
+        assert len(cp._KNOWN_AGENTS) <= cp.MAX_KNOWN_AGENTS
+    assert client_software(None) == client_software("") == ""
+
+
 def test_client_keys_are_bounded():
     policy = learned([])
     for i in range(MAX_CLIENT_KEYS + 50):
