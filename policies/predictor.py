@@ -93,11 +93,11 @@ def forecast(
 
     One function on purpose: it runs per replica for every request, on the proxy's path to
     the upstream, where each call runs cold (at low load a request finds the proxy's caches
-    gone: in place, code runs 5-15x slower than in a loop). The step-time model
+    gone: in place, code runs 5-25x slower than in a loop). The step-time model
     (:meth:`StepTimeModel.step_s`), :func:`never_fits`, :func:`prefill_s` and the idle case of
     :func:`~policies.prefill_pacing.pending_prefill_tokens` are inlined here, term for term in
     the same order, so the numbers are identical to theirs (a test holds them to it). With the
-    policy's own inlining, an idle replica's decision went from 20 Python calls to 5.
+    policy's own inlining, an idle replica's decision went from 21 Python calls to 5.
     """
     num_prompt = cost.num_prompt_tokens
     if (num_prompt + cost.max_tokens > replica.max_model_len  # never_fits(), inlined
