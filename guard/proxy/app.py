@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry
 from guard.admission import Admission
 from guard.body import content_length, headers_from_pairs, headers_from_scope, read_body
 from guard.config import GuardConfig
-from guard.controller import AdmissionController
+from guard.controller import AdmissionController, Decided
 from guard.errors import BodyTooLarge
 from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.proxy.health import ReplicaHealth
@@ -191,7 +191,7 @@ class ProxyApp:
         An admitted ``POST`` with a ``content-length`` body is decided right here (the
         controller's :meth:`~guard.controller.AdmissionController.admit_now`) and, admitted,
         written to its replica on an idle pooled connection (``h1`` client) before this
-        returns; what is left (the relay, or the wait when the flow must wait) is the
+        returns, and before its ticket is made (``defer``: the write comes first); what is left (the relay, or the wait when the flow must wait) is the
         coroutine returned, which the server runs as the request's task. A rejection decided
         here is written here (True: answered, no task at all). Everything else (other routes,
         chunked or oversized bodies) gets None: the server serves it through ASGI
@@ -206,22 +206,24 @@ class ProxyApp:
         path, raw_headers = request.path, request.headers
         headers = headers_from_pairs(raw_headers)
         gone = exchange.gone
-        result = self.controller.admit_now(path, headers, body, gone)
+        controller = self.controller
+        result = controller.admit_now(path, headers, body, gone, defer=True)
         if isinstance(result, Rejection):
             exchange.respond(result.status, *result.response())
             return True
         if result is None:  # the client left (nothing to send)
             return True
         writer = (exchange.write_body, exchange.conn.drain)
-        if result.__class__ is Admission:
+        if result.__class__ is Decided:  # written upstream first, the ticket made after
             upstream_headers = _upstream_headers(raw_headers, result.request_id)
             try:
-                sent = self.forwarder.send_now(result, path, upstream_headers)
+                sent = self.forwarder.send_now(result.replica_id, path, upstream_headers,
+                                               result.body)
             except BaseException as exc:
-                result.finish(exc)
+                controller.issue(result).finish(exc)
                 raise
-            return self.forwarder.forward(result, path, upstream_headers, gone(), exchange.send,
-                                          writer, sent)
+            return self.forwarder.forward(controller.issue(result), path, upstream_headers,
+                                          gone(), exchange.send, writer, sent)
         return self._answer_later(result, path, raw_headers, gone, exchange.send, writer)
 
     async def _answer_later(self, pending: Awaitable[Admission | Rejection | None], path: str,

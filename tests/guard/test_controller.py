@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from guard.admission import Admission
 from guard.budget.store import Denied, Grant
 from guard.config import GuardConfig, hash_api_key
-from guard.controller import AdmissionController
+from guard.controller import AdmissionController, Decided
 from guard.replicas.load_state import LoadState
 from guard.shedding import Rejection
 from tests.support.admission import FakeClock, SlotPolicy, state_doc
@@ -388,6 +388,38 @@ def test_admit_now_answers_at_once_where_the_flow_need_not_wait():
         assert count(controller, "kvguard_requests_rejected_total", reason="overloaded") == 1
         assert count(controller, "kvguard_requests_completed_total") == 3
         assert controller.tickets.num_held == 0 and len(controller.queue) == 0
+    run(main())
+
+
+def test_admit_now_with_defer_reserves_first_and_issues_the_ticket_on_demand():
+    """``defer``: an Admit comes back as ``Decided`` (reserved and committed, no ticket yet:
+    the proxy writes the request upstream first); ``issue`` makes the admission; a write that
+    failed is finished with its error and releases everything, as any failed admission."""
+    async def main():
+        controller = make_controller(SlotPolicy(num_slots=2))
+        await controller.start()
+        decided = controller.admit_now("/v1/completions", HEADERS, BODY, defer=True)
+        assert isinstance(decided, Decided) and decided.replica_id == "local"
+        assert controller.load_state.reservation(decided.request_id) is not None
+        assert controller.tickets.num_held == 0
+        assert controller.policy.admitted_ids[-1] == decided.request_id  # committed already
+        assert decided.body == BODY  # as sent: max_tokens was given
+        admission = controller.issue(decided)
+        assert isinstance(admission, Admission) and admission.body is decided.body
+        assert admission.request_id == decided.request_id and controller.tickets.num_held == 1
+        assert complete(admission)
+        failed = controller.issue(controller.admit_now("/v1/completions", HEADERS, BODY,
+                                                       defer=True))
+        assert failed.finish(OSError("the upstream write failed"))
+        assert controller.tickets.num_held == 0
+        assert controller.load_state.reservation(failed.request_id) is None
+        # a shed or a bad body is the same rejection with or without defer
+        bad = controller.admit_now("/v1/completions", HEADERS, b'{"prompt": ', defer=True)
+        assert isinstance(bad, Rejection) and bad.status == 400
+        await controller.aclose()
+        assert count(controller, "kvguard_requests_admitted_total") == 2
+        assert count(controller, "kvguard_requests_completed_total") == 1
+        assert count(controller, "kvguard_requests_failed_total") == 1
     run(main())
 
 

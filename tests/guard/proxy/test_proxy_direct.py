@@ -25,10 +25,14 @@ class RecordedTransport(H1Transport):
         super().__init__(connect_timeout_s=5.0, read_timeout_s=30.0,
                          max_connections_per_replica=8)
         self.sends: list[tuple[bool, bool]] = []
+        self.tickets = None  # the proxy's ticket book, once the app is built
+        self.held_at_write: list[int] = []  # tickets held when a request was written
 
     def send_now(self, url, headers, body):
         written = super().send_now(url, headers, body)
         self.sends.append((asyncio.current_task() is None, written is not None))
+        if self.tickets is not None:
+            self.held_at_write.append(self.tickets.num_held)
         return written
 
 
@@ -38,8 +42,10 @@ class Recorded(ProxyApp):
 
     def __init__(self, config: GuardConfig) -> None:
         super().__init__(config, transport=RecordedTransport())
+        self.transport.tickets = self.controller.tickets
         self.asgi_paths: list[str] = []
         self.sends = self.transport.sends
+        self.held_at_write = self.transport.held_at_write
         self.direct: list[str] = []  # what http_direct returned: asgi, answered or task
 
     def http_direct(self, request, exchange):
@@ -79,6 +85,29 @@ def test_admitted_requests_are_written_upstream_from_the_read_callback(client):
     # each one reached send_now from the read callback (no task yet); the first found no
     # pooled connection (forward() connected), the others were written there and then
     assert [in_callback for in_callback, _ in app.sends] == [True] * 4
+    assert [written for _, written in app.sends] == [False, True, True, True]
+
+
+def test_the_request_is_written_upstream_before_its_ticket_is_made(client):
+    """From the read callback the decided request goes upstream first; its ticket and
+    admission are made right after the write (no request holds a ticket at the moment it is
+    written, one at a time), and the accounting is as before: every request released."""
+    with running(upstream_child("ok")) as upstream:
+        config = GuardConfig.from_dict({"policy": "always_admit", "replicas": [
+            {"replica_id": "r0", "url": upstream.url, "state_source": "none"}]})
+        app = Recorded(config)
+        with H1LoopbackServer(app, ConnectionTable(ServerLimits())) as proxy:
+            for stream in (False, True, True, False):
+                response = client.post(proxy.url + "/v1/completions",
+                                       json={**BODY, "stream": stream})
+                assert response.status_code == 200, response.text
+                assert float(response.headers["x-kvguard-queue-ms"]) >= 0
+            # (a round trip after the last response: its release ran after its last write)
+            state = client.get(proxy.url + "/kvguard/state").json()
+            assert app.num_in_flight == 0
+            assert state["replicas"][0]["num_inflight"] == 0
+            assert state["replicas"][0]["num_reserved_blocks"] == 0
+    assert app.held_at_write == [0, 0, 0, 0]
     assert [written for _, written in app.sends] == [False, True, True, True]
 
 
