@@ -34,6 +34,10 @@ def test_sequential_requests_reuse_a_kept_alive_connection_shared_with_state_pol
             running(proxy_child([upstream.url], config)) as proxy:
         for _ in range(NUM_STREAMS):
             _stream(client, proxy.url)
+            # a poll interval and more with nothing in flight: a poll takes the connection a
+            # request just gave back (without the pause every poll could fall while a request
+            # held the other connection, and the polls never met a posting one)
+            time.sleep(0.15)
         connections = client.get(upstream.url + "/connections").json()
     posting = [c for c in connections if any(r.startswith("POST") for r in c)]
     num_posts = sum(r.startswith("POST") for c in connections for r in c)
