@@ -90,7 +90,8 @@ def client_software(user_agent: str | None) -> str:
 
     Every request is priced with this, and a service sees few distinct ``User-Agent`` strings:
     the answer is kept per string (up to ``MAX_KNOWN_AGENTS``; then the table starts over), one
-    dict lookup instead of five string operations (measured in place, cold: ~20 µs → ~5)."""
+    dict lookup instead of five string operations (cold, caches thrashed before the call:
+    ~20 µs; hot 0.79 → 0.08 µs)."""
     known = _KNOWN_AGENTS.get(user_agent)
     if known is not None:
         return known

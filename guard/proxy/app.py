@@ -191,8 +191,9 @@ class ProxyApp:
         An admitted ``POST`` with a ``content-length`` body is decided right here (the
         controller's :meth:`~guard.controller.AdmissionController.admit_now`) and, admitted,
         written to its replica on an idle pooled connection (``h1`` client) before this
-        returns, and before its ticket is made (``defer``: the write comes first); what is left (the relay, or the wait when the flow must wait) is the
-        coroutine returned, which the server runs as the request's task. A rejection decided
+        returns, and before its ticket is made (``defer``: the write comes first); what is
+        left (the relay, or the wait when the flow must wait) is the coroutine returned,
+        which the server runs as the request's task. A rejection decided
         here is written here (True: answered, no task at all). Everything else (other routes,
         chunked or oversized bodies) gets None: the server serves it through ASGI
         (:meth:`__call__`), as any other server would."""
