@@ -4,6 +4,8 @@ before the request is on its way upstream; what is left runs in the request's ta
 upstream process, the proxy in-process on ``serving.h1server`` over loopback."""
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 from proxy_helpers import running, upstream_child
 
@@ -59,25 +61,33 @@ class Recorded(ProxyApp):
         return await super().__call__(scope, receive, send)
 
 
-def test_admitted_requests_are_written_upstream_from_the_read_callback(client):
+@contextlib.contextmanager
+def _recorded_proxy() -> Iterator[tuple[Recorded, str]]:
+    """The recorded proxy (``always_admit``) on kvguard's server in front of one ``ok``
+    upstream process: (the app, the proxy's URL)."""
     with running(upstream_child("ok")) as upstream:
         config = GuardConfig.from_dict({"policy": "always_admit", "replicas": [
             {"replica_id": "r0", "url": upstream.url, "state_source": "none"}]})
         app = Recorded(config)
         with H1LoopbackServer(app, ConnectionTable(ServerLimits())) as proxy:
-            for stream in (False, True, False, True):
-                response = client.post(proxy.url + "/v1/completions",
-                                       json={**BODY, "stream": stream})
-                assert response.status_code == 200, response.text
-                assert response.headers["x-kvguard-replica"] == "r0"
-                if stream:
-                    assert response.text.rstrip().endswith("data: [DONE]")
-                else:
-                    assert response.json()["usage"]["completion_tokens"] > 0
-            bad = client.post(proxy.url + "/v1/completions", content=b'{"prompt": ')
-            assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
-            assert client.get(proxy.url + "/health").status_code == 200
-            assert app.num_in_flight == 0
+            yield app, proxy.url
+
+
+def test_admitted_requests_are_written_upstream_from_the_read_callback(client):
+    with _recorded_proxy() as (app, url):
+        for stream in (False, True, False, True):
+            response = client.post(url + "/v1/completions",
+                                   json={**BODY, "stream": stream})
+            assert response.status_code == 200, response.text
+            assert response.headers["x-kvguard-replica"] == "r0"
+            if stream:
+                assert response.text.rstrip().endswith("data: [DONE]")
+            else:
+                assert response.json()["usage"]["completion_tokens"] > 0
+        bad = client.post(url + "/v1/completions", content=b'{"prompt": ')
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+        assert client.get(url + "/health").status_code == 200
+        assert app.num_in_flight == 0
     # every admitted POST was decided outside ASGI (the 400 answered there and then, no task);
     # only the GET went through it
     assert app.direct == ["task"] * 4 + ["answered", "asgi"]
@@ -92,21 +102,17 @@ def test_the_request_is_written_upstream_before_its_ticket_is_made(client):
     """From the read callback the decided request goes upstream first; its ticket and
     admission are made right after the write (no request holds a ticket at the moment it is
     written, one at a time), and the accounting is as before: every request released."""
-    with running(upstream_child("ok")) as upstream:
-        config = GuardConfig.from_dict({"policy": "always_admit", "replicas": [
-            {"replica_id": "r0", "url": upstream.url, "state_source": "none"}]})
-        app = Recorded(config)
-        with H1LoopbackServer(app, ConnectionTable(ServerLimits())) as proxy:
-            for stream in (False, True, True, False):
-                response = client.post(proxy.url + "/v1/completions",
-                                       json={**BODY, "stream": stream})
-                assert response.status_code == 200, response.text
-                assert float(response.headers["x-kvguard-queue-ms"]) >= 0
-            # (a round trip after the last response: its release ran after its last write)
-            state = client.get(proxy.url + "/kvguard/state").json()
-            assert app.num_in_flight == 0
-            assert state["replicas"][0]["num_inflight"] == 0
-            assert state["replicas"][0]["num_reserved_blocks"] == 0
+    with _recorded_proxy() as (app, url):
+        for stream in (False, True, True, False):
+            response = client.post(url + "/v1/completions",
+                                   json={**BODY, "stream": stream})
+            assert response.status_code == 200, response.text
+            assert float(response.headers["x-kvguard-queue-ms"]) >= 0
+        # (a round trip after the last response: its release ran after its last write)
+        state = client.get(url + "/kvguard/state").json()
+        assert app.num_in_flight == 0
+        assert state["replicas"][0]["num_inflight"] == 0
+        assert state["replicas"][0]["num_reserved_blocks"] == 0
     assert app.held_at_write == [0, 0, 0, 0]
     assert [written for _, written in app.sends] == [False, True, True, True]
 
