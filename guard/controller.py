@@ -244,13 +244,14 @@ class AdmissionController:
         An adapter that holds the whole body (the proxy on kvguard's server) decides and
         forwards within the read callback this way, with no task before the request is sent.
 
-        ``defer``: an admission decided here comes back as :class:`Decided` (decided and
-        reserved, no ticket yet), so the adapter writes the request upstream first and then
-        makes the :class:`Admission` with :meth:`issue`, before anything else runs on the
-        loop (measured cold, in place: the ticket and admission cost ~50 µs that sat between
-        the decision and the write). The adapter must call :meth:`issue`, also when its
-        write fails (then finish the admission with the error): nothing else releases the
-        reservation."""
+        ``defer``: an admission decided here comes back as :class:`Decided` (decided; nothing
+        reserved, counted or ticketed yet), so the adapter writes the request upstream first
+        and then makes the :class:`Admission` with :meth:`issue`, which books the reservation,
+        counts the admit and makes the ticket, before anything else runs on the loop (no other
+        decision can come between, so none can take the same capacity). Measured cold, in
+        place: the ticket and admission cost ~50 µs, the reservation and its count ~14 µs,
+        that sat between the decision and the write. The adapter must call :meth:`issue`, also
+        when its write fails (then finish the admission with the error, which releases it)."""
         if not self.background.is_running_here():
             return self.admit(path, headers, lambda: body, client_gone)  # start-up first
         arrival_s = self.clock()
@@ -305,11 +306,12 @@ class AdmissionController:
         :meth:`issue` it from) or the shed at once (the common paths: no coroutine), else an
         awaitable of the outcome (confirmation, queue)."""
         cost = priced.cost
+        local = self.shared is None
         try:
-            result, ahead = self.decider.decide_arrival(cost, cost.arrival_s,
-                                                        commit=self.shared is None)
-            if self.shared is None and isinstance(result, Admit):
-                if defer:
+            result, ahead = self.decider.decide_arrival(cost, cost.arrival_s, commit=local,
+                                                        book=not (defer and local))
+            if local and isinstance(result, Admit):
+                if defer:  # booked by issue(), after the adapter's write
                     return Decided(priced, result, grant, _forward_body(priced))
                 return self._admission(priced, result, None, grant)
         except BaseException:
@@ -357,8 +359,10 @@ class AdmissionController:
         return self.rejecter.shed(cost, shed, headers, enqueue_s)
 
     def issue(self, decided: Decided) -> Admission:
-        """The :class:`Admission` of a request :meth:`admit_now` returned :class:`Decided`
-        (its reservation already made), its ticket dispatched now."""
+        """The :class:`Admission` of a request :meth:`admit_now` returned :class:`Decided`:
+        its reservation booked and its admit counted now, then its ticket dispatched."""
+        cost = decided.priced.cost
+        self.decider.book(cost, decided.admit, cost.arrival_s)
         return self._admission(decided.priced, decided.admit, None, decided.grant, decided.body)
 
     def _admission(self, priced: PricedRequest, admit: Admit, enqueue_s: float | None,
@@ -483,9 +487,10 @@ class AdmissionController:
 
 
 class Decided:
-    """An admission decided and reserved, its ticket not made yet (:meth:`AdmissionController.
-    admit_now` with ``defer``): what an adapter needs to write the request upstream at once;
-    :meth:`AdmissionController.issue` then makes its :class:`Admission`."""
+    """An admission decided, not yet booked (:meth:`AdmissionController.admit_now` with
+    ``defer``): what an adapter needs to write the request upstream at once;
+    :meth:`AdmissionController.issue` then books its reservation and makes its
+    :class:`Admission`, before the loop runs anything else."""
 
     __slots__ = ("priced", "admit", "grant", "body")
 

@@ -52,15 +52,19 @@ class Decider:
         self._decided_versions: dict[str, int] = {}  # request id -> shared view it was admitted on
 
     def decide(self, cost: RequestCost, now_s: float, ahead: QueuedAhead = NOTHING_AHEAD,
-               commit: bool = True) -> Admit | Queue | Shed:
+               commit: bool = True, book: bool = True) -> Admit | Queue | Shed:
         """Decide on a fresh snapshot (behind ``ahead``, what waits in the queue before it); on
-        admit take the replica reservation and, with ``commit``, count it admitted."""
+        admit take the replica reservation and, with ``commit``, count it admitted. ``book``
+        False (with ``commit``): an admit takes nothing yet; its caller must :meth:`book` it
+        before anything else runs on the loop (the proxy writes the request upstream first)."""
         if self.draining:
             return _DRAINING
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
                                             self.retry_budget.view(now_s), ahead)
         decision = self.policy.decide(cost, snapshot)
         if isinstance(decision, Admit):
+            if not book:
+                return decision  # booked by the caller (book), right after its write
             self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
             if commit:
                 self.commit(cost, decision, now_s)
@@ -69,8 +73,8 @@ class Decider:
                     decision.replica_id, 0)
         return decision
 
-    def decide_arrival(self, cost: RequestCost, now_s: float, commit: bool = True
-                       ) -> tuple[Admit | Queue | Shed, QueuedAhead]:
+    def decide_arrival(self, cost: RequestCost, now_s: float, commit: bool = True,
+                       book: bool = True) -> tuple[Admit | Queue | Shed, QueuedAhead]:
         """A newcomer's decision, behind the waiters queued ahead of it (its rank or a better
         one), and what it was decided behind. It never takes capacity a waiter ahead could
         have: decided Admit while such waiters are queued, it lets them decide first on that
@@ -80,20 +84,26 @@ class Decider:
         decision: the slowest sheds of a flood were such waiters.)"""
         ahead = self.queue.ahead_of(cost)
         if not ahead.num_requests:
-            return self.decide(cost, now_s, ahead, commit), ahead
+            return self.decide(cost, now_s, ahead, commit, book), ahead
         decision = self.decide(cost, now_s, ahead, commit=False)
         if isinstance(decision, Admit):
             self.load_state.release(cost.request_id)
             self._decided_versions.pop(cost.request_id, None)
             self.queue.pump(self.pump_decide, now_s)
             ahead = self.queue.ahead_of(cost)
-            decision = self.decide(cost, now_s, ahead, commit)
+            decision = self.decide(cost, now_s, ahead, commit, book)
         return decision, ahead
 
     def pump_decide(self, cost: RequestCost, now_s: float,
                     ahead: QueuedAhead = NOTHING_AHEAD) -> Admit | Queue | Shed:
         """The queue pump's decision (counted admitted after confirmation when shared)."""
         return self.decide(cost, now_s, ahead, commit=self.shared is None)
+
+    def book(self, cost: RequestCost, admit: Admit, now_s: float) -> None:
+        """What :meth:`decide` with ``book`` False left to do for an admit: the replica
+        reservation, and the admit counted."""
+        self.load_state.reserve(admit.replica_id, cost.request_id, cost, now_s)
+        self.commit(cost, admit, now_s)
 
     def commit(self, cost: RequestCost, admit: Admit, now_s: float) -> None:
         self.policy.admitted(cost, admit.replica_id, now_s)

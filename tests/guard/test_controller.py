@@ -391,20 +391,25 @@ def test_admit_now_answers_at_once_where_the_flow_need_not_wait():
     run(main())
 
 
-def test_admit_now_with_defer_reserves_first_and_issues_the_ticket_on_demand():
-    """``defer``: an Admit comes back as ``Decided`` (reserved and committed, no ticket yet:
-    the proxy writes the request upstream first); ``issue`` makes the admission; a write that
-    failed is finished with its error and releases everything, as any failed admission."""
+def test_admit_now_with_defer_books_and_issues_the_ticket_on_demand():
+    """``defer``: an Admit comes back as ``Decided`` (nothing reserved, counted or ticketed
+    yet: the proxy writes the request upstream first); ``issue`` books the reservation, counts
+    the admit and makes the admission; a write that failed is finished with its error and
+    releases everything, as any failed admission."""
     async def main():
         controller = make_controller(SlotPolicy(num_slots=2))
         await controller.start()
         decided = controller.admit_now("/v1/completions", HEADERS, BODY, defer=True)
         assert isinstance(decided, Decided) and decided.replica_id == "local"
-        assert controller.load_state.reservation(decided.request_id) is not None
+        assert controller.load_state.reservation(decided.request_id) is None
         assert controller.tickets.num_held == 0
-        assert controller.policy.admitted_ids[-1] == decided.request_id  # committed already
+        assert decided.request_id not in controller.policy.admitted_ids
+        assert count(controller, "kvguard_requests_admitted_total") == 0
         assert decided.body == BODY  # as sent: max_tokens was given
         admission = controller.issue(decided)
+        assert controller.load_state.reservation(decided.request_id) is not None
+        assert controller.policy.admitted_ids[-1] == decided.request_id
+        assert count(controller, "kvguard_requests_admitted_total") == 1
         assert isinstance(admission, Admission) and admission.body is decided.body
         assert admission.request_id == decided.request_id and controller.tickets.num_held == 1
         assert complete(admission)
@@ -420,6 +425,25 @@ def test_admit_now_with_defer_reserves_first_and_issues_the_ticket_on_demand():
         assert count(controller, "kvguard_requests_admitted_total") == 2
         assert count(controller, "kvguard_requests_completed_total") == 1
         assert count(controller, "kvguard_requests_failed_total") == 1
+    run(main())
+
+
+def test_a_decided_request_issued_holds_its_capacity_for_the_next_decision():
+    """What ``issue`` books is what the next decision sees: with one slot, a second request
+    after the first one's ``issue`` is shed, and admitted again once the first completes."""
+    async def main():
+        controller = make_controller(SlotPolicy(num_slots=1, queue_s=None))
+        await controller.start()
+        first = controller.issue(controller.admit_now("/v1/completions", HEADERS, BODY,
+                                                      defer=True))
+        shed = controller.admit_now("/v1/completions", HEADERS, BODY, defer=True)
+        assert isinstance(shed, Rejection) and shed.status == 503
+        assert complete(first)
+        again = controller.admit_now("/v1/completions", HEADERS, BODY, defer=True)
+        assert isinstance(again, Decided)
+        assert complete(controller.issue(again))
+        await controller.aclose()
+        assert count(controller, "kvguard_requests_admitted_total") == 2
     run(main())
 
 
