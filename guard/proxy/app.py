@@ -191,7 +191,8 @@ class ProxyApp:
         An admitted ``POST`` with a ``content-length`` body is decided right here (the
         controller's :meth:`~guard.controller.AdmissionController.admit_now`) and, admitted,
         written to its replica on an idle pooled connection (``h1`` client) before this
-        returns, and before its ticket is made (``defer``: the write comes first); what is
+        returns, and before its reservation and ticket are made (``defer``: the write comes
+        first, the booking right after it, before the loop runs anything else); what is
         left (the relay, or the wait when the flow must wait) is the coroutine returned,
         which the server runs as the request's task. A rejection decided
         here is written here (True: answered, no task at all). Everything else (other routes,
@@ -215,15 +216,17 @@ class ProxyApp:
         if result is None:  # the client left (nothing to send)
             return True
         writer = (exchange.write_body, exchange.conn.drain)
-        if result.__class__ is Decided:  # written upstream first, the ticket made after
-            upstream_headers = _upstream_headers(raw_headers, result.request_id)
+        if result.__class__ is Decided:  # written upstream first, booked and ticketed after
+            request_id = result.priced.cost.request_id
             try:
-                sent = self.forwarder.send_now(result.replica_id, path, upstream_headers,
-                                               result.body)
+                sent = self.forwarder.send_now(result.admit.replica_id, path, raw_headers,
+                                               result.body, request_id)
             except BaseException as exc:
                 controller.issue(result).finish(exc)
                 raise
-            return self.forwarder.forward(controller.issue(result), path, upstream_headers,
+            admission = controller.issue(result)
+            return self.forwarder.forward(admission, path,
+                                          _upstream_headers(raw_headers, request_id),
                                           gone(), exchange.send, writer, sent)
         return self._answer_later(result, path, raw_headers, gone, exchange.send, writer)
 

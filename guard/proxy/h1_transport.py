@@ -30,7 +30,7 @@ from collections.abc import Awaitable
 from urllib.parse import urlsplit
 
 from guard.proxy.h1_connection import DONE, IDLE, Connection, Stale
-from guard.proxy.h1_message import ResponseHead, request_head
+from guard.proxy.h1_message import ResponseHead, proxied_request, request_head
 from guard.proxy.transports import _KEEPALIVE_S, Headers, UpstreamTimeout, UpstreamUnreachable
 
 __all__ = ["H1Transport"]
@@ -152,11 +152,14 @@ class H1Transport:
                     waiter.set_exception(UpstreamUnreachable("the upstream client was closed"))
 
     # --- exchanges -----------------------------------------------------------------------
-    def send_now(self, url: str, headers: Headers, body: bytes) -> Awaitable[_Response] | None:
+    def send_now(self, url: str, headers: Headers, body: bytes,
+                 request_id: str | None = None) -> Awaitable[_Response] | None:
         """:meth:`send`, the request written at once when an idle pooled connection can take
         it (from a protocol callback too: no task needed): an awaitable of the response, to
         be awaited (it owns the connection until then). None when no connection is idle or
-        the URL is unusable; :meth:`send` then does it all, errors included."""
+        the URL is unusable; :meth:`send` then does it all, errors included. ``request_id``:
+        ``headers`` are a client's as kvguard's server parsed them, forwarded with that
+        ``x-request-id`` (:func:`~guard.proxy.h1_message.proxied_request`, one pass)."""
         try:
             pool, target, host = self._target(url)
         except UpstreamUnreachable:
@@ -166,7 +169,10 @@ class H1Transport:
         conn = self._pop_idle(pool)
         if conn is None:
             return None
-        request = self._request(b"POST", target, host, headers, body)
+        if request_id is None:
+            request = self._request(b"POST", target, host, headers, body)
+        else:
+            request = proxied_request(target, host, headers, request_id, body)
         conn.start(request)
         return self._response(pool, request, conn)
 

@@ -94,16 +94,18 @@ class Forwarder:
         self._counters = counters  # .redispatched(replica_id), .upstream_failure(replica_id, kind)
         self._send_now = getattr(transport, "send_now", None)  # h1 only
 
-    def send_now(self, replica_id: str, path: str, headers: Headers,
-                 body: bytes) -> Awaitable[UpstreamResponse] | None:
+    def send_now(self, replica_id: str, path: str, headers: Headers, body: bytes,
+                 request_id: str) -> Awaitable[UpstreamResponse] | None:
         """The request written to ``replica_id`` at once when the transport can (``h1``, an
         idle pooled connection): the awaitable of the response head, for :meth:`forward`'s
         ``sent`` (it must be handed there, with the admission of the same request and body).
-        None otherwise: :meth:`forward` sends it."""
+        None otherwise: :meth:`forward` sends it. ``headers``: the client's, as kvguard's
+        server parsed them; they go with ``x-request-id: request_id`` (hop-by-hop ones and
+        the client's own ``x-request-id`` left out: what ``forward``'s headers hold)."""
         send_now = self._send_now
         if send_now is None:
             return None
-        return send_now(self._urls[replica_id] + path, headers, body)
+        return send_now(self._urls[replica_id] + path, headers, body, request_id)
 
     async def forward(self, admission: Admission, path: str, headers: Headers,
                       gone: asyncio.Future, send: Send, writer: BodyWriter | None = None,

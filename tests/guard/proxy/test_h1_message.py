@@ -1,7 +1,10 @@
 """The h1 client's HTTP/1.1 messages: request heads, response heads, chunked framing."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from guard.proxy.app import _upstream_headers
 from guard.proxy.h1_message import (
     CHUNKED,
     LENGTH,
@@ -10,8 +13,10 @@ from guard.proxy.h1_message import (
     ChunkedDecoder,
     MessageError,
     parse_head,
+    proxied_request,
     request_head,
 )
+from serving.h1_head import parse_head as parse_request_head
 
 # chunks whose data looks like framing (CRLFs, "0"), one with an extension, then a trailer
 PIECES = [b"data: ", b'{"text": "a\\r\\n0\\r\\n"}\r\n\n', b"\r\n\r", b"0\r\n\r\n"]
@@ -137,3 +142,34 @@ def test_request_head_leaves_out_headers_that_would_split_the_head():
     head = request_head(b"POST", b"/", b"h", [(b"x-a", b"1\r\nx-injected: 1"), (b"x-b", b"2\n"),
                                               (b"x-c", b"3")], 0)
     assert head == b"POST / HTTP/1.1\r\nhost: h\r\nx-c: 3\r\ncontent-length: 0\r\n\r\n"
+
+
+# any names but the framing ones (host, content-length: one each, written below)
+_NAMES = (st.sampled_from(["Connection", "Keep-Alive", "TE", "Upgrade", "Proxy-Authorization",
+                           "Proxy-Connection", "Trailer", "X-Request-Id", "Authorization",
+                           "User-Agent", "Content-Type", "Accept", "X-Kvguard-Class",
+                           "Idempotency-Key"])
+          | st.from_regex(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,12}", fullmatch=True)).filter(
+    lambda name: name.lower() not in ("host", "content-length", "transfer-encoding"))
+_VALUES = st.from_regex(r"[\x20-\x7e\x80-\xff]{0,20}", fullmatch=True).map(
+    lambda v: v.strip(" \t"))
+
+
+@given(st.lists(st.tuples(_NAMES, _VALUES), max_size=8), st.binary(max_size=40),
+       st.sampled_from(["g-1a2b-7", "caller's-id-42"]))
+def test_a_proxied_request_is_the_request_head_of_the_forwarded_headers(fields, body,
+                                                                        request_id):
+    """``proxied_request`` (the proxy's one-pass upstream request, from its read callback) is
+    byte for byte what the general path writes: ``request_head`` of the client's headers less
+    hop-by-hop and ``x-request-id``, with the guard's ``x-request-id``, then the body; for any
+    headers kvguard's server accepts (parsed by it here, so names lower-case, values clean)."""
+    lines = [f"{name}: {value}" for name, value in fields]
+    lines.insert(len(lines) // 2, f"Content-Length: {len(body)}")
+    lines.insert(len(lines) // 3, "Host: proxy.local:9000")
+    head = "\r\n".join(["POST /v1/completions HTTP/1.1", *lines]).encode("latin-1")
+    headers = parse_request_head(head).headers  # what the proxy's direct handler is given
+    assert len(headers) == len(fields) + 2
+    expected = request_head(b"POST", b"/v1/completions", b"10.0.0.7:8001",
+                            _upstream_headers(headers, request_id), len(body)) + body
+    assert proxied_request(b"/v1/completions", b"10.0.0.7:8001", headers, request_id,
+                           body) == expected

@@ -27,14 +27,17 @@ class RecordedTransport(H1Transport):
         super().__init__(connect_timeout_s=5.0, read_timeout_s=30.0,
                          max_connections_per_replica=8)
         self.sends: list[tuple[bool, bool]] = []
-        self.tickets = None  # the proxy's ticket book, once the app is built
+        self.controller = None  # the proxy's controller, once the app is built
         self.held_at_write: list[int] = []  # tickets held when a request was written
+        self.booked_at_write: list[bool] = []  # whether its reservation was made by then
 
-    def send_now(self, url, headers, body):
-        written = super().send_now(url, headers, body)
+    def send_now(self, url, headers, body, request_id=None):
+        if self.controller is not None:  # before the write: the request is not booked
+            self.booked_at_write.append(
+                self.controller.load_state.reservation(request_id) is not None)
+            self.held_at_write.append(self.controller.tickets.num_held)
+        written = super().send_now(url, headers, body, request_id)
         self.sends.append((asyncio.current_task() is None, written is not None))
-        if self.tickets is not None:
-            self.held_at_write.append(self.tickets.num_held)
         return written
 
 
@@ -44,10 +47,11 @@ class Recorded(ProxyApp):
 
     def __init__(self, config: GuardConfig) -> None:
         super().__init__(config, transport=RecordedTransport())
-        self.transport.tickets = self.controller.tickets
+        self.transport.controller = self.controller
         self.asgi_paths: list[str] = []
         self.sends = self.transport.sends
         self.held_at_write = self.transport.held_at_write
+        self.booked_at_write = self.transport.booked_at_write
         self.direct: list[str] = []  # what http_direct returned: asgi, answered or task
 
     def http_direct(self, request, exchange):
@@ -99,9 +103,10 @@ def test_admitted_requests_are_written_upstream_from_the_read_callback(client):
 
 
 def test_the_request_is_written_upstream_before_its_ticket_is_made(client):
-    """From the read callback the decided request goes upstream first; its ticket and
-    admission are made right after the write (no request holds a ticket at the moment it is
-    written, one at a time), and the accounting is as before: every request released."""
+    """From the read callback the decided request goes upstream first; its reservation, ticket
+    and admission are made right after the write (at the moment it is written the request
+    holds no reservation and no request holds a ticket, one at a time), and the accounting
+    is as before: every request released."""
     with _recorded_proxy() as (app, url):
         for stream in (False, True, True, False):
             response = client.post(url + "/v1/completions",
@@ -114,6 +119,7 @@ def test_the_request_is_written_upstream_before_its_ticket_is_made(client):
         assert state["replicas"][0]["num_inflight"] == 0
         assert state["replicas"][0]["num_reserved_blocks"] == 0
     assert app.held_at_write == [0, 0, 0, 0]
+    assert app.booked_at_write == [False] * 4
     assert [written for _, written in app.sends] == [False, True, True, True]
 
 
