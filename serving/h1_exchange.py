@@ -195,6 +195,10 @@ class Exchange:
                                "the response ended")
         if self.disconnected:
             return False
+        if more and body and self._chunked_out:  # a streamed piece (the common case), here:
+            conn = self.conn                     # one frame less per token than below
+            conn.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+            return conn.write_paused
         self._write_body(body, more)
         if not more:
             self.complete = True
