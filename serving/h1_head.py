@@ -35,8 +35,10 @@ MAX_HEADERS = 100
 _TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
 _REQUEST_LINE = re.compile(rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])")
 _HEADER = re.compile(rb"(" + _TOKEN + rb"):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*")
-_HEADER_LINES = re.compile(rb"^(" + _TOKEN + rb"):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*\r$",
-                           re.MULTILINE)  # _HEADER, every line of a block (each ends in CR)
+# _HEADER, every line of a block (each ends in CR); its value greedy up to its last character
+# that is not blank (the same match as _HEADER's lazy one, without trying each end in turn)
+_HEADER_LINES = re.compile(rb"^(" + _TOKEN + rb"):[ \t]*((?:[^\x00-\x08\x0a-\x1f\x7f]*"
+                           rb"[^\x00-\x20\x7f])?)[ \t]*\r$", re.MULTILINE)
 _ABSOLUTE = re.compile(rb"https?://[^/?#]*", re.IGNORECASE)
 
 
@@ -71,7 +73,11 @@ class RequestHead:
 
 
 def parse_head(head: bytes) -> RequestHead:
-    """The request head (request line and header lines, without the final blank line)."""
+    """The request head (request line and header lines, without the final blank line).
+
+    One function for the usual request (an origin-form target, valid lines): the header
+    names lower-cased and the framing read in the same loop, no helper frames (run cold, once
+    per request, each call costs; docs/benchmarks.md §7). The rarer cases go to helpers."""
     if head.count(b"\r\n") > MAX_HEADERS:
         raise BadRequest(431, "too many header lines")
     end = head.find(b"\r\n")
@@ -84,10 +90,60 @@ def parse_head(head: bytes) -> RequestHead:
     method = method_b.decode("ascii")
     if method == "CONNECT":
         raise BadRequest(400, "CONNECT is not supported")
-    raw_path, query_string = _split_target(target, method)
-    request = RequestHead(method, raw_path, query_string, "1.1" if minor == b"1" else "1.0",
-                          [] if end < 0 else _headers(head[end + 2:]))
-    _framing(request)
+    if target[0] == 0x2F and target.find(b"#") < 0:  # "/...", no fragment: the usual target
+        raw_path, _, query_string = target.partition(b"?")
+    else:
+        raw_path, query_string = _split_target(target, method)
+    http11 = minor == b"1"
+    headers: list[tuple[bytes, bytes]] = []
+    content_length: int | None = None
+    transfer_encoding = None
+    num_hosts = 0
+    keep_alive = http11
+    expect_continue = False
+    if end >= 0:
+        block = head[end + 2:]
+        # one scan for the whole block: a line matches only whole (anchored at its start,
+        # ending at its CR), so as many matches as lines means every line is a valid field line
+        found = _HEADER_LINES.findall(block + b"\r")
+        if len(found) != block.count(b"\n") + 1:
+            _refuse_header_block(block)
+        for name, value in found:  # names lower-cased; body framing, keep-alive, Expect
+            name = name.lower()
+            headers.append((name, value))
+            if name == b"content-length":
+                if not value.isdigit() or len(value) > 18:
+                    raise BadRequest(400, "invalid content-length")
+                length = int(value)
+                if content_length is not None and content_length != length:
+                    raise BadRequest(400, "conflicting content-length headers")
+                content_length = length
+            elif name == b"transfer-encoding":
+                if transfer_encoding is not None or value.lower() != b"chunked":
+                    raise BadRequest(400, "transfer-encoding other than chunked")
+                transfer_encoding = value
+            elif name == b"host":
+                num_hosts += 1
+            elif name == b"connection":
+                tokens = {t.strip() for t in value.lower().split(b",")}
+                if b"close" in tokens:
+                    keep_alive = False
+                elif b"keep-alive" in tokens and not http11:
+                    keep_alive = True
+            elif name == b"expect" and value.lower() == b"100-continue":
+                expect_continue = True
+    if http11 and num_hosts != 1:
+        raise BadRequest(400, "an HTTP/1.1 request needs exactly one host header")
+    request = RequestHead(method, raw_path, query_string, "1.1" if http11 else "1.0", headers)
+    request.content_length = content_length
+    request.keep_alive = keep_alive
+    request.expect_continue = expect_continue
+    if transfer_encoding is not None:  # the request-smuggling pair, and chunked on 1.0
+        if content_length is not None:
+            raise BadRequest(400, "both content-length and transfer-encoding")
+        if not http11:
+            raise BadRequest(400, "transfer-encoding on HTTP/1.0")
+        request.chunked = True
     return request
 
 
@@ -107,14 +163,9 @@ def _split_target(target: bytes, method: str) -> tuple[bytes, bytes]:
     return raw_path, query_string
 
 
-def _headers(block: bytes) -> list[tuple[bytes, bytes]]:
-    """The header lines (``block``: the head after the request line), names lower-cased."""
-    # one scan for the whole block: a line matches only whole (anchored at its start, ending
-    # at its CR), so as many matches as lines means every line is a valid field line
-    found = _HEADER_LINES.findall(block + b"\r")
-    if len(found) == block.count(b"\n") + 1:
-        return [(name.lower(), value) for name, value in found]
-    for line in block.split(b"\r\n"):  # which line is wrong, and how
+def _refuse_header_block(block: bytes) -> None:
+    """A block the one scan did not take whole: which line is wrong, and how (raises)."""
+    for line in block.split(b"\r\n"):
         if _HEADER.fullmatch(line) is None:
             if line[:1] in (b" ", b"\t"):
                 raise BadRequest(400, "obsolete line folding")
@@ -122,42 +173,6 @@ def _headers(block: bytes) -> list[tuple[bytes, bytes]]:
     # not reached: a block of valid lines is one match a line, and a bare CR or LF makes
     # its line invalid above
     raise BadRequest(400, "malformed header line")
-
-
-def _framing(request: RequestHead) -> None:
-    """Body framing, keep-alive and Expect from the headers; the smuggling checks."""
-    num_hosts = 0
-    transfer_encoding = None
-    for name, value in request.headers:
-        if name == b"content-length":
-            if not value.isdigit() or len(value) > 18:
-                raise BadRequest(400, "invalid content-length")
-            length = int(value)
-            if request.content_length is not None and request.content_length != length:
-                raise BadRequest(400, "conflicting content-length headers")
-            request.content_length = length
-        elif name == b"transfer-encoding":
-            if transfer_encoding is not None or value.lower() != b"chunked":
-                raise BadRequest(400, "transfer-encoding other than chunked")
-            transfer_encoding = value
-        elif name == b"host":
-            num_hosts += 1
-        elif name == b"connection":
-            tokens = {t.strip() for t in value.lower().split(b",")}
-            if b"close" in tokens:
-                request.keep_alive = False
-            elif b"keep-alive" in tokens and request.http_version == "1.0":
-                request.keep_alive = True
-        elif name == b"expect" and value.lower() == b"100-continue":
-            request.expect_continue = True
-    if request.http_version == "1.1" and num_hosts != 1:
-        raise BadRequest(400, "an HTTP/1.1 request needs exactly one host header")
-    if transfer_encoding is not None:
-        if request.content_length is not None:
-            raise BadRequest(400, "both content-length and transfer-encoding")
-        if request.http_version == "1.0":
-            raise BadRequest(400, "transfer-encoding on HTTP/1.0")
-        request.chunked = True
 
 
 class ChunkedBody(ChunkedDecoder):
