@@ -125,7 +125,11 @@ def parse_head(head: bytes) -> RequestHead:
             elif name == b"host":
                 num_hosts += 1
             elif name == b"connection":
-                tokens = {t.strip() for t in value.lower().split(b",")}
+                value = value.lower()
+                if value == b"keep-alive" or value == b"close":  # one token, the usual value
+                    tokens = (value,)
+                else:
+                    tokens = {t.strip() for t in value.split(b",")}
                 if b"close" in tokens:
                     keep_alive = False
                 elif b"keep-alive" in tokens and not http11:

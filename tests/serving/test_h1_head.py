@@ -66,3 +66,16 @@ def test_a_head_without_header_lines():
     assert request.headers == [] and not request.keep_alive
     with pytest.raises(BadRequest, match="host"):
         parse_head(b"GET / HTTP/1.1")
+
+
+@pytest.mark.parametrize(("version", "value", "keep_alive"), [
+    ("1.1", "keep-alive", True), ("1.1", "close", False), ("1.1", "Close", False),
+    ("1.1", "te, close", False), ("1.1", "upgrade", True),
+    ("1.0", "keep-alive", True), ("1.0", "Keep-Alive", True), ("1.0", "close", False),
+    ("1.0", "te , keep-alive", True), ("1.0", "keep-alive, close", False), ("1.0", "te", False),
+])
+def test_connection_tokens_set_keep_alive(version, value, keep_alive):
+    """One token (the usual value) or a list: ``close`` anywhere closes; ``keep-alive`` keeps
+    an HTTP/1.0 connection; HTTP/1.1 keeps it unless told to close."""
+    request = parse_head(f"GET / HTTP/{version}\r\nhost: h\r\nconnection: {value}".encode())
+    assert request.keep_alive is keep_alive
