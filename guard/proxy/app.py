@@ -45,10 +45,11 @@ from guard.config import GuardConfig
 from guard.controller import AdmissionController, Decided
 from guard.errors import BodyTooLarge
 from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
+from guard.proxy.h1_message import NOT_FORWARDED
 from guard.proxy.health import ReplicaHealth
 from guard.proxy.metrics import ProxyMetrics
 from guard.proxy.state_client import TransportStateClient
-from guard.proxy.transports import HOP_BY_HOP, Transport, UpstreamError, make_transport
+from guard.proxy.transports import Transport, UpstreamError, make_transport
 from guard.proxy.upstream import BodyWriter, Forwarder
 from guard.relay import REQUEST_ID_HEADER
 from guard.replicas.poller import state_sources
@@ -316,7 +317,7 @@ def _upstream_headers(raw_headers: RawHeaders, request_id: str) -> RawHeaders:
     been rewritten, so its length is the transport's to set)."""
     headers = []
     for name, value in raw_headers:
-        if name not in HOP_BY_HOP and name != REQUEST_ID_HEADER:
+        if name not in NOT_FORWARDED:
             headers.append((name, value))
     headers.append((REQUEST_ID_HEADER, request_id.encode()))
     return headers

@@ -12,11 +12,12 @@ from __future__ import annotations
 import re
 
 from guard.proxy.transports import _SERVER_WRITTEN, HOP_BY_HOP
+from guard.relay import REQUEST_ID_HEADER
 from serving.chunked import ChunkedDecoder as BaseChunkedDecoder
 from serving.chunked import ChunkedError
 
 __all__ = ["MessageError", "ResponseHead", "ChunkedDecoder", "request_head", "proxied_request",
-           "parse_head", "NO_BODY", "LENGTH", "CHUNKED", "UNTIL_CLOSE", "MAX_HEAD_BYTES"]
+           "NOT_FORWARDED", "parse_head", "NO_BODY", "LENGTH", "CHUNKED", "UNTIL_CLOSE", "MAX_HEAD_BYTES"]
 
 # body framings of a response
 NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE = 0, 1, 2, 3
@@ -24,8 +25,9 @@ MAX_HEAD_BYTES = 64 * 1024  # a response head longer is garbage
 # whitespace, CR or LF in a header name (a regex, not ``b" " in name``: bytes ``in`` first tries
 # its operand as an int and formats the TypeError it discards, four per header)
 _NAME_BAD = re.compile(rb"[ \t\r\n]")
-REQUEST_ID = b"x-request-id"
-_NOT_PROXIED = HOP_BY_HOP | {REQUEST_ID}  # a proxied request's own: written by proxied_request
+# a client's headers the proxy never forwards: the hop-by-hop ones, and its x-request-id (the
+# guard's own goes instead)
+NOT_FORWARDED = HOP_BY_HOP | {REQUEST_ID_HEADER}
 
 
 class MessageError(ValueError):
@@ -61,7 +63,7 @@ def proxied_request(target: bytes, host: bytes, headers: list[tuple[bytes, bytes
     (a property test holds the two equal)."""
     parts = [b"POST ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
     for name, value in headers:
-        if name not in _NOT_PROXIED:
+        if name not in NOT_FORWARDED:
             parts += (name, b": ", value, b"\r\n")
     parts += (b"x-request-id: ", request_id.encode(), b"\r\ncontent-length: ",
               b"%d" % len(body), b"\r\n\r\n", body)
