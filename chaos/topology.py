@@ -13,11 +13,13 @@ then redis, each by its own pid (SIGTERM, SIGKILL after a timeout). Redis and th
 at the same time, then the proxies; the children of one kind are ended at the same time too.
 Processes of a topology that failed to start are ended the same way before the error propagates.
 
-Replicas run ``kvguard engine <replica_args> --host 127.0.0.1 --port 0``; proxies run
-``kvguard proxy --upstream URL ... <proxy_args> --host 127.0.0.1 --port 0``; with
+Replicas run ``kvguard engine <replica_args> --host 127.0.0.1 --port P``; proxies run
+``kvguard proxy --upstream URL ... <proxy_args> --host 127.0.0.1 --port P``; with
 ``redis=True`` a ``redis-server`` runs with no persistence and each proxy gets its URL in
-``KVGUARD_REDIS_URL``. A restarted replica comes back on the same port, so the proxies'
-upstream URLs stay valid.
+``KVGUARD_REDIS_URL``. A restarted child comes back on the same port, so the proxies'
+upstream URLs (and the clients' proxy URLs) stay valid. Every ``P`` is chosen below the
+kernel's ephemeral range (:mod:`chaos.ports`), so that no outgoing connection can take a
+killed child's port before it starts again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from chaos.child import ChildProcess
+from chaos.ports import free_port
 
 __all__ = ["Topology", "TopologySpec", "SIM_REPLICA_ARGS", "FLEET_NICENESS", "free_port",
            "http_health", "redis_health"]
@@ -156,7 +159,7 @@ class Topology:
             f"replica-{index}",
             lambda port: [sys.executable, "-m", "guard.cli", "engine", *args,
                           "--host", "127.0.0.1", "--port", str(port)],
-            http_health, ready_pattern=_ENGINE_READY, env=dict(self.spec.env),
+            http_health, ready_pattern=_ENGINE_READY, port=free_port(), env=dict(self.spec.env),
             niceness=self.spec.niceness)
 
     def _proxy_child(self, index: int) -> ChildProcess:
@@ -178,7 +181,8 @@ class Topology:
             name,
             lambda port: [sys.executable, "-m", "guard.cli", "proxy", *upstreams, *args,
                           "--host", "127.0.0.1", "--port", str(port)],
-            http_health, ready_pattern=_PROXY_READY, env=env, niceness=self.spec.niceness)
+            http_health, ready_pattern=_PROXY_READY, port=free_port(), env=env,
+            niceness=self.spec.niceness)
 
     def _redis_child(self) -> ChildProcess:
         port = free_port()
@@ -235,9 +239,3 @@ def _at_once(action: Callable[[ChildProcess], object], children: Sequence[ChildP
     if errors:
         raise errors[min(errors)]
 
-
-def free_port() -> int:
-    """A port that was free a moment ago (redis cannot pick its own and report it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -1,6 +1,5 @@
 """Fixtures for chaos tests: a real SSE echo server on a free loopback port."""
 
-import socket
 import subprocess
 import sys
 import time
@@ -9,13 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from chaos.ports import free_port
+
 ECHO = Path(__file__).with_name("echo_server.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:

@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from chaos.child import ChildProcess
+from chaos.ports import ephemeral_range
 from chaos.topology import Topology, TopologySpec, http_health, redis_health
 
 
@@ -107,6 +108,8 @@ def test_fleet_starts_healthy_and_faults_act_on_one_pid():
         assert len(set(fleet.replica_urls)) == 2
         assert all(http_health(url) for url in fleet.replica_urls)
         assert redis_health(fleet.redis_url)
+        # below the ephemeral range: no outgoing connection can take a killed child's port
+        assert all(c.port < ephemeral_range()[0] for c in [*fleet.replicas, fleet.redis])
 
         victim, survivor = fleet.replicas
         url = victim.url

@@ -3,32 +3,22 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
 import socket
 import subprocess
 import tempfile
 import time
 
+from chaos import ports
+
 __all__ = ["RedisServer", "RedisCluster", "free_port"]
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port(cluster_bus: bool = False) -> int:
-    """A free loopback port (and, for Cluster nodes, port + 10000 free too)."""
-    for _ in range(200):
-        port = random.randint(20000, 50000)
-        if _port_free(port) and (not cluster_bus or _port_free(port + 10000)):
-            return port
-    raise RuntimeError("no free port")
+    """A free loopback port below the ephemeral range (and, for Cluster nodes, port + 10000
+    free too): a server that is killed and started again, or started only later in a test,
+    finds its port still free (no outgoing connection can take it meanwhile)."""
+    return ports.free_port(also_free=10_000 if cluster_bus else 0)
 
 
 def _ping(port: int) -> bool:

@@ -1,0 +1,56 @@
+"""chaos.ports: ports for children that restart on the same port lie below the ephemeral range."""
+
+import socket
+
+import pytest
+
+from chaos import ports
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_the_ephemeral_range_is_read_from_the_kernel():
+    low, high = ports.ephemeral_range()
+    assert 1024 <= low < high <= 65_535
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            assert (low, high) == tuple(int(x) for x in f.read().split())
+    except FileNotFoundError:
+        pytest.skip("no /proc: the fallback range is used")
+
+
+def test_ports_are_free_and_below_the_ephemeral_range():
+    low, _ = ports.ephemeral_range()
+    for _ in range(20):
+        port = ports.free_port()
+        assert ports.LOWEST_PORT <= port < low and bindable(port)
+        bus = ports.free_port(also_free=10_000)
+        assert bus + 10_000 < low and bindable(bus) and bindable(bus + 10_000)
+
+
+def test_a_port_in_use_is_never_handed_out(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        picks = iter([port, port, port + 1])
+        monkeypatch.setattr(ports.random, "randint", lambda a, b: next(picks))
+        monkeypatch.setattr(ports, "ephemeral_range", lambda: (port + 2_000, 65_535))
+        monkeypatch.setattr(ports, "LOWEST_PORT", port - 1)
+        if not bindable(port + 1):
+            pytest.skip("the neighbouring port is in use")
+        assert ports.free_port() == port + 1
+
+
+def test_with_no_room_below_the_range_the_kernel_picks(monkeypatch):
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (ports.LOWEST_PORT + 10, 65_535))
+    port = ports.free_port()
+    assert bindable(port)
+    with pytest.raises(ValueError, match="also_free"):
+        ports.free_port(also_free=-1)
