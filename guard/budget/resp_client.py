@@ -31,6 +31,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from guard.budget.resp import ErrorReply, RespParser, encode_command
+from guard.self_connect import connected_to_itself, drop
 
 __all__ = ["RespClient", "supports"]
 
@@ -210,6 +211,10 @@ class RespClient:
         except OSError as exc:
             raise RedisConnectionError(f"redis connect to {self.host}:{self.port}: {exc}") \
                 from None
+        if connected_to_itself(protocol.transport):  # nothing listens: a refused connect
+            await drop(protocol.transport)
+            raise RedisConnectionError(f"redis connect to {self.host}:{self.port}: nothing "
+                                       "listens (the connection reached itself)")
         try:
             sock = protocol.transport.get_extra_info("socket")
             if sock is not None:

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 from guard.proxy.h1_connection import DONE, IDLE, Connection, Stale
 from guard.proxy.h1_message import ResponseHead, proxied_request, request_head
 from guard.proxy.transports import _KEEPALIVE_S, Headers, UpstreamTimeout, UpstreamUnreachable
+from guard.self_connect import connected_to_itself, drop
 
 __all__ = ["H1Transport"]
 
@@ -290,6 +291,11 @@ class H1Transport:
                                       f"{self.connect_timeout_s:g} s") from None
         except (OSError, ssl.SSLError) as exc:
             raise UpstreamUnreachable(f"connect to {pool.host}:{pool.port}: {exc!r}") from None
+        if connected_to_itself(conn.transport):  # nothing listens there: a refused connect
+            conn.closed = True  # not in the pool yet: the caller gives its slot back
+            await drop(conn.transport)
+            raise UpstreamUnreachable(f"connect to {pool.host}:{pool.port}: nothing listens "
+                                      "(the connection reached itself)")
         return conn
 
     def release(self, conn: Connection) -> None:

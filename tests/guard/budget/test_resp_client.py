@@ -14,6 +14,7 @@ from redis_servers import RedisServer, free_port
 
 from guard.budget.resp import RespParser, encode_command
 from guard.budget.resp_client import RespClient, supports
+from tests.support.self_connect import connects_to_itself
 
 
 def run(coro):
@@ -127,5 +128,25 @@ def test_password_and_database_from_the_url():
             await refused.aclose()
         run(go())
         assert server.cli("-a", "s3cret", "-n", "2", "get", "where").strip().endswith("db2")
+    finally:
+        server.kill()
+
+
+def test_a_connection_that_reaches_itself_is_refused_and_redis_can_start_on_the_port():
+    """Redis is down and the kernel gives the client's connection Redis's port as its own: the
+    socket is connected to itself. The client refuses it (it would read its own commands back
+    as replies, and hold the port so that Redis could never start again) and closes it."""
+    server = RedisServer()  # a free port, not started yet
+
+    async def go():
+        client = RespClient.from_url(server.url, 2.0)
+        with connects_to_itself(asyncio.get_running_loop(), server.port):
+            with pytest.raises(RedisConnectionError, match="reached itself"):
+                await client.ping()
+        await asyncio.to_thread(server.start)  # the port is free: no socket kept it
+        assert await client.ping() is True
+        await client.aclose()
+    try:
+        run(go())
     finally:
         server.kill()

@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from chaos.ports import free_port
 from guard.proxy import h1_connection
 from guard.proxy.h1_transport import H1Transport
 from guard.proxy.transports import (
@@ -20,6 +21,7 @@ from guard.proxy.transports import (
     UpstreamUnreachable,
     make_transport,
 )
+from tests.support.self_connect import connects_to_itself
 
 JSON = [(b"content-type", b"application/json")]
 HANG_GUARD_S = 20.0
@@ -620,6 +622,31 @@ def test_a_refused_connect_is_unreachable():
                 await client.get(f"http://127.0.0.1:{port}/health", 1.0)
             await client.aclose()
         run(main)
+
+
+def test_a_connection_that_reaches_itself_is_refused_and_its_port_freed_at_once():
+    """Nothing listens on the replica's port and the kernel gives the connection that port as
+    its own: it is connected to itself. It is refused as unreachable (not read as its own echo),
+    its pool slot is free, and the replica can bind its port again straight away."""
+    port = free_port()
+
+    async def main():
+        client = transport(max_connections_per_replica=1)
+        with connects_to_itself(asyncio.get_running_loop(), port):
+            with pytest.raises(UpstreamUnreachable, match="reached itself"):
+                await client.send(f"http://127.0.0.1:{port}/x", JSON, b"{}")
+            with pytest.raises(UpstreamUnreachable, match="reached itself"):
+                await client.get(f"http://127.0.0.1:{port}/health", 1.0)
+        assert all(p.num_open == 0 for p in client._pools.values())
+        server = Server(answer_ok)
+        server._server = await asyncio.start_server(server._serve, "127.0.0.1", port)
+        try:  # the port was free again, and the one slot is usable
+            response = await client.send(f"http://127.0.0.1:{port}/x", JSON, b"{}")
+            assert response.status == 200 and await read_all(response) == b'{"ok": true}'
+        finally:
+            server._server.close()
+            await client.aclose()
+    run(main)
 
 
 @pytest.mark.parametrize("reply", [ok(extra=b"connection: close\r\n"),
