@@ -22,6 +22,9 @@ __all__ = ["ephemeral_range", "free_port", "LOWEST_PORT"]
 
 LOWEST_PORT = 10_000  # below this: well-known and registered services people run locally
 _FALLBACK_RANGE = (32_768, 60_999)  # Linux's default (the IANA range 49152-65535 is above it)
+# its own generator, seeded from the OS: code that seeds the global one (a seeded load test, a
+# test) would otherwise give two processes the same sequence of ports
+_rng = random.Random()
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -58,7 +61,7 @@ def free_port(*, also_free: int = 0) -> int:
     top = low - 1 - also_free  # the highest port whose offset port is still below the range
     if top - LOWEST_PORT >= 1_000:
         for _ in range(200):
-            port = random.randint(LOWEST_PORT, top)
+            port = _rng.randint(LOWEST_PORT, top)
             if _free(port) and (not also_free or _free(port + also_free)):
                 return port
     for _ in range(200):

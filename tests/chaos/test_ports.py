@@ -40,7 +40,7 @@ def test_a_port_in_use_is_never_handed_out(monkeypatch):
         taken.bind(("127.0.0.1", 0))
         port = taken.getsockname()[1]
         picks = iter([port, port, port + 1])
-        monkeypatch.setattr(ports.random, "randint", lambda a, b: next(picks))
+        monkeypatch.setattr(ports._rng, "randint", lambda a, b: next(picks))
         monkeypatch.setattr(ports, "ephemeral_range", lambda: (port + 2_000, 65_535))
         monkeypatch.setattr(ports, "LOWEST_PORT", port - 1)
         if not bindable(port + 1):
@@ -54,3 +54,17 @@ def test_with_no_room_below_the_range_the_kernel_picks(monkeypatch):
     assert bindable(port)
     with pytest.raises(ValueError, match="also_free"):
         ports.free_port(also_free=-1)
+
+
+def test_seeding_the_global_generator_does_not_repeat_the_ports():
+    """Two processes that both seed ``random`` the same way still get their own ports."""
+    import random
+
+    state = random.getstate()
+    try:
+        random.seed(7)
+        first = [ports.free_port() for _ in range(5)]
+        random.seed(7)
+        assert [ports.free_port() for _ in range(5)] != first
+    finally:
+        random.setstate(state)
