@@ -65,12 +65,13 @@ class Decider:
         if isinstance(decision, Admit):
             if not book:
                 return decision  # booked by the caller (book), right after its write
-            self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
             if commit:
-                self.commit(cost, decision, now_s)
-            elif self.shared is not None:  # the view it was decided on, for the confirmation
-                self._decided_versions[cost.request_id] = self.shared.version.get(
-                    decision.replica_id, 0)
+                self.book(cost, decision, now_s)
+            else:
+                self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
+                if self.shared is not None:  # the view it was decided on, for the confirmation
+                    self._decided_versions[cost.request_id] = self.shared.version.get(
+                        decision.replica_id, 0)
         return decision
 
     def decide_arrival(self, cost: RequestCost, now_s: float, commit: bool = True,
@@ -100,8 +101,8 @@ class Decider:
         return self.decide(cost, now_s, ahead, commit=self.shared is None)
 
     def book(self, cost: RequestCost, admit: Admit, now_s: float) -> None:
-        """What :meth:`decide` with ``book`` False left to do for an admit: the replica
-        reservation, and the admit counted."""
+        """An admit's replica reservation, and the admit counted: what :meth:`decide` does with
+        ``commit``, or leaves to its caller with ``book`` False."""
         self.load_state.reserve(admit.replica_id, cost.request_id, cost, now_s)
         self.commit(cost, admit, now_s)
 

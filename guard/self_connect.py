@@ -13,6 +13,7 @@ Redis client) check every new connection with :func:`connected_to_itself` and dr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from typing import Any
@@ -40,9 +41,7 @@ async def drop(transport: Any) -> None:
     that port for a minute; reset, it leaves nothing behind."""
     sock = transport.get_extra_info("socket")
     if sock is not None:
-        try:
+        with contextlib.suppress(OSError):  # closed already: nothing is left on the port
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
-        except OSError:
-            pass
     transport.abort()
     await asyncio.sleep(0)  # the abort's close runs first: it was scheduled before this wakeup
