@@ -236,7 +236,9 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
                             budget=budget, proxy_kills_s=[
                                 e.t_s for e in events
                                 if e.kind == "proxy_kill" and e.action == "kill"],
-                            killed_entries=killed)
+                            killed_entries=killed, replica_kills_s=[
+                                e.t_s for e in events
+                                if e.kind == "replica_kill" and e.action == "kill"])
     verdict["generator"] = {"cpu_percent_of_one_core": result.load.cpu_percent,
                             "cpu_wait_s": result.load.cpu_wait_s,
                             "send_lag_s": result.load.lag_s(),

@@ -20,6 +20,14 @@ Figures, each with the threshold it is held to (``THRESHOLDS``):
   not), so no policy can save these; the ``lost`` check counts the others. They stay in
   ``num_lost`` and in every table. Each attempt records the entry it went to: one through a
   proxy that lived is never counted here.
+- ``num_cut_by_replica_kill``: the users with an explicit error whose last attempt was a begun
+  (2xx) stream that the proxy ended with an SSE error event within ``CUT_SLACK_S`` of a replica's
+  SIGKILL. Bytes had reached the client, so no proxy may re-send it elsewhere, and no policy can
+  save it; how many streams were on the killed replica at that instant is the routing's draw.
+  They stay in ``error`` and in every table.
+- ``judged_good_share_uncut``: good users ÷ users of the tenants without a budget, leaving out
+  those cut by a kill (either kind) — what the ``slo_vs_always_admit`` comparison compares, so
+  that it measures admission, not how many streams each run happened to have on the victim.
 - ``over_admission_ratio``: budgeted runs only: the most 2xx answers to the budgeted tenant
   were ever ahead of what its requests-per-minute bucket allowed by then, as a share of one
   window's limit.
@@ -39,7 +47,7 @@ from policies.cost import RequestClass
 
 __all__ = ["THRESHOLDS", "FaultWindow", "Budget", "good_fraction", "recovery_s", "build_verdict",
            "over_admission_ratio", "per_second", "series", "budget_denied",
-           "BUDGET_REASONS", "cut_by_kill"]
+           "BUDGET_REASONS", "cut_by_kill", "cut_by_replica_kill", "slo_vs_always_admit"]
 
 THRESHOLDS: dict[str, dict] = {
     "goodput_over_surviving_capacity": {"min": 0.9, "policy": "slo"},
@@ -48,9 +56,10 @@ THRESHOLDS: dict[str, dict] = {
     "num_lost": {"max": 0, "policy": "slo"},
     "num_hung": {"max": 0, "policy": "any"},
     "over_admission_ratio": {"max_redis_up": 0.0, "max_redis_down": 0.10, "policy": "any"},
-    # slo's good users (tenants without a budget) ÷ always_admit's on the same arrivals: in
-    # overload far above 1; below capacity both serve nearly everyone, and "no harm" is the
-    # admission-quality bar (≥ 0.98 × the unguarded run), not an exact tie in every user
+    # slo's share of good users (tenants without a budget, less streams cut by a kill) ÷
+    # always_admit's on the same arrivals: in overload far above 1; below capacity both serve
+    # nearly everyone, and "no harm" is the admission-quality bar (≥ 0.98 × the unguarded
+    # run), not an exact tie in every user
     "slo_vs_always_admit": {"min_ratio": 0.98},
 }
 RECOVERY_LEVEL_RATIO = 0.9
@@ -81,6 +90,30 @@ def cut_by_kill(user: UserRecord, cls: RequestClass, kills_s: Sequence[float],
         return False
     end_s = a.sent_s + a.e2e_s
     return any(a.sent_s < k <= end_s + 0.05 and end_s <= k + CUT_SLACK_S for k in kills_s)
+
+
+def cut_by_replica_kill(user: UserRecord, cls: RequestClass, kills_s: Sequence[float]) -> bool:
+    """``user`` ended with an explicit error, and their last attempt was a begun (2xx) stream
+    that ended in an SSE error event within ``CUT_SLACK_S`` after a replica kill in ``kills_s``
+    (run seconds) it had been sent before: the proxy telling the client its replica died."""
+    if not kills_s or not user.attempts or user.outcome(cls) != "error":
+        return False
+    a = user.attempts[-1]
+    if a.sent_s is None or a.e2e_s is None or a.status is None or not 200 <= a.status < 300:
+        return False
+    if a.saw_done or not (a.error or "").startswith("stream error"):
+        return False
+    end_s = a.sent_s + a.e2e_s
+    return any(a.sent_s < k <= end_s + 0.05 and end_s <= k + CUT_SLACK_S for k in kills_s)
+
+
+def slo_vs_always_admit(slo: Mapping, base: Mapping) -> tuple[float | None, float | None, bool]:
+    """slo's and always_admit's ``judged_good_share_uncut`` and whether slo's is at least
+    ``min_ratio`` × always_admit's."""
+    s, b = slo["judged_good_share_uncut"], base["judged_good_share_uncut"]
+    if b is None:       # nobody to judge in the baseline: nothing slo could fall short of
+        return s, b, True
+    return s, b, s is not None and s >= THRESHOLDS["slo_vs_always_admit"]["min_ratio"] * b
 
 
 @dataclass(frozen=True)
@@ -168,10 +201,11 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
                   capacity_per_replica_rps: float, *, slide_s: float,
                   generator_warnings: Sequence[str] = (), budget: Budget | None = None,
                   proxy_kills_s: Sequence[float] = (),
-                  killed_entries: Collection[str] = ()) -> dict:
+                  killed_entries: Collection[str] = (),
+                  replica_kills_s: Sequence[float] = ()) -> dict:
     """Every figure of the verdict for one policy's run; ``proxy_kills_s``: the run seconds at
     which a proxy the clients connect to was SIGKILLed; ``killed_entries``: those proxies'
-    entry URLs."""
+    entry URLs; ``replica_kills_s``: the run seconds at which a replica was SIGKILLed."""
     if capacity_per_replica_rps <= 0:
         raise ValueError("capacity_per_replica_rps must be > 0")
     measured = [u for u in users if u.scheduled_s >= w.warmup_s]
@@ -182,6 +216,10 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
     # recovery, retry amplification and the slo-vs-always_admit comparison measure the budget.
     judged = [u for u in users if budget is None or u.tenant != budget.tenant]
     judged_measured = [u for u in judged if u.scheduled_s >= w.warmup_s]
+    judged_good = sum(u.outcome(cls) == "good" for u in judged_measured)
+    num_judged_uncut = sum(not cut_by_kill(u, cls, proxy_kills_s, killed_entries)
+                           and not cut_by_replica_kill(u, cls, replica_kills_s)
+                           for u in judged_measured)
     in_fault = [u for u in measured if w.start_s <= u.scheduled_s < w.end_s]
     fault_s = w.end_s - w.start_s
     offered_rps = len(in_fault) / fault_s
@@ -196,7 +234,8 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
         "num_users": len(measured),
         "outcomes": {o: outcomes.count(o) for o in USER_OUTCOMES},
         "num_judged_users": len(judged_measured),
-        "judged_good": sum(u.outcome(cls) == "good" for u in judged_measured),
+        "judged_good": judged_good,
+        "judged_good_share_uncut": judged_good / num_judged_uncut if num_judged_uncut else None,
         "fault_window_s": [w.start_s, w.end_s],
         "offered_in_fault_rps": offered_rps,
         "offered_within_budget_in_fault_rps": within_budget_rps,
@@ -210,6 +249,8 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
         "num_lost": outcomes.count("lost"),
         "num_cut_by_proxy_kill": sum(cut_by_kill(u, cls, proxy_kills_s, killed_entries)
                                      for u in measured),
+        "num_cut_by_replica_kill": sum(cut_by_replica_kill(u, cls, replica_kills_s)
+                                       for u in measured),
         "num_hung": outcomes.count("hung"),
         "over_admission_ratio": None if budget is None else over_admission_ratio(users, budget),
     }

@@ -19,7 +19,7 @@ from chaos.clients import DEFAULT_RETRIES
 from chaos.scenario_run import RunSettings
 from chaos.scenarios import catalogue, missing_dependencies, quick_variant
 from chaos.user_record import USER_OUTCOMES, UserRecord
-from chaos.verdict import THRESHOLDS
+from chaos.verdict import THRESHOLDS, slo_vs_always_admit
 from guard.cli import SUBCOMMANDS
 
 # One scenario run (two fleets) happens inside the first test that needs it: ~1 min on an idle
@@ -114,10 +114,11 @@ def test_slo_beats_always_admit(quick_run):
         pytest.skip("run invalid (the load generator could not keep its schedule on this "
                     f"machine now): {invalid[0]}")
     # on the users only admission decides (the budgeted tenant's share of its bucket's refill
-    # shifts with timing in both runs alike), to the no-harm bar: below capacity both serve
-    # nearly everyone and one user either way is not harm
-    ratio = THRESHOLDS["slo_vs_always_admit"]["min_ratio"]
+    # shifts with timing in both runs alike; streams a kill cut mid-way are lost to either
+    # policy, and how many sat on the victim is the routing's draw: 16 vs 10 failed CI once),
+    # to the no-harm bar: below capacity both serve nearly everyone
     # (A ~0.24 s gap in every stream at once, seen once in replica-kill, was the load
     # generator's own full garbage collection; a ~0.2 s one in redis-kill was its event loop
     # kept off a CPU: a long GC pause or loop lag of the generator makes the run invalid.)
-    assert slo["judged_good"] >= ratio * base["judged_good"], (slo["outcomes"], base["outcomes"])
+    slo_share, base_share, ok = slo_vs_always_admit(slo, base)
+    assert ok, (slo_share, base_share, slo["outcomes"], base["outcomes"])

@@ -53,8 +53,10 @@ def test_slo_is_held_to_the_no_harm_bar_against_always_admit():
     harm; 2 % fewer is."""
     base = _verdict(6.0)
     for slo_good, ok in ((228, True), (229, True), (224, True), (223, False)):
-        verdicts = {"always_admit": {**base, "judged_good": 228},
-                    "slo": {**base, "judged_good": slo_good}}
+        verdicts = {"always_admit": {**base, "judged_good": 228,
+                                     "judged_good_share_uncut": 228 / 230},
+                    "slo": {**base, "judged_good": slo_good,
+                            "judged_good_share_uncut": slo_good / 230}}
         assert checks(verdicts, 2.0, False)["slo_vs_always_admit"]["pass"] is ok, slo_good
 
 
@@ -67,3 +69,10 @@ def test_lost_check_leaves_out_only_streams_cut_by_a_proxy_kill():
     more = {**cut_only, "outcomes": {**base["outcomes"], "lost": 4}, "num_lost": 4}
     assert not checks({"slo": more}, 2.0, False)["slo"]["num_lost"]["pass"]
     assert "| 4 (3 cut by the proxy kill) |" in render_table({"slo": more})
+
+
+def test_table_counts_streams_a_replica_kill_cut_within_the_errors():
+    base = _verdict(6.0)
+    cut = {**base, "outcomes": {**base["outcomes"], "error": 5}, "num_cut_by_replica_kill": 4}
+    assert "| 5 (4 cut by the replica kill) |" in render_table({"slo": cut})
+    assert f"| {base['outcomes']['error']} |" in render_table({"slo": base})

@@ -11,9 +11,11 @@ from chaos.verdict import (
     FaultWindow,
     build_verdict,
     cut_by_kill,
+    cut_by_replica_kill,
     good_fraction,
     recovery_s,
     series,
+    slo_vs_always_admit,
 )
 from policies.cost import RequestClass
 
@@ -232,3 +234,51 @@ def test_streams_cut_by_a_proxy_kill_are_lost_and_counted_apart():
 
 def verdict_cut(u, kills, killed_entries=()):
     return cut_by_kill(u, CLS, kills, killed_entries)
+
+
+def _error_event(t_s, end_s):
+    """A begun stream the proxy ended at ``end_s`` with an SSE error event."""
+    return attempt(t_s, e2e_s=end_s - t_s, saw_done=False,
+                   error='stream error: {"code": "upstream_failed"}')
+
+
+def test_streams_a_replica_kill_cut_are_errors_counted_apart_and_left_out_of_the_share():
+    kill_s = 10.0
+    cut = user(9.0, _error_event(9.0, 10.3), index=1)              # in flight at the kill
+    later = user(9.0, _error_event(9.0, 11.5), index=2)            # error 1.5 s after it
+    before = user(8.0, _error_event(8.0, 9.5), index=3)            # error before it
+    after = user(10.5, _error_event(10.5, 10.6), index=4)          # sent after the kill
+    shed_at_kill = user(9.9, attempt(9.9, status=503, e2e_s=0.2), index=5)
+    broke_off = user(9.0, _cut(9.0, 10.02), index=6)               # no error event: lost
+    retried = user(9.0, _error_event(9.0, 10.3), attempt(10.4), index=7)   # then late
+    users = [cut, later, before, after, shed_at_kill, broke_off, retried]
+    assert [cut_by_replica_kill(u, CLS, [kill_s]) for u in users] == [
+        True, False, False, False, False, False, False]
+    assert not cut_by_replica_kill(cut, CLS, [])
+    fine = [good(9.0 + i / 10, index=10 + i) for i in range(3)]
+    v = build_verdict([*users, *fine], CLS, _window(end_s=11.0), 4.0, slide_s=2.0,
+                      replica_kills_s=[kill_s])
+    assert v["outcomes"]["error"] == 5 and v["num_cut_by_replica_kill"] == 1
+    assert v["outcomes"]["late"] == 1 and v["judged_good"] == 3
+    assert v["judged_good_share_uncut"] == pytest.approx(3 / 9)    # 10 judged, 1 cut
+    plain = build_verdict([*users, *fine], CLS, _window(end_s=11.0), 4.0, slide_s=2.0)
+    assert plain["num_cut_by_replica_kill"] == 0
+    assert plain["judged_good_share_uncut"] == pytest.approx(3 / 10)
+    # a proxy kill's cut streams leave the share too
+    v = build_verdict([broke_off, *fine], CLS, _window(end_s=11.0), 4.0, slide_s=2.0,
+                      proxy_kills_s=[kill_s])
+    assert v["judged_good_share_uncut"] == 1.0
+
+
+def test_slo_vs_always_admit_compares_good_shares_of_the_users_no_kill_cut():
+    """The CI run that failed: 286 good vs 293, every error a stream on the killed replica
+    (16 vs 10): the shares of the uncut users are 286/287 vs 293/293 — no harm."""
+    def v(good_users, cut):
+        return {"judged_good": good_users, "judged_good_share_uncut": good_users / (303 - cut)}
+    assert slo_vs_always_admit(v(286, 16), v(293, 10))[2]
+    assert not slo_vs_always_admit(v(280, 10), v(293, 10))[2]     # 280/293 < 0.98
+    assert slo_vs_always_admit(v(288, 10), v(293, 10))[2]         # 288/293 > 0.98
+    assert slo_vs_always_admit({"judged_good_share_uncut": None},
+                               {"judged_good_share_uncut": None})[2]
+    assert not slo_vs_always_admit({"judged_good_share_uncut": None},
+                                   {"judged_good_share_uncut": 1.0})[2]
