@@ -42,6 +42,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from chaos.records import RequestRecord
 from chaos.user_record import USER_OUTCOMES, UserRecord
 from policies.cost import RequestClass
 
@@ -84,12 +85,9 @@ def cut_by_kill(user: UserRecord, cls: RequestClass, kills_s: Sequence[float],
     a = user.attempts[-1]
     if killed_entries and a.entry is not None and a.entry not in killed_entries:
         return False  # it went through a proxy that lived
-    if a.sent_s is None or a.e2e_s is None or a.status is None or not 200 <= a.status < 300:
-        return False
     if a.saw_done or (a.error or "").startswith("stream error") or a.outcome == "canceled":
         return False
-    end_s = a.sent_s + a.e2e_s
-    return any(a.sent_s < k <= end_s + 0.05 and end_s <= k + CUT_SLACK_S for k in kills_s)
+    return _begun_stream_ended_by_kill(a, kills_s)
 
 
 def cut_by_replica_kill(user: UserRecord, cls: RequestClass, kills_s: Sequence[float]) -> bool:
@@ -99,9 +97,15 @@ def cut_by_replica_kill(user: UserRecord, cls: RequestClass, kills_s: Sequence[f
     if not kills_s or not user.attempts or user.outcome(cls) != "error":
         return False
     a = user.attempts[-1]
-    if a.sent_s is None or a.e2e_s is None or a.status is None or not 200 <= a.status < 300:
-        return False
     if a.saw_done or not (a.error or "").startswith("stream error"):
+        return False
+    return _begun_stream_ended_by_kill(a, kills_s)
+
+
+def _begun_stream_ended_by_kill(a: RequestRecord, kills_s: Sequence[float]) -> bool:
+    """``a`` was a begun (2xx) stream, sent before a kill in ``kills_s``, that ended within
+    ``CUT_SLACK_S`` after it."""
+    if a.sent_s is None or a.e2e_s is None or a.status is None or not 200 <= a.status < 300:
         return False
     end_s = a.sent_s + a.e2e_s
     return any(a.sent_s < k <= end_s + 0.05 and end_s <= k + CUT_SLACK_S for k in kills_s)
