@@ -221,9 +221,12 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
     judged = [u for u in users if budget is None or u.tenant != budget.tenant]
     judged_measured = [u for u in judged if u.scheduled_s >= w.warmup_s]
     judged_good = sum(u.outcome(cls) == "good" for u in judged_measured)
-    num_judged_uncut = sum(not cut_by_kill(u, cls, proxy_kills_s, killed_entries)
-                           and not cut_by_replica_kill(u, cls, replica_kills_s)
-                           for u in judged_measured)
+    # each measured user judged once per kind of cut (a proxy's cut is lost, a replica's an
+    # error: no user is both)
+    proxy_cut = [u for u in measured if cut_by_kill(u, cls, proxy_kills_s, killed_entries)]
+    replica_cut = [u for u in measured if cut_by_replica_kill(u, cls, replica_kills_s)]
+    num_judged_uncut = len(judged_measured) - sum(
+        budget is None or u.tenant != budget.tenant for u in (*proxy_cut, *replica_cut))
     in_fault = [u for u in measured if w.start_s <= u.scheduled_s < w.end_s]
     fault_s = w.end_s - w.start_s
     offered_rps = len(in_fault) / fault_s
@@ -251,10 +254,8 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
         "attempts_per_user": _attempts_per_user(measured),
         "attempts_per_sdk_user": _attempts_per_user(sdk),
         "num_lost": outcomes.count("lost"),
-        "num_cut_by_proxy_kill": sum(cut_by_kill(u, cls, proxy_kills_s, killed_entries)
-                                     for u in measured),
-        "num_cut_by_replica_kill": sum(cut_by_replica_kill(u, cls, replica_kills_s)
-                                       for u in measured),
+        "num_cut_by_proxy_kill": len(proxy_cut),
+        "num_cut_by_replica_kill": len(replica_cut),
         "num_hung": outcomes.count("hung"),
         "over_admission_ratio": None if budget is None else over_admission_ratio(users, budget),
     }

@@ -8,12 +8,13 @@ from chaos import ports
 
 
 def bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    """A server can listen on ``port`` and a loopback client reach it there."""
+    try:
+        server = socket.create_server(("127.0.0.1", port))
+    except OSError:
+        return False
+    with server, socket.create_connection(("127.0.0.1", port), timeout=5.0):
+        return True
 
 
 def test_the_ephemeral_range_is_read_from_the_kernel():
