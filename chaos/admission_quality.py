@@ -21,8 +21,8 @@ from pathlib import Path
 from chaos.goodput import meets_slo
 from chaos.records import RequestRecord
 from chaos.stats import percentile
-from guard.timeline import join, load_sources
-from guard.token_gaps import summarize_delivery
+from guard.observe.timeline import join, load_sources
+from guard.observe.token_gaps import summarize_delivery
 from policies.cost import RequestClass
 
 __all__ = ["admitted_misses", "forecast_error", "gap_attribution"]

@@ -28,7 +28,7 @@ from chaos.raw_client import RawCompletionClient, RawConnectionPool
 from chaos.records import OUTCOMES, RequestRecord, RequestSpec
 from chaos.schedule import prompt_token_ids
 from chaos.stats import distribution
-from guard.loop_lag import LoopLag
+from guard.observe.loop_lag import LoopLag
 
 __all__ = ["LoadConfig", "LoadResult", "LiveCounts", "run_load", "rate_of", "sustained_rate_of",
            "few_collections", "GcPauses", "loop_lag"]
@@ -196,7 +196,7 @@ class GcPauses:
 
 @contextlib.contextmanager
 def loop_lag() -> Iterator[LoopLag]:
-    """The generator's own event-loop lag during a run (``guard.loop_lag.LoopLag``: a 10 ms
+    """The generator's own event-loop lag during a run (``guard.observe.loop_lag.LoopLag``: a 10 ms
     timer's largest lateness), on the running loop. The generator timestamps every chunk it
     reads on that loop, so a loop late by L — busy with other users' work, kept off a CPU by
     the OS or by the host of the virtual machine, or held by a collection — adds up to L to a

@@ -31,7 +31,7 @@ import signal
 from typing import Any
 from urllib.parse import urlsplit
 
-from chaos.raw_http_relay import HttpRelay
+from chaos.bench.raw_http_relay import HttpRelay
 from guard.proxy.transports import HOP_BY_HOP
 
 __all__ = ["PassthroughApp", "TcpPump", "HttpRelay", "main"]

@@ -23,7 +23,7 @@ How the three constants were chosen (public facts, then a check against publishe
   gaps under CUDA graphs and sampling/scheduler work that is not overlapped (vLLM v0.6 hides
   most CPU work behind the GPU with multi-step scheduling and async output processing).
 
-Check: `engine.sim_bench` runs the scheduler on ShareGPT-like traffic (prompts ~230, outputs
+Check: `chaos.bench.sim` runs the scheduler on ShareGPT-like traffic (prompts ~230, outputs
 ~200 tokens) for an 8B model on A100-80GB and gets throughput within the ±30 % band of the
 ~4,100 (vLLM v0.6) / ~4,300 (SGLang v0.3) output tokens/s those projects publish
 (docs/bench-sim.md has the numbers).

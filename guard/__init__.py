@@ -32,19 +32,19 @@ __all__ = [
 
 _HOMES = {
     "AdmissionMiddleware": "guard.middleware",
-    "AdmissionQueue": "guard.admission_queue",
+    "AdmissionQueue": "guard.admission.queue",
     "GuardConfig": "guard.config",
-    "GuardMetrics": "guard.metrics",
+    "GuardMetrics": "guard.observe.metrics",
     "LoadState": "guard.replicas.load_state",
-    "Pricer": "guard.pricing",
+    "Pricer": "guard.request.pricing",
     "PricingError": "guard.errors",
-    "Rejection": "guard.shedding",
+    "Rejection": "guard.admission.shedding",
     "ReplicaConfig": "guard.config",
-    "RetryAdvisor": "guard.shedding",
+    "RetryAdvisor": "guard.admission.shedding",
     "TenantConfig": "guard.config",
-    "Ticket": "guard.ticket",
-    "TicketBook": "guard.ticket",
-    "TraceWriter": "guard.trace",
+    "Ticket": "guard.admission.ticket",
+    "TicketBook": "guard.admission.ticket",
+    "TraceWriter": "guard.observe.trace",
     "load_config": "guard.config",
 }
 

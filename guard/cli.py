@@ -20,9 +20,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("engine.plan_cli", "KV memory plan and serving roofline for a model on a GPU"),
     "proxy": ("guard.proxy.cli", "the standalone proxy in front of N replicas"),
     "fleet": ("chaos.fleet_cli", "start N sim replicas and proxies on loopback, stop on Ctrl-C"),
-    "timeline": ("guard.timeline", "join guard and engine traces into per-stage latencies"),
+    "timeline": ("guard.observe.timeline", "join guard and engine traces into per-stage latencies"),
     "load": ("chaos.load_cli", "open-loop load test with a goodput report"),
-    "bench": ("chaos.bench_cli", "benchmarks: engine, overload, guard overhead"),
+    "bench": ("chaos.bench.cli", "benchmarks: engine, overload, guard overhead"),
     "chaos": ("chaos.chaos_cli", "game days: kill replicas, Redis and proxies under retrying "
                                  "clients; goodput verdicts"),
     "demo": ("chaos.demo", "the main job: a sim replica under a burst, with and without the guard"),

@@ -193,7 +193,7 @@ class GuardConfig:
     state_timeout_s: float = 1.0
     unhealthy_after_errors: int = 3
     replicas: tuple[ReplicaConfig, ...] = ()
-    tokenizer: str | None = None  # a tokenizer.json path (guard.pricing.tokenizer_counter)
+    tokenizer: str | None = None  # a tokenizer.json path (guard.request.pricing.tokenizer_counter)
     initial_chars_per_token: float = 4.0
     retry_budget_ratio: float = 0.10  # retries allowed per first attempt while shedding
     retry_budget_window_s: float = 10.0

@@ -14,7 +14,7 @@ ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy anot
 
 * ``path``: the request path (the adapter decides which paths are admitted, with
   :meth:`GuardConfig.is_admitted_path`); ``headers``: lower-case names → values
-  (:func:`guard.body.headers_from_scope` for ASGI);
+  (:func:`guard.request.body.headers_from_scope` for ASGI);
   ``read_body()``: the whole body, or an awaitable returning it (an adapter that already
   holds the whole body returns it as is: no coroutine to run), raising
   :class:`~guard.errors.BodyTooLarge` past ``config.max_body_bytes`` or
@@ -23,7 +23,7 @@ ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy anot
   completes when the client disconnects. The controller calls it only when the request must
   wait in the queue; it never consumes the future, so the adapter can keep watching it later.
 * The result is one of:
-  - :class:`~guard.admission.Admission`: forward ``admission.body`` to
+  - :class:`~guard.admission.admitted.Admission`: forward ``admission.body`` to
     ``admission.replica_id`` with ``x-request-id: admission.request_id``; report
     ``on_start(status, content_type)``, ``on_body(chunk, more_body)`` for every chunk in the
     order the client gets them (first token, each inter-token gap, ``usage`` and
@@ -32,7 +32,7 @@ ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy anot
     completed (whole 2xx, not aborted), canceled (client left, or the adapter's task was
     cancelled), failed (error, truncated, ``finish_reason`` abort/error), rejected_upstream
     (upstream 4xx).
-  - :class:`~guard.shedding.Rejection`: send it as is (status, OpenAI-style body, retry
+  - :class:`~guard.admission.shedding.Rejection`: send it as is (status, OpenAI-style body, retry
     headers); it is already counted and traced.
   - ``None``: the client left before a decision; nothing to send (already counted canceled).
 * ``redispatch(admission, replica_ids)`` (the proxy): the upstream failed before answering, so
@@ -67,27 +67,27 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from guard.admission import Admission
-from guard.admission_queue import AdmissionQueue
-from guard.background import Background
+from guard.admission.admitted import Admission
+from guard.admission.background import Background
+from guard.admission.budget_grants import BudgetGrants
+from guard.admission.decider import Decider
+from guard.admission.queue import AdmissionQueue
+from guard.admission.queue_wait import QueueWait
+from guard.admission.release import ReleaseListeners
+from guard.admission.replica_limits import ReplicaLimits
+from guard.admission.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
+from guard.admission.ticket import TicketBook
 from guard.budget.factory import build_budget_store
 from guard.budget.store import BudgetStore, Denied, Grant
-from guard.budget_grants import BudgetGrants
 from guard.config import GuardConfig, TenantConfig
-from guard.decider import Decider
 from guard.errors import ClientDisconnected, PricingError
-from guard.loop_lag import LoopLag
-from guard.metrics import GaugeValues, GuardMetrics
-from guard.pricing import PricedRequest, Pricer, tokenizer_counter
-from guard.queue_wait import QueueWait
-from guard.release import ReleaseListeners
-from guard.replica_limits import ReplicaLimits
+from guard.observe.loop_lag import LoopLag
+from guard.observe.metrics import GaugeValues, GuardMetrics
+from guard.observe.trace import TraceWriter
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import StatePoller, StateSource
 from guard.replicas.shared_reservations import SharedReservations
-from guard.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
-from guard.ticket import TicketBook
-from guard.trace import TraceWriter
+from guard.request.pricing import PricedRequest, Pricer, tokenizer_counter
 from policies import make_policy
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed

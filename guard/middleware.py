@@ -34,17 +34,17 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from guard.admission import Admission
-from guard.body import content_length, headers_from_scope
+from guard.admission.admitted import Admission
+from guard.admission.shedding import send_rejection
 from guard.config import GuardConfig, load_config
 from guard.controller import AdmissionController
+from guard.observe.trace import TraceWriter
 from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
-from guard.pricing import Pricer
 from guard.relay import Relay
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import AsgiStateSource
-from guard.shedding import send_rejection
-from guard.trace import TraceWriter
+from guard.request.body import content_length, headers_from_scope
+from guard.request.pricing import Pricer
 from serving.drain_hooks import register_drain_hook
 
 __all__ = ["AdmissionMiddleware", "GUARD_METRICS_PATH", "LOCAL_REPLICA"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from guard.admission.shedding import Rejection
 from guard.config import GuardConfig
-from guard.shedding import Rejection
 
 __all__ = ["ADMIN_PATHS", "MODELS_PATH", "OperationalAccess", "bearer_key"]
 

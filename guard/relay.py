@@ -1,6 +1,6 @@
 """Relaying one admitted request through the wrapped ASGI app, watching its response stream.
 
-:meth:`Relay.run` runs the wrapped ASGI app for an :class:`~guard.admission.Admission`: the app gets
+:meth:`Relay.run` runs the wrapped ASGI app for an :class:`~guard.admission.admitted.Admission`: the app gets
 the admission's body as its first ``http.request`` (then the client's own later messages, so a
 disconnect still reaches it as ``http.disconnect``), the scope carries the guard's
 ``x-request-id``, and every response message passes through unbuffered while the admission
@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-from guard.admission import Admission
-from guard.body import read_body
+from guard.admission.admitted import Admission
+from guard.request.body import read_body
 
 __all__ = ["Relay", "forward_scope", "start_with_headers", "REQUEST_ID_HEADER"]
 

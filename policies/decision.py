@@ -48,7 +48,7 @@ class CompletionSample:
     num_output_tokens: int
     ok: bool  # completed without error
     met_slo: bool
-    outcome: str = "completed"  # the ticket's outcome (guard.ticket.OUTCOMES)
+    outcome: str = "completed"  # the ticket's outcome (guard.admission.ticket.OUTCOMES)
     elapsed_s: float | None = None  # arrival → release
     client_left: bool = False  # the client disconnected before the end (not the guard's doing)
     max_tokens: int | None = None  # what the request allowed (a completion that used it all ran

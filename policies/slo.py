@@ -352,7 +352,7 @@ def _first_token_by_s(cost: RequestCost, snapshot: LoadSnapshot, f: TtftForecast
     patience_s, step_s, runs_to_max_tokens = patience
     # While recent answers ran to their max_tokens, a request's own max_tokens is its length.
     # The guard's pricer already counts capped and abandoned endings as lower bounds
-    # (guard.output_lengths); a cost priced by anything else may hold a plain mean of the
+    # (guard.request.output_lengths); a cost priced by anything else may hold a plain mean of the
     # survivors (the short requests that finished before their clients left), and a long
     # request priced at it is admitted only to be abandoned.
     num_steps = max(0, (cost.max_tokens if runs_to_max_tokens

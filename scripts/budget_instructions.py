@@ -29,8 +29,8 @@ from callgrind_count import callgrind_instructions
 _RUN = r'''
 import asyncio, itertools, sys
 from prometheus_client import CollectorRegistry
-from guard.bench import trivial_app
-from guard.budget.bench import _API_KEY, _HUGE, _drive
+from chaos.bench.guard import trivial_app
+from chaos.bench.budget import _API_KEY, _HUGE, _drive
 from guard.config import GuardConfig
 from guard.middleware import AdmissionMiddleware
 num, which, url = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -92,7 +92,7 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"--variants: unknown {sorted(unknown)}")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from guard.budget.bench import _RedisServer
+    from chaos.bench.budget import _RedisServer
 
     server = _RedisServer.start() if "redis" in variants else None
     try:

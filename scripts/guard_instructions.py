@@ -34,10 +34,10 @@ if "pacing" in ablate:
     pr.pending_prefill_tokens = lambda r, step_time, now_s: r.load.num_queued_prefill_tokens
     slo.prefill_fits_gaps = lambda *a, **k: True
 if "forecast_error" in ablate:
-    import guard.forecast_error as fe
+    import guard.observe.forecast_error as fe
     fe.ForecastError.observe = lambda self, predicted_s, actual_s: None
 from prometheus_client import CollectorRegistry
-from guard.bench import _drive, trivial_app
+from chaos.bench.guard import _drive, trivial_app
 from guard.config import GuardConfig
 from guard.middleware import AdmissionMiddleware
 num, which = int(sys.argv[1]), sys.argv[2]
@@ -56,7 +56,7 @@ async def main():
         task.cancel()
     await asyncio.sleep(0.01)
     if "rules" in ablate:
-        from guard.request_rules import ReplicaRules
+        from guard.request.rules import ReplicaRules
         owner.rules = ReplicaRules(owner.rules.max_model_len, owner.rules.block_size)
     assert owner.load_state.snapshot(clock()).fresh_replicas(), "replica state is stale"
     await _drive(guard if which == "guarded" else trivial_app, num, [])

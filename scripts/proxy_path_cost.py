@@ -134,11 +134,11 @@ pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
 # slowdown they would be counted per request)
 _QUIET = r'''
 import asyncio, sys
-import guard.loop_lag
+import guard.observe.loop_lag
 async def _idle(self, max_samples=None):
     await asyncio.Event().wait()
-guard.loop_lag.LoopLag.run = _idle
-guard.loop_lag.LoopLag.start = lambda self, *args, **kwargs: None  # the timer-callback sampler
+guard.observe.loop_lag.LoopLag.run = _idle
+guard.observe.loop_lag.LoopLag.start = lambda self, *args, **kwargs: None  # the timer-callback sampler
 from guard.cli import main
 sys.exit(main(sys.argv[1:]))
 '''

@@ -37,7 +37,7 @@ def test_core_dependencies_are_what_guard_and_policies_import():
     extras = project["optional-dependencies"]
     assert "torch" in _requirement_names(extras["engine"])
     assert "transformers" in _requirement_names(extras["bench"])
-    # uvicorn: guard.bench serves with it; uvloop: the loop serving.h1server runs kvguard proxy
+    # uvicorn: chaos.bench.guard serves with it; uvloop: the loop serving.h1server runs kvguard proxy
     # on; orjson: serving.json_body.loads, which parses guard's request bodies and state documents
     assert core - imported <= {"uvicorn", "uvloop", "orjson"}, core - imported
 

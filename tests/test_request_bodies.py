@@ -13,8 +13,8 @@ import pytest
 from engine.openai_request import ApiError, parse_generation_request
 from guard.config import GuardConfig
 from guard.errors import PricingError
-from guard.pricing import Pricer
-from guard.request_rules import ReplicaRules
+from guard.request.pricing import Pricer
+from guard.request.rules import ReplicaRules
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MODEL, MAX_MODEL_LEN = "tiny", 256

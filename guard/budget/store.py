@@ -16,7 +16,7 @@ Flow per admitted request::
 that cannot reach its backend logs, counts, and lets the lease expire).
 
 Two optional methods let a caller skip the awaiting where a store does not need it (the guard's
-:class:`~guard.budget_grants.BudgetGrants` uses them when present)::
+:class:`~guard.admission.budget_grants.BudgetGrants` uses them when present)::
 
     store.reserve_now(tenant, tokens, lease_s) -> Grant | Denied  # decided without awaiting
     store.finish_soon(grant, used_tokens | None)  # settle (or release: None) without awaiting;

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from guard.admission import Admission
-from guard.body import content_length, headers_from_pairs, headers_from_scope, read_body
+from guard.admission.admitted import Admission
+from guard.admission.shedding import Rejection, send_rejection
 from guard.config import GuardConfig
 from guard.controller import AdmissionController, Decided
 from guard.errors import BodyTooLarge
@@ -54,7 +54,7 @@ from guard.proxy.upstream import BodyWriter, Forwarder
 from guard.relay import REQUEST_ID_HEADER
 from guard.replicas.poller import state_sources
 from guard.replicas.shared_reservations import SharedReservations
-from guard.shedding import Rejection, send_rejection
+from guard.request.body import content_length, headers_from_pairs, headers_from_scope, read_body
 
 if TYPE_CHECKING:
     from serving.h1_exchange import Exchange

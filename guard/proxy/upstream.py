@@ -40,7 +40,8 @@ import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from guard.admission import Admission
+from guard.admission.admitted import Admission
+from guard.admission.shedding import Rejection
 from guard.proxy.health import ReplicaHealth
 from guard.proxy.transports import (
     Transport,
@@ -51,7 +52,6 @@ from guard.proxy.transports import (
     UpstreamUnreachable,
 )
 from guard.relay import REQUEST_ID_HEADER
-from guard.shedding import Rejection
 
 __all__ = ["BodyWriter", "Forwarder", "sse_error_event", "yield_cpu", "REPLICA_HEADER"]
 

@@ -280,7 +280,7 @@ class LoadState:
         Counted in the replica's snapshot until the replica reports it or it is released.
         Reserving an id that already holds a reservation replaces it. The returned
         :class:`Reservation` is the request's one in-flight record: its ticket refers to it
-        (:attr:`guard.ticket.Ticket.reservation`), the indexes here hold the same object.
+        (:attr:`guard.admission.ticket.Ticket.reservation`), the indexes here hold the same object.
         """
         if request_id in self._reservations:
             self.release(request_id)

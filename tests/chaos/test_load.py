@@ -110,8 +110,8 @@ def test_cli_refuses_non_loopback(capsys):
 
 
 def test_bench_reports_a_missing_target(capsys, monkeypatch):
-    import chaos.bench_cli
-    monkeypatch.setitem(chaos.bench_cli.TARGETS, "overload",
+    import chaos.bench.cli
+    monkeypatch.setitem(chaos.bench.cli.TARGETS, "overload",
                         ("chaos.no_such_bench", "a module this install does not have"))
     assert kvguard(["bench", "overload"]) == 2
     assert "not available" in capsys.readouterr().err

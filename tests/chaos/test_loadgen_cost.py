@@ -14,8 +14,8 @@ from collections import Counter
 
 import pytest
 
+from chaos.bench.loadgen import trivial_server
 from chaos.load import LoadConfig, run_load
-from chaos.loadgen_bench import trivial_server
 from chaos.records import RequestSpec
 
 NUM_PER_WAVE = 800

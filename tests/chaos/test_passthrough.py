@@ -8,7 +8,7 @@ import sys
 import httpx
 import pytest
 
-from chaos import proxy_bench
+from chaos.bench import proxy as proxy_bench
 from chaos.child import ChildProcess
 from chaos.topology import http_health
 from tests.guard.proxy.proxy_helpers import running, upstream_child

@@ -6,8 +6,8 @@ import gc
 
 import pytest
 
+from chaos.bench.sheds import loop_lag_max_s, render, shed_row
 from chaos.records import RequestRecord, classify_outcome
-from chaos.shed_bench import loop_lag_max_s, render, shed_row
 
 
 def rec(index, status, e2e_s, reason=None):
@@ -50,7 +50,7 @@ def test_loop_lag_is_read_from_the_guard_metrics():
 def test_the_replica_runs_on_the_http_server_asked_for():
     import argparse
 
-    from chaos.shed_bench import configure, engine_args
+    from chaos.bench.sheds import configure, engine_args
 
     parser = argparse.ArgumentParser()
     configure(parser)
@@ -65,7 +65,7 @@ def test_the_replica_runs_on_the_http_server_asked_for():
 
 
 def test_the_flood_runs_with_the_generators_collector_off_and_restores_it(monkeypatch, tmp_path):
-    from chaos import shed_bench
+    from chaos.bench import sheds as shed_bench
 
     seen = []
     monkeypatch.setattr(shed_bench, "run_once",

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from engine import bench
-from engine.bench import BenchRequest, RunResult, Workload
+from chaos.bench import engine as bench
+from chaos.bench.engine import BenchRequest, RunResult, Workload
 
 
 def bench_args(*argv: str) -> argparse.Namespace:

@@ -10,8 +10,9 @@ import httpx
 import pytest
 from server_helpers import start_engine, wait_until
 
-from guard import cli, timeline
-from guard.token_gaps import request_gaps
+from guard import cli
+from guard.observe import timeline
+from guard.observe.token_gaps import request_gaps
 
 MAX_TOKENS = [5, 7, 9, 11, 6, 8]
 

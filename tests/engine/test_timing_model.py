@@ -3,11 +3,11 @@ outputs, the linear prior, and saturation throughput near published numbers."""
 
 import pytest
 
+from chaos.bench.sim import run_saturation, sharegpt_like_lengths
 from engine.config import model_preset
 from engine.gpus import get_gpu
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
-from engine.sim_bench import run_saturation, sharegpt_like_lengths
 from engine.timing_model import StepShape, TimingModel, step_cost
 from policies.step_time import StepTimeModel
 

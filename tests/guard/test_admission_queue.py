@@ -1,6 +1,6 @@
 import asyncio
 
-from guard.admission_queue import QUEUE_FULL, QUEUE_TIMEOUT, AdmissionQueue
+from guard.admission.queue import QUEUE_FULL, QUEUE_TIMEOUT, AdmissionQueue
 from policies.decision import Queue, Shed
 from tests.support.admission import BATCH, INTERACTIVE, FakeClock, make_cost
 

@@ -6,12 +6,12 @@ import json
 
 from prometheus_client import CollectorRegistry
 
-from guard.admission import Admission
+from guard.admission.admitted import Admission
+from guard.admission.shedding import Rejection
 from guard.budget.store import Denied, Grant
 from guard.config import GuardConfig, hash_api_key
 from guard.controller import AdmissionController, Decided
 from guard.replicas.load_state import LoadState
-from guard.shedding import Rejection
 from tests.support.admission import FakeClock, SlotPolicy, state_doc
 
 ACME = {"tenants": ({"name": "acme", "api_key": "sk-acme"},)}

@@ -3,8 +3,8 @@ advice, the admitted one runs on, wait_drained returns once it ends (no ASGI, fa
 
 import asyncio
 
-from guard.admission import Admission
-from guard.shedding import Rejection
+from guard.admission.admitted import Admission
+from guard.admission.shedding import Rejection
 from tests.guard.test_controller import HEADERS, body_of, complete, count, make_controller
 from tests.support.admission import SlotPolicy
 

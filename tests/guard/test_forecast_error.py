@@ -2,7 +2,7 @@
 
 import pytest
 
-from guard.forecast_error import ForecastError
+from guard.observe.forecast_error import ForecastError
 
 
 def test_summary_reports_median_p90_and_median_absolute_error():

@@ -4,7 +4,7 @@ import tracemalloc
 
 import pytest
 
-from guard.idempotency_keys import ENTRY_BYTES, IdempotencyKeys
+from guard.request.idempotency_keys import ENTRY_BYTES, IdempotencyKeys
 
 
 def test_a_repeat_within_the_ttl_is_seen_per_tenant():

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from guard.loop_lag import LoopLag
+from guard.observe.loop_lag import LoopLag
 
 
 def test_records_how_late_each_wakeup_was_and_the_largest():

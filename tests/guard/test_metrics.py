@@ -1,7 +1,7 @@
 from prometheus_client import CollectorRegistry
 
-from guard.metrics import GuardMetrics
-from guard.ticket import TicketBook
+from guard.admission.ticket import TicketBook
+from guard.observe.metrics import GuardMetrics
 from tests.support.admission import FakeClock, make_cost, reserved
 
 
@@ -57,7 +57,7 @@ def test_two_instances_do_not_share_state_and_render_text():
 
 
 def test_histogram_buckets_are_cumulative_and_gauges_read_at_scrape():
-    from guard.metrics import GaugeValues
+    from guard.observe.metrics import GaugeValues
 
     registry = CollectorRegistry()
     m = GuardMetrics(registry)

@@ -1,4 +1,4 @@
-"""guard.request_rules.parse_body: orjson first, the stdlib for what strict JSON refuses, so
+"""guard.request.rules.parse_body: orjson first, the stdlib for what strict JSON refuses, so
 the guard accepts and refuses exactly the bodies ``json.loads`` does."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from guard.errors import PricingError
-from guard.request_rules import parse_body
+from guard.request.rules import parse_body
 
 ACCEPTED = [
     b'{"model": "m", "prompt": "hi", "max_tokens": 8, "stream": true}',

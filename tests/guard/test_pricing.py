@@ -1,4 +1,4 @@
-"""guard.pricing: body limit, validation, token counting, class/deadline/retry, online learning."""
+"""guard.request.pricing: body limit, validation, token counting, class/deadline/retry, online learning."""
 
 import asyncio
 import json
@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from guard.body import headers_from_scope, read_body
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import BodyTooLarge, ClientDisconnected, PricingError
-from guard.pricing import (
+from guard.request.body import headers_from_scope, read_body
+from guard.request.pricing import (
     Pricer,
     tokenizer_counter,
 )
@@ -417,7 +417,7 @@ def test_the_survival_table_is_rebuilt_on_count_or_age_not_per_request():
     """Pricing reads the table; it is rebuilt after REBUILD_EVERY new endings, or after any
     new ending once REBUILD_AFTER_S has passed, so a busy class does not pay a rebuild per
     request."""
-    from guard.output_lengths import REBUILD_AFTER_S, REBUILD_EVERY, OutputLengths
+    from guard.request.output_lengths import REBUILD_AFTER_S, REBUILD_EVERY, OutputLengths
 
     lengths = OutputLengths()
     for _ in range(64):
@@ -438,7 +438,7 @@ def test_an_ending_with_its_time_rebuilds_a_due_table_there_not_in_the_next_look
     rebuilds the table with the ending (``now_s``), so the next request's lookup, on its way to
     the decision, finds it built; an ending that is not due yet waits for the lookup's own
     schedule as before."""
-    from guard.output_lengths import REBUILD_AFTER_S, OutputLengths
+    from guard.request.output_lengths import REBUILD_AFTER_S, OutputLengths
 
     lengths = OutputLengths()
     for _ in range(64):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from guard.retry_headers import is_retry_attempt
+from guard.request.retry_headers import is_retry_attempt
 
 
 @pytest.mark.parametrize(

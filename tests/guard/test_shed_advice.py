@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from guard.admission.shedding import RetryAdvisor
 from guard.config import GuardConfig
 from guard.controller import AdmissionController
-from guard.shedding import RetryAdvisor
 from policies.decision import Shed
 from policies.shed_reasons import ALL_REASONS, NEVER_RETRY
 from tests.support.admission import FakeClock, SlotPolicy, make_cost, reserved

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from guard.shedding import Rejection, RetryAdvisor, send_rejection
+from guard.admission.shedding import Rejection, RetryAdvisor, send_rejection
 
 
 def _send_and_collect(rejection):

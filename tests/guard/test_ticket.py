@@ -1,4 +1,4 @@
-from guard.ticket import TicketBook
+from guard.admission.ticket import TicketBook
 from tests.support.admission import FakeClock, make_cost, reserved
 
 SSE = b"text/event-stream"

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from guard import cli, timeline
-from guard.token_gaps import request_gaps, summarize_delivery, token_stages_s
+from guard import cli
+from guard.observe import timeline
+from guard.observe.token_gaps import request_gaps, summarize_delivery, token_stages_s
 
 # [batch_id, step_start_s, step_end_s, handed_s, written_s]; token 2 sat out batch 5 (0.12 s
 # from the end of its previous step to the start of its own, 80 ms step) and its hand-off to

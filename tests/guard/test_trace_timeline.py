@@ -7,8 +7,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from guard import cli, timeline
-from guard.trace import TraceWriter
+from guard import cli
+from guard.observe import timeline
+from guard.observe.trace import TraceWriter
 from tests.support.admission import PROMPT, Client, SlotPolicy, http_scope, make_guard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -126,7 +127,7 @@ def test_real_engine_and_guard_traces_join(tmp_path):
 def test_trace_lines_reach_the_file_within_a_second_and_on_shutdown():
     import io
 
-    from guard.trace import TraceWriter
+    from guard.observe.trace import TraceWriter
     from tests.support.admission import FakeClock
 
     clock, out = FakeClock(0.0), io.StringIO()

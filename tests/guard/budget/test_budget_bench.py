@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from guard.budget.bench import measure, render
+from chaos.bench.budget import measure, render
 
 
 def test_bench_budget_admits_every_request_and_counts_redis_calls_and_cpu(redis_server):
@@ -20,7 +20,7 @@ def test_bench_budget_admits_every_request_and_counts_redis_calls_and_cpu(redis_
 
 
 def test_bench_budget_over_http_serves_the_three_guards_and_reports_each(redis_server):
-    from guard.budget.bench_http import measure_http, render_http
+    from chaos.bench.budget_http import measure_http, render_http
 
     result = asyncio.run(measure_http(redis_server.url, num=40, block=20, concurrency=4,
                                       policy="slo"))

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from guard.proxy.shed_cost import measure
+from chaos.bench.shed_cost import measure
 
 
 def test_every_timed_request_is_shed():

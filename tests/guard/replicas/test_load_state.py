@@ -424,7 +424,7 @@ def test_fetch_timeout_counts_as_failure():
 
 
 def test_drain_rate_over_sliding_window():
-    from guard.shedding import DrainRate
+    from guard.admission.shedding import DrainRate
 
     rate = DrainRate(window_s=10.0)
     assert rate.rate_rps(0.0) == 0.0

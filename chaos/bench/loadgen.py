@@ -100,7 +100,7 @@ def trivial_server(answer: str = "stream", num_tokens: int = 8, hold_s: float = 
     """The server as a child process (not started)."""
     return ChildProcess(
         "trivial-server",
-        lambda port: [sys.executable, "-m", "chaos.loadgen_bench", "--serve", str(port),
+        lambda port: [sys.executable, "-m", "chaos.bench.loadgen", "--serve", str(port),
                       "--answer", answer, "--tokens", str(num_tokens), "--hold-s", repr(hold_s)],
         http_health, ready_pattern=r"trivial server listening on (\S+)")
 
@@ -160,7 +160,7 @@ def loadgen_row(result) -> dict:
     }
 
 
-if __name__ == "__main__":  # the server child: python -m chaos.loadgen_bench --serve PORT ...
+if __name__ == "__main__":  # the server child: python -m chaos.bench.loadgen --serve PORT ...
     _parser = argparse.ArgumentParser(description="the trivial server of kvguard bench loadgen")
     configure(_parser)
     _parser.add_argument("--serve", type=int, required=True, metavar="PORT")

@@ -27,12 +27,12 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from guard.admission_queue import AdmissionQueue
+from guard.admission.queue import AdmissionQueue
+from guard.admission.ticket import TicketBook
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import PricingError
-from guard.metrics import GuardMetrics
-from guard.ticket import TicketBook
-from guard.trace import TraceWriter, rejection_record
+from guard.observe.metrics import GuardMetrics
+from guard.observe.trace import TraceWriter, rejection_record
 from policies.cost import RequestCost
 from policies.decision import Shed
 from policies.retry_budget import RetryBudget

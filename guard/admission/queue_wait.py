@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from guard.admission_queue import AdmissionQueue, Waiter
-from guard.decider import Decider
-from guard.metrics import GuardMetrics
+from guard.admission.decider import Decider
+from guard.admission.queue import AdmissionQueue, Waiter
+from guard.admission.shedding import Rejecter
+from guard.admission.ticket import TicketBook
+from guard.observe.metrics import GuardMetrics
 from guard.replicas.load_state import LoadState
-from guard.shedding import Rejecter
-from guard.ticket import TicketBook
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
 from policies.snapshot import NOTHING_AHEAD

@@ -16,12 +16,12 @@ import dataclasses
 from collections.abc import Callable, Collection
 from typing import Any
 
-from guard.admission import Admission
-from guard.admission_queue import AdmissionQueue
-from guard.metrics import GuardMetrics
+from guard.admission.admitted import Admission
+from guard.admission.queue import AdmissionQueue
+from guard.admission.shedding import DrainRate
+from guard.observe.metrics import GuardMetrics
 from guard.replicas.load_state import LoadState
 from guard.replicas.shared_reservations import SharedReservations
-from guard.shedding import DrainRate
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
 from policies.retry_budget import RetryBudget

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         results["http"] = measure_http(args.http_requests, args.policy)
     breakdown = asyncio.run(measure_breakdown(args.policy)) if args.breakdown else None
     if args.against is not None:
-        from guard.bench_against import measure_against, render_against
+        from chaos.bench.guard_against import measure_against, render_against
 
         results["against"] = measure_against(args.against, args.iterations, args.block,
                                              args.policy, args.rounds)
@@ -161,7 +161,7 @@ async def measure_in_process(iterations: int, block: int, policy: str) -> dict:
 
 async def measure_breakdown(policy: str, num: int = 3000) -> dict[str, float]:
     """Median µs of each stage of the guarded path, timed alone (after a warm-up)."""
-    from guard.body import headers_from_scope
+    from guard.request.body import headers_from_scope
 
     guard = _guarded(policy)
     await _drive(guard, 200, [])

@@ -1,10 +1,10 @@
 """``kvguard bench budget --http``: the same three guards as the in-process bench, served over
 loopback HTTP — the guard as users run it.
 
-Each variant (no budget, in-memory budget, Redis budget: :func:`guard.budget.bench._guard`) is
+Each variant (no budget, in-memory budget, Redis budget: :func:`chaos.bench.budget._guard`) is
 the middleware over the trivial completion app, served by kvguard's own HTTP/1.1 server
 (:mod:`serving.h1server`, the ASGI lifespan on: the budget store connects at start-up) in its
-own child process (``python -m guard.budget.bench_http --serve VARIANT``), killed by pid at the
+own child process (``python -m chaos.bench.budget_http --serve VARIANT``), killed by pid at the
 end. This process is the client: ``concurrency`` keep-alive connections per server, each one
 request at a time (closed loop), in blocks that alternate between the three servers so drift
 hits all equally. Per block: wall time, and the server child's CPU time (``/proc/PID/stat``
@@ -25,8 +25,8 @@ import sys
 import time
 from collections import Counter
 
-from guard.bench import _BODY
-from guard.budget.bench import _calls, stop_child
+from chaos.bench.budget import _calls, stop_child
+from chaos.bench.guard import _BODY
 
 __all__ = ["measure_http", "VARIANTS"]
 
@@ -81,7 +81,7 @@ class _Server:
     def __init__(self, variant: str, redis_url: str, policy: str, timeout_s: float) -> None:
         self.variant = variant
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "guard.budget.bench_http", "--serve", variant,
+            [sys.executable, "-m", "chaos.bench.budget_http", "--serve", variant,
              "--redis", redis_url, "--policy", policy, "--redis-timeout-s", str(timeout_s)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.port = 0
@@ -197,7 +197,7 @@ def _serve(variant: str, redis_url: str, policy: str, timeout_s: float) -> int:
     """The child: one variant's guard on kvguard's HTTP/1.1 server, lifespan on."""
     import socket
 
-    from guard.budget.bench import _guard
+    from chaos.bench.budget import _guard
     from serving.h1server import H1Server, run
     from serving.limited_protocol import ConnectionTable
     from serving.server_limits import ServerLimits

@@ -7,7 +7,7 @@ CPU time instead of minutes of wall time. Traffic: prompt and output lengths dra
 log-normal distributions with means ≈ 230 and ≈ 200 tokens (clipped to [4, 1024] and
 [1, 1024]), the shape of the ShareGPT conversations serving benchmarks replay.
 
-    python -m engine.sim_bench --model llama-3.1-8b --gpu a100-80g --num-requests 1000
+    python -m chaos.bench.sim --model llama-3.1-8b --gpu a100-80g --num-requests 1000
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.sim_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m chaos.bench.sim", description=__doc__)
     configure(parser)
     return run(parser.parse_args(argv))
 

@@ -12,16 +12,16 @@ import importlib
 __all__ = ["TARGETS", "configure", "run"]
 
 TARGETS: dict[str, tuple[str, str]] = {
-    "engine": ("engine.bench", "engine throughput/latency (torch backend)"),
-    "guard": ("guard.bench", "guard decision time and proxy overhead"),
-    "sim": ("engine.sim_bench", "the simulated backend against its timing model"),
+    "engine": ("chaos.bench.engine", "engine throughput/latency (torch backend)"),
+    "guard": ("chaos.bench.guard", "guard decision time and proxy overhead"),
+    "sim": ("chaos.bench.sim", "the simulated backend against its timing model"),
     "overload": ("chaos.overload", "the reference overload, every policy side by side"),
-    "proxy": ("chaos.proxy_bench", "kvguard proxy's added latency and shed rate vs LiteLLM"),
-    "sheds": ("chaos.shed_bench", "shed latency and event-loop lag under a 2,000 req/s flood"),
-    "loadgen": ("chaos.loadgen_bench", "the load generator's own CPU per request, trivial server"),
-    "shed-cost": ("guard.proxy.shed_cost", "CPU µs per shed in kvguard proxy's app, in-process"),
-    "budget": ("guard.budget.bench", "request rate with Redis / in-memory / no budgets"),
-    "serving": ("serving.bench", "what the connection limits cost: limited vs plain uvicorn"),
+    "proxy": ("chaos.bench.proxy", "kvguard proxy's added latency and shed rate vs LiteLLM"),
+    "sheds": ("chaos.bench.sheds", "shed latency and event-loop lag under a 2,000 req/s flood"),
+    "loadgen": ("chaos.bench.loadgen", "the load generator's own CPU per request, trivial server"),
+    "shed-cost": ("chaos.bench.shed_cost", "CPU µs per shed in kvguard proxy's app, in-process"),
+    "budget": ("chaos.bench.budget", "request rate with Redis / in-memory / no budgets"),
+    "serving": ("chaos.bench.serving", "what the connection limits cost: limited vs plain uvicorn"),
 }
 
 

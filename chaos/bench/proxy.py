@@ -63,13 +63,13 @@ from pathlib import Path
 import httpx
 import psutil
 
+from chaos.bench.litellm_proxy import ensure_venv, litellm_child
+from chaos.bench.sheds import configure as configure_sheds
+from chaos.bench.sheds import engine_args, flood, loop_lag_max_s, shed_row
+from chaos.bench.sheds import load_args as flood_load_args
 from chaos.child import ChildProcess
-from chaos.litellm_proxy import ensure_venv, litellm_child
 from chaos.replica import exit_on_sigterm, write_guard_config
 from chaos.report import read_records
-from chaos.shed_bench import configure as configure_sheds
-from chaos.shed_bench import engine_args, flood, loop_lag_max_s, shed_row
-from chaos.shed_bench import load_args as flood_load_args
 from chaos.topology import Topology, TopologySpec, free_port, http_health
 
 __all__ = ["configure", "round_orders", "run", "VARIANTS"]

@@ -1,6 +1,6 @@
 """``ReplicaLimits``: what the guard learns about its replicas on every state refresh.
 
-The :class:`~guard.request_rules.ReplicaRules` the pricer checks bodies against (the smallest
+The :class:`~guard.request.rules.ReplicaRules` the pricer checks bodies against (the smallest
 context length, the block size, the models served) and, once per replica, a warning when a step
 with a full prefill chunk takes longer than the tightest class ITL: no pacing then keeps running
 streams' gaps when a long prompt arrives (``kvguard plan --itl-ms`` sizes the chunk budget).
@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 
 from guard.replicas.load_state import LoadState
-from guard.request_rules import ReplicaRules
+from guard.request.rules import ReplicaRules
 from policies.prefill_pacing import full_step_s
 
 __all__ = ["ReplicaLimits"]

@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from guard.ticket import Ticket
+from guard.admission.ticket import Ticket
 
 __all__ = ["Admission"]
 

@@ -1,7 +1,7 @@
 """``kvguard bench budget``: the guard's request rate with Redis budgets, in-memory budgets and
 none, side by side in one process and one run, and Redis calls per admitted request.
 
-The same trivial completion app (``guard.bench``) is wrapped four times in
+The same trivial completion app (``chaos.bench.guard``) is wrapped four times in
 :class:`~guard.middleware.AdmissionMiddleware`: no tenant and no budget (``none``); the
 budgets' tenant, matched by its API key, without limits (``tenant``: so the budget's own cost
 is told apart from identifying the tenant, a SHA-256 of the key per request); a tenant budget
@@ -21,7 +21,7 @@ variant) or descheduled; on a shared machine CPU time moves far less from run to
 Targets: ≤ 1 Redis call per admitted request; Redis budgets ≥ 0.8× the no-budget rate.
 
 ``--http`` also serves the three guards over loopback HTTP and drives them as clients would
-(:mod:`guard.budget.bench_http`); both results are reported, side by side.
+(:mod:`chaos.bench.budget_http`); both results are reported, side by side.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if min(args.requests, args.block, args.concurrency) < 1:
         raise ValueError("--requests, --block and --concurrency must be >= 1")
-    from guard.budget.bench_http import measure_http, render_http
+    from chaos.bench.budget_http import measure_http, render_http
 
     server = None if args.redis else _RedisServer.start()
     try:
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 def _guard(policy: str, budget: str | None, redis_url: str | None, timeout_s: float = 0.05):
     from prometheus_client import CollectorRegistry
 
-    from guard.bench import trivial_app
+    from chaos.bench.guard import trivial_app
     from guard.config import GuardConfig
     from guard.middleware import AdmissionMiddleware
 
@@ -112,7 +112,7 @@ def _guard(policy: str, budget: str | None, redis_url: str | None, timeout_s: fl
 async def _drive(app, num: int, concurrency: int) -> tuple[float, int, float]:
     """Seconds to serve ``num`` requests ``concurrency`` at a time, how many got 200, and the
     thread CPU seconds it took."""
-    from guard.bench import _BODY, _SCOPE
+    from chaos.bench.guard import _BODY, _SCOPE
 
     message = {"type": "http.request", "body": _BODY, "more_body": False}
     ok = 0

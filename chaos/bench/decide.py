@@ -1,6 +1,6 @@
 """Micro-benchmark: median ``decide()`` time per policy on a 4-replica x 256-sequence snapshot.
 
-Run: ``python -m policies.bench_decide [--calls N]``. Two cases per policy:
+Run: ``python -m chaos.bench.decide [--calls N]``. Two cases per policy:
 
 * ``warm``: the same snapshot decided repeatedly (the guard re-deciding its queue against one
   state refresh; per-replica aggregates are cached on the snapshot after the first call);

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from guard.ticket import Ticket
+from guard.admission.ticket import Ticket
 
 __all__ = ["TraceWriter", "ticket_record", "rejection_record"]
 

@@ -6,7 +6,7 @@ families at scrape time, so a request never takes a metrics lock.
 
 Outcome counters are labelled by request ``class`` and ``tenant``; tenants are bounded: the
 first ``max_tenants`` distinct names keep their label, later ones share ``other``. Goodput is
-judged from the stream the guard itself relayed (see :meth:`guard.ticket.Ticket.met_slo`).
+judged from the stream the guard itself relayed (see :meth:`guard.admission.ticket.Ticket.met_slo`).
 Gauges (queue length, held tickets, per-replica free and reserved KV blocks) are read at scrape
 time from the ``gauges`` callable the owner installs.
 """
@@ -21,9 +21,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from guard.forecast_error import ForecastError
-from guard.loop_lag import LoopLag
-from guard.ticket import Ticket
+from guard.admission.ticket import Ticket
+from guard.observe.forecast_error import ForecastError
+from guard.observe.loop_lag import LoopLag
 
 __all__ = ["GuardMetrics", "GaugeValues", "CONTENT_TYPE_LATEST", "OTHER_TENANT"]
 

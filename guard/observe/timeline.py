@@ -1,6 +1,6 @@
 """``kvguard timeline TRACE...``: join guard and engine request traces into per-stage latencies.
 
-Guard lines (``guard/trace.py``, ``"source": "guard"``) and engine lines (``engine/trace.py``,
+Guard lines (``guard/observe/trace.py``, ``"source": "guard"``) and engine lines (``engine/trace.py``,
 ``"source": "engine"``) are joined on ``request_id`` (the ``x-request-id`` the guard sends
 upstream). Each stage is a difference within one trace, so the two processes' clocks never
 need to agree:
@@ -20,7 +20,7 @@ engine trace carries per-token delivery records (streamed requests), it also pri
 per-token stage table and attributes every inter-token gap over the limit to engine step,
 between steps, event-loop hand-off, server write, relay and — given the ``requests.jsonl`` of a
 ``kvguard load`` run (client records: ``itl_s`` and ``request_id``, no ``source``) — the client
-(``guard/token_gaps.py``).
+(``guard/observe/token_gaps.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
-from guard.token_gaps import render_delivery, summarize_delivery
+from guard.observe.token_gaps import render_delivery, summarize_delivery
 
 __all__ = ["configure", "run", "load_sources", "load_traces", "join", "stage_ms", "summarize",
            "percentile", "STAGES"]

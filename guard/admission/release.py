@@ -1,4 +1,4 @@
-"""What the guard does when a ticket is released: the :class:`~guard.ticket.TicketBook` listeners.
+"""What the guard does when a ticket is released: the :class:`~guard.admission.ticket.TicketBook` listeners.
 
 In order: free the request's load-state reservation; give the policy its
 :class:`~policies.decision.CompletionSample` (only when the policy learns from completions:
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from guard.admission_queue import AdmissionQueue
-from guard.metrics import GuardMetrics
-from guard.pricing import Pricer
+from guard.admission.queue import AdmissionQueue
+from guard.admission.shedding import DrainRate
+from guard.admission.ticket import ReleaseListener, Ticket
+from guard.observe.metrics import GuardMetrics
+from guard.observe.trace import TraceWriter, ticket_record
 from guard.replicas.load_state import LoadState
-from guard.shedding import DrainRate
-from guard.ticket import ReleaseListener, Ticket
-from guard.trace import TraceWriter, ticket_record
+from guard.request.pricing import Pricer
 
 __all__ = ["ReleaseListeners", "SERVICE_EWMA_WEIGHT"]
 

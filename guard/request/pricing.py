@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import PricingError
-from guard.idempotency_keys import IdempotencyKeys
-from guard.output_lengths import OutputLengths
-from guard.request_rules import (
+from guard.request.idempotency_keys import IdempotencyKeys
+from guard.request.output_lengths import OutputLengths
+from guard.request.retry_headers import RETRY_COUNT_HEADERS, is_retry_attempt
+from guard.request.rules import (
     ReplicaRules,
     chat_texts,
     check_common,
@@ -27,7 +28,6 @@ from guard.request_rules import (
     optional_int,
     parse_body,
 )
-from guard.retry_headers import RETRY_COUNT_HEADERS, is_retry_attempt
 from policies.client_patience import client_software
 from policies.cost import RequestClass, RequestCost
 
@@ -125,7 +125,7 @@ class Pricer:
         """A request of ``class_name`` ended with ``num_output_tokens`` generated per choice:
         censored (only a lower bound on its natural length) when it reached ``max_tokens`` or
         when ``censored`` says so (the stream was left early). See
-        :mod:`guard.output_lengths`."""
+        :mod:`guard.request.output_lengths`."""
         learned = self._outputs.get(class_name)
         if learned is None:
             learned = self._outputs[class_name] = OutputLengths()
@@ -155,7 +155,7 @@ class Pricer:
                                now_s: float | None = None) -> int:
         """``max_tokens`` until the class has ``MIN_OUTPUT_SAMPLES`` endings (KV cost is never
         underestimated before anything is learned), then E[min(length, max_tokens)] from its
-        recent endings, censored ones counted as lower bounds (:mod:`guard.output_lengths`)."""
+        recent endings, censored ones counted as lower bounds (:mod:`guard.request.output_lengths`)."""
         learned = self._outputs.get(class_name)
         if learned is None or learned.num_fresh < MIN_OUTPUT_SAMPLES:
             return max_tokens
@@ -184,7 +184,7 @@ class Pricer:
                       rules: ReplicaRules | None = None) -> PricedRequest:
         """Like :meth:`price`, with the parsed body and the counts the middleware learns from.
 
-        ``headers`` has lower-case names (see :func:`guard.body.headers_from_scope`);
+        ``headers`` has lower-case names (see :func:`guard.request.body.headers_from_scope`);
         ``rules`` (when given) replaces ``max_model_len`` and ``block_size``.
         """
         if rules is None:
@@ -297,7 +297,7 @@ class Pricer:
         return deadline_s
 
     def _is_retry(self, headers: Mapping[str, str], tenant: str, now_s: float) -> bool:
-        """A retry counter header (:mod:`guard.retry_headers`) or a repeated Idempotency-Key."""
+        """A retry counter header (:mod:`guard.request.retry_headers`) or a repeated Idempotency-Key."""
         # a retry counter header is rare: is_retry_attempt only when one is there
         retry = not _RETRY_COUNT_NAMES.isdisjoint(headers) and is_retry_attempt(headers)
         key = headers.get("idempotency-key")

@@ -3,7 +3,7 @@ side in one run.
 
 Two versions of the ``guard`` package cannot share one interpreter, so each round runs the
 in-process measurement (bare app vs guarded app, alternating blocks, as
-:func:`guard.bench.measure_in_process` does) once per checkout, each in a fresh interpreter whose
+:func:`chaos.bench.guard.measure_in_process` does) once per checkout, each in a fresh interpreter whose
 ``PYTHONPATH`` is that checkout, alternating which goes first so drift hits both equally. The
 driving code is this checkout's (``_ROUND``), run on each checkout's own ``trivial_app`` and
 ``_guarded`` middleware, so both sides are timed the same way. The result is the median of each
@@ -29,7 +29,7 @@ __all__ = ["measure_against", "render_against"]
 # One round in the checkout on PYTHONPATH: its trivial app and guarded middleware, driven here.
 _ROUND = """
 import asyncio, json, statistics, sys, time
-from guard.bench import _BODY, _SCOPE, _guarded, trivial_app
+from chaos.bench.guard import _BODY, _SCOPE, _guarded, trivial_app
 
 async def drive(app, num, wall_ns, cpu_ns):
     message = {"type": "http.request", "body": _BODY, "more_body": False}
@@ -83,7 +83,7 @@ def measure_against(baseline: str, iterations: int, block: int, policy: str,
     current_root = Path(__file__).resolve().parents[1]
     baseline_root = Path(baseline).resolve()
     if not (baseline_root / "guard" / "bench.py").is_file():
-        raise ValueError(f"--against: {baseline!r} is not a kvguard checkout (no guard/bench.py)")
+        raise ValueError(f"--against: {baseline!r} is not a kvguard checkout (no chaos/bench/guard.py)")
     if rounds < 1:
         raise ValueError("--rounds must be >= 1")
     added: dict[str, list[float]] = {"current": [], "baseline": []}

@@ -18,8 +18,8 @@ import asyncio
 import time
 from collections.abc import Awaitable
 
+from guard.admission.ticket import Ticket
 from guard.budget.store import BudgetStore, Denied, Grant
-from guard.ticket import Ticket
 
 __all__ = ["BudgetGrants", "used_tokens"]
 

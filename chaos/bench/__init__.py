@@ -1,0 +1,1 @@
+"""Benchmark and measurement tooling: never imported by the product packages."""

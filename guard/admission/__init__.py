@@ -1,0 +1,1 @@
+"""The admission flow's parts: decisions, queue, tickets, budgets, sheds."""

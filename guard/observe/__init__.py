@@ -1,0 +1,1 @@
+"""What the guard exports: metrics, traces, timelines and forecast error."""

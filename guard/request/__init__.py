@@ -1,0 +1,1 @@
+"""What a request is: its body, the rules a replica applies, its price and hints."""
