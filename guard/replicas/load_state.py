@@ -57,17 +57,11 @@ from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead, ReplicaS
 from policies.step_time import StepTimeModel
 
 __all__ = [
-    "AsgiStateSource",
-    "HttpStateSource",
     "LoadState",
     "PendingListener",
-    "StatePoller",
-    "StateSource",
-    "StateUnavailable",
     "UNKNOWN_MAX_MODEL_LEN",
     "UNKNOWN_NUM_BLOCKS",
     "parse_vllm_metrics",
-    "state_sources",
 ]
 
 
@@ -435,13 +429,3 @@ class LoadState:
             self._step_time = StepTimeModel(*(sum(c) / len(models) for c in columns))
         return self._step_time
 
-
-# The poller, its sources and the vLLM metrics parser moved out; their old import path still works.
-from guard.replicas.poller import (  # noqa: E402  (state_poller does not import this module)
-    AsgiStateSource,
-    HttpStateSource,
-    StatePoller,
-    StateSource,
-    StateUnavailable,
-    state_sources,
-)
