@@ -21,6 +21,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "loadgen": ("chaos.bench.loadgen", "the load generator's own CPU per request, trivial server"),
     "shed-cost": ("chaos.bench.shed_cost", "CPU µs per shed in kvguard proxy's app, in-process"),
     "budget": ("chaos.bench.budget", "request rate with Redis / in-memory / no budgets"),
+    "pricing": ("chaos.bench.pricing", "CPU time to price one chat request, in-process"),
     "serving": ("chaos.bench.serving", "what the connection limits cost: limited vs plain uvicorn"),
 }
 
