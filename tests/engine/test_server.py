@@ -356,7 +356,8 @@ def test_metrics_parse_and_reconcile(url, client):
     assert received == ended
     labels = {k: v for (n, lbls), _ in after.items() if n == "vllm:cache_config_info"
               for k, v in lbls}
-    assert labels == {"block_size": "16", "num_gpu_blocks": str(NUM_BLOCKS)}
+    assert labels == {"block_size": "16", "num_gpu_blocks": str(NUM_BLOCKS),
+                      "enable_prefix_caching": "True"}
     assert _value(after, "kvguard_engine_num_total_kv_blocks") == NUM_BLOCKS
     assert _value(after, "kvguard_engine_num_free_kv_blocks") == NUM_BLOCKS
     assert _value(after, "vllm:kv_cache_usage_perc") == 0.0
