@@ -54,6 +54,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._kv_event_sink: Callable[[list[KVCacheEvent]], None] | None = None
         self._kv_events_endpoint: str | None = None
+        self._kv_events_replay_endpoint: str | None = None
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -187,11 +188,14 @@ class LLMEngine:
 
     # ---- prefix cache -------------------------------------------------------------------
     def attach_kv_event_sink(self, sink: Callable[[list[KVCacheEvent]], None],
-                             endpoint: str | None = None) -> None:
+                             endpoint: str | None = None,
+                             replay_endpoint: str | None = None) -> None:
         """Start recording KV events; ``sink`` receives each step's events (engine thread).
-        ``endpoint`` is advertised in ``state()`` as ``kv_events_endpoint``."""
+        ``endpoint`` and ``replay_endpoint`` are advertised in ``state()`` as
+        ``kv_events_endpoint`` and ``kv_events_replay_endpoint``."""
         with self._lock:
             self._kv_event_sink, self._kv_events_endpoint = sink, endpoint
+            self._kv_events_replay_endpoint = replay_endpoint
             if self.block_manager.pool.events is None:
                 self.block_manager.pool.events = []
 
@@ -249,7 +253,8 @@ class LLMEngine:
                 "prefix_cache_queries": self.scheduler.num_prefix_query_tokens,
                 "prefix_cache_hits": self.scheduler.num_prefix_hit_tokens,
                 "block_hash": {"version": HASH_VERSION, "model": self.config.model.name},
-                "kv_events_endpoint": self._kv_events_endpoint}
+                "kv_events_endpoint": self._kv_events_endpoint,
+                "kv_events_replay_endpoint": self._kv_events_replay_endpoint}
 
     def _seq_state(self, seq: Sequence) -> dict:
         to_prefill = seq.num_uncomputed_tokens - (1 if seq.num_output_tokens else 0)

@@ -104,14 +104,48 @@ def test_an_engine_publishes_stored_and_removed_blocks_to_a_zmq_subscriber():
         publisher.close()
 
 
+def test_replay_sends_buffered_batches_from_the_requested_seq_then_the_end_marker():
+    publisher = KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
+                                 buffer_batches=3)
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)  # a REQ socket would take only the first reply
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        for i in range(5):  # nobody subscribed: PUB drops them, the buffer keeps the last 3
+            publisher.publish([BlockRemoved((i,))])
+        dealer.connect(publisher.replay_endpoint)
+        replies = []
+        for start in (3, 0):
+            dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            batch = []
+            while True:
+                assert dealer.poll(5000), "no replay answer"
+                empty, seq, payload = dealer.recv_multipart()
+                assert empty == b""
+                if not payload:
+                    assert int.from_bytes(seq, "big", signed=True) == -1
+                    break
+                batch.append((int.from_bytes(seq, "big"), decode_batch(payload)[1]))
+            replies.append(batch)
+        assert replies[0] == [(3, [BlockRemoved((3,))]), (4, [BlockRemoved((4,))])]
+        assert [seq for seq, _ in replies[1]] == [2, 3, 4]  # 0 and 1 left the buffer
+    finally:
+        dealer.close()
+        context.term()
+        publisher.close()
+
+
 @pytest.mark.slow
 def test_kvguard_engine_advertises_its_endpoint_and_publishes_there():
     args = ["--model", "tiny", "--device", "cpu", "--num-blocks", "64",
-            "--kv-events-endpoint", "tcp://127.0.0.1:*"]
+            "--kv-events-endpoint", "tcp://127.0.0.1:*",
+            "--kv-events-replay-endpoint", "tcp://127.0.0.1:*"]
     with start_engine(args) as eng:
         state = httpx.get(eng.base_url + "/kvguard/state", timeout=5.0).json()
         endpoint = state["kv_events_endpoint"]
         assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith("*")
+        replay = state["kv_events_replay_endpoint"]
+        assert replay.startswith("tcp://127.0.0.1:") and replay != endpoint
         context = zmq.Context()
         sub = _subscriber(context, endpoint)
         try:
@@ -138,7 +172,7 @@ def test_kvguard_engine_advertises_its_endpoint_and_publishes_there():
 def test_prefix_caching_flag_reaches_the_engine():
     import argparse
 
-    from engine.server_cli import _build_engine, configure
+    from engine.server_cli import _build_engine, _kv_event_publisher, configure
 
     parser = argparse.ArgumentParser()
     configure(parser)
@@ -146,6 +180,10 @@ def test_prefix_caching_flag_reaches_the_engine():
         args = parser.parse_args(["--model", "tiny", "--device", "cpu", "--num-blocks", "8",
                                   *flags])
         assert _build_engine(args).state()["enable_prefix_caching"] is expected
+    lone_replay = parser.parse_args(["--model", "tiny", "--kv-events-replay-endpoint",
+                                      "tcp://127.0.0.1:*"])
+    with pytest.raises(ValueError, match="needs --kv-events-endpoint"):
+        _kv_event_publisher(lone_replay, engine=None)
     sim = parser.parse_args(["--model", "llama-7b", "--backend", "sim",
                              "--no-enable-prefix-caching", "--num-blocks", "64"])
     assert _build_engine(sim).block_manager.enable_prefix_caching is False
