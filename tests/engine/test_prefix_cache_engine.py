@@ -145,3 +145,23 @@ def test_smollm2_second_request_with_a_600_token_prefix_is_served_from_the_cache
     assert prefill == [610, 610 - cached[1]]
     assert timings[1] <= 0.5 * timings[0], timings
     assert_all_unreferenced(engine)
+
+
+def test_reset_prefix_cache_needs_an_idle_engine_and_tells_the_sink():
+    engine = LLMEngine.from_preset("tiny", device="cpu", num_blocks=16, check_invariants=True)
+    events: list = []
+    engine.attach_kv_event_sink(events.extend)
+    prompt = list(range(300, 340))
+    engine.add_request("a", prompt, SamplingParams.greedy_params(4, ignore_eos=True))
+    engine.step()
+    assert engine.state()["num_cached_blocks"] == 2
+    assert engine.reset_prefix_cache() is False  # "a" still holds its blocks
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.reset_prefix_cache() is True
+    assert type(events[-1]).__name__ == "AllBlocksCleared"
+    state = engine.state()
+    assert state["num_cached_blocks"] == 0 and state["num_evictable_blocks"] == 0
+    engine.add_request("b", prompt, SamplingParams.greedy_params(1))
+    out = [o for _ in range(5) for o in engine.step().outputs]
+    assert out[0].num_cached_tokens == 0  # nothing left to hit
