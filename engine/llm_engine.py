@@ -180,7 +180,8 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new_token_ids,
             finished=seq.status.finished, finish_reason=seq.status.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens, batch_id=batch_id, step_start_s=step_start_s, step_end_s=step_end_s)
+            num_cached_tokens=seq.num_cached_tokens, batch_id=batch_id,
+            step_start_s=step_start_s, step_end_s=step_end_s)
 
     def check_invariants(self) -> None:
         with self._lock:

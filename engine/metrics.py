@@ -5,8 +5,9 @@ with the ``_total`` suffix that prometheus-client appends, e.g. ``vllm:num_preem
 ``vllm:request_success_total{finished_reason=...}``; ``vllm:cache_config_info`` is a gauge of 1
 whose labels carry ``block_size``, ``num_gpu_blocks`` and ``enable_prefix_caching``;
 ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` count prompt tokens
-looked up in / found in the prefix cache, as vLLM v1 counts them). Histogram buckets are vLLM's, with a
-few finer low buckets added because the CPU test models step in well under 10 ms.
+looked up in / found in the prefix cache, as vLLM v1 counts them). Histogram buckets are
+vLLM's, with a few finer low buckets added because the CPU test models step in well under
+10 ms.
 
 kvguard adds KV block gauges and request outcome counters so a client can reconcile::
 

@@ -7,8 +7,8 @@ Supported: ``prompt`` (string, token id list, or a one-element list of either), 
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``n`` (1),
 ``stream``, ``stream_options.include_usage``, and the vLLM extensions ``ignore_eos``,
 ``priority`` and ``cache_salt`` (a non-empty string: only requests with the same salt share
-cached prefix blocks). Every message needs string (or text-part) content. Fields this server cannot
-honour (``best_of``, ``tools``, ``logit_bias``, ...: ``serving/unsupported_params.py``) are a
+cached prefix blocks). Every message needs string (or text-part) content. Fields this server
+cannot honour (``best_of``, ``tools``, ``logit_bias``, ...: ``serving/unsupported_params.py``) are a
 400 ``unsupported_parameter`` unless neutral; other unknown fields are ignored, as vLLM does.
 The body nests at most ``MAX_JSON_DEPTH`` levels (``serving/json_body.py``).
 """

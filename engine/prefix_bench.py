@@ -31,7 +31,8 @@ class PrefixRun:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix", action="store_true", required=True,
                         help="run this benchmark (the prefix cache's TTFT), not the throughput one")
-    parser.add_argument("--model", default="smollm2-135m", help="engine preset (default: %(default)s)")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="engine preset (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="default: %(default)s")
     parser.add_argument("--prompt-tokens", type=int, default=1500, help="default: %(default)s")
     parser.add_argument("--prefix-tokens", type=int, default=1400,
