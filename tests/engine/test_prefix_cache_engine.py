@@ -25,14 +25,15 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
-def workload(num_requests: int = 32, seed: int = 0) -> list[tuple[str, list[int], int]]:
-    """Requests over 4 shared "system prompts" of 40-70 tokens, each with its own suffix."""
+def workload(num_requests: int = 32, seed: int = 0, system_tokens: tuple[int, int] = (40, 70),
+             suffix_tokens: tuple[int, int] = (1, 20)) -> list[tuple[str, list[int], int]]:
+    """Requests over 4 shared "system prompts", each with its own suffix."""
     rng = random.Random(seed)
-    systems = [[rng.randrange(300, 40000) for _ in range(rng.randrange(40, 70))]
+    systems = [[rng.randrange(300, 40000) for _ in range(rng.randrange(*system_tokens))]
                for _ in range(4)]
     out = []
     for i in range(num_requests):
-        suffix = [rng.randrange(300, 40000) for _ in range(rng.randrange(1, 20))]
+        suffix = [rng.randrange(300, 40000) for _ in range(rng.randrange(*suffix_tokens))]
         out.append((f"r{i:02d}", systems[i % 4] + suffix, rng.randrange(2, 6)))
     return out
 
@@ -63,14 +64,14 @@ def assert_all_unreferenced(engine: LLMEngine) -> None:
     engine.check_invariants()
 
 
-def compare(make_engine, requests, small_pool_blocks: int) -> None:
+def compare(make_engine, requests, small_pool_blocks: int, per_step: int = 1) -> None:
     for num_blocks in (None, small_pool_blocks):
         pool = {} if num_blocks is None else {"num_blocks": num_blocks}
         off = make_engine(enable_prefix_caching=False, **pool)
         on = make_engine(enable_prefix_caching=True, **pool)
         events: list = []
         on.attach_kv_event_sink(events.extend)
-        assert run(on, requests) == run(off, requests)
+        assert run(on, requests, per_step) == run(off, requests, per_step)
         state = on.state()
         min_hit_ratio = 0.5 if num_blocks is None else 0.1  # the small pool evicts a lot
         assert state["prefix_cache_hits"] > min_hit_ratio * state["prefix_cache_queries"]
@@ -117,7 +118,9 @@ def test_smollm2_greedy_outputs_identical_with_the_cache_on_and_off(smollm2):
         options = dict(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=256) | overrides
         return smollm2_engine(smollm2, **options)
 
-    compare(make, workload(), small_pool_blocks=14)
+    # short prompts and outputs keep the 4 runs of 32 requests to a modest CPU time
+    compare(make, workload(system_tokens=(20, 40), suffix_tokens=(1, 10)), small_pool_blocks=10,
+            per_step=4)
 
 
 @pytest.mark.smollm2
