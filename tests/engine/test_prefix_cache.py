@@ -254,16 +254,20 @@ def test_abort_keeps_computed_blocks_reusable():
 
 
 def test_preempted_request_resumes_from_its_own_cached_blocks():
-    # 8 blocks: a (prompt 12) and b (prompt 12) fill 6; decoding grows both until b is evicted
     sched, bm = scheduler(num_blocks=7, max_num_batched_tokens=32)
     sched.add(request("a", PROMPT[:12], max_tokens=10))
     sched.add(request("b", [50 + i for i in range(12)], max_tokens=10, arrival_s=1.0))
     outs = run_all(sched)
-    assert sched.num_preemptions >= 1
-    resumed = [e for out in outs for e in out.scheduled
-               if e.request_id == "b" and e.num_computed_tokens > 0
-               and e.num_new_tokens > 1]
-    assert resumed, "b was recomputed from scratch instead of from its cached blocks"
+    assert entries(outs[0]) == [("a", 0, 12, (0, 1, 2)), ("b", 0, 12, (3, 4, 5))]
+    # a's decode needs a 4th block: b (less important) is preempted; its 3 full blocks stay
+    # cached, freed tail first (5 4 3), so a's growth evicts b's blocks 5 then 4
+    assert outs[1].preempted_request_ids == ("b",)
+    assert entries(outs[1]) == [("a", 12, 1, (0, 1, 2, 6))]
+    assert entries(outs[5]) == [("a", 16, 1, (0, 1, 2, 6, 5))]
+    assert entries(outs[9]) == [("a", 20, 1, (0, 1, 2, 6, 5, 4))]
+    # b resumes on its first block, still cached: 4 tokens skipped, 9 recomputed
+    assert entries(outs[10]) == [("b", 4, 9, (3, 4, 5, 6))]
+    assert sched.num_preemptions == 1
     assert bm.num_free_blocks == 7 and all(c == 0 for c in bm.pool.ref_counts)
     # a recompute is not a prompt lookup: the counters saw each prompt once
     assert sched.num_prefix_query_tokens == 24
