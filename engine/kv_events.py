@@ -12,6 +12,11 @@ A batch is one msgpack array, as vLLM encodes its ``KVEventBatch`` (msgspec stru
 ``engine.block_hash`` (a ``BlockStored`` whose first block starts a prompt has
 ``parent_block_hash`` None); ``token_ids`` are the stored blocks' tokens, concatenated;
 ``lora_id`` is always None and ``medium`` always ``"GPU"`` (the engine's one KV tier).
+
+This is the layout vLLM's own example subscriber (``examples/online_serving/
+kv_events_subscriber.py``) decodes. vLLM releases differ at the edges: some append fields
+after ``medium`` (``lora_name``, ``extra_keys``, ...), the newest encode the structs as maps;
+``decode_batch`` reads the array form and ignores trailing fields.
 """
 
 from __future__ import annotations
