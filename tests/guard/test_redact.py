@@ -1,0 +1,26 @@
+"""guard.redact: URLs and config values as kvguard may print them."""
+
+import pytest
+
+from guard.redact import redact_url, redact_value
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://user:s3cret@cache:6379/0", "redis://user:***@cache:6379/0"),
+    ("redis://:s3cret@cache:6379", "redis://:***@cache:6379"),
+    ("rediss://s3cret@cache", "rediss://***@cache"),  # a lone userinfo is a password to redis
+    ("redis://user:s3c@r/et@cache:6379/0", "redis://user:***@cache:6379/0"),  # raw '@' and '/'
+    ("unix:///run/redis.sock?db=0&password=s3cret", "unix:///run/redis.sock?db=0&password=***"),
+    ("redis://cache:6379/0", "redis://cache:6379/0"),
+    ("http://10.0.0.7:8000", "http://10.0.0.7:8000"),
+    ("not a url at all", "not a url at all"),
+])
+def test_redact_url(url, shown):
+    assert redact_url(url) == shown
+
+
+def test_redact_value_hides_secret_keys_only():
+    assert redact_value("tenants.api_key", 1234) == "***"
+    assert redact_value("admin_api_key", ["k"]) == "***"
+    assert redact_value("redis_url", "redis://:pw@h") == repr("redis://:***@h")
+    assert redact_value("max_body_bytes", "big") == repr("big")
