@@ -24,3 +24,23 @@ def test_redact_value_hides_secret_keys_only():
     assert redact_value("admin_api_key", ["k"]) == "***"
     assert redact_value("redis_url", "redis://:pw@h") == repr("redis://:***@h")
     assert redact_value("max_body_bytes", "big") == repr("big")
+
+
+def test_the_proxy_state_page_shows_replica_urls_without_their_password():
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from guard.config import GuardConfig, ReplicaConfig
+    from guard.proxy.app import ProxyApp
+
+    async def main():
+        config = GuardConfig(replicas=(ReplicaConfig("r0", "http://ops:pw-s3cret@127.0.0.1:9",
+                                                     "none"),))
+        app = ProxyApp(config, registry=CollectorRegistry())
+        try:
+            assert app.state()["replicas"][0]["url"] == "http://ops:***@127.0.0.1:9"
+        finally:
+            await app.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
