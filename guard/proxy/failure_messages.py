@@ -3,8 +3,8 @@
 The transports' exceptions name the upstream's host, port and URL (useful in the proxy's own
 log); a 502/504 body or a stream's closing error event carries only
 :func:`failure_message`'s text, so the client learns which replica failed (``x-kvguard-replica``
-names it too) and how, not where the fleet lives. The full exception goes to the proxy's log at
-DEBUG.
+names it too) and how, not where the fleet lives. The exception goes to the proxy's log at
+DEBUG, its credentials redacted (a client library's message may dump the request's headers).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from guard.proxy.transports import UpstreamBroken, UpstreamTimeout, UpstreamUnreachable
+from guard.redact import redact_text
 
 __all__ = ["failure_message"]
 
@@ -20,7 +21,8 @@ log = logging.getLogger("kvguard.proxy")
 
 def failure_message(replica_id: str, exc: BaseException) -> str:
     """The client-facing sentence for ``exc`` raised by a request to ``replica_id``."""
-    log.debug("proxy: replica %s failed: %s", replica_id, exc)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("proxy: replica %s failed: %s", replica_id, redact_text(str(exc)))
     if isinstance(exc, UpstreamTimeout):
         return f"replica {replica_id} sent nothing within the read timeout"
     if isinstance(exc, UpstreamBroken):

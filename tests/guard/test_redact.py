@@ -44,3 +44,16 @@ def test_the_proxy_state_page_shows_replica_urls_without_their_password():
             await app.aclose()
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_redact_text_hides_credentials_in_an_exception_dump():
+    from guard.redact import redact_text
+
+    dump = ("ClientResponseError(RequestInfo(url=URL('http://ops:pw1@10.0.0.7:8000/v1'), "
+            "headers=<CIMultiDictProxy('Host': '10.0.0.7:8000', 'Authorization': 'Bearer "
+            "sk-tenant-123', 'x-api-key': 'k-456')>), message='Bad status line')")
+    shown = redact_text(dump)
+    for secret in ("pw1", "sk-tenant-123", "k-456"):
+        assert secret not in shown
+    assert "10.0.0.7:8000" in shown and "Bad status line" in shown
+    assert redact_text("Authorization: Basic dXNlcjpwdw==") == "Authorization: Basic ***"

@@ -157,3 +157,23 @@ def test_no_secret_in_any_output_of_the_middleware(tmp_path):
         _assert_no_secret(output, *seen)
     finally:
         redis.kill()
+
+
+@pytest.mark.parametrize("upstream_client", ["h1", "aiohttp"])
+def test_no_secret_in_the_proxy_output_when_its_replica_fails(tmp_path, upstream_client):
+    """A replica that answers garbage: the 502 bodies and the proxy's DEBUG log (where the
+    client library's exception, which may dump the request's headers, is written) carry no
+    key; the tenant's key went upstream in ``Authorization``."""
+    config = tmp_path / "guard.toml"
+    config.write_text(_config(ports.free_port()) + f'[proxy]\nupstream_client = "{upstream_client}"\n')
+    with running(upstream_child("garbage", "llama-7b")) as upstream, \
+            running(proxy_child([upstream.url], str(config), state_source="none",
+                                extra_args=("--log-level", "debug"))) as proxy, \
+            httpx.Client(timeout=30.0, trust_env=False) as client:
+        bodies = []
+        for _ in range(2):
+            response = client.post(proxy.url + "/v1/completions", json=BODY, headers=AUTH)
+            assert response.status_code == 502, response.text
+            bodies.append(response.text)
+        assert _wait_for_line(proxy, "proxy: replica r0 failed")
+        _assert_no_secret(proxy.output(), *bodies)
