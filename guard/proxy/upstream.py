@@ -372,13 +372,18 @@ class _Client:
             admission.on_forwarded()
 
     async def cut(self) -> None:
-        """End this response at the drain deadline (the client may be gone already)."""
+        """End this response at the drain deadline (the client may be gone already). A JSON
+        answer cut while it was being written gets nothing more: its length is declared, so
+        the server closes the connection."""
+        ticket = self._admission.ticket
+        if ticket.body_complete:
+            return
         message = "the proxy is shutting down; the response was cut at its drain deadline"
         with contextlib.suppress(OSError):
-            if self.started:
-                await self.body(sse_error_event(SHUTTING_DOWN, message), False)
-            else:
+            if not self.started:
                 await self.reject(Rejection(503, SHUTTING_DOWN, message, should_retry=True))
+            elif ticket.is_stream:
+                await self.body(sse_error_event(SHUTTING_DOWN, message), False)
 
     async def reject(self, rejection: Rejection) -> None:
         """A failure answer made here (502/504) before anything else was sent."""
