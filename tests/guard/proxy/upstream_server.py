@@ -14,7 +14,8 @@ A POST gets, by MODE:
   as the reader takes them;
 * ``garbage``: bytes that are not HTTP, then the connection closes;
 * ``slow``: a stream of one event every ``SLOW_GAP_S`` for ``SLOW_EVENTS`` events, then
-  ``[DONE]`` (a stream still running when a drain deadline passes).
+  ``[DONE]`` (a stream still running when a drain deadline passes);
+* ``hang``: reads the request and never answers (the connection stays open).
 """
 
 import asyncio
@@ -68,6 +69,8 @@ async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter
             await writer.drain()
         writer.write(b"%x\r\ndata: [DONE]\n\n\r\n0\r\n\r\n" % len(b"data: [DONE]\n\n"))
         return True
+    if mode == "hang":
+        await asyncio.sleep(3600)
     if mode == "slow":
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                      b"transfer-encoding: chunked\r\n\r\n")
