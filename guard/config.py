@@ -55,6 +55,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package
 from guard.budget.config import LIMIT_KEYS, BudgetConfig
 from guard.budget.store import BudgetLimits
 from guard.proxy.config import ProxyConfig
+from guard.redact import redact_url, redact_value
 from policies.cost import RequestClass
 from policies.retry_budget import RetryBudgetConfig
 
@@ -228,7 +229,7 @@ class GuardConfig:
         if self.redis_url is not None and not str(self.redis_url).startswith(
                 ("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url: must start with redis://, rediss:// or unix://, "
-                             f"got {self.redis_url!r}")
+                             f"got {redact_url(self.redis_url)!r}")
         ids = [r.replica_id for r in self.replicas]
         if len(set(ids)) != len(ids):
             raise ValueError(f"replicas: duplicate replica_id in {ids}")
@@ -508,9 +509,10 @@ def _check_type(key: str, value: Any, wanted: type) -> Any:
     if wanted is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if wanted is int and isinstance(value, bool):
-        raise ValueError(f"{key}: expected an integer, got {value!r}")
+        raise ValueError(f"{key}: expected an integer, got {redact_value(key, value)}")
     if not isinstance(value, wanted):
-        raise ValueError(f"{key}: expected {wanted.__name__}, got {type(value).__name__} {value!r}")
+        raise ValueError(f"{key}: expected {wanted.__name__}, got {type(value).__name__} "
+                         f"{redact_value(key, value)}")
     return value
 
 

@@ -15,8 +15,8 @@ The wrapped app is the one replica, ``local``, whose ``/kvguard/state`` is polle
 app itself (started on the first admitted request; a budget store's Redis link opens earlier,
 at lifespan startup, when the server runs the lifespan). An app without
 ``/kvguard/state`` (404 or not JSON) becomes a healthy replica of unknown capacity: the ``slo``
-policy then admits ``unknown_capacity_max_inflight`` requests at a time. ``[[replicas]]`` are
-the standalone proxy's: configured here they are refused at construction.
+policy then admits ``policy_params.stale_max_inflight_per_replica`` requests at a time.
+``[[replicas]]`` are the standalone proxy's: configured here they are refused at construction.
 
 Configuration is read and validated in ``__init__`` (no-argument construction reads
 ``KVGUARD_CONFIG`` / ``KVGUARD_*``), so a bad key stops a server at start-up whether or not it
@@ -45,6 +45,7 @@ from guard.replicas.load_state import LoadState
 from guard.replicas.poller import AsgiStateSource
 from guard.request.body import content_length, headers_from_scope
 from guard.request.pricing import Pricer
+from guard.state_page import STATE_PATH, not_admitting
 from serving.drain_hooks import register_drain_hook
 
 __all__ = ["AdmissionMiddleware", "GUARD_METRICS_PATH", "LOCAL_REPLICA"]
@@ -104,6 +105,8 @@ class AdmissionMiddleware:
                     return await send_rejection(send, rejection)
             if path == "/health" and self.controller.draining:
                 return await _send_json(send, 503, {"ok": False, "draining": True})
+            if path == STATE_PATH and self.controller.draining:
+                return await self.app(scope, receive, not_admitting(send))
             if path == GUARD_METRICS_PATH:
                 return await self.controller.metrics.send_response(send)
             if path == "/metrics":

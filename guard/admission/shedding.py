@@ -6,7 +6,9 @@ One place computes retry advice (:class:`Rejecter` with :class:`RetryAdvisor` an
 * 400/401/404/413 — never servable as sent (malformed body, unknown key, model not served,
   over the context or body limit): ``x-should-retry: false``, no wait, no budget, no blocks;
 * 429 — the tenant's budget (from the budget store) or a policy's tenant limit;
-* 503 — overload: a wait from the measured drain rate with the queue ahead counted, jittered —
+* 503 — overload: a wait from the measured drain rate with the queue ahead counted, jittered,
+  and never past the queue's horizon (the latest deadline of a queued request: every one of
+  them has left by then, admitted or timed out, so the queue a retry meets is empty) —
   while the retry budget (:mod:`policies.retry_budget`, per tenant and guard-wide) has room;
   once retries would pass it, ``x-should-retry: false`` and no wait, so SDKs stop retrying
   into the overload (advice returns when load falls and the window slides past the retries);
@@ -153,11 +155,17 @@ class RetryAdvisor:
     def retry_after_s(self, *, num_ahead: int, drain_rate_rps: float,
                       policy_retry_after_s: float | None = None,
                       expected_free_s: float | None = None, num_in_flight: int = 0,
-                      service_s: float = 1.0) -> float:
-        """The jittered wait: at least :meth:`queue_drain_s` and the policy's estimate."""
+                      service_s: float = 1.0, queue_horizon_s: float | None = None) -> float:
+        """The jittered wait: at least :meth:`queue_drain_s` (but no later than
+        ``queue_horizon_s``, when every queued request ahead has left) and the policy's
+        estimate."""
         base_s = self.queue_drain_s(num_ahead=num_ahead, drain_rate_rps=drain_rate_rps,
                                     num_in_flight=num_in_flight, service_s=service_s,
                                     expected_free_s=expected_free_s)
+        if queue_horizon_s is not None:
+            # the estimates above assume the queue leaves only through admissions; under
+            # overload most of it times out instead, long before they say
+            base_s = min(base_s, max(queue_horizon_s, expected_free_s or 0.0))
         if policy_retry_after_s is not None:
             base_s = max(base_s, policy_retry_after_s)
         jitter = 1.0 + self._rng.uniform(0.0, self.jitter_ratio)
@@ -270,7 +278,8 @@ class Rejecter:
             num_ahead=num_ahead, drain_rate_rps=self._drain_rate.rate_rps(now_s),
             policy_retry_after_s=shed.retry_after_s,
             expected_free_s=self._expected_free_s(now_s, num_ahead, service_s),
-            num_in_flight=self._tickets.num_held, service_s=service_s)
+            num_in_flight=self._tickets.num_held, service_s=service_s,
+            queue_horizon_s=self._queue_horizon_s(now_s) if num_ahead else None)
         remaining_s = client_timeout_s(headers, self._config.deadline_header)
         if remaining_s is not None:
             remaining_s -= now_s - cost.arrival_s
@@ -290,6 +299,11 @@ class Rejecter:
         return Rejection(429, reason, _SHED_MESSAGES[429] if retry_after_s is not None else
                          "This request exceeds the tenant's budget and can never fit it.",
                          retry_after_s, retry_after_s is not None)
+
+    def _queue_horizon_s(self, now_s: float) -> float:
+        """Until every request queued now has left the queue: the latest ``until_s`` (past it
+        a waiter is shed ``queue_timeout``; the policy may only bring it forward)."""
+        return max(0.0, max(w.until_s for w in self._queue.waiters()) - now_s)
 
     def _expected_free_s(self, now_s: float, num_ahead: int, service_s: float) -> float | None:
         """When the ``num_ahead + 1``-th in-flight request is expected to finish, from each

@@ -60,6 +60,7 @@ from guard.budget.memory_store import check_reserve_args
 from guard.budget.metrics import BudgetMetrics
 from guard.budget.redis_store import RedisStore
 from guard.budget.store import BudgetLimits, Denied, Grant
+from guard.redact import redact_url
 
 __all__ = ["FallbackStore"]
 
@@ -78,6 +79,7 @@ class FallbackStore:
                  clock: Callable[[], float], metrics: BudgetMetrics | None = None,
                  instance_id: str | None = None) -> None:
         self._url = url
+        self._shown_url = redact_url(url)  # what the log lines name
         self._limits_for = limits_for
         self._config = config
         self._metrics = metrics
@@ -162,7 +164,7 @@ class FallbackStore:
         if not self.ever_reached:
             log.warning("budget backend: redis %s not reached at start-up; deciding on a "
                         "start-up share (1/%d of each limit, budget.expected_guards) and "
-                        "retrying in the background", self._url, self.live_guards)
+                        "retrying in the background", self._shown_url, self.live_guards)
 
     async def _await_first_attempt(self) -> None:
         """Wait until Redis answered or refused, but never past the start-up window."""
@@ -368,7 +370,7 @@ class FallbackStore:
             if self._wake is not None:
                 self._wake.set()
         else:
-            log.warning("budget backend: local -> redis (%s)", self._url)
+            log.warning("budget backend: local -> redis (%s)", self._shown_url)
         if self._metrics is not None:
             self._metrics.set_breaker(is_open)
 

@@ -31,6 +31,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from guard.budget.resp import ErrorReply, RespParser, encode_command
+from guard.redact import redact_url
 from guard.self_connect import connected_to_itself, drop
 
 __all__ = ["RespClient", "supports"]
@@ -109,7 +110,7 @@ class RespClient:
     @classmethod
     def from_url(cls, url: str, timeout_s: float) -> RespClient:
         if not supports(url):
-            raise ValueError(f"redis url not handled by the budget client: {url!r}")
+            raise ValueError(f"redis url not handled by the budget client: {redact_url(url)!r}")
         parts = urlsplit(url)
         db = parts.path.lstrip("/")
         return cls(parts.hostname, parts.port or 6379, db=int(db) if db else 0,

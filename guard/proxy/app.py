@@ -51,6 +51,7 @@ from guard.proxy.metrics import ProxyMetrics
 from guard.proxy.state_client import TransportStateClient
 from guard.proxy.transports import Transport, UpstreamError, make_transport
 from guard.proxy.upstream import BodyWriter, Forwarder
+from guard.redact import redact_url
 from guard.relay import REQUEST_ID_HEADER
 from guard.replicas.poller import state_sources
 from guard.replicas.shared_reservations import SharedReservations
@@ -263,7 +264,7 @@ class ProxyApp:
             rid = replica.replica_id
             snap = self.load_state.replica_snapshot(rid)
             replicas.append({
-                "replica_id": rid, "url": replica.url, "state_source": replica.state_source,
+                "replica_id": rid, "url": redact_url(replica.url), "state_source": replica.state_source,
                 "weight": replica.weight,
                 "routable": self.routable(rid), "healthy": self.load_state.is_healthy(rid),
                 "ejected": self.health.is_ejected(rid),

@@ -10,7 +10,8 @@ order, state read as ``--state-source``). ``--redis URL`` replaces the config's 
 budgets are then shared with every other guard or proxy on that Redis. Prints ``kvguard proxy listening on http://HOST:PORT``
 once it accepts connections (``--port 0``: the port the OS chose). SIGTERM/SIGINT drains: new
 requests get 503 ``shutting_down``, admitted ones run until they end or ``proxy.drain_timeout_s``
-passes, then the process exits 0; a second signal exits at once.
+passes (one deadline: a stream still running then ends with an SSE error event
+``shutting_down``), then the process exits 0; a second signal exits at once.
 
 Slow or greedy clients are bounded as in ``kvguard engine`` (``serving.ServerLimits``:
 ``--header-timeout-s``, ``--body-timeout-s``, ``--keep-alive-timeout-s``, ``--write-timeout-s``,
@@ -29,7 +30,10 @@ import time
 from guard.config import ReplicaConfig, load_config
 from serving import add_limit_arguments, install_quiet_logging, limits_from_args
 
-__all__ = ["configure", "run"]
+__all__ = ["CUT_GRACE_S", "configure", "run"]
+
+# after the drain deadline: how long the cut responses' last events have to reach their clients
+CUT_GRACE_S = 2
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -69,9 +73,18 @@ def _config(args: argparse.Namespace):
 
 
 async def _drain(app) -> None:
-    """Stop admitting, then wait (up to the drain timeout) for in-flight requests to end."""
+    """Stop admitting; let in-flight requests run until ``drain_timeout_s`` (the drain's one
+    deadline), then cut those left (a stream ends with an SSE error event ``shutting_down``,
+    see ``Forwarder.cut_all``) and give their last bytes ``CUT_GRACE_S`` to go out. The
+    server's own graceful wait that follows is only that grace, not a second timeout."""
     app.drain()
-    deadline_s = time.monotonic() + app.config.proxy.drain_timeout_s
+    await _until_idle(app, time.monotonic() + app.config.proxy.drain_timeout_s)
+    if app.num_in_flight:
+        app.forwarder.cut_all()
+        await _until_idle(app, time.monotonic() + CUT_GRACE_S)
+
+
+async def _until_idle(app, deadline_s: float) -> None:
     while app.num_in_flight and time.monotonic() < deadline_s:
         await asyncio.sleep(0.05)
 
@@ -87,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     ready_line = f"kvguard proxy listening on {url}"
-    graceful_timeout_s = max(1, int(app.config.proxy.drain_timeout_s))
+    graceful_timeout_s = CUT_GRACE_S  # _drain has waited drain_timeout_s already
     if args.http == "kvguard":
         return _run_h1server(app, table, sock, args, ready_line, graceful_timeout_s)
     config = uvicorn_config(app, table, http=args.http, log_level=args.log_level,

@@ -8,7 +8,7 @@
                                    # an SSE error event
     eject_after_failures = 3       # consecutive connect errors / timeouts / 5xx that eject one
     probe_interval_s = 1.0         # how often an ejected replica's /health is probed
-    drain_timeout_s = 30.0         # SIGTERM: how long in-flight requests may still run
+    drain_timeout_s = 30.0         # SIGTERM: how long in-flight requests may still run (then cut)
     max_connections_per_replica = 256  # open connections to one replica (more requests wait
                                    # for one); below an engine's per-client connection cap
 """

@@ -22,6 +22,9 @@ answer to the client:
   task wake-up per chunk; while the client does not read, reading from the upstream pauses;
 * the client's disconnect cancels the forwarding at once and aborts the upstream connection
   (the replica sees its client go and frees the sequence's KV blocks);
+* :meth:`Forwarder.cut_all` (the proxy's drain deadline) ends every relay still running: a
+  stream with an SSE error event ``shutting_down``, a response not begun with a 503
+  ``shutting_down``; the upstream request is aborted as on a disconnect;
 * once a response's last bytes are written to the client, the proxy yields its CPU once
   (``sched_yield``) before the bookkeeping that follows (the relay's end, the pool, the
   ticket's release): a client on the same machine that the write woke is often queued on the
@@ -35,6 +38,7 @@ Every connect error, timeout and 5xx but 503 is a failure for :class:`guard.prox
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import Awaitable, Callable, Mapping
@@ -42,6 +46,7 @@ from typing import Any
 
 from guard.admission.admitted import Admission
 from guard.admission.shedding import Rejection
+from guard.proxy.failure_messages import failure_message
 from guard.proxy.health import ReplicaHealth
 from guard.proxy.transports import (
     Transport,
@@ -52,6 +57,7 @@ from guard.proxy.transports import (
     UpstreamUnreachable,
 )
 from guard.relay import REQUEST_ID_HEADER
+from policies.shed_reasons import SHUTTING_DOWN
 
 __all__ = ["BodyWriter", "Forwarder", "sse_error_event", "yield_cpu", "REPLICA_HEADER"]
 
@@ -93,6 +99,7 @@ class Forwarder:
         self._redispatch = redispatch
         self._counters = counters  # .redispatched(replica_id), .upstream_failure(replica_id, kind)
         self._send_now = getattr(transport, "send_now", None)  # h1 only
+        self._watches: set[_Watch] = set()  # the relays running now (for cut_all)
 
     def send_now(self, replica_id: str, path: str, headers: Headers, body: bytes,
                  request_id: str) -> Awaitable[UpstreamResponse] | None:
@@ -107,6 +114,13 @@ class Forwarder:
             return None
         return send_now(self._urls[replica_id] + path, headers, body, request_id)
 
+    def cut_all(self) -> int:
+        """End every running relay now (see the module docstring); how many there were."""
+        watches = list(self._watches)
+        for watch in watches:
+            watch.cut()
+        return len(watches)
+
     async def forward(self, admission: Admission, path: str, headers: Headers,
                       gone: asyncio.Future, send: Send, writer: BodyWriter | None = None,
                       sent: Awaitable[UpstreamResponse] | None = None) -> None:
@@ -117,6 +131,7 @@ class Forwarder:
         client = _Client(admission, send, writer)
         watch = _Watch(admission, asyncio.current_task())
         gone.add_done_callback(watch.on_gone)
+        self._watches.add(watch)
         response: UpstreamResponse | None = None
         error: BaseException | None = None
         try:
@@ -124,10 +139,14 @@ class Forwarder:
             if response is not None:
                 await self._relay(admission.replica_id, response, client)
         except asyncio.CancelledError as exc:
-            if not watch.client_left:
+            if watch.was_cut and not watch.client_left:
+                watch.task.uncancel()
+                await client.cut()
+            elif not watch.client_left:
                 error = exc
                 raise
-            watch.task.uncancel()
+            else:
+                watch.task.uncancel()
         except OSError:  # the client's socket failed while we sent: it is gone
             admission.on_disconnect()
         except BaseException as exc:
@@ -135,6 +154,7 @@ class Forwarder:
             raise
         finally:
             watch.relaying = False
+            self._watches.discard(watch)
             gone.remove_done_callback(watch.on_gone)
             if response is not None:
                 await response.aclose()  # aborts the upstream request unless it was read whole
@@ -154,11 +174,11 @@ class Forwarder:
                     response = await self._transport.send(self._urls[replica_id] + path,
                                                           headers, body)
             except UpstreamUnreachable as exc:
-                failure = str(exc)
+                failure = failure_message(replica_id, exc)
             except UpstreamTimeout as exc:
                 self._fail(replica_id, "timeout")
-                await client.reject(Rejection(504, "upstream_timeout", str(exc),
-                                              should_retry=True))
+                await client.reject(Rejection(504, "upstream_timeout",
+                                              failure_message(replica_id, exc), should_retry=True))
                 return None
             else:
                 if response.status != 503:
@@ -198,7 +218,7 @@ class Forwarder:
                 self._fail(replica_id, "timeout" if timeout else "broken")
                 await client.reject(Rejection(
                     504 if timeout else 502, "upstream_timeout" if timeout else "upstream_failed",
-                    str(exc), should_retry=True))
+                    failure_message(replica_id, exc), should_retry=True))
                 return
             if status < 500:
                 self._health.record_success(replica_id)
@@ -221,7 +241,7 @@ class Forwarder:
             timeout = isinstance(exc, UpstreamTimeout)
             self._fail(replica_id, "timeout" if timeout else "broken")
             code = "upstream_timeout" if timeout else "upstream_failed"
-            await client.body(sse_error_event(code, str(exc)), False)
+            await client.body(sse_error_event(code, failure_message(replica_id, exc)), False)
             return
         if not ended:
             await client.body(b"", False)
@@ -292,13 +312,19 @@ def _is_event_stream(headers: Headers) -> bool:
 class _Watch:
     """Cancels the forwarding task when the client leaves while the relay is running."""
 
-    __slots__ = ("admission", "task", "relaying", "client_left")
+    __slots__ = ("admission", "task", "relaying", "client_left", "was_cut")
 
     def __init__(self, admission: Admission, task: asyncio.Task) -> None:
         self.admission = admission
         self.task = task
         self.relaying = True
         self.client_left = False
+        self.was_cut = False  # by cut_all (the drain deadline)
+
+    def cut(self) -> None:
+        if self.relaying and not self.was_cut:
+            self.was_cut = True
+            self.task.cancel()
 
     def on_gone(self, gone: asyncio.Future) -> None:
         if self.relaying and not gone.cancelled():
@@ -311,12 +337,13 @@ class _Client:
     """The client side of one relay: every message is shown to the admission first (status,
     first token, gaps, usage, end), and the proxy's headers are added to the response head."""
 
-    __slots__ = ("admission", "_admission", "_send", "writer")
+    __slots__ = ("admission", "_admission", "_send", "writer", "started")
 
     def __init__(self, admission: Admission, send: Send, writer: BodyWriter | None = None) -> None:
         self.admission = self._admission = admission
         self._send = send
         self.writer = writer
+        self.started = False  # the response head went to the client
 
     async def start(self, status: int, headers: Headers) -> None:
         admission = self._admission
@@ -332,6 +359,7 @@ class _Client:
                    (QUEUE_MS_HEADER, f"{admission.queue_ms:.1f}".encode())]
         if not has_request_id:
             headers.append((REQUEST_ID_HEADER, admission.request_id.encode()))
+        self.started = True
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def body(self, chunk: bytes, more_body: bool) -> None:
@@ -342,6 +370,20 @@ class _Client:
             yield_cpu()  # the answer is out: what follows is bookkeeping
         if admission.ticket.chunks_s is not None:  # traced only
             admission.on_forwarded()
+
+    async def cut(self) -> None:
+        """End this response at the drain deadline (the client may be gone already). A JSON
+        answer cut while it was being written gets nothing more: its length is declared, so
+        the server closes the connection."""
+        ticket = self._admission.ticket
+        if ticket.body_complete:
+            return
+        message = "the proxy is shutting down; the response was cut at its drain deadline"
+        with contextlib.suppress(OSError):
+            if not self.started:
+                await self.reject(Rejection(503, SHUTTING_DOWN, message, should_retry=True))
+            elif ticket.is_stream:
+                await self.body(sse_error_event(SHUTTING_DOWN, message), False)
 
     async def reject(self, rejection: Rejection) -> None:
         """A failure answer made here (502/504) before anything else was sent."""

@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from guard.budget.connection import connect
 from guard.budget.keys import PREFIX
 from guard.budget.scripts import ScriptSet
+from guard.redact import redact_url
 from policies.cost import RequestClass, RequestCost
 
 if TYPE_CHECKING:
@@ -216,7 +217,7 @@ class SharedReservations:
         self.shared = shared
         if shared:
             log.warning("KV reservations: shared with the other guards through redis (%s)",
-                        self._url)
+                        redact_url(self._url))
             for replica_id, own in self._own.items():  # publish everything still pending
                 self._adds[replica_id] |= set(own)
         else:

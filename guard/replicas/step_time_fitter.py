@@ -4,9 +4,15 @@
 and, once it holds ``min_samples`` iteration records, refits the four coefficients of
 :class:`policies.step_time.StepTimeModel` by least squares over a sliding window:
 
-* each feature column is scaled to unit RMS over the window, so one ridge weight fits all;
-* the ridge pulls toward the prior, so a coefficient the window never excites (e.g. prefill in a
-  window of decode-only steps) stays at the prior instead of collapsing to zero;
+* each coefficient is fitted in units of its prior, and the ridge (``ridge`` × the window's sum
+  of squared durations) pulls it toward the prior scaled by the window's median ratio of
+  measured to prior step time: a term moves from the prior only as far as the durations it
+  explains in the window justify. A coefficient the window never excites (prefill in a window
+  of decode-only steps) stays at the prior; one it barely excites, or cannot tell apart from
+  another (short requests: context tokens rise with the decode batch), keeps the prior's
+  share instead of absorbing the window's noise (fitted freely, a window of short requests can
+  price context tokens at ~90x the prior: a burst of long streams after it is then forecast at
+  many times its real step time, and shed as ``slo_unattainable`` on an idle replica);
 * coefficients are kept non-negative with a small active-set loop (fix a negative one at zero,
   refit the rest).
 
@@ -99,7 +105,7 @@ class StepTimeFitter:
     """Sliding-window, prior-regularised, non-negative least squares for the step-time model."""
 
     def __init__(self, prior: StepTimeModel, window: int = 256, min_samples: int = 16,
-                 refit_every: int = 32, ridge: float = 1e-4):
+                 refit_every: int = 32, ridge: float = 3e-5):
         if window < 4 or min_samples < 4 or min_samples > window:
             raise ValueError("StepTimeFitter: need 4 <= min_samples <= window")
         if refit_every < 1 or ridge <= 0:
@@ -171,10 +177,22 @@ class StepTimeFitter:
         x = np.column_stack([np.ones(len(data)), data[:, :3]])
         y = data[:, 3]
         prior = np.asarray(self.prior.as_tuple(), dtype=float)
-        scale = np.sqrt(np.mean(x * x, axis=0))
-        scale[scale == 0] = 1.0  # an unexcited column: its coefficient stays at the prior
-        coef = _nonneg_ridge(x / scale, y, prior * scale, self._ridge * len(y))
-        return StepTimeModel(*(float(c) for c in coef / scale))
+        # each coefficient in units of its prior: the ridge then weighs how far a term moves
+        # from the prior against how much of the window's durations that term explains
+        unit = prior.copy()
+        no_prior = prior <= 0  # a term the prior prices at zero: in units of the whole step
+        if no_prior.any():
+            rms_x = np.sqrt(np.mean(x * x, axis=0))
+            rms_x[rms_x == 0] = 1.0
+            unit[no_prior] = np.sqrt(np.mean(y * y)) / rms_x[no_prior]
+        # the ridge's target: the prior scaled by how the window's steps compare with it (an
+        # engine uniformly slower than its prior); an unexcited column stays at the prior
+        prior_s = x @ prior
+        ratio = float(np.median(y / prior_s)) if (prior_s > 0).all() else 1.0
+        excited = np.any(x != 0, axis=0)
+        target = np.where(no_prior, 0.0, np.where(excited, ratio, 1.0))
+        weights = _nonneg_ridge(x * unit, y, target, self._ridge * float(y @ y))
+        return StepTimeModel(*(float(c) for c in weights * unit))
 
 
 def _nonneg_ridge(x: np.ndarray, y: np.ndarray, target: np.ndarray, lam: float) -> np.ndarray:

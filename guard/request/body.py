@@ -51,6 +51,9 @@ def headers_from_pairs(pairs: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
 
 
 def content_length(headers: Mapping[str, str]) -> int | None:
-    """The declared ``content-length``, or None when absent or not a number."""
+    """The declared ``content-length``, or None when absent or not a number (at most 18 ASCII
+    digits: a longer one is no length a body can have, and ``int`` refuses 4,301+ digits)."""
     value = headers.get("content-length")
-    return int(value) if value is not None and value.isdigit() else None
+    if value is None or len(value) > 18 or not (value.isascii() and value.isdigit()):
+        return None
+    return int(value)

@@ -1,7 +1,8 @@
 """Recognising a retry from the request headers clients and proxies send.
 
 A request is a retry when any of these says so (the value is an attempt counter; a header that
-is absent, not an integer, or counts a first attempt says nothing):
+is absent, not a plain ASCII integer of at most ``MAX_COUNT_DIGITS`` digits, or counts a first
+attempt says nothing):
 
 | header | sent by | a retry when |
 |---|---|---|
@@ -18,7 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["RETRY_COUNT_HEADERS", "is_retry_attempt"]
+__all__ = ["MAX_COUNT_DIGITS", "RETRY_COUNT_HEADERS", "is_retry_attempt", "retry_count"]
+
+# no client counts its attempts past this; a longer value is junk, read as "not a retry"
+# (it also keeps int() clear of Python's 4,300-digit conversion limit)
+MAX_COUNT_DIGITS = 9
 
 # (header, the value of a first attempt): a larger value is a retry.
 RETRY_COUNT_HEADERS: tuple[tuple[str, int], ...] = (
@@ -35,7 +40,17 @@ def is_retry_attempt(headers: Mapping[str, str]) -> bool:
     for name, first in RETRY_COUNT_HEADERS:
         value = headers.get(name)
         if value is not None:
-            value = value.strip()
-            if value.isdigit() and int(value) > first:
+            count = retry_count(value)
+            if count is not None and count > first:
                 return True
     return False
+
+
+def retry_count(value: str) -> int | None:
+    """The attempt counter in one header value, or None when it is not one: empty, longer than
+    ``MAX_COUNT_DIGITS``, or anything but ASCII digits (``str.isdigit`` alone also takes
+    superscripts and other scripts' digits, which ``int`` refuses)."""
+    value = value.strip()
+    if not value or len(value) > MAX_COUNT_DIGITS or not (value.isascii() and value.isdigit()):
+        return None
+    return int(value)

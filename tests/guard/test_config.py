@@ -1,6 +1,7 @@
 """guard.config: defaults, TOML + env overrides, validation naming the key, tenant keys."""
 
 import hmac
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from guard.config import (
     hash_api_key,
     load_config,
 )
+from policies import make_policy
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "guard-config.example.toml"
 
@@ -266,3 +268,33 @@ def test_an_unknown_kvguard_variable_refuses_start_up_with_its_name():
     with pytest.raises(ValueError, match="KVGUARD_SOMETHING_ELSE: unknown"):
         load_config(env={"KVGUARD_SOMETHING_ELSE": "1"})
     assert load_config(env={"OTHER_VAR": "1", "KVGUARD_POLICY": "slo"}).policy == "slo"
+
+
+def test_the_example_env_override_names_a_real_policy():
+    line = next(x for x in EXAMPLE.read_text().splitlines() if "KVGUARD_POLICY=" in x)
+    name = re.search(r"KVGUARD_POLICY=([\w-]+)", line).group(1)
+    config = load_config(env={"KVGUARD_POLICY": name})
+    assert config.policy == name
+    assert make_policy(config.policy) is not None  # raises for a policy that does not exist
+
+
+@pytest.mark.parametrize("url", ["http://admin:hunter2-redis@cache:6379/0",
+                                 "redis//:hunter2-redis@cache:6379",
+                                 "tcp://hunter2-redis@cache"])
+def test_a_bad_redis_scheme_is_refused_without_echoing_the_password(url):
+    with pytest.raises(ValueError, match="redis_url") as info:
+        GuardConfig(redis_url=url)
+    assert "hunter2-redis" not in str(info.value)
+    assert "cache" in str(info.value)  # the rest of the URL still says which one was meant
+
+
+@pytest.mark.parametrize(("toml", "secret"), [
+    ('admin_api_key = 424242424242\n', "424242424242"),
+    ('[[tenants]]\nname = "acme"\napi_key = 737373737373\n', "737373737373"),
+])
+def test_a_mistyped_secret_is_not_echoed(tmp_path, toml, secret):
+    path = tmp_path / "guard.toml"
+    path.write_text(toml)
+    with pytest.raises(ValueError, match="api_key") as info:
+        load_config(path, env={})
+    assert secret not in str(info.value)

@@ -34,3 +34,12 @@ def test_parse_body_refuses_what_is_not_a_json_object(body):
     with pytest.raises(PricingError) as refused:
         parse_body(body)
     assert refused.value.status == 400 and refused.value.reason == "invalid_json"
+
+
+def test_content_length_junk_is_undeclared_never_an_error():
+    from guard.request.body import content_length
+
+    assert content_length({"content-length": "42"}) == 42
+    assert content_length({"content-length": "9" * 5000}) is None  # past int()'s digit limit
+    assert content_length({"content-length": "\u00b2"}) is None  # isdigit() but not a number
+    assert content_length({}) is None

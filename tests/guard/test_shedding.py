@@ -69,6 +69,19 @@ def test_policy_estimate_is_a_floor_and_the_queue_counts_before_any_completion()
     assert adv.retry_after_s(num_ahead=3, drain_rate_rps=0.0, service_s=0.7) == 4 * 0.7
 
 
+def test_the_queue_horizon_caps_the_queue_estimate_but_not_the_policys():
+    adv = RetryAdvisor(random.Random(1), jitter_ratio=0.0)
+    # 511 queued that have all left within 30 s (admitted or timed out): not 256 s
+    assert adv.retry_after_s(num_ahead=511, drain_rate_rps=0.0, num_in_flight=4,
+                             service_s=2.0, queue_horizon_s=30.0) == 30.0
+    assert adv.retry_after_s(num_ahead=3, drain_rate_rps=1.0, queue_horizon_s=30.0) == 4.0
+    # the next slot frees later than the queue empties: that is the wait
+    assert adv.retry_after_s(num_ahead=1, drain_rate_rps=0.0, expected_free_s=12.0,
+                             queue_horizon_s=3.0) == 12.0
+    assert adv.retry_after_s(num_ahead=511, drain_rate_rps=0.0, num_in_flight=4,
+                             policy_retry_after_s=40.0, queue_horizon_s=30.0) == 40.0
+
+
 def test_should_retry_rules():
     assert RetryAdvisor.should_retry(2.0, None)
     assert RetryAdvisor.should_retry(2.0, 5.0)

@@ -42,6 +42,13 @@ def _metric(client, url: str, name: str) -> float:
     return total
 
 
+def _assert_names_the_replica_not_its_address(response, replica_id: str, url: str) -> None:
+    """A failure answer tells the client which replica failed, never where it lives."""
+    host_port = url.split("://", 1)[1].rstrip("/")
+    assert f"replica {replica_id}" in response.json()["error"]["message"], response.text
+    assert host_port not in response.text and host_port.split(":")[1] not in response.text
+
+
 async def _stream(client: httpx.AsyncClient, url: str, started: asyncio.Queue) -> dict:
     body = {**BODY, "max_tokens": 400, "stream": True}
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
@@ -135,6 +142,7 @@ def test_hung_replica_gets_504_within_the_read_timeout_then_is_ejected(tmp_path,
             waited_s = time.monotonic() - sent_s
             assert response.status_code == 504, response.text
             assert response.json()["error"]["code"] == "upstream_timeout"
+            _assert_names_the_replica_not_its_address(response, "r0", fleet.replica_urls[0])
             assert read_timeout_s * 0.9 <= waited_s < read_timeout_s + 10.0
         state = _replica_state(client, proxy.url, "r0")
         assert state["ejected"] and not state["routable"]
@@ -159,6 +167,7 @@ def test_failing_upstream_is_a_clear_502_then_ejected(tmp_path, client, mode, up
             assert response.status_code == 502, response.text
             assert response.json()["error"]["code"] == "upstream_failed"
             assert response.headers["x-kvguard-reason"] == "upstream_failed"
+            _assert_names_the_replica_not_its_address(response, "r0", bad.url)
         assert _replica_state(client, proxy.url, "r0")["ejected"]
         posts = client.get(bad.url + "/count").json()["posts"]
         assert client.post(proxy.url + "/v1/completions", json=BODY).status_code == 503

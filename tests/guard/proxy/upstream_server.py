@@ -12,7 +12,10 @@ A POST gets, by MODE:
 * ``status503``: HTTP 503 with ``retry-after: 7`` (an engine over its connection cap);
 * ``big``: a stream of ``BIG_EVENTS`` ~4 KB events (numbered) and ``[DONE]``, written as fast
   as the reader takes them;
-* ``garbage``: bytes that are not HTTP, then the connection closes.
+* ``garbage``: bytes that are not HTTP, then the connection closes;
+* ``slow``: a stream of one event every ``SLOW_GAP_S`` for ``SLOW_EVENTS`` events, then
+  ``[DONE]`` (a stream still running when a drain deadline passes);
+* ``hang``: reads the request and never answers (the connection stays open).
 """
 
 import asyncio
@@ -22,6 +25,7 @@ import sys
 COUNT = {"posts": 0}
 CONNECTIONS: list[list[str]] = []  # per accepted connection: "METHOD PATH" of each request
 BIG_EVENTS = 4000  # mode "big": ~16 MB of stream, more than loopback socket buffers hold
+SLOW_EVENTS, SLOW_GAP_S = 1200, 0.05  # mode "slow": a minute of stream
 
 
 def _response(status: str, body: bytes, content_type: bytes = b"application/json") -> bytes:
@@ -63,6 +67,18 @@ async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter
             data = b'data: {"choices": [{"index": 0, "text": "%08d%s"}]}\n\n' % (i, b"x" * 4000)
             writer.write(b"%x\r\n%s\r\n" % (len(data), data))
             await writer.drain()
+        writer.write(b"%x\r\ndata: [DONE]\n\n\r\n0\r\n\r\n" % len(b"data: [DONE]\n\n"))
+        return True
+    if mode == "hang":
+        await asyncio.sleep(3600)
+    if mode == "slow":
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        for i in range(SLOW_EVENTS):
+            data = b'data: {"choices": [{"index": 0, "text": " %d"}]}\n\n' % i
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await writer.drain()
+            await asyncio.sleep(SLOW_GAP_S)
         writer.write(b"%x\r\ndata: [DONE]\n\n\r\n0\r\n\r\n" % len(b"data: [DONE]\n\n"))
         return True
     if not request.get("stream"):

@@ -177,3 +177,32 @@ def test_prior_from_sim_timing_model_nested_shape():
           "step_time_prior": {"base_s": 0.004, "per_prefill_token_s": 2e-5,
                               "per_decode_seq_s": 1e-5, "per_context_token_s": 1e-8}}
     assert prior_from_timing_model(tm, time_scale=2.0) == StepTimeModel(0.008, 4e-5, 2e-5, 2e-8)
+
+
+def short_request_window(prior: StepTimeModel, n: int = 256, seed: int = 4):
+    """Steps of many short requests (8 output tokens at 200 req/s): small decode batches of
+    short contexts, small prefills, and stalls that grow with the batch (the engine's host
+    work for requests starting and ending), on an engine whose steps follow ``prior``."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        decode = int(rng.integers(1, 40))
+        context = decode * int(rng.integers(20, 45))
+        prefill = int(rng.choice([0, 32, 64, 32 * int(rng.integers(1, 22))]))
+        stall_s = float(rng.exponential(2e-5)) * decode * (rng.random() < 0.3)
+        yield prefill, decode, context, prior.step_s(prefill, decode, context) + stall_s
+
+
+def test_a_window_of_short_requests_does_not_price_a_burst_of_long_streams_far_off():
+    """The terms such a window barely excites (context tokens, the decode batch past ~40) keep
+    the prior's price: a step of 54 streams of ~600-token contexts, after it, is forecast near
+    what the engine takes (the prior here), not many times it."""
+    prior = StepTimeModel(base_s=0.0041, per_prefill_token_s=1.86e-5, per_decode_seq_s=4.2e-6,
+                          per_context_token_s=3.9e-8)
+    fitter = StepTimeFitter(prior)
+    for sample in short_request_window(prior):
+        fitter.add(*sample)
+    model = fitter.model()
+    for shape in [(0, 54, 54 * 600), (2047, 54, 54 * 600), (0, 200, 200 * 400)]:
+        assert model.step_s(*shape) == pytest.approx(prior.step_s(*shape), rel=0.3), shape
+    for prefill, decode, context, duration_s in short_request_window(prior, 32, seed=5):
+        assert model.step_s(prefill, decode, context) == pytest.approx(duration_s, rel=0.3)
