@@ -4,11 +4,17 @@ fallback, :class:`AiohttpTransport`); ``kvguard bench proxy --stacks`` compares 
 one keep-alive pool for all upstreams, never decompress (bytes pass through as the upstream
 sent them), send the request target exactly as given and map their exceptions onto the tree
 of :mod:`guard.proxy.upstream_contract` (re-exported here).
+
+aiohttp parses responses leniently (outside Python's dev mode it reads a bare LF as a line end,
+as RFC 9112 §2.2 lets a recipient do; the h1 client refuses it); what it hands back is checked
+here as the h1 client checks its own: every field name a token, no control character but HTAB
+in a value, at most 128 fields (aiohttp's own cap), else :class:`UpstreamMalformed`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -37,11 +43,17 @@ __all__ = [
 ]
 
 UPSTREAM_CLIENTS = ("h1", "aiohttp")
+_NAME = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_VALUE = re.compile(rb"[^\x00-\x08\x0a-\x1f\x7f]*")
 
 
 def _end_to_end(raw: Any) -> Headers:
+    """The response's end-to-end fields, names lower-cased; :class:`UpstreamMalformed` when
+    one is not a valid field."""
     out = []
     for name, value in raw:
+        if _NAME.fullmatch(name) is None or _VALUE.fullmatch(value) is None:
+            raise UpstreamMalformed(f"invalid response header field {name[:40]!r}")
         name = name.lower()
         if name not in SERVER_WRITTEN:
             out.append((name, value))
@@ -61,8 +73,8 @@ class _AiohttpResponse:
     def __init__(self, response: Any) -> None:
         self._response = response
         self.status = response.status
-        self.headers = _end_to_end(response.raw_headers)
         self._done = False
+        self.headers = _end_to_end(response.raw_headers)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         content = self._response.content
@@ -122,7 +134,11 @@ class AiohttpTransport:
             raise UpstreamMalformed(f"{url} sent an invalid response: {exc!r}") from None
         except (aiohttp.ClientError, OSError) as exc:  # after the request went out: not re-sent
             raise UpstreamBroken(f"{url}: {exc!r}") from None
-        return _AiohttpResponse(response)
+        try:
+            return _AiohttpResponse(response)
+        except UpstreamMalformed:
+            response.close()  # the connection is not trusted again
+            raise
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
         try:

@@ -99,7 +99,7 @@ def test_a_non_ascii_target_is_a_400(upstream, server):
 
 _ALPHABET = [b"/", b"v1", b"chat", b"completions", b"%2F", b"%3F", b"%23", b"%2e", b".", b"..",
              b"?", b"#", b"%", b"%zz", b"\xc3\xa4", b"\xff", b"\x7f", b"\t", b"\\", b"[", b"a",
-             b"%00", b"*", b";", b"=", b"&", b"@", b":"]
+             b"%00", b"*", b";", b"=", b"&", b"@", b":", b"%E2%82%AC", b"%20", b"%0d%0a"]
 
 
 @pytest.mark.parametrize("server", SERVERS)
@@ -108,6 +108,7 @@ def test_no_target_is_a_500(upstream, server):
     targets = [b"/" + b"".join(rng.choice(_ALPHABET) for _ in range(rng.randrange(1, 9)))
                for _ in range(60)]
     targets += [b"/v1/chat/completions" + t for t in targets[:20]]
+    targets += [t + b"/v1/completions" for t in targets[:30]]  # admitted by their suffix
     with proxy_on(server, "h1", upstream.url) as (_, url):
         for target in targets:
             del upstream.targets[:]
