@@ -5,7 +5,8 @@ request it read (its request-target exactly as received), on its own loop in a t
         ...  # upstream.url; upstream.targets: the targets received, in order
 
 ``answer(target)`` returns the bytes to write (then the connection stays open for the next
-request), or None to close the connection without a byte of answer."""
+request), ``(bytes, True)`` to write them and close, or None to close the connection without
+a byte of answer."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def sse_burst(num_bytes: int) -> bytes:
 
 
 class ScriptedUpstream:
-    def __init__(self, answer: Callable[[bytes], bytes | None]) -> None:
+    def __init__(self, answer: Callable[[bytes], bytes | tuple[bytes, bool] | None]) -> None:
         self.answer = answer
         self.targets: list[bytes] = []
         self.url = ""
@@ -76,8 +77,11 @@ class ScriptedUpstream:
                 reply = self.answer(target)
                 if reply is None:
                     return
-                writer.write(reply)
+                close = isinstance(reply, tuple)
+                writer.write(reply[0] if close else reply)
                 await writer.drain()
+                if close:
+                    return
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
             pass
         finally:
