@@ -782,3 +782,46 @@ def test_send_now_on_a_pooled_connection_the_upstream_closed_is_not_sent_twice()
             await client.aclose()
         assert [len(c) for c in server.connections] == [2]
     run(main)
+
+
+def test_the_read_timeout_counts_silence_not_the_whole_head():
+    """A head that trickles in over more than read_timeout_s, each gap well inside it, is
+    read; the timeout is the silence since the last byte (the hang guard bounds the test)."""
+    head = ok(b"done")
+
+    async def answer(server, conn, index, head_, writer):
+        for i in range(0, len(head), len(head) // 6 + 1):
+            writer.write(head[i:i + len(head) // 6 + 1])
+            await writer.drain()
+            await asyncio.sleep(0.25)  # 6 gaps: 1.5 s in all, each a quarter of the timeout
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport(read_timeout_s=1.0)
+            response = await client.send(server.url + "/x", JSON, b"{}")
+            assert await read_all(response) == b"done"
+            await client.aclose()
+    run(main)
+
+
+@pytest.mark.parametrize("reply", [
+    b"HTTP/1.1 200 OK\ncontent-length: 2\n\nok",
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: identity\r\n\r\nok",
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: xchunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nx-evil: a\x00b\r\ncontent-length: 2\r\n\r\nok",
+])
+def test_a_malformed_head_on_a_kept_open_connection_fails_at_once(reply):
+    async def answer(server, conn, index, head, writer):
+        writer.write(reply)
+        await server.until_the_client_closes(conn)
+        return False
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport(read_timeout_s=600.0)  # the hang guard would end a wait first
+            with pytest.raises(UpstreamMalformed):
+                await client.send(server.url + "/x", JSON, b"{}")
+            await server.closed_by_peer[0].wait()  # and the connection is closed
+            await client.aclose()
+    run(main)
