@@ -38,6 +38,9 @@ INVALID_TARGET = "invalid_request_target"
 _PCHAR = rb"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%[0-9A-Fa-f]{2})"
 _PATH = re.compile(rb"(?:/" + _PCHAR + rb"*)+")
 _QUERY = re.compile(rb"(?:" + _PCHAR + rb"|[/?])*")
+# the same grammar for targets without a "%" (most): one character class, no alternation
+_PLAIN_PATH = re.compile(rb"/[A-Za-z0-9\-._~!$&'()*+,;=:@/]*")
+_PLAIN_QUERY = re.compile(rb"[A-Za-z0-9\-._~!$&'()*+,;=:@/?]*")
 _HIDDEN_SEPARATOR = re.compile(r"%(?:2[fF]|3[fF]|23)")
 _HIDDEN_END = re.compile(r"%(?:3[fF]|23)")  # an encoded "?" or "#"
 _DOT_SEGMENT = re.compile(r"(?:^|/)\.\.?(?:/|$)")
@@ -74,8 +77,9 @@ def read_target(raw_path: bytes, query_string: bytes,
     """The :class:`Target` of a request whose target was ``raw_path`` (percent-encoded) and
     ``query_string`` (without its ``?``); a 400 :class:`Rejection` for one the guard refuses
     (see the module docstring)."""
-    if _PATH.fullmatch(raw_path) is None or (
-            query_string and _QUERY.fullmatch(query_string) is None):
+    if (_PLAIN_PATH.fullmatch(raw_path) is None and _PATH.fullmatch(raw_path) is None) or (
+            query_string and _PLAIN_QUERY.fullmatch(query_string) is None
+            and _QUERY.fullmatch(query_string) is None):
         return _refuse("the request target is not a valid origin-form target "
                        "(RFC 9112 section 3.2.1)")
     encoded = raw_path.decode("ascii")
