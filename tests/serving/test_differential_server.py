@@ -47,7 +47,9 @@ class RecordingApp:
         self.requests.append((scope["method"], scope["raw_path"], scope["query_string"], fields,
                               body))
         answer = b"seen:%d" % (len(self.requests) - 1)
-        await send({"type": "http.response.start", "status": 200,
+        # a 2xx to CONNECT would switch h11 to a tunnel: refuse it instead
+        await send({"type": "http.response.start",
+                    "status": 405 if scope["method"] == "CONNECT" else 200,
                     "headers": [(b"content-length", b"%d" % len(answer))]})
         await send({"type": "http.response.body", "body": answer})
 
