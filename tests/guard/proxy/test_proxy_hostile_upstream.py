@@ -105,6 +105,10 @@ def test_a_hostile_response_head_is_a_502_never_relayed_and_never_ejects(upstrea
                                or name.startswith("x evil") for name in response.headers)
         assert not app.health.is_ejected("r0")
         assert app.health.consecutive_failures("r0") == 0
+        num_refused = 2 * (len(_HOSTILE_HEADS) - (client == "aiohttp"))
+        assert app.controller.registry.get_sample_value(
+            "kvguard_proxy_upstream_failures_total",
+            {"replica": "r0", "kind": "malformed"}) == num_refused  # counted apart
         assert http.post(url + "/v1/completions", json=BODY).status_code == 200
 
 
