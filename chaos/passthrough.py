@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from chaos.bench.raw_http_relay import HttpRelay
-from guard.proxy.transports import HOP_BY_HOP
+from guard.proxy.upstream_contract import HOP_BY_HOP
 
 __all__ = ["PassthroughApp", "TcpPump", "HttpRelay", "main"]
 

@@ -9,7 +9,9 @@ straight through, behind :class:`~guard.operational_access.OperationalAccess` wh
 default when anonymous requests are refused). The guard's own Prometheus metrics are served at
 ``/kvguard/metrics``;
 ``/metrics`` goes to the wrapped app first (an engine serves its vLLM-named metrics there) and
-the guard answers it only when the wrapped app says 404.
+the guard answers it only when the wrapped app says 404. A ``POST`` is priced on its target's
+decoded path, the one the wrapped app routes on; a target that could be read as an admitted
+path in more than one way is refused 400 (:mod:`guard.request.target`).
 
 The wrapped app is the one replica, ``local``, whose ``/kvguard/state`` is polled through the
 app itself (started on the first admitted request; a budget store's Redis link opens earlier,
@@ -46,6 +48,7 @@ from guard.replicas.poller import AsgiStateSource
 from guard.request.body import content_length, headers_from_scope
 from guard.request.pricing import Pricer
 from guard.state_page import STATE_PATH, not_admitting
+from guard.request.target import Target, scope_target
 from serving.drain_hooks import register_drain_hook
 
 __all__ = ["AdmissionMiddleware", "GUARD_METRICS_PATH", "LOCAL_REPLICA"]
@@ -97,8 +100,12 @@ class AdmissionMiddleware:
             path = scope["path"]
             if not self._drain_hook_set and "state" in scope:  # the hooks live in the state
                 self._drain_hook_set = register_drain_hook(scope, self.drain)
-            if scope["method"] == "POST" and self._is_admitted(path):
-                return await self._admit(scope, receive, send)
+            if scope["method"] == "POST":  # priced on the decoded target the app routes on
+                target = scope_target(scope, self._is_admitted)
+                if target.__class__ is not Target:
+                    return await send_rejection(send, target)
+                if target.admitted:
+                    return await self._admit(scope, receive, send, target.path)
             if path in _GATED_PATHS and self._access.enabled:
                 rejection = self._access.check(path, headers_from_scope(scope))
                 if rejection is not None:
@@ -116,10 +123,10 @@ class AdmissionMiddleware:
             return await self.app(scope, self._lifespan_receive(receive), send)
         await self.app(scope, receive, send)
 
-    async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _admit(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         headers = headers_from_scope(scope)
         state = Relay(receive, send, self._max_body_bytes, content_length(headers))
-        result = await self.controller.admit(scope["path"], headers, state.read_body,
+        result = await self.controller.admit(path, headers, state.read_body,
                                              state.client_gone)
         if isinstance(result, Admission):
             return await state.run(self.app, scope, result)

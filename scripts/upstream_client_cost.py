@@ -2,7 +2,7 @@
 proxy's :class:`guard.proxy.transports.Transport` alone (no server, no admission) against a raw
 asyncio SSE server on loopback in another process.
 
-    python scripts/upstream_client_cost.py [--clients aiohttp,h1,httpx] [--streams 1000]
+    python scripts/upstream_client_cost.py [--clients aiohttp,h1] [--streams 1000]
                                            [--callgrind]
 
 Per client, in a fresh process: ``--streams`` sequential streamed POSTs (8 token events and
@@ -98,7 +98,7 @@ def _instructions(client: str, port: str, num: int, env: dict[str, str]) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", default="aiohttp,h1,httpx")
+    parser.add_argument("--clients", default="aiohttp,h1")
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--callgrind", action="store_true")
     args = parser.parse_args()

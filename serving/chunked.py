@@ -12,7 +12,8 @@ smuggled and responses split:
 
 - a chunk size is 1–15 hex digits and nothing else (``int(x, 16)`` alone also takes ``0x1a``,
   ``+1a``, ``1_a`` and surrounding whitespace), optionally followed by spaces or tabs and
-  ``;extensions`` (ignored);
+  ``;name[=value]`` extensions (ignored, but each a token, with a token or a closed quoted
+  string for its value: an unclosed quote is where parsers disagree on where a line ends);
 - every size and trailer line ends in CRLF and holds no other CR; a chunk's data is followed
   by exactly CRLF;
 - a size line is at most ``MAX_SIZE_LINE_BYTES`` long, the trailer section at most
@@ -34,11 +35,15 @@ __all__ = ["ChunkedDecoder", "ChunkedError", "MAX_SIZE_LINE_BYTES", "MAX_TRAILER
 MAX_SIZE_LINE_BYTES = 1024  # a chunk-size line with its extensions
 MAX_TRAILER_BYTES = 16 * 1024  # the whole trailer section
 _MAX_SIZE_DIGITS = 15
-_HEX = b"0123456789abcdefABCDEF"
 
 _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
 # a plain size line (no extensions, no padding): the fast path's, for a chunk whole in one read
 _PLAIN_SIZE_LINE = re.compile(rb"[0-9a-fA-F]{1,%d}\r\n" % _MAX_SIZE_DIGITS)
+_TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
+# a size line without its CRLF: the size, then any extensions (RFC 9112 section 7.1.1)
+_SIZE_LINE = re.compile(rb"([0-9a-fA-F]{1,%d})[ \t]*(?:;[ \t]*%s(?:[ \t]*=[ \t]*(?:%s|%s))?[ \t]*)*"
+                        % (_MAX_SIZE_DIGITS, _TOKEN, _TOKEN, _QUOTED))
 
 
 class ChunkedError(ValueError):
@@ -121,10 +126,10 @@ class ChunkedDecoder:
         return pos
 
     def _size(self, line: bytes) -> None:
-        size = line.split(b";", 1)[0].rstrip(b" \t")
-        if not size or len(size) > _MAX_SIZE_DIGITS or size.strip(_HEX):
-            raise ChunkedError(f"invalid chunk size {line[:40]!r}")
-        self._left = int(size, 16)
+        match = _SIZE_LINE.fullmatch(line)
+        if match is None:
+            raise ChunkedError(f"invalid chunk size line {line[:40]!r}")
+        self._left = int(match[1], 16)
         self._state = _DATA if self._left else _TRAILER
 
     def _trailer(self, line: bytes) -> None:

@@ -12,7 +12,8 @@ Phases, one deadline at a time (as ``serving.limited_protocol`` gives uvicorn):
 A head or body deadline that passes closes the connection and counts it in the
 ``ConnectionTable`` (``header_timeout``, ``body_timeout``; ``write_timeout`` aborts it); the app
 then sees ``http.disconnect``. A connection over a cap gets the 503 refusal. A malformed request
-(``serving.h1_head``) is answered 400 / 431 / 505 and closed without reaching the app.
+(``serving.h1_head``) is answered 400 / 431 / 505 and closed without reaching the app; so is a
+head with a bare LF, as soon as it arrives.
 
 A request pipelined behind another waits in the buffer until the first response ends; reading
 pauses while more than 256 KiB of request bytes wait for the app. Each request's ASGI
@@ -134,6 +135,12 @@ class H1Connection(PhaseDeadlines, asyncio.Protocol):
         while buffer[:2] == b"\r\n":  # empty lines before a request line are ignored
             del buffer[:2]
         end = buffer.find(b"\r\n\r\n")
+        head_end = len(buffer) if end < 0 else end
+        if buffer.count(b"\n", 0, head_end) != buffer.count(b"\r\n", 0, head_end):
+            # a bare LF ends lines for some parsers and not for others: refused now, not held
+            # until the header timeout
+            self._reject(BadRequest(400, "a bare LF in the request head"))
+            return
         if end < 0 or end > MAX_HEAD_BYTES:
             if end > MAX_HEAD_BYTES or len(buffer) > MAX_HEAD_BYTES + 3:
                 self._reject(BadRequest(431, "request head too large"))

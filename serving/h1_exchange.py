@@ -31,14 +31,11 @@ import asyncio
 import json
 import logging
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from serving.h1_head import ChunkedBody, RequestHead
 
-if TYPE_CHECKING:
-    from serving.h1_connection import H1Connection
-
-__all__ = ["Exchange", "error_response"]
+__all__ = ["Exchange", "ExchangeConnection", "error_response"]
 
 log = logging.getLogger("kvguard.http")
 
@@ -48,6 +45,25 @@ _DISCONNECT = {"type": "http.disconnect"}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _ERROR_CODES = {400: "bad_request", 431: "request_header_fields_too_large",
                 500: "internal_error", 505: "http_version_not_supported"}
+
+
+class ExchangeConnection(Protocol):
+    """What an exchange needs of its connection (``serving.h1_connection.H1Connection``)."""
+
+    loop: asyncio.AbstractEventLoop
+    server: Any  # .date_header, .draining
+    transport: asyncio.Transport
+    write_paused: bool
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def body_read(self) -> None: ...
+
+    def response_complete(self, exchange: Exchange) -> None: ...
+
+    def fail(self, exchange: Exchange) -> None: ...
 
 
 def error_response(status: int, message: str) -> bytes:
@@ -69,7 +85,7 @@ class Exchange:
                  "_held_head",
                  "_gone")
 
-    def __init__(self, conn: H1Connection, request: RequestHead) -> None:
+    def __init__(self, conn: ExchangeConnection, request: RequestHead) -> None:
         self.conn = conn
         self.task: asyncio.Task | None = None
         self.method = request.method
@@ -181,9 +197,7 @@ class Exchange:
         body.clear()
         self.num_buffered = 0
         self._delivered = True
-        conn = self.conn
-        if conn._read_paused:
-            conn.body_read()
+        self.conn.body_read()  # reading resumes if it paused for this body
         return data
 
     # --- the response, for send() -------------------------------------------------------------

@@ -161,9 +161,9 @@ def _split_target(target: bytes, method: str) -> tuple[bytes, bytes]:
         target = target[absolute.end():] or b"/"
         if target[0] != 0x2F:
             raise BadRequest(400, "request target is not a path")
-    raw_path, _, query_string = target.partition(b"?")
-    if raw_path.find(b"#") >= 0:  # not ``in``: see h1_exchange._head
+    if target.find(b"#") >= 0:  # not ``in``: see h1_exchange._head
         raise BadRequest(400, "fragment in the request target")
+    raw_path, _, query_string = target.partition(b"?")
     return raw_path, query_string
 
 

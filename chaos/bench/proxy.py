@@ -11,8 +11,7 @@ target's figure minus the direct one. Targets: ``kvguard proxy`` with
 ``always_admit`` and with ``slo`` (aiohttp upstream client, uvicorn on asyncio + h11), both
 again on the proxy's defaults (``kvguard defaults ...``: kvguard's own HTTP server and the h1
 client, on uvloop — what ``--loop auto`` picks, uvloop being a core dependency) and LiteLLM proxy (one worker, installed into ``.venv-litellm/``; ``--no-litellm`` skips it);
-``--stacks`` adds ``always_admit`` with the httpx client, with the h1 client (HTTP/1.1 on raw
-asyncio protocols), on uvloop + httptools (installed by the bench into ``.bench-site/`` when
+``--stacks`` adds ``always_admit`` with the h1 client (HTTP/1.1 on raw asyncio protocols), on uvloop + httptools (installed by the bench into ``.bench-site/`` when
 the environment lacks them), the h1 client on those, and on kvguard's own HTTP server
 (``--http kvguard``, on asyncio and on uvloop with the aiohttp client, on asyncio with the h1
 client).
@@ -85,7 +84,6 @@ VARIANTS = {
     "kvguard defaults slo": ("slo", "h1", "uvloop", "kvguard"),
 }
 STACK_VARIANTS = {  # --stacks: the HTTP client and server stacks side by side
-    "kvguard always_admit httpx": ("always_admit", "httpx", "asyncio", "h11"),
     "kvguard always_admit uvloop": ("always_admit", "aiohttp", "uvloop", "httptools"),
     "kvguard always_admit h1 client": ("always_admit", "h1", "asyncio", "h11"),
     "kvguard always_admit h1 client uvloop": ("always_admit", "h1", "uvloop", "httptools"),
@@ -113,7 +111,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=20, help="unmeasured requests per target")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--stacks", action="store_true",
-                        help="also run the httpx-client and uvloop+httptools variants")
+                        help="also run the h1/aiohttp client and uvloop+httptools variants")
     parser.add_argument("--defaults-only", action="store_true",
                         help="of kvguard's variants run only the proxy's defaults (both policies)")
     parser.add_argument("--copies", type=int, default=1,

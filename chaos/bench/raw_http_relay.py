@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from guard.proxy.transports import HOP_BY_HOP
+from guard.proxy.upstream_contract import HOP_BY_HOP
 from serving.chunked import ChunkedDecoder
 
 __all__ = ["HttpRelay"]

@@ -56,6 +56,7 @@ from guard.relay import REQUEST_ID_HEADER
 from guard.replicas.poller import state_sources
 from guard.replicas.shared_reservations import SharedReservations
 from guard.request.body import content_length, headers_from_pairs, headers_from_scope, read_body
+from guard.request.target import Target, read_target, scope_target
 
 if TYPE_CHECKING:
     from serving.h1_exchange import Exchange
@@ -142,8 +143,12 @@ class ProxyApp:
         if kind != "http":
             return
         path, method = scope["path"], scope["method"]
-        if method == "POST" and self._is_admitted(path):
-            return await self._admit(scope, receive, send)
+        if method == "POST":  # priced on the target's decoded path, forwarded as sent
+            target = scope_target(scope, self._is_admitted)
+            if target.__class__ is not Target:
+                return await send_rejection(send, target)
+            if target.admitted:
+                return await self._admit(scope, receive, send, target)
         if path in _GATED_PATHS and self._access.enabled:
             rejection = self._access.check(path, headers_from_scope(scope))
             if rejection is not None:
@@ -162,26 +167,27 @@ class ProxyApp:
                                                "type": "invalid_request_error",
                                                "param": None, "code": "not_found"}})
 
-    async def _admit(self, scope: dict, receive: Receive, send: Send) -> None:
+    async def _admit(self, scope: dict, receive: Receive, send: Send, target: Target) -> None:
         """Admission by the controller, then the forwarder; bad input never leaves here."""
         headers = headers_from_scope(scope)
         exchange = _Exchange(receive, self.config.max_body_bytes, content_length(headers),
                              scope.get("extensions"))
         try:
-            result = await self.controller.admit(scope["path"], headers, exchange.read_body,
+            result = await self.controller.admit(target.path, headers, exchange.read_body,
                                                  exchange.client_gone)
-            await self._answer(result, scope["path"], scope["headers"], exchange.client_gone,
+            await self._answer(result, target.raw, scope["headers"], exchange.client_gone,
                                send, exchange.writer)
         finally:
             exchange.stop()
 
-    async def _answer(self, result: Admission | Rejection | None, path: str,
+    async def _answer(self, result: Admission | Rejection | None, raw_target: str,
                       raw_headers: RawHeaders, client_gone: Callable[[], asyncio.Future],
                       send: Send, writer: BodyWriter | None) -> None:
-        """The controller's result answered: relayed from the replica, or the rejection."""
+        """The controller's result answered: relayed from the replica (to ``raw_target``, the
+        client's target as sent), or the rejection."""
         if isinstance(result, Admission):
             return await self.forwarder.forward(
-                result, path, _upstream_headers(raw_headers, result.request_id), client_gone(),
+                result, raw_target, _upstream_headers(raw_headers, result.request_id), client_gone(),
                 send, writer)
         if result is not None:
             await send_rejection(send, result)
@@ -200,18 +206,21 @@ class ProxyApp:
         here is written here (True: answered, no task at all). Everything else (other routes,
         chunked or oversized bodies) gets None: the server serves it through ASGI
         (:meth:`__call__`), as any other server would."""
-        if request.method != "POST" or request.chunked or not self._is_admitted(request.path):
+        if request.method != "POST" or request.chunked:
             return None
+        target = read_target(request.raw_path, request.query_string, self._is_admitted)
+        if target.__class__ is not Target or not target.admitted:
+            return None  # ASGI answers it (a refused target included)
         if (request.content_length or 0) > self.config.max_body_bytes:
             return None  # the ASGI path answers 413
         body = exchange.take_body()
         if body is None:
             return None
-        path, raw_headers = request.path, request.headers
+        raw_target, raw_headers = target.raw, request.headers
         headers = headers_from_pairs(raw_headers)
         gone = exchange.gone
         controller = self.controller
-        result = controller.admit_now(path, headers, body, gone, defer=True)
+        result = controller.admit_now(target.path, headers, body, gone, defer=True)
         if isinstance(result, Rejection):
             exchange.respond(result.status, *result.response())
             return True
@@ -221,21 +230,22 @@ class ProxyApp:
         if result.__class__ is Decided:  # written upstream first, booked and ticketed after
             request_id = result.priced.cost.request_id
             try:
-                sent = self.forwarder.send_now(result.admit.replica_id, path, raw_headers,
+                sent = self.forwarder.send_now(result.admit.replica_id, raw_target, raw_headers,
                                                result.body, request_id)
             except BaseException as exc:
                 controller.issue(result).finish(exc)
                 raise
             admission = controller.issue(result)
-            return self.forwarder.forward(admission, path,
+            return self.forwarder.forward(admission, raw_target,
                                           _upstream_headers(raw_headers, request_id),
                                           gone(), exchange.send, writer, sent)
-        return self._answer_later(result, path, raw_headers, gone, exchange.send, writer)
+        return self._answer_later(result, raw_target, raw_headers, gone, exchange.send, writer)
 
-    async def _answer_later(self, pending: Awaitable[Admission | Rejection | None], path: str,
-                            raw_headers: RawHeaders, client_gone: Callable[[], asyncio.Future],
-                            send: Send, writer: BodyWriter) -> None:
-        await self._answer(await pending, path, raw_headers, client_gone, send, writer)
+    async def _answer_later(self, pending: Awaitable[Admission | Rejection | None],
+                            raw_target: str, raw_headers: RawHeaders,
+                            client_gone: Callable[[], asyncio.Future], send: Send,
+                            writer: BodyWriter) -> None:
+        await self._answer(await pending, raw_target, raw_headers, client_gone, send, writer)
 
     async def _models(self, send: Send) -> None:
         routable = [rid for rid in self.urls if self.routable(rid)]

@@ -1,7 +1,7 @@
 """``ProxyConfig``: the standalone proxy's own settings, the ``[proxy]`` table of guard.toml.
 
     [proxy]
-    upstream_client = "h1"         # HTTP/1.1 on raw asyncio protocols; or "aiohttp", "httpx"
+    upstream_client = "h1"         # HTTP/1.1 on raw asyncio protocols; or "aiohttp"
                                    # (kvguard bench proxy --stacks compares them)
     connect_timeout_s = 5.0        # TCP connect to a replica; past it: re-dispatch once, then 502
     read_timeout_s = 60.0          # silence from a replica (response head or next chunk): 504 /
@@ -24,7 +24,7 @@ from serving.checks import require_count, require_seconds
 
 __all__ = ["ProxyConfig"]
 
-_CLIENTS = ("aiohttp", "httpx", "h1")
+_CLIENTS = ("h1", "aiohttp")
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,21 @@
 :class:`asyncio.Protocol` that writes one request at a time and parses its response as the
 bytes arrive (head, then the body de-framed into :meth:`Connection.next_body` items).
 
-Its exchange ends in one of: the body read to the end (``body_complete``: the pool may take the
-connection back when ``keep_alive``), :class:`Stale` (closed before any response byte),
-:class:`~guard.proxy.transports.UpstreamUnreachable` (garbage or a close inside the head),
-:class:`~guard.proxy.transports.UpstreamTimeout` (``read_timeout_s`` of silence while waited
-on) or :class:`~guard.proxy.transports.UpstreamBroken` (cut or malformed body).
+Its exchange ends in one of (the tree of :mod:`guard.proxy.upstream_contract`): the body read to
+the end (``reusable``: the pool may take the connection back), :class:`Stale` (the connection
+was found closed before the request was written: it may be sent again on another),
+:class:`~guard.proxy.upstream_contract.UpstreamBroken` (closed after the request was written,
+before or inside the response: never sent again), :class:`~guard.proxy.upstream_contract.
+UpstreamMalformed` (a response that is not valid HTTP/1.1, found as soon as its bytes show it:
+a bare LF in the head, a bad header field, an unsupported framing) or
+:class:`~guard.proxy.upstream_contract.UpstreamTimeout` (``read_timeout_s`` since the last byte
+arrived, while the response is waited on).
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 from typing import Any
 
@@ -26,9 +31,10 @@ from guard.proxy.h1_message import (
     ResponseHead,
     parse_head,
 )
-from guard.proxy.transports import (
+from guard.proxy.upstream_contract import (
     UpstreamBroken,
     UpstreamError,
+    UpstreamMalformed,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
@@ -40,7 +46,7 @@ HEAD, BODY, DONE, IDLE = range(4)  # a connection's phase (IDLE: in its pool)
 
 
 class Stale(UpstreamUnreachable):
-    """The connection closed before any byte of the response (a reused one may be retried)."""
+    """A pooled connection was found closed before the request was written on it."""
 
 
 class Connection(asyncio.Protocol):
@@ -68,7 +74,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
-        self._wait_since_s = 0.0
+        self._silent_since_s = 0.0  # the last byte, or the start of the wait when later
         self._timer: asyncio.TimerHandle | None = None
         # push_body(): each body piece goes to sink(data, last) from data_received
         self._sink: Any = None
@@ -81,6 +87,7 @@ class Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        self._silent_since_s = self.loop.time()
         if self.phase == BODY:
             self._body(data)
         elif self.phase == HEAD:
@@ -90,6 +97,8 @@ class Connection(asyncio.Protocol):
             self.close()
 
     def eof_received(self) -> bool:
+        if self.phase in (IDLE, DONE):  # closed between exchanges: out of the pool at once
+            self.close()
         return False  # let the transport close; connection_lost tells the rest
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -100,13 +109,9 @@ class Connection(asyncio.Protocol):
             return  # closed here: the exchange's outcome is already decided
         self.closed = True
         phase = self.phase
-        if phase == HEAD:
-            if self._got_bytes:
-                self._fail(UpstreamUnreachable(f"{self._name()} closed the connection inside "
-                                               f"the response head ({exc!r})"))
-            else:
-                self._fail(Stale(f"{self._name()} closed the connection before any response "
-                                  f"({exc!r})"))
+        if phase == HEAD:  # the request was written: the upstream may have acted on it
+            where = "inside the response head" if self._got_bytes else "before any response"
+            self._fail(UpstreamBroken(f"{self._name()} closed the connection {where} ({exc!r})"))
         elif phase == BODY:
             if self._framing == UNTIL_CLOSE:
                 self.phase = DONE
@@ -127,8 +132,9 @@ class Connection(asyncio.Protocol):
         self._error = None
         self._pending = []
         self._num_pending_bytes = 0
-        if self.closed:
-            self._error = Stale(f"{self._name()}: the connection was closed")
+        if self.closed or self.transport.is_closing():
+            self._error = Stale(f"{self._name()}: the connection was closed before the request "
+                                "was written")
             return
         self.transport.write(request)
 
@@ -143,15 +149,7 @@ class Connection(asyncio.Protocol):
         """The body bytes that arrived since the last call (waiting for some); None at the end."""
         while True:
             if self._pending:
-                pending = self._pending
-                data = pending[0] if len(pending) == 1 else b"".join(pending)
-                self._pending = []
-                self._num_pending_bytes = 0
-                if self._paused:
-                    self._paused = False
-                    if not self.closed:
-                        self.transport.resume_reading()
-                return data
+                return self._take_pending()
             if self._error is not None:
                 raise self._error
             if self.phase != BODY:
@@ -170,23 +168,32 @@ class Connection(asyncio.Protocol):
                 if self._sink is None:
                     return False
                 if self._pending:  # arrived before the push began
-                    pending = self._pending
-                    data = pending[0] if len(pending) == 1 else b"".join(pending)
-                    self._pending = []
-                    self._num_pending_bytes = 0
+                    data = self._take_pending()
                     sink(data, self.phase == DONE and self._error is None)
                     continue
                 if self._error is not None:
                     raise self._error
                 if self.phase != BODY:
                     return True
-                if self._paused:
-                    self._paused = False
-                    if not self.closed:
-                        self.transport.resume_reading()
+                self._resume()
                 await self._wait()
         finally:
             self._sink = None
+
+    def _take_pending(self) -> bytes:
+        """The body bytes not yet handed on, joined; reading resumes if they had paused it."""
+        pending = self._pending
+        data = pending[0] if len(pending) == 1 else b"".join(pending)
+        self._pending = []
+        self._num_pending_bytes = 0
+        self._resume()
+        return data
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            if not self.closed:
+                self.transport.resume_reading()
 
     def stop_push(self) -> None:
         """From the sink: take no more now (reading pauses until :meth:`push_body` again)."""
@@ -200,6 +207,28 @@ class Connection(asyncio.Protocol):
     @property
     def body_complete(self) -> bool:
         return self.phase == DONE and self._error is None
+
+    def peer_spoke(self) -> bool:
+        """True when an idle plain-TCP connection has input waiting: the upstream's close (or
+        bytes nobody asked for) arrived and the loop has not read it yet. Checked before a
+        pooled connection takes a request, so that a close already on its way is not met by
+        a write (which could not be sent again)."""
+        if self.closed or self.transport.get_extra_info("sslcontext") is not None:
+            return False
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+
+    @property
+    def reusable(self) -> bool:
+        """The exchange is over and left the connection fit for the next request: the body
+        read from it to the end (what was not handed on is dropped), reading not paused, no
+        close asked for."""
+        return (self.phase == DONE and self._error is None and not self._paused
+                and self.keep_alive and not self.closed and not self.transport.is_closing())
 
     @property
     def body_taken(self) -> bool:
@@ -219,6 +248,10 @@ class Connection(asyncio.Protocol):
         buffer = self._buffer + data if self._buffer else data
         while True:
             split = buffer.find(b"\r\n\r\n")
+            end = split if split >= 0 else len(buffer)
+            if buffer.count(b"\n", 0, end) != buffer.count(b"\r\n", 0, end):
+                self._garbage("a bare LF in the response head")  # now, not at the timeout
+                return
             if split < 0:
                 self._buffer = buffer
                 if len(buffer) > MAX_HEAD_BYTES:
@@ -263,7 +296,7 @@ class Connection(asyncio.Protocol):
             try:
                 pieces = decoder.feed(data)
             except MessageError as exc:
-                self._fail(UpstreamBroken(f"{self._name()}: bad chunked body: {exc}"))
+                self._fail(UpstreamMalformed(f"{self._name()}: bad chunked body: {exc}"))
                 self.close()
                 return
             data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -280,7 +313,6 @@ class Connection(asyncio.Protocol):
         if data:
             sink = self._sink
             if sink is not None:
-                self._wait_since_s = self.loop.time()  # a new silence window
                 sink(data, self.phase == DONE)
                 if self.phase != DONE and self._error is None:
                     return  # nobody to wake: the sink has it
@@ -299,7 +331,7 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def _garbage(self, why: str) -> None:
-        self._fail(UpstreamUnreachable(f"{self._name()} sent an invalid response head: {why}"))
+        self._fail(UpstreamMalformed(f"{self._name()} sent an invalid response head: {why}"))
         self.close()
 
     # --- waiting -------------------------------------------------------------------------
@@ -314,9 +346,11 @@ class Connection(asyncio.Protocol):
 
     async def _wait(self) -> None:
         self._waiter = waiter = self.loop.create_future()
-        self._wait_since_s = self.loop.time()
+        # silence counts while the response is waited on: from the later of the last byte
+        # and this wait's start (data_received moves it on; the timer re-arms to match)
+        self._silent_since_s = self.loop.time()
         if self._timer is None:  # one timer per silence window, not one per wait
-            self._timer = self.loop.call_at(self._wait_since_s + self.read_timeout_s,
+            self._timer = self.loop.call_at(self._silent_since_s + self.read_timeout_s,
                                             self._on_timer)
         try:
             await waiter
@@ -328,7 +362,7 @@ class Connection(asyncio.Protocol):
         waiter = self._waiter
         if waiter is None or waiter.done():
             return
-        due_s = self._wait_since_s + self.read_timeout_s
+        due_s = self._silent_since_s + self.read_timeout_s
         if self.loop.time() + 0.001 >= due_s:
             what = "response head" if self.phase == HEAD else "body bytes"
             waiter.set_exception(UpstreamTimeout(

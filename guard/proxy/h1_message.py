@@ -2,29 +2,39 @@
 head it parses and the chunked body framing it removes. Pure functions and one small decoder,
 no I/O (:mod:`guard.proxy.h1_connection` drives them from an asyncio protocol).
 
-Strict where a proxy must be: a status line that is not ``HTTP/1.x NNN``, a header line without
-a colon or with a space in its name, an unparseable or conflicting ``content-length``, a chunk
-size that is not plain hex, or a missing CRLF after a chunk's data raises :class:`MessageError`.
+Strict where a proxy must be (:class:`MessageError`, which the connection turns into a 502): a
+status line that is not ``HTTP/1.x NNN [reason]``; a header line that is not ``token ":" value``
+(a name with a space or any other non-token byte, a value with a control character other than
+HTAB, a bare CR or LF, an obs-fold continuation line); more than ``MAX_HEADERS`` header lines or
+one longer than ``MAX_FIELD_BYTES`` (aiohttp's limits); a ``content-length`` that is not one
+plain decimal (repeated values must agree), or that comes with a ``transfer-encoding``; a ``transfer-encoding`` other than
+exactly ``chunked`` (``identity``, ``gzip, chunked``, ``xchunked``: kvguard would read such a
+body differently from another client, so it reads none); a chunk size that is not plain hex,
+or a missing CRLF after a chunk's data.
 """
 
 from __future__ import annotations
 
 import re
 
-from guard.proxy.transports import _SERVER_WRITTEN, HOP_BY_HOP
+from guard.proxy.upstream_contract import HOP_BY_HOP, SERVER_WRITTEN
 from guard.relay import REQUEST_ID_HEADER
 from serving.chunked import ChunkedDecoder as BaseChunkedDecoder
 from serving.chunked import ChunkedError
 
 __all__ = ["MessageError", "ResponseHead", "ChunkedDecoder", "request_head", "proxied_request",
-           "NOT_FORWARDED", "parse_head", "NO_BODY", "LENGTH", "CHUNKED", "UNTIL_CLOSE", "MAX_HEAD_BYTES"]
+           "NOT_FORWARDED", "parse_head", "NO_BODY", "LENGTH", "CHUNKED", "UNTIL_CLOSE",
+           "MAX_HEAD_BYTES", "MAX_HEADERS", "MAX_FIELD_BYTES"]
 
 # body framings of a response
 NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE = 0, 1, 2, 3
 MAX_HEAD_BYTES = 64 * 1024  # a response head longer is garbage
-# whitespace, CR or LF in a header name (a regex, not ``b" " in name``: bytes ``in`` first tries
-# its operand as an int and formats the TypeError it discards, four per header)
-_NAME_BAD = re.compile(rb"[ \t\r\n]")
+MAX_HEADERS = 128  # header lines in one response head
+MAX_FIELD_BYTES = 8190  # one header line, and the status line
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [\t\x20-\x7e\x80-\xff]*)?")
+# one header line: a token name, a colon, a value without controls but HTAB (trimmed)
+_FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*"
+                    rb"((?:[^\x00-\x08\x0a-\x1f\x7f]*[^\x00-\x20\x7f])?)[ \t]*")
 # a client's headers the proxy never forwards: the hop-by-hop ones, and its x-request-id (the
 # guard's own goes instead)
 NOT_FORWARDED = HOP_BY_HOP | {REQUEST_ID_HEADER}
@@ -89,45 +99,46 @@ class ResponseHead:
 def parse_head(head: bytes) -> ResponseHead:
     """The response head ``head`` (without its final blank line); raises :class:`MessageError`."""
     lines = head.split(b"\r\n")
+    if len(lines) > MAX_HEADERS + 1:
+        raise MessageError(f"more than {MAX_HEADERS} header lines")
     status_line = lines[0]
-    if (len(status_line) < 12 or not status_line.startswith(b"HTTP/1.")
-            or status_line[7] not in b"01" or status_line[8] != 0x20
-            or not status_line[9:12].isdigit() or status_line[12:13] not in (b"", b" ")):
+    match = _STATUS_LINE.fullmatch(status_line) if len(status_line) <= MAX_FIELD_BYTES else None
+    if match is None:
         raise MessageError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
-    status = int(status_line[9:12])
+    status = int(match[2])
     if not 100 <= status <= 599:
         raise MessageError(f"status {status} out of range")
-    keep_alive = status_line[7] == 0x31  # HTTP/1.1
+    keep_alive = match[1] == b"1"  # HTTP/1.1
     headers = []
-    lengths: set[bytes] = set()
+    lengths: list[bytes] = []
     codings: list[bytes] = []
     for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or _NAME_BAD.search(name) is not None:
+        field = _FIELD.fullmatch(line) if len(line) <= MAX_FIELD_BYTES else None
+        if field is None:
             raise MessageError(f"bad header line: {line[:80]!r}")
+        name, value = field.groups()
         name = name.lower()
-        value = value.strip(b" \t")
-        if name not in _SERVER_WRITTEN:
+        if name not in SERVER_WRITTEN:
             headers.append((name, value))
-        elif name == b"content-length":
-            lengths.update(v.strip(b" \t") for v in value.split(b","))
+        elif name == b"content-length":  # a list of one value repeated reads as that value
+            lengths += (v.strip(b" \t") for v in value.split(b","))
         elif name == b"transfer-encoding":
-            codings += (c.strip(b" \t").lower() for c in value.split(b","))
+            codings.append(value)
         elif name == b"connection":
             if b"close" in (t.strip(b" \t").lower() for t in value.split(b",")):
                 keep_alive = False
     if status < 200 or status in (204, 304):
         return ResponseHead(status, headers, NO_BODY, 0, keep_alive)
-    if codings:  # transfer-encoding wins over content-length, and then the connection ends
+    if codings:
         if lengths:
-            keep_alive = False
-        if codings[-1] == b"chunked":
-            return ResponseHead(status, headers, CHUNKED, 0, keep_alive)
-        return ResponseHead(status, headers, UNTIL_CLOSE, 0, False)
+            raise MessageError("both content-length and transfer-encoding")
+        if len(codings) != 1 or codings[0].lower() != b"chunked":
+            raise MessageError(f"unsupported transfer-encoding {b', '.join(codings)[:80]!r}")
+        return ResponseHead(status, headers, CHUNKED, 0, keep_alive)
     if lengths:
-        if len(lengths) != 1:
-            raise MessageError(f"conflicting content-length values {sorted(lengths)!r}")
-        (length,) = lengths
+        length = lengths[0]
+        if lengths.count(length) != len(lengths):
+            raise MessageError(f"conflicting content-length values {sorted(set(lengths))!r}")
         if not length.isdigit() or len(length) > 18:
             raise MessageError(f"bad content-length {length[:40]!r}")
         return ResponseHead(status, headers, LENGTH, int(length), keep_alive)

@@ -1,18 +1,22 @@
-"""``upstream_client = "h1"``: the proxy's upstream :class:`~guard.proxy.transports.Transport`
+"""``upstream_client = "h1"``: the proxy's upstream :class:`~guard.proxy.upstream_contract.Transport`
 on raw asyncio protocols (``loop.create_connection`` and an :class:`asyncio.Protocol` per
 connection; messages in :mod:`guard.proxy.h1_message`).
 
 * **Pool** per ``(host, port)``: keep-alive connections, at most ``max_connections_per_replica``
   open to one replica (more requests wait for one), the most recently used taken first; a
-  connection goes back only once its response was read to the end, and an idle one is closed
-  ``keepalive_s`` after its last response (before the upstream's own keep-alive would close it
-  under a request).
-* **A reused connection that fails before any response byte** (the upstream closed it as the
-  request went out) is retried once on a fresh connection; a fresh one that fails so, or any
-  garbage before the end of the response head, is :class:`UpstreamUnreachable`.
+  connection goes back only once its response was read to the end and handed on, with reading
+  not paused (``Connection.reusable``), and an idle one is closed ``keepalive_s`` after its last
+  response (before the upstream's own keep-alive would close it under a request).
+* **Never sent twice** (RFC 9110 §9.2.2): only a pooled connection found closed before the
+  request was written on it is replaced by a fresh one; once written, a close before or inside
+  the response is :class:`UpstreamBroken`, a response that is not valid HTTP/1.1
+  :class:`UpstreamMalformed` (at once: a bare LF or a bad field does not wait for a timeout).
 * **Timeouts**: ``connect_timeout_s`` on connect (:class:`UpstreamUnreachable`),
-  ``read_timeout_s`` of silence while waiting for the head or the next body bytes
-  (:class:`UpstreamTimeout`); a cut or malformed body is :class:`UpstreamBroken`.
+  ``read_timeout_s`` of silence (since the last byte) while the head or the next body bytes
+  are waited for (:class:`UpstreamTimeout`).
+* **The request line** carries the URL's target exactly as given; a URL whose target has a
+  byte outside the request-target grammar is refused (:class:`UpstreamUnreachable`) and never
+  written.
 * **Bodies** (``content-length``, chunked — de-chunked here — or until close) are handed on as
   they arrive: one :meth:`chunks` item per read from the socket (what arrived while the consumer
   was busy is joined into the next item). Past ``HIGH_WATER_BYTES`` not yet taken, reading from
@@ -31,7 +35,8 @@ from urllib.parse import urlsplit
 
 from guard.proxy.h1_connection import DONE, IDLE, Connection, Stale
 from guard.proxy.h1_message import ResponseHead, proxied_request, request_head
-from guard.proxy.transports import _KEEPALIVE_S, Headers, UpstreamTimeout, UpstreamUnreachable
+from guard.proxy.upstream_contract import KEEPALIVE_S, Headers, UpstreamTimeout, UpstreamUnreachable
+from guard.request.target import is_request_target
 from guard.self_connect import connected_to_itself, drop
 
 __all__ = ["H1Transport"]
@@ -69,7 +74,7 @@ class _Pool:
 
 
 class _Response:
-    """:class:`~guard.proxy.transports.UpstreamResponse` over one :class:`Connection`."""
+    """:class:`~guard.proxy.upstream_contract.UpstreamResponse` over one :class:`Connection`."""
 
     __slots__ = ("status", "headers", "_conn", "_closed", "_owner")
 
@@ -102,7 +107,7 @@ class _Response:
             return
         self._closed = True
         conn = self._conn
-        if conn.body_complete and conn.keep_alive and not conn.closed:
+        if conn.reusable:
             self._owner.release(conn)
         else:
             conn.close()
@@ -113,7 +118,7 @@ class H1Transport:
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float,
                  max_connections_per_replica: int, num_replicas: int = 1, *,
-                 keepalive_s: float = _KEEPALIVE_S) -> None:
+                 keepalive_s: float = KEEPALIVE_S) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.max_connections_per_replica = max_connections_per_replica
@@ -193,15 +198,15 @@ class H1Transport:
 
     async def _response(self, pool: _Pool, request: bytes, conn: Connection) -> _Response:
         """The response head to ``request``, already written on ``conn``; a pooled connection
-        the upstream closed under it is tried once more on a fresh one."""
+        found closed before the request was written is replaced by a fresh one, once."""
         fresh = False
         while True:
             try:
                 head = await conn.read_head()
             except Stale as exc:
                 conn.close()
-                if conn.num_exchanges > 1 and not fresh:
-                    fresh = True  # the upstream closed a pooled connection under us: once more
+                if not fresh:
+                    fresh = True  # nothing was written: the request goes on a fresh one
                     conn = await self._acquire(pool, fresh)
                     conn.start(request)
                     continue
@@ -229,9 +234,12 @@ class H1Transport:
                 self.loop = asyncio.get_running_loop()
             pool = self._pools[key] = _Pool(key, self._ssl_context()
                                             if parts.scheme == "https" else None)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        target = ((parts.path or "/") + (f"?{parts.query}" if parts.query else "")).encode(
+            "utf-8", "surrogateescape")
+        if not is_request_target(target):
+            raise UpstreamUnreachable(f"{url[:200]!r}: not a valid request target")
         host = parts.netloc.rpartition("@")[2]
-        known = (pool, target.encode("latin-1"), host.encode("latin-1"))
+        known = (pool, target, host.encode("latin-1"))
         if len(self._targets) >= _MAX_TARGETS:
             self._targets.clear()
         self._targets[url] = known
@@ -270,11 +278,15 @@ class H1Transport:
                 raise
 
     def _pop_idle(self, pool: _Pool) -> Connection | None:
+        """The most recently used idle connection; None when it expired (it and every older
+        one close), is closing or has its upstream's close waiting unread."""
         conn = pool.idle.pop()
+        conn.phase = DONE
+        if conn.transport.is_closing() or conn.peer_spoke():
+            conn.close()
+            return None
         if self.loop.time() - conn.idle_since_s < self.keepalive_s:
-            conn.phase = DONE
             return conn
-        conn.phase = DONE  # expired, and every older one too
         conn.close()
         for old in list(pool.idle):
             old.close()

@@ -1,10 +1,11 @@
 """The proxy's own Prometheus series, on the guard's registry (served at ``/kvguard/metrics``).
 
 * ``kvguard_proxy_redispatches_total{replica}``: requests moved off ``replica`` before any
-  response byte (connect error, closed connection, the replica's 503).
+  the request reached it (connect error, a pooled connection found closed, the replica's 503).
 * ``kvguard_proxy_upstream_failures_total{replica,kind}``: ``kind`` is ``unreachable``,
   ``timeout``, ``status`` (a 5xx answer), ``unavailable`` (a 503, not counted toward
-  ejection) or ``broken`` (a response cut mid-way).
+  ejection), ``broken`` (closed after the request was written, or a response cut mid-way) or
+  ``malformed`` (not valid HTTP/1.1; not counted toward ejection).
 * ``kvguard_proxy_ejections_total{replica}`` and ``kvguard_proxy_replica_routable{replica}``
   (1 while the policy may pick it).
 """

@@ -14,7 +14,7 @@ apart for every replica, on the loop that relays every token.
 
 from __future__ import annotations
 
-from guard.proxy.transports import Transport, UpstreamError
+from guard.proxy.upstream_contract import Transport, UpstreamError
 
 __all__ = ["TransportStateClient", "StateResponse"]
 

@@ -6,11 +6,15 @@ answer to the client:
 * **streams** (``text/event-stream``) pass through unbuffered, chunk by chunk;
 * **JSON** answers are read whole, then sent (the engine sends them in one piece anyway), so a
   failure half-way still becomes a clean 502;
-* a failure **before any response** (connect refused or timed out, connection closed, garbage
-  status line, or the replica's own 503) is re-dispatched once to another routable replica
-  (``redispatch``) and counted; if there is none, or the second try fails too: 502
-  ``upstream_failed`` (a replica's 503 is relayed as it is, with its own Retry-After, and does
-  not count toward ejection: the replica answered);
+* a failure **before the request reached the replica** (connect refused or timed out, a pooled
+  connection found closed before the write) or the replica's own 503 is re-dispatched once to
+  another routable replica (``redispatch``) and counted; if there is none, or the second try
+  fails too: 502 ``upstream_failed`` (a replica's 503 is relayed as it is, with its own
+  Retry-After, and does not count toward ejection: the replica answered);
+* once the request was written it is never sent again (RFC 9110 §9.2.2): a connection closed
+  before the answer is a 502 ``upstream_failed``; so is an answer that is not valid HTTP/1.1
+  (a bad status line or header field, an unsupported framing), which does not count toward
+  ejection either (a response, however odd, is not a dead replica);
 * an upstream that stays silent past ``read_timeout_s``: 504 ``upstream_timeout`` before the
   response began, an SSE error event after;
 * any other 5xx answer: 502 ``upstream_failed`` (the upstream's status in the message);
@@ -52,6 +56,7 @@ from guard.proxy.transports import (
     Transport,
     UpstreamBroken,
     UpstreamError,
+    UpstreamMalformed,
     UpstreamResponse,
     UpstreamTimeout,
     UpstreamUnreachable,
@@ -180,6 +185,11 @@ class Forwarder:
                 await client.reject(Rejection(504, "upstream_timeout",
                                               failure_message(replica_id, exc), should_retry=True))
                 return None
+            except UpstreamBroken as exc:  # the request went out: not sent again
+                self._fail(replica_id, "broken", exc)
+                await client.reject(Rejection(502, "upstream_failed", str(exc),
+                                              should_retry=True))
+                return None
             else:
                 if response.status != 503:
                     return response
@@ -215,7 +225,7 @@ class Forwarder:
                 body = b"".join([chunk async for chunk in response.chunks()])
             except UpstreamError as exc:
                 timeout = isinstance(exc, UpstreamTimeout)
-                self._fail(replica_id, "timeout" if timeout else "broken")
+                self._fail(replica_id, "timeout" if timeout else "broken", exc)
                 await client.reject(Rejection(
                     504 if timeout else 502, "upstream_timeout" if timeout else "upstream_failed",
                     failure_message(replica_id, exc), should_retry=True))
@@ -239,14 +249,18 @@ class Forwarder:
                     await client.body(chunk, not ended)
         except (UpstreamTimeout, UpstreamBroken) as exc:
             timeout = isinstance(exc, UpstreamTimeout)
-            self._fail(replica_id, "timeout" if timeout else "broken")
+            self._fail(replica_id, "timeout" if timeout else "broken", exc)
             code = "upstream_timeout" if timeout else "upstream_failed"
             await client.body(sse_error_event(code, failure_message(replica_id, exc)), False)
             return
         if not ended:
             await client.body(b"", False)
 
-    def _fail(self, replica_id: str, kind: str) -> None:
+    def _fail(self, replica_id: str, kind: str, exc: BaseException | None = None) -> None:
+        """Counted; and held against the replica's health unless its answer was malformed."""
+        if isinstance(exc, UpstreamMalformed):
+            self._counters.upstream_failure(replica_id, "malformed")
+            return
         self._counters.upstream_failure(replica_id, kind)
         self._health.record_failure(replica_id)
 

@@ -17,6 +17,7 @@ from guard.proxy import h1_connection
 from guard.proxy.h1_transport import H1Transport
 from guard.proxy.transports import (
     UpstreamBroken,
+    UpstreamMalformed,
     UpstreamTimeout,
     UpstreamUnreachable,
     make_transport,
@@ -258,11 +259,13 @@ def test_a_close_delimited_body_ends_at_close_and_its_connection_is_not_reused()
     run(main)
 
 
-@pytest.mark.parametrize("reply", [b"\x00\x01 this is not HTTP at all \r\n\r\n",
-                                   b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2"
-                                   b"\r\n\r\nxx", b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n",
-                                   b"HTTP/1.1 20"])
-def test_a_garbage_head_is_unreachable_and_sent_once(reply):
+@pytest.mark.parametrize("reply, error", [
+    (b"\x00\x01 this is not HTTP at all \r\n\r\n", UpstreamMalformed),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nxx", UpstreamMalformed),
+    (b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n", UpstreamMalformed),
+    (b"HTTP/1.1 20", UpstreamBroken),  # closed inside the head
+])
+def test_a_garbage_head_is_an_error_and_sent_once(reply, error):
     async def answer(server, conn, index, head, writer):
         if index == 0:
             writer.write(ok())
@@ -274,10 +277,10 @@ def test_a_garbage_head_is_unreachable_and_sent_once(reply):
         async with Server(answer) as server:
             client = transport()
             assert await client.get(server.url + "/health", 2.0) == (200, b'{"ok": true}')
-            with pytest.raises(UpstreamUnreachable):
+            with pytest.raises(error):
                 await client.send(server.url + "/x", JSON, b"{}")  # on the reused connection
             await client.aclose()
-        assert server.num_requests == 2  # bytes came back: never retried
+        assert server.num_requests == 2  # the request was written: never sent again
     run(main)
 
 
@@ -336,7 +339,7 @@ def test_a_body_cut_mid_way_is_broken(framing):
     run(main)
 
 
-def test_a_bad_chunk_size_mid_body_is_broken():
+def test_a_bad_chunk_size_mid_body_is_malformed():
     async def answer(server, conn, index, head, writer):
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\nzz\r\n")
         await server.until_the_client_closes(conn)
@@ -346,7 +349,7 @@ def test_a_bad_chunk_size_mid_body_is_broken():
         async with Server(answer) as server:
             client = transport()
             response = await client.send(server.url + "/x", JSON, b"{}")
-            with pytest.raises(UpstreamBroken):
+            with pytest.raises(UpstreamMalformed):
                 await read_all(response)
             await server.closed_by_peer[0].wait()
             await client.aclose()
@@ -361,48 +364,59 @@ async def answer_but_close_at_the_second(server, conn, index, head, writer) -> b
     return True
 
 
-def test_a_pooled_connection_the_upstream_closed_is_retried_once_on_a_fresh_one():
+def test_a_request_the_upstream_read_and_closed_on_is_never_sent_again():
     async def main():
         async with Server(answer_but_close_at_the_second) as server:
             client = transport()
-            for _ in range(2):
-                response = await client.send(server.url + "/x", JSON, b"{}")
-                assert response.status == 200 and await read_all(response) == b'{"ok": true}'
+            response = await client.send(server.url + "/x", JSON, b"{}")
+            assert await read_all(response) == b'{"ok": true}'
+            with pytest.raises(UpstreamBroken) as raised:  # RFC 9110 9.2.2: it may have acted
+                await client.send(server.url + "/x", JSON, b"{}")
+            assert not isinstance(raised.value, UpstreamMalformed)
+            response = await client.send(server.url + "/x", JSON, b"{}")  # a fresh one
+            assert await read_all(response) == b'{"ok": true}'
             await client.aclose()
         assert [len(c) for c in server.connections] == [2, 1]
     run(main)
 
 
-def test_a_fresh_connection_closed_before_any_byte_is_unreachable_and_not_retried():
+def test_a_fresh_connection_closed_before_any_byte_is_broken_and_not_retried():
     async def answer(server, conn, index, head, writer):
         return False
 
     async def main():
         async with Server(answer) as server:
             client = transport()
-            with pytest.raises(UpstreamUnreachable):
-                await client.send(server.url + "/x", JSON, b"{}")
-            with pytest.raises(UpstreamUnreachable):  # and a reused one: retried once only
-                await client.send(server.url + "/x", JSON, b"{}")
+            for _ in range(2):
+                with pytest.raises(UpstreamBroken):
+                    await client.send(server.url + "/x", JSON, b"{}")
             await client.aclose()
         assert server.num_requests == 2
     run(main)
 
 
-def test_connections_the_upstream_closes_after_each_answer_never_lose_a_request():
+def test_a_pooled_connection_closed_before_the_write_is_replaced_by_a_fresh_one():
+    closes: list[asyncio.Event] = []
+
     async def answer(server, conn, index, head, writer):
         writer.write(ok())  # keep-alive by the headers, then closed anyway
         await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+        closes[conn].set()
         return False
 
     async def main():
         async with Server(answer) as server:
             client = transport()
-            for _ in range(10):
+            for i in range(10):
+                closes.append(asyncio.Event())
                 response = await client.send(server.url + "/x", JSON, b"{}")
                 assert await read_all(response) == b'{"ok": true}'
+                await closes[i].wait()  # its close is sent (maybe not read by the client yet)
             await client.aclose()
-        assert server.num_requests == len(server.connections) >= 10
+        # each request on a connection of its own, each sent once
+        assert server.num_requests == len(server.connections) == 10
     run(main)
 
 
@@ -756,13 +770,58 @@ def test_send_now_writes_on_an_idle_pooled_connection_before_anything_awaits_it(
     run(main)
 
 
-def test_send_now_on_a_pooled_connection_the_upstream_closed_is_retried_on_a_fresh_one():
+def test_send_now_on_a_pooled_connection_the_upstream_closed_is_not_sent_twice():
     async def main():
         async with Server(answer_but_close_at_the_second) as server:
             client = transport()
             assert await read_all(await client.send(server.url + "/x", JSON, b"{}"))
-            response = await client.send_now(server.url + "/x", JSON, b"{}")
-            assert response.status == 200 and await read_all(response) == b'{"ok": true}'
+            pending = client.send_now(server.url + "/x", JSON, b"{}")
+            assert pending is not None
+            with pytest.raises(UpstreamBroken):
+                await pending
             await client.aclose()
-        assert [len(c) for c in server.connections] == [2, 1]
+        assert [len(c) for c in server.connections] == [2]
+    run(main)
+
+
+def test_the_read_timeout_counts_silence_not_the_whole_head():
+    """A head that trickles in over more than read_timeout_s, each gap well inside it, is
+    read; the timeout is the silence since the last byte (the hang guard bounds the test)."""
+    head = ok(b"done")
+
+    async def answer(server, conn, index, head_, writer):
+        for i in range(0, len(head), len(head) // 6 + 1):
+            writer.write(head[i:i + len(head) // 6 + 1])
+            await writer.drain()
+            await asyncio.sleep(0.25)  # 6 gaps: 1.5 s in all, each a quarter of the timeout
+        return True
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport(read_timeout_s=1.0)
+            response = await client.send(server.url + "/x", JSON, b"{}")
+            assert await read_all(response) == b"done"
+            await client.aclose()
+    run(main)
+
+
+@pytest.mark.parametrize("reply", [
+    b"HTTP/1.1 200 OK\ncontent-length: 2\n\nok",
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: identity\r\n\r\nok",
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: xchunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nx-evil: a\x00b\r\ncontent-length: 2\r\n\r\nok",
+])
+def test_a_malformed_head_on_a_kept_open_connection_fails_at_once(reply):
+    async def answer(server, conn, index, head, writer):
+        writer.write(reply)
+        await server.until_the_client_closes(conn)
+        return False
+
+    async def main():
+        async with Server(answer) as server:
+            client = transport(read_timeout_s=600.0)  # the hang guard would end a wait first
+            with pytest.raises(UpstreamMalformed):
+                await client.send(server.url + "/x", JSON, b"{}")
+            await server.closed_by_peer[0].wait()  # and the connection is closed
+            await client.aclose()
     run(main)

@@ -26,7 +26,7 @@ def _stream(client, url: str) -> None:
         assert b"[DONE]" in b"".join(response.iter_raw())
 
 
-@pytest.mark.parametrize("upstream_client", ["aiohttp", "httpx", "h1"])
+@pytest.mark.parametrize("upstream_client", ["aiohttp", "h1"])
 def test_sequential_requests_reuse_a_kept_alive_connection_shared_with_state_polls(
         tmp_path, client, upstream_client):
     config = write_config(tmp_path, policy="always_admit", client=upstream_client)

@@ -97,6 +97,7 @@ def test_no_state_source_means_unknown_capacity():
 
 @pytest.mark.parametrize("table, message", [
     ({"upstream_client": "curl"}, "upstream_client"),
+    ({"upstream_client": "httpx"}, "upstream_client"),  # removed: h1 or aiohttp
     ({"read_timeout_s": 0}, "read_timeout_s"),
     ({"connect_timeout_s": True}, "connect_timeout_s"),
     ({"eject_after_failures": 0}, "eject_after_failures"),
@@ -109,8 +110,8 @@ def test_proxy_table_is_validated(table, message):
 
 
 def test_proxy_table_reaches_the_config():
-    config = GuardConfig.from_dict({"proxy": {"read_timeout_s": 5, "upstream_client": "httpx"}})
-    assert config.proxy == ProxyConfig(read_timeout_s=5.0, upstream_client="httpx")
+    config = GuardConfig.from_dict({"proxy": {"read_timeout_s": 5, "upstream_client": "aiohttp"}})
+    assert config.proxy == ProxyConfig(read_timeout_s=5.0, upstream_client="aiohttp")
     assert GuardConfig().proxy == ProxyConfig()
 
 
