@@ -47,8 +47,8 @@ from guard.replicas.load_state import LoadState
 from guard.replicas.poller import AsgiStateSource
 from guard.request.body import content_length, headers_from_scope
 from guard.request.pricing import Pricer
-from guard.state_page import STATE_PATH, not_admitting
 from guard.request.target import Target, scope_target
+from guard.state_page import STATE_PATH, not_admitting
 from serving.drain_hooks import register_drain_hook
 
 __all__ = ["AdmissionMiddleware", "GUARD_METRICS_PATH", "LOCAL_REPLICA"]

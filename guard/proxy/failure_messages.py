@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import logging
 
-from guard.proxy.transports import UpstreamBroken, UpstreamTimeout, UpstreamUnreachable
+from guard.proxy.transports import (
+    UpstreamBroken,
+    UpstreamMalformed,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from guard.redact import redact_text
 
 __all__ = ["failure_message"]
@@ -25,6 +30,8 @@ def failure_message(replica_id: str, exc: BaseException) -> str:
         log.debug("proxy: replica %s failed: %s", replica_id, redact_text(str(exc)))
     if isinstance(exc, UpstreamTimeout):
         return f"replica {replica_id} sent nothing within the read timeout"
+    if isinstance(exc, UpstreamMalformed):
+        return f"replica {replica_id} answered with a malformed HTTP response"
     if isinstance(exc, UpstreamBroken):
         return f"replica {replica_id} cut the response short"
     if isinstance(exc, UpstreamUnreachable):

@@ -187,7 +187,8 @@ class Forwarder:
                 return None
             except UpstreamBroken as exc:  # the request went out: not sent again
                 self._fail(replica_id, "broken", exc)
-                await client.reject(Rejection(502, "upstream_failed", str(exc),
+                await client.reject(Rejection(502, "upstream_failed",
+                                              failure_message(replica_id, exc),
                                               should_retry=True))
                 return None
             else:
