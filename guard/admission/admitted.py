@@ -1,9 +1,10 @@
-"""What an adapter holds for one admitted request: :class:`Admission`.
+"""What an adapter holds for one admitted request: :class:`Admitted`.
 
-The controller returns one from :meth:`guard.controller.AdmissionController.admit`. The adapter
-forwards :attr:`Admission.body` to :attr:`Admission.replica_id`, reports what the upstream
-answered (:meth:`on_start`, :meth:`on_body` per chunk and :meth:`on_forwarded` once it is sent,
-:meth:`on_disconnect`) and ends it with
+The controller returns one from :meth:`~guard.controller.AdmissionController.decide` or
+:meth:`~guard.controller.AdmissionController.wait`, with its replica reservation booked and its
+ticket issued. The adapter forwards :attr:`Admitted.body` to :attr:`Admitted.replica_id`,
+reports what the upstream answered (:meth:`on_start`, :meth:`on_body` per chunk and
+:meth:`on_forwarded` once it is sent, :meth:`on_disconnect`) and ends it with
 :meth:`finish` exactly once (later calls do nothing). Everything else (metrics, learning, the
 budget grant, the trace line, waking the queue) happens in the controller when the ticket is
 released.
@@ -17,10 +18,10 @@ from typing import Any
 
 from guard.admission.ticket import Ticket
 
-__all__ = ["Admission"]
+__all__ = ["Admitted"]
 
 
-class Admission:
+class Admitted:
     """One admitted request: its ticket, the body to forward, the class's ITL histogram."""
 
     __slots__ = ("ticket", "body", "body_rewritten", "clock", "itl")
