@@ -369,13 +369,16 @@ class AdmissionController:
             return self._anonymous
         return tenant
 
-    def redispatch(self, admission: Admitted, replica_ids: Collection[str]) -> str | None:
+    def redispatch(self, admitted: Admitted, replica_ids: Collection[str]) -> str | None:
         """The policy re-decides an admitted request whose replica failed before answering
         (nothing reached the client) among ``replica_ids``. On Admit its reservation moves to
-        the new replica (the ticket refers to it, so it follows). None when the policy admits
-        it nowhere: the reservation stays until the adapter answers the failure and the
-        ticket is released."""
-        return self.decider.redispatch(admission, replica_ids)
+        the new replica (the ticket refers to it, so it follows) and ``admitted.replica_id``
+        names it. None when the policy admits it nowhere: the reservation stays until the
+        adapter answers the failure and the ticket is released."""
+        replica_id = self.decider.redispatch(admitted, replica_ids)
+        if replica_id is not None:
+            admitted.replica_id = replica_id
+        return replica_id
 
     # --- drain --------------------------------------------------------------------------------
     def begin_drain(self) -> None:

@@ -24,25 +24,19 @@ __all__ = ["Admitted"]
 class Admitted:
     """One admitted request: its ticket, the body to forward, the class's ITL histogram."""
 
-    __slots__ = ("ticket", "body", "body_rewritten", "clock", "itl")
+    __slots__ = ("ticket", "request_id", "replica_id", "body", "body_rewritten", "clock", "itl")
 
     def __init__(self, ticket: Ticket, body: bytes, clock: Callable[[], float], itl: Any) -> None:
         self.ticket = ticket
+        self.request_id = ticket.cost.request_id  # sent upstream as x-request-id
+        # where its reservation is: set again by AdmissionController.redispatch when it moves
+        self.replica_id = ticket.replica_id
         self.body = body  # the request as priced (max_tokens filled in when the client sent none)
         priced = ticket.priced
         # the body differs from what the client sent: send a new content-length
         self.body_rewritten = priced is not None and body is not priced.raw
         self.clock = clock  # the controller's clock
         self.itl = itl  # the class's inter-token gap histogram
-
-    @property
-    def request_id(self) -> str:
-        """The id to send upstream as ``x-request-id``."""
-        return self.ticket.cost.request_id
-
-    @property
-    def replica_id(self) -> str:
-        return self.ticket.replica_id
 
     @property
     def queue_ms(self) -> float:
