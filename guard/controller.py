@@ -108,7 +108,7 @@ from policies.decision import Admit, Queue, Shed
 from policies.retry_budget import GLOBAL, RetryBudget
 from policies.snapshot import QueuedAhead
 
-__all__ = ["AdmissionController", "AdmissionRequest", "Admitted", "INVALID_KEY", "Wait"]
+__all__ = ["AdmissionController", "INVALID_KEY"]
 
 _log = logging.getLogger(__name__)
 
