@@ -1,48 +1,62 @@
 """``AdmissionController``: the whole admission flow, behind every front end (no ASGI here).
 
-Per request: tenant (``Authorization: Bearer``) → body (bounded) → price → tenant budget
-reserve (when a budget store is configured) → policy decision on a fresh load snapshot →
-admit (reserve the replica's blocks, issue the ticket complete) | queue (wait, watching for the
-client to leave) | shed (429/503 with retry advice) → the adapter relays → release exactly once.
-The controller also owns the background work (state poller, queue pump, trace flush, budget
-lease renewal), the metrics and the trace.
+Per request: tenant (its API key) → body → price → tenant budget reserve (when a budget store
+is configured) → policy decision on a fresh load snapshot → admit (the replica's blocks
+reserved and the ticket issued together) | queue (wait, watching for the client to leave) |
+shed (429/503 with retry advice) → the adapter relays → release exactly once. The controller
+also owns the background work (state poller, queue pump, trace flush, budget lease renewal),
+the metrics and the trace.
 
 ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy another)::
 
     controller = AdmissionController(config, sources, registry=..., budget=...)
-    result = await controller.admit(path, headers, read_body, client_gone)
+    request = AdmissionRequest(path, headers, body, client_gone)  # or await read_request(...)
+    result = controller.decide(request)
+    if isinstance(result, Wait):
+        result = await controller.wait(result)
+    # Admitted: forward it; Rejection: send it; None: the client left, nothing to send
 
-* ``path``: the request path (the adapter decides which paths are admitted, with
-  :meth:`GuardConfig.is_admitted_path`); ``headers``: lower-case names → values
-  (:func:`guard.request.body.headers_from_scope` for ASGI);
-  ``read_body()``: the whole body, or an awaitable returning it (an adapter that already
-  holds the whole body returns it as is: no coroutine to run), raising
-  :class:`~guard.errors.BodyTooLarge` past ``config.max_body_bytes`` or
-  :class:`~guard.errors.ClientDisconnected`; it is only called once the tenant is known.
-* ``client_gone()``: returns one future (the same one on every call; made on first use) that
-  completes when the client disconnects. The controller calls it only when the request must
-  wait in the queue; it never consumes the future, so the adapter can keep watching it later.
-* The result is one of:
-  - :class:`~guard.admission.admitted.Admission`: forward ``admission.body`` to
-    ``admission.replica_id`` with ``x-request-id: admission.request_id``; report
-    ``on_start(status, content_type)``, ``on_body(chunk, more_body)`` for every chunk in the
-    order the client gets them (first token, each inter-token gap, ``usage`` and
-    ``finish_reason`` are read from the chunks), ``on_disconnect()`` when the client leaves;
-    then call ``finish()`` (or ``finish(exc)`` when relaying raised) exactly once. Outcomes:
+* :class:`~guard.admission.request.AdmissionRequest`: ``path`` (the adapter decides which
+  paths are admitted, with :meth:`GuardConfig.is_admitted_path`); ``headers``: lower-case
+  names → values (:func:`guard.request.body.headers_from_scope` for ASGI); ``body``: the whole
+  body, read under ``config.max_body_bytes`` (or ``unread``: the
+  :class:`~guard.errors.BodyTooLarge` / :class:`~guard.errors.ClientDisconnected` that stopped
+  reading it; :func:`~guard.admission.request.read_request` builds either); ``client_gone()``:
+  one future (the same on every call, made on first use) that completes when the client
+  disconnects. The controller watches it only while the request waits in the queue and
+  never consumes it, so the adapter can keep watching it later. ``api_key``: the tenant's
+  key, read from ``Authorization: Bearer``.
+* ``decide(request)`` is synchronous (an adapter that holds the whole body can decide and
+  write the request upstream in the same callback, with no task in between) and returns one
+  of:
+  - :class:`~guard.admission.admitted.Admitted`: decided, the replica reservation booked, the
+    admit counted, the ticket issued. Forward ``admitted.body`` to ``admitted.replica_id``
+    with ``x-request-id: admitted.request_id``; report ``on_start(status, content_type)``,
+    ``on_body(chunk, more_body)`` for every chunk in the order the client gets them (first
+    token, each inter-token gap, ``usage`` and ``finish_reason`` are read from the chunks),
+    ``on_disconnect()`` when the client leaves; then call ``finish()`` (or ``finish(exc)``
+    when relaying, or writing the request upstream, raised) exactly once. Outcomes:
     completed (whole 2xx, not aborted), canceled (client left, or the adapter's task was
     cancelled), failed (error, truncated, ``finish_reason`` abort/error), rejected_upstream
     (upstream 4xx).
-  - :class:`~guard.admission.shedding.Rejection`: send it as is (status, OpenAI-style body, retry
-    headers); it is already counted and traced.
-  - ``None``: the client left before a decision; nothing to send (already counted canceled).
-* ``redispatch(admission, replica_ids)`` (the proxy): the upstream failed before answering, so
+  - :class:`~guard.admission.shedding.Rejection`: send it as is (status, OpenAI-style body,
+    retry headers); it is already counted and traced.
+  - :class:`~guard.admission.wait.Wait`: the decision needs waiting (start-up, the budget
+    store's answer, the other guards' confirmation, the queue). Nothing else may be done with
+    it than ``await wait(it)``, exactly once.
+* ``await wait(waiting)`` returns :class:`Admitted` or :class:`Rejection` as above, or
+  ``None``: the client left before a decision (already counted canceled; nothing to send).
+* ``redispatch(admitted, replica_ids)`` (the proxy): the upstream failed before answering, so
   the policy re-decides among ``replica_ids``; returns the new replica id (reservation moved)
   or None.
 * Drain (SIGTERM): :meth:`begin_drain` makes every decision, queued ones included, a 503
   ``shutting_down`` with retry advice; :meth:`wait_drained` returns once no ticket is held.
-* Lifecycle: :meth:`start` on the serving event loop (``admit`` starts it on first use);
-  :meth:`aclose` stops the background work, waits for budget settlements and flushes the
-  trace; :meth:`close` closes the trace file.
+* Lifecycle: :meth:`start` on the serving event loop (a ``decide`` before it returns a
+  ``Wait`` that starts it); :meth:`aclose` stops the background work, waits for budget
+  settlements and flushes the trace; :meth:`close` closes the trace file.
+
+Because an admission is booked inside ``decide``, before the loop runs anything else, the next
+decision always sees it: no two decisions take the same capacity.
 
 Building one: in-process (one local ASGI replica) pass
 ``sources={"local": AsgiStateSource(app)}``; for URL replicas use
@@ -63,11 +77,12 @@ import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from guard.admission.admitted import Admission
+from guard.admission.admitted import Admitted
 from guard.admission.background import Background
 from guard.admission.budget_grants import BudgetGrants
 from guard.admission.decider import Decider
@@ -75,12 +90,14 @@ from guard.admission.queue import AdmissionQueue
 from guard.admission.queue_wait import QueueWait
 from guard.admission.release import ReleaseListeners
 from guard.admission.replica_limits import ReplicaLimits
+from guard.admission.request import AdmissionRequest, bearer_token
 from guard.admission.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
 from guard.admission.ticket import TicketBook
+from guard.admission.wait import BUDGET, CLIENT_LEFT, CONFIRMATION, QUEUE, STARTING, Wait
 from guard.budget.factory import build_budget_store
 from guard.budget.store import BudgetStore, Denied, Grant
 from guard.config import GuardConfig, TenantConfig
-from guard.errors import ClientDisconnected, PricingError
+from guard.errors import PricingError
 from guard.observe.loop_lag import LoopLag
 from guard.observe.metrics import GaugeValues, GuardMetrics
 from guard.observe.trace import TraceWriter
@@ -92,8 +109,9 @@ from policies import make_policy
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
 from policies.retry_budget import GLOBAL, RetryBudget
+from policies.snapshot import QueuedAhead
 
-__all__ = ["AdmissionController", "Decided", "INVALID_KEY"]
+__all__ = ["AdmissionController", "INVALID_KEY"]
 
 _log = logging.getLogger(__name__)
 
@@ -174,7 +192,7 @@ class AdmissionController:
                                self.retry_budget, self.metrics, self.clock, shared_reservations)
         self.waiting = QueueWait(self.queue, self.decider, self.metrics, self.clock, self.tickets,
                                  self.load_state, self.rejecter, config.max_queue_wait_s)
-        self.background = Background(lambda: self.queue.run(self.decider.pump_decide),
+        self.background = Background(lambda: self.queue.run(self.decider.decide),
                                      self._make_poller if self._sources else None,
                                      self._update_limits, self._housekeeping)
 
@@ -207,71 +225,28 @@ class AdmissionController:
         self.releases.trace = self.rejecter.trace = trace
 
     # --- the flow ---------------------------------------------------------------------------
-    async def admit(self, path: str, headers: Headers,
-                    read_body: Callable[[], bytes | Awaitable[bytes]],
-                    client_gone: Callable[[], asyncio.Future] | None = None
-                    ) -> Admission | Rejection | None:
-        """Price, budget, decide and (maybe) wait: see the module docstring."""
-        arrival_s = self.clock()
-        background = self.background  # is_running_here(), inlined: once per request
-        ready = background.ready
-        if ready is None or not ready.done() or background.loop is not asyncio.get_running_loop():
-            await background.start()
-        request_id = self._id_prefix + format(next(self._next_id), "x")
-        # no tenants configured: everyone is the anonymous tenant (tenant(), without the call)
-        tenant = self.tenant(headers.get("authorization")) if self.config.tenants else self._anonymous
-        if tenant is None:
-            return self.rejecter.reject_early(request_id, None, arrival_s, PricingError(401, *INVALID_KEY))
-        try:
-            body = read_body()
-            if body.__class__ is not bytes:  # an awaitable: the body still arriving
-                body = await body
-        except PricingError as error:
-            return self.rejecter.reject_early(request_id, tenant, arrival_s, error)
-        except ClientDisconnected:
-            self.rejecter.count_early(request_id, tenant, arrival_s, None, "canceled")
-            return None
-        result = self._priced(path, headers, body, tenant, arrival_s, request_id, client_gone)
-        return result if _answered(result) else await result
-
-    def admit_now(self, path: str, headers: Headers, body: bytes,
-                  client_gone: Callable[[], asyncio.Future] | None = None, defer: bool = False
-                  ) -> (Admission | Decided | Rejection | None
-                        | Awaitable[Admission | Rejection | None]):
-        """:meth:`admit` of a body already read whole, run synchronously as far as the flow goes
-        without waiting: the result itself, or an awaitable of it where the flow must wait
-        (start-up, a budget store that cannot answer at once, shared reservations, the queue).
-        An adapter that holds the whole body (the proxy on kvguard's server) decides and
-        forwards within the read callback this way, with no task before the request is sent.
-
-        ``defer``: an admission decided here comes back as :class:`Decided` (decided; nothing
-        reserved, counted or ticketed yet), so the adapter writes the request upstream first
-        and then makes the :class:`Admission` with :meth:`issue`, which books the reservation,
-        counts the admit and makes the ticket, before anything else runs on the loop (no other
-        decision can come between, so none can take the same capacity). Measured cold, in
-        place: the ticket and admission cost ~50 µs, the reservation and its count ~14 µs,
-        that sat between the decision and the write. The adapter must call :meth:`issue`, also
-        when its write fails (then finish the admission with the error, which releases it)."""
+    def decide(self, request: AdmissionRequest) -> Admitted | Rejection | Wait:
+        """Tenant, price, budget and the policy's decision, as far as it goes without waiting:
+        see the module docstring."""
         if not self.background.is_running_here():
-            return self.admit(path, headers, lambda: body, client_gone)  # start-up first
+            return Wait(request, STARTING, partial(self._started_then_decided, request))
         arrival_s = self.clock()
         request_id = self._id_prefix + format(next(self._next_id), "x")
-        tenant = self.tenant(headers.get("authorization")) if self.config.tenants else self._anonymous
+        # no tenants configured: everyone is the anonymous tenant
+        tenant = self._tenant_of(request.api_key) if self.config.tenants else self._anonymous
         if tenant is None:
-            return self.rejecter.reject_early(request_id, None, arrival_s, PricingError(401, *INVALID_KEY))
-        return self._priced(path, headers, body, tenant, arrival_s, request_id, client_gone,
-                            defer)
-
-    def _priced(self, path: str, headers: Headers, body: bytes, tenant: TenantConfig,
-                arrival_s: float, request_id: str,
-                client_gone: Callable[[], asyncio.Future] | None, defer: bool = False
-                ) -> (Admission | Decided | Rejection | None
-                      | Awaitable[Admission | Rejection | None]):
-        """Price, budget and decide, without waiting where the answer is at hand (see
-        :meth:`admit_now`)."""
+            return self.rejecter.reject_early(request_id, None, arrival_s,
+                                              PricingError(401, *INVALID_KEY))
+        unread = request.unread
+        if unread is not None:  # a 413, or the client left while sending its body
+            if isinstance(unread, PricingError):
+                return self.rejecter.reject_early(request_id, tenant, arrival_s, unread)
+            self.rejecter.count_early(request_id, tenant, arrival_s, None, "canceled")
+            return Wait(request, CLIENT_LEFT, _nothing)
         try:
-            priced = self.pricer.price_request(body, path, headers, tenant, arrival_s,
-                                               request_id=request_id, rules=self.rules)
+            priced = self.pricer.price_request(request.body, request.path, request.headers,
+                                               tenant, arrival_s, request_id=request_id,
+                                               rules=self.rules)
         except PricingError as error:
             return self.rejecter.reject_early(request_id, tenant, arrival_s, error)
         cost = priced.cost
@@ -279,78 +254,92 @@ class AdmissionController:
         self.retry_budget.record(cost.tenant, cost.is_retry, arrival_s)
         grants = self.grants
         if grants is None:
-            return self._decided(priced, headers, None, client_gone, defer)
+            return self._decided(priced, request, None)
         # the tenant budget: answered at once when the store can
         outcome = grants.try_reserve(cost.tenant, cost.num_prompt_tokens + cost.max_tokens)
         if outcome is None:
-            return self._reserved_then_decided(priced, headers, client_gone)
+            return Wait(request, BUDGET, partial(self._reserved_then_decided, priced, request))
         if isinstance(outcome, Denied):
             return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
-        return self._decided(priced, headers, outcome, client_gone, defer)
+        return self._decided(priced, request, outcome)
 
-    async def _reserved_then_decided(self, priced: PricedRequest, headers: Headers,
-                                     client_gone: Callable[[], asyncio.Future] | None
-                                     ) -> Admission | Rejection | None:
+    async def wait(self, waiting: Wait) -> Admitted | Rejection | None:
+        """The decision a :class:`Wait` stood for (None: the client left first)."""
+        then, waiting.then = waiting.then, None
+        if then is None:
+            raise RuntimeError(f"{waiting!r} was waited for already")
+        return await then()
+
+    async def _started_then_decided(self, request: AdmissionRequest
+                                    ) -> Admitted | Rejection | None:
+        await self.background.start()
+        result = self.decide(request)
+        return await self.wait(result) if isinstance(result, Wait) else result
+
+    async def _reserved_then_decided(self, priced: PricedRequest, request: AdmissionRequest
+                                     ) -> Admitted | Rejection | None:
         """The budget store's answer waited for, then the decision."""
         cost = priced.cost
         outcome = await self.grants.reserve(cost.tenant, cost.num_prompt_tokens + cost.max_tokens)
         if isinstance(outcome, Denied):
             return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
-        result = self._decided(priced, headers, outcome, client_gone)
-        return result if _answered(result) else await result
+        result = self._decided(priced, request, outcome)
+        return await self.wait(result) if isinstance(result, Wait) else result
 
-    def _decided(self, priced: PricedRequest, headers: Headers, grant: Grant | None,
-                 client_gone: Callable[[], asyncio.Future] | None, defer: bool = False
-                 ) -> Admission | Decided | Rejection | Awaitable[Admission | Rejection | None]:
-        """The policy's decision: the admission (or, with ``defer``, the :class:`Decided` to
-        :meth:`issue` it from) or the shed at once (the common paths: no coroutine), else an
-        awaitable of the outcome (confirmation, queue)."""
+    def _decided(self, priced: PricedRequest, request: AdmissionRequest,
+                 grant: Grant | None) -> Admitted | Rejection | Wait:
+        """The policy's decision: admitted (booked, ticketed) or shed at once, else what it
+        waits for (the other guards' confirmation, the queue). The grant is dropped unless
+        the request is admitted or waits."""
         cost = priced.cost
-        local = self.shared is None
         try:
-            result, ahead = self.decider.decide_arrival(cost, cost.arrival_s, commit=local,
-                                                        book=not (defer and local))
-            if local and isinstance(result, Admit):
-                if defer:  # booked by issue(), after the adapter's write
-                    return Decided(priced, result, grant, _forward_body(priced))
-                return self._admission(priced, result, None, grant)
+            decision, ahead = self.decider.decide_arrival(cost, cost.arrival_s)
+            if isinstance(decision, Admit):
+                if self.shared is None:
+                    return self._admitted(priced, decision, None, grant)
+                return Wait(request, CONFIRMATION,
+                            partial(self._confirmed, priced, request, decision, ahead, grant))
         except BaseException:
             self._drop_grant(grant)
             raise
-        if self.shared is None and isinstance(result, Shed):  # never queued
-            return self._shed(cost, result, headers, grant, None)
-        return self._settled(priced, result, ahead, headers, grant, client_gone)
+        if isinstance(decision, Shed):
+            return self._shed(cost, decision, request.headers, grant, None)
+        return Wait(request, QUEUE, partial(self._queued, priced, request, decision, grant))
 
-    async def _settled(self, priced: PricedRequest, result: Admit | Queue | Shed,
-                       ahead: Any, headers: Headers, grant: Grant | None,
-                       client_gone: Callable[[], asyncio.Future] | None
-                       ) -> Admission | Rejection | None:
-        """A decision that needs waiting: confirmed against the other guards' reservations,
-        queued, or shed; the grant is dropped unless the request is admitted."""
+    async def _confirmed(self, priced: PricedRequest, request: AdmissionRequest, decision: Admit,
+                         ahead: QueuedAhead, grant: Grant | None) -> Admitted | Rejection | None:
+        """Shared KV reservations: the admit confirmed against the other guards' (or decided
+        again, which may queue or shed it)."""
         try:
-            if self.shared is not None:
-                result = await self.decider.confirmed(priced.cost, result, ahead)
+            result = await self.decider.confirmed(priced.cost, decision, ahead)
             if isinstance(result, Admit):
-                return self._admission(priced, result, None, grant)
-            return await self._queue_or_shed(priced, result, headers, grant, client_gone)
+                return self._admitted(priced, result, None, grant)
         except BaseException:
             self._drop_grant(grant)
             raise
+        if isinstance(result, Shed):
+            return self._shed(priced.cost, result, request.headers, grant, None)
+        return await self._queued(priced, request, result, grant)
 
-    async def _queue_or_shed(self, priced: PricedRequest, result: Queue | Shed, headers: Headers,
-                             grant: Grant | None, client_gone: Callable[[], asyncio.Future] | None
-                             ) -> Admission | Rejection | None:
+    async def _queued(self, priced: PricedRequest, request: AdmissionRequest, decision: Queue,
+                      grant: Grant | None) -> Admitted | Rejection | None:
+        """Waiting in the queue for the pump's decision, watching for the client to leave."""
         cost = priced.cost
-        result, enqueue_s = await self.waiting.outcome(cost, result, client_gone)
+        client_gone = request.client_gone
+        try:
+            result, enqueue_s = await self.waiting.outcome(cost, decision, client_gone)
+        except BaseException:
+            self._drop_grant(grant)
+            raise
         if result is None:  # the client left while queued (already counted canceled)
             self._drop_grant(grant)
             return None
         if isinstance(result, Shed):
-            return self._shed(cost, result, headers, grant, enqueue_s)
-        admission = self._admission(priced, result, enqueue_s, grant)
+            return self._shed(cost, result, request.headers, grant, enqueue_s)
+        admitted = self._admitted(priced, result, enqueue_s, grant)
         if client_gone is not None and client_gone().done():
-            admission.on_disconnect()  # admitted in the same instant the client left
-        return admission
+            admitted.on_disconnect()  # admitted in the same instant the client left
+        return admitted
 
     def _shed(self, cost: RequestCost, shed: Shed, headers: Headers, grant: Grant | None,
               enqueue_s: float | None) -> Rejection:
@@ -358,17 +347,9 @@ class AdmissionController:
         self._drop_grant(grant)
         return self.rejecter.shed(cost, shed, headers, enqueue_s)
 
-    def issue(self, decided: Decided) -> Admission:
-        """The :class:`Admission` of a request :meth:`admit_now` returned :class:`Decided`:
-        its reservation booked and its admit counted now, then its ticket dispatched."""
-        cost = decided.priced.cost
-        self.decider.book(cost, decided.admit, cost.arrival_s)
-        return self._admission(decided.priced, decided.admit, None, decided.grant, decided.body)
-
-    def _admission(self, priced: PricedRequest, admit: Admit, enqueue_s: float | None,
-                   grant: Grant | None, body: bytes | None = None) -> Admission:
-        """Issue the ticket, complete, on the reservation the decider made; wrap it for the
-        adapter (``body``: the body to forward, when already made)."""
+    def _admitted(self, priced: PricedRequest, admit: Admit, enqueue_s: float | None,
+                  grant: Grant | None) -> Admitted:
+        """The ticket issued on the reservation the decider booked, wrapped for the adapter."""
         cost = priced.cost
         reservation = self.load_state.reservation(cost.request_id)
         if reservation is None:  # every Admit reserves: a bug, never a request's fault
@@ -377,26 +358,30 @@ class AdmissionController:
                                     enqueue_s, priced, grant)
         if self.releases.trace is not None:
             ticket.chunks_s = []  # when each content chunk went out, for the trace
-        if body is None:
-            body = _forward_body(priced)
-        return Admission(ticket, body, self.clock,
-                         self.metrics.histograms(cost.request_class.name).itl)
+        return Admitted(ticket, _forward_body(priced), self.clock,
+                        self.metrics.histograms(cost.request_class.name).itl)
 
     def tenant(self, authorization: str | None) -> TenantConfig | None:
-        """The tenant of a request, the anonymous tenant, or None (answer 401)."""
+        """The tenant of an ``Authorization`` header, the anonymous tenant, or None (401)."""
+        return self._tenant_of(bearer_token(authorization))
+
+    def _tenant_of(self, api_key: str | None) -> TenantConfig | None:
         config = self.config
-        tenant = config.match_tenant(_bearer(authorization)) if config.tenants else None
+        tenant = config.match_tenant(api_key) if config.tenants else None
         if tenant is None and (config.allow_anonymous or not config.tenants):
             return self._anonymous
         return tenant
 
-    def redispatch(self, admission: Admission, replica_ids: Collection[str]) -> str | None:
+    def redispatch(self, admitted: Admitted, replica_ids: Collection[str]) -> str | None:
         """The policy re-decides an admitted request whose replica failed before answering
         (nothing reached the client) among ``replica_ids``. On Admit its reservation moves to
-        the new replica (the ticket refers to it, so it follows). None when the policy admits
-        it nowhere: the reservation stays until the adapter answers the failure and the
-        ticket is released."""
-        return self.decider.redispatch(admission, replica_ids)
+        the new replica (the ticket refers to it, so it follows) and ``admitted.replica_id``
+        names it. None when the policy admits it nowhere: the reservation stays until the
+        adapter answers the failure and the ticket is released."""
+        replica_id = self.decider.redispatch(admitted, replica_ids)
+        if replica_id is not None:
+            admitted.replica_id = replica_id
+        return replica_id
 
     # --- drain --------------------------------------------------------------------------------
     def begin_drain(self) -> None:
@@ -486,48 +471,15 @@ class AdmissionController:
                            {r.replica_id: r.num_reserved_blocks for r in replicas})
 
 
-class Decided:
-    """An admission decided, not yet booked (:meth:`AdmissionController.admit_now` with
-    ``defer``): what an adapter needs to write the request upstream at once;
-    :meth:`AdmissionController.issue` then books its reservation and makes its
-    :class:`Admission`, before the loop runs anything else."""
-
-    __slots__ = ("priced", "admit", "grant", "body")
-
-    def __init__(self, priced: PricedRequest, admit: Admit, grant: Grant | None,
-                 body: bytes) -> None:
-        self.priced = priced
-        self.admit = admit
-        self.grant = grant
-        self.body = body  # the request body to forward (max_tokens filled in if defaulted)
-
-    @property
-    def request_id(self) -> str:
-        return self.priced.cost.request_id
-
-    @property
-    def replica_id(self) -> str:
-        return self.admit.replica_id
-
-
 def _forward_body(priced: PricedRequest) -> bytes:
     """The body to send upstream: as the client sent it, unless ``max_tokens`` was filled in."""
     raw = priced.raw  # forward_body(), without the call when the body goes as sent
     return raw if raw and not priced.max_tokens_defaulted else priced.forward_body()
 
 
-def _answered(result: Any) -> bool:
-    """The flow's result itself (not an awaitable of it)."""
-    return result is None or result.__class__ is Admission or isinstance(result, Rejection)
-
-
-def _bearer(authorization: str | None) -> str | None:
-    if authorization is None:
-        return None
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer":
-        return None
-    return token.strip() or None
+async def _nothing() -> None:
+    """A client that left before its decision: nothing to wait for, nothing to send."""
+    return None
 
 
 def _tokenizer_from(path: str) -> Callable[[str], int]:

@@ -36,8 +36,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from guard.admission.admitted import Admission
+from guard.admission.admitted import Admitted
+from guard.admission.request import read_request
 from guard.admission.shedding import send_rejection
+from guard.admission.wait import Wait
 from guard.config import GuardConfig, load_config
 from guard.controller import AdmissionController
 from guard.observe.trace import TraceWriter
@@ -125,12 +127,14 @@ class AdmissionMiddleware:
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         headers = headers_from_scope(scope)
-        state = Relay(receive, send, self._max_body_bytes, content_length(headers))
-        result = await self.controller.admit(path, headers, state.read_body,
-                                             state.client_gone)
-        if isinstance(result, Admission):
-            return await state.run(self.app, scope, result)
-        state.stop_watching()
+        relay = Relay(receive, send, self._max_body_bytes, content_length(headers))
+        request = await read_request(path, headers, relay.read_body, relay.client_gone)
+        result = self.controller.decide(request)
+        if isinstance(result, Wait):
+            result = await self.controller.wait(result)
+        if isinstance(result, Admitted):
+            return await relay.run(self.app, scope, result)
+        relay.stop_watching()
         if result is not None:
             await send_rejection(send, result)
 

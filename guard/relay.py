@@ -1,6 +1,7 @@
 """Relaying one admitted request through the wrapped ASGI app, watching its response stream.
 
-:meth:`Relay.run` runs the wrapped ASGI app for an :class:`~guard.admission.admitted.Admission`: the app gets
+:meth:`Relay.run` runs the wrapped ASGI app for an :class:`~guard.admission.admitted.Admitted`
+request: the app gets
 the admission's body as its first ``http.request`` (then the client's own later messages, so a
 disconnect still reaches it as ``http.disconnect``), the scope carries the guard's
 ``x-request-id``, and every response message passes through unbuffered while the admission
@@ -9,9 +10,9 @@ end of stream). The guard adds ``x-kvguard-queue-ms`` and, unless the app set on
 ``x-request-id`` to the response headers. The admission is finished exactly once: with its
 natural outcome when the app returns, ``canceled`` or ``failed`` when it raises (re-raised).
 
-The per-request state lives in one :class:`Relay` object: before the decision it is the
-controller's body reader and disconnect watch, after it its bound ``receive``/``send`` are
-handed to the app (no closures built per request).
+The per-request state lives in one :class:`Relay` object: before the decision it reads the
+body and makes the disconnect watch the controller is given, after it its bound
+``receive``/``send`` are handed to the app (no closures built per request).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-from guard.admission.admitted import Admission
+from guard.admission.admitted import Admitted
 from guard.request.body import read_body
 
 __all__ = ["Relay", "forward_scope", "start_with_headers", "REQUEST_ID_HEADER"]
@@ -38,7 +39,7 @@ _QUEUE_MS_HEADER = b"x-kvguard-queue-ms"
 def forward_scope(scope: Scope, request_id: bytes, body_len: int | None = None) -> Scope:
     """A copy of ``scope`` whose ``x-request-id`` header is the guard's (and whose
     ``content-length`` is ``body_len`` when the guard rewrote the body)."""
-    headers = []  # a plain loop: a comprehension is one more call per request
+    headers = []
     if body_len is None:
         for header in scope["headers"]:
             if header[0] != REQUEST_ID_HEADER:
@@ -76,16 +77,16 @@ def start_with_headers(message: Message, ticket: Any, request_id: bytes,
 
 
 class Relay:
-    """One request's ASGI side: the controller's body reader and disconnect watch before the
-    decision, then (once admitted) the receive/send pair the wrapped app sees."""
+    """One request's ASGI side: the body reader and the disconnect watch before the decision,
+    then (once admitted) the receive/send pair the wrapped app sees."""
 
     __slots__ = ("admission", "ticket", "request_id", "_receive", "_send", "_first", "gone",
                  "read_body", "_clock", "_itl")
 
     def __init__(self, receive: Receive, send: Send, max_bytes: int,
                  content_length: int | None) -> None:
-        self.admission: Admission | None = None
-        self.ticket: Any = None  # the admission's ticket: the hot path reports to it directly
+        self.admission: Admitted | None = None
+        self.ticket: Any = None  # the admitted request's ticket, reported to per message
         self.request_id = b""
         self._clock: Callable[[], float] | None = None
         self._itl: Any = None
@@ -93,11 +94,11 @@ class Relay:
         self._send = send
         self._first: Message | None = None
         self.gone: asyncio.Future | None = None  # the disconnect watch, made while queued
-        # the controller's body reader: read_body() -> the whole body under the limit
+        # read_body() -> the whole body under the limit
         self.read_body: Callable[[], Awaitable[bytes]] = partial(read_body, receive, max_bytes,
                                                                  content_length)
 
-    # --- before the decision: what the controller calls -------------------------------------
+    # --- before the decision: the request's body and disconnect watch -----------------------
 
     def client_gone(self) -> asyncio.Future:
         """A task that ends with the client's ``http.disconnect`` message (made once)."""
@@ -122,7 +123,8 @@ class Relay:
         return message
 
     async def send(self, message: Message) -> None:
-        """What ``Admission.on_start`` / ``on_body`` do, inlined: this runs for every chunk."""
+        """Each response message to the client, shown to the ticket first (status, first token,
+        gaps, usage, end): what ``Admitted.on_start`` / ``on_body`` do, for every chunk."""
         kind = message["type"]
         ticket = self.ticket
         if kind == "http.response.body":
@@ -147,7 +149,7 @@ class Relay:
         if gone is not None and not gone.done():
             gone.cancel()
 
-    async def run(self, app: Callable, scope: Scope, admission: Admission) -> None:
+    async def run(self, app: Callable, scope: Scope, admission: Admitted) -> None:
         """Run the wrapped app for the admitted request; finish the admission exactly once."""
         self.admission = admission
         self.ticket = ticket = admission.ticket
@@ -165,7 +167,7 @@ class Relay:
             gone = self.gone
             if gone is not None and not gone.done():
                 gone.cancel()
-        ticket.release(ticket.natural_outcome())  # admission.finish(), inlined
+        ticket.release(ticket.natural_outcome())  # what admission.finish() does, no error
 
 
 async def _until_disconnect(receive: Receive) -> Message:

@@ -1,9 +1,10 @@
-"""What an adapter holds for one admitted request: :class:`Admission`.
+"""What an adapter holds for one admitted request: :class:`Admitted`.
 
-The controller returns one from :meth:`guard.controller.AdmissionController.admit`. The adapter
-forwards :attr:`Admission.body` to :attr:`Admission.replica_id`, reports what the upstream
-answered (:meth:`on_start`, :meth:`on_body` per chunk and :meth:`on_forwarded` once it is sent,
-:meth:`on_disconnect`) and ends it with
+The controller returns one from :meth:`~guard.controller.AdmissionController.decide` or
+:meth:`~guard.controller.AdmissionController.wait`, with its replica reservation booked and its
+ticket issued. The adapter forwards :attr:`Admitted.body` to :attr:`Admitted.replica_id`,
+reports what the upstream answered (:meth:`on_start`, :meth:`on_body` per chunk and
+:meth:`on_forwarded` once it is sent, :meth:`on_disconnect`) and ends it with
 :meth:`finish` exactly once (later calls do nothing). Everything else (metrics, learning, the
 budget grant, the trace line, waking the queue) happens in the controller when the ticket is
 released.
@@ -17,31 +18,25 @@ from typing import Any
 
 from guard.admission.ticket import Ticket
 
-__all__ = ["Admission"]
+__all__ = ["Admitted"]
 
 
-class Admission:
+class Admitted:
     """One admitted request: its ticket, the body to forward, the class's ITL histogram."""
 
-    __slots__ = ("ticket", "body", "body_rewritten", "clock", "itl")
+    __slots__ = ("ticket", "request_id", "replica_id", "body", "body_rewritten", "clock", "itl")
 
     def __init__(self, ticket: Ticket, body: bytes, clock: Callable[[], float], itl: Any) -> None:
         self.ticket = ticket
+        self.request_id = ticket.cost.request_id  # sent upstream as x-request-id
+        # where its reservation is: set again by AdmissionController.redispatch when it moves
+        self.replica_id = ticket.replica_id
         self.body = body  # the request as priced (max_tokens filled in when the client sent none)
         priced = ticket.priced
         # the body differs from what the client sent: send a new content-length
         self.body_rewritten = priced is not None and body is not priced.raw
         self.clock = clock  # the controller's clock
         self.itl = itl  # the class's inter-token gap histogram
-
-    @property
-    def request_id(self) -> str:
-        """The id to send upstream as ``x-request-id``."""
-        return self.ticket.cost.request_id
-
-    @property
-    def replica_id(self) -> str:
-        return self.ticket.replica_id
 
     @property
     def queue_ms(self) -> float:

@@ -44,7 +44,7 @@ class BudgetGrants:
         if reserve_now is None:
             return None
         outcome = reserve_now(tenant, tokens, self.lease_s)
-        if isinstance(outcome, Grant):  # _hold(), inlined: once per request
+        if isinstance(outcome, Grant):  # held until the request ends (as _hold does)
             self.held[outcome.grant_id] = outcome
         return outcome
 
@@ -79,7 +79,7 @@ class BudgetGrants:
             return
         used = used_tokens(ticket) if ticket.outcome == "completed" else None
         if self._finish_soon is not None and self.held.pop(grant.grant_id, None) is not None:
-            self._finish_soon(grant, used)  # end(), inlined for the stores that have it
+            self._finish_soon(grant, used)  # what end() does, for the stores that have it
         else:
             self.end(grant, used)
 

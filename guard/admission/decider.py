@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Callable, Collection
 from typing import Any
 
-from guard.admission.admitted import Admission
+from guard.admission.admitted import Admitted
 from guard.admission.queue import AdmissionQueue
 from guard.admission.shedding import DrainRate
 from guard.observe.metrics import GuardMetrics
@@ -51,62 +51,50 @@ class Decider:
         self.draining = False  # every decision sheds shutting_down
         self._decided_versions: dict[str, int] = {}  # request id -> shared view it was admitted on
 
-    def decide(self, cost: RequestCost, now_s: float, ahead: QueuedAhead = NOTHING_AHEAD,
-               commit: bool = True, book: bool = True) -> Admit | Queue | Shed:
-        """Decide on a fresh snapshot (behind ``ahead``, what waits in the queue before it); on
-        admit take the replica reservation and, with ``commit``, count it admitted. ``book``
-        False (with ``commit``): an admit takes nothing yet; its caller must :meth:`book` it
-        before anything else runs on the loop (the proxy writes the request upstream first)."""
-        if self.draining:
-            return _DRAINING
-        snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
-                                            self.retry_budget.view(now_s), ahead)
-        decision = self.policy.decide(cost, snapshot)
+    def decide(self, cost: RequestCost, now_s: float,
+               ahead: QueuedAhead = NOTHING_AHEAD) -> Admit | Queue | Shed:
+        """Decide on a fresh snapshot (behind ``ahead``, what waits in the queue before it). An
+        admit takes its replica reservation at once; it is counted admitted at once too, unless
+        reservations are shared (then :meth:`confirmed` counts it, once it stands)."""
+        decision = self._decision(cost, now_s, ahead)
         if isinstance(decision, Admit):
-            if not book:
-                return decision  # booked by the caller (book), right after its write
-            if commit:
-                self.book(cost, decision, now_s)
-            else:
-                self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
-                if self.shared is not None:  # the view it was decided on, for the confirmation
-                    self._decided_versions[cost.request_id] = self.shared.version.get(
-                        decision.replica_id, 0)
+            self.load_state.reserve(decision.replica_id, cost.request_id, cost, now_s)
+            if self.shared is None:
+                self._count_admitted(cost, decision, now_s)
+            else:  # the view it was decided on, for the confirmation
+                self._decided_versions[cost.request_id] = self.shared.version.get(
+                    decision.replica_id, 0)
         return decision
 
-    def decide_arrival(self, cost: RequestCost, now_s: float, commit: bool = True,
-                       book: bool = True) -> tuple[Admit | Queue | Shed, QueuedAhead]:
+    def decide_arrival(self, cost: RequestCost,
+                       now_s: float) -> tuple[Admit | Queue | Shed, QueuedAhead]:
         """A newcomer's decision, behind the waiters queued ahead of it (its rank or a better
         one), and what it was decided behind. It never takes capacity a waiter ahead could
-        have: decided Admit while such waiters are queued, it lets them decide first on that
-        capacity (the queue's pump, now), then is decided again behind those still waiting.
+        have: when it would be admitted while such waiters are queued, they decide first on
+        that capacity (the queue's pump, now), then it is decided behind those still waiting.
         (Without this, a newcomer decided between a state refresh and the pump's next run took
         the seat a refresh had just shown free, and the waiter it passed was shed at the next
         decision: the slowest sheds of a flood were such waiters.)"""
         ahead = self.queue.ahead_of(cost)
         if not ahead.num_requests:
-            return self.decide(cost, now_s, ahead, commit, book), ahead
-        decision = self.decide(cost, now_s, ahead, commit=False)
-        if isinstance(decision, Admit):
-            self.load_state.release(cost.request_id)
-            self._decided_versions.pop(cost.request_id, None)
-            self.queue.pump(self.pump_decide, now_s)
-            ahead = self.queue.ahead_of(cost)
-            decision = self.decide(cost, now_s, ahead, commit, book)
-        return decision, ahead
+            return self.decide(cost, now_s, ahead), ahead
+        decision = self._decision(cost, now_s, ahead)  # nothing taken yet
+        if not isinstance(decision, Admit):
+            return decision, ahead
+        self.queue.pump(self.decide, now_s)
+        ahead = self.queue.ahead_of(cost)
+        return self.decide(cost, now_s, ahead), ahead
 
-    def pump_decide(self, cost: RequestCost, now_s: float,
-                    ahead: QueuedAhead = NOTHING_AHEAD) -> Admit | Queue | Shed:
-        """The queue pump's decision (counted admitted after confirmation when shared)."""
-        return self.decide(cost, now_s, ahead, commit=self.shared is None)
+    def _decision(self, cost: RequestCost, now_s: float, ahead: QueuedAhead) -> Admit | Queue | Shed:
+        """The policy's decision on a snapshot taken now; nothing reserved."""
+        if self.draining:
+            return _DRAINING
+        snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
+                                            self.retry_budget.view(now_s), ahead)
+        return self.policy.decide(cost, snapshot)
 
-    def book(self, cost: RequestCost, admit: Admit, now_s: float) -> None:
-        """An admit's replica reservation, and the admit counted: what :meth:`decide` does with
-        ``commit``, or leaves to its caller with ``book`` False."""
-        self.load_state.reserve(admit.replica_id, cost.request_id, cost, now_s)
-        self.commit(cost, admit, now_s)
-
-    def commit(self, cost: RequestCost, admit: Admit, now_s: float) -> None:
+    def _count_admitted(self, cost: RequestCost, admit: Admit, now_s: float) -> None:
+        """An admit that stands: the policy told, the admitted counter counted."""
         self.policy.admitted(cost, admit.replica_id, now_s)
         self.metrics.counters(cost.request_class.name, cost.tenant).admitted.value += 1
 
@@ -130,16 +118,16 @@ class Decider:
             self.load_state.release(cost.request_id)
             if self.shared.redecided is not None:
                 self.shared.redecided.inc()
-            result = self.decide(cost, self.clock(), ahead, commit=False)
+            result = self.decide(cost, self.clock(), ahead)
         if isinstance(result, Admit):
-            self.commit(cost, result, self.clock())
+            self._count_admitted(cost, result, self.clock())
         return result
 
     def forget(self, request_id: str) -> None:
         """The request left before its confirmation: drop the view it was decided on."""
         self._decided_versions.pop(request_id, None)
 
-    def redispatch(self, admission: Admission, replica_ids: Collection[str]) -> str | None:
+    def redispatch(self, admission: Admitted, replica_ids: Collection[str]) -> str | None:
         """Re-decide an admitted request whose replica failed before answering among
         ``replica_ids``: the new replica id (its reservation moved there), or None."""
         cost = admission.ticket.cost

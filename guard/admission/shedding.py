@@ -35,13 +35,14 @@ from guard.config import GuardConfig, TenantConfig
 from guard.errors import PricingError
 from guard.observe.metrics import GuardMetrics
 from guard.observe.trace import TraceWriter, rejection_record
+from guard.request.deadline import client_timeout_s
 from policies.cost import RequestCost
 from policies.decision import Shed
 from policies.retry_budget import RetryBudget
 from policies.shed_reasons import NEVER_RETRY, RETRY_SHED
 
-__all__ = ["DrainRate", "Rejecter", "Rejection", "RetryAdvisor", "client_timeout_s",
-           "error_type", "send_rejection"]
+__all__ = ["DrainRate", "Rejecter", "Rejection", "RetryAdvisor", "error_type",
+           "send_rejection"]
 
 Send = Callable[[dict], Awaitable[None]]
 
@@ -280,6 +281,7 @@ class Rejecter:
             expected_free_s=self._expected_free_s(now_s, num_ahead, service_s),
             num_in_flight=self._tickets.num_held, service_s=service_s,
             queue_horizon_s=self._queue_horizon_s(now_s) if num_ahead else None)
+        # the headers were priced already: a malformed deadline header never gets here
         remaining_s = client_timeout_s(headers, self._config.deadline_header)
         if remaining_s is not None:
             remaining_s -= now_s - cost.arrival_s
@@ -343,17 +345,3 @@ class Rejecter:
         if self.trace is not None:
             self.trace.write(rejection_record(request_id, tenant_name, class_name, arrival_s,
                                                self._clock(), enqueue_s, status, reason, outcome))
-
-
-def client_timeout_s(headers: dict[str, str], deadline_header: str) -> float | None:
-    """The client's own deadline in seconds from arrival, if it told us one."""
-    for name, scale in (("x-stainless-read-timeout", 1.0), (deadline_header, 0.001)):
-        value = headers.get(name)
-        if value is not None:
-            try:
-                timeout_s = float(value) * scale
-            except ValueError:
-                continue
-            if timeout_s > 0:
-                return timeout_s
-    return None

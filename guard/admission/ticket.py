@@ -179,7 +179,7 @@ class Ticket:
         cost = self.cost
         klass = cost.request_class
         if self.first_token_s is None or self.first_token_s - cost.arrival_s > klass.ttft_s:
-            return False  # (ttft_s, inlined: once per request)
+            return False  # no first token, or later than the class TTFT
         return self.max_itl_s is None or self.max_itl_s <= klass.itl_s
 
     @property
@@ -190,8 +190,7 @@ class Ticket:
         return self.num_content_chunks
 
     def sample(self) -> CompletionSample:
-        """Built once per request for the policy: fields read directly, positionally (the
-        properties above would be a call each)."""
+        """What the policy learns from, built once per request at release."""
         released_s = self.released_s
         assert self.outcome is not None and released_s is not None
         cost = self.cost

@@ -39,10 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from guard.admission.admitted import Admission
+from guard.admission.admitted import Admitted
+from guard.admission.request import AdmissionRequest, read_request
 from guard.admission.shedding import Rejection, send_rejection
+from guard.admission.wait import Wait
 from guard.config import GuardConfig
-from guard.controller import AdmissionController, Decided
+from guard.controller import AdmissionController
 from guard.errors import BodyTooLarge
 from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.proxy.h1_message import NOT_FORWARDED
@@ -94,7 +96,7 @@ class ProxyApp:
             proxy.max_connections_per_replica, len(self.urls))
         self.health = ReplicaHealth(self.urls, proxy.eject_after_failures, proxy.probe_interval_s,
                                     self._mark_unhealthy, self._probe, self.clock)
-        # state polls ride the requests' pooled transport (~4x less CPU than an httpx client)
+        # state polls ride the requests' pooled transport (no second client per replica)
         sources = state_sources(config.replicas, TransportStateClient(self.transport),
                                 timeout_s=config.state_timeout_s)
         gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
@@ -129,7 +131,7 @@ class ProxyApp:
             return False
         return 200 <= status < 300
 
-    def _redispatch(self, admission: Admission, failed_replica_id: str) -> str | None:
+    def _redispatch(self, admission: Admitted, failed_replica_id: str) -> str | None:
         """The policy re-decides an admission whose replica failed before answering, among
         the other routable replicas (the controller moves its reservation)."""
         others = [rid for rid in self.urls if rid != failed_replica_id and self.routable(rid)]
@@ -173,19 +175,22 @@ class ProxyApp:
         exchange = _Exchange(receive, self.config.max_body_bytes, content_length(headers),
                              scope.get("extensions"))
         try:
-            result = await self.controller.admit(target.path, headers, exchange.read_body,
-                                                 exchange.client_gone)
-            await self._answer(result, target.raw, scope["headers"], exchange.client_gone,
-                               send, exchange.writer)
+            request = await read_request(target.path, headers, exchange.read_body,
+                                         exchange.client_gone)
+            result = self.controller.decide(request)
+            if isinstance(result, Wait):
+                result = await self.controller.wait(result)
+            await self._answer(result, target.raw, scope["headers"], exchange.client_gone, send,
+                               exchange.writer)
         finally:
             exchange.stop()
 
-    async def _answer(self, result: Admission | Rejection | None, raw_target: str,
+    async def _answer(self, result: Admitted | Rejection | None, raw_target: str,
                       raw_headers: RawHeaders, client_gone: Callable[[], asyncio.Future],
                       send: Send, writer: BodyWriter | None) -> None:
         """The controller's result answered: relayed from the replica (to ``raw_target``, the
         client's target as sent), or the rejection."""
-        if isinstance(result, Admission):
+        if isinstance(result, Admitted):
             return await self.forwarder.forward(
                 result, raw_target, _upstream_headers(raw_headers, result.request_id), client_gone(),
                 send, writer)
@@ -196,13 +201,11 @@ class ProxyApp:
     def http_direct(self, request: RequestHead, exchange: Exchange) -> Coroutine | bool | None:
         """kvguard's server calls this for every request whose head and body are in, from the
         read callback (``serving.h1_connection``), before any ASGI scope or task exists.
-        An admitted ``POST`` with a ``content-length`` body is decided right here (the
-        controller's :meth:`~guard.controller.AdmissionController.admit_now`) and, admitted,
-        written to its replica on an idle pooled connection (``h1`` client) before this
-        returns, and before its reservation and ticket are made (``defer``: the write comes
-        first, the booking right after it, before the loop runs anything else); what is
-        left (the relay, or the wait when the flow must wait) is the coroutine returned,
-        which the server runs as the request's task. A rejection decided
+        An admitted ``POST`` with a ``content-length`` body is decided right here
+        (:meth:`~guard.controller.AdmissionController.decide`) and, admitted, written to its
+        replica on an idle pooled connection (``h1`` client) before this returns; what is left
+        (the relay, or the wait and then the relay when the decision must wait) is the
+        coroutine returned, which the server runs as the request's task. A rejection decided
         here is written here (True: answered, no task at all). Everything else (other routes,
         chunked or oversized bodies) gets None: the server serves it through ASGI
         (:meth:`__call__`), as any other server would."""
@@ -216,36 +219,30 @@ class ProxyApp:
         body = exchange.take_body()
         if body is None:
             return None
-        raw_target, raw_headers = target.raw, request.headers
-        headers = headers_from_pairs(raw_headers)
-        gone = exchange.gone
-        controller = self.controller
-        result = controller.admit_now(target.path, headers, body, gone, defer=True)
+        raw_target, raw_headers, gone = target.raw, request.headers, exchange.gone
+        result = self.controller.decide(   # priced on the decoded path, sent as the client sent it
+            AdmissionRequest(target.path, headers_from_pairs(raw_headers), body, gone))
+        writer = (exchange.write_body, exchange.conn.drain)
+        if isinstance(result, Admitted):
+            try:  # written upstream now, before this returns
+                sent = self.forwarder.send_now(result.replica_id, raw_target, raw_headers,
+                                               result.body, result.request_id)
+            except BaseException as exc:
+                result.finish(exc)
+                raise
+            return self.forwarder.forward(result, raw_target,
+                                          _upstream_headers(raw_headers, result.request_id),
+                                          gone(), exchange.send, writer, sent)
         if isinstance(result, Rejection):
             exchange.respond(result.status, *result.response())
             return True
-        if result is None:  # the client left (nothing to send)
-            return True
-        writer = (exchange.write_body, exchange.conn.drain)
-        if result.__class__ is Decided:  # written upstream first, booked and ticketed after
-            request_id = result.priced.cost.request_id
-            try:
-                sent = self.forwarder.send_now(result.admit.replica_id, raw_target, raw_headers,
-                                               result.body, request_id)
-            except BaseException as exc:
-                controller.issue(result).finish(exc)
-                raise
-            admission = controller.issue(result)
-            return self.forwarder.forward(admission, raw_target,
-                                          _upstream_headers(raw_headers, request_id),
-                                          gone(), exchange.send, writer, sent)
         return self._answer_later(result, raw_target, raw_headers, gone, exchange.send, writer)
 
-    async def _answer_later(self, pending: Awaitable[Admission | Rejection | None],
-                            raw_target: str, raw_headers: RawHeaders,
+    async def _answer_later(self, waiting: Wait, raw_target: str, raw_headers: RawHeaders,
                             client_gone: Callable[[], asyncio.Future], send: Send,
                             writer: BodyWriter) -> None:
-        await self._answer(await pending, raw_target, raw_headers, client_gone, send, writer)
+        result = await self.controller.wait(waiting)
+        await self._answer(result, raw_target, raw_headers, client_gone, send, writer)
 
     async def _models(self, send: Send) -> None:
         routable = [rid for rid in self.urls if self.routable(rid)]
@@ -335,7 +332,7 @@ def _upstream_headers(raw_headers: RawHeaders, request_id: str) -> RawHeaders:
 
 
 class _Exchange:
-    """One request's body reader and disconnect watch, in the controller's terms."""
+    """One request's body reader and disconnect watch (what its AdmissionRequest is made of)."""
 
     __slots__ = ("_receive", "_max_bytes", "_content_length", "gone", "_server_gone", "writer",
                  "_take_body")
@@ -354,8 +351,8 @@ class _Exchange:
         self._take_body = body.get("take") if body else None  # the body, when all arrived
 
     def read_body(self) -> bytes | Awaitable[bytes]:
-        """The body itself when the server already holds all of it (no coroutine); else an
-        awaitable of it, read under the byte limit."""
+        """The body itself when the server already holds all of it; else an awaitable of it,
+        read under the byte limit."""
         take, limit = self._take_body, self._max_bytes
         if take is not None and (self._content_length or 0) <= limit:
             body = take()

@@ -48,7 +48,7 @@ import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from guard.admission.admitted import Admission
+from guard.admission.admitted import Admitted
 from guard.admission.shedding import Rejection
 from guard.proxy.failure_messages import failure_message
 from guard.proxy.health import ReplicaHealth
@@ -75,7 +75,7 @@ Headers = list[tuple[bytes, bytes]]
 # the server's direct body writer (serving.h1_exchange ``kvguard.body``): (write_body, drain)
 BodyWriter = tuple[Callable[[bytes, bool], bool], Callable[[], Awaitable[None]]]
 # redispatch(admission, failed_replica_id) -> the new replica id, or None when there is none
-Redispatch = Callable[[Admission, str], "str | None"]
+Redispatch = Callable[[Admitted, str], "str | None"]
 
 
 # called once a response's last bytes are written: a task that write woke runs first (see the
@@ -126,7 +126,7 @@ class Forwarder:
             watch.cut()
         return len(watches)
 
-    async def forward(self, admission: Admission, path: str, headers: Headers,
+    async def forward(self, admission: Admitted, path: str, headers: Headers,
                       gone: asyncio.Future, send: Send, writer: BodyWriter | None = None,
                       sent: Awaitable[UpstreamResponse] | None = None) -> None:
         """Relay one admitted request and finish its admission exactly once. ``gone`` completes
@@ -165,7 +165,7 @@ class Forwarder:
                 await response.aclose()  # aborts the upstream request unless it was read whole
             admission.finish(error)
 
-    async def _open(self, admission: Admission, path: str, headers: Headers, body: bytes,
+    async def _open(self, admission: Admitted, path: str, headers: Headers, body: bytes,
                     client: _Client, sent: Awaitable[UpstreamResponse] | None
                     ) -> UpstreamResponse | None:
         """The upstream's response head, after at most one re-dispatch; None if answered."""
@@ -329,7 +329,7 @@ class _Watch:
 
     __slots__ = ("admission", "task", "relaying", "client_left", "was_cut")
 
-    def __init__(self, admission: Admission, task: asyncio.Task) -> None:
+    def __init__(self, admission: Admitted, task: asyncio.Task) -> None:
         self.admission = admission
         self.task = task
         self.relaying = True
@@ -354,7 +354,7 @@ class _Client:
 
     __slots__ = ("admission", "_admission", "_send", "writer", "started")
 
-    def __init__(self, admission: Admission, send: Send, writer: BodyWriter | None = None) -> None:
+    def __init__(self, admission: Admitted, send: Send, writer: BodyWriter | None = None) -> None:
         self.admission = self._admission = admission
         self._send = send
         self.writer = writer

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import PricingError
+from guard.request.deadline import SDK_TIMEOUT_HEADER, client_timeout_s
 from guard.request.idempotency_keys import IdempotencyKeys
 from guard.request.output_lengths import OutputLengths
 from guard.request.retry_headers import RETRY_COUNT_HEADERS, is_retry_attempt
@@ -99,7 +100,7 @@ class Pricer:
         self._chars_per_token = cpt
         self._outputs: dict[str, OutputLengths] = {}  # class -> its recent endings
         self._recent_keys = IdempotencyKeys(config.idempotency_ttl_s, config.max_idempotency_bytes)
-        self._deadline_headers = frozenset({"x-stainless-read-timeout", config.deadline_header})
+        self._deadline_headers = frozenset({SDK_TIMEOUT_HEADER, config.deadline_header})
 
     # --- learning ---------------------------------------------------------------------------
 
@@ -275,26 +276,9 @@ class Pricer:
         return request_class
 
     def _deadline_s(self, headers: Mapping[str, str], now_s: float, ttft_s: float) -> float:
-        deadline_s = now_s + ttft_s
-        read_timeout = headers.get("x-stainless-read-timeout")
-        if read_timeout is not None:
-            try:
-                timeout_s = float(read_timeout)
-            except ValueError:
-                timeout_s = math.inf  # a malformed SDK hint is ignored
-            if 0 < timeout_s < math.inf:
-                deadline_s = min(deadline_s, now_s + timeout_s)
-        own = headers.get(self._config.deadline_header)
-        if own is not None:
-            try:
-                deadline_ms = float(own)
-            except ValueError:
-                deadline_ms = -1.0
-            if not 0 < deadline_ms < math.inf:
-                raise PricingError(400, "invalid_header", f"{self._config.deadline_header} must be "
-                                   "a positive number of milliseconds", self._config.deadline_header)
-            deadline_s = min(deadline_s, now_s + deadline_ms / 1000.0)
-        return deadline_s
+        """The class's TTFT deadline, or the client's own when it is sooner."""
+        timeout_s = client_timeout_s(headers, self._config.deadline_header)
+        return now_s + (ttft_s if timeout_s is None else min(ttft_s, timeout_s))
 
     def _is_retry(self, headers: Mapping[str, str], tenant: str, now_s: float) -> bool:
         """A retry counter header (:mod:`guard.request.retry_headers`) or a repeated Idempotency-Key."""

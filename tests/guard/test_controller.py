@@ -1,18 +1,20 @@
 """AdmissionController: the flow without ASGI, and its budget seam (a tiny fake store)."""
 
 import asyncio
-import inspect
 import json
 
 from prometheus_client import CollectorRegistry
 
-from guard.admission.admitted import Admission
+from guard.admission.admitted import Admitted
+from guard.admission.request import AdmissionRequest, read_request
 from guard.admission.shedding import Rejection
+from guard.admission.wait import BUDGET, CLIENT_LEFT, QUEUE, STARTING, Wait
 from guard.budget.store import Denied, Grant
 from guard.config import GuardConfig, hash_api_key
-from guard.controller import AdmissionController, Decided
+from guard.controller import AdmissionController
+from guard.errors import BodyTooLarge, ClientDisconnected
 from guard.replicas.load_state import LoadState
-from tests.support.admission import FakeClock, SlotPolicy, state_doc
+from tests.support.admission import FakeClock, SlotPolicy, admit, state_doc
 
 ACME = {"tenants": ({"name": "acme", "api_key": "sk-acme"},)}
 HEADERS = {"authorization": "Bearer sk-acme", "content-type": "application/json"}
@@ -65,10 +67,6 @@ def make_controller(policy=None, budget=None, **config):
                                budget=budget)
 
 
-async def body_of(data=BODY):
-    return data
-
-
 def count(controller, name, **labels):
     labels = {"class": "interactive", "tenant": "acme", **labels}
     return controller.registry.get_sample_value(name, labels) or 0.0
@@ -84,8 +82,8 @@ def test_admit_returns_admission_and_release_settles_grant_with_usage():
     async def main():
         store = FakeStore()
         controller = make_controller(budget=store)
-        admission = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
-        assert isinstance(admission, Admission) and admission.replica_id == "local"
+        admission = await admit(controller, "/v1/completions", HEADERS, BODY)
+        assert isinstance(admission, Admitted) and admission.replica_id == "local"
         assert admission.ticket.grant == Grant("acme", "g1", admission.ticket.cost.num_prompt_tokens + 8)
         assert complete(admission) and not admission.finish()  # exactly once
         await controller.aclose()
@@ -99,7 +97,7 @@ def test_every_other_outcome_releases_the_grant():
     async def main():
         store = FakeStore()
         controller = make_controller(budget=store)
-        admission = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
+        admission = await admit(controller, "/v1/completions", HEADERS, BODY)
         admission.on_start(200, b"text/event-stream")
         admission.on_disconnect()
         admission.finish()
@@ -114,15 +112,15 @@ def test_every_other_outcome_releases_the_grant():
 
 async def make_shed(controller):
     controller.policy.num_slots, controller.policy.queue_s = 0, None
-    return await controller.admit("/v1/completions", HEADERS, lambda: body_of())
+    return await admit(controller, "/v1/completions", HEADERS, BODY)
 
 
 def test_denied_is_429_with_the_store_reason_and_wait_only_when_retryable():
     async def main():
         store = FakeStore(Denied("tpm_limit", 2.5), Denied("tpm_limit", None))
         controller = make_controller(budget=store)
-        later = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
-        never = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
+        later = await admit(controller, "/v1/completions", HEADERS, BODY)
+        never = await admit(controller, "/v1/completions", HEADERS, BODY)
         await controller.aclose()
         assert later.status == 429 and later.reason == "tpm_limit"
         assert later.should_retry and later.retry_after_s == 2.5
@@ -140,7 +138,7 @@ def test_held_grants_are_renewed_in_the_background():
         store = FakeStore()
         controller = make_controller(budget=store)
         controller.grants.lease_s = 0.03  # renew every 10 ms (a hang guard bounds the wait)
-        admission = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
+        admission = await admit(controller, "/v1/completions", HEADERS, BODY)
         await asyncio.wait_for(store.renewed.wait(), 5)
         assert ("renew", ("g1",)) in store.calls
         complete(admission)
@@ -149,16 +147,23 @@ def test_held_grants_are_renewed_in_the_background():
 
 
 def test_unknown_key_is_401_and_costs_nothing():
+    """The tenant is checked before anything else: an unknown key is a 401 even when its
+    body could not be read (too large), and it reaches no budget store."""
     async def main():
         store = FakeStore()
         controller = make_controller(budget=store, allow_anonymous=False)
-        read = []
-        rejection = await controller.admit(
-            "/v1/completions", {"authorization": "Bearer nope"},
-            lambda: read.append(1) or body_of())
+        await controller.start()
+        stranger = {"authorization": "Bearer nope"}
+        rejection = controller.decide(AdmissionRequest("/v1/completions", stranger, BODY))
+        too_large = controller.decide(AdmissionRequest("/v1/completions", stranger, b"",
+                                                       unread=BodyTooLarge(10)))
         await controller.aclose()
-        assert rejection.status == 401 and not rejection.should_retry
-        assert read == [] and store.calls == []
+        for answer in (rejection, too_large):
+            assert isinstance(answer, Rejection)
+            assert answer.status == 401 and not answer.should_retry
+        assert store.calls == []
+        assert count(controller, "kvguard_requests_rejected_total", reason="invalid_api_key",
+                     tenant="unknown") == 2
     run(main())
 
 
@@ -166,11 +171,11 @@ def test_defaulted_max_tokens_is_forwarded_as_priced():
     async def main():
         controller = make_controller(SlotPolicy(num_slots=2))
         body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode()
-        admission = await controller.admit("/api/v1/chat/completions", HEADERS, lambda: body_of(body))
+        admission = await admit(controller, "/api/v1/chat/completions", HEADERS, body)
         sent = json.loads(admission.body)
         assert sent["max_tokens"] == admission.ticket.cost.max_tokens == 256 - 8  # fits the context
         assert admission.body_rewritten
-        explicit = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
+        explicit = await admit(controller, "/v1/completions", HEADERS, BODY)
         assert explicit.body == BODY and not explicit.body_rewritten
         for a in (admission, explicit):
             complete(a)
@@ -183,8 +188,8 @@ def test_client_leaving_the_queue_frees_the_grant_and_counts_canceled():
         store = FakeStore()
         controller = make_controller(SlotPolicy(num_slots=0), budget=store)
         gone = asyncio.get_running_loop().create_future()
-        task = asyncio.ensure_future(controller.admit("/v1/completions", HEADERS,
-                                                      lambda: body_of(), lambda: gone))
+        task = asyncio.ensure_future(admit(controller, "/v1/completions", HEADERS, BODY,
+                                           lambda: gone))
         while len(controller.queue) == 0:
             await asyncio.sleep(0)
         gone.set_result({"type": "http.disconnect"})
@@ -235,8 +240,8 @@ def test_shared_reservations_a_failed_confirm_decides_again_and_counts_one_admis
                                      shared_reservations=shared)
 
     async def go():
-        admission = await controller.admit("/v1/completions", HEADERS, body_of)
-        assert isinstance(admission, Admission)
+        admission = await admit(controller, "/v1/completions", HEADERS, BODY)
+        assert isinstance(admission, Admitted)
         # decided twice (the reservation taken, dropped, taken again), admitted once
         assert shared.seen == [1, 1] and load_state.num_inflight("local") == 1
         assert policy.admitted_ids == [admission.ticket.cost.request_id]
@@ -255,7 +260,7 @@ def test_a_stream_the_client_left_teaches_the_pricer_a_lower_bound():
 
     async def go():
         for i in range(16):
-            admission = await controller.admit("/v1/completions", HEADERS, body_of)
+            admission = await admit(controller, "/v1/completions", HEADERS, BODY)
             if i % 2:
                 assert complete(admission, b'{"usage": {"prompt_tokens": 5, '
                                            b'"completion_tokens": 4}}')
@@ -317,7 +322,7 @@ def test_the_client_software_of_a_request_reaches_the_policys_completion_sample(
     async def go():
         for agent in ("Python/3.12 aiohttp/3.9.5", "OpenAI/Python 1.54.0", None):
             headers = dict(HEADERS) if agent is None else {**HEADERS, "user-agent": agent}
-            admission = await controller.admit("/v1/completions", headers, body_of)
+            admission = await admit(controller, "/v1/completions", headers, BODY)
             assert complete(admission)
         await controller.aclose()
     run(go())
@@ -331,134 +336,258 @@ def test_a_newcomer_never_takes_the_seat_a_queued_request_is_waiting_for():
     async def main():
         policy = SlotPolicy(num_slots=0)
         controller = make_controller(policy)
-        first = asyncio.ensure_future(controller.admit("/v1/completions", HEADERS,
-                                                       lambda: body_of()))
+        first = asyncio.ensure_future(admit(controller, "/v1/completions", HEADERS, BODY))
         while len(controller.queue) == 0:
             await asyncio.sleep(0)
         (waiter,) = controller.queue.waiters()
         policy.num_slots = 1             # a seat is free now; the pump has not run since
-        second = asyncio.ensure_future(controller.admit("/v1/completions", HEADERS,
-                                                        lambda: body_of()))
+        second = asyncio.ensure_future(admit(controller, "/v1/completions", HEADERS, BODY))
         admission = await first
-        assert isinstance(admission, Admission)
+        assert isinstance(admission, Admitted)
         assert policy.admitted_ids == [waiter.cost.request_id]
         await asyncio.sleep(0)
         assert not second.done() and len(controller.queue) == 1  # behind it, still waiting
         complete(admission)
         later = await second             # the seat comes back: now the newcomer's turn
-        assert isinstance(later, Admission) and len(policy.admitted_ids) == 2
+        assert isinstance(later, Admitted) and len(policy.admitted_ids) == 2
         complete(later)
         await controller.aclose()
     run(main())
 
 
-def test_admit_now_answers_at_once_where_the_flow_need_not_wait():
-    """``admit_now`` (the proxy on kvguard's server): an Admit, a bad body or an unknown key
-    is the result itself, no coroutine; start-up, a budget store's answer and the queue are
-    awaitables; the outcomes are counted as ``admit`` counts them."""
+# --- the two calls: decide(request) -> Admitted | Rejection | Wait; await wait(waiting) ------
+
+def request_of(body=BODY, headers=HEADERS, client_gone=None, path="/v1/completions"):
+    return AdmissionRequest(path, headers, body, client_gone)
+
+
+class InstantStore(FakeStore):
+    """A store that answers at once (as the memory store does): no Wait for the budget."""
+
+    def reserve_now(self, tenant, tokens, lease_s):
+        self.calls.append(("reserve_now", tenant, tokens))
+        if self.answers:
+            return self.answers.pop(0)
+        self.num += 1
+        return Grant(tenant, f"g{self.num}", tokens)
+
+
+def test_decide_admits_at_once_with_its_reservation_and_ticket_booked():
+    """An admit comes back booked: the reservation, the admit counted, the ticket held, so the
+    very next decision sees it (one slot: the next request is shed); a write that failed is
+    finished with its error and releases everything."""
     async def main():
-        controller = make_controller(SlotPolicy(num_slots=1), allow_anonymous=False)
-        first = controller.admit_now("/v1/completions", HEADERS, BODY)
-        assert inspect.isawaitable(first)  # before start-up: the whole flow, start-up first
-        admission = await first
-        assert isinstance(admission, Admission)
-        assert complete(admission)
-        second = controller.admit_now("/v1/completions", HEADERS, BODY)
-        assert isinstance(second, Admission) and second.replica_id == "local"
-        assert controller.policy.admitted_ids[-1] == second.request_id  # committed already
-        bad = controller.admit_now("/v1/completions", HEADERS, b'{"prompt": ')
-        assert isinstance(bad, Rejection) and bad.status == 400
-        stranger = controller.admit_now("/v1/completions", {"authorization": "Bearer x"}, BODY)
-        assert isinstance(stranger, Rejection) and stranger.status == 401
-        controller.policy.queue_s = None  # the one slot is taken: a policy that sheds ...
-        shed = controller.admit_now("/v1/completions", HEADERS, BODY)
-        assert isinstance(shed, Rejection) and shed.status == 503  # ... sheds at once
-        controller.policy.queue_s = 5.0  # ... and one that queues
-        third = controller.admit_now("/v1/completions", HEADERS, BODY)
-        assert inspect.isawaitable(third)
-        waiting = asyncio.ensure_future(third)
+        controller = make_controller(SlotPolicy(num_slots=1, queue_s=None))
+        await controller.start()
+        admitted = controller.decide(request_of())
+        assert isinstance(admitted, Admitted) and admitted.replica_id == "local"
+        assert controller.load_state.reservation(admitted.request_id) is not None
+        assert controller.tickets.num_held == 1
+        assert controller.policy.admitted_ids == [admitted.request_id]
+        assert count(controller, "kvguard_requests_admitted_total") == 1
+        assert admitted.body is BODY and not admitted.body_rewritten  # as sent
+        shed = controller.decide(request_of())  # the one slot is taken
+        assert isinstance(shed, Rejection) and (shed.status, shed.reason) == (503, "overloaded")
+        assert admitted.finish(OSError("the upstream write failed"))
+        assert controller.tickets.num_held == 0
+        assert controller.load_state.reservation(admitted.request_id) is None
+        again = controller.decide(request_of())  # the slot is back
+        assert isinstance(again, Admitted) and complete(again)
+        await controller.aclose()
+        assert count(controller, "kvguard_requests_offered_total") == 3
+        assert count(controller, "kvguard_requests_admitted_total") == 2
+        assert count(controller, "kvguard_requests_rejected_total", reason="overloaded") == 1
+        assert count(controller, "kvguard_requests_failed_total") == 1
+        assert count(controller, "kvguard_requests_completed_total") == 1
+    run(main())
+
+
+def test_decide_before_start_up_waits_for_it_and_a_wait_is_waited_for_once():
+    async def main():
+        controller = make_controller(SlotPolicy(num_slots=1))
+        waiting = controller.decide(request_of())
+        assert isinstance(waiting, Wait) and waiting.stage == STARTING
+        assert controller.tickets.num_held == 0  # nothing decided yet
+        admitted = await controller.wait(waiting)
+        assert isinstance(admitted, Admitted) and complete(admitted)
+        try:
+            await controller.wait(waiting)
+        except RuntimeError as error:
+            assert "waited for already" in str(error)
+        else:
+            raise AssertionError("a Wait was waited for twice")
+        await controller.aclose()
+        assert count(controller, "kvguard_requests_admitted_total") == 1
+    run(main())
+
+
+def test_decide_rejects_bad_input_and_unread_bodies_at_once():
+    """Bad JSON (400), a body over the limit (413) and a client that left while sending its
+    body (a Wait that ends in None, counted canceled) are decided without the policy."""
+    async def main():
+        controller = make_controller(SlotPolicy(num_slots=1))
+        await controller.start()
+        bad = controller.decide(request_of(b'{"prompt": '))
+        assert isinstance(bad, Rejection) and bad.status == 400 and not bad.should_retry
+        too_large = controller.decide(AdmissionRequest("/v1/completions", HEADERS, b"",
+                                                       unread=BodyTooLarge(10)))
+        assert isinstance(too_large, Rejection) and too_large.status == 413
+        left = controller.decide(AdmissionRequest("/v1/completions", HEADERS, b"",
+                                                  unread=ClientDisconnected()))
+        assert isinstance(left, Wait) and left.stage == CLIENT_LEFT
+        assert await controller.wait(left) is None
+        await controller.aclose()
+        assert controller.policy.admitted_ids == [] and controller.tickets.num_held == 0
+        assert count(controller, "kvguard_requests_canceled_total") == 1
+        assert count(controller, "kvguard_requests_rejected_total", reason="body_too_large") == 1
+        assert count(controller, "kvguard_requests_offered_total") == 3
+    run(main())
+
+
+def test_read_request_carries_the_body_or_what_stopped_it():
+    async def main():
+        async def too_large():
+            raise BodyTooLarge(10)
+
+        async def gone():
+            raise ClientDisconnected()
+
+        whole = await read_request("/v1/completions", HEADERS, lambda: BODY)
+        assert whole.body == BODY and whole.unread is None and whole.api_key == "sk-acme"
+        awaited = await read_request("/v1/completions", {}, body_of)
+        assert awaited.body == BODY and awaited.api_key is None
+        assert isinstance((await read_request("/", {}, too_large)).unread, BodyTooLarge)
+        assert isinstance((await read_request("/", {}, gone)).unread, ClientDisconnected)
+
+    async def body_of():
+        return BODY
+    run(main())
+
+
+def test_queued_then_admitted_once_capacity_frees():
+    async def main():
+        controller = make_controller(SlotPolicy(num_slots=1, queue_s=5.0))
+        await controller.start()
+        first = controller.decide(request_of())
+        assert isinstance(first, Admitted)
+        waiting = controller.decide(request_of())
+        assert isinstance(waiting, Wait) and waiting.stage == QUEUE
+        task = asyncio.ensure_future(controller.wait(waiting))
         while not len(controller.queue):
             await asyncio.sleep(0)
+        assert not task.done() and controller.tickets.num_held == 1
+        assert complete(first)  # the release wakes the queue's pump
+        second = await task
+        assert isinstance(second, Admitted) and second.ticket.enqueue_s is not None
         assert complete(second)
-        admitted = await waiting
-        assert isinstance(admitted, Admission) and complete(admitted)
         await controller.aclose()
-        assert count(controller, "kvguard_requests_offered_total") == 5  # the 400 too
-        assert count(controller, "kvguard_requests_admitted_total") == 3
-        assert count(controller, "kvguard_requests_rejected_total", reason="overloaded") == 1
-        assert count(controller, "kvguard_requests_completed_total") == 3
+        assert count(controller, "kvguard_requests_queued_total") == 1
+        assert count(controller, "kvguard_requests_admitted_total") == 2
         assert controller.tickets.num_held == 0 and len(controller.queue) == 0
     run(main())
 
 
-def test_admit_now_with_defer_books_and_issues_the_ticket_on_demand():
-    """``defer``: an Admit comes back as ``Decided`` (nothing reserved, counted or ticketed
-    yet: the proxy writes the request upstream first); ``issue`` books the reservation, counts
-    the admit and makes the admission; a write that failed is finished with its error and
-    releases everything, as any failed admission."""
+def test_queued_then_shed_when_its_wait_runs_out():
     async def main():
-        controller = make_controller(SlotPolicy(num_slots=2))
+        store = InstantStore()
+        controller = make_controller(SlotPolicy(num_slots=1, queue_s=5.0), budget=store)
         await controller.start()
-        decided = controller.admit_now("/v1/completions", HEADERS, BODY, defer=True)
-        assert isinstance(decided, Decided) and decided.replica_id == "local"
-        assert controller.load_state.reservation(decided.request_id) is None
-        assert controller.tickets.num_held == 0
-        assert decided.request_id not in controller.policy.admitted_ids
-        assert count(controller, "kvguard_requests_admitted_total") == 0
-        assert decided.body == BODY  # as sent: max_tokens was given
-        admission = controller.issue(decided)
-        assert controller.load_state.reservation(decided.request_id) is not None
-        assert controller.policy.admitted_ids[-1] == decided.request_id
-        assert count(controller, "kvguard_requests_admitted_total") == 1
-        assert isinstance(admission, Admission) and admission.body is decided.body
-        assert admission.request_id == decided.request_id and controller.tickets.num_held == 1
-        assert complete(admission)
-        failed = controller.issue(controller.admit_now("/v1/completions", HEADERS, BODY,
-                                                       defer=True))
-        assert failed.finish(OSError("the upstream write failed"))
-        assert controller.tickets.num_held == 0
-        assert controller.load_state.reservation(failed.request_id) is None
-        # a shed or a bad body is the same rejection with or without defer
-        bad = controller.admit_now("/v1/completions", HEADERS, b'{"prompt": ', defer=True)
-        assert isinstance(bad, Rejection) and bad.status == 400
-        await controller.aclose()
-        assert count(controller, "kvguard_requests_admitted_total") == 2
-        assert count(controller, "kvguard_requests_completed_total") == 1
-        assert count(controller, "kvguard_requests_failed_total") == 1
-    run(main())
-
-
-def test_a_decided_request_issued_holds_its_capacity_for_the_next_decision():
-    """What ``issue`` books is what the next decision sees: with one slot, a second request
-    after the first one's ``issue`` is shed, and admitted again once the first completes."""
-    async def main():
-        controller = make_controller(SlotPolicy(num_slots=1, queue_s=None))
-        await controller.start()
-        first = controller.issue(controller.admit_now("/v1/completions", HEADERS, BODY,
-                                                      defer=True))
-        shed = controller.admit_now("/v1/completions", HEADERS, BODY, defer=True)
-        assert isinstance(shed, Rejection) and shed.status == 503
+        first = controller.decide(request_of())
+        waiting = controller.decide(request_of())
+        assert isinstance(waiting, Wait) and waiting.stage == QUEUE
+        task = asyncio.ensure_future(controller.wait(waiting))
+        while not len(controller.queue):
+            await asyncio.sleep(0)
+        controller.clock.advance(6.0)  # past its queue deadline
+        controller.queue.wake()
+        shed = await task
+        assert isinstance(shed, Rejection) and (shed.status, shed.reason) == (503, "queue_timeout")
+        assert ("release", "g2") in store.calls  # the queued request's grant is given back
         assert complete(first)
-        again = controller.admit_now("/v1/completions", HEADERS, BODY, defer=True)
-        assert isinstance(again, Decided)
-        assert complete(controller.issue(again))
         await controller.aclose()
-        assert count(controller, "kvguard_requests_admitted_total") == 2
+        assert count(controller, "kvguard_requests_rejected_total", reason="queue_timeout") == 1
+        assert count(controller, "kvguard_requests_admitted_total") == 1
+        assert controller.tickets.num_held == 0 and controller.grants.held == {}
     run(main())
 
 
-def test_admit_now_waits_for_a_budget_store_that_cannot_answer_at_once():
+def test_queued_then_the_client_leaves():
     async def main():
-        store = FakeStore(Denied("tokens", retry_after_s=2.0))
+        store = InstantStore()
+        controller = make_controller(SlotPolicy(num_slots=0), budget=store)
+        await controller.start()
+        gone = asyncio.get_running_loop().create_future()
+        waiting = controller.decide(request_of(client_gone=lambda: gone))
+        assert isinstance(waiting, Wait) and waiting.stage == QUEUE
+        task = asyncio.ensure_future(controller.wait(waiting))
+        while not len(controller.queue):
+            await asyncio.sleep(0)
+        gone.set_result({"type": "http.disconnect"})
+        assert await task is None
+        await controller.aclose()
+        assert store.calls[-1] == ("release", "g1")
+        assert count(controller, "kvguard_requests_canceled_total") == 1
+        assert len(controller.queue) == 0 and controller.tickets.num_held == 0
+        assert controller.load_state.num_inflight("local") == 0
+    run(main())
+
+
+def test_a_budget_store_that_answers_at_once_denies_or_grants_within_decide():
+    async def main():
+        store = InstantStore(Denied("tpm_limit", 2.0))
         controller = make_controller(budget=store)
         await controller.start()
-        denied = controller.admit_now("/v1/completions", HEADERS, BODY)
-        assert inspect.isawaitable(denied)  # the fake store answers only when awaited
-        denied = await denied
+        denied = controller.decide(request_of())
         assert isinstance(denied, Rejection) and denied.status == 429
-        granted = await controller.admit_now("/v1/completions", HEADERS, BODY)
-        assert isinstance(granted, Admission) and granted.ticket.grant.grant_id == "g1"
+        assert denied.reason == "tpm_limit" and denied.retry_after_s == 2.0
+        granted = controller.decide(request_of())
+        assert isinstance(granted, Admitted) and granted.ticket.grant.grant_id == "g1"
         assert complete(granted)
         await controller.aclose()
         assert store.calls[-1] == ("settle", "g1", 8)
+        assert count(controller, "kvguard_requests_admitted_total") == 1
+    run(main())
+
+
+def test_a_slow_budget_store_is_a_wait_for_its_answer():
+    async def main():
+        store = FakeStore(Denied("tokens", retry_after_s=2.0))  # answers only when awaited
+        controller = make_controller(budget=store)
+        await controller.start()
+        waiting = controller.decide(request_of())
+        assert isinstance(waiting, Wait) and waiting.stage == BUDGET
+        assert store.calls == []  # asked only once the adapter waits
+        denied = await controller.wait(waiting)
+        assert isinstance(denied, Rejection) and denied.status == 429
+        waiting = controller.decide(request_of())
+        assert isinstance(waiting, Wait) and waiting.stage == BUDGET
+        granted = await controller.wait(waiting)
+        assert isinstance(granted, Admitted) and granted.ticket.grant.grant_id == "g1"
+        assert complete(granted)
+        await controller.aclose()
+        assert store.calls[-1] == ("settle", "g1", 8)
+    run(main())
+
+
+def test_while_draining_decide_sheds_shutting_down_and_a_queued_wait_ends_shed():
+    async def main():
+        controller = make_controller(SlotPolicy(num_slots=1, queue_s=60.0))
+        await controller.start()
+        admitted = controller.decide(request_of())
+        waiting = controller.decide(request_of())
+        assert isinstance(waiting, Wait) and waiting.stage == QUEUE
+        task = asyncio.ensure_future(controller.wait(waiting))
+        while not len(controller.queue):
+            await asyncio.sleep(0)
+        controller.begin_drain()
+        queued = await task
+        new = controller.decide(request_of())
+        for shed in (queued, new):
+            assert isinstance(shed, Rejection)
+            assert (shed.status, shed.reason) == (503, "shutting_down") and shed.should_retry
+        assert controller.tickets.num_held == 1  # the admitted one runs on
+        assert complete(admitted)
+        await asyncio.wait_for(controller.wait_drained(poll_s=0), 10)
+        await controller.aclose()
+        assert count(controller, "kvguard_requests_rejected_total", reason="shutting_down") == 2
     run(main())

@@ -3,25 +3,24 @@ advice, the admitted one runs on, wait_drained returns once it ends (no ASGI, fa
 
 import asyncio
 
-from guard.admission.admitted import Admission
+from guard.admission.admitted import Admitted
 from guard.admission.shedding import Rejection
-from tests.guard.test_controller import HEADERS, body_of, complete, count, make_controller
-from tests.support.admission import SlotPolicy
+from tests.guard.test_controller import BODY, HEADERS, complete, count, make_controller
+from tests.support.admission import SlotPolicy, admit
 
 
 def test_drain_sheds_queued_and_new_requests_and_waits_for_the_admitted():
     async def main():
         controller = make_controller(policy=SlotPolicy(num_slots=1, queue_s=60.0))
-        admitted = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
-        assert isinstance(admitted, Admission)
-        queued = asyncio.ensure_future(controller.admit("/v1/completions", HEADERS,
-                                                        lambda: body_of()))
+        admitted = await admit(controller, "/v1/completions", HEADERS, BODY)
+        assert isinstance(admitted, Admitted)
+        queued = asyncio.ensure_future(admit(controller, "/v1/completions", HEADERS, BODY))
         for _ in range(20):  # let it reach the queue
             await asyncio.sleep(0)
         assert len(controller.queue) == 1
         controller.begin_drain()
         shed_queued = await asyncio.wait_for(queued, 10)
-        shed_new = await controller.admit("/v1/completions", HEADERS, lambda: body_of())
+        shed_new = await admit(controller, "/v1/completions", HEADERS, BODY)
         drained = asyncio.ensure_future(controller.wait_drained(poll_s=0))
         for _ in range(5):
             await asyncio.sleep(0)

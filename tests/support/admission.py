@@ -132,3 +132,15 @@ class Client:
 
 
 PROMPT = b'{"model": "tiny", "prompt": "hello there", "max_tokens": 8, "stream": true}'
+
+
+async def admit(controller, path: str = "/v1/completions", headers=None, body: bytes = b"",
+                client_gone=None):
+    """What an adapter does with a whole body: ``decide``, then ``wait`` when told to."""
+    from guard.admission.request import AdmissionRequest
+    from guard.admission.wait import Wait
+
+    result = controller.decide(AdmissionRequest(path, headers or {}, body, client_gone))
+    if isinstance(result, Wait):
+        result = await controller.wait(result)
+    return result

@@ -32,7 +32,7 @@ class RecordedTransport(H1Transport):
         self.booked_at_write: list[bool] = []  # whether its reservation was made by then
 
     def send_now(self, url, headers, body, request_id=None):
-        if self.controller is not None:  # before the write: the request is not booked
+        if self.controller is not None:  # before the write: is the request booked?
             self.booked_at_write.append(
                 self.controller.load_state.reservation(request_id) is not None)
             self.held_at_write.append(self.controller.tickets.num_held)
@@ -102,11 +102,10 @@ def test_admitted_requests_are_written_upstream_from_the_read_callback(client):
     assert [written for _, written in app.sends] == [False, True, True, True]
 
 
-def test_the_request_is_written_upstream_before_its_ticket_is_made(client):
-    """From the read callback the decided request goes upstream first; its reservation, ticket
-    and admission are made right after the write (at the moment it is written the request
-    holds no reservation and no request holds a ticket, one at a time), and the accounting
-    is as before: every request released."""
+def test_the_request_is_booked_when_it_is_written_upstream(client):
+    """From the read callback the decided request is booked (its reservation, and its ticket:
+    one request at a time, so exactly one ticket is held) before it goes upstream, so no
+    later decision can take its capacity; every request is released at the end."""
     with _recorded_proxy() as (app, url):
         for stream in (False, True, True, False):
             response = client.post(url + "/v1/completions",
@@ -118,8 +117,8 @@ def test_the_request_is_written_upstream_before_its_ticket_is_made(client):
         assert app.num_in_flight == 0
         assert state["replicas"][0]["num_inflight"] == 0
         assert state["replicas"][0]["num_reserved_blocks"] == 0
-    assert app.held_at_write == [0, 0, 0, 0]
-    assert app.booked_at_write == [False] * 4
+    assert app.held_at_write == [1, 1, 1, 1]
+    assert app.booked_at_write == [True] * 4
     assert [written for _, written in app.sends] == [False, True, True, True]
 
 

@@ -8,13 +8,9 @@ from prometheus_client import CollectorRegistry
 from guard.config import GuardConfig
 from guard.controller import AdmissionController
 from guard.replicas.load_state import LoadState
-from tests.support.admission import FakeClock, state_doc
+from tests.support.admission import FakeClock, admit, state_doc
 
 BODY = json.dumps({"model": "tiny", "prompt": "hello there", "max_tokens": 8}).encode()
-
-
-async def body():
-    return BODY
 
 
 def make_controller():
@@ -30,7 +26,7 @@ def make_controller():
 def test_redispatch_moves_the_reservation_to_the_policys_choice():
     async def main():
         controller = make_controller()
-        admission = await controller.admit("/v1/completions", {}, body)
+        admission = await admit(controller, "/v1/completions", {}, BODY)
         first = admission.replica_id
         other = "b" if first == "a" else "a"
         load = controller.load_state
