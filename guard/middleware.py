@@ -37,11 +37,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from guard.admission.admitted import Admitted
-from guard.admission.request import read_request
+from guard.admission.request import AdmissionRequest, read_request
 from guard.admission.shedding import send_rejection
 from guard.admission.wait import Wait
 from guard.config import GuardConfig, load_config
 from guard.controller import AdmissionController
+from guard.errors import PricingError
 from guard.observe.trace import TraceWriter
 from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.relay import Relay
@@ -105,7 +106,7 @@ class AdmissionMiddleware:
             if scope["method"] == "POST":  # priced on the decoded target the app routes on
                 target = scope_target(scope, self._is_admitted)
                 if target.__class__ is not Target:
-                    return await send_rejection(send, target)
+                    return await self._refuse(scope, send, target)
                 if target.admitted:
                     return await self._admit(scope, receive, send, target.path)
             if path in _GATED_PATHS and self._access.enabled:
@@ -124,6 +125,15 @@ class AdmissionMiddleware:
             self._drain_hook_set = register_drain_hook(scope, self.drain)
             return await self.app(scope, self._lifespan_receive(receive), send)
         await self.app(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, send: Send, error: PricingError) -> None:
+        """A request refused before its body is read (a target the guard will not forward):
+        answered and counted by the controller like any other rejection (a 401 first)."""
+        request = AdmissionRequest(scope["path"], headers_from_scope(scope), b"", None, error)
+        result = self.controller.decide(request)
+        if isinstance(result, Wait):
+            result = await self.controller.wait(result)
+        await send_rejection(send, result)
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         headers = headers_from_scope(scope)

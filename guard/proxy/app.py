@@ -45,7 +45,7 @@ from guard.admission.shedding import Rejection, send_rejection
 from guard.admission.wait import Wait
 from guard.config import GuardConfig
 from guard.controller import AdmissionController
-from guard.errors import BodyTooLarge
+from guard.errors import BodyTooLarge, PricingError
 from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.proxy.h1_message import NOT_FORWARDED
 from guard.proxy.health import ReplicaHealth
@@ -148,7 +148,7 @@ class ProxyApp:
         if method == "POST":  # priced on the target's decoded path, forwarded as sent
             target = scope_target(scope, self._is_admitted)
             if target.__class__ is not Target:
-                return await send_rejection(send, target)
+                return await self._refuse(scope, send, target)
             if target.admitted:
                 return await self._admit(scope, receive, send, target)
         if path in _GATED_PATHS and self._access.enabled:
@@ -168,6 +168,15 @@ class ProxyApp:
         await _send_json(send, 404, {"error": {"message": f"no route {method} {path}",
                                                "type": "invalid_request_error",
                                                "param": None, "code": "not_found"}})
+
+    async def _refuse(self, scope: dict, send: Send, error: PricingError) -> None:
+        """A request refused before its body is read (a target the guard will not forward):
+        answered and counted by the controller like any other rejection (a 401 first)."""
+        request = AdmissionRequest(scope["path"], headers_from_scope(scope), b"", None, error)
+        result = self.controller.decide(request)
+        if isinstance(result, Wait):
+            result = await self.controller.wait(result)
+        await send_rejection(send, result)
 
     async def _admit(self, scope: dict, receive: Receive, send: Send, target: Target) -> None:
         """Admission by the controller, then the forwarder; bad input never leaves here."""

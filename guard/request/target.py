@@ -8,7 +8,9 @@ decides on, and ``raw``, the target as sent, which is what the proxy forwards, u
 middleware and the proxy both call it, on every server.
 
 Refused with a 400 (``invalid_request_target``, ``x-should-retry: false``, before any pricing, so
-no budget is charged):
+no budget is charged; :func:`read_target` returns the :class:`~guard.errors.PricingError` and the
+adapter hands it to the controller as an unread request, which answers and counts it like any
+other rejection):
 
 * a target that is not an origin-form ``path [ "?" query ]`` of RFC 3986 characters (RFC 9112
   §3.2.1): a byte outside printable ASCII, a space, ``#``, a ``%`` not followed by two hex
@@ -29,7 +31,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 from urllib.parse import quote, unquote
 
-from guard.admission.shedding import Rejection
+from guard.errors import PricingError
 
 __all__ = ["Target", "read_target", "scope_target", "is_request_target", "INVALID_TARGET"]
 
@@ -63,7 +65,7 @@ def is_request_target(target: bytes) -> bool:
         not question or _QUERY.fullmatch(query) is not None)
 
 
-def scope_target(scope: dict, is_admitted: Callable[[str], bool]) -> Target | Rejection:
+def scope_target(scope: dict, is_admitted: Callable[[str], bool]) -> Target | PricingError:
     """:func:`read_target` of an ASGI HTTP scope (``raw_path``; a server that leaves it out
     gives only the decoded ``path``, read here re-encoded)."""
     raw_path = scope.get("raw_path")
@@ -73,9 +75,10 @@ def scope_target(scope: dict, is_admitted: Callable[[str], bool]) -> Target | Re
 
 
 def read_target(raw_path: bytes, query_string: bytes,
-                is_admitted: Callable[[str], bool]) -> Target | Rejection:
+                is_admitted: Callable[[str], bool]) -> Target | PricingError:
     """The :class:`Target` of a request whose target was ``raw_path`` (percent-encoded) and
-    ``query_string`` (without its ``?``); a 400 :class:`Rejection` for one the guard refuses
+    ``query_string`` (without its ``?``); a 400 :class:`~guard.errors.PricingError` for one the
+    guard refuses
     (see the module docstring)."""
     if (_PLAIN_PATH.fullmatch(raw_path) is None and _PATH.fullmatch(raw_path) is None) or (
             query_string and _PLAIN_QUERY.fullmatch(query_string) is None
@@ -120,5 +123,5 @@ def _remove_dot_segments(path: str) -> str:
     return "/" + "/".join(out)
 
 
-def _refuse(message: str) -> Rejection:
-    return Rejection(400, INVALID_TARGET, message, should_retry=False)
+def _refuse(message: str) -> PricingError:
+    return PricingError(400, INVALID_TARGET, message)

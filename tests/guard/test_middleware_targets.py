@@ -63,6 +63,11 @@ def test_the_middleware_refuses_hidden_separators_and_never_answers_500(server):
                        b"/v1/chat/completions/../../completions"):
             assert post(running.url, target) == 400, target
         assert app.seen == [("/v1/completions", b"/v1/completions")]
+        # each refusal is an outcome like any other: offered and rejected, by its reason
+        rejected = guard.controller.registry.get_sample_value(
+            "kvguard_requests_rejected_total",
+            {"class": "interactive", "tenant": "anonymous", "reason": "invalid_request_target"})
+        assert rejected == 4
         rng = random.Random(7)
         pieces = [b"/", b"v1", b"completions", b"%2F", b"%3F", b"%E2%82%AC", b"..", b"%zz",
                   b"\xff", b"%00", b"?", b"#"]

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guard.admission.shedding import Rejection
 from guard.config import GuardConfig
+from guard.errors import PricingError
 from guard.request.target import INVALID_TARGET, Target, is_request_target, read_target
 
 IS_ADMITTED = GuardConfig().is_admitted_path
@@ -40,10 +40,8 @@ def test_a_target_is_priced_decoded_and_forwarded_as_sent(raw_path, query, path,
 ])
 def test_a_target_with_more_than_one_admitted_reading_is_refused(raw_path):
     refusal = read_target(raw_path, b"", IS_ADMITTED)
-    assert isinstance(refusal, Rejection)
+    assert isinstance(refusal, PricingError)
     assert refusal.status == 400 and refusal.reason == INVALID_TARGET
-    assert not refusal.should_retry
-    assert (b"x-should-retry", b"false") in refusal.headers(0)
 
 
 @pytest.mark.parametrize("raw_path, query", [
@@ -65,14 +63,14 @@ def test_a_target_with_more_than_one_admitted_reading_is_refused(raw_path):
 ])
 def test_a_target_outside_the_grammar_is_refused(raw_path, query):
     refusal = read_target(raw_path, query, IS_ADMITTED)
-    assert isinstance(refusal, Rejection) and refusal.status == 400
+    assert isinstance(refusal, PricingError) and refusal.status == 400
 
 
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=40), st.binary(max_size=20))
 def test_any_bytes_give_a_target_or_a_400_never_an_error(raw_path, query):
     result = read_target(raw_path, query, IS_ADMITTED)
-    if isinstance(result, Rejection):
+    if isinstance(result, PricingError):
         assert result.status == 400
     else:
         assert is_request_target(result.raw.encode("ascii"))
