@@ -4,9 +4,8 @@ uvloop alike.
 libuv accepts one connection per event-loop iteration (since libuv 1.45, "unix: don't
 accept() connections in a loop"; uvloop bundles it). A server whose iterations are long — a
 proxy shedding a flood — then leaves new connections in the kernel's accept queue for one
-iteration each: 200 connections arriving together behind 2 ms iterations were accepted over
-~430 ms on uvloop's own server, over ~12 ms with this acceptor, ~13 ms on asyncio's loop
-(docs/benchmarks.md §7). New connections come in bursts exactly when a service is overloaded:
+iteration each, so a burst of connections waits many iterations (docs/benchmarks.md §7 has
+the measurement). New connections come in bursts exactly when a service is overloaded:
 clients that time out retry on fresh ones.
 
 :class:`Acceptor` reads the listening socket itself: each time it is readable it accepts up to

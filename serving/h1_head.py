@@ -76,8 +76,7 @@ def parse_head(head: bytes) -> RequestHead:
     """The request head (request line and header lines, without the final blank line).
 
     One function for the usual request (an origin-form target, valid lines): the header
-    names lower-cased and the framing read in the same loop, no helper frames (run cold, once
-    per request, each call costs; docs/benchmarks.md §7). The rarer cases go to helpers."""
+    names lower-cased and the framing read in the same loop. The rarer cases go to helpers."""
     if head.count(b"\r\n") > MAX_HEADERS:
         raise BadRequest(431, "too many header lines")
     end = head.find(b"\r\n")

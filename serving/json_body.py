@@ -9,7 +9,7 @@ only a body with more brackets than the limit is scanned (strings skipped, in C 
 (code ``invalid_json``: a body nested too deeply is JSON we refuse to parse).
 
 ``loads(raw)`` is the parse the guard's hot paths use (request bodies, replica state documents):
-orjson first, one C call (the stdlib's Python layers cost ~3x as much run cold); the stdlib for
+orjson first (one C call); the stdlib for
 what strict RFC 8259 refuses and Python's JSON allows (NaN, lone surrogate escapes, UTF-16...)
 and wherever a number may pass 64 bits (orjson would make it a float). Errors are the stdlib's
 (``ValueError``, ``UnicodeDecodeError``, ``RecursionError``).

@@ -57,9 +57,8 @@ class PhaseDeadlines:
     already running stays when it fires no later than that — on firing it finds the phase's
     real due time and, when that is still ahead, sets itself again for it. A keep-alive
     connection serving request after request thus starts a timer about once per timeout, not
-    two per request (``loop.call_later`` and ``cancel`` were ~5 % of the proxy's samples in a
-    flood of sheds; measured: the proxy's added first-token latency −0.06 to −0.08 ms at low
-    load, docs/benchmarks.md §7); a phase whose deadline is nearer than the running timer's
+    two per request (timer churn showed up in profiles of a flood of sheds; docs/benchmarks.md
+    §7 has the measurement); a phase whose deadline is nearer than the running timer's
     replaces it."""
 
     _phase: str

@@ -4,12 +4,10 @@
 reads ``status_code``, ``content``, ``text`` and ``raise_for_status()`` from the answer (httpx's
 shape). :class:`TransportStateClient` gives it that shape over the proxy's
 :class:`guard.proxy.transports.Transport`, so every replica's ``/kvguard/state`` (or vLLM
-``/metrics``) poll rides the same pooled keep-alive connections as the requests. With the
-aiohttp transport a poll costs the proxy's event loop about a quarter of the CPU an httpx GET
-does (185 µs vs 810 µs per ``/kvguard/state`` of a sim replica, measured on the 2-core dev
-machine), with the default h1 transport less again (133–145 µs vs aiohttp's 252–468 µs per
-small GET, ``scripts/upstream_client_cost.py``), and the poller runs ``refresh_interval_s``
-apart for every replica, on the loop that relays every token.
+``/metrics``) poll rides the same pooled keep-alive connections as the requests, at a fraction
+of a separate HTTP client's CPU (``scripts/upstream_client_cost.py``; docs/benchmarks.md): the
+poller runs ``refresh_interval_s`` apart for every replica, on the loop that relays every
+token.
 """
 
 from __future__ import annotations

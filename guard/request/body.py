@@ -36,7 +36,7 @@ async def read_body(receive: Receive, max_bytes: int, content_length: int | None
 
 def headers_from_scope(scope: Mapping[str, Any]) -> dict[str, str]:
     """ASGI ``scope["headers"]`` as a dict of lower-case names (last value wins)."""
-    headers = {}  # the loop of headers_from_pairs, not a call to it: one call less per request
+    headers = {}
     for name, value in scope.get("headers", ()):
         headers[name.decode("latin-1").lower()] = value.decode("latin-1")
     return headers
