@@ -59,9 +59,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import random
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
@@ -160,7 +160,9 @@ class AdmissionController:
                                  RetryAdvisor(rng if rng is not None else random.Random()),
                                  lambda: self.releases.service_s, trace, self.retry_budget)
         self._anonymous = config.anonymous_tenant
-        self._id_prefix = f"g-{os.urandom(3).hex()}-"
+        # ids are UUIDs (this guard's random first 24 characters, then a 12-hex-digit count):
+        # some engines (llama-cpp-python's server) refuse an x-request-id that is not one
+        self._id_prefix = str(uuid.uuid4())[:24]
         self._next_id = itertools.count(1)
         self.replica_limits = ReplicaLimits(self.load_state, self.clock,
                                             min(c.itl_s for c in config.classes))
@@ -217,7 +219,7 @@ class AdmissionController:
         ready = background.ready
         if ready is None or not ready.done() or background.loop is not asyncio.get_running_loop():
             await background.start()
-        request_id = self._id_prefix + format(next(self._next_id), "x")
+        request_id = self._id_prefix + format(next(self._next_id), "012x")
         # no tenants configured: everyone is the anonymous tenant (tenant(), without the call)
         tenant = self.tenant(headers.get("authorization")) if self.config.tenants else self._anonymous
         if tenant is None:
@@ -255,7 +257,7 @@ class AdmissionController:
         if not self.background.is_running_here():
             return self.admit(path, headers, lambda: body, client_gone)  # start-up first
         arrival_s = self.clock()
-        request_id = self._id_prefix + format(next(self._next_id), "x")
+        request_id = self._id_prefix + format(next(self._next_id), "012x")
         tenant = self.tenant(headers.get("authorization")) if self.config.tenants else self._anonymous
         if tenant is None:
             return self.rejecter.reject_early(request_id, None, arrival_s, PricingError(401, *INVALID_KEY))
