@@ -84,11 +84,13 @@ from guard.errors import ClientDisconnected, PricingError
 from guard.observe.loop_lag import LoopLag
 from guard.observe.metrics import GaugeValues, GuardMetrics
 from guard.observe.trace import TraceWriter
+from guard.replicas.learned_limits import LearnedLimits
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import StatePoller, StateSource
 from guard.replicas.shared_reservations import SharedReservations
 from guard.request.pricing import PricedRequest, Pricer, tokenizer_counter
 from policies import make_policy
+from policies.concurrency_limit import ConcurrencyLimit
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
 from policies.retry_budget import GLOBAL, RetryBudget
@@ -155,6 +157,12 @@ class AdmissionController:
         listeners = self.releases.listeners()
         self.tickets = TicketBook(self.clock, listeners if self.grants is None else
                                   (*listeners, self.grants.on_released))
+        # each replica's concurrency limit, learned from its responses (after the reservation
+        # is freed: a listener added last); it starts at the policy's stale-state cap
+        initial_limit = max(1, getattr(self.policy, "stale_max_inflight_per_replica", 4))
+        self.learned_limits = LearnedLimits(self.load_state,
+                                            lambda: ConcurrencyLimit(initial_limit))
+        self.tickets.add_listener(self.learned_limits.on_released)
         self.rejecter = Rejecter(config, self.clock, self.metrics, self.queue, self.tickets,
                                  self.drain_rate,
                                  RetryAdvisor(rng if rng is not None else random.Random()),
@@ -485,7 +493,8 @@ class AdmissionController:
         replicas = self.load_state.snapshot(self.clock()).replicas
         return GaugeValues(len(self.queue), self.tickets.num_held,
                            {r.replica_id: r.num_free_blocks for r in replicas},
-                           {r.replica_id: r.num_reserved_blocks for r in replicas})
+                           {r.replica_id: r.num_reserved_blocks for r in replicas},
+                           self.learned_limits.values())
 
 
 class Decided:

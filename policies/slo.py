@@ -48,9 +48,13 @@ traffic splits as the weights say.
 
 Stale rule: with no fresh state the policy cannot predict, so it admits to the least-loaded
 (requests ÷ weight) healthy replica only while the guard's in-flight count is below
-``stale_max_inflight_per_replica`` per healthy replica (a total: the weights split it);
-beyond that it queues for at most ``stale_queue_s`` (state may refresh meanwhile) and sheds
-503 ``stale_state`` once even that would pass the deadline.
+``stale_max_inflight_per_replica`` per healthy replica (a total: the weights split it). Where
+the guard has learned replicas' concurrency limits (``ReplicaSnapshot.concurrency_limit``,
+:mod:`policies.concurrency_limit`), each replica of unknown capacity is held to its own learned
+limit instead (the least-loaded replica still under its limit takes the request; the fixed cap
+remains for replicas whose capacity is known but stale). Beyond that it queues for at most
+``stale_queue_s`` (state may refresh meanwhile) and sheds 503 ``stale_state`` once even that
+would pass the deadline.
 
 Client patience (:mod:`policies.client_patience`): a client that disconnects from an admitted
 request before its response ends shows how long it was willing to wait (arrival → release).
@@ -231,7 +235,12 @@ class SloPolicy:
     def _decide_stale(
         self, cost: RequestCost, snapshot: LoadSnapshot, healthy: list[ReplicaSnapshot]
     ) -> Decision:
-        if num_inflight(snapshot) < self.stale_max_inflight_per_replica * len(healthy):
+        if any(r.concurrency_limit is not None for r in healthy):
+            # learned limits: the least-loaded replica still under its own limit
+            open_ = [r for r in healthy if r.num_inflight < self._stale_limit(r)]
+            if open_:
+                return Admit(least_loaded(open_).replica_id)
+        elif num_inflight(snapshot) < self.stale_max_inflight_per_replica * len(healthy):
             return Admit(least_loaded(healthy).replica_id)
         if _is_retry_over_budget(cost, snapshot):
             return RETRY_OVER_BUDGET
@@ -239,6 +248,13 @@ class SloPolicy:
         if until_s > snapshot.now_s:
             return Queue(until_s, STALE_STATE)
         return Shed(503, STALE_STATE)
+
+    def _stale_limit(self, replica: ReplicaSnapshot) -> int:
+        """How many requests the stale rule lets run on ``replica``: its learned concurrency
+        limit for a replica of unknown capacity, else the fixed per-replica cap."""
+        if replica.concurrency_limit is not None and not replica.capacity_known:
+            return replica.concurrency_limit
+        return self.stale_max_inflight_per_replica
 
     def _queue_or_shed(
         self, cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option], ratio: float,

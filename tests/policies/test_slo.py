@@ -192,6 +192,37 @@ def test_unknown_capacity_replica_falls_under_the_stale_rule(inflight, now_s, ex
     assert decide(unknown, cost=cost, now_s=now_s) == expected
 
 
+@pytest.mark.parametrize(
+    ("inflight_a", "inflight_b", "expected"),
+    [
+        (0, 0, Admit("a")),  # both under their limits: the least loaded
+        (1, 0, Admit("b")),  # "a" at its learned 1: "b" (limit 3) takes it
+        (1, 2, Admit("b")),
+        (1, 3, Queue(5.5, "stale_state")),  # both at their learned limits
+    ],
+)
+def test_learned_limits_replace_the_fixed_cap_for_unknown_capacity(inflight_a, inflight_b,
+                                                                   expected):
+    def unknown(replica_id, inflight, limit):
+        r = make_replica(replica_id, free=1 << 30, total=1 << 30, inflight=inflight,
+                         observed_s=5.0)
+        return dataclasses.replace(r, capacity_known=False, concurrency_limit=limit)
+
+    cost = make_cost(arrival_s=4.9, deadline_s=6.0)
+    policy = SloPolicy(stale_max_inflight_per_replica=4, ttft_safety_ratio=1.0)
+    d = decide(unknown("a", inflight_a, 1), unknown("b", inflight_b, 3), cost=cost, now_s=5.0,
+               policy=policy)
+    assert d == expected
+
+
+def test_a_learned_limit_does_not_bind_a_replica_of_known_capacity_gone_stale():
+    stale = dataclasses.replace(make_replica("a", inflight=3, observed_s=0.0),
+                                concurrency_limit=1)
+    cost = make_cost(arrival_s=4.9, deadline_s=6.0)
+    d = decide(stale, cost=cost, now_s=5.0, policy=SloPolicy(ttft_safety_ratio=1.0))
+    assert d == Admit("a")  # the fixed cap (4) holds for it
+
+
 def test_stale_state_without_queue_time_sheds():
     replica = make_replica("a", inflight=4, observed_s=0.0)
     cost = make_cost(arrival_s=4.9, deadline_s=10.0)

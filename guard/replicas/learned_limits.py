@@ -1,0 +1,79 @@
+"""Each replica's learned concurrency limit, fed by the guard's ticket releases.
+
+:class:`LearnedLimits` keeps one :class:`policies.concurrency_limit.ConcurrencyLimit` per
+replica, turns every released :class:`~guard.admission.ticket.Ticket` into a
+:class:`~policies.concurrency_limit.LimitSample` (:func:`signal_of`), and stamps the whole limit
+on the replica's snapshots (:meth:`guard.replicas.load_state.LoadState.set_concurrency_limit`),
+where the ``slo`` policy reads it for replicas of unknown capacity. It learns for every replica
+(the ``kvguard_replica_concurrency_limit`` gauge shows each), whatever its state source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from guard.replicas.load_state import LoadState
+from policies.concurrency_limit import GOOD, IGNORED, OVERLOADED, ConcurrencyLimit, LimitSample
+
+__all__ = ["LearnedLimits", "signal_of"]
+
+
+def signal_of(ticket: Any, expects_finish_reason: bool = True) -> str:
+    """What an ended request says about its replica's load (see
+    :mod:`policies.concurrency_limit`): overload for a failure, a 429, a 5xx, a stream without
+    a ``finish_reason`` (when ``expects_finish_reason``: the replica has given one before), or
+    a first token (counted from dispatch) or gap past its class limit."""
+    outcome = ticket.outcome
+    if outcome == "canceled":
+        return IGNORED  # the client left: nothing about the replica
+    if outcome == "rejected_upstream":
+        return OVERLOADED if ticket.status == 429 else IGNORED
+    if outcome != "completed" or not ticket.ok:
+        return OVERLOADED
+    if ticket.is_stream and not ticket.finish_seen and expects_finish_reason:
+        return OVERLOADED  # ended early: the engine dropped or interrupted it
+    klass = ticket.cost.request_class
+    if ticket.first_token_s is not None and ticket.first_token_s - ticket.dispatch_s > klass.ttft_s:
+        return OVERLOADED
+    if ticket.max_itl_s is not None and ticket.max_itl_s > klass.itl_s:
+        return OVERLOADED
+    return GOOD
+
+
+class LearnedLimits:
+    """``on_released`` is a :class:`~guard.admission.ticket.TicketBook` listener; it must run
+    after the one that frees the request's reservation (its in-flight count then excludes
+    the request itself)."""
+
+    def __init__(self, load_state: LoadState,
+                 make_limit: Callable[[], ConcurrencyLimit] = ConcurrencyLimit) -> None:
+        self._load_state = load_state
+        self._make_limit = make_limit
+        self._limits: dict[str, ConcurrencyLimit] = {}
+        # replicas that have ended a stream with a finish_reason: from them, a stream without
+        # one was cut short (an app that never sends one is not judged by it)
+        self._finishers: set[str] = set()
+
+    def limit(self, replica_id: str) -> ConcurrencyLimit:
+        """The replica's limit (made, at its initial value, on first use)."""
+        limit = self._limits.get(replica_id)
+        if limit is None:
+            limit = self._limits[replica_id] = self._make_limit()
+            self._load_state.set_concurrency_limit(replica_id, limit.value)
+        return limit
+
+    def values(self) -> dict[str, int]:
+        return {replica_id: limit.value for replica_id, limit in self._limits.items()}
+
+    def on_released(self, ticket: Any) -> None:
+        replica_id = ticket.replica_id
+        num_inflight = self._load_state.num_inflight(replica_id) + 1
+        if ticket.finish_seen:
+            self._finishers.add(replica_id)
+        signal = signal_of(ticket, replica_id in self._finishers)
+        sample = LimitSample(signal, ticket.dispatch_s, ticket.released_s, num_inflight)
+        limit = self.limit(replica_id)
+        before = limit.value
+        if limit.update(sample) != before:
+            self._load_state.set_concurrency_limit(replica_id, limit.value)
