@@ -19,11 +19,12 @@ from policies.concurrency_limit import GOOD, IGNORED, OVERLOADED, ConcurrencyLim
 __all__ = ["LearnedLimits", "signal_of"]
 
 
-def signal_of(ticket: Any, expects_finish_reason: bool = True) -> str:
+def signal_of(ticket: Any, expects_finish_reason: bool = False) -> str:
     """What an ended request says about its replica's load (see
     :mod:`policies.concurrency_limit`): overload for a failure, a 429, a 5xx, a stream without
-    a ``finish_reason`` (when ``expects_finish_reason``: the replica has given one before), or
-    a first token (counted from dispatch) or gap past its class limit."""
+    a ``finish_reason`` that stopped short of its ``max_tokens`` (or any stream without one when
+    ``expects_finish_reason``: the replica has given one before), or a first token (counted
+    from dispatch) or gap past its class limit."""
     outcome = ticket.outcome
     if outcome == "canceled":
         return IGNORED  # the client left: nothing about the replica
@@ -31,7 +32,8 @@ def signal_of(ticket: Any, expects_finish_reason: bool = True) -> str:
         return OVERLOADED if ticket.status == 429 else IGNORED
     if outcome != "completed" or not ticket.ok:
         return OVERLOADED
-    if ticket.is_stream and not ticket.finish_seen and expects_finish_reason:
+    if ticket.is_stream and not ticket.finish_seen and (
+            expects_finish_reason or ticket.num_content_chunks < ticket.cost.max_tokens):
         return OVERLOADED  # ended early: the engine dropped or interrupted it
     klass = ticket.cost.request_class
     if ticket.first_token_s is not None and ticket.first_token_s - ticket.dispatch_s > klass.ttft_s:
@@ -51,8 +53,8 @@ class LearnedLimits:
         self._load_state = load_state
         self._make_limit = make_limit
         self._limits: dict[str, ConcurrencyLimit] = {}
-        # replicas that have ended a stream with a finish_reason: from them, a stream without
-        # one was cut short (an app that never sends one is not judged by it)
+        # replicas that have ended a stream with a finish_reason: from them, any stream without
+        # one was cut short (an app that never sends one is judged only by its length)
         self._finishers: set[str] = set()
 
     def limit(self, replica_id: str) -> ConcurrencyLimit:

@@ -72,11 +72,13 @@ def test_ttft_counts_from_dispatch_not_from_arrival():
     assert guard.stream(ticket, WHOLE) == GOOD
 
 
-def test_a_replica_that_never_sends_finish_reason_is_not_judged_by_it():
+def test_a_replica_that_never_sends_finish_reason_is_judged_only_by_length():
     guard = Guard()
+    whole = [chunk(str(i)) for i in range(16)]  # make_cost's max_tokens: ran to its limit
     for _ in range(3):
-        guard.stream(guard.start(), [chunk("a"), chunk("b")])
+        assert guard.stream(guard.start(), whole) == GOOD
     assert guard.limits.limit("r0").num_cuts == 0
+    assert guard.stream(guard.start(), whole[:3]) == OVERLOADED  # stopped short, no reason
 
 
 def test_the_limit_is_carried_on_the_snapshot_and_cut_by_interruptions():
