@@ -52,9 +52,11 @@ Stale rule: with no fresh state the policy cannot predict, so it admits to the l
 the guard has learned replicas' concurrency limits (``ReplicaSnapshot.concurrency_limit``,
 :mod:`policies.concurrency_limit`), each replica of unknown capacity is held to its own learned
 limit instead (the least-loaded replica still under its limit takes the request; the fixed cap
-remains for replicas whose capacity is known but stale). Beyond that it queues for at most
-``stale_queue_s`` (state may refresh meanwhile) and sheds 503 ``stale_state`` once even that
-would pass the deadline.
+remains for replicas whose capacity is known but stale), and only where the replica's learned
+dispatch-to-first-token time (``ReplicaSnapshot.first_token_s``) × ``ttft_safety_ratio`` still
+lands by the deadline. Beyond that it queues for at most ``stale_queue_s`` (state may refresh
+meanwhile; never past the last moment a dispatch could still make the deadline) and sheds 503
+``stale_state`` once even that would pass the deadline.
 
 Client patience (:mod:`policies.client_patience`): a client that disconnects from an admitted
 request before its response ends shows how long it was willing to wait (arrival → release).
@@ -235,16 +237,22 @@ class SloPolicy:
     def _decide_stale(
         self, cost: RequestCost, snapshot: LoadSnapshot, healthy: list[ReplicaSnapshot]
     ) -> Decision:
+        now_s = snapshot.now_s
+        latest_s = cost.deadline_s  # the last moment a dispatch can still make the deadline
         if any(r.concurrency_limit is not None for r in healthy):
-            # learned limits: the least-loaded replica still under its own limit
-            open_ = [r for r in healthy if r.num_inflight < self._stale_limit(r)]
+            # learned limits: the least-loaded replica still under its own limit, where the
+            # replica's usual first-token time (with the TTFT headroom) lands by the deadline
+            ratio = self.ttft_safety_ratio
+            open_ = [r for r in healthy if r.num_inflight < self._stale_limit(r)
+                     and now_s + (r.first_token_s or 0.0) * ratio <= cost.deadline_s]
             if open_:
                 return Admit(least_loaded(open_).replica_id)
+            latest_s -= min(r.first_token_s or 0.0 for r in healthy) * ratio
         elif num_inflight(snapshot) < self.stale_max_inflight_per_replica * len(healthy):
             return Admit(least_loaded(healthy).replica_id)
         if _is_retry_over_budget(cost, snapshot):
             return RETRY_OVER_BUDGET
-        until_s = min(cost.deadline_s, snapshot.now_s + self.stale_queue_s)
+        until_s = min(latest_s, now_s + self.stale_queue_s)
         if until_s > snapshot.now_s:
             return Queue(until_s, STALE_STATE)
         return Shed(503, STALE_STATE)

@@ -33,6 +33,8 @@ class ReplicaSnapshot:
     ``concurrency_limit`` is how many requests the guard has learned the replica serves at
     once within its objectives (:mod:`policies.concurrency_limit`), None until one is learned;
     for a replica of unknown capacity it replaces the ``slo`` policy's fixed stale-state cap.
+    ``first_token_s`` is the replica's typical time from dispatch to first token for requests
+    that met their objectives (learned alongside), None until known.
     """
 
     replica_id: str
@@ -52,6 +54,7 @@ class ReplicaSnapshot:
     capacity_known: bool = True
     weight: float = 1.0
     concurrency_limit: int | None = None
+    first_token_s: float | None = None
 
     @property
     def num_available_blocks(self) -> int:

@@ -16,7 +16,11 @@ from typing import Any
 from guard.replicas.load_state import LoadState
 from policies.concurrency_limit import GOOD, IGNORED, OVERLOADED, ConcurrencyLimit, LimitSample
 
-__all__ = ["LearnedLimits", "signal_of"]
+__all__ = ["LearnedLimits", "signal_of", "FIRST_TOKEN_EWMA_WEIGHT", "FIRST_TOKEN_RESTAMP_RATIO"]
+
+FIRST_TOKEN_EWMA_WEIGHT = 0.2  # each good request's weight in the dispatch -> first token EWMA
+# the snapshots carry the EWMA again once it moved by this ratio (each new value rebuilds them)
+FIRST_TOKEN_RESTAMP_RATIO = 0.1
 
 
 def signal_of(ticket: Any, expects_finish_reason: bool = False) -> str:
@@ -56,6 +60,8 @@ class LearnedLimits:
         # replicas that have ended a stream with a finish_reason: from them, any stream without
         # one was cut short (an app that never sends one is judged only by its length)
         self._finishers: set[str] = set()
+        self._first_token_s: dict[str, float] = {}  # EWMA per replica, good requests only
+        self._stamped_s: dict[str, float | None] = {}
 
     def limit(self, replica_id: str) -> ConcurrencyLimit:
         """The replica's limit (made, at its initial value, on first use)."""
@@ -63,6 +69,7 @@ class LearnedLimits:
         if limit is None:
             limit = self._limits[replica_id] = self._make_limit()
             self._load_state.set_concurrency_limit(replica_id, limit.value)
+            self._stamped_s[replica_id] = None
         return limit
 
     def values(self) -> dict[str, int]:
@@ -77,5 +84,23 @@ class LearnedLimits:
         sample = LimitSample(signal, ticket.dispatch_s, ticket.released_s, num_inflight)
         limit = self.limit(replica_id)
         before = limit.value
-        if limit.update(sample) != before:
-            self._load_state.set_concurrency_limit(replica_id, limit.value)
+        restamp = limit.update(sample) != before
+        if signal == GOOD and ticket.first_token_s is not None:
+            restamp |= self._learn_first_token(replica_id, ticket.first_token_s - ticket.dispatch_s)
+        if restamp:
+            first_token_s = self._first_token_s.get(replica_id)
+            self._stamped_s[replica_id] = first_token_s
+            self._load_state.set_concurrency_limit(replica_id, limit.value, first_token_s)
+
+    def first_token_s(self, replica_id: str) -> float | None:
+        """The replica's dispatch-to-first-token EWMA over requests that met their objectives."""
+        return self._first_token_s.get(replica_id)
+
+    def _learn_first_token(self, replica_id: str, sample_s: float) -> bool:
+        """Fold one good request's first-token time in; True when the snapshots should carry
+        the new value (the first one, or one that moved by the restamp ratio)."""
+        old_s = self._first_token_s.get(replica_id)
+        new_s = sample_s if old_s is None else old_s + FIRST_TOKEN_EWMA_WEIGHT * (sample_s - old_s)
+        self._first_token_s[replica_id] = new_s
+        stamped_s = self._stamped_s.get(replica_id)
+        return stamped_s is None or abs(new_s - stamped_s) > FIRST_TOKEN_RESTAMP_RATIO * stamped_s

@@ -88,6 +88,7 @@ class _Replica:
     previous_observed_s: float = float("-inf")
     combined: ReplicaSnapshot | None = None  # base + reservations, rebuilt lazily when dirty
     concurrency_limit: int | None = None  # learned by the guard, stamped on every base
+    first_token_s: float | None = None  # learned with it: dispatch -> first token when good
 
 
 def _default_fitter(prior: StepTimeModel) -> StepTimeFitter:
@@ -251,21 +252,24 @@ class LoadState:
         base = unknown_capacity_snapshot(replica_id, now_s)
         return self._set_base(self._replica(replica_id), base)
 
-    def set_concurrency_limit(self, replica_id: str, limit: int | None) -> None:
-        """The replica's learned concurrency limit (None: none learned), carried by its
-        snapshots from now on."""
+    def set_concurrency_limit(self, replica_id: str, limit: int | None,
+                              first_token_s: float | None = None) -> None:
+        """The replica's learned concurrency limit (None: none learned) and its typical
+        dispatch-to-first-token time, carried by its snapshots from now on."""
         replica = self._replica(replica_id)
-        if replica.concurrency_limit == limit:
+        if (replica.concurrency_limit, replica.first_token_s) == (limit, first_token_s):
             return
-        replica.concurrency_limit = limit
+        replica.concurrency_limit, replica.first_token_s = limit, first_token_s
         if replica.base is not None:
             self._set_base(replica, replica.base)
 
     def _set_base(self, replica: _Replica, base: ReplicaSnapshot) -> ReplicaSnapshot:
         weight = self._weights.get(base.replica_id, 1.0)
-        if base.weight != weight or base.concurrency_limit != replica.concurrency_limit:
+        if base.weight != weight or base.concurrency_limit != replica.concurrency_limit \
+                or base.first_token_s != replica.first_token_s:
             base = dataclasses.replace(base, weight=weight,
-                                       concurrency_limit=replica.concurrency_limit)
+                                       concurrency_limit=replica.concurrency_limit,
+                                       first_token_s=replica.first_token_s)
         replica.base = base
         replica.combined = None
         self._snapshots = None

@@ -215,6 +215,23 @@ def test_learned_limits_replace_the_fixed_cap_for_unknown_capacity(inflight_a, i
     assert d == expected
 
 
+@pytest.mark.parametrize(
+    ("now_s", "inflight", "expected"),
+    [
+        (5.0, 0, Admit("a")),  # 5.0 + 0.5 x 1.2 <= 6.0
+        (5.0, 2, Queue(5.4, "stale_state")),  # at its limit: no later than 6.0 - 0.6
+        (5.45, 0, Shed(503, "stale_state")),  # 5.45 + 0.6 > 6.0: it would miss anyway
+    ],
+)
+def test_learned_first_token_time_must_still_land_by_the_deadline(now_s, inflight, expected):
+    r = dataclasses.replace(
+        make_replica("a", free=1 << 30, total=1 << 30, inflight=inflight, observed_s=now_s),
+        capacity_known=False, concurrency_limit=2, first_token_s=0.5)
+    cost = make_cost(arrival_s=4.9, deadline_s=6.0)
+    d = decide(r, cost=cost, now_s=now_s, policy=SloPolicy(ttft_safety_ratio=1.2))
+    assert d == expected
+
+
 def test_a_learned_limit_does_not_bind_a_replica_of_known_capacity_gone_stale():
     stale = dataclasses.replace(make_replica("a", inflight=3, observed_s=0.0),
                                 concurrency_limit=1)
