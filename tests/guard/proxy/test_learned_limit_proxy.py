@@ -9,15 +9,13 @@ within the class TTFT, every gap within its ITL.
 """
 
 import asyncio
-import random
-import time
 import uuid
-from dataclasses import dataclass
 
 import httpx
 import pytest
 from proxy_helpers import proxy_child, running
 
+from chaos.bench.chat_load import ChatLoad, ChatOutcome, open_loop
 from tests.support.fake_llamacpp import FakeLlamaCpp
 from tests.support.loopback import LoopbackServer
 
@@ -39,62 +37,17 @@ read_timeout_s = 30.0
 """
 
 
-@dataclass
-class Outcome:
-    status: int | None
-    ttft_s: float | None
-    max_gap_s: float
-    finished: bool
-
-    @property
-    def good(self) -> bool:
-        return (self.status == 200 and self.finished and self.ttft_s is not None
-                and self.ttft_s <= TTFT_S and self.max_gap_s <= ITL_S)
+def good(outcome: ChatOutcome) -> bool:
+    return outcome.good(TTFT_S, ITL_S)
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, max_tokens: int) -> Outcome:
-    body = {"model": "smollm2-fake", "max_tokens": max_tokens, "stream": True,
-            "messages": [{"role": "user", "content": "Say something."}]}
-    start_s = time.monotonic()
-    first_s = last_s = None
-    max_gap_s, finished = 0.0, False
-    try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now_s = time.monotonic()
-                if '"content"' in line:
-                    if first_s is None:
-                        first_s = now_s
-                    else:
-                        max_gap_s = max(max_gap_s, now_s - last_s)
-                    last_s = now_s
-                finished = finished or '"finish_reason": "' in line
-            status = response.status_code
-    except httpx.HTTPError:
-        return Outcome(None, None, 0.0, False)
-    return Outcome(status, None if first_s is None else first_s - start_s, max_gap_s, finished)
+def chat_load(rate_rps: float, num_requests: int, max_tokens: int, seed: int) -> ChatLoad:
+    return ChatLoad(rate_rps, num_requests, max_tokens, seed, model="smollm2-fake",
+                    timeout_s=30.0)
 
 
-async def open_loop(url: str, rate_rps: float, num_requests: int, max_tokens: int, seed: int,
-                    on_arrival=None) -> list[Outcome]:
-    """Poisson arrivals from ``seed``: the same schedule for every target."""
-    rng = random.Random(seed)
-    gaps_s = [rng.expovariate(rate_rps) for _ in range(num_requests)]
-    async with httpx.AsyncClient(timeout=30.0, trust_env=False,
-                                 limits=httpx.Limits(max_connections=200)) as client:
-        tasks = []
-        for i, gap_s in enumerate(gaps_s):
-            await asyncio.sleep(gap_s)
-            tasks.append(asyncio.create_task(one_stream(client, url, max_tokens)))
-            if on_arrival is not None:
-                on_arrival(i + 1)
-        return list(await asyncio.gather(*tasks))
-
-
-async def guarded_run(proxy_url: str, rate_rps: float, num_requests: int, max_tokens: int,
-                      seed: int) -> tuple[list[Outcome], list[tuple[int, int]]]:
+async def guarded_run(proxy_url: str, load: ChatLoad
+                      ) -> tuple[list[ChatOutcome], list[tuple[int, int]]]:
     """The open loop through the proxy while ``(requests sent, learned limit)`` is sampled
     from its ``/kvguard/state`` every 50 ms."""
     arrived = [0]
@@ -115,8 +68,7 @@ async def guarded_run(proxy_url: str, rate_rps: float, num_requests: int, max_to
     async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
         sampler = asyncio.create_task(sample(client))
         try:
-            outcomes = await open_loop(proxy_url, rate_rps, num_requests, max_tokens, seed,
-                                       on_arrival)
+            outcomes = await open_loop(proxy_url, load, on_arrival)
         finally:
             sampler.cancel()
         state = (await client.get(proxy_url + "/kvguard/state",
@@ -134,21 +86,20 @@ def proxy_for(server_url: str, tmp_path, initial_limit: int):
 def test_single_slot_interrupting_server_settles_at_one_and_beats_bare(tmp_path):
     """At ~4x the server's capacity (a 0.05 s prefill and 16 tokens 30 ms apart: ~0.5 s per
     request) every new stream cuts the running one on the bare server."""
-    rate_rps, num_requests, max_tokens, seed = 8.0, 60, 16, 7
+    load = chat_load(8.0, 60, 16, seed=7)
     bare_server = FakeLlamaCpp(num_slots=1, interrupt=True)
     with LoopbackServer(bare_server.app) as server:
-        bare = asyncio.run(open_loop(server.url, rate_rps, num_requests, max_tokens, seed))
+        bare = asyncio.run(open_loop(server.url, load))
     fake = FakeLlamaCpp(num_slots=1, interrupt=True)
     with LoopbackServer(fake.app) as server, running(proxy_for(server.url, tmp_path, 4)) as proxy:
-        guarded, limits = asyncio.run(guarded_run(proxy.url, rate_rps, num_requests,
-                                                  max_tokens, seed))
+        guarded, limits = asyncio.run(guarded_run(proxy.url, load))
     assert fake.bad_request_ids == []  # every id the guard sent parsed as a UUID
     settled = [limit for n, limit in limits if n >= 20]
     assert settled, limits
     assert max(settled) <= 2, limits  # at most a probe of 2
     assert settled.count(1) >= 0.8 * len(settled), limits
-    num_good_bare = sum(o.good for o in bare)
-    num_good_guarded = sum(o.good for o in guarded)
+    num_good_bare = sum(map(good, bare))
+    num_good_guarded = sum(map(good, guarded))
     assert num_good_guarded >= num_good_bare, (num_good_guarded, num_good_bare)
     assert num_good_guarded > 0
 
@@ -157,15 +108,14 @@ def test_four_slot_queueing_server_settles_at_four(tmp_path):
     """llama-server --parallel 4 semantics: a fifth request waits for a slot (TTFT objective
     0.25 s from dispatch, a request holds its slot ~1 s), so the limit that keeps first tokens
     within it is the slot count. Starts at 1: the limit has to grow to it."""
-    rate_rps, num_requests, max_tokens, seed = 8.0, 100, 24, 11
+    load = chat_load(8.0, 100, 24, seed=11)
     fake = FakeLlamaCpp(num_slots=4, interrupt=False, prefill_s=0.03, token_s=0.04)
     config = tmp_path / "proxy.toml"
     config.write_text(CONFIG.format(initial_limit=1).replace(f"ttft_s = {TTFT_S}",
                                                               "ttft_s = 0.25"))
     with LoopbackServer(fake.app) as server, \
             running(proxy_child([server.url], str(config), state_source="auto")) as proxy:
-        _, limits = asyncio.run(guarded_run(proxy.url, rate_rps, num_requests, max_tokens,
-                                            seed))
+        _, limits = asyncio.run(guarded_run(proxy.url, load))
     settled = sorted(limit for n, limit in limits if n >= 40)
     assert settled, limits
     assert 3 <= settled[len(settled) // 2] <= 5, limits  # the median
@@ -175,7 +125,7 @@ def test_four_slot_queueing_server_settles_at_four(tmp_path):
 def test_request_ids_sent_upstream_are_uuids(tmp_path):
     fake = FakeLlamaCpp(num_slots=1, interrupt=False, prefill_s=0.0, token_s=0.0)
     with LoopbackServer(fake.app) as server, running(proxy_for(server.url, tmp_path, 4)) as proxy:
-        outcome = asyncio.run(open_loop(proxy.url, 10.0, 1, 3, 0))[0]
+        outcome = asyncio.run(open_loop(proxy.url, chat_load(10.0, 1, 3, seed=0)))[0]
         response = httpx.post(proxy.url + "/v1/chat/completions", trust_env=False, timeout=10,
                               json={"model": "m", "max_tokens": 2,
                                     "messages": [{"role": "user", "content": "hi"}]})
