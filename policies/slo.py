@@ -54,7 +54,8 @@ the guard has learned replicas' concurrency limits (``ReplicaSnapshot.concurrenc
 limit instead (the least-loaded replica still under its limit takes the request; the fixed cap
 remains for replicas whose capacity is known but stale), and only where the replica's learned
 dispatch-to-first-token time (``ReplicaSnapshot.first_token_s``) × ``ttft_safety_ratio`` still
-lands by the deadline. Beyond that it queues for at most ``stale_queue_s`` (state may refresh
+lands by the deadline (``use_learned_limits = false`` keeps the fixed cap for every replica).
+Beyond that it queues for at most ``stale_queue_s`` (state may refresh
 meanwhile; never past the last moment a dispatch could still make the deadline) and sheds 503
 ``stale_state`` once even that would pass the deadline.
 
@@ -146,6 +147,7 @@ class SloPolicy:
         pressure_hold_s: float = 5.0,
         patience_quantile: float = 0.25,
         min_cancel_share: float = 0.05,
+        use_learned_limits: bool = True,
     ) -> None:
         self.patience = ClientPatience(patience_quantile, min_cancel_share)
         if stale_queue_s < 0:
@@ -158,6 +160,9 @@ class SloPolicy:
             "stale_max_inflight_per_replica", stale_max_inflight_per_replica, 0
         )
         self.stale_queue_s = stale_queue_s
+        if not isinstance(use_learned_limits, bool):
+            raise ValueError(f"use_learned_limits must be true or false, got {use_learned_limits!r}")
+        self.use_learned_limits = use_learned_limits
         if not 1.0 <= ttft_safety_ratio <= 10.0:
             raise ValueError(f"ttft_safety_ratio must be in [1, 10], got {ttft_safety_ratio!r}")
         self.ttft_safety_ratio = ttft_safety_ratio
@@ -239,7 +244,7 @@ class SloPolicy:
     ) -> Decision:
         now_s = snapshot.now_s
         latest_s = cost.deadline_s  # the last moment a dispatch can still make the deadline
-        if any(r.concurrency_limit is not None for r in healthy):
+        if self.use_learned_limits and any(r.concurrency_limit is not None for r in healthy):
             # learned limits: the least-loaded replica still under its own limit, where the
             # replica's usual first-token time (with the TTFT headroom) lands by the deadline
             ratio = self.ttft_safety_ratio

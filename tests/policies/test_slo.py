@@ -232,6 +232,16 @@ def test_learned_first_token_time_must_still_land_by_the_deadline(now_s, infligh
     assert d == expected
 
 
+def test_use_learned_limits_false_keeps_the_fixed_cap():
+    r = dataclasses.replace(
+        make_replica("a", free=1 << 30, total=1 << 30, inflight=1, observed_s=5.0),
+        capacity_known=False, concurrency_limit=1)
+    cost = make_cost(arrival_s=4.9, deadline_s=6.0)
+    assert decide(r, cost=cost, now_s=5.0) == Queue(5.5, "stale_state")
+    policy = SloPolicy(ttft_safety_ratio=1.0, use_learned_limits=False)
+    assert decide(r, cost=cost, now_s=5.0, policy=policy) == Admit("a")  # 1 < the fixed 4
+
+
 def test_a_learned_limit_does_not_bind_a_replica_of_known_capacity_gone_stale():
     stale = dataclasses.replace(make_replica("a", inflight=3, observed_s=0.0),
                                 concurrency_limit=1)
@@ -306,6 +316,7 @@ def test_shed_order_puts_retries_before_first_attempts_of_the_same_class():
     [
         {"stale_max_inflight_per_replica": -1},
         {"stale_max_inflight_per_replica": 1.5},
+        {"use_learned_limits": "yes"},
         {"stale_queue_s": -1.0},
         {"pressure_hold_s": -1.0},
     ],
