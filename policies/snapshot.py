@@ -33,8 +33,8 @@ class ReplicaSnapshot:
     ``concurrency_limit`` is how many requests the guard has learned the replica serves at
     once within its objectives (:mod:`policies.concurrency_limit`), None until one is learned;
     for a replica of unknown capacity it replaces the ``slo`` policy's fixed stale-state cap.
-    ``first_token_s`` is the replica's typical time from dispatch to first token for requests
-    that met their objectives (learned alongside), None until known.
+    ``first_token_s`` is a time from dispatch to first token that few of the replica's
+    requests exceed (learned alongside from those that met their objectives), None until known.
     """
 
     replica_id: str

@@ -143,12 +143,15 @@ def _row(name: str, load: ChatLoad, outcomes: list[ChatOutcome], ttft_s: float,
     admitted = [o for o in outcomes if o.status == 200]
     num_good = sum(o.good(ttft_s, itl_s) for o in outcomes)
     ttft_met = sum(o.ttft_s is not None and o.ttft_s <= ttft_s for o in admitted)
+    ttfts = sorted(o.ttft_s for o in admitted if o.ttft_s is not None)
     return {"target": name, "offered_rps": round(load.rate_rps, 3),
             "num_requests": load.num_requests, "num_good": num_good,
             "good_rps": round(num_good / span_s, 3),
             "num_shed": sum(o.status in (429, 503) for o in outcomes),
             "num_admitted": len(admitted),
-            "admitted_ttft_met_ratio": round(ttft_met / len(admitted), 3) if admitted else None}
+            "admitted_ttft_met_ratio": round(ttft_met / len(admitted), 3) if admitted else None,
+            "num_admitted_cut_short": sum(not o.finished for o in admitted),
+            "admitted_ttft_p90_s": round(ttfts[int(0.9 * (len(ttfts) - 1))], 3) if ttfts else None}
 
 
 def _guarded(upstream: str, config: Path, load: ChatLoad) -> list[ChatOutcome]:

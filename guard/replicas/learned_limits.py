@@ -16,10 +16,10 @@ from typing import Any
 from guard.replicas.load_state import LoadState
 from policies.concurrency_limit import GOOD, IGNORED, OVERLOADED, ConcurrencyLimit, LimitSample
 
-__all__ = ["LearnedLimits", "signal_of", "FIRST_TOKEN_EWMA_WEIGHT", "FIRST_TOKEN_RESTAMP_RATIO"]
+__all__ = ["LearnedLimits", "signal_of", "FirstTokenTime", "FIRST_TOKEN_RESTAMP_RATIO"]
 
-FIRST_TOKEN_EWMA_WEIGHT = 0.2  # each good request's weight in the dispatch -> first token EWMA
-# the snapshots carry the EWMA again once it moved by this ratio (each new value rebuilds them)
+# the snapshots carry the estimate again once it moved by this ratio (each new value rebuilds
+# them)
 FIRST_TOKEN_RESTAMP_RATIO = 0.1
 
 
@@ -47,6 +47,30 @@ def signal_of(ticket: Any, expects_finish_reason: bool = False) -> str:
     return GOOD
 
 
+class FirstTokenTime:
+    """A replica's dispatch-to-first-token time as TCP estimates a retransmission timeout
+    (RFC 6298): a smoothed mean and mean deviation, and ``upper_s`` = mean + 4 × deviation,
+    a time few requests exceed, so a request sent with that much slack meets its deadline."""
+
+    __slots__ = ("mean_s", "deviation_s")
+
+    MEAN_WEIGHT = 0.125
+    DEVIATION_WEIGHT = 0.25
+
+    def __init__(self, first_s: float) -> None:
+        self.mean_s = first_s
+        self.deviation_s = first_s / 2
+
+    def add(self, sample_s: float) -> None:
+        self.deviation_s += self.DEVIATION_WEIGHT * (abs(sample_s - self.mean_s)
+                                                     - self.deviation_s)
+        self.mean_s += self.MEAN_WEIGHT * (sample_s - self.mean_s)
+
+    @property
+    def upper_s(self) -> float:
+        return self.mean_s + 4.0 * self.deviation_s
+
+
 class LearnedLimits:
     """``on_released`` is a :class:`~guard.admission.ticket.TicketBook` listener; it must run
     after the one that frees the request's reservation (its in-flight count then excludes
@@ -60,7 +84,7 @@ class LearnedLimits:
         # replicas that have ended a stream with a finish_reason: from them, any stream without
         # one was cut short (an app that never sends one is judged only by its length)
         self._finishers: set[str] = set()
-        self._first_token_s: dict[str, float] = {}  # EWMA per replica, good requests only
+        self._first_token: dict[str, FirstTokenTime] = {}  # per replica, good requests only
         self._stamped_s: dict[str, float | None] = {}
 
     def limit(self, replica_id: str) -> ConcurrencyLimit:
@@ -88,19 +112,24 @@ class LearnedLimits:
         if signal == GOOD and ticket.first_token_s is not None:
             restamp |= self._learn_first_token(replica_id, ticket.first_token_s - ticket.dispatch_s)
         if restamp:
-            first_token_s = self._first_token_s.get(replica_id)
+            first_token_s = self.first_token_s(replica_id)
             self._stamped_s[replica_id] = first_token_s
             self._load_state.set_concurrency_limit(replica_id, limit.value, first_token_s)
 
     def first_token_s(self, replica_id: str) -> float | None:
-        """The replica's dispatch-to-first-token EWMA over requests that met their objectives."""
-        return self._first_token_s.get(replica_id)
+        """Few of the replica's good requests took longer from dispatch to first token
+        (:attr:`FirstTokenTime.upper_s`); None before the first."""
+        estimate = self._first_token.get(replica_id)
+        return None if estimate is None else estimate.upper_s
 
     def _learn_first_token(self, replica_id: str, sample_s: float) -> bool:
         """Fold one good request's first-token time in; True when the snapshots should carry
-        the new value (the first one, or one that moved by the restamp ratio)."""
-        old_s = self._first_token_s.get(replica_id)
-        new_s = sample_s if old_s is None else old_s + FIRST_TOKEN_EWMA_WEIGHT * (sample_s - old_s)
-        self._first_token_s[replica_id] = new_s
+        the new estimate (the first one, or one that moved by the restamp ratio)."""
+        estimate = self._first_token.get(replica_id)
+        if estimate is None:
+            estimate = self._first_token[replica_id] = FirstTokenTime(sample_s)
+        else:
+            estimate.add(sample_s)
+        new_s = estimate.upper_s
         stamped_s = self._stamped_s.get(replica_id)
         return stamped_s is None or abs(new_s - stamped_s) > FIRST_TOKEN_RESTAMP_RATIO * stamped_s

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from guard.admission.ticket import TicketBook
-from guard.replicas.learned_limits import LearnedLimits, signal_of
+from guard.replicas.learned_limits import FirstTokenTime, LearnedLimits, signal_of
 from guard.replicas.load_state import LoadState
 from policies.concurrency_limit import GOOD, IGNORED, OVERLOADED, ConcurrencyLimit
 from tests.support.admission import FakeClock, make_cost
@@ -89,3 +89,22 @@ def test_the_limit_is_carried_on_the_snapshot_and_cut_by_interruptions():
     guard.stream(second, [chunk("a")])  # interrupted: 2.5 x 0.7 = 1.75
     assert guard.load_state.replica_snapshot("r0").concurrency_limit == 1
     assert guard.limits.values() == {"r0": 1}
+
+
+def test_first_token_time_is_an_upper_estimate_like_tcps_timeout():
+    estimate = FirstTokenTime(0.1)
+    assert (estimate.mean_s, estimate.deviation_s) == (0.1, 0.05)
+    assert estimate.upper_s == pytest.approx(0.3)
+    for _ in range(50):
+        estimate.add(0.1)  # steady: the deviation decays, the bound closes in on the mean
+    assert estimate.upper_s == pytest.approx(0.1, abs=0.001)
+    estimate.add(0.5)  # one slow first token widens it at once
+    assert estimate.upper_s > 0.5
+
+
+def test_the_snapshot_carries_the_first_token_upper_estimate():
+    guard = Guard()
+    guard.stream(guard.start(), WHOLE, ttft_s=0.2)
+    snap = guard.load_state.replica_snapshot("r0")
+    assert snap.first_token_s == pytest.approx(0.2 + 4 * 0.1)
+    assert guard.limits.first_token_s("r0") == snap.first_token_s
