@@ -34,7 +34,7 @@ class ReplicaSnapshot:
     once within its objectives (:mod:`policies.concurrency_limit`), None until one is learned;
     for a replica of unknown capacity it replaces the ``slo`` policy's fixed stale-state cap.
     ``first_token_s`` is a time from dispatch to first token that few of the replica's
-    requests exceed (learned alongside from those that met their objectives), None until known.
+    requests exceed (learned alongside from every first token it sent), None until known.
     """
 
     replica_id: str

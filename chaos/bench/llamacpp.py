@@ -112,6 +112,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loads", default="0.5,1,4", help="multiples of the measured capacity")
     parser.add_argument("--caps", default="1,2",
                         help="hand-set fixed caps run at the highest load ('' for none)")
+    parser.add_argument("--capacity", type=float, default=None, metavar="RPS",
+                        help="the server's capacity in req/s, measured earlier (default: "
+                             "measure it: one request at a time)")
     parser.add_argument("--duration-s", type=float, default=30.0,
                         help="schedule length of each run (requests = rate x duration)")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -191,9 +194,10 @@ def _runs(args: argparse.Namespace, server: ChildProcess, work: Path, model: Pat
     try:
         probe = ChatLoad(1.0, 1, args.max_tokens, model="smollm2")
         service_s = _service_s(server.url, probe)
-        capacity_rps = 1.0 / service_s
+        capacity_rps = args.capacity or 1.0 / service_s
         print(f"llama-cpp-python ({model.name}, {args.threads} thread(s)): one request takes "
-              f"{service_s:.3f} s; capacity C = {capacity_rps:.2f} req/s")
+              f"{service_s:.3f} s; capacity C = {capacity_rps:.2f} req/s"
+              + (" (given)" if args.capacity else ""))
         default_config = work / "bench-llamacpp-proxy.toml"
         default_config.write_text(PROXY_CONFIG.format(ttft_s=args.ttft_s, itl_s=args.itl_s))
         for multiple in loads:

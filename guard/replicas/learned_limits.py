@@ -109,7 +109,9 @@ class LearnedLimits:
         limit = self.limit(replica_id)
         before = limit.value
         restamp = limit.update(sample) != before
-        if signal == GOOD and ticket.first_token_s is not None:
+        # every first token the replica sent counts, late ones too (only the good ones would
+        # bias the estimate low exactly when the replica slows down)
+        if ticket.first_token_s is not None and signal != IGNORED:
             restamp |= self._learn_first_token(replica_id, ticket.first_token_s - ticket.dispatch_s)
         if restamp:
             first_token_s = self.first_token_s(replica_id)
@@ -117,13 +119,13 @@ class LearnedLimits:
             self._load_state.set_concurrency_limit(replica_id, limit.value, first_token_s)
 
     def first_token_s(self, replica_id: str) -> float | None:
-        """Few of the replica's good requests took longer from dispatch to first token
+        """Few of the replica's requests took longer from dispatch to first token
         (:attr:`FirstTokenTime.upper_s`); None before the first."""
         estimate = self._first_token.get(replica_id)
         return None if estimate is None else estimate.upper_s
 
     def _learn_first_token(self, replica_id: str, sample_s: float) -> bool:
-        """Fold one good request's first-token time in; True when the snapshots should carry
+        """Fold one request's first-token time in; True when the snapshots should carry
         the new estimate (the first one, or one that moved by the restamp ratio)."""
         estimate = self._first_token.get(replica_id)
         if estimate is None:
