@@ -184,3 +184,36 @@ def test_auto_falls_back_to_learning(metrics, reason):
     snap = load_state.replica_snapshot("r0")
     assert snap.healthy and not snap.capacity_known
     assert poller.consecutive_errors("r0") == 0
+
+
+def test_auto_probes_again_after_reprobe_s_and_finds_late_metrics():
+    pages: dict[str, str | None] = {"metrics": None}
+
+    async def metrics(request):
+        if pages["metrics"] is None:
+            return Response(status_code=404)
+        return PlainTextResponse(pages["metrics"])
+
+    app = Starlette(routes=[Route("/metrics", metrics)])
+    now = [0.0]
+
+    async def main(url: str):
+        async with httpx.AsyncClient(timeout=5) as client:
+            source = AutoStateSource(url, client=client, reprobe_s=30.0, clock=lambda: now[0])
+            load_state = LoadState()
+            poller = StatePoller(load_state, {"r0": source}, interval_s=1.0,
+                                 clock=lambda: now[0])
+            await poller.refresh_now()
+            first = source.choice
+            pages["metrics"] = page("tgi_metrics.txt")  # the engine starts exporting
+            now[0] = 29.0
+            await poller.refresh_now()
+            before_reprobe = source.choice
+            now[0] = 30.0
+            await poller.refresh_now()
+            return first, before_reprobe, source.choice, load_state.replica_snapshot("r0")
+
+    with LoopbackServer(app) as server:
+        first, before, after, snap = asyncio.run(main(server.url))
+    assert (first, before, after) == (LEARNED, LEARNED, "tgi")
+    assert len(snap.running) == 12 and not snap.capacity_known
