@@ -266,7 +266,8 @@ class SloPolicy:
         """How many requests the stale rule lets run on ``replica``: its learned concurrency
         limit for a replica of unknown capacity, else the fixed per-replica cap."""
         if replica.concurrency_limit is not None and not replica.capacity_known:
-            return replica.concurrency_limit
+            # never past the sequences it runs at once, where it says (llama.cpp's slots)
+            return min(replica.concurrency_limit, replica.max_num_seqs)
         return self.stale_max_inflight_per_replica
 
     def _queue_or_shed(

@@ -2,7 +2,8 @@
 
 The probe asks, in order: ``GET /kvguard/state`` (a kvguard engine: a JSON object with its
 ``running`` sequences), then ``GET /metrics`` (a vLLM, SGLang, TGI or llama.cpp page, told
-apart by its metric names and read once to be sure it parses). Where neither gives load the
+apart by its metric names and read once to be sure it parses), then ``GET /slots`` (a
+llama.cpp server started without ``--metrics``). Where neither gives load the
 replica is read as publishing nothing, and its concurrency limit is learned from its responses
 (:mod:`guard.replicas.learned_limits`); the probe is repeated every ``reprobe_s`` in case the
 engine starts exporting later. The choice and its reason are logged once per change and kept
@@ -20,7 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 from guard.errors import StateUnavailable
-from guard.replicas.engine_metrics import detect_metrics_engine, parse_engine_metrics
+from guard.replicas.engine_metrics import (
+    detect_metrics_engine,
+    parse_engine_metrics,
+    parse_llamacpp_slots,
+)
 from guard.replicas.poller import HttpStateSource, StateClient, _state_document
 from guard.replicas.vllm_metrics import parse_vllm_metrics
 
@@ -89,11 +94,12 @@ class AutoStateSource:
         state_note = f"/kvguard/state answered {response.status_code}"
         response = await self._client.get(self.url + "/metrics", timeout=self._timeout_s)
         if response.status_code != 200:
-            return LEARNED, f"{state_note}, /metrics answered {response.status_code}"
+            return await self._slots(f"{state_note}, /metrics answered {response.status_code}")
         text = response.text
         engine = detect_metrics_engine(text)
         if engine is None:
-            return LEARNED, f"{state_note}, /metrics has no vLLM, SGLang, TGI or llama.cpp gauges"
+            return await self._slots(
+                f"{state_note}, /metrics has no vLLM, SGLang, TGI or llama.cpp gauges")
         try:
             if engine == "vllm":
                 parse_vllm_metrics(text)
@@ -102,3 +108,15 @@ class AutoStateSource:
         except ValueError as exc:
             return LEARNED, f"{state_note}, /metrics looks like {engine} but: {exc}"
         return engine, f"{state_note}, /metrics has {engine}'s load gauges"
+
+    async def _slots(self, note: str) -> tuple[str, str]:
+        """No load in ``/metrics``: llama.cpp's ``/slots`` still gives the slots, else learn."""
+        response = await self._client.get(self.url + "/slots", timeout=self._timeout_s)
+        if response.status_code == 200:
+            try:
+                parse_llamacpp_slots(response.text)
+            except ValueError:
+                pass
+            else:
+                return "llamacpp", f"{note}; /slots lists llama.cpp's slots"
+        return LEARNED, f"{note}, /slots answered {response.status_code}"

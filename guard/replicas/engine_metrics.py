@@ -11,7 +11,10 @@ how large). The names, as the engines' own sources define them:
   running batch) and ``tgi_queue_size`` (waiting); no KV figure.
 * llama.cpp server (``tools/server``, ``--metrics``): ``llamacpp:requests_processing`` and
   ``llamacpp:requests_deferred``; ``llamacpp:kv_cache_usage_ratio`` only from builds before
-  its KV cache was unified (newer ones no longer export it), so it is optional.
+  its KV cache was unified (newer ones no longer export it), so it is optional. Without
+  ``--metrics`` its ``GET /slots`` (on by default) lists one object per slot, each with
+  ``is_processing`` (older builds: ``state``, 0 idle): the slot count and how many are busy
+  (:func:`parse_llamacpp_slots`; it shows no waiting requests).
 
 Counts are summed over label sets (several data-parallel ranks or models); usage ratios are
 averaged. A page that lacks a required gauge raises ``ValueError`` naming what is missing.
@@ -21,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ENGINE_METRICS", "EngineLoad", "detect_metrics_engine", "parse_engine_metrics"]
+__all__ = ["ENGINE_METRICS", "EngineLoad", "detect_metrics_engine", "parse_engine_metrics",
+           "parse_llamacpp_slots"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class EngineLoad:
     num_requests_waiting: int
     kv_cache_usage_ratio: float | None = None
     num_kv_tokens: int | None = None  # the KV pool's size in tokens
+    num_slots: int | None = None  # sequences it runs at once (llama.cpp's slots)
 
 
 # engine -> (metric name -> EngineLoad field); the first two fields are required
@@ -102,3 +107,24 @@ def parse_engine_metrics(engine: str, text: str) -> EngineLoad:
         figures.get("kv_cache_usage_ratio"),
         int(kv_tokens) if kv_tokens else None,
     )
+
+
+def parse_llamacpp_slots(text: str) -> EngineLoad:
+    """llama.cpp server's ``GET /slots`` JSON: ValueError unless it is a list of slot objects."""
+    import json
+
+    try:
+        slots = json.loads(text)
+    except ValueError:
+        raise ValueError("llama.cpp /slots is not JSON") from None
+    if not isinstance(slots, list) or not slots or not all(isinstance(s, dict) for s in slots):
+        raise ValueError("llama.cpp /slots is not a list of slot objects")
+    busy = 0
+    for slot in slots:
+        if "is_processing" in slot:
+            busy += bool(slot["is_processing"])
+        elif "state" in slot:
+            busy += slot["state"] != 0
+        else:
+            raise ValueError("llama.cpp /slots: a slot has neither is_processing nor state")
+    return EngineLoad("llamacpp", busy, 0, num_slots=len(slots))

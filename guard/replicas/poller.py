@@ -25,7 +25,12 @@ from typing import Any, Protocol
 
 from guard.config import ReplicaConfig
 from guard.errors import StateUnavailable, StateUnparseable
-from guard.replicas.engine_metrics import ENGINE_METRICS, parse_engine_metrics
+from guard.replicas.engine_metrics import (
+    ENGINE_METRICS,
+    EngineLoad,
+    parse_engine_metrics,
+    parse_llamacpp_slots,
+)
 from serving.json_body import loads
 
 __all__ = [
@@ -101,10 +106,23 @@ class HttpStateSource:
         response = await self._client.get(self.url, timeout=self._timeout_s)
         if self.kind == "kvguard" and response.status_code == 404:
             raise StateUnavailable(f"{self.url} answered 404")
+        if self.kind == "llamacpp" and response.status_code in (404, 501):
+            return await self._slots()  # llama-server without --metrics: its /slots
         response.raise_for_status()
         if self.kind != "kvguard":
             return response.text
         return _state_document(response.content, self.url)
+
+
+    async def _slots(self) -> EngineLoad:
+        url = self.url.removesuffix("/metrics") + "/slots"
+        response = await self._client.get(url, timeout=self._timeout_s)
+        if response.status_code != 200:
+            raise StateUnavailable(f"{self.url} and {url} answered {response.status_code}")
+        try:
+            return parse_llamacpp_slots(response.text)
+        except ValueError as exc:
+            raise StateUnparseable(f"{url}: {exc}") from None
 
 
 class NoStateSource:
@@ -281,9 +299,10 @@ class StatePoller:
                 self._load_state.update_from_vllm_metrics(replica_id, payload, now_s,
                                                           max_model_len=max_model_len)
             else:
-                self._load_state.update_from_engine_metrics(
-                    replica_id, parse_engine_metrics(kind, payload), now_s,
-                    max_model_len=max_model_len)
+                load = payload if isinstance(payload, EngineLoad) \
+                    else parse_engine_metrics(kind, payload)
+                self._load_state.update_from_engine_metrics(replica_id, load, now_s,
+                                                            max_model_len=max_model_len)
         except ValueError as exc:
             raise StateUnparseable(f"{getattr(source, 'url', kind)}: {exc}") from None
 

@@ -232,6 +232,14 @@ def test_learned_first_token_time_must_still_land_by_the_deadline(now_s, infligh
     assert d == expected
 
 
+def test_a_learned_limit_never_exceeds_the_slots_the_replica_reports():
+    r = dataclasses.replace(
+        make_replica("a", free=1 << 30, total=1 << 30, inflight=2, observed_s=5.0),
+        capacity_known=False, concurrency_limit=6, max_num_seqs=2)
+    cost = make_cost(arrival_s=4.9, deadline_s=6.0)
+    assert decide(r, cost=cost, now_s=5.0) == Queue(5.5, "stale_state")
+
+
 def test_use_learned_limits_false_keeps_the_fixed_cap():
     r = dataclasses.replace(
         make_replica("a", free=1 << 30, total=1 << 30, inflight=1, observed_s=5.0),

@@ -7,7 +7,8 @@ The pages under ``data/`` were written from each engine's own metric definitions
 TGI's batcher (``tgi_batch_current_size``, ``tgi_batch_current_max_tokens``,
 ``tgi_queue_size``); llama.cpp server's README and ``server.cpp`` (``llamacpp:requests_processing``,
 ``llamacpp:requests_deferred``, and ``llamacpp:kv_cache_usage_ratio`` only in builds before the
-unified KV cache: ``llamacpp_metrics_older.txt``).
+unified KV cache: ``llamacpp_metrics_older.txt``), and its ``/slots`` (one object per slot with
+``is_processing``; older builds ``state``: ``llamacpp_slots.json``).
 """
 
 import asyncio
@@ -21,7 +22,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from guard.replicas.auto_source import LEARNED, AutoStateSource
-from guard.replicas.engine_metrics import detect_metrics_engine, parse_engine_metrics
+from guard.replicas.engine_metrics import (
+    detect_metrics_engine,
+    parse_engine_metrics,
+    parse_llamacpp_slots,
+)
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import HttpStateSource, StatePoller
 from tests.support.loopback import LoopbackServer
@@ -217,3 +222,43 @@ def test_auto_probes_again_after_reprobe_s_and_finds_late_metrics():
         first, before, after, snap = asyncio.run(main(server.url))
     assert (first, before, after) == (LEARNED, LEARNED, "tgi")
     assert len(snap.running) == 12 and not snap.capacity_known
+
+
+def test_llamacpp_slots_give_the_slot_count_and_the_busy_ones():
+    load = parse_llamacpp_slots(page("llamacpp_slots.json"))
+    assert (load.num_requests_running, load.num_requests_waiting, load.num_slots) == (2, 0, 4)
+    assert parse_llamacpp_slots('[{"id": 0, "state": 1}, {"id": 1, "state": 0}]').num_slots == 2
+    for bad in ("<html>", "{}", "[]", '[{"id": 0}]'):
+        with pytest.raises(ValueError, match="llama.cpp /slots"):
+            parse_llamacpp_slots(bad)
+    snap = LoadState().update_from_engine_metrics("r0", load, 1.0)
+    assert snap.max_num_seqs == 4 and not snap.capacity_known
+
+
+def slots_app(metrics_status: int) -> Starlette:
+    """llama-server without --metrics: /metrics answers ``metrics_status``, /slots lists 4."""
+
+    async def metrics(request):
+        return Response(status_code=metrics_status)
+
+    async def slots(request):
+        return PlainTextResponse(page("llamacpp_slots.json"), media_type="application/json")
+
+    return Starlette(routes=[Route("/metrics", metrics), Route("/slots", slots)])
+
+
+@pytest.mark.parametrize("metrics_status", [404, 501])
+def test_llamacpp_source_falls_back_to_slots(metrics_status):
+    with LoopbackServer(slots_app(metrics_status)) as server:
+        load_state, _, _ = poll_once(
+            server.url, lambda url, client: HttpStateSource(url, "llamacpp", client=client))
+    snap = load_state.replica_snapshot("r0")
+    assert (len(snap.running), snap.max_num_seqs) == (2, 4)
+
+
+def test_auto_finds_llamacpp_by_its_slots():
+    with LoopbackServer(slots_app(501)) as server:
+        load_state, _, source = poll_once(
+            server.url, lambda url, client: AutoStateSource(url, client=client))
+    assert source.choice == "llamacpp" and "/slots lists llama.cpp's slots" in source.reason
+    assert load_state.replica_snapshot("r0").max_num_seqs == 4
