@@ -51,7 +51,8 @@ Stale rule: with no fresh state the policy cannot predict, so it admits to the l
 ``stale_max_inflight_per_replica`` per healthy replica (a total: the weights split it). Where
 the guard has learned replicas' concurrency limits (``ReplicaSnapshot.concurrency_limit``,
 :mod:`policies.concurrency_limit`), each replica of unknown capacity is held to its own learned
-limit instead (the least-loaded replica still under its limit takes the request; the fixed cap
+limit instead (never above the sequences it says it runs at once, ``max_num_seqs``: llama.cpp's
+slots) (the least-loaded replica still under its limit takes the request; the fixed cap
 remains for replicas whose capacity is known but stale), and only where the replica's learned
 dispatch-to-first-token time (``ReplicaSnapshot.first_token_s``) × ``ttft_safety_ratio`` still
 lands by the deadline (``use_learned_limits = false`` keeps the fixed cap for every replica).
