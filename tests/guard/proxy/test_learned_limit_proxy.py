@@ -129,6 +129,10 @@ def test_request_ids_sent_upstream_are_uuids(tmp_path):
         response = httpx.post(proxy.url + "/v1/chat/completions", trust_env=False, timeout=10,
                               json={"model": "m", "max_tokens": 2,
                                     "messages": [{"role": "user", "content": "hi"}]})
+        metrics = httpx.get(proxy.url + "/metrics", trust_env=False, timeout=10,
+                            headers={"authorization": f"Bearer {ADMIN_KEY}"}).text
     assert outcome.status == 200 and outcome.finished
     assert fake.bad_request_ids == [] and fake.num_finished == 2
     assert uuid.UUID(response.headers["x-request-id"]).version == 4
+    # two requests one at a time: never at the limit, so it stays where it started
+    assert 'kvguard_replica_concurrency_limit{replica="r0"} 4.0' in metrics
