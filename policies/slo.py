@@ -248,12 +248,11 @@ class SloPolicy:
         if self.use_learned_limits and any(r.concurrency_limit is not None for r in healthy):
             # learned limits: the least-loaded replica still under its own limit, where the
             # replica's usual first-token time (with the TTFT headroom) lands by the deadline
-            ratio = self.ttft_safety_ratio
             open_ = [r for r in healthy if r.num_inflight < self._stale_limit(r)
-                     and now_s + (r.first_token_s or 0.0) * ratio <= cost.deadline_s]
+                     and now_s + self._first_token_wait_s(r, cost) <= cost.deadline_s]
             if open_:
                 return Admit(least_loaded(open_).replica_id)
-            latest_s -= min(r.first_token_s or 0.0 for r in healthy) * ratio
+            latest_s -= min(self._first_token_wait_s(r, cost) for r in healthy)
         elif num_inflight(snapshot) < self.stale_max_inflight_per_replica * len(healthy):
             return Admit(least_loaded(healthy).replica_id)
         if _is_retry_over_budget(cost, snapshot):
@@ -262,6 +261,14 @@ class SloPolicy:
         if until_s > snapshot.now_s:
             return Queue(until_s, STALE_STATE)
         return Shed(503, STALE_STATE)
+
+    def _first_token_wait_s(self, replica: ReplicaSnapshot, cost: RequestCost) -> float:
+        """The replica's learned first-token time with the TTFT headroom; 0 when unknown, or
+        when even a request sent on arrival could not meet it: such an estimate cannot tell a
+        request that will make it from one that will not, and refusing everything on it would
+        stop the replica from ever being measured again."""
+        wait_s = (replica.first_token_s or 0.0) * self.ttft_safety_ratio
+        return wait_s if wait_s < cost.deadline_s - cost.arrival_s else 0.0
 
     def _stale_limit(self, replica: ReplicaSnapshot) -> int:
         """How many requests the stale rule lets run on ``replica``: its learned concurrency

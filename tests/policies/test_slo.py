@@ -240,6 +240,14 @@ def test_a_learned_limit_never_exceeds_the_slots_the_replica_reports():
     assert decide(r, cost=cost, now_s=5.0) == Queue(5.5, "stale_state")
 
 
+def test_a_first_token_time_no_request_could_meet_does_not_block_the_replica():
+    r = dataclasses.replace(
+        make_replica("a", free=1 << 30, total=1 << 30, observed_s=5.0),
+        capacity_known=False, concurrency_limit=2, first_token_s=0.9)
+    cost = make_cost(arrival_s=4.9, deadline_s=5.9)  # 1 s budget < 0.9 x 1.2
+    assert decide(r, cost=cost, now_s=5.0, policy=SloPolicy(ttft_safety_ratio=1.2)) == Admit("a")
+
+
 def test_use_learned_limits_false_keeps_the_fixed_cap():
     r = dataclasses.replace(
         make_replica("a", free=1 << 30, total=1 << 30, inflight=1, observed_s=5.0),
