@@ -18,7 +18,7 @@ TOML layout (see ``docs/guard-config.example.toml``)::
     [[replicas]]
     replica_id = "r0"
     url = "http://127.0.0.1:8001"
-    state_source = "kvguard"   # "kvguard" | "vllm" | "none" | "asgi"
+    state_source = "kvguard"   # "kvguard" | "vllm" | "sglang" | "tgi" | "llamacpp" | "auto" | "none" | "asgi"
     weight = 1.0               # relative share where routing is least-loaded (ReplicaConfig)
     [proxy]                    # the standalone proxy's settings (guard.proxy.config)
 
@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 ANONYMOUS_TENANT = "anonymous"
-STATE_SOURCES = ("kvguard", "vllm", "none", "asgi")
+STATE_SOURCES = ("kvguard", "vllm", "sglang", "tgi", "llamacpp", "auto", "none", "asgi")
 # glob patterns (fnmatch) of the POST paths the guard admits; the rest pass straight through
 DEFAULT_ADMITTED_PATHS = ("*/v1/completions", "*/v1/chat/completions")
 DEFAULT_CLASSES = (
@@ -122,10 +122,13 @@ class TenantConfig:
 class ReplicaConfig:
     """One upstream replica. ``url`` None means the wrapped ASGI app itself (in-process).
 
-    ``state_source``: ``kvguard`` (``GET /kvguard/state``), ``vllm`` (``GET /metrics``), ``none``
-    (no load state is read: a replica of unknown capacity) or ``asgi`` (the wrapped app).
+    ``state_source``: ``kvguard`` (``GET /kvguard/state``), ``vllm``, ``sglang``, ``tgi`` or
+    ``llamacpp`` (that engine's ``GET /metrics``), ``auto`` (probe ``/kvguard/state``, then the
+    known ``/metrics`` formats, else learn), ``none`` (no load state is read: a replica of
+    unknown capacity, admitted to by its learned concurrency limit) or ``asgi`` (the wrapped
+    app).
 
-    ``max_model_len`` is only needed for ``vllm`` replicas (their metrics do not carry it);
+    ``max_model_len`` is only needed for metrics replicas (their metrics do not carry it);
     without it the guard leaves context-length checks to the upstream.
 
     ``weight`` (a finite number > 0, default 1; only ratios between replicas matter) is the

@@ -48,9 +48,17 @@ traffic splits as the weights say.
 
 Stale rule: with no fresh state the policy cannot predict, so it admits to the least-loaded
 (requests ÷ weight) healthy replica only while the guard's in-flight count is below
-``stale_max_inflight_per_replica`` per healthy replica (a total: the weights split it);
-beyond that it queues for at most ``stale_queue_s`` (state may refresh meanwhile) and sheds
-503 ``stale_state`` once even that would pass the deadline.
+``stale_max_inflight_per_replica`` per healthy replica (a total: the weights split it). Where
+the guard has learned replicas' concurrency limits (``ReplicaSnapshot.concurrency_limit``,
+:mod:`policies.concurrency_limit`), each replica of unknown capacity is held to its own learned
+limit instead (never above the sequences it says it runs at once, ``max_num_seqs``: llama.cpp's
+slots) (the least-loaded replica still under its limit takes the request; the fixed cap
+remains for replicas whose capacity is known but stale), and only where the replica's learned
+dispatch-to-first-token time (``ReplicaSnapshot.first_token_s``) × ``ttft_safety_ratio`` still
+lands by the deadline (``use_learned_limits = false`` keeps the fixed cap for every replica).
+Beyond that it queues for at most ``stale_queue_s`` (state may refresh
+meanwhile; never past the last moment a dispatch could still make the deadline) and sheds 503
+``stale_state`` once even that would pass the deadline.
 
 Client patience (:mod:`policies.client_patience`): a client that disconnects from an admitted
 request before its response ends shows how long it was willing to wait (arrival → release).
@@ -140,6 +148,7 @@ class SloPolicy:
         pressure_hold_s: float = 5.0,
         patience_quantile: float = 0.25,
         min_cancel_share: float = 0.05,
+        use_learned_limits: bool = True,
     ) -> None:
         self.patience = ClientPatience(patience_quantile, min_cancel_share)
         if stale_queue_s < 0:
@@ -152,6 +161,9 @@ class SloPolicy:
             "stale_max_inflight_per_replica", stale_max_inflight_per_replica, 0
         )
         self.stale_queue_s = stale_queue_s
+        if not isinstance(use_learned_limits, bool):
+            raise ValueError(f"use_learned_limits must be true or false, got {use_learned_limits!r}")
+        self.use_learned_limits = use_learned_limits
         if not 1.0 <= ttft_safety_ratio <= 10.0:
             raise ValueError(f"ttft_safety_ratio must be in [1, 10], got {ttft_safety_ratio!r}")
         self.ttft_safety_ratio = ttft_safety_ratio
@@ -231,14 +243,40 @@ class SloPolicy:
     def _decide_stale(
         self, cost: RequestCost, snapshot: LoadSnapshot, healthy: list[ReplicaSnapshot]
     ) -> Decision:
-        if num_inflight(snapshot) < self.stale_max_inflight_per_replica * len(healthy):
+        now_s = snapshot.now_s
+        latest_s = cost.deadline_s  # the last moment a dispatch can still make the deadline
+        if self.use_learned_limits and any(r.concurrency_limit is not None for r in healthy):
+            # learned limits: the least-loaded replica still under its own limit, where the
+            # replica's usual first-token time (with the TTFT headroom) lands by the deadline
+            open_ = [r for r in healthy if r.num_inflight < self._stale_limit(r)
+                     and now_s + self._first_token_wait_s(r, cost) <= cost.deadline_s]
+            if open_:
+                return Admit(least_loaded(open_).replica_id)
+            latest_s -= min(self._first_token_wait_s(r, cost) for r in healthy)
+        elif num_inflight(snapshot) < self.stale_max_inflight_per_replica * len(healthy):
             return Admit(least_loaded(healthy).replica_id)
         if _is_retry_over_budget(cost, snapshot):
             return RETRY_OVER_BUDGET
-        until_s = min(cost.deadline_s, snapshot.now_s + self.stale_queue_s)
+        until_s = min(latest_s, now_s + self.stale_queue_s)
         if until_s > snapshot.now_s:
             return Queue(until_s, STALE_STATE)
         return Shed(503, STALE_STATE)
+
+    def _first_token_wait_s(self, replica: ReplicaSnapshot, cost: RequestCost) -> float:
+        """The replica's learned first-token time with the TTFT headroom; 0 when unknown, or
+        when even a request sent on arrival could not meet it: such an estimate cannot tell a
+        request that will make it from one that will not, and refusing everything on it would
+        stop the replica from ever being measured again."""
+        wait_s = (replica.first_token_s or 0.0) * self.ttft_safety_ratio
+        return wait_s if wait_s < cost.deadline_s - cost.arrival_s else 0.0
+
+    def _stale_limit(self, replica: ReplicaSnapshot) -> int:
+        """How many requests the stale rule lets run on ``replica``: its learned concurrency
+        limit for a replica of unknown capacity, else the fixed per-replica cap."""
+        if replica.concurrency_limit is not None and not replica.capacity_known:
+            # never past the sequences it runs at once, where it says (llama.cpp's slots)
+            return min(replica.concurrency_limit, replica.max_num_seqs)
+        return self.stale_max_inflight_per_replica
 
     def _queue_or_shed(
         self, cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option], ratio: float,

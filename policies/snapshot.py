@@ -29,6 +29,12 @@ class ReplicaSnapshot:
     apart from their state: least-loaded routing compares ``requests ÷ weight``
     (:func:`policies.least_loaded.weighted_load`), and the ``slo`` policy uses that order only
     to break exact ties of its forecast and in its stale-state rule.
+
+    ``concurrency_limit`` is how many requests the guard has learned the replica serves at
+    once within its objectives (:mod:`policies.concurrency_limit`), None until one is learned;
+    for a replica of unknown capacity it replaces the ``slo`` policy's fixed stale-state cap.
+    ``first_token_s`` is a time from dispatch to first token that few of the replica's
+    requests exceed (learned alongside from every first token it sent), None until known.
     """
 
     replica_id: str
@@ -47,6 +53,8 @@ class ReplicaSnapshot:
     healthy: bool = True
     capacity_known: bool = True
     weight: float = 1.0
+    concurrency_limit: int | None = None
+    first_token_s: float | None = None
 
     @property
     def num_available_blocks(self) -> int:

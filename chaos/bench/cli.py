@@ -23,6 +23,8 @@ TARGETS: dict[str, tuple[str, str]] = {
     "budget": ("chaos.bench.budget", "request rate with Redis / in-memory / no budgets"),
     "pricing": ("chaos.bench.pricing", "CPU time to price one chat request, in-process"),
     "serving": ("chaos.bench.serving", "what the connection limits cost: limited vs plain uvicorn"),
+    "llamacpp": ("chaos.bench.llamacpp", "llama-cpp-python's server (SmolLM2) bare vs behind "
+                 "kvguard proxy's defaults (a learned limit) at 0.5 / 1 / 4 x its capacity"),
 }
 
 

@@ -1,9 +1,12 @@
 """A replica's own state (without the guard's reservations) as an immutable ``ReplicaSnapshot``.
 
-Three sources: a kvguard replica's ``/kvguard/state`` JSON (every sequence listed, by request
+Four sources: a kvguard replica's ``/kvguard/state`` JSON (every sequence listed, by request
 id), a black-box vLLM replica's ``/metrics`` text (counts only: running requests share the used
-KV evenly, unknown lengths are assumed), and a replica that publishes no state at all (healthy,
-unknown capacity: ``capacity_known=False``, so policies fall back to their stale-state rule).
+KV evenly, unknown lengths are assumed), another engine's metrics (SGLang, TGI, llama.cpp:
+:class:`guard.replicas.engine_metrics.EngineLoad`; known capacity only where the engine gives
+its KV pool's size and usage, else counts with unknown capacity), and a replica that publishes
+no state at all (healthy, unknown capacity: ``capacity_known=False``, so policies fall back to
+their stale-state rule).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from guard.replicas.engine_metrics import EngineLoad
 from guard.replicas.vllm_metrics import parse_vllm_metrics
 from policies.cost import RequestCost
 from policies.snapshot import ReplicaSnapshot, SeqLoad
@@ -18,6 +22,8 @@ from policies.snapshot import ReplicaSnapshot, SeqLoad
 __all__ = [
     "UNKNOWN_MAX_MODEL_LEN",
     "UNKNOWN_NUM_BLOCKS",
+    "ENGINE_BLOCK_SIZE",
+    "engine_snapshot",
     "kvguard_snapshot",
     "unknown_capacity_snapshot",
     "vllm_snapshot",
@@ -27,6 +33,8 @@ __all__ = [
 UNKNOWN_MAX_MODEL_LEN = 1 << 30
 # KV blocks (and sequence slots) of a replica that publishes no load state at all
 UNKNOWN_NUM_BLOCKS = 1 << 30
+# the block size a snapshot counts in when the engine reports its KV pool in tokens
+ENGINE_BLOCK_SIZE = 16
 
 
 def kvguard_snapshot(replica_id: str, state: Mapping[str, Any], now_s: float,
@@ -89,6 +97,36 @@ def vllm_snapshot(replica_id: str, text: str, now_s: float, *, max_model_len: in
         running=(SeqLoad(context, 0, assumed_output_tokens),) * running,
         waiting=(SeqLoad(0, assumed_prompt_tokens, assumed_output_tokens),)
         * int(m["num_requests_waiting"]),
+    )
+
+
+def engine_snapshot(replica_id: str, load: EngineLoad, now_s: float, *,
+                    max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int,
+                    assumed_output_tokens: int, assumed_prompt_tokens: int) -> ReplicaSnapshot:
+    """One SGLang / TGI / llama.cpp ``/metrics`` scrape. With the KV pool's size and usage
+    (SGLang) the capacity is known, as for vLLM; without them (TGI, llama.cpp) the counts are
+    kept but the capacity is unknown, so the replica is admitted to by its learned limit."""
+    known = load.num_kv_tokens is not None and load.kv_cache_usage_ratio is not None
+    if known:
+        total = max(1, load.num_kv_tokens // ENGINE_BLOCK_SIZE)
+        free = int(round(total * (1.0 - min(1.0, max(0.0, load.kv_cache_usage_ratio)))))
+    else:
+        total = free = UNKNOWN_NUM_BLOCKS
+    running = load.num_requests_running
+    context = (total - free) * ENGINE_BLOCK_SIZE // running if known and running else 0
+    return ReplicaSnapshot(
+        replica_id=replica_id,
+        observed_s=now_s,
+        block_size=ENGINE_BLOCK_SIZE,
+        num_total_blocks=total,
+        num_free_blocks=free,
+        max_num_seqs=load.num_slots or (max_num_seqs if known else UNKNOWN_NUM_BLOCKS),
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len or UNKNOWN_MAX_MODEL_LEN,
+        running=(SeqLoad(context, 0, assumed_output_tokens),) * running,
+        waiting=(SeqLoad(0, assumed_prompt_tokens, assumed_output_tokens),)
+        * load.num_requests_waiting,
+        capacity_known=known,
     )
 
 

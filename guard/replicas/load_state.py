@@ -44,10 +44,12 @@ from typing import Any, Protocol
 from guard.replicas.documents import (
     UNKNOWN_MAX_MODEL_LEN,
     UNKNOWN_NUM_BLOCKS,
+    engine_snapshot,
     kvguard_snapshot,
     unknown_capacity_snapshot,
     vllm_snapshot,
 )
+from guard.replicas.engine_metrics import EngineLoad
 from guard.replicas.reservations import ReplicaReservations, Reservation
 from guard.replicas.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
 from guard.replicas.vllm_metrics import parse_vllm_metrics
@@ -85,6 +87,8 @@ class _Replica:
     served_model: str | None = None  # the model name its state document gives
     previous_observed_s: float = float("-inf")
     combined: ReplicaSnapshot | None = None  # base + reservations, rebuilt lazily when dirty
+    concurrency_limit: int | None = None  # learned by the guard, stamped on every base
+    first_token_s: float | None = None  # learned with it: dispatch -> first token when good
 
 
 def _default_fitter(prior: StepTimeModel) -> StepTimeFitter:
@@ -208,6 +212,27 @@ class LoadState:
                              max_num_batched_tokens=max_num_batched_tokens,
                              assumed_output_tokens=assumed_output_tokens,
                              assumed_prompt_tokens=assumed_prompt_tokens)
+        return self._set_counted_base(replica_id, base, now_s)
+
+    def update_from_engine_metrics(self, replica_id: str, load: EngineLoad, now_s: float, *,
+                                   max_model_len: int | None = None, max_num_seqs: int = 256,
+                                   max_num_batched_tokens: int = 8192,
+                                   assumed_output_tokens: int = 128,
+                                   assumed_prompt_tokens: int = 512) -> ReplicaSnapshot:
+        """Apply one SGLang / TGI / llama.cpp ``/metrics`` scrape, parsed
+        (:func:`guard.replicas.engine_metrics.parse_engine_metrics`): counts, no request ids,
+        so reservations end as for vLLM (:meth:`update_from_vllm_metrics`)."""
+        base = engine_snapshot(replica_id, load, now_s, max_model_len=max_model_len,
+                               max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens,
+                               assumed_output_tokens=assumed_output_tokens,
+                               assumed_prompt_tokens=assumed_prompt_tokens)
+        return self._set_counted_base(replica_id, base, now_s)
+
+    def _set_counted_base(self, replica_id: str, base: ReplicaSnapshot,
+                          now_s: float) -> ReplicaSnapshot:
+        """A metrics scrape (no request ids): a pending reservation ends once a scrape that
+        started after it was made has been applied (the request is counted there)."""
         replica = self._replica(replica_id)
         book = self._books.get(replica_id)
         if book is not None:
@@ -227,10 +252,24 @@ class LoadState:
         base = unknown_capacity_snapshot(replica_id, now_s)
         return self._set_base(self._replica(replica_id), base)
 
+    def set_concurrency_limit(self, replica_id: str, limit: int | None,
+                              first_token_s: float | None = None) -> None:
+        """The replica's learned concurrency limit (None: none learned) and its typical
+        dispatch-to-first-token time, carried by its snapshots from now on."""
+        replica = self._replica(replica_id)
+        if (replica.concurrency_limit, replica.first_token_s) == (limit, first_token_s):
+            return
+        replica.concurrency_limit, replica.first_token_s = limit, first_token_s
+        if replica.base is not None:
+            self._set_base(replica, replica.base)
+
     def _set_base(self, replica: _Replica, base: ReplicaSnapshot) -> ReplicaSnapshot:
         weight = self._weights.get(base.replica_id, 1.0)
-        if base.weight != weight:
-            base = dataclasses.replace(base, weight=weight)
+        if base.weight != weight or base.concurrency_limit != replica.concurrency_limit \
+                or base.first_token_s != replica.first_token_s:
+            base = dataclasses.replace(base, weight=weight,
+                                       concurrency_limit=replica.concurrency_limit,
+                                       first_token_s=replica.first_token_s)
         replica.base = base
         replica.combined = None
         self._snapshots = None
