@@ -6,13 +6,12 @@ ids (so the server's token count is exact), with ``max_tokens`` = the planned ou
 frozen ``RequestRecord``. It never raises for a request-level problem: transport errors,
 bad status codes, truncated streams, its own timeout and cancellation all become outcomes.
 
-The HTTP client is one shared ``aiohttp.ClientSession``. httpx (httpcore 1.0) was used before
-and could not offer high rates: its connection pool rescans every connection, and for each
-idle one counts every connection again, each time a request enters or leaves the pool, so with
-thousands of connections the generator's CPU per request grew with the connections it held
-(``kvguard bench sheds`` at 2,000 req/s spent minutes at 100 % CPU in that scan). aiohttp's
+The HTTP client is one shared ``aiohttp.ClientSession``, not httpx (httpcore 1.0), which cannot
+offer high rates: its connection pool rescans every connection, and for each idle one counts
+every connection again, each time a request enters or leaves the pool, so with thousands of
+connections the generator's CPU per request grows with the connections it holds. aiohttp's
 pool does not rescan its connections per request (``kvguard bench loadgen`` measures the
-generator's CPU per request).
+generator's CPU per request; docs/benchmarks.md §10).
 """
 
 from __future__ import annotations

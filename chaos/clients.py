@@ -36,7 +36,7 @@ from chaos.records import RequestRecord, RequestSpec
 from chaos.user_record import UserRecord
 
 __all__ = ["CLIENT_KINDS", "DEFAULT_RETRIES", "ClientConfig", "UserProgress", "EntryPicker",
-           "HttpUserClient", "make_user_client", "user_record"]
+           "HttpUserClient", "user_record"]
 
 CLIENT_KINDS: tuple[str, ...] = ("sdk", "tenacity", "bad_citizen", "timeout_retry")
 DEFAULT_RETRIES: dict[str, int] = {"sdk": 2, "tenacity": 4, "bad_citizen": 5, "timeout_retry": 3}
@@ -245,14 +245,3 @@ class HttpUserClient:
             retry_error_callback=lambda state: state.outcome.result(),
             sleep=self._sleep)
         await retrying(one)
-
-
-def make_user_client(cfg: ClientConfig, http: aiohttp.ClientSession, entries: EntryPicker, *,
-                     model: str | None, class_header: str = "x-kvguard-class",
-                     clock: Callable[[], float] = time.monotonic):
-    """The client for ``cfg.kind`` (the SDK one is imported only when asked for)."""
-    if cfg.kind == "sdk":
-        from chaos.sdk_client import SdkUserClient
-        return SdkUserClient(cfg, entries, model=model, class_header=class_header, clock=clock)
-    return HttpUserClient(cfg, http, entries, model=model, class_header=class_header,
-                          clock=clock)

@@ -7,10 +7,9 @@ guard and to a replica with the guard (the SLO-aware policy) mounted in-process.
 table shows what the guard changes; each run's folder holds the raw records, a report and plots.
 
 Why 1.4: S is what a replica drowning in its own queue completes, less than it sustains just
-below saturation, and the seeded arrivals come to ~0.93–0.95 × the nominal rate. At the old default
-1.2 a faster machine served every request of the no-guard run within the SLO (2026-12-04: S
-11.92 req/s, 13.25 req/s offered, 100 % good), so the demo showed no overload at all. At 1.4
-(15.95 offered) the bare replica served 14 % in time, and the guard held 13.50 req/s.
+below saturation, and the seeded arrivals come to ~0.93–0.95 × the nominal rate; at 1.2 a fast
+machine serves every request of the no-guard run within the SLO and the demo shows no overload
+at all (the runs that showed it are in docs/benchmarks.md §0).
 ``--scenario seed`` runs the fleet version instead (``chaos.fleet_demo``).
 """
 

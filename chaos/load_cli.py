@@ -216,11 +216,13 @@ def _point(rate: float, summary: dict, out_dir: Path) -> SweepPoint:
 def _run_sweep(args, out_dir: Path, model: str | None) -> int:
     if args.base_rate is None:
         raise ValueError("--sweep needs --base-rate")
-    points = []
+    points, num_completed = [], 0
     for rate in sweep_rates(args.sweep, args.base_rate):
         sub = out_dir / f"rate_{rate:g}"
         print(f"--- rate {rate:g} req/s")
-        points.append(_point(rate, run_once(args, rate, sub, model), sub))
+        summary = run_once(args, rate, sub, model)
+        num_completed += summary["counts"]["completed"]
+        points.append(_point(rate, summary, sub))
     cap = capacity(points)
     plot_sweep([p.rate_per_s for p in points], [p.offered_per_s for p in points],
                [p.completed_per_s for p in points], [p.goodput_per_s for p in points],
@@ -232,7 +234,7 @@ def _run_sweep(args, out_dir: Path, model: str | None) -> int:
     (out_dir / "sweep.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"capacity (goodput >= {MIN_GOODPUT_RATIO:.0%} of offered): "
           f"{label}; see {out_dir / 'sweep.png'}")
-    return 0
+    return _exit_status(num_completed)
 
 
 def run(args) -> int:
@@ -247,4 +249,13 @@ def run(args) -> int:
         raise ValueError("give --rate (or --sweep with --base-rate)")
     summary = run_once(args, args.rate, out_dir, model)
     _print_summary(summary, out_dir)
+    return _exit_status(summary["counts"]["completed"])
+
+
+def _exit_status(num_completed: int) -> int:
+    """1 when not one request completed (a dead URL, a wrong key, a server that sheds all):
+    scripts that run ``kvguard load`` must not read such a run as a success."""
+    if num_completed == 0:
+        print("kvguard load: no request completed", file=sys.stderr)
+        return 1
     return 0

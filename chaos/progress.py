@@ -11,7 +11,7 @@ from chaos.load import LiveCounts
 
 __all__ = ["progress", "describe"]
 
-PLAIN_EVERY_S = 10.0
+PLAIN_EVERY_S = 3.0  # without a terminal: one plain line this often
 
 
 def describe(counts: LiveCounts, elapsed_s: float) -> str:

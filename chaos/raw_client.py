@@ -1,9 +1,9 @@
 """The load generator's client on raw asyncio protocols (``--client raw``): a cheaper sender.
 
-``chaos.client.CompletionClient`` over aiohttp costs the generator ~0.4–0.6 ms of CPU per
-request (``kvguard bench loadgen``). Under ``kvguard bench sheds`` (2,000 req/s on 2 cores) that
-is ~0.9 core of the machine the measured replica runs on, so the sender's own CPU was part of
-the shed tail it measured. :class:`RawCompletionClient` is the same client — same request, same
+``chaos.client.CompletionClient`` over aiohttp costs the generator enough CPU per request
+(``kvguard bench loadgen``, docs/benchmarks.md §10) that under ``kvguard bench sheds``
+(2,000 req/s on 2 cores) the sender takes most of a core from the machine the measured replica
+runs on, and its own CPU becomes part of the shed tail being measured. :class:`RawCompletionClient` is the same client — same request, same
 ``send()`` contract (never raises for a request-level problem), same record, the same SSE line
 handling — with the HTTP/1.1 exchange done on a keep-alive connection pool of asyncio
 protocols instead of aiohttp.

@@ -88,8 +88,8 @@ def http_health(url: str, timeout_s: float = 2.0) -> bool:
 
     One plain ``http.client`` GET: the fault driver polls this from a thread of the load
     generator's process while a restarted replica comes up, and a throwaway ``httpx`` client
-    builds a TLS context each time (~45 ms of CPU per poll here, against ~0.35 ms), CPU the
-    generator's event loop then lacks while it times the streams in flight."""
+    builds a TLS context each time (over a hundred times this GET's CPU), CPU the generator's
+    event loop then lacks while it times the streams in flight."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme != "http" or parts.hostname is None:
         raise ValueError(f"http_health: need an http://host:port URL, got {url!r}")

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import psutil
 
 from chaos.client import make_http_client
-from chaos.clients import ClientConfig, EntryPicker, UserProgress, make_user_client, user_record
+from chaos.client_factory import make_user_client
+from chaos.clients import ClientConfig, EntryPicker, UserProgress, user_record
 from chaos.load import (
     LoadResult,
     _cpu_wait_s,

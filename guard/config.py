@@ -26,12 +26,14 @@ Environment: ``KVGUARD_CONFIG`` names the TOML file; ``KVGUARD_<FIELD>`` overrid
 field (``KVGUARD_POLICY=cap``, ``KVGUARD_MAX_BODY_BYTES=65536``, ``KVGUARD_TRACE_PATH=...``);
 ``KVGUARD_UPSTREAMS`` (comma-separated URLs) replaces the replicas, whose state source is
 ``KVGUARD_UPSTREAM_STATE_SOURCE`` (default ``kvguard``); ``KVGUARD_POLICY_PARAMS`` is a JSON
-object; ``KVGUARD_ADMIN_API_KEY`` is the admin key in clear (hashed at load). Unknown ``KVGUARD_*`` variables are ignored (other components own them).
+object; ``KVGUARD_ADMIN_API_KEY`` is the admin key in clear (hashed at load). An unknown
+``KVGUARD_*`` variable (a typo) is refused with its name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import functools
 import hashlib
@@ -547,7 +549,24 @@ def _parse_env(var: str, text: str, wanted: type, nullable: bool) -> Any:
         raise ValueError(f"{var}: expected {wanted.__name__}, got {text!r}") from None
 
 
+# Variables read here besides ``KVGUARD_<FIELD>``; ``KVGUARD_ABLATE`` belongs to the
+# measurement script scripts/guard_instructions.py, whose children load this config.
+_OTHER_ENV = ("KVGUARD_CONFIG", "KVGUARD_ADMIN_API_KEY", "KVGUARD_POLICY_PARAMS",
+              "KVGUARD_UPSTREAMS", "KVGUARD_UPSTREAM_STATE_SOURCE", "KVGUARD_ABLATE")
+
+
+def _check_env_names(env: Mapping[str, str]) -> None:
+    """A mistyped ``KVGUARD_*`` variable refuses start-up instead of being silently ignored."""
+    known = {"KVGUARD_" + name.upper() for name in _SCALAR_FIELDS} | set(_OTHER_ENV)
+    for var in sorted(env):
+        if var.startswith("KVGUARD_") and var not in known:
+            close = difflib.get_close_matches(var, sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"{var}: unknown kvguard environment variable{hint}")
+
+
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    _check_env_names(env)
     out: dict[str, Any] = {}
     for name, (wanted, nullable) in _SCALAR_FIELDS.items():
         var = "KVGUARD_" + name.upper()

@@ -89,9 +89,8 @@ def client_software(user_agent: str | None) -> str:
     without one.
 
     Every request is priced with this, and a service sees few distinct ``User-Agent`` strings:
-    the answer is kept per string (up to ``MAX_KNOWN_AGENTS``; then the table starts over), one
-    dict lookup instead of five string operations (cold, caches thrashed before the call:
-    ~20 µs; hot 0.79 → 0.08 µs)."""
+    the answer is kept per string (up to ``MAX_KNOWN_AGENTS``; then the table starts over), so
+    a request costs one dict lookup instead of five string operations."""
     known = _KNOWN_AGENTS.get(user_agent)
     if known is not None:
         return known

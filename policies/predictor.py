@@ -92,12 +92,11 @@ def forecast(
     O(requests in flight).
 
     One function on purpose: it runs per replica for every request, on the proxy's path to
-    the upstream, where each call runs cold (at low load a request finds the proxy's caches
-    gone: in place, code runs 5-25x slower than in a loop). The step-time model
+    the upstream, so it is one flat pass rather than a chain of small calls. The step-time model
     (:meth:`StepTimeModel.step_s`), :func:`never_fits`, :func:`prefill_s` and the idle case of
     :func:`~policies.prefill_pacing.pending_prefill_tokens` are inlined here, term for term in
-    the same order, so the numbers are identical to theirs (a test holds them to it). With the
-    policy's own inlining, an idle replica's decision went from 21 Python calls to 5.
+    the same order, so the numbers are identical to theirs (a test holds them to it); what
+    that saves on the proxy's first token is in docs/benchmarks.md §7.
     """
     num_prompt = cost.num_prompt_tokens
     if (num_prompt + cost.max_tokens > replica.max_model_len  # never_fits(), inlined

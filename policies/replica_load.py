@@ -15,10 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # snapshot.py imports this module; the types are only annotations here
-    from policies.snapshot import SeqLoad
+from policies.seq_load import SeqLoad
 
 __all__ = ["SeqTotals", "ReplicaLoad", "FinishSchedule", "num_blocks_for"]
 

@@ -160,9 +160,9 @@ class SloPolicy:
         self.itl_safety_ratio = itl_safety_ratio
 
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
-        # One pass over the replicas for steps 1-3 and the fresh ones, in plain loops and
-        # inlined checks (never_fits, LoadSnapshot.fresh_replicas): this runs on the proxy's
-        # path to the upstream for every request, where each call is a cold code object.
+        # One pass over the replicas for steps 1-3 and the fresh ones, in plain loops with
+        # never_fits and LoadSnapshot.fresh_replicas inlined: this runs for every request on
+        # the proxy's path to the upstream, before the request is written there.
         replicas = snapshot.replicas
         now_s = snapshot.now_s
         max_staleness_s = snapshot.max_staleness_s

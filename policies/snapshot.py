@@ -7,20 +7,10 @@ from functools import cached_property
 
 from policies.replica_load import ReplicaLoad, SeqTotals
 from policies.retry_budget import NO_RETRY_OVER_BUDGET, RetryBudgetView
+from policies.seq_load import SeqLoad
 from policies.step_time import StepTimeModel
 
 __all__ = ["SeqLoad", "ReplicaSnapshot", "LoadSnapshot", "QueuedAhead", "NOTHING_AHEAD"]
-
-
-@dataclass(frozen=True)
-class SeqLoad:
-    """One request on a replica as the engine (or the guard's reservation) reports it."""
-
-    num_context_tokens: int  # tokens in the KV cache now (prompt computed so far + output)
-    num_prefill_tokens_remaining: int  # prompt tokens not yet prefilled
-    num_remaining_output_tokens: int  # expected decode tokens still to come
-    itl_s: float | None = None  # ITL limit of its class if known (guard-admitted requests)
-    admitted_s: float | None = None  # a guard reservation: when it was admitted (guard clock)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,9 @@ addopts; ``-n 0`` runs everything in this one process, in the natural order).
   tests (the chaos runs), the files of other ``slow`` tests (the other worker runs these meanwhile),
   the other heavy files, then the many fast files, which fill in at the end; so the long ones
   start early and a heavy test rarely waits for another.
+* Chaos quick tests that need a valid run (``needs_valid_run``) and skipped because theirs was
+  invalid are counted in one line of the summary, and the session fails when every one of them
+  skipped (``tests/support/invalid_runs.py``): a run that is always invalid cannot pass.
 """
 
 from __future__ import annotations
@@ -34,10 +37,17 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.invalid_runs import InvalidRunsReport
+
 _HEAVY_MARKS = ("cpu_heavy", "smollm2")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the process that reports: xdist's controller, or -n 0
+        config.pluginmanager.register(InvalidRunsReport(), "kvguard-invalid-runs")
 
 
 def _is_heavy(item: pytest.Item) -> bool:

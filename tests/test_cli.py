@@ -2,6 +2,8 @@
 
 import argparse
 import importlib
+import subprocess
+import sys
 
 import pytest
 
@@ -39,3 +41,43 @@ def test_demo_load_is_refused_where_it_would_do_nothing_or_nonsense(capsys):
     assert "--load applies to the single-replica demo only" in capsys.readouterr().err
     assert main(["demo", "--load", "0"]) == 2
     assert "--load must be > 0" in capsys.readouterr().err
+
+
+def test_version_prints_the_installed_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("kvguard ") and out.strip() != "kvguard"
+
+
+def test_help_names_the_extra_each_subcommand_needs(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "serve one engine replica (OpenAI-compatible HTTP) [needs kvguard[engine]]" in out
+    assert "[needs" not in out.split("the standalone proxy in front of N replicas")[1][:20]
+
+
+@pytest.mark.parametrize("name,blocked,extra", [("engine", "torch", "engine"),
+                                                ("plan", "torch", "engine"),
+                                                ("load", "matplotlib", "bench"),
+                                                ("chaos", "matplotlib", "bench")])
+def test_a_subcommand_without_its_extra_names_it_in_one_line(name, blocked, extra):
+    """A guard-only install: the subcommand's dependency is missing (blocked here by a None in
+    sys.modules, which makes its import fail as an absent package does)."""
+    code = (f"import sys; sys.modules[{blocked!r}] = None\n"
+            "from guard.cli import main\n"
+            f"sys.exit(main([{name!r}, '--help']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"kvguard[{extra}]" in lines[0] and blocked in lines[0]
+
+
+def test_subcommand_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["proxy", "--help"])
+    assert "(default:" in capsys.readouterr().out

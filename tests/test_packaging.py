@@ -41,7 +41,3 @@ def test_core_dependencies_are_what_guard_and_policies_import():
     # on; orjson: serving.json_body.loads, which parses guard's request bodies and state documents
     assert core - imported <= {"uvicorn", "uvloop", "orjson"}, core - imported
 
-
-def test_the_venv_script_installs_every_extra():
-    script = (ROOT / "scripts" / "_venv.sh").read_text()
-    assert '"$ROOT[engine,dev,bench]"' in script

@@ -29,20 +29,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
 import tempfile
 import time
-from typing import Any
+
+from chaos.bench.budget_http import _calls, _guard, measure_http, render_http, stop_child
 
 __all__ = ["configure", "run", "measure"]
 
-_API_KEY = "sk-bench"
-_HUGE = 10**12
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +63,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if min(args.requests, args.block, args.concurrency) < 1:
         raise ValueError("--requests, --block and --concurrency must be >= 1")
-    from chaos.bench.budget_http import measure_http, render_http
 
     server = None if args.redis else _RedisServer.start()
     try:
@@ -89,24 +85,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _guard(policy: str, budget: str | None, redis_url: str | None, timeout_s: float = 0.05):
-    from prometheus_client import CollectorRegistry
-
-    from chaos.bench.guard import trivial_app
-    from guard.config import GuardConfig
-    from guard.middleware import AdmissionMiddleware
-
-    data: dict[str, Any] = {"policy": policy}
-    if budget == "tenant":  # the same tenant, matched by its API key, without any limit
-        data["tenants"] = [{"name": "bench", "api_key": _API_KEY}]
-    elif budget is not None:
-        data["tenants"] = [{"name": "bench", "api_key": _API_KEY, "tokens_per_minute": _HUGE,
-                            "requests_per_minute": _HUGE}]
-    if budget == "redis":
-        data["redis_url"] = redis_url
-        data["budget"] = {"redis_timeout_s": timeout_s}
-    return AdmissionMiddleware(trivial_app, GuardConfig.from_dict(data),
-                               registry=CollectorRegistry())
 
 
 async def _drive(app, num: int, concurrency: int) -> tuple[float, int, float]:
@@ -201,8 +179,6 @@ def _commands(info: dict) -> list[str]:
     return [k.removeprefix("cmdstat_") for k in info if k.startswith("cmdstat_")]
 
 
-def _calls(info: dict, command: str) -> int:
-    return int(info.get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
 def _usec(info: dict, command: str) -> int:
@@ -228,15 +204,6 @@ def render(r: dict) -> str:
     return "\n".join(lines)
 
 
-def stop_child(proc: subprocess.Popen) -> None:
-    """End a child this bench started, by its pid: SIGTERM, then SIGKILL after 10 s."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 class _RedisServer:

@@ -20,13 +20,17 @@ import argparse
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from collections import Counter
+from typing import Any
 
-from chaos.bench.budget import _calls, stop_child
 from chaos.bench.guard import _BODY
+
+_API_KEY = "sk-bench"
+_HUGE = 10**12
 
 __all__ = ["measure_http", "VARIANTS"]
 
@@ -197,7 +201,6 @@ def _serve(variant: str, redis_url: str, policy: str, timeout_s: float) -> int:
     """The child: one variant's guard on kvguard's HTTP/1.1 server, lifespan on."""
     import socket
 
-    from chaos.bench.budget import _guard
     from serving.h1server import H1Server, run
     from serving.limited_protocol import ConnectionTable
     from serving.server_limits import ServerLimits
@@ -211,6 +214,39 @@ def _serve(variant: str, redis_url: str, policy: str, timeout_s: float) -> int:
     port = sock.getsockname()[1]
     server = H1Server(app, ConnectionTable(ServerLimits()), graceful_timeout_s=1.0)
     return 0 if run(server, [sock], ready_line=f"budget bench serving on {port}") else 1
+
+
+def _guard(policy: str, budget: str | None, redis_url: str | None, timeout_s: float = 0.05):
+    from prometheus_client import CollectorRegistry
+
+    from chaos.bench.guard import trivial_app
+    from guard.config import GuardConfig
+    from guard.middleware import AdmissionMiddleware
+
+    data: dict[str, Any] = {"policy": policy}
+    if budget == "tenant":  # the same tenant, matched by its API key, without any limit
+        data["tenants"] = [{"name": "bench", "api_key": _API_KEY}]
+    elif budget is not None:
+        data["tenants"] = [{"name": "bench", "api_key": _API_KEY, "tokens_per_minute": _HUGE,
+                            "requests_per_minute": _HUGE}]
+    if budget == "redis":
+        data["redis_url"] = redis_url
+        data["budget"] = {"redis_timeout_s": timeout_s}
+    return AdmissionMiddleware(trivial_app, GuardConfig.from_dict(data),
+                               registry=CollectorRegistry())
+
+def _calls(info: dict, command: str) -> int:
+    return int(info.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+def stop_child(proc: subprocess.Popen) -> None:
+    """End a child this bench started, by its pid: SIGTERM, then SIGKILL after 10 s."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 if __name__ == "__main__":  # the server child of measure_http

@@ -21,6 +21,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "loadgen": ("chaos.bench.loadgen", "the load generator's own CPU per request, trivial server"),
     "shed-cost": ("chaos.bench.shed_cost", "CPU µs per shed in kvguard proxy's app, in-process"),
     "budget": ("chaos.bench.budget", "request rate with Redis / in-memory / no budgets"),
+    "pricing": ("chaos.bench.pricing", "CPU time to price one chat request, in-process"),
     "serving": ("chaos.bench.serving", "what the connection limits cost: limited vs plain uvicorn"),
 }
 
@@ -45,6 +46,8 @@ def _load(target: str):
 
 def run(args: argparse.Namespace) -> int:
     module = _load(args.target)
+    if args.target == "engine" and "--prefix" in args.target_args:  # prefix-cache TTFT
+        module = importlib.import_module("chaos.bench.engine_prefix")
     parser = argparse.ArgumentParser(prog=f"kvguard bench {args.target}",
                                      description=TARGETS[args.target][1])
     module.configure(parser)

@@ -29,7 +29,10 @@ __all__ = ["measure_against", "render_against"]
 # One round in the checkout on PYTHONPATH: its trivial app and guarded middleware, driven here.
 _ROUND = """
 import asyncio, json, statistics, sys, time
-from chaos.bench.guard import _BODY, _SCOPE, _guarded, trivial_app
+try:
+    from chaos.bench.guard import _BODY, _SCOPE, _guarded, trivial_app
+except ImportError:  # a checkout from before the benchmarks moved into chaos/bench/
+    from guard.bench import _BODY, _SCOPE, _guarded, trivial_app
 
 async def drive(app, num, wall_ns, cpu_ns):
     message = {"type": "http.request", "body": _BODY, "more_body": False}
@@ -80,10 +83,12 @@ def _one_round(root: Path, iterations: int, block: int, policy: str, timeout_s: 
 def measure_against(baseline: str, iterations: int, block: int, policy: str,
                     rounds: int = 5, timeout_s: float = 600.0) -> dict:
     """Alternating rounds of the in-process bench on this checkout and on ``baseline``."""
-    current_root = Path(__file__).resolve().parents[1]
+    current_root = Path(__file__).resolve().parents[2]
     baseline_root = Path(baseline).resolve()
-    if not (baseline_root / "guard" / "bench.py").is_file():
-        raise ValueError(f"--against: {baseline!r} is not a kvguard checkout (no chaos/bench/guard.py)")
+    if not any((baseline_root / path).is_file() for path in ("chaos/bench/guard.py",
+                                                              "guard/bench.py")):
+        raise ValueError(f"--against: {baseline!r} is not a kvguard checkout (no "
+                         "chaos/bench/guard.py, nor guard/bench.py from before it moved)")
     if rounds < 1:
         raise ValueError("--rounds must be >= 1")
     added: dict[str, list[float]] = {"current": [], "baseline": []}

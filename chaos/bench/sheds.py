@@ -62,7 +62,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client", choices=("raw", "aiohttp"), default="raw",
                    help="the load generator's HTTP client: raw asyncio protocols "
                         "(chaos.raw_client, the default: the sender's CPU shares the replica's "
-                        "cores) or aiohttp (every run before 2026-12-01 23:30)")
+                        "cores) or aiohttp (the older runs in docs/benchmarks.md)")
     p.add_argument("--out", default=None, help="output folder (default runs/sheds-<time>)")
 
 

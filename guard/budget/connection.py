@@ -1,7 +1,8 @@
 """A Redis client for a URL, single server or Cluster (detected from the server).
 
 A single server on a plain ``redis://`` URL gets the budget store's own pipelined client
-(:class:`~guard.budget.resp_client.RespClient`: a quarter of redis-py's CPU per call); a Cluster,
+(:class:`~guard.budget.resp_client.RespClient`: it spends less CPU per call than redis-py, see
+its docstring); a Cluster,
 or a URL with TLS, a unix socket or options, gets ``redis.asyncio`` (``RedisCluster`` for a
 Cluster). Short socket and connect timeouts (the guard never waits on Redis longer than
 ``timeout_s``); no client-side retries: the breaker in :mod:`guard.budget.fallback` decides what

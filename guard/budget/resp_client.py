@@ -1,10 +1,10 @@
 """A small pipelined Redis client for the budget hot path: one connection, RESP2, five commands.
 
-Why: redis-py's asyncio client costs ~120 µs of CPU per EVALSHA on this kind of machine
+Why: most of the CPU redis-py's asyncio client spends on an EVALSHA goes around the command
 (connection pool checkout, command packing, its pure-Python reply parser, per-call locks and
-timeouts) against ~30 µs for the same bytes over a bare asyncio stream; a budget decision is
-one EVALSHA per batch of concurrent requests, so that overhead is most of what Redis budgets add
-per request. This client speaks exactly what the budget store needs — ``EVALSHA``,
+timeouts), not into the bytes on the wire; a budget decision is one EVALSHA per batch of
+concurrent requests, so that overhead is most of what Redis budgets add per request (the
+figures are in docs/benchmarks.md §5 and §11). This client speaks exactly what the budget store needs — ``EVALSHA``,
 ``SCRIPT LOAD``, ``PING``, ``INFO`` (and ``AUTH``/``SELECT`` at connect) — with the interface
 the store already uses (``evalsha``, ``script_load``, ``ping``, ``info``, ``aclose``) and
 redis-py's exception types, so :class:`~guard.budget.redis_store.RedisStore` and

@@ -57,17 +57,11 @@ from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead, ReplicaS
 from policies.step_time import StepTimeModel
 
 __all__ = [
-    "AsgiStateSource",
-    "HttpStateSource",
     "LoadState",
     "PendingListener",
-    "StatePoller",
-    "StateSource",
-    "StateUnavailable",
     "UNKNOWN_MAX_MODEL_LEN",
     "UNKNOWN_NUM_BLOCKS",
     "parse_vllm_metrics",
-    "state_sources",
 ]
 
 
@@ -242,9 +236,8 @@ class LoadState:
         self._snapshots = None
         self._step_time = None
         # Built here, in the state poll, rather than by the next decision: at low load a state
-        # refresh lands between most requests, and a cold request paid these on its way to
-        # the upstream (the engine groups' sums alone: ~45 µs of the slo proxy's first token,
-        # measured in kvguard bench proxy with a timer around the policy's decide)
+        # refresh lands between most requests, so the engine groups' sums are ready before a
+        # request needs them instead of being summed on its way to the upstream
         base.load  # noqa: B018  (cached on the snapshot; reservations add to it cheaply)
         self._views()
         return base
@@ -411,7 +404,7 @@ class LoadState:
         replicas = self._snapshots
         if replicas is None or self._step_time is None:
             replicas = self._views()
-        # positional (one per request; keywords cost more): now, replicas, step time, queued,
+        # one per request, positional in field order: now, replicas, step time, queued,
         # staleness bound, drain rate, retry budget, queue ahead
         return LoadSnapshot(
             now_s, replicas, self._step_time,
@@ -435,13 +428,3 @@ class LoadState:
             self._step_time = StepTimeModel(*(sum(c) / len(models) for c in columns))
         return self._step_time
 
-
-# The poller, its sources and the vLLM metrics parser moved out; their old import path still works.
-from guard.replicas.poller import (  # noqa: E402  (state_poller does not import this module)
-    AsgiStateSource,
-    HttpStateSource,
-    StatePoller,
-    StateSource,
-    StateUnavailable,
-    state_sources,
-)

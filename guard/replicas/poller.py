@@ -16,14 +16,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from guard.config import ReplicaConfig
 from guard.errors import StateUnavailable
 from serving.json_body import loads
-
-if TYPE_CHECKING:  # load_state re-exports this module's names
-    from guard.replicas.load_state import LoadState
 
 __all__ = [
     "AsgiStateSource",
@@ -31,12 +28,27 @@ __all__ = [
     "StateClient",
     "NoStateSource",
     "StatePoller",
+    "StateSink",
     "StateSource",
     "StateUnavailable",
     "state_sources",
 ]
 
 log = logging.getLogger(__name__)
+
+
+class StateSink(Protocol):
+    """What the poller feeds: :class:`guard.replicas.load_state.LoadState` (named here by its
+    methods only, so this module does not import the one it feeds)."""
+
+    def update_from_kvguard_state(self, replica_id: str, state: Any, now_s: float) -> Any: ...
+
+    def update_from_vllm_metrics(self, replica_id: str, text: str, now_s: float,
+                                 **limits: Any) -> Any: ...
+
+    def mark_unknown_capacity(self, replica_id: str, now_s: float) -> Any: ...
+
+    def mark_unhealthy(self, replica_id: str, now_s: float) -> None: ...
 
 
 class StateClient(Protocol):
@@ -174,7 +186,7 @@ class StatePoller:
     admission queue re-evaluates there.
     """
 
-    def __init__(self, load_state: LoadState, sources: Mapping[str, StateSource],
+    def __init__(self, load_state: StateSink, sources: Mapping[str, StateSource],
                  interval_s: float, *, clock: Callable[[], float] = time.monotonic,
                  unhealthy_after_errors: int = 3, timeout_s: float = 2.0,
                  on_refresh: Callable[[], None] | None = None):

@@ -17,8 +17,8 @@ the relative errors are kept for export.
 Refits happen in :meth:`StepTimeFitter.model` only, so a batch of records (one state poll's
 iterations: ~25 of them for a 100 ms poll of a replica stepping every 4 ms) costs at most one
 fit, not one every ``refit_every`` records while they are added; and only once ``refit_every``
-(32) new records are in, an eighth of the window: a fit is ~10 numpy calls, 0.1–0.7 ms run
-cold on the event loop the requests wait on, and the model moves slowly.
+(32) new records are in, an eighth of the window: a fit is ~10 numpy calls run on the event
+loop the requests wait on, and the model moves slowly.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ least this long" instead of as a length::
 so a class whose requests all run to their cap prices each request at its own ``max_tokens``,
 and one whose requests stop on their own prices them at the mean length (capped). Beyond the
 longest ending seen, the estimate keeps its last survival value (no evidence that lengths stop
-there). The table behind the sum (a few tens of µs to build) is rebuilt when a lookup finds
+there). The table behind the sum is a pass over the class's endings, so it is rebuilt when a lookup finds
 ``REBUILD_EVERY`` new endings, or any new ending and ``REBUILD_AFTER_S`` since the last build,
 or while the class has few endings — never per request under load; a lookup is one bisection.
 An ending observed with its time (the guard's release) rebuilds a table that is due right

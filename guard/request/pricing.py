@@ -196,7 +196,7 @@ class Pricer:
         chars, tokens, overhead, exact = self._count_prompt(data, path, rules)
         max_tokens, defaulted = self._max_tokens(data, tokens, exact, max_model_len)
         request_class = self._resolve_class(headers, tenant)
-        cost = RequestCost(  # positional (one per request; keywords cost more), in field order
+        cost = RequestCost(  # one per request, positional in field order
             request_id or uuid.uuid4().hex,
             tenant.name,
             request_class,

@@ -7,7 +7,8 @@ answer that was cut or errored counts as good, every client stays within its ret
 over-admission is 0, and no slo client is left hung. Whether slo kept goodput (0 lost, not
 worse than always_admit) is asserted only on a valid run — one whose load generator kept its
 schedule; on an oversubscribed machine that test is skipped with the generator's own reason,
-never passed.
+never passed. Those tests carry ``needs_valid_run``: the session's summary counts their invalid
+skips, and a session where every one of them skipped fails (``tests/support/invalid_runs.py``).
 """
 
 import json
@@ -21,6 +22,7 @@ from chaos.scenarios import catalogue, missing_dependencies, quick_variant
 from chaos.user_record import USER_OUTCOMES, UserRecord
 from chaos.verdict import THRESHOLDS, slo_vs_always_admit
 from guard.cli import SUBCOMMANDS
+from tests.support.invalid_runs import invalid_run_reason
 
 # One scenario run (two fleets) happens inside the first test that needs it: ~1 min on an idle
 # 2-core machine, several under heavy contention; the suite's 300 s per-test guard is too short.
@@ -66,6 +68,7 @@ def test_every_user_is_accounted_for_and_no_bad_answer_counts(quick_run):
                     assert not a.successful
 
 
+@pytest.mark.needs_valid_run
 def test_no_over_admission_and_no_hung_slo_client(quick_run):
     """Over-admission: 0 with Redis up, whatever the machine's speed. Within 10 % of a window
     while Redis was down, and no hung slo client: both depend on timers running on time (the
@@ -82,8 +85,7 @@ def test_no_over_admission_and_no_hung_slo_client(quick_run):
             assert ratio is None or ratio <= limits["max_redis_up"], verdict
     valid = {p: v for p, v in result["policies"].items() if not v["generator_warnings"]}
     if not valid:
-        warning = result["policies"]["slo"]["generator_warnings"][0]
-        pytest.skip(f"run invalid (the load generator could not keep its schedule): {warning}")
+        pytest.skip(invalid_run_reason(result["policies"]["slo"]["generator_warnings"][0]))
     if "slo" in valid:
         assert valid["slo"]["num_hung"] == 0, valid["slo"]
     for verdict in valid.values():
@@ -91,6 +93,7 @@ def test_no_over_admission_and_no_hung_slo_client(quick_run):
         assert ratio is None or ratio <= limits["max_redis_down"], verdict
 
 
+@pytest.mark.needs_valid_run
 def test_slo_loses_nobody(quick_run):
     """Judged on slo's own run: every slo user got an answer or an explicit error within their
     patience (retry-storm once lost a few, before slo learned each client's patience), within
@@ -98,12 +101,12 @@ def test_slo_loses_nobody(quick_run):
     result, _, _ = quick_run
     slo = result["policies"]["slo"]
     if slo["generator_warnings"]:
-        pytest.skip("run invalid (the load generator could not keep its schedule on this "
-                    f"machine now): {slo['generator_warnings'][0]}")
+        pytest.skip(invalid_run_reason(slo["generator_warnings"][0]))
     assert slo["attempts_per_user"] <= 1 + max(DEFAULT_RETRIES.values())
     assert slo["num_lost"] == 0, slo["outcomes"]
 
 
+@pytest.mark.needs_valid_run
 def test_slo_beats_always_admit(quick_run):
     """A comparison: both runs must be valid (a stalled generator makes either one look worse
     than its policy is)."""
@@ -111,8 +114,7 @@ def test_slo_beats_always_admit(quick_run):
     slo, base = result["policies"]["slo"], result["policies"]["always_admit"]
     invalid = [w for v in (slo, base) for w in v["generator_warnings"]]
     if invalid:
-        pytest.skip("run invalid (the load generator could not keep its schedule on this "
-                    f"machine now): {invalid[0]}")
+        pytest.skip(invalid_run_reason(invalid[0]))
     # on the users only admission decides (the budgeted tenant's share of its bucket's refill
     # shifts with timing in both runs alike; streams a kill cut mid-way are lost to either
     # policy, and how many sat on the victim is the routing's draw: 16 vs 10 failed CI once),

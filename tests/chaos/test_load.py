@@ -192,10 +192,10 @@ def test_plain_progress_prints_a_few_lines():
     counts.num_sent, counts.by_outcome["completed"] = 4, 3
     stream = io.StringIO()
     with progress(stream, is_tty=False) as on_tick:
-        for t in (0.5, 1.0, 5.0, 10.6, 11.0):
+        for t in (0.5, 1.0, 2.0, 3.6, 4.0, 6.7, 7.0):
             on_tick(counts, t)
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 2          # at 0.5 s and 10.6 s: one line per 10 s
+    assert len(lines) == 3          # at 0.5, 3.6 and 6.7 s: one line every 3 s
     assert "sent 4/10 in-flight 1 completed 3" in lines[0]
     with progress(stream, quiet=True) as on_tick:
         assert on_tick is None
@@ -221,3 +221,14 @@ def test_the_generators_own_loop_lag_is_measured_and_makes_the_run_say_so():
     assert LoadResult(**base, loop_lag_max_s=0.03).warnings() == []
     (text,) = LoadResult(**base, loop_lag_max_s=0.21).warnings()
     assert "event loop ran 210 ms late" in text
+
+
+def test_a_load_run_in_which_nothing_completed_exits_non_zero(tmp_path, capsys):
+    """A dead URL: every request fails to connect; the run must not read as a success."""
+    from chaos.ports import free_port
+    from guard.cli import main
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    rc = main(["load", "--url", url, "--rate", "5", "--duration", "1", "--quiet",
+               "--model", "m", "--out", str(tmp_path / "run"), "--timeout", "2"])
+    assert rc == 1
+    assert "no request completed" in capsys.readouterr().err

@@ -98,7 +98,6 @@ def test_toml_then_env_overrides(tmp_path):
         "KVGUARD_UPSTREAMS": "http://127.0.0.1:9001/, http://127.0.0.1:9002",
         "KVGUARD_UPSTREAM_STATE_SOURCE": "vllm",
         "KVGUARD_POLICY_PARAMS": '{"max_concurrency": 8}',
-        "KVGUARD_SOMETHING_ELSE": "ignored",
     }
     c = load_config(env=env)
     assert c.policy == "cap"  # from the file
@@ -258,3 +257,12 @@ def test_replica_weight_defaults_to_one_and_takes_integers():
                                                  {"url": "http://c:1"}]})
     assert [r.weight for r in config.replicas] == [3.0, 0.5, 1.0]
     assert isinstance(config.replicas[0].weight, float)
+
+
+def test_an_unknown_kvguard_variable_refuses_start_up_with_its_name():
+    with pytest.raises(ValueError, match=r"KVGUARD_MAX_BODY_BYTE: unknown .*did you mean "
+                                         r"KVGUARD_MAX_BODY_BYTES"):
+        load_config(env={"KVGUARD_MAX_BODY_BYTE": "4096"})
+    with pytest.raises(ValueError, match="KVGUARD_SOMETHING_ELSE: unknown"):
+        load_config(env={"KVGUARD_SOMETHING_ELSE": "1"})
+    assert load_config(env={"OTHER_VAR": "1", "KVGUARD_POLICY": "slo"}).policy == "slo"

@@ -10,15 +10,8 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from guard.config import ReplicaConfig
-from guard.replicas.load_state import (
-    UNKNOWN_MAX_MODEL_LEN,
-    AsgiStateSource,
-    HttpStateSource,
-    LoadState,
-    StatePoller,
-    parse_vllm_metrics,
-    state_sources,
-)
+from guard.replicas.load_state import UNKNOWN_MAX_MODEL_LEN, LoadState, parse_vllm_metrics
+from guard.replicas.poller import AsgiStateSource, HttpStateSource, StatePoller, state_sources
 from guard.replicas.step_time_fitter import StepTimeFitter
 from policies.cost import RequestClass, RequestCost
 from policies.retry_budget import RetryBudgetView

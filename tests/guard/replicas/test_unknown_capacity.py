@@ -12,8 +12,8 @@ from starlette.routing import Route
 
 from guard.config import GuardConfig
 from guard.middleware import AdmissionMiddleware
-from guard.replicas.load_state import LoadState, StatePoller
-from guard.replicas.poller import AsgiStateSource, HttpStateSource, StateUnavailable
+from guard.replicas.load_state import LoadState
+from guard.replicas.poller import AsgiStateSource, HttpStateSource, StatePoller, StateUnavailable
 from tests.support.loopback import LoopbackServer
 
 

@@ -1,0 +1,74 @@
+"""The deployment files: the container images install with scripts/install (the recipe the
+README's set-up runs), their commands are ones kvguard accepts, and a guard-only install has
+no torch and names the extra a subcommand needs. (No Docker daemon or cluster runs here: the
+images themselves are not built in CI; their install step is, below.)"""
+
+import argparse
+import importlib
+import json
+import re
+import shlex
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from guard.cli import SUBCOMMANDS
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = {"proxy.Dockerfile": ("guard", "proxy"), "engine.Dockerfile": ("engine", "engine")}
+
+
+def _instruction(dockerfile: str, name: str) -> str:
+    text = (ROOT / "deploy" / "docker" / dockerfile).read_text()
+    lines = re.findall(rf"(?m)^{name} (.+)$", text)
+    assert len(lines) == 1, f"{dockerfile}: one {name} expected, got {lines}"
+    return lines[0]
+
+
+@pytest.mark.parametrize("dockerfile", sorted(IMAGES))
+def test_each_image_installs_with_the_setup_script_and_runs_a_real_command(dockerfile):
+    target, subcommand = IMAGES[dockerfile]
+    assert f"scripts/install {target} " in _instruction(dockerfile, "RUN")
+    entrypoint = json.loads(_instruction(dockerfile, "ENTRYPOINT"))
+    assert entrypoint == ["kvguard", subcommand]
+    args = json.loads(_instruction(dockerfile, "CMD"))
+    module = importlib.import_module(SUBCOMMANDS[subcommand][0])
+    parser = argparse.ArgumentParser(prog=f"kvguard {subcommand}", exit_on_error=False)
+    module.configure(parser)
+    parsed = parser.parse_args(args)  # raises on a flag kvguard does not have
+    port = int(re.search(r"EXPOSE (\d+)", (ROOT / "deploy/docker" / dockerfile).read_text())[1])
+    assert parsed.port == port and parsed.host == "0.0.0.0"
+
+
+def test_the_venv_script_installs_through_the_same_recipe():
+    assert '"$ROOT/scripts/install" dev "$VENV/bin/python"' in (ROOT / "scripts/_venv.sh").read_text()
+    recipe = (ROOT / "scripts/install").read_text()
+    assert '-e "$ROOT[engine,dev,bench]"' in recipe and '"$ROOT[engine]"' in recipe
+
+
+@pytest.mark.slow
+def test_a_guard_only_install_has_no_torch_and_names_the_extra_a_subcommand_needs(tmp_path):
+    """`scripts/install guard` into a fresh venv (from the package index, as the proxy image
+    does): the proxy runs, torch is absent, and `kvguard engine --help` says which extra to
+    install in one line."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    subprocess.run([str(ROOT / "scripts/install"), "guard", str(python)], check=True,
+                   timeout=600, cwd=tmp_path)
+    kvguard = env_dir / "bin" / "kvguard"
+    assert subprocess.run([str(kvguard), "proxy", "--help"], capture_output=True,
+                          timeout=120, cwd=tmp_path).returncode == 0
+    no_torch = subprocess.run([str(python), "-c", "import torch"], capture_output=True,
+                              timeout=120, cwd=tmp_path)
+    assert no_torch.returncode != 0
+    done = subprocess.run([str(kvguard), "engine", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "kvguard engine: needs the 'engine' extra (torch is not installed): "
+        "pip install 'kvguard[engine]'"], shlex.quote(done.stderr)
+    assert sys.executable != str(python)
