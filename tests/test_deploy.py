@@ -46,7 +46,7 @@ def test_each_image_installs_with_the_setup_script_and_runs_a_real_command(docke
 def test_the_venv_script_installs_through_the_same_recipe():
     assert '"$ROOT/scripts/install" dev "$VENV/bin/python"' in (ROOT / "scripts/_venv.sh").read_text()
     recipe = (ROOT / "scripts/install").read_text()
-    assert '-e "$ROOT[engine,dev,bench]"' in recipe and '"$ROOT[engine]"' in recipe
+    assert '-e "$ROOT[engine,dev,bench,gateway]"' in recipe and '"$ROOT[engine]"' in recipe
 
 
 @pytest.mark.slow
