@@ -14,6 +14,7 @@ ports (the clients' listener, the admin port, the EPPs' gRPC ports) and its choi
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import sys
@@ -24,7 +25,8 @@ from chaos.child import ChildProcess
 from chaos.ports import free_port
 from chaos.topology import http_health
 
-__all__ = ["ENVOY_CONFIG", "envoy_binary", "envoy_child", "envoy_config", "epp_child"]
+__all__ = ["ENVOY_CONFIG", "envoy_binary", "envoy_child", "envoy_config", "epp_child",
+           "epp_metrics_url"]
 
 ENVOY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
@@ -94,10 +96,11 @@ def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow
 def epp_child(upstreams: Sequence[str], *, config: str | None = None, redis_url: str | None = None,
               port: int = 0) -> ChildProcess:
     """``kvguard epp`` for these replica URLs on a loopback port (0: a free one, below the
-    ephemeral range so that a killed EPP can come back on it); healthy once it accepts
-    connections (its gRPC health says SERVING only after that)."""
+    ephemeral range so that a killed EPP can come back on it), its metrics on another
+    (:func:`epp_metrics_url`); healthy once it accepts connections (it prints its readiness
+    line after its first state poll)."""
     port = port or free_port()
-    args = [a for url in upstreams for a in ("--upstream", url)]
+    args = [a for url in upstreams for a in ("--upstream", url)] + ["--metrics-port", "0"]
     if config is not None:
         args += ["--config", config]
     if redis_url is not None:
@@ -109,6 +112,14 @@ def epp_child(upstreams: Sequence[str], *, config: str | None = None, redis_url:
 
     return ChildProcess("epp", argv, _accepts, port=port,
                         ready_pattern=r"kvguard epp listening on (grpc://\S+)")
+
+
+def epp_metrics_url(epp: ChildProcess) -> str:
+    """The ``GET /metrics`` URL a running :func:`epp_child` printed."""
+    match = re.search(r"\(metrics (http://\S+)\)", epp.output())
+    if match is None:
+        raise RuntimeError(f"{epp.name} printed no metrics URL:\n{epp.output()[-2000:]}")
+    return match.group(1)
 
 
 def _accepts(url: str) -> bool:

@@ -9,7 +9,7 @@ with the replica to use as ``x-gateway-destination-endpoint: ip:port`` (Envoy's
 URLs must name IP addresses. ``--upstream``, ``--state-source``, ``--config`` and ``--redis``
 mean what they mean for ``kvguard proxy``; with ``--redis`` several EPPs share budgets and KV
 reservations (active-active). Prints ``kvguard epp listening on grpc://HOST:PORT`` once it
-serves. SIGTERM/SIGINT drains (503 ``shutting_down``, admitted requests run on up to
+serves. ``--metrics-port`` serves its Prometheus series over HTTP. SIGTERM/SIGINT drains (503 ``shutting_down``, admitted requests run on up to
 ``proxy.drain_timeout_s``), then exits 0; a second signal exits at once.
 
 Needs the ``gateway`` extra (grpcio, grpcio-health-checking, protobuf, xds-protos).
@@ -41,6 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "reservations); replaces redis_url")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9002, help="gRPC port; 0 picks a free one")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve GET /metrics (Prometheus) over HTTP on this port of --host "
+                             "(0 picks a free one; default: no metrics endpoint)")
     parser.add_argument("--log-level", default="warning")
 
 
@@ -72,6 +75,10 @@ async def _serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, server.drain)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"kvguard epp listening on grpc://{host}:{port}", flush=True)
+    line = f"kvguard epp listening on grpc://{host}:{port}"
+    if args.metrics_port is not None:
+        metrics_port = await server.serve_metrics(args.host, args.metrics_port)
+        line += f" (metrics http://{host}:{metrics_port}/metrics)"
+    print(line, flush=True)
     await server.wait_stopped()
     return 0

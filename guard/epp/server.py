@@ -17,6 +17,9 @@ one Envoy run active-active.
 Drain (:meth:`EppServer.drain`, SIGTERM in :mod:`guard.epp.cli`): new decisions are 503
 ``shutting_down`` with retry advice, admitted requests run on (their streams are still
 served) until they end or ``proxy.drain_timeout_s`` passes; then the server stops.
+
+Its Prometheus series (the proxy's ``kvguard_*``) are served over HTTP when asked
+(:meth:`EppServer.serve_metrics`, ``--metrics-port``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from guard.config import GuardConfig
 from guard.controller import AdmissionController
+from guard.epp.metrics_http import MetricsEndpoint
 from guard.epp.picker import EndpointPicker, endpoint_of_url
 from guard.epp.processor import ExternalProcessor
 from guard.replicas.shared_reservations import SharedReservations
@@ -66,12 +70,14 @@ class EppServer:
         self.picker = EndpointPicker(self.controller, endpoints)
         self.processor = ExternalProcessor(self.picker)
         self.health = health_aio.HealthServicer()
+        self.metrics_endpoint = MetricsEndpoint(self.controller.metrics)
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self._draining: asyncio.Task | None = None
 
     async def start(self, host: str, port: int) -> int:
-        """Bind, poll the replicas once, serve; the bound port (``port`` 0: the OS's pick)."""
+        """Bind, poll the replicas once, serve; the bound port (``port`` 0: the OS's pick).
+        :meth:`serve_metrics` adds the Prometheus endpoint."""
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(self.processor, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -85,6 +91,10 @@ class EppServer:
         for service in _SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return bound
+
+    async def serve_metrics(self, host: str, port: int) -> int:
+        """``GET /metrics`` over HTTP on ``port`` (0: the OS's pick); the bound port."""
+        return await self.metrics_endpoint.start(host, port)
 
     def drain(self) -> None:
         """Stop deciding (SIGTERM): 503 ``shutting_down`` from now on; the server stops once
@@ -113,5 +123,6 @@ class EppServer:
         if self._server is not None:
             await self._server.stop(grace=1.0)
             self._server = None
+        await self.metrics_endpoint.aclose()
         await self.controller.aclose()
         self.controller.close()
