@@ -340,3 +340,70 @@ def test_sigterm_drains_the_epp(fleet, config, client, tmp_path_factory):
             envoy.close()
     finally:
         epp.close()
+
+
+def test_the_subset_hint_restricts_where_envoy_sends_requests(fleet, gateway, client):
+    envoy, _ = gateway
+    only = _endpoints(fleet)["r1"]
+    for _ in range(4):
+        answer = client.post(envoy.url + "/v1/completions", json=BODIES["/v1/completions"],
+                             headers={"x-gateway-destination-endpoint-subset": only})
+        assert answer.status_code == 200 and answer.headers["x-envoy-upstream-host"] == only
+    outside = client.post(envoy.url + "/v1/completions", json=BODIES["/v1/completions"],
+                          headers={"x-gateway-destination-endpoint-subset": "10.9.9.9:1"})
+    assert outside.status_code == 503
+    assert outside.headers["x-kvguard-reason"] == "no_endpoint_in_subset"
+
+
+ACTIVE_ACTIVE = """
+policy = "slo"
+refresh_interval_s = 0.1
+allow_anonymous = true
+[budget]
+redis_timeout_s = 1.0
+heartbeat_s = 0.2
+expected_guards = 2
+[[tenants]]
+name = "acme"
+api_key = "k-acme"
+requests_per_minute = 10
+"""
+
+
+def test_two_epps_share_budgets_through_redis_and_one_killed_costs_nothing_new(
+        client, tmp_path_factory):
+    """Active-active: two EPPs behind one Envoy share the tenant budget through Redis (exactly
+    the budget is admitted, whichever EPP decides); once one is SIGKILLed the other decides
+    every new request: what the kill costs is its in-flight decisions and the one stream Envoy
+    sends to it before ejecting it (a 500: Envoy 1.40 does not re-open an ext_proc stream on
+    another EPP)."""
+    config = _config(tmp_path_factory, ACTIVE_ACTIVE, "active.toml")
+    with Topology(TopologySpec(num_replicas=2, replica_args=REPLICA_ARGS, redis=True)) as fleet:
+        epps = [epp_child(fleet.replica_urls, config=config, redis_url=fleet.redis_url).start(60)
+                for _ in range(2)]
+        try:
+            envoy = envoy_child([e.port for e in epps], tmp_path_factory.mktemp("envoy-aa"))
+            envoy.start(60)
+            try:
+                statuses = [client.post(envoy.url + "/v1/completions",
+                                        headers={"authorization": "Bearer k-acme"},
+                                        json=BODIES["/v1/completions"]).status_code
+                            for _ in range(16)]
+                assert statuses.count(200) == 10 and statuses.count(429) == 6
+                decided = [_metric(client, epp_metrics_url(e),
+                                   r'kvguard_requests_offered_total\{class="interactive",'
+                                   r'tenant="acme"\}') for e in epps]
+                assert all(n > 0 for n in decided) and sum(decided) == 16  # both decided
+                epps[0].kill()
+                after = [client.post(envoy.url + "/v1/completions",
+                                     json=BODIES["/v1/completions"]).status_code
+                         for _ in range(10)]
+                # the first stream sent to the dead EPP fails (500) and ejects it; every
+                # later one goes to the live EPP
+                assert after.count(500) <= 1 and after.count(200) == 10 - after.count(500)
+                assert 500 not in after[2:], after  # round robin: the dead one's turn is early
+            finally:
+                envoy.close()
+        finally:
+            for epp in epps:
+                epp.close()
