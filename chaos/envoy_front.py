@@ -94,7 +94,7 @@ def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow
 
 
 def epp_child(upstreams: Sequence[str], *, config: str | None = None, redis_url: str | None = None,
-              port: int = 0) -> ChildProcess:
+              port: int = 0, name: str = "epp") -> ChildProcess:
     """``kvguard epp`` for these replica URLs on a loopback port (0: a free one, below the
     ephemeral range so that a killed EPP can come back on it), its metrics on another
     (:func:`epp_metrics_url`); healthy once it accepts connections (it prints its readiness
@@ -110,7 +110,7 @@ def epp_child(upstreams: Sequence[str], *, config: str | None = None, redis_url:
         return [sys.executable, "-m", "guard.cli", "epp", *args, "--host", "127.0.0.1",
                 "--port", str(port_)]
 
-    return ChildProcess("epp", argv, _accepts, port=port,
+    return ChildProcess(name, argv, _accepts, port=port,
                         ready_pattern=r"kvguard epp listening on (grpc://\S+)")
 
 

@@ -407,3 +407,35 @@ def test_two_epps_share_budgets_through_redis_and_one_killed_costs_nothing_new(
         finally:
             for epp in epps:
                 epp.close()
+
+
+def test_kvguard_fleet_front_envoy_serves_through_envoy_and_stops_everything(client):
+    import os
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "guard.cli", "fleet", "--replicas", "2",
+                             "--proxies", "2", "--redis", "--front", "envoy"],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines = []
+        deadline_s = time.monotonic() + 120  # hang guard
+        while time.monotonic() < deadline_s:
+            line = proc.stdout.readline()
+            if not line or line.startswith("fleet ready"):
+                break
+            lines.append(line.split())
+        by_name = {fields[0]: fields for fields in lines}
+        assert list(by_name) == ["replica-0", "replica-1", "epp-0", "epp-1", "envoy", "redis"]
+        answer = client.post(by_name["envoy"][1] + "/v1/completions",
+                             json=BODIES["/v1/completions"])
+        assert answer.status_code == 200 and answer.headers["x-kvguard-replica"] in ("r0", "r1")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        for fields in lines:
+            with pytest.raises(ProcessLookupError):
+                os.kill(int(fields[3]), 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
