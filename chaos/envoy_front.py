@@ -25,7 +25,8 @@ from chaos.child import ChildProcess
 from chaos.ports import free_port
 from chaos.topology import http_health
 
-__all__ = ["ENVOY_CONFIG", "envoy_binary", "envoy_child", "envoy_config", "epp_child",
+__all__ = ["ENVOY_CONFIG", "envoy_alone_config", "envoy_binary", "envoy_child", "envoy_config",
+           "epp_child",
            "epp_metrics_url"]
 
 ENVOY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml"
@@ -74,14 +75,43 @@ def envoy_config(directory: Path, *, listener_port: int, admin_port: int,
     return path
 
 
+def envoy_alone_config(directory: Path, *, listener_port: int, admin_port: int,
+                       upstream: str) -> Path:
+    """The same Envoy with no endpoint picker: the ext_proc and header filters left out and
+    every request sent to ``upstream`` (``ip:port``) over a STATIC cluster. The baseline
+    ``kvguard bench gateway`` measures the EPP against."""
+    path = envoy_config(directory, listener_port=listener_port, admin_port=admin_port,
+                        epp_ports=[1])
+    config = json.loads(path.read_text())
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    manager["http_filters"] = [f for f in manager["http_filters"]
+                               if f["name"] == "envoy.filters.http.router"]
+    host, _, port = upstream.rpartition(":")
+    direct = {"name": "replicas", "type": "STATIC", "lb_policy": "ROUND_ROBIN",
+              "connect_timeout": "2s",
+              "load_assignment": {"cluster_name": "replicas", "endpoints": [{"lb_endpoints": [
+                  {"endpoint": {"address": {"socket_address": {"address": host,
+                                                               "port_value": int(port)}}}}]}]}}
+    config["static_resources"]["clusters"] = [direct]
+    path = directory / f"envoy-alone-{listener_port}.json"
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
 def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow: bool = False,
-                port: int = 0) -> ChildProcess:
+                port: int = 0, alone_upstream: str | None = None) -> ChildProcess:
     """Envoy on a loopback port (``port`` 0: a free one) in front of the EPPs; healthy once a
-    ``GET /health`` through it (EPP, then a replica) answers 200."""
+    ``GET /health`` through it (EPP, then a replica) answers 200. ``alone_upstream``
+    (``ip:port``): no EPP at all, every request to that replica (:func:`envoy_alone_config`)."""
     listener_port = port or free_port()
     admin_port = free_port()
-    path = envoy_config(directory, listener_port=listener_port, admin_port=admin_port,
-                        epp_ports=epp_ports, failure_mode_allow=failure_mode_allow)
+    if alone_upstream is not None:
+        path = envoy_alone_config(directory, listener_port=listener_port,
+                                  admin_port=admin_port, upstream=alone_upstream)
+    else:
+        path = envoy_config(directory, listener_port=listener_port, admin_port=admin_port,
+                            epp_ports=epp_ports, failure_mode_allow=failure_mode_allow)
     binary = envoy_binary()
 
     def argv(_port: int) -> list[str]:
