@@ -100,7 +100,8 @@ def envoy_alone_config(directory: Path, *, listener_port: int, admin_port: int,
 
 
 def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow: bool = False,
-                port: int = 0, alone_upstream: str | None = None) -> ChildProcess:
+                port: int = 0, alone_upstream: str | None = None,
+                niceness: int = 0) -> ChildProcess:
     """Envoy on a loopback port (``port`` 0: a free one) in front of the EPPs; healthy once a
     ``GET /health`` through it (EPP, then a replica) answers 200. ``alone_upstream``
     (``ip:port``): no EPP at all, every request to that replica (:func:`envoy_alone_config`)."""
@@ -118,13 +119,12 @@ def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow
         return [binary, "-c", str(path), "--disable-hot-restart", "--log-level", "error",
                 "--concurrency", "1"]
 
-    child = ChildProcess("envoy", argv, http_health, port=listener_port)
-    child.admin_url = f"http://127.0.0.1:{admin_port}"
-    return child
+    return ChildProcess("envoy", argv, http_health, port=listener_port, niceness=niceness)
 
 
 def epp_child(upstreams: Sequence[str], *, config: str | None = None, redis_url: str | None = None,
-              port: int = 0, name: str = "epp") -> ChildProcess:
+              port: int = 0, name: str = "epp", niceness: int = 0,
+              extra_args: Sequence[str] = ()) -> ChildProcess:
     """``kvguard epp`` for these replica URLs on a loopback port (0: a free one, below the
     ephemeral range so that a killed EPP can come back on it), its metrics on another
     (:func:`epp_metrics_url`); healthy once it accepts connections (it prints its readiness
@@ -135,12 +135,13 @@ def epp_child(upstreams: Sequence[str], *, config: str | None = None, redis_url:
         args += ["--config", config]
     if redis_url is not None:
         args += ["--redis", redis_url]
+    args += list(extra_args)
 
     def argv(port_: int) -> list[str]:
         return [sys.executable, "-m", "guard.cli", "epp", *args, "--host", "127.0.0.1",
                 "--port", str(port_)]
 
-    return ChildProcess(name, argv, _accepts, port=port,
+    return ChildProcess(name, argv, _accepts, port=port, niceness=niceness,
                         ready_pattern=r"kvguard epp listening on (grpc://\S+)")
 
 
