@@ -4,8 +4,8 @@
 completion of ``--max-tokens`` tokens at a time, the targets interleaved request by request in
 a seeded shuffled order with a ``--gap-ms`` pause before each (as ``kvguard bench proxy``
 measures, with its code): TTFT (first content token at the client) and end-to-end, median and
-p99, and each minus the direct figure; the CPU column of Envoy + EPP is Envoy's, the EPP's own
-(per request, its idle polling included) is ``epp_cpu_ms_per_request``. Targets: Envoy alone (the same Envoy config without the
+p99, and each minus the direct figure; CPU per request is net of each process's idle CPU, and
+for Envoy + EPP it is the EPP's (Envoy's own is about Envoy alone's). Targets: Envoy alone (the same Envoy config without the
 ext_proc filter, a static cluster to the replica), Envoy + ``kvguard epp`` (``slo``), ``kvguard
 proxy`` (``slo``, its defaults), and LiteLLM proxy with ``--litellm`` (its own virtualenv, as
 in ``kvguard bench proxy``). The EPP's cost is its row minus Envoy alone's.
@@ -115,8 +115,8 @@ def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
             envoy = envoy_child([epp.port], work)
             children.append(envoy.start())
             urls["envoy + kvguard epp"] = envoy.url
-            pids["envoy + kvguard epp"] = envoy.pid
-            pids["kvguard epp alone (its CPU)"] = epp.pid
+            # its CPU column is the EPP's (Envoy's own is about Envoy alone's)
+            pids["envoy + kvguard epp"] = epp.pid
             proxy = _proxy(upstream, config)
             children.append(proxy.start())
             urls["kvguard proxy slo"], pids["kvguard proxy slo"] = proxy.url, proxy.pid
@@ -125,13 +125,7 @@ def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
                 child = litellm_child(exe, upstream, MODEL, free_port(), work, _KEY)
                 children.append(child.start(timeout_s=180))
                 urls["litellm"], pids["litellm"] = child.url, child.pid
-            epp_pid = pids.pop("kvguard epp alone (its CPU)")
-            epp_before_s = _cpu_s(epp_pid)
             rows = _measure_all(urls, pids, args)
-            # the EPP's CPU over the warm-up, idle window and measured requests (its state
-            # polls included) per request it decided: an upper bound of its cost per request
-            rows["envoy + kvguard epp"]["epp_cpu_ms_per_request"] = (
-                1000 * (_cpu_s(epp_pid) - epp_before_s) / (args.requests + args.warmup))
             alone_row = rows["envoy alone"]
             for row in rows.values():
                 row["over_envoy_alone_ttft_p50_ms"] = row["ttft_p50_ms"] - alone_row["ttft_p50_ms"]
