@@ -87,7 +87,7 @@ class EndpointPicker:
         self.endpoints = dict(endpoints)
         self.replica_of = {endpoint: rid for rid, endpoint in self.endpoints.items()}
         self._turns = itertools.cycle(list(self.endpoints))  # requests without admission
-        self._is_admitted = controller.config.is_admitted_path
+        self.is_admitted = controller.config.is_admitted_path
         self.max_body_bytes = controller.config.max_body_bytes
 
     def exchange(self, client_gone: ClientGone | None = None) -> PickerExchange:
@@ -158,7 +158,7 @@ class PickerExchange:
             return Rejection(503, "no_endpoint_in_subset",
                              "no replica of this picker is in the gateway's endpoint subset")
         body = b"".join(self._chunks)
-        if self.method != "POST" or not picker._is_admitted(self.path):
+        if self.method != "POST" or not picker.is_admitted(self.path):
             if self.over_limit:
                 error = BodyTooLarge(picker.max_body_bytes)
                 return Rejection(error.status, error.reason, str(error))
