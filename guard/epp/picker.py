@@ -18,7 +18,9 @@ proxy, with no admission logic of its own. What it adds is the gateway's vocabul
 replica becomes an ``ip:port`` endpoint, Envoy's subset hint narrows the replicas the policy may
 pick (:meth:`~guard.controller.AdmissionController.redispatch` among them when its first pick
 is outside), and requests that are not admitted (a ``GET /v1/models``) go to a routable
-replica without a ticket.
+replica without a ticket. Envoy's own 5xx for a replica (no ``x-envoy-upstream-service-time``:
+it could not reach it) count toward that replica's passive ejection, as the proxy's connect
+failures do.
 
 The response path feeds the ticket exactly as the proxy's relay does: status and content type,
 every body chunk (first token, gaps, ``usage``, ``finish_reason``), and the end. A stream that
@@ -40,12 +42,16 @@ from guard.admission.shedding import Rejection
 from guard.admission.wait import Wait
 from guard.controller import AdmissionController
 from guard.errors import BodyTooLarge
+from guard.proxy.health import ReplicaHealth
 
 __all__ = ["EndpointPicker", "PickerExchange", "Route", "endpoint_of_url"]
 
 REPLICA_HEADER = "x-kvguard-replica"
 QUEUE_MS_HEADER = "x-kvguard-queue-ms"
 REQUEST_ID_HEADER = "x-request-id"
+# Envoy's router sets it on responses that came from the upstream, not on its own local
+# replies (connect failure, upstream reset or timeout): how the EPP tells the two apart
+UPSTREAM_TIME_HEADER = "x-envoy-upstream-service-time"
 
 
 def endpoint_of_url(url: str) -> str:
@@ -80,10 +86,12 @@ class Route:
 class EndpointPicker:
     """The controller and the replicas' endpoints (``replica_id`` → ``ip:port``)."""
 
-    def __init__(self, controller: AdmissionController, endpoints: Mapping[str, str]) -> None:
+    def __init__(self, controller: AdmissionController, endpoints: Mapping[str, str],
+                 health: ReplicaHealth | None = None) -> None:
         if not endpoints:
             raise ValueError("replicas: the endpoint picker needs at least one replica")
         self.controller = controller
+        self.health = health  # passive ejection (None: the load state's health alone)
         self.endpoints = dict(endpoints)
         self.replica_of = {endpoint: rid for rid, endpoint in self.endpoints.items()}
         self._turns = itertools.cycle(list(self.endpoints))  # requests without admission
@@ -95,7 +103,20 @@ class EndpointPicker:
         return PickerExchange(self, client_gone)
 
     def routable(self, replica_id: str) -> bool:
-        return self.controller.load_state.is_healthy(replica_id)
+        health = self.health
+        return self.controller.load_state.is_healthy(replica_id) and (
+            health is None or not health.is_ejected(replica_id))
+
+    def observe_answer(self, replica_id: str, status: int, from_replica: bool) -> None:
+        """What became of a request sent to ``replica_id``: a 5xx that Envoy answered itself
+        (``from_replica`` False: it could not connect, or the replica reset or timed out) is
+        the replica's failure; anything the replica answered is a success."""
+        if self.health is None:
+            return
+        if status >= 500 and not from_replica:
+            self.health.record_failure(replica_id)
+        else:
+            self.health.record_success(replica_id)
 
     def subset_ids(self, subset: Sequence[str] | None) -> list[str]:
         """The replicas the hint allows (all of them without a hint), in configured order."""
@@ -206,6 +227,7 @@ class PickerExchange:
             status = int(headers.get(":status", "0"))
         except ValueError:
             status = 0
+        self.picker.observe_answer(route.replica_id, status, UPSTREAM_TIME_HEADER in headers)
         admitted.on_start(status, headers.get("content-type", "").encode("latin-1"))
         added.append((QUEUE_MS_HEADER, f"{admitted.queue_ms:.1f}"))
         if REQUEST_ID_HEADER not in headers:

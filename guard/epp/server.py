@@ -6,6 +6,9 @@ It serves, on one port:
   over an :class:`~guard.epp.picker.EndpointPicker` over an
   :class:`~guard.controller.AdmissionController` for the configured replicas, polled for load
   as ``kvguard proxy`` polls them);
+* replica health as the proxy keeps it (:class:`~guard.proxy.health.ReplicaHealth`): state
+  polls, and passive ejection after ``proxy.eject_after_failures`` requests Envoy could not
+  get answered by the replica (its own 5xx), probed back every ``proxy.probe_interval_s``;
 * ``grpc.health.v1.Health`` for the services ``""``, ``liveness``, ``readiness`` and the
   ext_proc service name: all SERVING once the first state poll is done; on drain everything
   but ``liveness`` turns NOT_SERVING.
@@ -29,6 +32,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -38,6 +42,8 @@ from guard.controller import AdmissionController
 from guard.epp.metrics_http import MetricsEndpoint
 from guard.epp.picker import EndpointPicker, endpoint_of_url
 from guard.epp.processor import ExternalProcessor
+from guard.proxy.health import ReplicaHealth
+from guard.replicas.poller import state_sources
 from guard.replicas.shared_reservations import SharedReservations
 
 __all__ = ["EXT_PROC_SERVICE", "EppServer"]
@@ -58,6 +64,17 @@ class EppServer:
                              "url (--upstream URL or [[replicas]])")
         endpoints = {r.replica_id: endpoint_of_url(r.url) for r in config.replicas}
         self.config = config
+        self.urls = {r.replica_id: r.url for r in config.replicas}
+        clock = clock or time.monotonic
+        self._client = httpx.AsyncClient(trust_env=False)  # state polls and health probes
+        # passive ejection as in the proxy: Envoy's own 5xx for a replica (it could not reach
+        # it) count as its failures; an ejected replica is probed back
+        proxy = config.proxy
+        self.health = ReplicaHealth(self.urls, proxy.eject_after_failures,
+                                    proxy.probe_interval_s, self._mark_unhealthy, self._probe,
+                                    clock)
+        sources = state_sources(config.replicas, self._client, timeout_s=config.state_timeout_s)
+        gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
         shared = None
         if config.redis_url is not None:
             shared = SharedReservations(
@@ -65,11 +82,11 @@ class EppServer:
                 timeout_s=config.budget.redis_timeout_s,
                 lease_s=max(SHARED_LEASE_MIN_S, SHARED_LEASE_REFRESHES * config.refresh_interval_s),
                 sync_interval_s=config.refresh_interval_s)
-        self.controller = AdmissionController.for_replicas(config, clock=clock,
-                                                           shared_reservations=shared)
-        self.picker = EndpointPicker(self.controller, endpoints)
+        self.controller = AdmissionController(config, gated, clock=clock,
+                                              shared_reservations=shared)
+        self.picker = EndpointPicker(self.controller, endpoints, self.health)
         self.processor = ExternalProcessor(self.picker)
-        self.health = health_aio.HealthServicer()
+        self.grpc_health = health_aio.HealthServicer()
         self.metrics_endpoint = MetricsEndpoint(self.controller.metrics)
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
@@ -80,17 +97,29 @@ class EppServer:
         :meth:`serve_metrics` adds the Prometheus endpoint."""
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(self.processor, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.grpc_health, server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         bound = server.add_insecure_port(address)
         if bound == 0:
             raise ValueError(f"cannot bind {address}")
         self._server = server
         await self.controller.start()
+        self.health.start()
         await server.start()
         for service in _SERVICES:
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            await self.grpc_health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return bound
+
+    def _mark_unhealthy(self, replica_id: str) -> None:
+        self.controller.load_state.mark_unhealthy(replica_id, self.controller.clock())
+
+    async def _probe(self, replica_id: str) -> bool:
+        try:
+            response = await self._client.get(self.urls[replica_id] + "/health",
+                                               timeout=self.config.state_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return 200 <= response.status_code < 300
 
     async def serve_metrics(self, host: str, port: int) -> int:
         """``GET /metrics`` over HTTP on ``port`` (0: the OS's pick); the bound port."""
@@ -108,7 +137,7 @@ class EppServer:
     async def _drain(self) -> None:
         for service in _SERVICES:
             if service != "liveness":
-                await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+                await self.grpc_health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline_s = time.monotonic() + self.config.proxy.drain_timeout_s
         while self.controller.tickets.num_held and time.monotonic() < deadline_s:
             await asyncio.sleep(0.05)
@@ -124,5 +153,7 @@ class EppServer:
             await self._server.stop(grace=1.0)
             self._server = None
         await self.metrics_endpoint.aclose()
+        await self.health.stop()
         await self.controller.aclose()
         self.controller.close()
+        await self._client.aclose()

@@ -184,3 +184,42 @@ def test_kvguard_fleet_front_envoy_serves_through_envoy_and_stops_everything(cli
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+EJECT_FAST = """
+policy = "slo"
+refresh_interval_s = 5.0   # no state poll notices the dead replica in time: only the passive path
+[proxy]
+eject_after_failures = 1
+probe_interval_s = 0.5
+"""
+
+
+def test_a_replica_envoy_cannot_reach_is_ejected_by_the_epp(client, tmp_path_factory):
+    """A killed replica: the request the EPP sent there comes back as Envoy's own 503 (it
+    could not connect), which the EPP counts as that replica's failure; ejected, it gets no
+    more requests while it is down, and a probe takes it back once it answers again."""
+    config = write_config(tmp_path_factory, EJECT_FAST, "eject.toml")
+    with Topology(TopologySpec(num_replicas=2, replica_args=REPLICA_ARGS)) as fleet:
+        epp = epp_child(fleet.replica_urls, config=config).start(60)
+        try:
+            envoy = envoy_child([epp.port], tmp_path_factory.mktemp("envoy-eject")).start(60)
+            try:
+                fleet.replicas[0].kill()
+                statuses = [client.post(envoy.url + "/v1/completions",
+                                        json=BODIES["/v1/completions"]) for _ in range(8)]
+                failed = [r for r in statuses if r.status_code != 200]
+                assert len(failed) <= 1, [(r.status_code, r.text[:80]) for r in failed]
+                assert all(r.status_code == 503 and "x-kvguard-reason" not in r.headers
+                           for r in failed)  # Envoy's own answer, once
+                assert all(r.headers["x-kvguard-replica"] == "r1"
+                           for r in statuses if r.status_code == 200)
+                fleet.replicas[0].restart()
+                assert until(lambda: client.post(
+                    envoy.url + "/v1/completions", json=BODIES["/v1/completions"],
+                    headers={"x-gateway-destination-endpoint-subset":
+                             endpoints(fleet)["r0"]}).status_code == 200, timeout_s=30)
+            finally:
+                envoy.close()
+        finally:
+            epp.close()
