@@ -25,7 +25,7 @@ from chaos.child import ChildProcess
 from chaos.ports import free_port
 from chaos.topology import http_health
 
-__all__ = ["ENVOY_CONFIG", "envoy_alone_config", "envoy_binary", "envoy_child", "envoy_config",
+__all__ = ["ADAPTIVE_CONCURRENCY", "ENVOY_CONFIG", "envoy_alone_config", "envoy_binary", "envoy_child", "envoy_config",
            "epp_child",
            "epp_metrics_url"]
 
@@ -75,11 +75,31 @@ def envoy_config(directory: Path, *, listener_port: int, admin_port: int,
     return path
 
 
+# Envoy's adaptive concurrency filter (its gradient controller), configured as Envoy's
+# documentation shows it: the baseline row of `kvguard bench overload --fleet` for what Envoy
+# itself does about overload, in front of the same replicas
+ADAPTIVE_CONCURRENCY = {
+    "name": "envoy.filters.http.adaptive_concurrency",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.adaptive_concurrency.v3."
+                 "AdaptiveConcurrency",
+        "gradient_controller_config": {
+            "sample_aggregate_percentile": {"value": 50},
+            "concurrency_limit_params": {"concurrency_update_interval": "0.1s"},
+            "min_rtt_calc_params": {"jitter": {"value": 10}, "interval": "60s",
+                                    "request_count": 50},
+        },
+        "enabled": {"default_value": True, "runtime_key": "adaptive_concurrency.enabled"},
+    },
+}
+
+
 def envoy_alone_config(directory: Path, *, listener_port: int, admin_port: int,
-                       upstream: str) -> Path:
+                       upstreams: Sequence[str], adaptive_concurrency: bool = False) -> Path:
     """The same Envoy with no endpoint picker: the ext_proc and header filters left out and
-    every request sent to ``upstream`` (``ip:port``) over a STATIC cluster. The baseline
-    ``kvguard bench gateway`` measures the EPP against."""
+    requests spread over ``upstreams`` (``ip:port`` each; least request) by a STATIC cluster.
+    The baseline ``kvguard bench gateway`` measures the EPP against; with
+    ``adaptive_concurrency``, Envoy's own overload protection in front (a bake-off row)."""
     path = envoy_config(directory, listener_port=listener_port, admin_port=admin_port,
                         epp_ports=[1])
     config = json.loads(path.read_text())
@@ -87,12 +107,20 @@ def envoy_alone_config(directory: Path, *, listener_port: int, admin_port: int,
         "typed_config"]
     manager["http_filters"] = [f for f in manager["http_filters"]
                                if f["name"] == "envoy.filters.http.router"]
-    host, _, port = upstream.rpartition(":")
-    direct = {"name": "replicas", "type": "STATIC", "lb_policy": "ROUND_ROBIN",
+    if adaptive_concurrency:
+        manager["http_filters"].insert(0, ADAPTIVE_CONCURRENCY)
+    endpoints = []
+    for upstream in upstreams:
+        host, _, port = upstream.rpartition(":")
+        endpoints.append({"endpoint": {"address": {"socket_address": {
+            "address": host, "port_value": int(port)}}}})
+    direct = {"name": "replicas", "type": "STATIC", "lb_policy": "LEAST_REQUEST",
               "connect_timeout": "2s",
-              "load_assignment": {"cluster_name": "replicas", "endpoints": [{"lb_endpoints": [
-                  {"endpoint": {"address": {"socket_address": {"address": host,
-                                                               "port_value": int(port)}}}}]}]}}
+              "circuit_breakers": {"thresholds": [{"max_connections": 40000,
+                                                   "max_pending_requests": 40000,
+                                                   "max_requests": 40000}]},
+              "load_assignment": {"cluster_name": "replicas",
+                                  "endpoints": [{"lb_endpoints": endpoints}]}}
     config["static_resources"]["clusters"] = [direct]
     path = directory / f"envoy-alone-{listener_port}.json"
     path.write_text(json.dumps(config, indent=1))
@@ -100,16 +128,18 @@ def envoy_alone_config(directory: Path, *, listener_port: int, admin_port: int,
 
 
 def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow: bool = False,
-                port: int = 0, alone_upstream: str | None = None,
-                niceness: int = 0) -> ChildProcess:
+                port: int = 0, alone_upstreams: Sequence[str] = (),
+                adaptive_concurrency: bool = False, niceness: int = 0) -> ChildProcess:
     """Envoy on a loopback port (``port`` 0: a free one) in front of the EPPs; healthy once a
-    ``GET /health`` through it (EPP, then a replica) answers 200. ``alone_upstream``
-    (``ip:port``): no EPP at all, every request to that replica (:func:`envoy_alone_config`)."""
+    ``GET /health`` through it (EPP, then a replica) answers 200. ``alone_upstreams``
+    (``ip:port`` each): no EPP at all, requests spread over those replicas, with Envoy's
+    adaptive concurrency filter when asked (:func:`envoy_alone_config`)."""
     listener_port = port or free_port()
     admin_port = free_port()
-    if alone_upstream is not None:
+    if alone_upstreams:
         path = envoy_alone_config(directory, listener_port=listener_port,
-                                  admin_port=admin_port, upstream=alone_upstream)
+                                  admin_port=admin_port, upstreams=alone_upstreams,
+                                  adaptive_concurrency=adaptive_concurrency)
     else:
         path = envoy_config(directory, listener_port=listener_port, admin_port=admin_port,
                             epp_ports=epp_ports, failure_mode_allow=failure_mode_allow)

@@ -107,7 +107,7 @@ def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
             upstream = fleet.replica_urls[0]
             endpoint = upstream.removeprefix("http://")
             urls, pids = {"direct": upstream}, {"direct": fleet.replicas[0].pid}
-            alone = envoy_child([], work, alone_upstream=endpoint)
+            alone = envoy_child([], work, alone_upstreams=[endpoint])
             children.append(alone.start())
             urls["envoy alone"], pids["envoy alone"] = alone.url, alone.pid
             epp = epp_child([upstream], config=config)
