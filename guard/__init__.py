@@ -13,8 +13,11 @@ import importlib
 from typing import Any
 
 __all__ = [
+    "AdmissionController",
     "AdmissionMiddleware",
     "AdmissionQueue",
+    "AdmissionRequest",
+    "Admitted",
     "GuardConfig",
     "GuardMetrics",
     "LoadState",
@@ -27,12 +30,16 @@ __all__ = [
     "Ticket",
     "TicketBook",
     "TraceWriter",
+    "Wait",
     "load_config",
 ]
 
 _HOMES = {
+    "AdmissionController": "guard.controller",
     "AdmissionMiddleware": "guard.middleware",
     "AdmissionQueue": "guard.admission.queue",
+    "AdmissionRequest": "guard.admission.request",
+    "Admitted": "guard.admission.admitted",
     "GuardConfig": "guard.config",
     "GuardMetrics": "guard.observe.metrics",
     "LoadState": "guard.replicas.load_state",
@@ -45,6 +52,7 @@ _HOMES = {
     "Ticket": "guard.admission.ticket",
     "TicketBook": "guard.admission.ticket",
     "TraceWriter": "guard.observe.trace",
+    "Wait": "guard.admission.wait",
     "load_config": "guard.config",
 }
 

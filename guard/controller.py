@@ -24,8 +24,11 @@ ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy anot
   reading it; :func:`~guard.admission.request.read_request` builds either); ``client_gone()``:
   one future (the same on every call, made on first use) that completes when the client
   disconnects. The controller watches it only while the request waits in the queue and
-  never consumes it, so the adapter can keep watching it later.
-* ``decide(request)`` is synchronous and returns one of:
+  never consumes it, so the adapter can keep watching it later. ``api_key``: the tenant's
+  key, read from ``Authorization: Bearer``.
+* ``decide(request)`` is synchronous (an adapter that holds the whole body can decide and
+  write the request upstream in the same callback, with no task in between) and returns one
+  of:
   - :class:`~guard.admission.admitted.Admitted`: decided, the replica reservation booked, the
     admit counted, the ticket issued. Forward ``admitted.body`` to ``admitted.replica_id``
     with ``x-request-id: admitted.request_id``; report ``on_start(status, content_type)``,

@@ -182,6 +182,40 @@ def test_disconnect_while_queued_is_canceled_and_never_reaches_the_app():
     run(main())
 
 
+def test_a_client_that_leaves_while_sending_its_body_is_canceled_and_gets_nothing():
+    """The body's first part arrives, then the client leaves: nothing is sent, the app never
+    runs, and the request is counted offered and canceled (never admitted)."""
+    async def main():
+        app = StreamApp()
+        guard = make_guard(app, policy=SlotPolicy(num_slots=1))
+        client = Client(b"")
+        client.inbox.get_nowait()  # replace the whole body with half of it, then a disconnect
+        client.inbox.put_nowait({"type": "http.request", "body": PROMPT[:10], "more_body": True})
+        client.disconnect()
+        await guard(http_scope(), client.receive, client.send)
+        assert client.sent == [] and app.num_calls == 0
+        lab = {"class": "interactive", "tenant": "anonymous"}
+        assert sample(guard, "kvguard_requests_offered_total", **lab) == 1
+        assert sample(guard, "kvguard_requests_canceled_total", **lab) == 1
+        assert (sample(guard, "kvguard_requests_admitted_total", **lab) or 0) == 0
+        assert_at_rest(guard)
+        await guard.aclose()
+    run(main())
+
+
+def test_a_body_over_the_limit_is_413_and_never_reaches_the_app():
+    async def main():
+        app = StreamApp()
+        guard = make_guard(app, policy=SlotPolicy(num_slots=1), max_body_bytes=64)
+        client = Client(PROMPT + b" " * 64)
+        await guard(http_scope(), client.receive, client.send)
+        assert client.status == 413 and app.num_calls == 0
+        assert client.headers["x-should-retry"] == "false"
+        assert_at_rest(guard)
+        await guard.aclose()
+    run(main())
+
+
 def test_shed_is_503_with_retry_headers_and_app_untouched():
     async def main():
         app = StreamApp()
