@@ -54,6 +54,8 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                     yield response
                 if stream.ended:
                     break
+            # Envoy closes the stream cleanly when the client goes away mid-response: a
+            # response that never ended is a client that left
             reset = not stream.ended and not stream.response_ended
         finally:
             self.num_streams -= 1
