@@ -78,7 +78,7 @@ class EppServer:
         shared = None
         if config.redis_url is not None:
             shared = SharedReservations(
-                config.redis_url, {r.replica_id: r.url for r in config.replicas},
+                config.redis_url, self.urls,
                 timeout_s=config.budget.redis_timeout_s,
                 lease_s=max(SHARED_LEASE_MIN_S, SHARED_LEASE_REFRESHES * config.refresh_interval_s),
                 sync_interval_s=config.refresh_interval_s)
