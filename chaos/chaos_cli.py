@@ -55,8 +55,9 @@ def _list() -> int:
 
     for name, spec in catalogue().items():
         missing = missing_dependencies(spec, SUBCOMMANDS)
-        topo = (f"{spec.replicas} replica(s), " + (f"{spec.proxies} proxy(ies)" if spec.proxies
-                                                   else "in-process guard")
+        front = (f"{spec.proxies} proxy(ies)" if spec.proxies else
+                 f"Envoy + {spec.epps} kvguard epp" if spec.epps else "in-process guard")
+        topo = (f"{spec.replicas} replica(s), " + front
                 + (", redis" if spec.redis else ""))
         state = "ready" if not missing else "UNAVAILABLE: " + "; ".join(missing)
         print(f"{name:13s} {spec.summary}\n{'':13s} [{topo}] {state}")

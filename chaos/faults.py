@@ -10,6 +10,8 @@ Kinds (``duration_s`` is what follows the fault; None = nothing follows):
 - ``replica_hang``  SIGSTOP replica ``target``; SIGCONT ``duration_s`` later.
 - ``proxy_kill``    SIGKILL proxy ``target`` (one of M behind the clients' round-robin);
   restart it ``duration_s`` later.
+- ``epp_kill``      SIGKILL ``kvguard epp`` ``target`` (one of the EPPs behind Envoy);
+  restart it ``duration_s`` later.
 - ``redis_kill``    SIGKILL the redis-server; restart it ``duration_s`` later.
 - ``redis_hang``    SIGSTOP the redis-server; SIGCONT ``duration_s`` later.
 - ``rate_step``     the arrival rate steps up at ``at_s`` and back down ``duration_s`` later.
@@ -29,10 +31,11 @@ from dataclasses import asdict, dataclass
 
 __all__ = ["FAULT_KINDS", "Fault", "FaultEvent", "validate_plan", "inject", "scaled"]
 
-FAULT_KINDS: tuple[str, ...] = ("replica_kill", "replica_hang", "proxy_kill", "redis_kill",
-                                "redis_hang", "rate_step")
+FAULT_KINDS: tuple[str, ...] = ("replica_kill", "replica_hang", "proxy_kill", "epp_kill",
+                                "redis_kill", "redis_hang", "rate_step")
 _ACTIONS: dict[str, tuple[str, str]] = {  # kind -> (fault action, recovery action)
     "replica_kill": ("kill", "restart"), "proxy_kill": ("kill", "restart"),
+    "epp_kill": ("kill", "restart"),
     "redis_kill": ("kill", "restart"), "replica_hang": ("stop", "cont"),
     "redis_hang": ("stop", "cont"), "rate_step": ("rate up", "rate down"),
 }
@@ -92,6 +95,8 @@ def _child(topology, fault: Fault):
         children = topology.replicas
     elif fault.component == "proxy":
         children = topology.proxies
+    elif fault.component == "epp":
+        children = topology.epps
     else:
         return topology.redis
     return children[fault.target] if fault.target < len(children) else None

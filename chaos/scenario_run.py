@@ -154,12 +154,12 @@ def _guard_toml(path: Path, policy: str, settings: RunSettings, budget: Budget |
 
 
 def _topology(spec: ScenarioSpec, settings: RunSettings, toml: str) -> TopologySpec:
-    if spec.proxies == 0:
+    if spec.proxies == 0 and spec.epps == 0:
         return TopologySpec(num_replicas=1, replica_args=(*settings.engine_args(), "--guard", toml),
                             niceness=FLEET_NICENESS)
     return TopologySpec(num_replicas=spec.replicas, replica_args=settings.engine_args(),
                         num_proxies=spec.proxies, proxy_args=("--config", toml),
-                        redis=spec.redis, niceness=FLEET_NICENESS)
+                        redis=spec.redis, niceness=FLEET_NICENESS, num_epps=spec.epps)
 
 
 def fault_window(spec: ScenarioSpec, settings: RunSettings,
@@ -213,11 +213,11 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
     # One guard (inside the replica, or one proxy): its trace explains each decision and when
     # it relayed each chunk; several proxies would interleave their lines in one shared file,
     # so none is written then.
-    trace = out / "guard-trace.jsonl" if spec.proxies <= 1 else None
+    trace = out / "guard-trace.jsonl" if spec.proxies + spec.epps <= 1 else None
     toml = _guard_toml(out / "guard.toml", policy, settings, budget, trace)
     patience_s = settings.patience_s * k
     with Topology(_topology(spec, settings, toml)) as topo:
-        entries = tuple(topo.proxy_urls or topo.replica_urls)
+        entries = tuple(topo.entry_urls)
         killed = {topo.proxy_urls[f.target].rstrip("/") for f in spec.faults
                   if f.kind == "proxy_kill" and f.target < len(topo.proxy_urls)}
         log(f"  {policy}: {len(specs)} users over {sched.duration_s:g} s into {len(entries)} "

@@ -7,7 +7,9 @@ speed. Loads are multiples of the fleet capacity C (capacity per replica × repl
 Topologies: ``replicas`` sim replicas of the 7 B reference model; with ``proxies`` = 0 the
 guard runs in-process on the single replica (``kvguard engine --guard``); otherwise
 ``proxies`` ``kvguard proxy`` processes front all replicas and the clients spread their
-attempts over the proxies round-robin. ``redis`` adds a redis-server for the proxies' budgets.
+attempts over the proxies round-robin; with ``epps`` > 0 one Envoy fronts the replicas instead,
+with that many ``kvguard epp`` as its endpoint pickers. ``redis`` adds a redis-server for the
+proxies' (or EPPs') budgets and shared KV reservations.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class ScenarioSpec:
     clients: Mapping[str, float] = field(default_factory=lambda: dict(SDK_ONLY))
     redis: bool = False
     budget_ratio: float | None = None  # a budgeted tenant (1 user in 4) asks this × its allowance
+    epps: int = 0                      # > 0: Envoy + this many kvguard epp in place of proxies
 
     def __post_init__(self) -> None:
         lo, hi = self.fault_window_s
@@ -52,7 +55,9 @@ class ScenarioSpec:
         steps = [f for f in self.faults if f.kind == "rate_step"]
         if len(steps) > 1 or (steps and self.burst_load is None):
             raise ValueError(f"scenario {self.name}: one rate_step at most, with burst_load")
-        if self.proxies == 0 and self.replicas != 1:
+        if self.epps < 0 or (self.epps and self.proxies):
+            raise ValueError(f"scenario {self.name}: Envoy + EPPs replace the proxies")
+        if self.proxies == 0 and self.epps == 0 and self.replicas != 1:
             raise ValueError(f"scenario {self.name}: an in-process guard fronts one replica")
 
     @property
@@ -63,6 +68,8 @@ class ScenarioSpec:
         out = []
         if self.proxies:
             out.append("proxy")
+        if self.epps:
+            out.append("epp")
         if self.redis:
             out.append("budgets")
         return tuple(out)
@@ -106,6 +113,13 @@ def catalogue() -> dict[str, ScenarioSpec]:
                      "replicas lost during it, clients retrying", 4, 1, 32.0, 4.0, 0.74,
                      (_step(10.0, 10.0), Fault("replica_kill", 12.0, 10.0, 1)),
                      (12.0, 20.0), 3, burst_load=1.16, clients=dict(RETRYING)),
+        ScenarioSpec("seed-envoy", "the seed scenario through Envoy with kvguard epp as its "
+                     "endpoint picker (in place of kvguard proxy)", 4, 0, 32.0, 4.0, 0.74,
+                     (_step(10.0, 10.0), Fault("replica_kill", 12.0, 10.0, 1)),
+                     (12.0, 20.0), 3, burst_load=1.16, clients=dict(RETRYING), epps=1),
+        ScenarioSpec("epp-kill", "SIGKILL one of 2 kvguard epp behind one Envoy (sharing "
+                     "Redis) at 0.74 C, restart it 6 s later", 2, 0, 24.0, 4.0, 0.74,
+                     (Fault("epp_kill", 8.0, 6.0, 0),), (8.0, 14.0), 2, redis=True, epps=2),
     ]
     return {s.name: s for s in specs}
 
@@ -132,6 +146,16 @@ def missing_dependencies(spec: ScenarioSpec, subcommands: Mapping[str, object]) 
     missing = []
     if "proxy" in spec.needs() and "proxy" not in subcommands:
         missing.append("the standalone proxy (`kvguard proxy`, issue 9) is not in this build")
+    if "epp" in spec.needs():
+        if "epp" not in subcommands:
+            missing.append("the endpoint picker (`kvguard epp`, issue 36) is not in this build")
+        if importlib.util.find_spec("grpc") is None:
+            missing.append("the gateway extra (grpcio, xds-protos) is not installed")
+        try:
+            from chaos.envoy_front import envoy_binary
+            envoy_binary()
+        except ValueError as exc:
+            missing.append(str(exc))
     if "budgets" in spec.needs():
         from guard.config import TenantConfig
         names = {f.name for f in dataclasses.fields(TenantConfig)}

@@ -10,11 +10,18 @@ from guard.config import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST_NAMES = {"prometheus_client": "prometheus-client"}
+# the gateway extra's modules (kvguard epp), imported only under guard/epp/
+GATEWAY_DIST_NAMES = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking",
+                      "google": "protobuf", "envoy": "xds-protos"}
+EPP = ROOT / "guard" / "epp"
 
 
-def _third_party_imports(package: str) -> set[str]:
+def _third_party_imports(package: str, *, only: Path | None = None,
+                         skip: Path | None = EPP) -> set[str]:
     names = set()
-    for path in (ROOT / package).rglob("*.py"):
+    for path in (only or ROOT / package).rglob("*.py"):
+        if skip is not None and only is None and path.is_relative_to(skip):
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names.update(a.name.split(".")[0] for a in node.names)
@@ -41,3 +48,24 @@ def test_core_dependencies_are_what_guard_and_policies_import():
     # on; orjson: serving.json_body.loads, which parses guard's request bodies and state documents
     assert core - imported <= {"uvicorn", "uvloop", "orjson"}, core - imported
 
+
+
+def test_the_gateway_extra_is_what_guard_epp_imports_beyond_the_core():
+    """guard/epp/ alone imports gRPC and Envoy's messages, all of them from the gateway extra;
+    its package __init__ and its director (picker) import none of it, so ``import guard.epp``
+    works on a guard-only install."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = _requirement_names(project["dependencies"])
+    gateway = _requirement_names(project["optional-dependencies"]["gateway"])
+    assert set(GATEWAY_DIST_NAMES.values()) <= gateway
+    imported = {GATEWAY_DIST_NAMES.get(n, DIST_NAMES.get(n, n))
+                for n in _third_party_imports("guard", only=EPP)}
+    assert imported <= core | gateway, imported - core - gateway
+    assert imported & gateway == gateway  # every package of the extra is used
+    for plain in ("__init__.py", "picker.py"):
+        tree = ast.parse((EPP / plain).read_text())
+        modules = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                   for a in node.names}
+        modules |= {node.module.split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and node.module}
+        assert not modules & set(GATEWAY_DIST_NAMES), (plain, modules & set(GATEWAY_DIST_NAMES))

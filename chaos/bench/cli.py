@@ -17,6 +17,8 @@ TARGETS: dict[str, tuple[str, str]] = {
     "sim": ("chaos.bench.sim", "the simulated backend against its timing model"),
     "overload": ("chaos.overload", "the reference overload, every policy side by side"),
     "proxy": ("chaos.bench.proxy", "kvguard proxy's added latency and shed rate vs LiteLLM"),
+    "gateway": ("chaos.bench.gateway", "Envoy + kvguard epp vs Envoy alone, kvguard proxy, "
+                                       "LiteLLM; EPP decisions/s"),
     "sheds": ("chaos.bench.sheds", "shed latency and event-loop lag under a 2,000 req/s flood"),
     "loadgen": ("chaos.bench.loadgen", "the load generator's own CPU per request, trivial server"),
     "shed-cost": ("chaos.bench.shed_cost", "CPU µs per shed in kvguard proxy's app, in-process"),

@@ -10,7 +10,7 @@ from chaos.scenarios import ScenarioSpec, catalogue, missing_dependencies, quick
 from guard.cli import main as kvguard
 
 NAMES = ["burst", "retry-storm", "redis-kill", "redis-hang", "proxy-kill", "metastable",
-         "replica-kill", "seed", "recovery"]
+         "replica-kill", "seed", "recovery", "seed-envoy", "epp-kill"]
 
 
 def test_every_scenario_the_issue_names_is_there():
