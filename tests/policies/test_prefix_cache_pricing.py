@@ -1,0 +1,87 @@
+"""Pricing and routing by the prefix cache: a replica that holds a request's prefix is priced
+with fewer new blocks and less prefill, and ``slo`` prefers it until it saturates.
+STEP: 10 ms + 0.1 ms per prefill token + 1 ms per decoding seq."""
+
+import dataclasses
+
+import pytest
+from policy_builders import STEP, decoding, make_cost, make_replica, make_snapshot
+
+from policies.decision import Admit
+from policies.predictor import forecast
+from policies.prefill_pacing import prefill_fits_gaps
+from policies.slo import SloPolicy
+
+# a 2,000-token prompt with 64 output tokens: 129 blocks of 16 cold
+PROMPT, MAX_TOKENS = 2000, 64
+
+
+def shared_prefix_cost(cached: dict[str, int] | None):
+    cost = make_cost(prompt=PROMPT, max_tokens=MAX_TOKENS)
+    return dataclasses.replace(cost, cached_prefix_tokens=cached)
+
+
+def roomy(replica_id: str, **kwargs):
+    args = dict(free=400, total=600, max_model_len=4096, max_num_batched_tokens=512)
+    args.update(kwargs)
+    return make_replica(replica_id, **args)
+
+
+def test_cached_tokens_count_whole_blocks_and_never_the_last_prompt_token():
+    cost = shared_prefix_cost({"a": 1900, "b": 5000})
+    assert cost.num_cached_tokens_on("a", 16) == 1888  # 118 whole blocks
+    assert cost.num_cached_tokens_on("b", 16) == 1984  # capped at prompt - 1, whole blocks
+    assert cost.num_cached_tokens_on("c", 16) == 0
+    assert cost.num_new_blocks_on("a", 16) == 129 - 118
+    assert cost.num_uncached_prompt_tokens_on("a", 16) == 112
+    assert shared_prefix_cost(None).num_new_blocks_on("a", 16) == 129
+
+
+def test_a_cached_prefix_is_priced_with_fewer_new_blocks_and_less_prefill():
+    cost = shared_prefix_cost({"a": 1900})
+    on_a = forecast(cost, roomy("a"), STEP)
+    on_b = forecast(cost, roomy("b"), STEP)
+    # b prefills 2,000 tokens in 4 chunks of 512; a its 112 uncached ones in one
+    assert on_b.own_prefill_s == pytest.approx(4 * 0.01 + 2000 * 0.0001)
+    assert on_a.own_prefill_s == pytest.approx(0.01 + 112 * 0.0001)
+    # 15 free blocks, 3 of them committed to the running stream's growth: a's 11 new blocks
+    # fit now, b's 129 do not
+    tight = dict(free=15, running=[decoding(32, 40)])
+    assert forecast(cost, roomy("a", **tight), STEP).num_missing_blocks == 0
+    assert forecast(cost, roomy("b", **tight), STEP).num_missing_blocks > 0
+    # the batch once joined reads the whole context either way
+    assert on_a.join_step_s == on_b.join_step_s
+
+
+def test_slo_routes_to_the_replica_holding_the_prefix_while_it_has_room():
+    cost = shared_prefix_cost({"a": 1900})
+    policy = SloPolicy(ttft_safety_ratio=1.0)
+    # b is idle, a already runs two streams: the hit still wins
+    a = roomy("a", running=[decoding(), decoding()])
+    assert policy.decide(cost, make_snapshot(roomy("b"), a)).replica_id == "a"
+    # without the view the idle replica wins
+    assert policy.decide(shared_prefix_cost(None),
+                         make_snapshot(roomy("b"), a)).replica_id == "b"
+
+
+def test_slo_breaks_affinity_once_the_replica_holding_the_prefix_saturates():
+    cost = shared_prefix_cost({"a": 1900})
+    policy = SloPolicy(ttft_safety_ratio=1.0)
+    # a's blocks are all committed to its running streams: the 11 new ones must wait
+    full = roomy("a", free=4, running=[decoding(32, 200)] * 4)
+    assert policy.decide(cost, make_snapshot(full, roomy("b"))) == Admit(
+        "b", pytest.approx(4 * 0.01 + 2000 * 0.0001))
+    # a full sequence table too: a's seats are all taken
+    seats = roomy("a", running=[decoding()] * 8)
+    assert policy.decide(cost, make_snapshot(seats, roomy("b"))).replica_id == "b"
+
+
+def test_prefill_pacing_counts_only_the_uncached_prompt():
+    # 7 decoding streams with a 25 ms ITL leave 8 ms for prefill: 80 tokens at 0.1 ms each
+    streams = [decoding(itl_s=0.025)] * 7
+    a = roomy("a", running=streams, waiting=[dataclasses.replace(decoding(), num_context_tokens=0,
+                                                                 num_prefill_tokens_remaining=8)])
+    cold = make_cost(prompt=200, max_tokens=8)
+    warm = dataclasses.replace(cold, cached_prefix_tokens={"a": 192})  # 8 tokens to compute
+    assert not prefill_fits_gaps(cold, a, STEP, 0.0)
+    assert prefill_fits_gaps(warm, a, STEP, 0.0)
