@@ -38,7 +38,7 @@ class RequestCost:
     to hold for this request (the guard's prefix-cache view; absent replicas hold none).
     ``num_blocks`` and ``num_prompt_tokens`` stay the request's whole worst case (what it needs
     on a cold replica); :meth:`num_new_blocks_on` and :meth:`num_uncached_prompt_tokens_on` are
-    what it newly allocates and prefills on one replica. ``prefix_hashes`` is the guard's own
+    what it newly allocates and prefills on one replica. ``prefix_key`` is the guard's own
     key of the prompt's prefix (opaque to policies), so the guard can record where it went.
     """
 
@@ -56,7 +56,7 @@ class RequestCost:
     # client patience is learned per tenant and client software
     client: str = ""
     cached_prefix_tokens: Mapping[str, int] | None = None  # replica id -> cached prompt tokens
-    prefix_hashes: tuple[int, ...] = ()
+    prefix_key: object = None
 
     def num_cached_tokens_on(self, replica_id: str, block_size: int) -> int:
         """Prompt tokens a replica's prefix cache saves this request: whole blocks only, and
