@@ -93,6 +93,7 @@ class _Add:
     params: SamplingParams
     priority: int
     ack: asyncio.Future
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,8 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams, *, priority: int = 0,
-                          timeline: RequestTimeline | None = None) -> RequestStream:
+                          timeline: RequestTimeline | None = None,
+                          cache_salt: str | None = None) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises ValueError (bad input,
         engine state unchanged), DuplicateRequestError, EngineShutdownError."""
         if not self._admitting or self._loop is None:
@@ -175,7 +177,7 @@ class AsyncEngine:
         ack = self._loop.create_future()
         self._live[request_id] = stream
         self._drained.clear()
-        self._send(_Add(stream, tuple(prompt_token_ids), params, priority, ack))
+        self._send(_Add(stream, tuple(prompt_token_ids), params, priority, ack, cache_salt))
         try:
             await ack
         except asyncio.CancelledError:
@@ -301,7 +303,8 @@ class AsyncEngine:
         try:
             self.engine.add_request(stream.request_id, list(command.prompt_token_ids),
                                     command.params, priority=command.priority,
-                                    arrival_s=timeline.arrival_s)
+                                    arrival_s=timeline.arrival_s,
+                                    cache_salt=command.cache_salt)
         except Exception as exc:  # ValueError: bad input, the engine is unchanged
             self._post(self._resolve, command.ack, exc)
             return

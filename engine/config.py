@@ -100,11 +100,13 @@ def model_preset(name: str) -> ModelConfig:
 class CacheConfig:
     """Paged KV cache. Pool size from ``num_blocks`` if given, else from ``kv_cache_bytes``,
     else the engine picks: enough for ``max_num_seqs`` full-length sequences, capped at 1 GiB
-    (on CUDA: capped at 90 % of free GPU memory less the weights)."""
+    (on CUDA: capped at 90 % of free GPU memory less the weights). ``enable_prefix_caching``:
+    full blocks stay reusable by later requests with the same prefix (engine.block_manager)."""
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -113,6 +115,9 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError("enable_prefix_caching must be a bool, got "
+                             f"{self.enable_prefix_caching!r}")
 
     def resolve_num_blocks(self, bytes_per_block: int, default_num_blocks: int,
                            default_budget_bytes: int = 1 << 30) -> int:

@@ -3,6 +3,9 @@
 Thread-safe: every public method holds one lock, so a server may call ``add_request`` and
 ``abort_request`` from other threads while a loop thread calls ``step()``; an abort waits at
 most for the step in flight and frees the request's blocks before it returns.
+
+KV-cache events (``engine.kv_events``) are recorded only once a sink is attached
+(``attach_kv_event_sink``); each step's events go to the sink in one batch after the step.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
+from engine.block_hash import HASH_VERSION
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, model_preset
+from engine.kv_events import KVCacheEvent
 from engine.outputs import IterationRecord, RequestOutput, StepResult
 from engine.runner import Runner
 from engine.sampling_params import SamplingParams
@@ -34,7 +39,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self._clock = clock
         num_blocks = config.num_kv_blocks(_default_kv_budget_bytes(config, runner))
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching, config.model.name)
         if detokenize is None and tokenizer is not None and hasattr(tokenizer, "decode"):
             detokenize = tokenizer.decode
         eos = tuple(config.model.eos_token_ids)
@@ -46,6 +52,9 @@ class LLMEngine:
         self._iterations: collections.deque[IterationRecord] = collections.deque(
             maxlen=config.num_iteration_records)
         self._pending_outputs: list[RequestOutput] = []
+        self._kv_event_sink: Callable[[list[KVCacheEvent]], None] | None = None
+        self._kv_events_endpoint: str | None = None
+        self._kv_events_replay_endpoint: str | None = None
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -83,13 +92,17 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: SequenceABC[int],
                     params: SamplingParams, priority: int = 0,
-                    arrival_s: float | None = None) -> None:
-        """Queue a request. Raises ValueError (engine unchanged) if it can never be served."""
+                    arrival_s: float | None = None, cache_salt: str | None = None) -> None:
+        """Queue a request. Raises ValueError (engine unchanged) if it can never be served.
+        Requests share cached prefix blocks only when their ``cache_salt`` is equal."""
         with self._lock:
             prompt = self._validate(request_id, prompt_token_ids, params, priority)
+            if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+                raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
             arrival = self._clock() if arrival_s is None else float(arrival_s)
             self._order += 1
-            self.scheduler.add(Sequence(request_id, prompt, params, priority, arrival, self._order))
+            self.scheduler.add(Sequence(request_id, prompt, params, priority, arrival, self._order,
+                                        cache_salt=cache_salt))
 
     def _validate(self, request_id: str, prompt_token_ids, params, priority) -> tuple[int, ...]:
         if not isinstance(request_id, str) or not request_id:
@@ -154,6 +167,7 @@ class LLMEngine:
                         for seq, toks in results]
             if self.config.check_invariants:
                 self.check_invariants()
+            self._publish_kv_events()
             scheduled_ids = tuple(e.request_id for e in sched_out.scheduled)
             return StepResult(outputs=tuple(outputs), iteration=record,
                               scheduled_request_ids=scheduled_ids)
@@ -166,11 +180,37 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new_token_ids,
             finished=seq.status.finished, finish_reason=seq.status.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            batch_id=batch_id, step_start_s=step_start_s, step_end_s=step_end_s)
+            num_cached_tokens=seq.num_cached_tokens, batch_id=batch_id,
+            step_start_s=step_start_s, step_end_s=step_end_s)
 
     def check_invariants(self) -> None:
         with self._lock:
             self.scheduler.check_invariants()
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def attach_kv_event_sink(self, sink: Callable[[list[KVCacheEvent]], None],
+                             endpoint: str | None = None,
+                             replay_endpoint: str | None = None) -> None:
+        """Start recording KV events; ``sink`` receives each step's events (engine thread).
+        ``endpoint`` and ``replay_endpoint`` are advertised in ``state()`` as
+        ``kv_events_endpoint`` and ``kv_events_replay_endpoint``."""
+        with self._lock:
+            self._kv_event_sink, self._kv_events_endpoint = sink, endpoint
+            self._kv_events_replay_endpoint = replay_endpoint
+            if self.block_manager.pool.events is None:
+                self.block_manager.pool.events = []
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (emits AllBlocksCleared); False while a block is held."""
+        with self._lock:
+            done = self.block_manager.reset_prefix_cache()
+            self._publish_kv_events()
+            return done
+
+    def _publish_kv_events(self) -> None:
+        events = self.block_manager.take_events()
+        if events and self._kv_event_sink is not None:
+            self._kv_event_sink(events)
 
     # ---- introspection ------------------------------------------------------------------
     @property
@@ -196,6 +236,7 @@ class LLMEngine:
                 "max_num_seqs": cfg.scheduler.max_num_seqs,
                 "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
                 "num_preemptions": self.scheduler.num_preemptions, "step_count": self._step_count,
+                **self._prefix_cache_state(),
                 "now_s": self._clock(),
                 "running": [self._seq_state(s) for s in self.scheduler.running],
                 "waiting": [self._seq_state(s) for s in self.scheduler.waiting],
@@ -205,12 +246,24 @@ class LLMEngine:
                 "time_scale": getattr(self.runner, "time_scale", 1.0),
             }
 
+    def _prefix_cache_state(self) -> dict:
+        pool = self.block_manager.pool
+        return {"enable_prefix_caching": self.config.cache.enable_prefix_caching,
+                "num_cached_blocks": pool.num_cached_blocks,
+                "num_evictable_blocks": pool.num_evictable_blocks,
+                "prefix_cache_queries": self.scheduler.num_prefix_query_tokens,
+                "prefix_cache_hits": self.scheduler.num_prefix_hit_tokens,
+                "block_hash": {"version": HASH_VERSION, "model": self.config.model.name},
+                "kv_events_endpoint": self._kv_events_endpoint,
+                "kv_events_replay_endpoint": self._kv_events_replay_endpoint}
+
     def _seq_state(self, seq: Sequence) -> dict:
         to_prefill = seq.num_uncomputed_tokens - (1 if seq.num_output_tokens else 0)
         return {"request_id": seq.request_id, "num_prompt_tokens": seq.num_prompt_tokens,
                 "num_output_tokens": seq.num_output_tokens, "max_tokens": seq.params.max_tokens,
                 "num_context_tokens": seq.num_tokens, "num_prefill_tokens_remaining": to_prefill,
                 "num_blocks": len(self.block_manager.block_table(seq.request_id)),
+                "num_cached_tokens": seq.num_cached_tokens,
                 "priority": seq.priority}
 
     def sequence_status(self, request_id: str) -> SequenceStatus | None:

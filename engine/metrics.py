@@ -3,8 +3,11 @@
 Names and labels follow vLLM's v1 Prometheus logger (``model_name`` label; counters exposed
 with the ``_total`` suffix that prometheus-client appends, e.g. ``vllm:num_preemptions_total``,
 ``vllm:request_success_total{finished_reason=...}``; ``vllm:cache_config_info`` is a gauge of 1
-whose labels carry ``block_size`` and ``num_gpu_blocks``). Histogram buckets are vLLM's, with a
-few finer low buckets added because the CPU test models step in well under 10 ms.
+whose labels carry ``block_size``, ``num_gpu_blocks`` and ``enable_prefix_caching``;
+``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` count prompt tokens
+looked up in / found in the prefix cache, as vLLM v1 counts them). Histogram buckets are
+vLLM's, with a few finer low buckets added because the CPU test models step in well under
+10 ms.
 
 kvguard adds KV block gauges and request outcome counters so a client can reconcile::
 
@@ -71,7 +74,15 @@ class EngineMetrics:
                                 "Histogram of time spent in WAITING phase for request", labels,
                                 buckets=_E2E_BUCKETS_S, registry=registry)
         self._cache_info = Gauge("vllm:cache_config_info", "Information of the engine CacheConfig",
-                                 ["block_size", "num_gpu_blocks"], registry=registry)
+                                 ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+                                 registry=registry)
+        self._prefix_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens", labels,
+            registry=registry)
+        self._prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens",
+            labels, registry=registry)
         self._received = Counter("kvguard_engine_requests_received", "Generation requests received",
                                  labels, registry=registry)
         self._rejected = Counter("kvguard_engine_requests_rejected",
@@ -89,10 +100,12 @@ class EngineMetrics:
         for reason in ("header_timeout", "body_timeout", "write_timeout", "over_capacity"):
             self._connections_closed.labels(reason=reason)
         self._last_num_preemptions = 0
+        self._last_prefix_queries = self._last_prefix_hits = 0
         for metric in (self._running, self._waiting, self._kv_usage, self._total_blocks,
                        self._free_blocks, self._preemptions, self._prompt_tokens,
                        self._generation_tokens, self._ttft, self._tpot, self._e2e, self._queue,
-                       self._received, self._aborted, self._failed):
+                       self._received, self._aborted, self._failed, self._prefix_queries,
+                       self._prefix_hits):
             self._m(metric)  # export every series from the start, at zero
         for reason in _SUCCESS_REASONS:
             self._success.labels(model_name=model_name, finished_reason=reason)
@@ -100,8 +113,10 @@ class EngineMetrics:
     def _m(self, metric):
         return metric.labels(model_name=self.model_name)
 
-    def set_cache_config(self, block_size: int, num_blocks: int) -> None:
-        self._cache_info.labels(block_size=str(block_size), num_gpu_blocks=str(num_blocks)).set(1)
+    def set_cache_config(self, block_size: int, num_blocks: int,
+                         enable_prefix_caching: bool) -> None:
+        self._cache_info.labels(block_size=str(block_size), num_gpu_blocks=str(num_blocks),
+                                enable_prefix_caching=str(enable_prefix_caching)).set(1)
 
     def observe_state(self, state: Mapping) -> None:
         """Refresh the gauges (and the preemption counter) from an engine ``state()`` dict."""
@@ -116,6 +131,14 @@ class EngineMetrics:
         if preemptions > self._last_num_preemptions:
             self._m(self._preemptions).inc(preemptions - self._last_num_preemptions)
         self._last_num_preemptions = max(preemptions, self._last_num_preemptions)
+        queries = int(state.get("prefix_cache_queries", 0))
+        hits = int(state.get("prefix_cache_hits", 0))
+        if queries > self._last_prefix_queries:
+            self._m(self._prefix_queries).inc(queries - self._last_prefix_queries)
+            self._last_prefix_queries = queries
+        if hits > self._last_prefix_hits:
+            self._m(self._prefix_hits).inc(hits - self._last_prefix_hits)
+            self._last_prefix_hits = hits
 
     def record_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         if num_prompt_tokens:

@@ -5,9 +5,10 @@ raises ``ApiError`` carrying the OpenAI-style error (status, message, type, para
 Supported: ``prompt`` (string, token id list, or a one-element list of either), ``messages``,
 ``model`` (must be the served name, else 404 ``model_not_found``), ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``n`` (1),
-``stream``, ``stream_options.include_usage``, and the vLLM extensions ``ignore_eos`` and
-``priority``. Every message needs string (or text-part) content. Fields this server cannot
-honour (``best_of``, ``tools``, ``logit_bias``, ...: ``serving/unsupported_params.py``) are a
+``stream``, ``stream_options.include_usage``, and the vLLM extensions ``ignore_eos``,
+``priority`` and ``cache_salt`` (a non-empty string: only requests with the same salt share
+cached prefix blocks). Every message needs string (or text-part) content. Fields this server
+cannot honour (``best_of``, ``tools``, ``logit_bias``, ...: ``serving/unsupported_params.py``) are a
 400 ``unsupported_parameter`` unless neutral; other unknown fields are ignored, as vLLM does.
 The body nests at most ``MAX_JSON_DEPTH`` levels (``serving/json_body.py``).
 """
@@ -47,6 +48,7 @@ class GenerationRequest:
     include_usage: bool
     stop: tuple[str, ...]
     priority: int
+    cache_salt: str | None = None
 
 
 def _bad(message: str, param: str | None, code: str | None = "invalid_value") -> ApiError:
@@ -201,6 +203,14 @@ def _include_usage(body: dict, stream: bool) -> bool:
     return bool(_typed(options, "include_usage", (bool,), "a boolean", False))
 
 
+def _cache_salt(body: dict) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise _bad(f"'cache_salt' must be a non-empty string, got {json.dumps(salt)[:40]}",
+                   "cache_salt", "invalid_type")
+    return salt
+
+
 def _sampling(body: dict, max_tokens: int) -> SamplingParams:
     top_k = _typed(body, "top_k", (int,), "an integer")
     if top_k is not None and top_k < -1:
@@ -230,9 +240,11 @@ def parse_generation_request(raw: bytes, *, chat: bool, model_name: str, tokeniz
     include_usage = _include_usage(body, stream)
     stop = _stop(body)
     priority = _typed(body, "priority", (int,), "an integer", 0)
+    cache_salt = _cache_salt(body)
     prompt = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
     default_limit = min(max_model_len, max_pool_tokens or max_model_len)
     max_tokens = _max_tokens(body, chat, len(prompt), max_model_len, default_limit)
     return GenerationRequest(chat=chat, prompt_token_ids=prompt,
                              params=_sampling(body, max_tokens), stream=stream,
-                             include_usage=include_usage, stop=stop, priority=priority)
+                             include_usage=include_usage, stop=stop, priority=priority,
+                             cache_salt=cache_salt)

@@ -27,7 +27,8 @@ class IterationRecord:
 @dataclass(frozen=True)
 class RequestOutput:
     """New tokens of one request from one step. ``step_start_s``/``step_end_s``: the engine
-    clock around the step that produced them (None for an abort reported between steps)."""
+    clock around the step that produced them (None for an abort reported between steps).
+    ``num_cached_tokens``: prompt tokens the prefix cache supplied (known once scheduled)."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
@@ -38,6 +39,7 @@ class RequestOutput:
     batch_id: int
     step_start_s: float | None = None
     step_end_s: float | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,12 @@ in every step**, however long the prompts competing for the budget are.
 When a request needs a block and none is free, the least important running request not yet
 scheduled this step (highest priority value, then latest arrival) is preempted: its blocks are
 freed and it waits to be recomputed from scratch. A decode never loses its place to a prefill.
+
+Prefix caching: a request admitted from the waiting queue (new, or preempted) starts its block
+table with the longest run of cached blocks matching its leading full blocks, and its computed
+tokens start after them. At least one token is always computed (it yields the logits to sample
+from), so a prompt cached to its last full block recomputes that block. Once a step has
+computed a block's last token, the block is registered under its hash.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable
 
+from engine.block_hash import block_hash, root_hash
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -40,6 +47,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by key, most important first
         self.running: list[Sequence] = []  # sorted by key, most important first
         self.num_preemptions = 0
+        self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hit_tokens = 0  # of which were found cached
         self._seqs: dict[str, Sequence] = {}
         self._next_batch_id = 0
         self._finished_ids: list[str] = []
@@ -51,6 +60,7 @@ class Scheduler:
         if seq.request_id in self._seqs:
             raise ValueError(f"request id {seq.request_id!r} is already in the engine")
         self._seqs[seq.request_id] = seq
+        self._hash_new_blocks(seq)
         self._enqueue(seq)
 
     def get(self, request_id: str) -> Sequence | None:
@@ -95,7 +105,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's work: every running decode, then prefill chunks (running ones,
         then waiting ones) within the budget left. Mutates block tables and queues, not token
-        counts."""
+        counts (except that an admitted request's computed tokens skip its cached prefix)."""
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         chosen_ids: set[str] = set()
@@ -128,13 +138,22 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, chosen: list[tuple[Sequence, int]]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running_seqs:
-            seq = self.waiting[0]
-            num_new = seq.num_uncomputed_tokens
+            seq = self.waiting[0]  # holds no block and has no computed token
+            hits = self.block_manager.find_cached_blocks(
+                seq.block_hashes, (seq.num_tokens - 1) // self.block_manager.block_size)
+            num_cached = len(hits) * self.block_manager.block_size
+            num_new = seq.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
                 return
             num_new = min(num_new, budget)
-            if self.block_manager.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
+            if self.block_manager.allocate(seq.request_id, num_cached + num_new, hits) is None:
                 return
+            seq.num_computed_tokens = num_cached
+            if seq.num_preemptions == 0 and self.block_manager.enable_prefix_caching:
+                # recomputes after preemption are not prompt lookups
+                seq.num_cached_tokens = num_cached
+                self.num_prefix_query_tokens += seq.num_prompt_tokens
+                self.num_prefix_hit_tokens += num_cached
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=self._key)
@@ -179,15 +198,29 @@ class Scheduler:
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += entry.num_new_tokens
+            self.block_manager.cache_full_blocks(seq.request_id, seq.block_hashes,
+                                                 seq.num_computed_tokens, seq.token_slice)
             if not entry.samples:
                 continue
             token = sampled[entry.request_id]
             seq.output_token_ids.append(token)
+            self._hash_new_blocks(seq)
             status = self._stop_status(seq, token)
             if status is not None:
                 self._finish(seq, status)
             results.append((seq, (token,)))
         return results
+
+    def _hash_new_blocks(self, seq: Sequence) -> None:
+        """Extend ``seq.block_hashes`` over its full blocks of known tokens."""
+        if not self.block_manager.enable_prefix_caching:
+            return
+        size, hashes = self.block_manager.block_size, seq.block_hashes
+        while len(hashes) < seq.num_tokens // size:
+            parent = (hashes[-1] if hashes
+                      else root_hash(self.block_manager.hash_namespace, seq.cache_salt))
+            start = len(hashes) * size
+            hashes.append(block_hash(parent, seq.token_slice(start, start + size)))
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         params = seq.params
@@ -218,5 +251,10 @@ class Scheduler:
             table = self.block_manager.block_table(seq.request_id)
             assert 0 <= seq.num_computed_tokens <= seq.num_tokens
             assert len(table) >= self.block_manager.num_blocks_for(seq.num_computed_tokens)
+            for index, block in enumerate(table):  # a cached block holds this very prefix
+                cached_hash = self.block_manager.pool.block_hashes[block]
+                assert cached_hash is None or (index < len(seq.block_hashes)
+                                               and cached_hash == seq.block_hashes[index]), (
+                    f"{seq.request_id}: block {block} cached under another prefix")
         assert set(self.block_manager.holders()) <= running_ids | waiting_ids, "leaked blocks"
         self.block_manager.check_invariants()

@@ -31,6 +31,11 @@ class Sequence:
     ``num_computed_tokens`` counts tokens whose K/V are in the cache. Preemption by recompute
     resets it to 0 and keeps the generated tokens, which are recomputed like prompt tokens.
     ``order`` breaks ties between equal arrival times (admission order to the engine).
+
+    Prefix caching: ``cache_salt`` isolates the request's cached blocks from requests with
+    another salt; ``block_hashes`` holds the chained hash of every full block of its known
+    tokens (kept across preemption); ``num_cached_tokens`` is how many prompt tokens the prefix
+    cache supplied when the request was first scheduled.
     """
 
     def __init__(
@@ -41,6 +46,7 @@ class Sequence:
         priority: int,
         arrival_s: float,
         order: int,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
@@ -52,6 +58,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.cache_salt = cache_salt
+        self.block_hashes: list[int] = []
+        self.num_cached_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

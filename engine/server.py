@@ -60,6 +60,7 @@ class _Outcome:
     def __init__(self) -> None:
         self.finish_reason: str | None = None  # stop | length | abort | error
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0
 
 
 class _Replica:
@@ -78,7 +79,8 @@ class _Replica:
         state = async_engine.state()
         self.max_model_len = int(state["max_model_len"])
         self.max_pool_tokens = int(state["num_total_blocks"]) * int(state["block_size"])
-        metrics.set_cache_config(state["block_size"], state["num_total_blocks"])
+        metrics.set_cache_config(state["block_size"], state["num_total_blocks"],
+                                 bool(state.get("enable_prefix_caching", False)))
         self.created_s = int(time.time())
 
     # ---- plain endpoints -------------------------------------------------------------------
@@ -129,7 +131,8 @@ class _Replica:
                                        tokens=tokens)
             stream = await self.engine.add_request(request_id, list(gen.prompt_token_ids),
                                                    gen.params, priority=gen.priority,
-                                                   timeline=timeline)
+                                                   timeline=timeline,
+                                                   cache_salt=gen.cache_salt)
         except ApiError as err:
             return self._reject(err, request_id)
         except ClientDisconnect:  # gone while sending its body: canceled, never admitted
@@ -188,6 +191,7 @@ class _Replica:
                 timeline.token_handed(out, self.clock())
             piece = text.push(out.new_token_ids, out.finished)
             outcome.num_output_tokens = out.num_output_tokens
+            outcome.num_cached_tokens = out.num_cached_tokens
             if piece.finish_reason is None and out.finished:
                 piece = piece.with_finish_reason(out.finish_reason)
             if piece.finish_reason is not None:
@@ -240,10 +244,13 @@ async def _wait_disconnect(receive) -> None:
         pass
 
 
-def _usage(gen: GenerationRequest, num_output_tokens: int) -> dict:
-    num_prompt = len(gen.prompt_token_ids)
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output_tokens,
-            "total_tokens": num_prompt + num_output_tokens}
+def _usage(gen: GenerationRequest, outcome: _Outcome) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` counts the prompt tokens
+    the prefix cache supplied."""
+    num_prompt, num_output = len(gen.prompt_token_ids), outcome.num_output_tokens
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
+            "total_tokens": num_prompt + num_output,
+            "prompt_tokens_details": {"cached_tokens": outcome.num_cached_tokens}}
 
 
 def _response_body(replica: _Replica, gen: GenerationRequest, request_id: str, text: str,
@@ -259,7 +266,7 @@ def _response_body(replica: _Replica, gen: GenerationRequest, request_id: str, t
         kind, prefix = "text_completion", "cmpl-"
     return {"id": prefix + request_id, "object": kind, "created": created,
             "model": replica.model_name, "choices": [choice],
-            "usage": _usage(gen, outcome.num_output_tokens)}
+            "usage": _usage(gen, outcome)}
 
 
 class _ChunkFormatter:
@@ -301,8 +308,8 @@ class _ChunkFormatter:
         return (f'{self._prefix}{body},"finish_reason":{reason},"token_ids":[{ids}]'
                 f'{self._suffix}').encode()
 
-    def usage(self, num_output_tokens: int) -> bytes:
-        return self._event([], _usage(self.gen, num_output_tokens))
+    def usage(self, outcome: _Outcome) -> bytes:
+        return self._event([], _usage(self.gen, outcome))
 
     @staticmethod
     def error(err: ApiError) -> bytes:
@@ -360,7 +367,7 @@ class _SSEResponse(Response):
                                                       code="engine_error")))
         else:
             if self.gen.include_usage:
-                await self._body(send, fmt.usage(outcome.num_output_tokens))
+                await self._body(send, fmt.usage(outcome))
         await self._body(send, b"data: [DONE]\n\n")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

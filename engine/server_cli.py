@@ -19,6 +19,12 @@ clients are bounded by ``serving.ServerLimits`` (``--header-timeout-s``,
 ``kvguard_engine_connections_closed_total{reason}``. Writes to clients that went away and
 invalid HTTP requests are counted and summarised in one log line a minute, not logged one by one
 (``serving.quiet_log``).
+
+The prefix cache is on unless ``--no-enable-prefix-caching``. ``--kv-events-endpoint
+tcp://127.0.0.1:PORT`` publishes KV-cache events there in vLLM's format
+(``engine.kv_event_publisher``; ``tcp://127.0.0.1:*`` picks a free port) and advertises the
+bound address in ``/kvguard/state`` as ``kv_events_endpoint``; ``--kv-events-replay-endpoint``
+adds vLLM's replay socket (``kv_events_replay_endpoint``).
 """
 
 from __future__ import annotations
@@ -55,6 +61,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="reuse the KV blocks of cached prompt prefixes "
+                        "(default: on)")
+    parser.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ_ENDPOINT",
+                        help="bind a ZMQ PUB socket here and publish KV-cache events in vLLM's "
+                        "format (e.g. tcp://127.0.0.1:5557; off by default)")
+    parser.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ_ENDPOINT",
+                        help="bind a ZMQ ROUTER socket here that replays buffered event "
+                        "batches from a requested sequence number (needs --kv-events-endpoint)")
+    parser.add_argument("--kv-events-topic", default="",
+                        help="topic frame of each KV event message (default: empty, as vLLM)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="append one JSON line per request to FILE")
     parser.add_argument("--middleware", action="append", default=[], metavar="MODULE:CLASS",
@@ -77,7 +94,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _overrides(args: argparse.Namespace) -> dict:
     names = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
              "max_model_len", "seed")
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    overrides["enable_prefix_caching"] = args.enable_prefix_caching
+    return overrides
+
+
+def _kv_event_publisher(args: argparse.Namespace, engine):
+    """The KV event publisher the flags ask for, attached to ``engine``, or None."""
+    if args.kv_events_endpoint is None:
+        if args.kv_events_replay_endpoint is not None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        return None
+    from engine.kv_event_publisher import KVEventPublisher
+
+    publisher = KVEventPublisher(args.kv_events_endpoint, topic=args.kv_events_topic,
+                                 replay_endpoint=args.kv_events_replay_endpoint)
+    engine.attach_kv_event_sink(publisher.publish, publisher.endpoint, publisher.replay_endpoint)
+    return publisher
 
 
 def _build_engine(args: argparse.Namespace):
@@ -182,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     if args.time_scale < 0:
         raise ValueError(f"--time-scale must be >= 0, got {args.time_scale}")
     engine = _build_engine(args)
+    publisher = _kv_event_publisher(args, engine)
     tokenizer = _tokenizer_for(engine, args.backend)
     name = args.served_model_name or args.model
     metrics = EngineMetrics(CollectorRegistry(), name)
@@ -216,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         if trace is not None:
             trace.close()
+        if publisher is not None:
+            publisher.close()
     return 0
 
 

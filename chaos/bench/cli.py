@@ -45,6 +45,8 @@ def _load(target: str):
 
 def run(args: argparse.Namespace) -> int:
     module = _load(args.target)
+    if args.target == "engine" and "--prefix" in args.target_args:  # prefix-cache TTFT
+        module = importlib.import_module("engine.prefix_bench")
     parser = argparse.ArgumentParser(prog=f"kvguard bench {args.target}",
                                      description=TARGETS[args.target][1])
     module.configure(parser)

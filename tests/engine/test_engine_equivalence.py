@@ -178,7 +178,7 @@ def test_state_and_iteration_records_are_exact():
     assert state["running"][0] == {
         "request_id": "a", "num_prompt_tokens": 4, "num_output_tokens": 3, "max_tokens": 5,
         "num_context_tokens": 7, "num_prefill_tokens_remaining": 0, "num_blocks": 2,
-        "priority": 0}
+        "num_cached_tokens": 0, "priority": 0}
     assert [it["batch_id"] for it in state["iterations"]] == [0, 1, 2]
 
 

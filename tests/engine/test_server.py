@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 
 import httpx
@@ -219,6 +220,10 @@ _CASES = [
      "stream_options"),
     ("completions", {"prompt": [1, 2], "stop": [""]}, 400, "stop"),
     ("completions", {"prompt": [1, 2], "model": "gpt-4"}, 404, "model"),
+    ("completions", {"prompt": [1, 2], "cache_salt": 5}, 400, "cache_salt"),
+    ("completions", {"prompt": [1, 2], "cache_salt": ""}, 400, "cache_salt"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "cache_salt": ["a"]}, 400,
+     "cache_salt"),
     ("completions", {"prompt": [1, 10**6]}, 400, None),  # outside the vocabulary (engine check)
     ("chat", {"messages": []}, 400, "messages"),
     ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
@@ -356,7 +361,8 @@ def test_metrics_parse_and_reconcile(url, client):
     assert received == ended
     labels = {k: v for (n, lbls), _ in after.items() if n == "vllm:cache_config_info"
               for k, v in lbls}
-    assert labels == {"block_size": "16", "num_gpu_blocks": str(NUM_BLOCKS)}
+    assert labels == {"block_size": "16", "num_gpu_blocks": str(NUM_BLOCKS),
+                      "enable_prefix_caching": "True"}
     assert _value(after, "kvguard_engine_num_total_kv_blocks") == NUM_BLOCKS
     assert _value(after, "kvguard_engine_num_free_kv_blocks") == NUM_BLOCKS
     assert _value(after, "vllm:kv_cache_usage_perc") == 0.0
@@ -390,6 +396,48 @@ def test_models_health_and_state(url):
         assert key in state, key
     assert state["model"] == "tiny" and state["num_total_blocks"] == NUM_BLOCKS
     assert state["admitting"] is True
+
+
+# ---- prefix cache -------------------------------------------------------------------------
+
+def _unique_prompt(num_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(300, 40000) for _ in range(num_tokens)]
+
+
+def _cached_tokens(url: str, prompt: list[int], **extra) -> int:
+    resp = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2,
+                                                     "ignore_eos": True, **extra}, timeout=30.0)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_repeated_prompt_reports_cached_tokens_in_usage_metrics_and_state(url, client):
+    prompt = _unique_prompt(100, seed=1)  # 6 full blocks of 16 (the 7th is partial)
+    assert wait_until(lambda: _all_free(url), 10.0)
+    before = _metrics(url)
+    assert _cached_tokens(url, prompt) == 0
+    assert _cached_tokens(url, prompt) == 96
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                            stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 96
+    after = _metrics(url)
+    delta = lambda name: _value(after, name) - _value(before, name)  # noqa: E731
+    assert delta("vllm:prefix_cache_queries_total") == 300
+    assert delta("vllm:prefix_cache_hits_total") == 192
+    state = wait_until(lambda: _all_free(url), 10.0)
+    assert state["enable_prefix_caching"] is True and state["kv_events_endpoint"] is None
+    assert state["num_evictable_blocks"] == state["num_cached_blocks"] >= 6
+    assert state["block_hash"] == {"version": 1, "model": "tiny"}
+
+
+def test_cache_salt_isolates_cached_prefixes(url):
+    prompt = _unique_prompt(64, seed=2)
+    assert _cached_tokens(url, prompt, cache_salt="tenant-a") == 0
+    assert _cached_tokens(url, prompt, cache_salt="tenant-a") == 48
+    assert _cached_tokens(url, prompt, cache_salt="tenant-b") == 0
+    assert _cached_tokens(url, prompt) == 0
 
 
 def test_running_request_is_listed_in_state_under_its_request_id(url):

@@ -127,3 +127,26 @@ def test_real_time_step_durations_follow_the_timing_model():
     assert len(ratios) >= 10
     assert min(ratios) >= 1.0
     assert statistics.median(ratios) <= 1.10
+
+
+def test_cached_prefix_tokens_are_priced_as_attention_reads_not_prefill():
+    def prefill_steps_s(enable_prefix_caching: bool) -> list[float]:
+        clock = VirtualClock()
+        engine = build_sim_engine("llama-7b", clock=clock, sleep=clock.sleep, spin_s=0.0,
+                                  num_blocks=512, enable_prefix_caching=enable_prefix_caching)
+        prefix = [1000 + i for i in range(1024)]
+        durations = []
+        for rid, suffix in (("a", [7] * 10), ("b", [9] * 10)):
+            engine.add_request(rid, prefix + suffix, SamplingParams(max_tokens=1))
+            durations.append(engine.step().iteration.duration_s)
+        return durations
+
+    first, second = prefill_steps_s(True)
+    timing = TimingModel(LLAMA, get_gpu("h100-80g"))
+    new = 10  # 64 cached blocks of 16: only the suffix is computed, over 1024 cached tokens
+    expected = timing.step_s(StepShape(num_prefill_tokens=new, num_prefill_cached_tokens=1024,
+                                       num_prefill_attention_pairs=new * 1024 + new * 11 // 2,
+                                       num_sampled_seqs=1))
+    assert second == pytest.approx(expected, rel=1e-9)
+    assert second < first / 5
+    assert prefill_steps_s(False) == [pytest.approx(first)] * 2
