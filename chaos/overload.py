@@ -50,6 +50,7 @@ from chaos.overload_table import (
     add_bare_ratios,
     fmt_num,
     plot_goodput,
+    render_cache_table,
     render_table,
     row_from_run,
 )
@@ -330,6 +331,9 @@ def _report(args, out: Path, rows: list[dict], sat, cap: float, sweep, log) -> N
     reference = reference_policy(args)
     add_bare_ratios(rows, reference)
     table = render_table(rows, reference)
+    cache_table = render_cache_table(rows)
+    if cache_table is not None:
+        table += "\n\nPrefix caches:\n\n" + cache_table
     plot_goodput(rows, out / "overload.png")
     result = {"command": " ".join(["kvguard", "bench", "overload", *sys.argv[3:]]),
               "scenario": {k: v for k, v in vars(args).items()},

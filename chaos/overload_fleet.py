@@ -15,7 +15,10 @@ scenario's engine, instead of one replica with the guard mounted in-process:
   the load generator is one client) and a short drain, so a row that ends with a backlog is
   cut off rather than drained into the next;
 * OpenAI-SDK rows and the engine-step gap attribution are single-replica only; the TTFT
-  forecast column comes from the proxy's trace.
+  forecast column comes from the proxy's trace;
+* with a ``--workload`` whose prompts share tokens, every replica restarts before each row (cold
+  prefix caches: no row inherits the previous one's), and each row reports the engines'
+  measured prefix-cache hit ratio and the guard's predicted one over the row.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import contextlib
 from pathlib import Path
 
 from chaos.admission_quality import forecast_error
+from chaos.cache_hits import engine_counts, guard_counts, hit_ratio
 from chaos.load_cli import run_once
 from chaos.overload_table import row_from_run
 from chaos.replica import wait_idle, write_guard_config
@@ -61,8 +65,13 @@ class Fleet:
         """One row: a fresh proxy with ``policy`` in front of the fleet, one open-loop run at
         ``rate``. ``cap_rps`` is the fleet's C."""
         out.mkdir(parents=True, exist_ok=True)
+        if getattr(self.scenario.args, "workload", "unique") != "unique":
+            # prompts that share tokens: every row starts from cold prefix caches, or each
+            # would find the previous row's prefixes cached
+            self.topology.restart_replicas()
         for url in self.topology.replica_urls:
             wait_idle(url)
+        engine_before = engine_counts(self.topology.replica_urls)
         c = self.scenario.request_class
         trace = out / "guard-trace.jsonl"
         config = write_guard_config(str(out / "guard.toml"), policy=policy, ttft_s=c.ttft_s,
@@ -72,10 +81,14 @@ class Fleet:
         proxy.start(self.topology.spec.start_timeout_s)
         try:
             summary = run_once(self.scenario.load_args(proxy.url, rate, out), rate, out, None)
+            guard_after = guard_counts(proxy.url + "/kvguard/metrics")
         finally:
             with contextlib.suppress(Exception):
                 proxy.terminate()
         row = row_from_run(summary, read_records(out / "requests.jsonl"), self.scenario, cap_rps)
+        row["engine_hit_ratio"] = hit_ratio(engine_before,
+                                            engine_counts(self.topology.replica_urls))
+        row["guard_hit_ratio"] = hit_ratio(None, guard_after)
         row["forecast"] = forecast_error(trace, (summary["goodput"]["window_s"][0],
                                                  float("inf")))
         row["gaps"] = None

@@ -5,6 +5,9 @@
 * ``kvguard_prefix_cache_measured_hit_ratio{replica}`` — the engine's own hit ratio over the
   same period (its prefix-cache counters' rise);
 * ``kvguard_prefix_cache_tracked_blocks{replica}`` — blocks (or chunks) the view tracks;
+* ``kvguard_prefix_cache_predicted_tokens_total{replica}`` and
+  ``kvguard_prefix_cache_routed_prompt_tokens_total{replica}`` — the sums behind the predicted
+  ratio, over the guard's life (so a bench can take the ratio over its own window);
 * ``kvguard_kv_events_dropped_total`` — KV event batches dropped as malformed or from an
   unknown replica.
 """
@@ -50,6 +53,17 @@ class PrefixCacheCollector(Collector):
         yield predicted
         yield measured
         yield tracked
+        cached = CounterMetricFamily(
+            "kvguard_prefix_cache_predicted_tokens",
+            "Prompt tokens the guard expected cached where it routed them", labels=["replica"])
+        routed = CounterMetricFamily(
+            "kvguard_prefix_cache_routed_prompt_tokens",
+            "Prompt tokens routed to the replica", labels=["replica"])
+        for replica_id, (num_cached, num_routed) in sorted(view.totals.items()):
+            cached.add_metric([replica_id], num_cached)
+            routed.add_metric([replica_id], num_routed)
+        yield cached
+        yield routed
         if self.num_dropped is not None:
             dropped = CounterMetricFamily("kvguard_kv_events_dropped",
                                           "KV event batches dropped (malformed or unknown replica)")

@@ -112,6 +112,9 @@ class PrefixCacheView:
         self._block_sizes: dict[str, int] = {}
         self._sessions: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._counts: dict[str, _Counts] = {}
+        # replica id -> [predicted cached tokens, routed prompt tokens] over the view's life
+        # (never reset, unlike the ratio's tallies: exported as counters)
+        self.totals: dict[str, list[int]] = {}
         # precise mode: called with (replica id, endpoint) when a replica advertises where its
         # KV-cache events are published (``kv_events_endpoint`` in its state document)
         self.on_events_endpoint: Callable[[str, str], None] | None = None
@@ -164,9 +167,12 @@ class PrefixCacheView:
         if not isinstance(key, PrefixKey):
             return
         counts = self._counts_of(replica_id)
+        num_cached = cost.num_cached_tokens_on(replica_id, self._block_sizes.get(replica_id, 1))
         counts.num_routed_prompt_tokens += cost.num_prompt_tokens
-        counts.num_predicted_cached_tokens += cost.num_cached_tokens_on(
-            replica_id, self._block_sizes.get(replica_id, 1))
+        counts.num_predicted_cached_tokens += num_cached
+        totals = self.totals.setdefault(replica_id, [0, 0])
+        totals[0] += num_cached
+        totals[1] += cost.num_prompt_tokens
         if self.mode == "approximate":
             self.index.insert(replica_id, key.hashes)
         if key.session_id is not None:
