@@ -24,7 +24,13 @@ from chaos.chaos_report import checks, plot_timelines, render_report, render_tab
 from chaos.overload import POLICIES
 from chaos.replica import exit_on_sigterm
 from chaos.scenario_run import NOMINAL_REPLICA_CAPACITY_GPU_RPS, RunSettings, run_policy
-from chaos.scenarios import ScenarioSpec, catalogue, missing_dependencies, quick_variant
+from chaos.scenarios import (
+    ScenarioSpec,
+    catalogue,
+    missing_dependencies,
+    quick_variant,
+    settings_for,
+)
 from chaos.verdict import THRESHOLDS
 
 __all__ = ["configure", "run", "run_scenario", "measure_capacity_rps", "BASE_POLICIES"]
@@ -121,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"scenario {spec.name} cannot run in this build: " + "; ".join(missing))
     exit_on_sigterm()
     policies = list(dict.fromkeys([*BASE_POLICIES, *args.policy]))
-    settings = RunSettings(time_scale=args.time_scale, seed=args.seed)
+    settings = settings_for(spec, RunSettings(time_scale=args.time_scale, seed=args.seed))
     out = Path(args.out or f"runs/chaos-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \
