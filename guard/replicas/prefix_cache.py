@@ -94,7 +94,7 @@ class PrefixCacheView:
     """The prefix-cache view of every replica (one per guard; not thread-safe)."""
 
     def __init__(self, mode: str = "approximate", *, chunk_chars: int = 256,
-                 max_blocks_per_replica: int = 1 << 20, max_sessions: int = 100_000,
+                 max_blocks_per_replica: int = 1 << 18, max_sessions: int = 100_000,
                  token_ids: object = None, model: str = "") -> None:
         if mode not in MODES[1:]:
             raise ValueError(f"prefix_cache: must be one of {MODES[1:]} here, got {mode!r}")

@@ -9,8 +9,9 @@ replica it was routed to; the precise view applies the replica's own KV-cache ev
 
 Memory is bounded: each replica holds at most its capacity in blocks (sized from the
 replica's own block count, capped by ``max_blocks_per_replica``); inserting past it evicts the
-least recently used. Measured: about 100 bytes per tracked block (an ``OrderedDict`` entry
-keyed by a 64-bit int; ``docs/benchmarks.md``).
+least recently used. Measured: about 130 bytes per tracked block (an ``OrderedDict`` entry
+and the 64-bit int it is keyed by; ``scripts/prefix_view_cost.py``, ``docs/benchmarks.md``), so
+the default bound of 262,144 blocks per replica is at most ~33 MB per replica.
 """
 
 from __future__ import annotations
