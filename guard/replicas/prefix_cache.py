@@ -186,6 +186,9 @@ class PrefixCacheView:
 
     def replica_state(self, replica_id: str, state: Mapping) -> None:
         """A ``/kvguard/state`` document: capacity, block size, restart, measured hits."""
+        model = state.get("model")
+        if isinstance(model, str) and model:  # what the engine hashes with, when bodies omit it
+            self._model = model
         total, block_size = state.get("num_total_blocks"), state.get("block_size")
         if _count(block_size) and block_size > 0:
             self._block_sizes[replica_id] = block_size
