@@ -6,7 +6,9 @@ Modes (the guard's ``prefix_cache`` key):
   string (a completion's prompt; a chat's messages, each as its role and text, in order) and
   cut into ``chunk_chars``-character chunks hashed as a chain
   (:func:`guard.replicas.block_hashes.text_chunk_hashes`); a token-id prompt is cut into
-  engine-sized blocks of ids. The replica a request is routed to is assumed to hold its chunks
+  chunks of ``chunk_chars ÷ 4`` ids (the tokens a text chunk holds at a nominal 4 characters
+  per token), so the capacity of a replica's view, ``total blocks × block size ÷ that``
+  chunks, means the same for both. The replica a request is routed to is assumed to hold its chunks
   from then on. A chunk stands for ``chunk_chars ÷ chars-per-token`` tokens (the pricer's
   calibrated ratio).
 * ``precise`` — fed by the replicas' KV-cache events (:mod:`guard.replicas.kv_events`): a
@@ -46,7 +48,8 @@ from policies.cost import RequestCost
 __all__ = ["MODES", "PrefixCacheView", "PrefixKey", "build_prefix_view", "render_prompt"]
 
 MODES = ("off", "approximate", "precise")
-_TOKEN_BLOCK = 16  # token-id prompts in approximate mode: blocks of this many ids
+_TOKEN_BLOCK = 16  # block size until a replica's state says otherwise
+_NOMINAL_CHARS_PER_TOKEN = 4
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,9 @@ class PrefixCacheView:
                              "(the guard's tokenizer key)")
         self.mode = mode
         self.chunk_chars = chunk_chars
+        # a token-id prompt's approximate chunk: the tokens a text chunk holds at the nominal 4
+        # characters per token, so the index's capacity (in chunks) means the same for both
+        self._chunk_ids = max(1, chunk_chars // _NOMINAL_CHARS_PER_TOKEN)
         self.index = PrefixIndex(max_blocks_per_replica)
         self.max_sessions = max_sessions
         self._token_ids = token_ids  # text -> token ids (precise mode)
@@ -134,9 +140,10 @@ class PrefixCacheView:
                 ids = prompt if isinstance(prompt, list) else self._token_ids(prompt)
                 hashes = token_block_hashes(ids, block_size, model, cache_salt)
             return PrefixKey(hashes, float(block_size), num_prompt_tokens, session_id)
-        if isinstance(prompt, list):
-            hashes = id_chunk_hashes(prompt, _TOKEN_BLOCK, model, cache_salt)
-            return PrefixKey(hashes, float(_TOKEN_BLOCK), num_prompt_tokens, session_id)
+        if isinstance(prompt, list):  # chunks of as many ids as a text chunk holds tokens
+            chunk_ids = self._chunk_ids
+            hashes = id_chunk_hashes(prompt, chunk_ids, model, cache_salt)
+            return PrefixKey(hashes, float(chunk_ids), num_prompt_tokens, session_id)
         hashes = text_chunk_hashes(prompt, self.chunk_chars, model, cache_salt)
         return PrefixKey(hashes, self.chunk_chars / chars_per_token, num_prompt_tokens, session_id)
 
@@ -258,9 +265,9 @@ class PrefixCacheView:
         return sizes.pop() if len(sizes) == 1 else _TOKEN_BLOCK
 
     def _set_capacity(self, replica_id: str, num_blocks: int) -> None:
-        if self.mode == "approximate":  # a chunk is about chunk_chars / 4 tokens, not a block
+        if self.mode == "approximate":  # a chunk holds about chunk_ids tokens, not a block
             block_size = self._block_sizes.get(replica_id, _TOKEN_BLOCK)
-            num_blocks = max(1, math.ceil(num_blocks * block_size * 4 / self.chunk_chars))
+            num_blocks = max(1, math.ceil(num_blocks * block_size / self._chunk_ids))
         self.index.set_capacity(replica_id, num_blocks)
 
     def _counts_of(self, replica_id: str) -> _Counts:

@@ -113,3 +113,11 @@ def test_predicted_hit_ratio_beside_the_engines_measured_one():
                              "prefix_cache_hits": 700})
     assert view.measured_hit_ratio("a") == 600 / 1200
     assert view.predicted_hit_ratio("z") is None and view.measured_hit_ratio("z") is None
+
+
+def test_the_approximate_views_capacity_is_the_replicas_tokens_in_chunks():
+    view = PrefixCacheView()  # 256-character chunks: 64 tokens each, text or token ids
+    view.replica_state("a", {**state_doc(num_free_blocks=2000)})
+    assert view.index.capacity("a") == 2000 * 16 // 64
+    key = view.key({"model": "m", "prompt": list(range(2000))}, False, 2000, 4.0, None)
+    assert len(key.hashes) == 31 and key.tokens_per_hash == 64.0
