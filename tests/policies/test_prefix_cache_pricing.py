@@ -85,3 +85,22 @@ def test_prefill_pacing_counts_only_the_uncached_prompt():
     warm = dataclasses.replace(cold, cached_prefix_tokens={"a": 192})  # 8 tokens to compute
     assert not prefill_fits_gaps(cold, a, STEP, 0.0)
     assert prefill_fits_gaps(warm, a, STEP, 0.0)
+
+
+def test_affinity_wins_within_the_forecast_margin_and_lets_go_beyond_it():
+    """b holds a quarter of the prompt but runs a long prefill backlog; a holds less and is
+    idle. Within 20 % of the lowest forecast the warmer replica wins; past it the faster."""
+    policy = SloPolicy(ttft_safety_ratio=1.0)
+    a = roomy("a")
+    cost = shared_prefix_cost({"a": 16, "b": 512})
+    near = roomy("b", waiting=[dataclasses.replace(decoding(), num_context_tokens=0,
+                                                   num_prefill_tokens_remaining=600)])
+    f_a, f_b = forecast(cost, a, STEP), forecast(cost, near, STEP, now_s=0.0)
+    assert f_a.ttft_s < f_b.ttft_s <= 1.2 * f_a.ttft_s  # the setup: b slower, within 20 %
+    assert policy.decide(cost, make_snapshot(a, near)).replica_id == "b"
+    assert SloPolicy(ttft_safety_ratio=1.0, cache_affinity_ratio=0.0).decide(
+        cost, make_snapshot(a, near)).replica_id == "a"
+    far = roomy("b", waiting=[dataclasses.replace(decoding(), num_context_tokens=0,
+                                                  num_prefill_tokens_remaining=1500)])
+    assert forecast(cost, far, STEP, now_s=0.0).ttft_s > 1.2 * f_a.ttft_s
+    assert policy.decide(cost, make_snapshot(a, far)).replica_id == "a"
