@@ -22,10 +22,14 @@ prefill and the decode step of the batch once it joins. Then, in order:
    ``itl_safety_ratio`` (default 1.2, always applied: pacing only delays an admission by a step
    or two, and it fills steps up to this bound, so without headroom any step-forecast error is
    a missed gap for every running stream) (:mod:`policies.prefill_pacing`);
-   Among those, a replica that holds more of the request's prefix in its cache
-   (``cost.cached_prefix_tokens``) wins if its forecast is within ``cache_affinity_ratio``
-   (default 0.2) of the lowest: affinity holds until the replica holding the prefix is
-   loaded enough that its forecast falls behind by more than that, or it no longer fits;
+   Among those, the replica that holds the most of the request's prefix in its cache
+   (``cost.cached_prefix_tokens``) wins, if its forecast is within ``cache_affinity_ratio`` of
+   the lowest (default unbounded: sticky for as long as it fits now — its blocks, a slot, the
+   deadline with the headroom, every ITL). A cold prefill costs the whole fleet compute and
+   every stream beside it a long step (measured on the shared-prefix bake-off: routing by
+   the lowest forecast alone spread the prefixes, and the cold prefills broke most streams'
+   gaps), while a warm replica's longer forecast still lands by the deadline; affinity breaks
+   when the replica holding the prefix saturates;
 5. otherwise the request would have to wait. A retry whose tenant (or the whole guard) is over
    its retry budget (:mod:`policies.retry_budget`) is shed first, told not to retry
    (503 ``retry_shed``, ``should_retry=False``). Then the fast no: the forecast is made for
@@ -85,6 +89,7 @@ spent plus the forecast from now), so the guard can compare it with the TTFT it 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from policies.always_admit import NO_REPLICA
@@ -144,7 +149,7 @@ class SloPolicy:
         pressure_hold_s: float = 5.0,
         patience_quantile: float = 0.25,
         min_cancel_share: float = 0.05,
-        cache_affinity_ratio: float = 0.2,
+        cache_affinity_ratio: float = math.inf,
     ) -> None:
         self.patience = ClientPatience(patience_quantile, min_cancel_share)
         if stale_queue_s < 0:
@@ -163,9 +168,8 @@ class SloPolicy:
         if not 1.0 <= itl_safety_ratio <= 10.0:
             raise ValueError(f"itl_safety_ratio must be in [1, 10], got {itl_safety_ratio!r}")
         self.itl_safety_ratio = itl_safety_ratio
-        if not 0.0 <= cache_affinity_ratio <= 10.0:
-            raise ValueError(f"cache_affinity_ratio must be in [0, 10], "
-                             f"got {cache_affinity_ratio!r}")
+        if not cache_affinity_ratio >= 0.0:
+            raise ValueError(f"cache_affinity_ratio must be >= 0, got {cache_affinity_ratio!r}")
         self.cache_affinity_ratio = cache_affinity_ratio
 
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:

@@ -90,7 +90,7 @@ def test_prefill_pacing_counts_only_the_uncached_prompt():
 def test_affinity_wins_within_the_forecast_margin_and_lets_go_beyond_it():
     """b holds a quarter of the prompt but runs a long prefill backlog; a holds less and is
     idle. Within 20 % of the lowest forecast the warmer replica wins; past it the faster."""
-    policy = SloPolicy(ttft_safety_ratio=1.0)
+    policy = SloPolicy(ttft_safety_ratio=1.0, cache_affinity_ratio=0.2)
     a = roomy("a")
     cost = shared_prefix_cost({"a": 16, "b": 512})
     near = roomy("b", waiting=[dataclasses.replace(decoding(), num_context_tokens=0,
@@ -104,3 +104,14 @@ def test_affinity_wins_within_the_forecast_margin_and_lets_go_beyond_it():
                                                   num_prefill_tokens_remaining=1500)])
     assert forecast(cost, far, STEP, now_s=0.0).ttft_s > 1.2 * f_a.ttft_s
     assert policy.decide(cost, make_snapshot(a, far)).replica_id == "a"
+
+
+def test_by_default_affinity_holds_for_as_long_as_the_warm_replica_fits():
+    policy = SloPolicy(ttft_safety_ratio=1.0)
+    cost = shared_prefix_cost({"b": 512})
+    far = roomy("b", waiting=[dataclasses.replace(decoding(), num_context_tokens=0,
+                                                  num_prefill_tokens_remaining=1500)])
+    assert policy.decide(cost, make_snapshot(roomy("a"), far)).replica_id == "b"
+    # once it no longer fits now (its seats all taken), the cold replica gets it
+    full = roomy("b", running=[decoding()] * 8)
+    assert policy.decide(cost, make_snapshot(roomy("a"), full)).replica_id == "a"
