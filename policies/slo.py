@@ -29,7 +29,8 @@ prefill and the decode step of the batch once it joins. Then, in order:
    every stream beside it a long step (measured on the shared-prefix bake-off: routing by
    the lowest forecast alone spread the prefixes, and the cold prefills broke most streams'
    gaps), while a warm replica's longer forecast still lands by the deadline; affinity breaks
-   when the replica holding the prefix saturates;
+   when the replica holding the prefix saturates. A warmer replica that fits but for the
+   prefill pacing is waited for (``itl_wait``) rather than passed over for a colder one;
 5. otherwise the request would have to wait. A retry whose tenant (or the whole guard) is over
    its retry budget (:mod:`policies.retry_budget`) is shed first, told not to retry
    (503 ``retry_shed``, ``should_retry=False``). Then the fast no: the forecast is made for
@@ -339,8 +340,11 @@ def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
     if best is None:
         return None
     if cost.cached_prefix_tokens and affinity_ratio > 0.0:
-        best, best_ttft_s = _warmest(cost, snapshot, options, best, best_ttft_s, safety_ratio,
-                                     patience_s, itl_ratio, affinity_ratio)
+        warm = _warmest(cost, snapshot, options, best, best_ttft_s, safety_ratio, patience_s,
+                        itl_ratio, affinity_ratio)
+        if warm is None:
+            return None  # wait a step or two for the warm replica's prefill to drain
+        best, best_ttft_s = warm
     return Admit(best[0].replica_id, max(0.0, now_s - cost.arrival_s) + best_ttft_s)
 
 
@@ -350,6 +354,22 @@ def _fits_now(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapsho
     """No wait for blocks or a slot, the first token by the deadline with the headroom, the
     joined decode step within the class ITL and every running stream's, and the next prefill
     step within the tightest running ITL (prefill pacing)."""
+    return (_fits_but_pacing(cost, snapshot, replica, f, ttft_s, safety_ratio, patience_s)
+            and _paced(cost, snapshot, replica, f, itl_ratio))
+
+
+def _paced(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
+           f: TtftForecast, itl_ratio: float) -> bool:
+    """The next prefill step, this prompt in, within the tightest running ITL."""
+    return not (replica.load.num_seqs and f.num_queued_prefill_tokens  # else nothing to pace
+                and not prefill_fits_gaps(cost, replica, snapshot.step_time, snapshot.now_s,
+                                          f.num_queued_prefill_tokens, itl_ratio))
+
+
+def _fits_but_pacing(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
+                     f: TtftForecast, ttft_s: float, safety_ratio: float,
+                     patience_s: Patience | None) -> bool:
+    """Every check of :func:`_fits_now` but the prefill pacing."""
     if f.num_missing_blocks > 0 or f.num_missing_seqs > 0:
         return False
     now_s = snapshot.now_s
@@ -361,29 +381,35 @@ def _fits_now(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapsho
     load = replica.load
     if load.min_itl_s is not None and join_step_s > load.min_itl_s:
         return False
-    if (load.num_seqs and f.num_queued_prefill_tokens  # else nothing to pace
-            and not prefill_fits_gaps(cost, replica, snapshot.step_time, now_s,
-                                      f.num_queued_prefill_tokens, itl_ratio)):
-        return False
     return patience_s is None or now_s + ttft_s * safety_ratio <= _first_token_by_s(
         cost, snapshot, f, patience_s)
 
 
 def _warmest(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option], best: _Option,
              best_ttft_s: float, safety_ratio: float, patience_s: Patience | None,
-             itl_ratio: float, affinity_ratio: float) -> tuple[_Option, float]:
+             itl_ratio: float, affinity_ratio: float) -> tuple[_Option, float] | None:
     """The replica holding the most of the prefix among those that fit now with a forecast
-    within ``affinity_ratio`` of the best one (``best`` itself when none holds more)."""
+    within ``affinity_ratio`` of the best one (``best`` itself when none holds more) — or
+    None (wait) when a replica holding more fits but for the prefill pacing: its pending
+    prefill drains in a step or two, while a colder replica would prefill the prefix again
+    beside its own streams."""
     bound_s = best_ttft_s * (1.0 + affinity_ratio) + TTFT_TIE_S
     most = cost.num_cached_tokens_on(best[0].replica_id, best[0].block_size)
+    paced_out = 0  # the most cached on a replica that fits but for the pacing
     for replica, f in options:
         cached = cost.num_cached_tokens_on(replica.replica_id, replica.block_size)
         if cached <= most:
             continue
         ttft_s = f.ttft_s
-        if ttft_s <= bound_s and _fits_now(cost, snapshot, replica, f, ttft_s, safety_ratio,
-                                           patience_s, itl_ratio):
+        if ttft_s > bound_s or not _fits_but_pacing(cost, snapshot, replica, f, ttft_s,
+                                                    safety_ratio, patience_s):
+            continue
+        if _paced(cost, snapshot, replica, f, itl_ratio):
             best, best_ttft_s, most = (replica, f), ttft_s, cached
+        else:
+            paced_out = max(paced_out, cached)
+    if paced_out > most:
+        return None
     return best, best_ttft_s
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from policy_builders import STEP, decoding, make_cost, make_replica, make_snapshot
 
-from policies.decision import Admit
+from policies.decision import Admit, Queue
 from policies.predictor import forecast
 from policies.prefill_pacing import prefill_fits_gaps
 from policies.slo import SloPolicy
@@ -115,3 +115,19 @@ def test_by_default_affinity_holds_for_as_long_as_the_warm_replica_fits():
     # once it no longer fits now (its seats all taken), the cold replica gets it
     full = roomy("b", running=[decoding()] * 8)
     assert policy.decide(cost, make_snapshot(roomy("a"), full)).replica_id == "a"
+
+
+def test_a_warm_replica_held_back_only_by_prefill_pacing_is_waited_for():
+    # b holds the prefix but its running streams' next step is full of pending prefill:
+    # the request waits (itl_wait) rather than prefilling the prefix cold on a
+    streams = [decoding(itl_s=0.025)] * 7
+    pending = dataclasses.replace(decoding(), num_context_tokens=0,
+                                  num_prefill_tokens_remaining=200)
+    busy = roomy("b", running=streams, waiting=[pending], max_num_seqs=16)
+    cost = shared_prefix_cost({"b": 1984})
+    decision = SloPolicy(ttft_safety_ratio=1.0).decide(cost, make_snapshot(roomy("a"), busy))
+    assert isinstance(decision, Queue) and decision.reason == "itl_wait"
+    # nothing pending there: admitted to it at once
+    idle_streams = roomy("b", running=streams, max_num_seqs=16)
+    assert SloPolicy(ttft_safety_ratio=1.0).decide(
+        cost, make_snapshot(roomy("a"), idle_streams)).replica_id == "b"
