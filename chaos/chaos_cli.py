@@ -22,6 +22,7 @@ from pathlib import Path
 
 from chaos.chaos_report import checks, plot_timelines, render_report, render_table
 from chaos.overload import POLICIES
+from chaos.overload_plan import ROUTING_POLICIES
 from chaos.replica import exit_on_sigterm
 from chaos.scenario_run import NOMINAL_REPLICA_CAPACITY_GPU_RPS, RunSettings, run_policy
 from chaos.scenarios import (
@@ -45,7 +46,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     r.add_argument("name", help="scenario name (see `kvguard chaos list`)")
     r.add_argument("--quick", action="store_true",
                    help="the short CI version, at the nominal capacity (no sweep)")
-    r.add_argument("--policy", action="append", default=[], choices=POLICIES,
+    r.add_argument("--policy", action="append", default=[], choices=(*POLICIES, *ROUTING_POLICIES),
                    help="another policy to run beside always_admit and slo (repeatable)")
     r.add_argument("--out", default=None, help="output folder (default runs/chaos-NAME-<time>)")
     r.add_argument("--json", action="store_true", help="print the verdict JSON on stdout")
