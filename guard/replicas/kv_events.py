@@ -114,11 +114,11 @@ class KvEvents:
     def apply(self, replica_id: str, payload: bytes) -> bool:
         """Apply one batch from ``replica_id``; False (logged, nothing applied) when dropped."""
         if replica_id not in self.known:
-            return self._drop(replica_id, "unknown replica")
+            return self.drop(replica_id, "unknown replica")
         try:
             events = decode_batch(payload)
         except ValueError as exc:
-            return self._drop(replica_id, str(exc))
+            return self.drop(replica_id, str(exc))
         index = self.index
         for event in events:
             if isinstance(event, BlockStored):
@@ -130,7 +130,8 @@ class KvEvents:
         self.num_applied += 1
         return True
 
-    def _drop(self, replica_id: str, why: str) -> bool:
+    def drop(self, replica_id: str, why: str) -> bool:
+        """Count and log a batch (or message) that is not applied."""
         self.num_dropped += 1
         log.warning("dropped a KV event batch from %r: %s", replica_id, why)
         return False
@@ -179,7 +180,7 @@ class KvEventSubscriber:
             while True:
                 parts = await socket.recv_multipart()
                 if len(parts) != 3:
-                    self.events._drop(replica_id, f"a message has 3 parts, got {len(parts)}")
+                    self.events.drop(replica_id, f"a message has 3 parts, got {len(parts)}")
                     continue
                 seq = int.from_bytes(parts[1], "big")
                 if last_seq is not None and seq != last_seq + 1 and self.on_gap is not None:
