@@ -20,6 +20,9 @@ scenario's engine, instead of one replica with the guard mounted in-process:
   ``envoy_adaptive_concurrency`` — Envoy's own adaptive concurrency filter (its gradient
   controller, as Envoy documents it) over a least-request cluster of the replicas, no kvguard
   at all — and ``envoy_epp_slo`` — Envoy with ``kvguard epp`` (``slo``) picking the replica.
+* with a ``--workload`` whose prompts share tokens, every replica restarts before each row (cold
+  prefix caches: no row inherits the previous one's), and each row reports the engines'
+  measured prefix-cache hit ratio and the guard's predicted one over the row.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import contextlib
 from pathlib import Path
 
 from chaos.admission_quality import forecast_error
+from chaos.cache_hits import engine_counts, guard_counts, hit_ratio
 from chaos.envoy_front import envoy_child, epp_child
 from chaos.load_cli import run_once
 from chaos.overload_plan import ENVOY_ROWS
@@ -67,8 +71,13 @@ class Fleet:
         """One row: a fresh proxy with ``policy`` in front of the fleet, one open-loop run at
         ``rate``. ``cap_rps`` is the fleet's C."""
         out.mkdir(parents=True, exist_ok=True)
+        if getattr(self.scenario.args, "workload", "unique") != "unique":
+            # prompts that share tokens: every row starts from cold prefix caches, or each
+            # would find the previous row's prefixes cached
+            self.topology.restart_replicas()
         for url in self.topology.replica_urls:
             wait_idle(url)
+        engine_before = engine_counts(self.topology.replica_urls)
         c = self.scenario.request_class
         trace = out / "guard-trace.jsonl"
         guard_policy = "slo" if policy in ENVOY_ROWS else policy  # the EPP's (unused: Envoy's)
@@ -81,11 +90,17 @@ class Fleet:
                 child.start(self.topology.spec.start_timeout_s)
             summary = run_once(self.scenario.load_args(fronts[-1].url, rate, out), rate, out,
                                None)
+            # the guard's predicted hits: from a kvguard proxy's metrics (Envoy rows: none)
+            guard_after = None if policy in ENVOY_ROWS else guard_counts(
+                fronts[0].url + "/kvguard/metrics")
         finally:
             for child in reversed(fronts):
                 with contextlib.suppress(Exception):
                     child.terminate()
         row = row_from_run(summary, read_records(out / "requests.jsonl"), self.scenario, cap_rps)
+        row["engine_hit_ratio"] = hit_ratio(engine_before,
+                                            engine_counts(self.topology.replica_urls))
+        row["guard_hit_ratio"] = hit_ratio(None, guard_after)
         row["forecast"] = forecast_error(trace, (summary["goodput"]["window_s"][0],
                                                  float("inf")))
         row["gaps"] = None

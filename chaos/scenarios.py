@@ -20,8 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from chaos.faults import Fault
+from chaos.workloads import SharedPrefix, Workload
 
-__all__ = ["ScenarioSpec", "catalogue", "missing_dependencies", "quick_variant"]
+__all__ = ["ScenarioSpec", "catalogue", "missing_dependencies", "quick_variant", "settings_for"]
 
 SDK_ONLY: Mapping[str, float] = {"sdk": 1.0}
 RETRYING: Mapping[str, float] = {"sdk": 0.4, "tenacity": 0.2, "timeout_retry": 0.3,
@@ -45,6 +46,9 @@ class ScenarioSpec:
     redis: bool = False
     budget_ratio: float | None = None  # a budgeted tenant (1 user in 4) asks this × its allowance
     epps: int = 0                      # > 0: Envoy + this many kvguard epp in place of proxies
+    workload: Workload | None = None   # how prompts share tokens (chaos.workloads); None: unique
+    prompt_tokens: str | None = None   # the prompt (question) lengths; None: the run's settings
+    num_blocks: int | None = None      # KV blocks per replica; None: the run's settings
 
     def __post_init__(self) -> None:
         lo, hi = self.fault_window_s
@@ -109,6 +113,18 @@ def catalogue() -> dict[str, ScenarioSpec]:
                      "user in 4 is a tenant asking 1.25 × its budget", 2, 2, 24.0, 4.0, 0.74,
                      (Fault("redis_hang", 8.0, 6.0),), (8.0, 14.0), 2, redis=True,
                      budget_ratio=1.25),
+        ScenarioSpec("cache-loss", "shared-prefix load (32 prefixes of 2,000 tokens, Zipf) at "
+                     "0.74 C on 4 replicas whose pools hold about half of them; SIGKILL the "
+                     "replica holding the hottest prefix, restart it (cold) 4 s later", 4, 1,
+                     28.0, 4.0, 0.74, (Fault("replica_kill_hot", 10.0, 4.0),), (10.0, 16.0), 3,
+                     workload=SharedPrefix(32, 2000, 1.0), prompt_tokens="50:150",
+                     num_blocks=2000),
+        ScenarioSpec("warm-up", "shared-prefix load at 0.74 C on 4 replicas: the whole fleet "
+                     "restarts at once (a deploy) and comes back cold under the load", 4, 1,
+                     28.0, 4.0, 0.74, tuple(Fault("replica_kill", 10.0, 1.0, i)
+                                            for i in range(4)), (10.0, 18.0), 4,
+                     workload=SharedPrefix(32, 2000, 1.0), prompt_tokens="50:150",
+                     num_blocks=2000),
         ScenarioSpec("seed", "the reference overload: 0.74 C, a burst to 1.16 C, one of 4 "
                      "replicas lost during it, clients retrying", 4, 1, 32.0, 4.0, 0.74,
                      (_step(10.0, 10.0), Fault("replica_kill", 12.0, 10.0, 1)),
@@ -122,6 +138,18 @@ def catalogue() -> dict[str, ScenarioSpec]:
                      (Fault("epp_kill", 8.0, 6.0, 0),), (8.0, 14.0), 2, redis=True, epps=2),
     ]
     return {s.name: s for s in specs}
+
+
+def settings_for(spec: ScenarioSpec, settings):
+    """The run settings with the scenario's own prompt lengths, KV pool and workload."""
+    changes = {}
+    if spec.prompt_tokens is not None:
+        changes["prompt_tokens"] = spec.prompt_tokens
+    if spec.num_blocks is not None:
+        changes["num_blocks"] = spec.num_blocks
+    if spec.workload is not None:
+        changes["workload"] = spec.workload
+    return dataclasses.replace(settings, **changes) if changes else settings
 
 
 def quick_variant(spec: ScenarioSpec) -> ScenarioSpec:

@@ -222,6 +222,11 @@ class Topology:
             niceness=self.spec.niceness)
         return child
 
+    def restart_replicas(self) -> None:
+        """Restart every replica on its own port, all at once (each starts cold: empty queue
+        and prefix cache); ready when this returns."""
+        _at_once(lambda child: child.restart(self.spec.start_timeout_s), self.replicas)
+
     @property
     def replica_urls(self) -> list[str]:
         return [r.url for r in self.replicas]

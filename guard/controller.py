@@ -104,6 +104,7 @@ from guard.observe.trace import TraceWriter
 from guard.replicas.learned_limits import LearnedLimits
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import StatePoller, StateSource
+from guard.replicas.prefix_cache_feed import PrefixCacheFeed
 from guard.replicas.shared_reservations import SharedReservations
 from guard.request.pricing import PricedRequest, Pricer, tokenizer_counter
 from policies import make_policy
@@ -154,6 +155,8 @@ class AdmissionController:
         if tokenizer is None and config.tokenizer is not None:
             tokenizer = _tokenizer_from(config.tokenizer)
         self.pricer = pricer if pricer is not None else Pricer(config, tokenizer)
+        self.prefix_cache = PrefixCacheFeed(config, self.load_state, self.pricer, self.registry,
+                                            set(sources) if sources is not None else None)
         self.load_state.on_preemptions = lambda _replica, num: self.pricer.observe_preemptions(num)
         self.queue = AdmissionQueue(config.max_queue_len, self.clock)
         self.drain_rate = DrainRate()
@@ -434,6 +437,7 @@ class AdmissionController:
         """Open the budget store's link (:meth:`open_budget`), start the queue pump, poll once,
         then start the poller (on the running loop)."""
         await self.open_budget()
+        self.prefix_cache.start()
         if not self.background.is_running_here():
             await self.background.start()
 
@@ -466,6 +470,7 @@ class AdmissionController:
         for close in self.on_close:
             await close()
         self.on_close.clear()
+        await self.prefix_cache.aclose()
         if self.trace is not None:
             self.trace.flush()
 
@@ -485,7 +490,8 @@ class AdmissionController:
 def _forward_body(priced: PricedRequest) -> bytes:
     """The body to send upstream: as the client sent it, unless ``max_tokens`` was filled in."""
     raw = priced.raw  # forward_body(), without the call when the body goes as sent
-    return raw if raw and not priced.max_tokens_defaulted else priced.forward_body()
+    return (raw if raw and not priced.max_tokens_defaulted and priced.cache_salt is None
+            else priced.forward_body())
 
 
 async def _nothing() -> None:

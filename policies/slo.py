@@ -22,6 +22,15 @@ prefill and the decode step of the batch once it joins. Then, in order:
    ``itl_safety_ratio`` (default 1.2, always applied: pacing only delays an admission by a step
    or two, and it fills steps up to this bound, so without headroom any step-forecast error is
    a missed gap for every running stream) (:mod:`policies.prefill_pacing`);
+   Among those, the replica that holds the most of the request's prefix in its cache
+   (``cost.cached_prefix_tokens``) wins, if its forecast is within ``cache_affinity_ratio`` of
+   the lowest (default unbounded: sticky for as long as it fits now — its blocks, a slot, the
+   deadline with the headroom, every ITL). A cold prefill costs the whole fleet compute and
+   every stream beside it a long step (measured on the shared-prefix bake-off: routing by
+   the lowest forecast alone spread the prefixes, and the cold prefills broke most streams'
+   gaps), while a warm replica's longer forecast still lands by the deadline; affinity breaks
+   when the replica holding the prefix saturates. A warmer replica that fits but for the
+   prefill pacing is waited for (``itl_wait``) rather than passed over for a colder one;
 5. otherwise the request would have to wait. A retry whose tenant (or the whole guard) is over
    its retry budget (:mod:`policies.retry_budget`) is shed first, told not to retry
    (503 ``retry_shed``, ``should_retry=False``). Then the fast no: the forecast is made for
@@ -89,6 +98,7 @@ spent plus the forecast from now), so the guard can compare it with the TTFT it 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from policies.always_admit import NO_REPLICA
@@ -149,6 +159,7 @@ class SloPolicy:
         patience_quantile: float = 0.25,
         min_cancel_share: float = 0.05,
         use_learned_limits: bool = True,
+        cache_affinity_ratio: float = math.inf,
     ) -> None:
         self.patience = ClientPatience(patience_quantile, min_cancel_share)
         if stale_queue_s < 0:
@@ -170,6 +181,9 @@ class SloPolicy:
         if not 1.0 <= itl_safety_ratio <= 10.0:
             raise ValueError(f"itl_safety_ratio must be in [1, 10], got {itl_safety_ratio!r}")
         self.itl_safety_ratio = itl_safety_ratio
+        if not cache_affinity_ratio >= 0.0:
+            raise ValueError(f"cache_affinity_ratio must be >= 0, got {cache_affinity_ratio!r}")
+        self.cache_affinity_ratio = cache_affinity_ratio
 
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
         # One pass over the replicas for steps 1-3 and the fresh ones, in plain loops with
@@ -208,7 +222,8 @@ class SloPolicy:
                  and 0.0 <= now_s - last_s <= self.pressure_hold_s else 1.0)
         patience_s = self.patience.estimate(cost.request_class.name, now_s, cost.tenant,
                                             cost.client)
-        return (_admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio)
+        return (_admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio,
+                       self.cache_affinity_ratio)
                 or self._queue_or_shed(cost, snapshot, options, ratio, patience_s))
 
     def headroom_ratio(self, now_s: float) -> float:
@@ -334,14 +349,20 @@ TTFT_TIE_S = 0.001
 
 def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
            safety_ratio: float, patience_s: Patience | None = None,
-           itl_ratio: float = 1.0) -> Admit | None:
+           itl_ratio: float = 1.0, affinity_ratio: float = 0.0) -> Admit | None:
     """The lowest predicted TTFT among the replicas that fit now; forecasts within
     ``TTFT_TIE_S`` of each other tie, and a tie goes to the first in least-loaded order
     (requests ÷ weight, then free KV, then the heavier, then the id) — so equal idle replicas
     share a burst by weight, never all to whichever replica's state happened to arrive first.
     The prediction times ``safety_ratio`` must land by the deadline (and, while a client
     patience estimate is active, early enough for the whole response to end within it); the
-    next prefill step times ``itl_ratio`` must fit the tightest running ITL."""
+    next prefill step times ``itl_ratio`` must fit the tightest running ITL.
+
+    Cache affinity: when replicas hold different shares of the request's prefix, a replica
+    that fits now and holds more of it wins over the lowest forecast if its own forecast is
+    within ``affinity_ratio`` of that one (the forecast is no more precise than that): the
+    prefill it saves is compute the whole fleet keeps, and the prefix stays warm in one place
+    instead of being prefilled cold beside another replica's running streams."""
     best: _Option | None = None
     best_ttft_s = 0.0
     now_s = snapshot.now_s
@@ -352,29 +373,82 @@ def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
                 continue
             if ttft_s >= best_ttft_s - TTFT_TIE_S and load_order(replica) >= load_order(best[0]):
                 continue
-        # fits now: no wait for blocks or a slot, the first token by the deadline with the
-        # headroom, the joined decode step within the class ITL and every running stream's,
-        # and the next prefill step within the tightest running ITL (prefill pacing)
-        if f.num_missing_blocks > 0 or f.num_missing_seqs > 0:
-            continue
-        if now_s + ttft_s * safety_ratio > cost.deadline_s:
-            continue
-        join_step_s = f.join_step_s
-        if join_step_s > cost.request_class.itl_s:
-            continue
-        load = replica.load
-        if load.min_itl_s is not None and join_step_s > load.min_itl_s:
-            continue
-        if (load.num_seqs and f.num_queued_prefill_tokens  # else nothing to pace
-                and not prefill_fits_gaps(cost, replica, snapshot.step_time, now_s,
-                                          f.num_queued_prefill_tokens, itl_ratio)):
-            continue
-        if patience_s is None or now_s + ttft_s * safety_ratio <= _first_token_by_s(
-                cost, snapshot, f, patience_s):
+        if _fits_now(cost, snapshot, replica, f, ttft_s, safety_ratio, patience_s, itl_ratio):
             best, best_ttft_s = (replica, f), ttft_s
     if best is None:
         return None
+    if cost.cached_prefix_tokens and affinity_ratio > 0.0:
+        warm = _warmest(cost, snapshot, options, best, best_ttft_s, safety_ratio, patience_s,
+                        itl_ratio, affinity_ratio)
+        if warm is None:
+            return None  # wait a step or two for the warm replica's prefill to drain
+        best, best_ttft_s = warm
     return Admit(best[0].replica_id, max(0.0, now_s - cost.arrival_s) + best_ttft_s)
+
+
+def _fits_now(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
+              f: TtftForecast, ttft_s: float, safety_ratio: float,
+              patience_s: Patience | None, itl_ratio: float) -> bool:
+    """No wait for blocks or a slot, the first token by the deadline with the headroom, the
+    joined decode step within the class ITL and every running stream's, and the next prefill
+    step within the tightest running ITL (prefill pacing)."""
+    return (_fits_but_pacing(cost, snapshot, replica, f, ttft_s, safety_ratio, patience_s)
+            and _paced(cost, snapshot, replica, f, itl_ratio))
+
+
+def _paced(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
+           f: TtftForecast, itl_ratio: float) -> bool:
+    """The next prefill step, this prompt in, within the tightest running ITL."""
+    return not (replica.load.num_seqs and f.num_queued_prefill_tokens  # else nothing to pace
+                and not prefill_fits_gaps(cost, replica, snapshot.step_time, snapshot.now_s,
+                                          f.num_queued_prefill_tokens, itl_ratio))
+
+
+def _fits_but_pacing(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
+                     f: TtftForecast, ttft_s: float, safety_ratio: float,
+                     patience_s: Patience | None) -> bool:
+    """Every check of :func:`_fits_now` but the prefill pacing."""
+    if f.num_missing_blocks > 0 or f.num_missing_seqs > 0:
+        return False
+    now_s = snapshot.now_s
+    if now_s + ttft_s * safety_ratio > cost.deadline_s:
+        return False
+    join_step_s = f.join_step_s
+    if join_step_s > cost.request_class.itl_s:
+        return False
+    load = replica.load
+    if load.min_itl_s is not None and join_step_s > load.min_itl_s:
+        return False
+    return patience_s is None or now_s + ttft_s * safety_ratio <= _first_token_by_s(
+        cost, snapshot, f, patience_s)
+
+
+def _warmest(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option], best: _Option,
+             best_ttft_s: float, safety_ratio: float, patience_s: Patience | None,
+             itl_ratio: float, affinity_ratio: float) -> tuple[_Option, float] | None:
+    """The replica holding the most of the prefix among those that fit now with a forecast
+    within ``affinity_ratio`` of the best one (``best`` itself when none holds more) — or
+    None (wait) when a replica holding more fits but for the prefill pacing: its pending
+    prefill drains in a step or two, while a colder replica would prefill the prefix again
+    beside its own streams."""
+    bound_s = best_ttft_s * (1.0 + affinity_ratio) + TTFT_TIE_S
+    most = cost.num_cached_tokens_on(best[0].replica_id, best[0].block_size)
+    paced_out = 0  # the most cached on a replica that fits but for the pacing
+    for replica, f in options:
+        cached = cost.num_cached_tokens_on(replica.replica_id, replica.block_size)
+        if cached <= most:
+            continue
+        ttft_s = f.ttft_s
+        if ttft_s > bound_s or not _fits_but_pacing(cost, snapshot, replica, f, ttft_s,
+                                                    safety_ratio, patience_s):
+            continue
+        if _paced(cost, snapshot, replica, f, itl_ratio):
+            best, best_ttft_s, most = (replica, f), ttft_s, cached
+        else:
+            paced_out = max(paced_out, cached)
+    if paced_out > most:
+        return None
+    return best, best_ttft_s
 
 
 def _first_token_by_s(cost: RequestCost, snapshot: LoadSnapshot, f: TtftForecast,

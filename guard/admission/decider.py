@@ -96,6 +96,7 @@ class Decider:
     def _count_admitted(self, cost: RequestCost, admit: Admit, now_s: float) -> None:
         """An admit that stands: the policy told, the admitted counter counted."""
         self.policy.admitted(cost, admit.replica_id, now_s)
+        self.load_state.admitted(admit.replica_id, cost)
         self.metrics.counters(cost.request_class.name, cost.tenant).admitted.value += 1
 
     async def confirmed(self, cost: RequestCost, result: Admit | Queue | Shed,

@@ -50,6 +50,7 @@ from guard.replicas.documents import (
     vllm_snapshot,
 )
 from guard.replicas.engine_metrics import EngineLoad
+from guard.replicas.prefix_cache import PrefixCacheView
 from guard.replicas.reservations import ReplicaReservations, Reservation
 from guard.replicas.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
 from guard.replicas.vllm_metrics import parse_vllm_metrics
@@ -128,6 +129,9 @@ class LoadState:
         self.on_preemptions: Callable[[str, int], None] | None = None
         self.pending_listener: PendingListener | None = None  # own pending reservations
         self._foreign: dict[str, dict[str, Reservation]] = {}  # replica -> entry -> reservation
+        # the guard's prefix-cache view (guard.replicas.prefix_cache), told of every state,
+        # lost replica and admission
+        self.cache_view: PrefixCacheView | None = None
 
     # --- replica state -----------------------------------------------------------------------
 
@@ -154,6 +158,8 @@ class LoadState:
         replica.served_model = model if isinstance(model, str) else None
         listed = {s["request_id"] for s in (*state["running"], *state["waiting"])}
         base = kvguard_snapshot(replica_id, state, now_s, self._our_cost)
+        if self.cache_view is not None:
+            self.cache_view.replica_state(replica_id, state)
         self._feed_iterations(replica, state)
         self._count_preemptions(replica_id, replica, state.get("num_preemptions"))
         book = self._books.get(replica_id)
@@ -212,6 +218,8 @@ class LoadState:
                              max_num_batched_tokens=max_num_batched_tokens,
                              assumed_output_tokens=assumed_output_tokens,
                              assumed_prompt_tokens=assumed_prompt_tokens)
+        if self.cache_view is not None:
+            self.cache_view.replica_metrics(replica_id, parse_vllm_metrics(text))
         return self._set_counted_base(replica_id, base, now_s)
 
     def update_from_engine_metrics(self, replica_id: str, load: EngineLoad, now_s: float, *,
@@ -298,6 +306,8 @@ class LoadState:
         replica = self._replica(replica_id)
         if replica.base is not None and replica.base.healthy:
             self._set_base(replica, dataclasses.replace(replica.base, healthy=False))
+            if self.cache_view is not None:  # it may come back restarted, its cache cold
+                self.cache_view.replica_down(replica_id)
 
     def is_healthy(self, replica_id: str) -> bool:
         replica = self._replicas.get(replica_id)
@@ -318,9 +328,17 @@ class LoadState:
             self.release(request_id)
         reserved_s = cost.arrival_s if now_s is None else now_s
         reservation = Reservation(replica_id, cost, reserved_s)
+        if cost.cached_prefix_tokens:
+            self._price_cache_hit(reservation)
         self._reservations[request_id] = reservation
         self._add(request_id, reservation)
         return reservation
+
+    def admitted(self, replica_id: str, cost: RequestCost) -> None:
+        """An admission to ``replica_id`` stands (booked and counted): the prefix-cache view
+        records where the request's prefix went."""
+        if self.cache_view is not None:
+            self.cache_view.routed(replica_id, cost)
 
     def reservation(self, request_id: str) -> Reservation | None:
         """The request's reservation while it holds one."""
@@ -342,8 +360,19 @@ class LoadState:
             return False
         self._remove(request_id, reservation.replica_id)
         reservation.move_to(replica_id, now_s)
+        if reservation.cost.cached_prefix_tokens:
+            self._price_cache_hit(reservation)
         self._add(request_id, reservation)
         return True
+
+    def _price_cache_hit(self, reservation: Reservation) -> None:
+        """The prefix the reservation's replica holds for it, in that replica's whole blocks:
+        its pending blocks and prefill are only the rest."""
+        replica = self._replicas.get(reservation.replica_id)
+        block_size = replica.base.block_size if replica is not None and replica.base else 16
+        num_cached = reservation.cost.num_cached_tokens_on(reservation.replica_id, block_size)
+        reservation.num_cached_tokens = num_cached
+        reservation.num_cached_blocks = num_cached // block_size
 
     def _add(self, request_id: str, reservation: Reservation) -> None:
         """Book ``reservation`` on its replica (pending there; shared when a listener is set)."""
