@@ -14,13 +14,18 @@ DIST_NAMES = {"prometheus_client": "prometheus-client"}
 GATEWAY_DIST_NAMES = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking",
                       "google": "protobuf", "envoy": "xds-protos"}
 EPP = ROOT / "guard" / "epp"
+# the kv-events extra's modules (the precise prefix-cache view), imported only by this module,
+# inside the functions that subscribe (a guard-only install never needs them)
+KV_EVENTS = ROOT / "guard" / "replicas" / "kv_events.py"
+KV_EVENTS_DIST_NAMES = {"zmq": "pyzmq", "msgpack": "msgpack"}
 
 
 def _third_party_imports(package: str, *, only: Path | None = None,
                          skip: Path | None = EPP) -> set[str]:
     names = set()
-    for path in (only or ROOT / package).rglob("*.py"):
-        if skip is not None and only is None and path.is_relative_to(skip):
+    for path in ([only] if only is not None and only.is_file() else
+                 (only or ROOT / package).rglob("*.py")):
+        if only is None and (path == KV_EVENTS or (skip is not None and path.is_relative_to(skip))):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -69,3 +74,18 @@ def test_the_gateway_extra_is_what_guard_epp_imports_beyond_the_core():
         modules |= {node.module.split(".")[0] for node in ast.walk(tree)
                     if isinstance(node, ast.ImportFrom) and node.module}
         assert not modules & set(GATEWAY_DIST_NAMES), (plain, modules & set(GATEWAY_DIST_NAMES))
+
+
+def test_the_kv_events_extra_is_what_the_precise_view_imports_beyond_the_core():
+    """Only guard/replicas/kv_events.py imports ZMQ and msgpack, both from the kv-events extra,
+    and only inside functions: importing the module needs neither."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = _requirement_names(project["dependencies"])
+    extra = _requirement_names(project["optional-dependencies"]["kv-events"])
+    imported = {KV_EVENTS_DIST_NAMES.get(n, DIST_NAMES.get(n, n))
+                for n in _third_party_imports("guard", only=KV_EVENTS)}
+    assert imported <= core | extra, imported - core - extra
+    top_level = {a.name.split(".")[0] for node in ast.parse(KV_EVENTS.read_text()).body
+                 if isinstance(node, ast.Import) for a in node.names}
+    assert not top_level & set(KV_EVENTS_DIST_NAMES)
+

@@ -6,8 +6,10 @@ import json
 
 from prometheus_client import CollectorRegistry
 
-from guard.admission.admitted import Admission
+from guard.admission.admitted import Admitted
+from guard.admission.request import AdmissionRequest
 from guard.admission.shedding import Rejection
+from guard.admission.wait import Wait
 from guard.config import GuardConfig
 from guard.controller import AdmissionController
 from guard.replicas.load_state import LoadState
@@ -41,9 +43,9 @@ def make_controller(**config):
 
 def admit(controller, data, hdrs=None):
     async def go():
-        async def read():
-            return data
-        return await controller.admit("/v1/chat/completions", hdrs or headers(), read)
+        request = AdmissionRequest("/v1/chat/completions", hdrs or headers(), data)
+        result = controller.decide(request)
+        return await controller.wait(result) if isinstance(result, Wait) else result
     return asyncio.run(asyncio.wait_for(go(), 10))
 
 
@@ -64,7 +66,7 @@ def saturated(doc):
 def test_a_cached_prefix_is_priced_cheaper_and_routed_to_until_its_replica_saturates():
     controller = make_controller()
     first = admit(controller, body("What is a block table?"))
-    assert isinstance(first, Admission) and first.ticket.cost.cached_prefix_tokens is None
+    assert isinstance(first, Admitted) and first.ticket.cost.cached_prefix_tokens is None
     home = first.replica_id
     other = "b" if home == "a" else "a"
     finish(first)
