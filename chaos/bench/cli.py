@@ -23,6 +23,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "budget": ("chaos.bench.budget", "request rate with Redis / in-memory / no budgets"),
     "pricing": ("chaos.bench.pricing", "CPU time to price one chat request, in-process"),
     "serving": ("chaos.bench.serving", "what the connection limits cost: limited vs plain uvicorn"),
+    "scale": ("chaos.bench.scale", "decision and state-ingestion cost vs fleet size, in-process"),
 }
 
 
