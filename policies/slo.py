@@ -84,6 +84,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from policies.always_admit import NO_REPLICA
+from policies.candidates import pick_candidates
 from policies.client_patience import ClientPatience, Patience
 from policies.concurrency_cap import num_inflight
 from policies.cost import RequestCost
@@ -140,8 +141,14 @@ class SloPolicy:
         pressure_hold_s: float = 5.0,
         patience_quantile: float = 0.25,
         min_cancel_share: float = 0.05,
+        num_candidates_best: int = 8,
+        num_candidates_sampled: int = 4,
     ) -> None:
         self.patience = ClientPatience(patience_quantile, min_cancel_share)
+        self.num_candidates_best = check_int("num_candidates_best", num_candidates_best, 1)
+        self.num_candidates_sampled = check_int("num_candidates_sampled",
+                                                num_candidates_sampled, 0)
+        self._turn = 0  # which window of the rest of the fleet the next decision samples
         if stale_queue_s < 0:
             raise ValueError(f"stale_queue_s must be >= 0, got {stale_queue_s!r}")
         if not pressure_hold_s >= 0:
@@ -160,9 +167,54 @@ class SloPolicy:
         self.itl_safety_ratio = itl_safety_ratio
 
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
+        candidates = self._fresh_candidates(cost, snapshot)
+        if candidates is not None:
+            decision = self._decide_among(cost, snapshot, candidates)
+            if decision is not None:
+                return decision
+        return self._decide_full_scan(cost, snapshot)
+
+    def _fresh_candidates(self, cost: RequestCost,
+                          snapshot: LoadSnapshot) -> list[ReplicaSnapshot] | None:
+        """The fresh replicas of the bounded candidate set (:mod:`policies.candidates`), or
+        None where only the full scan decides exactly: no ranked fleet on the snapshot, the
+        request over the fleet's largest context or KV, past its deadline, or no candidate
+        fresh (steps 1-3 then need every replica)."""
+        fleet = snapshot.fleet
+        if (fleet is None or not fleet.ranked
+                or cost.num_prompt_tokens + cost.max_tokens > fleet.max_model_len
+                or cost.num_blocks > fleet.max_total_blocks
+                or snapshot.now_s >= cost.deadline_s):
+            return None
+        self._turn += 1
+        now_s, max_staleness_s = snapshot.now_s, snapshot.max_staleness_s
+        fresh = [r for r in pick_candidates(fleet, self.num_candidates_best,
+                                            self.num_candidates_sampled, self._turn)
+                 if now_s - r.observed_s <= max_staleness_s]
+        return fresh or None
+
+    def _decide_among(self, cost: RequestCost, snapshot: LoadSnapshot,
+                      fresh: list[ReplicaSnapshot]) -> Decision | None:
+        """Steps 4-6 over ``fresh``; None when the request fits none of them at all (the
+        full scan then tells a request no replica can ever hold from one that must wait)."""
+        now_s = snapshot.now_s
+        step_time = snapshot.step_time
+        options = []
+        for r in fresh:
+            f = forecast(cost, r, step_time, NOTHING_AHEAD, now_s)
+            if f is not None:
+                options.append((r, f))
+        if not options:
+            return None
+        ratio = self.headroom_ratio(now_s)
+        patience_s = self.patience.estimate(cost.request_class.name, now_s, cost.tenant,
+                                            cost.client)
+        return (_admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio)
+                or self._queue_or_shed(cost, snapshot, options, ratio, patience_s))
+
+    def _decide_full_scan(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
         # One pass over the replicas for steps 1-3 and the fresh ones, in plain loops with
-        # never_fits and LoadSnapshot.fresh_replicas inlined: this runs for every request on
-        # the proxy's path to the upstream, before the request is written there.
+        # never_fits and LoadSnapshot.fresh_replicas inlined.
         replicas = snapshot.replicas
         now_s = snapshot.now_s
         max_staleness_s = snapshot.max_staleness_s

@@ -12,7 +12,8 @@ measures:
 * per policy, ``decide_p50_us`` / ``decide_p99_us``: ``policy.decide`` on the guard's own
   snapshot, the guard's path per request — every decision is followed by a reservation on the
   chosen replica and the release of the reservation made 8 decisions earlier, so each snapshot
-  carries freshly changed reservations; ``snapshot_p50_us`` is ``LoadState.snapshot()`` itself.
+  carries freshly changed reservations; ``snapshot_p50_us`` is ``LoadState.snapshot()`` itself
+  (it re-ranks the replicas whose reservations changed), ``path_p50_us`` the two together.
   The garbage collector is off while a policy is timed (its pauses belong to the process).
 
 ``--json`` prints one JSON object with ``decide_p50_us`` and ``state_cpu_share`` keyed by
@@ -143,6 +144,8 @@ def measure(num_replicas: int, num_running: int, num_calls: int, refresh_hz: flo
             "decide_p50_us": round(_quantile_us(decide_ns, 0.5), 1),
             "decide_p99_us": round(_quantile_us(decide_ns, 0.99), 1),
             "snapshot_p50_us": round(_quantile_us(snapshot_ns, 0.5), 1),
+            "path_p50_us": round(_quantile_us(
+                [a + b for a, b in zip(decide_ns, snapshot_ns, strict=True)], 0.5), 1),
         }
     return row
 
@@ -189,10 +192,11 @@ def run(args: argparse.Namespace) -> int:
         }, indent=1))
         return 0
     print(f"{'replicas':>8} {'running':>7} {'doc_B':>7} {'ingest_us':>9} {'state_cpu':>9}  "
-          f"{'policy':<16} {'p50_us':>8} {'p99_us':>8} {'snap_us':>8}")
+          f"{'policy':<16} {'p50_us':>8} {'p99_us':>8} {'snap_us':>8} {'path_us':>8}")
     for row in rows:
         for name, v in row["policies"].items():
             print(f"{row['replicas']:>8} {row['running']:>7} {row['document_bytes']:>7} "
                   f"{row['ingest_us']:>9} {row['state_cpu_share']:>9}  {name:<16} "
-                  f"{v['decide_p50_us']:>8} {v['decide_p99_us']:>8} {v['snapshot_p50_us']:>8}")
+                  f"{v['decide_p50_us']:>8} {v['decide_p99_us']:>8} {v['snapshot_p50_us']:>8} "
+                  f"{v['path_p50_us']:>8}")
     return 0

@@ -48,6 +48,7 @@ from guard.replicas.documents import (
     unknown_capacity_snapshot,
     vllm_snapshot,
 )
+from guard.replicas.fleet_ranking import FleetRanking
 from guard.replicas.reservations import ReplicaReservations, Reservation
 from guard.replicas.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
 from guard.replicas.vllm_metrics import parse_vllm_metrics
@@ -120,6 +121,10 @@ class LoadState:
         self._books: dict[str, ReplicaReservations] = {}  # per replica id, made on first reserve
         self._step_time: StepTimeModel | None = None  # the mean model, reset on every update
         self._snapshots: tuple[ReplicaSnapshot, ...] | None = None  # every replica's, until dirty
+        # the same snapshots by id, in the fleet's order; the ids changed since they were built
+        self._views_by_id: dict[str, ReplicaSnapshot] = {}
+        self._changed_ids: set[str] = set()
+        self._ranking = FleetRanking()  # the fleet in rank order, for bounded candidate sets
         # called with (replica id, new preemptions) when a replica's counter rises
         self.on_preemptions: Callable[[str, int], None] | None = None
         self.pending_listener: PendingListener | None = None  # own pending reservations
@@ -234,6 +239,7 @@ class LoadState:
         replica.base = base
         replica.combined = None
         self._snapshots = None
+        self._changed_ids.add(base.replica_id)
         self._step_time = None
         # Built here, in the state poll, rather than by the next decision: at low load a state
         # refresh lands between most requests, so the engine groups' sums are ready before a
@@ -354,6 +360,7 @@ class LoadState:
         if replica is not None:
             replica.combined = None
             self._snapshots = None
+            self._changed_ids.add(replica_id)
 
     def num_reserved_blocks(self, replica_id: str) -> int:
         book = self._books.get(replica_id)
@@ -387,13 +394,21 @@ class LoadState:
         """Every replica's snapshot (engine state + reservations) and the mean step-time
         model, rebuilt where a reserve, release or state update left them out of date."""
         replicas = self._snapshots
-        if replicas is None:  # rebuilt after every reserve/release: a plain loop, no generator
-            built = []
-            for rid in self._replicas:
+        if replicas is None:  # only the replicas changed since are rebuilt and re-ranked
+            views = self._views_by_id
+            changed, self._changed_ids = self._changed_ids, set()
+            joined = False
+            for rid in changed:
                 s = self.replica_snapshot(rid)
-                if s:
-                    built.append(s)
-            replicas = self._snapshots = tuple(built)
+                if s is not None:
+                    joined = joined or rid not in views
+                    views[rid] = s
+                    self._ranking.update(s, self._replicas[rid].model)
+            if joined:  # a replica's first state: the fleet's order is the registration order
+                views = self._views_by_id = {rid: views[rid] for rid in self._replicas
+                                             if rid in views}
+                self._ranking.set_order(views)
+            replicas = self._snapshots = tuple(views.values())
         if self._step_time is None:
             self._mean_model(replicas)
         return replicas
@@ -405,10 +420,11 @@ class LoadState:
         if replicas is None or self._step_time is None:
             replicas = self._views()
         # one per request, positional in field order: now, replicas, step time, queued,
-        # staleness bound, drain rate, retry budget, queue ahead
+        # staleness bound, drain rate, retry budget, queue ahead, the ranked fleet
         return LoadSnapshot(
             now_s, replicas, self._step_time,
-            num_queued, self._max_staleness_s, drain_rate_rps, retry_budget, queued_ahead)
+            num_queued, self._max_staleness_s, drain_rate_rps, retry_budget, queued_ahead,
+            self._ranking.view())
 
     def step_time_model(self, replica_id: str) -> StepTimeModel:
         replica = self._replicas.get(replica_id)

@@ -1,0 +1,89 @@
+"""The fleet kept in rank order as replicas change, for bounded candidate sets.
+
+:class:`FleetRanking` holds every healthy, capacity-known replica's snapshot sorted by
+:func:`policies.candidates.rank_key`. One replica's change (a state refresh, a reservation
+made or released) moves its one entry: a forecast of the reference request and a bisection,
+so keeping the ranking costs what changes, not the fleet's size. :meth:`FleetRanking.view`
+is the immutable :class:`policies.candidates.RankedFleet` a snapshot carries (copying the
+sorted list, a C-level copy, only after a change).
+
+Below ``min_replicas`` replicas there is no ranking (``view()`` is None, policies scan the
+fleet): forecasting every replica of so small a fleet costs less than keeping it ranked, and a
+changed replica is ranked only once the view is asked for.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable
+
+from policies.candidates import MIN_RANKED_REPLICAS, RankedFleet, rank_key
+from policies.snapshot import ReplicaSnapshot
+from policies.step_time import StepTimeModel
+
+__all__ = ["FleetRanking"]
+
+
+class FleetRanking:
+    """Healthy, capacity-known replicas sorted by rank key; the fleet's order and limits."""
+
+    def __init__(self, min_replicas: int = MIN_RANKED_REPLICAS) -> None:
+        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) \
+                or min_replicas < 1:
+            raise ValueError(f"min_replicas must be an int >= 1, got {min_replicas!r}")
+        self._min_replicas = min_replicas
+        self._changed: dict[str, tuple[ReplicaSnapshot, StepTimeModel]] = {}
+        self._entries: list[tuple] = []  # sorted (rank key, replica id)
+        self._ranked: list[ReplicaSnapshot] = []  # the snapshots, parallel to _entries
+        self._entry_of: dict[str, tuple] = {}
+        self._limits: dict[str, tuple[int, int]] = {}  # max_model_len, num_total_blocks
+        self._max_limits = (0, 0)
+        self._position: dict[str, int] = {}
+        self._view: RankedFleet | None = None
+
+    def set_order(self, replica_ids: Iterable[str]) -> None:
+        """The order of the snapshot's replicas (a replica joined the fleet)."""
+        self._position = {rid: i for i, rid in enumerate(replica_ids)}
+        self._view = None
+
+    def update(self, replica: ReplicaSnapshot, step_time: StepTimeModel) -> None:
+        """``replica``'s new snapshot, to be ranked under its own ``step_time`` model."""
+        replica_id = replica.replica_id
+        self._changed[replica_id] = (replica, step_time)
+        limits = (replica.max_model_len, replica.num_total_blocks)
+        if self._limits.get(replica_id) != limits:  # a replica's limits rarely change
+            self._limits[replica_id] = limits
+            self._max_limits = (max(m for m, _ in self._limits.values()),
+                                max(b for _, b in self._limits.values()))
+        self._view = None
+
+    def _rank(self, replica: ReplicaSnapshot, step_time: StepTimeModel) -> None:
+        replica_id = replica.replica_id
+        self._discard(replica_id)
+        if replica.healthy and replica.capacity_known:
+            entry = (rank_key(replica, step_time), replica_id)
+            i = bisect_left(self._entries, entry)
+            self._entries.insert(i, entry)
+            self._ranked.insert(i, replica)
+            self._entry_of[replica_id] = entry
+
+    def _discard(self, replica_id: str) -> None:
+        entry = self._entry_of.pop(replica_id, None)
+        if entry is not None:
+            i = bisect_left(self._entries, entry)
+            del self._entries[i]
+            del self._ranked[i]
+
+    def view(self) -> RankedFleet | None:
+        """The ranking now, immutable (rebuilt only after a change); None below
+        ``min_replicas`` replicas."""
+        view = self._view
+        if view is None:
+            if len(self._limits) < self._min_replicas:
+                return None
+            changed, self._changed = self._changed, {}
+            for replica, step_time in changed.values():
+                self._rank(replica, step_time)
+            view = self._view = RankedFleet(tuple(self._ranked), self._position,
+                                            *self._max_limits)
+        return view

@@ -1,0 +1,90 @@
+"""The fleet in rank order, and the bounded candidate set a decision looks at.
+
+A decision that forecasts every replica costs in proportion to the fleet. Instead the guard
+keeps the fleet ranked as replicas change (one replica's state refresh or reservation moves
+one entry: :class:`guard.replicas.fleet_ranking.FleetRanking`) and hands the ranking to the
+policy on the snapshot (:class:`RankedFleet`). A policy then forecasts only a bounded
+candidate set (:func:`pick_candidates`): the ``num_best`` replicas ranked best, plus
+``num_sampled`` more taken in turn from the rest, so every replica is looked at now and then
+(none starves because its rank key misjudges it for the request at hand).
+
+The rank key (:func:`rank_key`) is request-independent, so it is computed once per replica
+change, not per request: the forecast of a reference request (:data:`REFERENCE_COST`) on the
+replica under its own fitted step-time model, replicas that could take it now before those
+where it would wait for blocks or a slot, then the predicted TTFT, then least-loaded order.
+The policy's choice among the candidates uses the exact forecast of the request itself; the
+ranking only decides which replicas it forecasts.
+
+A fleet no larger than ``num_best + num_sampled`` is wholly the candidate set, in the
+snapshot's replica order: there the decision is the full scan's exactly. Below
+:data:`MIN_RANKED_REPLICAS` the guard keeps no ranking at all and policies scan the fleet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies.cost import RequestClass, RequestCost
+from policies.least_loaded import load_order
+from policies.predictor import forecast
+from policies.snapshot import ReplicaSnapshot
+from policies.step_time import StepTimeModel
+
+__all__ = ["MIN_RANKED_REPLICAS", "REFERENCE_COST", "RankedFleet", "pick_candidates", "rank_key"]
+
+# A typical chat request: what the rank key forecasts on every replica
+REFERENCE_COST = RequestCost("rank", "", RequestClass("rank", ttft_s=1.0, itl_s=1.0),
+                             num_prompt_tokens=512, max_tokens=128,
+                             num_expected_output_tokens=128, num_blocks=40,
+                             arrival_s=0.0, deadline_s=0.0)
+
+# Fleets smaller than this are scanned: forecasting a few replicas per request costs less than
+# re-ranking the one a reservation changed (docs/benchmarks.md, kvguard bench scale)
+MIN_RANKED_REPLICAS = 16
+
+RankKey = tuple[bool, float, tuple[float, float, float, str]]
+
+
+def rank_key(replica: ReplicaSnapshot, step_time: StepTimeModel) -> RankKey:
+    """Sort key of a healthy, capacity-known replica: lower ranks better."""
+    f = forecast(REFERENCE_COST, replica, step_time)
+    if f is None:  # a replica too small for the reference: ranked by load alone, last
+        return (True, float("inf"), load_order(replica))
+    return (f.num_missing_blocks > 0 or f.num_missing_seqs > 0, f.ttft_s, load_order(replica))
+
+
+@dataclass(frozen=True)
+class RankedFleet:
+    """The guard's fleet view at one instant, for policies that pick among candidates.
+
+    ``ranked``: every healthy replica with known capacity, best :func:`rank_key` first (fresh
+    or not: a policy checks freshness on the candidates it takes). ``position``: each replica
+    id's index in ``LoadSnapshot.replicas`` (candidates are decided in that order, as the full
+    scan does). ``max_model_len`` / ``max_total_blocks``: the largest over every replica in
+    the snapshot, healthy or not (a request over either can never be served anywhere).
+    """
+
+    ranked: tuple[ReplicaSnapshot, ...]
+    position: dict[str, int]
+    max_model_len: int
+    max_total_blocks: int
+
+
+def pick_candidates(fleet: RankedFleet, num_best: int, num_sampled: int,
+                    turn: int) -> list[ReplicaSnapshot]:
+    """The ``num_best`` best-ranked replicas and ``num_sampled`` of the rest, the
+    ``turn``-th window of them in rank order (wrapping), in snapshot order."""
+    ranked = fleet.ranked
+    num_rest = len(ranked) - num_best
+    if num_rest <= num_sampled:
+        chosen = list(ranked)
+    else:
+        chosen = list(ranked[:num_best])
+        start = (turn * num_sampled) % num_rest
+        end = start + num_sampled
+        chosen.extend(ranked[num_best + start:num_best + end])
+        if end > num_rest:
+            chosen.extend(ranked[num_best:num_best + end - num_rest])
+    position = fleet.position
+    chosen.sort(key=lambda r: position[r.replica_id])
+    return chosen
