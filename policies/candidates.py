@@ -22,6 +22,7 @@ snapshot's replica order: there the decision is the full scan's exactly. Below
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from policies.cost import RequestClass, RequestCost
@@ -47,10 +48,25 @@ RankKey = tuple[bool, float, tuple[float, float, float, str]]
 
 def rank_key(replica: ReplicaSnapshot, step_time: StepTimeModel) -> RankKey:
     """Sort key of a healthy, capacity-known replica: lower ranks better."""
-    f = forecast(REFERENCE_COST, replica, step_time)
-    if f is None:  # a replica too small for the reference: ranked by load alone, last
+    cost = REFERENCE_COST
+    if (cost.num_reserved_tokens > replica.max_model_len
+            or cost.num_blocks > replica.num_total_blocks):
+        cost = _reference_within(replica)
+    f = forecast(cost, replica, step_time)
+    if f is None:  # not even a one-block request fits: ranked by load alone, last
         return (True, float("inf"), load_order(replica))
     return (f.num_missing_blocks > 0 or f.num_missing_seqs > 0, f.ttft_s, load_order(replica))
+
+
+def _reference_within(replica: ReplicaSnapshot) -> RequestCost:
+    """The reference request shrunk to half of a small replica's context and KV."""
+    num_tokens = max(2, min(replica.max_model_len,
+                            replica.num_total_blocks * replica.block_size) // 2)
+    num_prompt = max(1, num_tokens * 4 // 5)
+    return dataclasses.replace(
+        REFERENCE_COST, num_prompt_tokens=num_prompt, max_tokens=num_tokens - num_prompt,
+        num_expected_output_tokens=max(1, num_tokens - num_prompt),
+        num_blocks=-(-num_tokens // replica.block_size))
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,16 @@ class RankedFleet:
     position: dict[str, int]
     max_model_len: int
     max_total_blocks: int
+
+    @classmethod
+    def of(cls, replicas: tuple[ReplicaSnapshot, ...], step_time: StepTimeModel) -> RankedFleet:
+        """The whole fleet ranked at once (every replica under ``step_time``): what the guard's
+        incremental ranking equals, for callers that keep none."""
+        ranked = sorted((r for r in replicas if r.healthy and r.capacity_known),
+                        key=lambda r: (rank_key(r, step_time), r.replica_id))
+        return cls(tuple(ranked), {r.replica_id: i for i, r in enumerate(replicas)},
+                   max((r.max_model_len for r in replicas), default=0),
+                   max((r.num_total_blocks for r in replicas), default=0))
 
 
 def pick_candidates(fleet: RankedFleet, num_best: int, num_sampled: int,
