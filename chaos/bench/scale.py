@@ -16,6 +16,10 @@ measures:
   (it re-ranks the replicas whose reservations changed), ``path_p50_us`` the two together.
   The garbage collector is off while a policy is timed (its pauses belong to the process).
 
+``--gap-decisions N`` also decides N requests on each fleet with ``slo``'s bounded candidate
+set and with its full scan side by side (:mod:`chaos.bench.candidate_gap`): how much worse the
+bounded choice is.
+
 ``--json`` prints one JSON object with ``decide_p50_us`` and ``state_cpu_share`` keyed by
 replica count (the largest ``--running`` for the per-replica-count keys) and every row.
 Results and their commands go to docs/benchmarks.md.
@@ -28,6 +32,7 @@ import gc
 import json
 import time
 
+from chaos.bench.candidate_gap import candidate_gap
 from guard.replicas.load_state import LoadState
 from policies import make_policy
 from policies.cost import RequestClass, RequestCost
@@ -117,7 +122,7 @@ def _decide_times(policy_name: str, load_state: LoadState, num_calls: int,
 
 
 def measure(num_replicas: int, num_running: int, num_calls: int, refresh_hz: float,
-            policies: tuple[str, ...] = POLICIES) -> dict:
+            policies: tuple[str, ...] = POLICIES, num_gap_decisions: int = 0) -> dict:
     """One row: ingestion and per-policy decision times for this fleet shape."""
     load_state, documents, _ = _fleet(num_replicas, num_running)
     # ingestion again, warm (the first pass also registered each replica)
@@ -147,6 +152,8 @@ def measure(num_replicas: int, num_running: int, num_calls: int, refresh_hz: flo
             "path_p50_us": round(_quantile_us(
                 [a + b for a, b in zip(decide_ns, snapshot_ns, strict=True)], 0.5), 1),
         }
+    if num_gap_decisions:
+        row["candidate_gap"] = candidate_gap(load_state, num_gap_decisions)
     return row
 
 
@@ -159,6 +166,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refresh-hz", type=float, default=10.0,
                         help="state refreshes per replica per second, for state_cpu_share")
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--gap-decisions", type=int, default=0,
+                        help="also compare slo's candidate set with its full scan on N requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -175,10 +184,10 @@ def _int_list(text: str, key: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     replica_counts = _int_list(args.replicas, "replicas")
     running_counts = _int_list(args.running, "running")
-    if args.calls < 1 or not args.refresh_hz > 0:
-        raise ValueError("--calls must be >= 1 and --refresh-hz > 0")
+    if args.calls < 1 or not args.refresh_hz > 0 or args.gap_decisions < 0:
+        raise ValueError("--calls must be >= 1, --refresh-hz > 0, --gap-decisions >= 0")
     policies = tuple(p for p in args.policies.split(",") if p)
-    rows = [measure(n, r, args.calls, args.refresh_hz, policies)
+    rows = [measure(n, r, args.calls, args.refresh_hz, policies, args.gap_decisions)
             for r in running_counts for n in replica_counts]
     if args.json:
         top = max(running_counts)
@@ -199,4 +208,6 @@ def run(args: argparse.Namespace) -> int:
                   f"{row['ingest_us']:>9} {row['state_cpu_share']:>9}  {name:<16} "
                   f"{v['decide_p50_us']:>8} {v['decide_p99_us']:>8} {v['snapshot_p50_us']:>8} "
                   f"{v['path_p50_us']:>8}")
+        if "candidate_gap" in row:
+            print(f"{row['replicas']:>8} {row['running']:>7}  candidate gap: {row['candidate_gap']}")
     return 0
