@@ -78,12 +78,17 @@ class RankedFleet:
     id's index in ``LoadSnapshot.replicas`` (candidates are decided in that order, as the full
     scan does). ``max_model_len`` / ``max_total_blocks``: the largest over every replica in
     the snapshot, healthy or not (a request over either can never be served anywhere).
+    ``least_loaded``: the healthy replica (known capacity or not) first in least-loaded order
+    (:func:`policies.least_loaded.load_order`), None when none is healthy; ``num_inflight``:
+    the guard's in-flight requests over every replica — what the baselines scan the fleet for.
     """
 
     ranked: tuple[ReplicaSnapshot, ...]
     position: dict[str, int]
     max_model_len: int
     max_total_blocks: int
+    least_loaded: ReplicaSnapshot | None = None
+    num_inflight: int = 0
 
     @classmethod
     def of(cls, replicas: tuple[ReplicaSnapshot, ...], step_time: StepTimeModel) -> RankedFleet:
@@ -93,7 +98,9 @@ class RankedFleet:
                         key=lambda r: (rank_key(r, step_time), r.replica_id))
         return cls(tuple(ranked), {r.replica_id: i for i, r in enumerate(replicas)},
                    max((r.max_model_len for r in replicas), default=0),
-                   max((r.num_total_blocks for r in replicas), default=0))
+                   max((r.num_total_blocks for r in replicas), default=0),
+                   min((r for r in replicas if r.healthy), key=load_order, default=None),
+                   sum(r.num_inflight for r in replicas))
 
 
 def pick_candidates(fleet: RankedFleet, num_best: int, num_sampled: int,

@@ -14,14 +14,19 @@ changed replica is ranked only once the view is asked for.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections.abc import Iterable
 
 from policies.candidates import MIN_RANKED_REPLICAS, RankedFleet, rank_key
+from policies.least_loaded import load_order
 from policies.snapshot import ReplicaSnapshot
 from policies.step_time import StepTimeModel
 
 __all__ = ["FleetRanking"]
+
+
+def _load_key(entry: tuple) -> tuple:
+    return entry[0]
 
 
 class FleetRanking:
@@ -39,6 +44,10 @@ class FleetRanking:
         self._limits: dict[str, tuple[int, int]] = {}  # max_model_len, num_total_blocks
         self._max_limits = (0, 0)
         self._position: dict[str, int] = {}
+        self._by_load: list[tuple] = []  # sorted load_order of every healthy replica
+        self._load_entry_of: dict[str, tuple] = {}
+        self._num_inflight_of: dict[str, int] = {}
+        self._num_inflight = 0
         self._view: RankedFleet | None = None
 
     def set_order(self, replica_ids: Iterable[str]) -> None:
@@ -50,6 +59,8 @@ class FleetRanking:
         """``replica``'s new snapshot, to be ranked under its own ``step_time`` model."""
         replica_id = replica.replica_id
         self._changed[replica_id] = (replica, step_time)
+        self._num_inflight += replica.num_inflight - self._num_inflight_of.get(replica_id, 0)
+        self._num_inflight_of[replica_id] = replica.num_inflight
         limits = (replica.max_model_len, replica.num_total_blocks)
         if self._limits.get(replica_id) != limits:  # a replica's limits rarely change
             self._limits[replica_id] = limits
@@ -60,6 +71,10 @@ class FleetRanking:
     def _rank(self, replica: ReplicaSnapshot, step_time: StepTimeModel) -> None:
         replica_id = replica.replica_id
         self._discard(replica_id)
+        if replica.healthy:
+            entry = (load_order(replica), replica)
+            insort(self._by_load, entry, key=_load_key)
+            self._load_entry_of[replica_id] = entry
         if replica.healthy and replica.capacity_known:
             entry = (rank_key(replica, step_time), replica_id)
             i = bisect_left(self._entries, entry)
@@ -73,6 +88,9 @@ class FleetRanking:
             i = bisect_left(self._entries, entry)
             del self._entries[i]
             del self._ranked[i]
+        load_entry = self._load_entry_of.pop(replica_id, None)
+        if load_entry is not None:
+            del self._by_load[bisect_left(self._by_load, load_entry[0], key=_load_key)]
 
     def view(self) -> RankedFleet | None:
         """The ranking now, immutable (rebuilt only after a change); None below
@@ -84,6 +102,9 @@ class FleetRanking:
             changed, self._changed = self._changed, {}
             for replica, step_time in changed.values():
                 self._rank(replica, step_time)
+            by_load = self._by_load
             view = self._view = RankedFleet(tuple(self._ranked), self._position,
-                                            *self._max_limits)
+                                            *self._max_limits,
+                                            by_load[0][1] if by_load else None,
+                                            self._num_inflight)
         return view

@@ -175,4 +175,19 @@ def test_the_default_bound_covers_every_fleet_of_eight():
 
 def test_ranked_fleet_of_an_empty_fleet():
     fleet = RankedFleet.of((), STEP)
-    assert dataclasses.astuple(fleet)[2:] == (0, 0) and fleet.ranked == ()
+    assert dataclasses.astuple(fleet)[2:] == (0, 0, None, 0) and fleet.ranked == ()
+
+
+@settings(max_examples=200, deadline=None)
+@given(specs=_replicas, name=st.sampled_from(["always-admit", "concurrency-cap", "gradient",
+                                              "token-rate"]))
+def test_the_baselines_route_by_the_ranked_fleet_as_by_their_scan(specs, name):
+    from policies import make_policy
+
+    replicas = _build(specs)
+    params = {"tokens_per_minute": 10**9} if name == "token-rate" else {}
+    if name == "concurrency-cap":
+        params = {"max_concurrency": 4}
+    cost = make_cost()
+    assert make_policy(name, **params).decide(cost, snapshot(replicas, ranked=True)) == \
+        make_policy(name, **params).decide(cost, snapshot(replicas, ranked=False))

@@ -110,3 +110,17 @@ def test_a_replica_that_joins_or_leaves_is_picked_up_without_a_restart():
     snapshot = load_state.snapshot(0.5)
     assert "r3" not in {r.replica_id for r in snapshot.fleet.ranked}
     assert "r3" in {r.replica_id for r in snapshot.replicas}  # still known, not picked
+
+
+def test_least_loaded_and_in_flight_follow_the_changes():
+    load_state = _fleet(MIN_RANKED_REPLICAS)
+    for i in range(3):
+        load_state.reserve("r0", f"q{i}", make_cost(f"q{i}"), 0.1)
+    load_state.reserve("r1", "q9", make_cost("q9"), 0.1)
+    snapshot = load_state.snapshot(0.1)
+    full = RankedFleet.of(snapshot.replicas, load_state.step_time_model("r0"))
+    assert snapshot.fleet.num_inflight == full.num_inflight == 4
+    assert snapshot.fleet.least_loaded == full.least_loaded
+    assert snapshot.fleet.least_loaded.replica_id == "r10"  # idle: then the lowest id
+    load_state.release("q9")
+    assert load_state.snapshot(0.1).fleet.num_inflight == 3
