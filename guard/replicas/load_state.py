@@ -45,6 +45,7 @@ from guard.replicas.documents import (
     UNKNOWN_MAX_MODEL_LEN,
     UNKNOWN_NUM_BLOCKS,
     kvguard_snapshot,
+    listed_request_ids,
     unknown_capacity_snapshot,
     vllm_snapshot,
 )
@@ -153,7 +154,7 @@ class LoadState:
         replica = self._replica(replica_id, prior)
         model = state.get("model")
         replica.served_model = model if isinstance(model, str) else None
-        listed = {s["request_id"] for s in (*state["running"], *state["waiting"])}
+        listed = listed_request_ids(state)
         base = kvguard_snapshot(replica_id, state, now_s, self._our_cost)
         self._feed_iterations(replica, state)
         self._count_preemptions(replica_id, replica, state.get("num_preemptions"))
