@@ -2,7 +2,8 @@
 
 A guard's :class:`~guard.replicas.load_state.LoadState` is fed the synthetic documents of
 :func:`chaos.bench.scale.fleet_document`; then ``num_decisions`` requests (prompts of 64 to
-2,048 tokens) arrive 1 ms apart and are decided twice on the same snapshot — by ``slo`` with
+2,048 tokens) arrive evenly within one second (the fleet's state, observed at 0, stays
+fresh throughout) and are decided twice on the same snapshot — by ``slo`` with
 its candidate set and by ``slo`` scanning every replica — and admitted where the bounded one
 says (each admission stays reserved, so the fleet fills up and later decisions meet queues
 and sheds). Reported: the share of decisions of a different kind (admit vs queue vs shed),
@@ -32,7 +33,7 @@ def candidate_gap(load_state: LoadState, num_decisions: int, seed: int = 0) -> d
     num_other_kind = num_other_replica = num_both_admitted = 0
     gaps_s = []
     for i in range(num_decisions):
-        now_s = 0.5 + 0.001 * i
+        now_s = 0.5 + i / num_decisions
         num_prompt = rng.choice((64, 256, 512, 1024, 2048))
         cost = RequestCost(f"g{i}", "acme", _CLASS, num_prompt, 128, 64,
                            -(-(num_prompt + 128) // 16), arrival_s=now_s, deadline_s=now_s + 1.0)

@@ -9,6 +9,8 @@ measures:
   (``json.loads`` + ``LoadState.update_from_kvguard_state``), median over the fleet;
   ``state_cpu_share`` = ``ingest_us`` × replicas × ``--refresh-hz`` ÷ 10⁶: the cores a decider
   spends keeping every replica's full document fresh (the HTTP round trip not counted);
+  ``compact_*`` the same for the compact document the guard's poller asks for
+  (``?compact=1&since_batch=N``: sequences as columns, no iteration sample seen before);
 * per policy, ``decide_p50_us`` / ``decide_p99_us``: ``policy.decide`` on the guard's own
   snapshot, the guard's path per request — every decision is followed by a reservation on the
   chosen replica and the release of the reservation made 8 decisions earlier, so each snapshot
@@ -33,6 +35,7 @@ import json
 import time
 
 from chaos.bench.candidate_gap import candidate_gap
+from engine.compact_state import compact_state
 from guard.replicas.load_state import LoadState
 from policies import make_policy
 from policies.cost import RequestClass, RequestCost
@@ -132,10 +135,20 @@ def measure(num_replicas: int, num_running: int, num_calls: int, refresh_hz: flo
         load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
         ingest_ns.append(time.perf_counter_ns() - start)
     ingest_us = _quantile_us(ingest_ns, 0.5)
+    compacts = [json.dumps(compact_state(json.loads(raw), since_batch=3)).encode()
+                for raw in documents]
+    compact_ns = []
+    for k, raw in enumerate(compacts):
+        start = time.perf_counter_ns()
+        load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
+        compact_ns.append(time.perf_counter_ns() - start)
+    compact_us = _quantile_us(compact_ns, 0.5)
     row = {
         "replicas": num_replicas, "running": num_running,
         "document_bytes": len(documents[0]), "ingest_us": round(ingest_us, 1),
         "state_cpu_share": round(ingest_us * num_replicas * refresh_hz / 1e6, 4),
+        "compact_bytes": len(compacts[0]), "compact_ingest_us": round(compact_us, 1),
+        "compact_state_cpu_share": round(compact_us * num_replicas * refresh_hz / 1e6, 4),
         "policies": {},
     }
     for name in policies:
@@ -200,12 +213,14 @@ def run(args: argparse.Namespace) -> int:
             "rows": rows,
         }, indent=1))
         return 0
-    print(f"{'replicas':>8} {'running':>7} {'doc_B':>7} {'ingest_us':>9} {'state_cpu':>9}  "
+    print(f"{'replicas':>8} {'running':>7} {'doc_B':>7} {'ingest_us':>9} {'state_cpu':>9} "
+          f"{'cdoc_B':>7} {'c_ingest':>8} {'c_cpu':>7}  "
           f"{'policy':<16} {'p50_us':>8} {'p99_us':>8} {'snap_us':>8} {'path_us':>8}")
     for row in rows:
         for name, v in row["policies"].items():
             print(f"{row['replicas']:>8} {row['running']:>7} {row['document_bytes']:>7} "
-                  f"{row['ingest_us']:>9} {row['state_cpu_share']:>9}  {name:<16} "
+                  f"{row['ingest_us']:>9} {row['state_cpu_share']:>9} {row['compact_bytes']:>7} "
+                  f"{row['compact_ingest_us']:>8} {row['compact_state_cpu_share']:>7}  {name:<16} "
                   f"{v['decide_p50_us']:>8} {v['decide_p99_us']:>8} {v['snapshot_p50_us']:>8} "
                   f"{v['path_p50_us']:>8}")
         if "candidate_gap" in row:
