@@ -10,8 +10,14 @@ candidate set (:func:`pick_candidates`): the ``num_best`` replicas ranked best, 
 
 The rank key (:func:`rank_key`) is request-independent, so it is computed once per replica
 change, not per request: the forecast of a reference request (:data:`REFERENCE_COST`) on the
-replica under its own fitted step-time model, replicas that could take it now before those
-where it would wait for blocks or a slot, then the predicted TTFT, then least-loaded order.
+replica under its own fitted step-time model, at the first decision after the change (the
+prefill pending there drains with time, so an older key overstates a replica's backlog: it is
+looked at later than it deserves, never offered with a backlog it no longer has):
+replicas that could take it now before those where it would wait for blocks or a slot, then
+those whose next step has room for a longer prompt beside the prefill pending there (a prompt
+landing beside pending prefill must keep the step within the running streams' ITL — prefill
+pacing; nothing pending, any prompt fits), in tiers of prompt length, then the predicted TTFT,
+then least-loaded order.
 The policy's choice among the candidates uses the exact forecast of the request itself; the
 ranking only decides which replicas it forecasts.
 
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 from policies.cost import RequestClass, RequestCost
 from policies.least_loaded import load_order
 from policies.predictor import forecast
+from policies.prefill_pacing import max_step_prefill_tokens
 from policies.snapshot import ReplicaSnapshot
 from policies.step_time import StepTimeModel
 
@@ -43,19 +50,43 @@ REFERENCE_COST = RequestCost("rank", "", RequestClass("rank", ttft_s=1.0, itl_s=
 # re-ranking the one a reservation changed (docs/benchmarks.md, kvguard bench scale)
 MIN_RANKED_REPLICAS = 16
 
-RankKey = tuple[bool, float, tuple[float, float, float, str]]
+RankKey = tuple[bool, int, float, tuple[float, float, float, str]]
+# the ITL a replica's running streams are assumed to need when none declares one
+REFERENCE_ITL_S = 0.08
+# prompt lengths (tokens) the rank key tells apart by how much of the next step is left
+_ROOM_TIERS = (4096, 2048, 1024, 512, 256, 1)
 
 
-def rank_key(replica: ReplicaSnapshot, step_time: StepTimeModel) -> RankKey:
-    """Sort key of a healthy, capacity-known replica: lower ranks better."""
+def rank_key(replica: ReplicaSnapshot, step_time: StepTimeModel,
+             now_s: float | None = None) -> RankKey:
+    """Sort key of a healthy, capacity-known replica at ``now_s``: lower ranks better. With
+    ``now_s`` the prefill pending there is what is left of it then (drained since observed)."""
     cost = REFERENCE_COST
     if (cost.num_reserved_tokens > replica.max_model_len
             or cost.num_blocks > replica.num_total_blocks):
         cost = _reference_within(replica)
-    f = forecast(cost, replica, step_time)
+    f = forecast(cost, replica, step_time, now_s=now_s)
     if f is None:  # not even a one-block request fits: ranked by load alone, last
-        return (True, float("inf"), load_order(replica))
-    return (f.num_missing_blocks > 0 or f.num_missing_seqs > 0, f.ttft_s, load_order(replica))
+        return (True, len(_ROOM_TIERS), float("inf"), load_order(replica))
+    return (f.num_missing_blocks > 0 or f.num_missing_seqs > 0,
+            _room_tier(replica, step_time, f.num_queued_prefill_tokens),
+            f.ttft_s, load_order(replica))
+
+
+def _room_tier(replica: ReplicaSnapshot, step_time: StepTimeModel, num_pending: int) -> int:
+    """How long a prompt the next engine step can still take within the running streams'
+    ITL (prefill pacing), as a tier: 0 for any prompt (nothing pending, nothing running), then
+    each of :data:`_ROOM_TIERS` prompt tokens in turn, ``len(_ROOM_TIERS)`` for none."""
+    load = replica.load
+    if num_pending == 0 or load.num_seqs == 0:
+        return 0
+    itl_s = load.min_itl_s if load.min_itl_s is not None else REFERENCE_ITL_S
+    room = max_step_prefill_tokens(step_time, itl_s, load.num_decode_seqs,
+                                   load.num_running_context_tokens) - num_pending
+    for tier, num_tokens in enumerate(_ROOM_TIERS):
+        if room >= num_tokens:
+            return tier
+    return len(_ROOM_TIERS)
 
 
 def _reference_within(replica: ReplicaSnapshot) -> RequestCost:
@@ -91,11 +122,12 @@ class RankedFleet:
     num_inflight: int = 0
 
     @classmethod
-    def of(cls, replicas: tuple[ReplicaSnapshot, ...], step_time: StepTimeModel) -> RankedFleet:
-        """The whole fleet ranked at once (every replica under ``step_time``): what the guard's
-        incremental ranking equals, for callers that keep none."""
+    def of(cls, replicas: tuple[ReplicaSnapshot, ...], step_time: StepTimeModel,
+           now_s: float | None = None) -> RankedFleet:
+        """The whole fleet ranked at once (every replica under ``step_time``, at ``now_s``):
+        what the guard's incremental ranking equals, for callers that keep none."""
         ranked = sorted((r for r in replicas if r.healthy and r.capacity_known),
-                        key=lambda r: (rank_key(r, step_time), r.replica_id))
+                        key=lambda r: (rank_key(r, step_time, now_s), r.replica_id))
         return cls(tuple(ranked), {r.replica_id: i for i, r in enumerate(replicas)},
                    max((r.max_model_len for r in replicas), default=0),
                    max((r.num_total_blocks for r in replicas), default=0),

@@ -75,6 +75,13 @@ started, the estimate holds until 60 s after the client's last cancellation — 
 stopping is what the check achieves, not a sign the clients became patient. With no
 cancellations the decisions are exactly those described above.
 
+Fleet scale (:mod:`policies.candidates`): when the snapshot carries the guard's ranked fleet,
+steps 4-6 run over a bounded candidate set — the ``num_candidates_best`` best-ranked replicas
+and ``num_candidates_sampled`` of the rest in turn — instead of every replica. A fleet within
+that bound is wholly the candidate set (the full scan's decision exactly); a request past its
+deadline or over the fleet's largest context or KV, no fresh candidate, or a request no
+candidate can ever hold, is decided by the full scan, so steps 1-3 stay exact.
+
 ``predicted_ttft_s`` on Admit and Queue is counted from the request's arrival (time already
 spent plus the forecast from now), so the guard can compare it with the TTFT it measures.
 """

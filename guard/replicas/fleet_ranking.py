@@ -7,6 +7,11 @@ so keeping the ranking costs what changes, not the fleet's size. :meth:`FleetRan
 is the immutable :class:`policies.candidates.RankedFleet` a snapshot carries (copying the
 sorted list, a C-level copy, only after a change).
 
+A rank key is computed at the first view after its replica changed, and the prefill pending
+there drains as time passes, so a key grows stale even when its replica does not change: each
+view also re-ranks ``num_refreshed`` more replicas, in turn (every key is at most
+``replicas ÷ num_refreshed`` decisions old).
+
 Below ``min_replicas`` replicas there is no ranking (``view()`` is None, policies scan the
 fleet): forecasting every replica of so small a fleet costs less than keeping it ranked, and a
 changed replica is ranked only once the view is asked for.
@@ -32,11 +37,16 @@ def _load_key(entry: tuple) -> tuple:
 class FleetRanking:
     """Healthy, capacity-known replicas sorted by rank key; the fleet's order and limits."""
 
-    def __init__(self, min_replicas: int = MIN_RANKED_REPLICAS) -> None:
-        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) \
-                or min_replicas < 1:
-            raise ValueError(f"min_replicas must be an int >= 1, got {min_replicas!r}")
+    def __init__(self, min_replicas: int = MIN_RANKED_REPLICAS, num_refreshed: int = 2) -> None:
+        for key, value, minimum in (("min_replicas", min_replicas, 1),
+                                    ("num_refreshed", num_refreshed, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{key} must be an int >= {minimum}, got {value!r}")
         self._min_replicas = min_replicas
+        self._num_refreshed = num_refreshed
+        self._refresh_turn = 0
+        self._latest: dict[str, tuple[ReplicaSnapshot, StepTimeModel]] = {}  # every replica
+        self._ids: list[str] = []  # every replica id, in the order refreshes go round
         self._changed: dict[str, tuple[ReplicaSnapshot, StepTimeModel]] = {}
         self._entries: list[tuple] = []  # sorted (rank key, replica id)
         self._ranked: list[ReplicaSnapshot] = []  # the snapshots, parallel to _entries
@@ -58,7 +68,9 @@ class FleetRanking:
     def update(self, replica: ReplicaSnapshot, step_time: StepTimeModel) -> None:
         """``replica``'s new snapshot, to be ranked under its own ``step_time`` model."""
         replica_id = replica.replica_id
-        self._changed[replica_id] = (replica, step_time)
+        if replica_id not in self._latest:
+            self._ids.append(replica_id)
+        self._changed[replica_id] = self._latest[replica_id] = (replica, step_time)
         self._num_inflight += replica.num_inflight - self._num_inflight_of.get(replica_id, 0)
         self._num_inflight_of[replica_id] = replica.num_inflight
         limits = (replica.max_model_len, replica.num_total_blocks)
@@ -68,7 +80,8 @@ class FleetRanking:
                                 max(b for _, b in self._limits.values()))
         self._view = None
 
-    def _rank(self, replica: ReplicaSnapshot, step_time: StepTimeModel) -> None:
+    def _rank(self, replica: ReplicaSnapshot, step_time: StepTimeModel,
+              now_s: float | None) -> None:
         replica_id = replica.replica_id
         self._discard(replica_id)
         if replica.healthy:
@@ -76,11 +89,21 @@ class FleetRanking:
             insort(self._by_load, entry, key=_load_key)
             self._load_entry_of[replica_id] = entry
         if replica.healthy and replica.capacity_known:
-            entry = (rank_key(replica, step_time), replica_id)
+            entry = (rank_key(replica, step_time, now_s), replica_id)
             i = bisect_left(self._entries, entry)
             self._entries.insert(i, entry)
             self._ranked.insert(i, replica)
             self._entry_of[replica_id] = entry
+
+    def _refresh(self, now_s: float | None, done: dict) -> None:
+        """Re-rank the next ``num_refreshed`` replicas in turn (their keys drift)."""
+        ids = self._ids
+        for _ in range(min(self._num_refreshed, len(ids))):
+            replica_id = ids[self._refresh_turn % len(ids)]
+            self._refresh_turn += 1
+            if replica_id not in done:
+                self._rank(*self._latest[replica_id], now_s)
+        self._view = None
 
     def _discard(self, replica_id: str) -> None:
         entry = self._entry_of.pop(replica_id, None)
@@ -92,16 +115,17 @@ class FleetRanking:
         if load_entry is not None:
             del self._by_load[bisect_left(self._by_load, load_entry[0], key=_load_key)]
 
-    def view(self) -> RankedFleet | None:
-        """The ranking now, immutable (rebuilt only after a change); None below
-        ``min_replicas`` replicas."""
+    def view(self, now_s: float | None = None) -> RankedFleet | None:
+        """The ranking at ``now_s`` (the replicas changed since the last view are ranked at
+        it), immutable, rebuilt only after a change; None below ``min_replicas`` replicas."""
+        if len(self._limits) < self._min_replicas:
+            return None
         view = self._view
-        if view is None:
-            if len(self._limits) < self._min_replicas:
-                return None
+        if view is None or self._num_refreshed:
             changed, self._changed = self._changed, {}
             for replica, step_time in changed.values():
-                self._rank(replica, step_time)
+                self._rank(replica, step_time, now_s)
+            self._refresh(now_s, changed)
             by_load = self._by_load
             view = self._view = RankedFleet(tuple(self._ranked), self._position,
                                             *self._max_limits,

@@ -425,7 +425,7 @@ class LoadState:
         return LoadSnapshot(
             now_s, replicas, self._step_time,
             num_queued, self._max_staleness_s, drain_rate_rps, retry_budget, queued_ahead,
-            self._ranking.view())
+            self._ranking.view(now_s))
 
     def step_time_model(self, replica_id: str) -> StepTimeModel:
         replica = self._replicas.get(replica_id)

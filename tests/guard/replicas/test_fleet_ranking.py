@@ -124,3 +124,26 @@ def test_least_loaded_and_in_flight_follow_the_changes():
     assert snapshot.fleet.least_loaded.replica_id == "r10"  # idle: then the lowest id
     load_state.release("q9")
     assert load_state.snapshot(0.1).fleet.num_inflight == 3
+
+
+def test_keys_that_time_made_stale_are_refreshed_in_turn():
+    drained = ReplicaSnapshot(
+        replica_id="a", observed_s=0.0, block_size=16, num_total_blocks=400,
+        num_free_blocks=400, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048,
+        running=(SeqLoad(64, 0, 8),), waiting=(SeqLoad(0, 2000, 8),))
+    busy = ReplicaSnapshot(
+        replica_id="b", observed_s=0.0, block_size=16, num_total_blocks=400,
+        num_free_blocks=400, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048,
+        running=tuple(SeqLoad(64, 0, 50) for _ in range(6)))
+    stale = FleetRanking(min_replicas=1, num_refreshed=0)
+    fresh = FleetRanking(min_replicas=1, num_refreshed=1)
+    for ranking in (stale, fresh):
+        ranking.update(drained, STEP)
+        ranking.update(busy, STEP)
+        assert ids(ranking.view(0.0)) == ["b", "a"]  # a's 2,000 prompt tokens are pending
+    for _ in range(2):  # 60 s later they are long prefilled: only a refresh sees it
+        stale.view(60.0)
+        fresh.view(60.0)
+    assert ids(stale.view(60.0)) == ["b", "a"]
+    assert ids(fresh.view(60.0)) == ["a", "b"]
+    assert fresh.view(60.0).ranked == RankedFleet.of((drained, busy), STEP, 60.0).ranked
