@@ -48,7 +48,7 @@ REFERENCE_COST = RequestCost("rank", "", RequestClass("rank", ttft_s=1.0, itl_s=
 
 # Fleets smaller than this are scanned: forecasting a few replicas per request costs less than
 # re-ranking the one a reservation changed (docs/benchmarks.md, kvguard bench scale)
-MIN_RANKED_REPLICAS = 16
+MIN_RANKED_REPLICAS = 32
 
 RankKey = tuple[bool, int, float, tuple[float, float, float, str]]
 # the ITL a replica's running streams are assumed to need when none declares one
