@@ -133,7 +133,8 @@ class LoadSnapshot:
     drain_rate_rps: float = 0.0  # measured completions per second, for Retry-After
     retry_budget: RetryBudgetView = NO_RETRY_OVER_BUDGET  # whose retries are over budget now
     queued_ahead: QueuedAhead = NOTHING_AHEAD  # the guard's queue ahead of this request
-    # the fleet ranked for bounded candidate sets (policies.candidates); None: scan every replica
+    # the fleet ranked for bounded candidate sets (policies.candidates); None: scan every replica.
+    # It describes exactly ``replicas``: a caller that narrows ``replicas`` must drop it
     fleet: RankedFleet | None = None
 
     def fresh_replicas(self) -> tuple[ReplicaSnapshot, ...]:
