@@ -50,9 +50,11 @@ from guard.replicas.documents import (
     vllm_snapshot,
 )
 from guard.replicas.fleet_ranking import FleetRanking
+from guard.replicas.mean_step_time import MeanStepTime
 from guard.replicas.reservations import ReplicaReservations, Reservation
 from guard.replicas.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
 from guard.replicas.vllm_metrics import parse_vllm_metrics
+from policies.candidates import MIN_RANKED_REPLICAS
 from policies.cost import RequestCost
 from policies.retry_budget import NO_RETRY_OVER_BUDGET, RetryBudgetView
 from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead, ReplicaSnapshot
@@ -126,6 +128,7 @@ class LoadState:
         self._views_by_id: dict[str, ReplicaSnapshot] = {}
         self._changed_ids: set[str] = set()
         self._ranking = FleetRanking()  # the fleet in rank order, for bounded candidate sets
+        self._mean_step_time = MeanStepTime()  # kept as replicas refresh (used at fleet scale)
         # called with (replica id, new preemptions) when a replica's counter rises
         self.on_preemptions: Callable[[str, int], None] | None = None
         self.pending_listener: PendingListener | None = None  # own pending reservations
@@ -239,6 +242,7 @@ class LoadState:
             base = dataclasses.replace(base, weight=weight)
         replica.base = base
         replica.combined = None
+        self._mean_step_time.count(base.replica_id, replica.model if base.healthy else None)
         self._snapshots = None
         self._changed_ids.add(base.replica_id)
         self._step_time = None
@@ -437,6 +441,9 @@ class LoadState:
         return replica.fitter if replica else None
 
     def _mean_model(self, replicas: tuple[ReplicaSnapshot, ...]) -> StepTimeModel:
+        if len(self._mean_step_time) >= MIN_RANKED_REPLICAS:  # O(1) per refresh at scale
+            self._step_time = self._mean_step_time.mean(self._default_prior)
+            return self._step_time
         models = [self._replicas[s.replica_id].model for s in replicas if s.healthy]
         if not models:
             self._step_time = self._default_prior

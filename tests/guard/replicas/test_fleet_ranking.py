@@ -147,3 +147,12 @@ def test_keys_that_time_made_stale_are_refreshed_in_turn():
     assert ids(stale.view(60.0)) == ["b", "a"]
     assert ids(fresh.view(60.0)) == ["a", "b"]
     assert fresh.view(60.0).ranked == RankedFleet.of((drained, busy), STEP, 60.0).ranked
+
+
+def test_at_fleet_scale_the_snapshots_step_time_is_the_healthy_replicas_mean():
+    load_state = _fleet(MIN_RANKED_REPLICAS)
+    load_state.mark_unhealthy("r0", 0.1)
+    snapshot = load_state.snapshot(0.2)
+    models = [load_state.step_time_model(r.replica_id) for r in snapshot.replicas if r.healthy]
+    expected = [sum(c) / len(models) for c in zip(*(m.as_tuple() for m in models), strict=True)]
+    assert snapshot.step_time.as_tuple() == pytest.approx(expected, rel=1e-12)
