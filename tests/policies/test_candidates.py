@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from policies.candidates import RankedFleet, pick_candidates, rank_key
 from policies.slo import SloPolicy
-from policies.snapshot import LoadSnapshot, ReplicaSnapshot, SeqLoad
+from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead, ReplicaSnapshot, SeqLoad
 from tests.policies.policy_builders import BATCH, INTERACTIVE, STEP, make_cost
 
 
@@ -27,9 +27,10 @@ def replica(rid: str, *, free: int = 100, running: int = 0, waiting_prompt: int 
 
 
 def snapshot(replicas: tuple[ReplicaSnapshot, ...], *, ranked: bool,
-             now_s: float = 0.1) -> LoadSnapshot:
-    fleet = RankedFleet.of(replicas, STEP) if ranked else None
-    return LoadSnapshot(now_s=now_s, replicas=replicas, step_time=STEP, fleet=fleet)
+             now_s: float = 0.1, ahead: QueuedAhead = NOTHING_AHEAD) -> LoadSnapshot:
+    fleet = RankedFleet.of(replicas, STEP, now_s) if ranked else None
+    return LoadSnapshot(now_s=now_s, replicas=replicas, step_time=STEP, fleet=fleet,
+                        queued_ahead=ahead)
 
 
 def test_rank_key_puts_the_idle_replica_before_the_busy_and_the_full_one_last():
@@ -149,9 +150,10 @@ def _build(specs: list[dict]) -> tuple[ReplicaSnapshot, ...]:
 @given(specs=_replicas, prompt=st.sampled_from([16, 100, 250, 600]),
        max_tokens=st.sampled_from([8, 64, 200]), batch=st.booleans(),
        now_s=st.sampled_from([0.1, 0.9, 2.0]), num_best=st.integers(1, 8),
-       num_sampled=st.integers(0, 4))
+       num_sampled=st.integers(0, 4),
+       ahead=st.sampled_from([NOTHING_AHEAD, QueuedAhead(2, 300, 20), QueuedAhead(9, 4000, 90)]))
 def test_on_fleets_of_one_to_eight_the_candidates_decide_as_the_full_scan(
-        specs, prompt, max_tokens, batch, now_s, num_best, num_sampled):
+        specs, prompt, max_tokens, batch, now_s, num_best, num_sampled, ahead):
     replicas = _build(specs)
     cost = make_cost(prompt=prompt, max_tokens=max_tokens, klass=BATCH if batch else INTERACTIVE)
     if num_best + num_sampled < len(replicas):
@@ -160,8 +162,8 @@ def test_on_fleets_of_one_to_eight_the_candidates_decide_as_the_full_scan(
     full = SloPolicy()
     for step in range(3):  # decisions in a row: the pressure state evolves alike
         at_s = now_s + 0.01 * step
-        assert bounded.decide(cost, snapshot(replicas, ranked=True, now_s=at_s)) == full.decide(
-            cost, snapshot(replicas, ranked=False, now_s=at_s))
+        assert bounded.decide(cost, snapshot(replicas, ranked=True, now_s=at_s, ahead=ahead)) \
+            == full.decide(cost, snapshot(replicas, ranked=False, now_s=at_s, ahead=ahead))
 
 
 def test_the_default_bound_covers_every_fleet_of_eight():
