@@ -19,7 +19,7 @@ changed replica is ranked only once the view is asked for.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections.abc import Iterable
 
 from policies.candidates import MIN_RANKED_REPLICAS, RankedFleet, rank_key
@@ -28,10 +28,6 @@ from policies.snapshot import ReplicaSnapshot
 from policies.step_time import StepTimeModel
 
 __all__ = ["FleetRanking"]
-
-
-def _load_key(entry: tuple) -> tuple:
-    return entry[0]
 
 
 class FleetRanking:
@@ -54,8 +50,9 @@ class FleetRanking:
         self._limits: dict[str, tuple[int, int]] = {}  # max_model_len, num_total_blocks
         self._max_limits = (0, 0)
         self._position: dict[str, int] = {}
-        self._by_load: list[tuple] = []  # sorted load_order of every healthy replica
-        self._load_entry_of: dict[str, tuple] = {}
+        self._load_orders: list[tuple] = []  # sorted load_order of every healthy replica
+        self._by_load: list[ReplicaSnapshot] = []  # the snapshots, parallel to _load_orders
+        self._load_order_of: dict[str, tuple] = {}
         self._num_inflight_of: dict[str, int] = {}
         self._num_inflight = 0
         self._view: RankedFleet | None = None
@@ -85,9 +82,11 @@ class FleetRanking:
         replica_id = replica.replica_id
         self._discard(replica_id)
         if replica.healthy:
-            entry = (load_order(replica), replica)
-            insort(self._by_load, entry, key=_load_key)
-            self._load_entry_of[replica_id] = entry
+            order = load_order(replica)
+            i = bisect_left(self._load_orders, order)
+            self._load_orders.insert(i, order)
+            self._by_load.insert(i, replica)
+            self._load_order_of[replica_id] = order
         if replica.healthy and replica.capacity_known:
             entry = (rank_key(replica, step_time, now_s), replica_id)
             i = bisect_left(self._entries, entry)
@@ -111,9 +110,11 @@ class FleetRanking:
             i = bisect_left(self._entries, entry)
             del self._entries[i]
             del self._ranked[i]
-        load_entry = self._load_entry_of.pop(replica_id, None)
-        if load_entry is not None:
-            del self._by_load[bisect_left(self._by_load, load_entry[0], key=_load_key)]
+        order = self._load_order_of.pop(replica_id, None)
+        if order is not None:
+            i = bisect_left(self._load_orders, order)
+            del self._load_orders[i]
+            del self._by_load[i]
 
     def view(self, now_s: float | None = None) -> RankedFleet | None:
         """The ranking at ``now_s`` (the replicas changed since the last view are ranked at
@@ -129,6 +130,6 @@ class FleetRanking:
             by_load = self._by_load
             view = self._view = RankedFleet(tuple(self._ranked), self._position,
                                             *self._max_limits,
-                                            by_load[0][1] if by_load else None,
+                                            by_load[0] if by_load else None,
                                             self._num_inflight)
         return view
