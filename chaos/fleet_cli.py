@@ -84,11 +84,14 @@ def _run_state_only(args: argparse.Namespace) -> int:
         raise ValueError("--proxies: a proxy needs at least one replica (--replicas >= 1)")
     config = StateFleetConfig(model=args.state_model, gpu=args.state_gpu,
                               tick_s=args.state_tick_s)
-    exit_on_sigterm()
     return asyncio.run(_state_only(args, config))
 
 
 async def _state_only(args: argparse.Namespace, config: StateFleetConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stop in the loop, then tear down in order
+        loop.add_signal_handler(sig, stop.set)
     fleet = StateFleet(config)
     await fleet.start(args.replicas)
     proxies = []
@@ -108,9 +111,7 @@ async def _state_only(args: argparse.Namespace, config: StateFleetConfig) -> int
             await asyncio.to_thread(child.start, args.start_timeout_s)
             print(f"{child.name} {child.url} pid {child.pid}", flush=True)
         print("fleet ready (Ctrl-C stops it)", flush=True)
-        await asyncio.Event().wait()
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        pass
+        await stop.wait()
     finally:
         for child in proxies:
             child.terminate()

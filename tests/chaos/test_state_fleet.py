@@ -79,3 +79,43 @@ def test_config_is_validated_by_key():
         StateFleetConfig(tick_s=0)
     with pytest.raises(ValueError, match="max_num_seqs"):
         StateFleetConfig(max_num_seqs=0)
+
+
+def test_kvguard_fleet_state_only_runs_a_proxy_in_front_and_stops_on_sigterm():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "guard.cli", "fleet", "--replicas", "3", "--state-only",
+         "--proxies", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    try:
+        deadline_s = time.monotonic() + 90
+        while time.monotonic() < deadline_s:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if not line or line.startswith("fleet ready"):
+                break
+        assert lines[-1].startswith("fleet ready"), "".join(lines)
+        proxy_url, proxy_pid = next(
+            (ln.split()[1], int(ln.split()[3])) for ln in lines if ln.startswith("proxy-0"))
+        assert sum(ln.startswith("replica-") for ln in lines) == 3
+        answer = httpx.post(proxy_url + "/v1/completions", timeout=30, trust_env=False,
+                            json={"model": "llama-7b", "prompt": "hello " * 20,
+                                  "max_tokens": 4})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "fleet stopped" in proc.stdout.read()
+        with pytest.raises(ProcessLookupError):  # the proxy it started is gone too
+            for _ in range(100):
+                os.kill(proxy_pid, 0)
+                time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
