@@ -199,6 +199,9 @@ class _ReplicaApp:
         except ValueError as exc:
             await _send_json(send, {"error": {"message": str(exc)}}, 400)
             return
+        watcher = asyncio.ensure_future(_until_disconnect(receive))
+        watcher.add_done_callback(lambda _: (self.replica.abort(request_id),
+                                             tokens.put_nowait((0, True))))
         try:
             if stream:
                 await self._stream(send, tokens, request_id, chat, num_prompt, max_tokens,
@@ -207,8 +210,11 @@ class _ReplicaApp:
                 done = False
                 while not done:
                     _, done = await tokens.get()
-                await _send_json(send, _completion(request_id, chat, num_prompt, max_tokens))
+                if not watcher.done():
+                    await _send_json(send, _completion(request_id, chat, num_prompt,
+                                                       max_tokens))
         finally:
+            watcher.cancel()
             self.replica.abort(request_id)  # a no-op once it ended; frees it if the client left
 
     async def _stream(self, send, tokens, request_id, chat, num_prompt, max_tokens,
@@ -219,6 +225,8 @@ class _ReplicaApp:
         done = False
         while not done:
             n, done = await tokens.get()
+            if not n:  # the client left: the sequence is aborted, nothing more to send
+                return
             events = [_chunk(request_id, chat, None) for _ in range(n)]
             if done:
                 events[-1] = _chunk(request_id, chat, "length")
@@ -229,6 +237,12 @@ class _ReplicaApp:
             tail += b"data: " + json.dumps({"id": request_id, "choices": [], "usage": _usage(
                 num_prompt, max_tokens)}).encode() + b"\n\n"
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
+
+
+async def _until_disconnect(receive) -> None:
+    """Returns when the client disconnects (the engine aborts the sequence within a step)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _num_prompt_tokens(request: dict, chat: bool) -> int:

@@ -119,3 +119,28 @@ def test_kvguard_fleet_state_only_runs_a_proxy_in_front_and_stops_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_sequence():
+    async def main():
+        fleet = StateFleet(StateFleetConfig(tick_s=0.002))
+        await fleet.start(1)
+        try:
+            url = fleet.urls["replica-0"]
+            async with httpx.AsyncClient(trust_env=False) as client:
+                body = {"model": "llama-7b", "prompt": list(range(50)), "max_tokens": 2000,
+                        "stream": True}
+                async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            break  # one token, then the client goes
+                for _ in range(200):
+                    state = (await client.get(url + "/kvguard/state")).json()
+                    if not state["running"]:
+                        break
+                    await asyncio.sleep(0.01)
+                assert state["running"] == [] and state["num_free_blocks"] == \
+                    state["num_total_blocks"]
+        finally:
+            await fleet.stop()
+    run(main())
