@@ -92,6 +92,13 @@ started, the estimate holds until 60 s after the client's last cancellation — 
 stopping is what the check achieves, not a sign the clients became patient. With no
 cancellations the decisions are exactly those described above.
 
+Fleet scale (:mod:`policies.candidates`): when the snapshot carries the guard's ranked fleet,
+steps 4-6 run over a bounded candidate set — the ``num_candidates_best`` best-ranked replicas
+and ``num_candidates_sampled`` of the rest in turn — instead of every replica. A fleet within
+that bound is wholly the candidate set (the full scan's decision exactly); a request past its
+deadline or over the fleet's largest context or KV, no fresh candidate, or a request no
+candidate can ever hold, is decided by the full scan, so steps 1-3 stay exact.
+
 ``predicted_ttft_s`` on Admit and Queue is counted from the request's arrival (time already
 spent plus the forecast from now), so the guard can compare it with the TTFT it measures.
 """
@@ -99,9 +106,10 @@ spent plus the forecast from now), so the guard can compare it with the TTFT it 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from policies.always_admit import NO_REPLICA
+from policies.candidates import RankedFleet, pick_candidates
 from policies.client_patience import ClientPatience, Patience
 from policies.concurrency_cap import num_inflight
 from policies.cost import RequestCost
@@ -160,8 +168,14 @@ class SloPolicy:
         min_cancel_share: float = 0.05,
         use_learned_limits: bool = True,
         cache_affinity_ratio: float = math.inf,
+        num_candidates_best: int = 8,
+        num_candidates_sampled: int = 4,
     ) -> None:
         self.patience = ClientPatience(patience_quantile, min_cancel_share)
+        self.num_candidates_best = check_int("num_candidates_best", num_candidates_best, 1)
+        self.num_candidates_sampled = check_int("num_candidates_sampled",
+                                                num_candidates_sampled, 0)
+        self._turn = 0  # which window of the rest of the fleet the next decision samples
         if stale_queue_s < 0:
             raise ValueError(f"stale_queue_s must be >= 0, got {stale_queue_s!r}")
         if not pressure_hold_s >= 0:
@@ -186,9 +200,57 @@ class SloPolicy:
         self.cache_affinity_ratio = cache_affinity_ratio
 
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
+        candidates = self._fresh_candidates(cost, snapshot)
+        if candidates is not None:
+            decision = self._decide_among(cost, snapshot, candidates)
+            if decision is not None:
+                return decision
+        return self._decide_full_scan(cost, snapshot)
+
+    def _fresh_candidates(self, cost: RequestCost,
+                          snapshot: LoadSnapshot) -> list[ReplicaSnapshot] | None:
+        """The fresh replicas of the bounded candidate set (:mod:`policies.candidates`), or
+        None where only the full scan decides exactly: no ranked fleet on the snapshot, the
+        request over the fleet's largest context or KV, past its deadline, or no candidate
+        fresh (steps 1-3 then need every replica)."""
+        fleet = snapshot.fleet
+        if (fleet is None or not fleet.ranked
+                or cost.num_prompt_tokens + cost.max_tokens > fleet.max_model_len
+                or cost.num_blocks > fleet.max_total_blocks
+                or snapshot.now_s >= cost.deadline_s):
+            return None
+        self._turn += 1
+        now_s, max_staleness_s = snapshot.now_s, snapshot.max_staleness_s
+        chosen = pick_candidates(fleet, self.num_candidates_best, self.num_candidates_sampled,
+                                 self._turn)
+        if cost.cached_prefix_tokens:  # the replicas holding the request's prefix compete too
+            chosen = _with_prefix_holders(chosen, fleet, cost.cached_prefix_tokens)
+        fresh = [r for r in chosen if now_s - r.observed_s <= max_staleness_s]
+        return fresh or None
+
+    def _decide_among(self, cost: RequestCost, snapshot: LoadSnapshot,
+                      fresh: list[ReplicaSnapshot]) -> Decision | None:
+        """Steps 4-6 over ``fresh``; None when the request fits none of them at all (the
+        full scan then tells a request no replica can ever hold from one that must wait)."""
+        now_s = snapshot.now_s
+        step_time = snapshot.step_time
+        options = []
+        for r in fresh:
+            f = forecast(cost, r, step_time, NOTHING_AHEAD, now_s)
+            if f is not None:
+                options.append((r, f))
+        if not options:
+            return None
+        ratio = self.headroom_ratio(now_s)
+        patience_s = self.patience.estimate(cost.request_class.name, now_s, cost.tenant,
+                                            cost.client)
+        return (_admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio,
+                       self.cache_affinity_ratio)
+                or self._queue_or_shed(cost, snapshot, options, ratio, patience_s))
+
+    def _decide_full_scan(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
         # One pass over the replicas for steps 1-3 and the fresh ones, in plain loops with
-        # never_fits and LoadSnapshot.fresh_replicas inlined: this runs for every request on
-        # the proxy's path to the upstream, before the request is written there.
+        # never_fits and LoadSnapshot.fresh_replicas inlined.
         replicas = snapshot.replicas
         now_s = snapshot.now_s
         max_staleness_s = snapshot.max_staleness_s
@@ -330,6 +392,19 @@ class SloPolicy:
         self._last_overload_shed_s = now_s
         return _shed(options)
 
+
+
+def _with_prefix_holders(chosen: list[ReplicaSnapshot], fleet: RankedFleet,
+                         cached: Mapping[str, int]) -> list[ReplicaSnapshot]:
+    """``chosen`` plus every ranked replica expected to hold part of the request's prefix,
+    in snapshot order (as the candidates are decided): a warm replica outside the bounded set
+    would otherwise be missed, and with it the affinity the full scan finds."""
+    ids = {r.replica_id for r in chosen}
+    extra = [r for r in fleet.ranked if cached.get(r.replica_id) and r.replica_id not in ids]
+    if not extra:
+        return chosen
+    position = fleet.position
+    return sorted((*chosen, *extra), key=lambda r: position[r.replica_id])
 
 def _is_retry_over_budget(cost: RequestCost, snapshot: LoadSnapshot) -> bool:
     return cost.is_retry and snapshot.retry_budget.is_over(cost.tenant)

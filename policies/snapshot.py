@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from policies.replica_load import ReplicaLoad, SeqTotals
 from policies.retry_budget import NO_RETRY_OVER_BUDGET, RetryBudgetView
 from policies.seq_load import SeqLoad
 from policies.step_time import StepTimeModel
+
+if TYPE_CHECKING:  # policies.candidates forecasts on snapshots: imported for the annotation only
+    from policies.candidates import RankedFleet
 
 __all__ = ["SeqLoad", "ReplicaSnapshot", "LoadSnapshot", "QueuedAhead", "NOTHING_AHEAD"]
 
@@ -137,6 +141,9 @@ class LoadSnapshot:
     drain_rate_rps: float = 0.0  # measured completions per second, for Retry-After
     retry_budget: RetryBudgetView = NO_RETRY_OVER_BUDGET  # whose retries are over budget now
     queued_ahead: QueuedAhead = NOTHING_AHEAD  # the guard's queue ahead of this request
+    # the fleet ranked for bounded candidate sets (policies.candidates); None: scan every replica.
+    # It describes exactly ``replicas``: a caller that narrows ``replicas`` must drop it
+    fleet: RankedFleet | None = None
 
     def fresh_replicas(self) -> tuple[ReplicaSnapshot, ...]:
         now_s, max_staleness_s = self.now_s, self.max_staleness_s

@@ -27,6 +27,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "serving": ("chaos.bench.serving", "what the connection limits cost: limited vs plain uvicorn"),
     "llamacpp": ("chaos.bench.llamacpp", "llama-cpp-python's server (SmolLM2) bare vs behind "
                  "kvguard proxy's defaults (a learned limit) at 0.5 / 1 / 4 x its capacity"),
+    "scale": ("chaos.bench.scale", "decision and state-ingestion cost vs fleet size, in-process"),
 }
 
 

@@ -136,7 +136,9 @@ class Decider:
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
                                             self.retry_budget.view(now_s))
         others = tuple(r for r in snapshot.replicas if r.replica_id in replica_ids)
-        decision = self.policy.decide(cost, dataclasses.replace(snapshot, replicas=others))
+        # the ranked fleet describes every replica: a narrowed snapshot is decided by scanning
+        decision = self.policy.decide(cost, dataclasses.replace(snapshot, replicas=others,
+                                                                fleet=None))
         if not isinstance(decision, Admit) or not self.load_state.move(
                 cost.request_id, decision.replica_id, now_s):
             return None

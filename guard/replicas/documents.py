@@ -1,8 +1,10 @@
 """A replica's own state (without the guard's reservations) as an immutable ``ReplicaSnapshot``.
 
 Four sources: a kvguard replica's ``/kvguard/state`` JSON (every sequence listed, by request
-id), a black-box vLLM replica's ``/metrics`` text (counts only: running requests share the used
-KV evenly, unknown lengths are assumed), another engine's metrics (SGLang, TGI, llama.cpp:
+id: as one object per sequence, or in the compact form as one list per field —
+``running_columns`` / ``waiting_columns``, which the engine serves at ``?compact=1``), a
+black-box vLLM replica's ``/metrics`` text (counts only: running requests share the used KV
+evenly, unknown lengths are assumed), another engine's metrics (SGLang, TGI, llama.cpp:
 :class:`guard.replicas.engine_metrics.EngineLoad`; known capacity only where the engine gives
 its KV pool's size and usage, else counts with unknown capacity), and a replica that publishes
 no state at all (healthy, unknown capacity: ``capacity_known=False``, so policies fall back to
@@ -25,6 +27,7 @@ __all__ = [
     "ENGINE_BLOCK_SIZE",
     "engine_snapshot",
     "kvguard_snapshot",
+    "listed_request_ids",
     "unknown_capacity_snapshot",
     "vllm_snapshot",
 ]
@@ -50,14 +53,39 @@ def kvguard_snapshot(replica_id: str, state: Mapping[str, Any], now_s: float,
         max_num_seqs=int(state["max_num_seqs"]),
         max_num_batched_tokens=int(state["max_num_batched_tokens"]),
         max_model_len=int(state["max_model_len"]),
-        running=tuple(_seq_load(s, our_cost(s["request_id"])) for s in state["running"]),
-        waiting=tuple(_seq_load(s, our_cost(s["request_id"])) for s in state["waiting"]),
+        running=_seq_loads(state, "running", our_cost),
+        waiting=_seq_loads(state, "waiting", our_cost),
     )
 
 
+def listed_request_ids(state: Mapping[str, Any]) -> set[str]:
+    """The request ids a ``/kvguard/state`` document lists as running or waiting."""
+    if "running_columns" in state:
+        return {*state["running_columns"]["request_id"], *state["waiting_columns"]["request_id"]}
+    return {s["request_id"] for s in (*state["running"], *state["waiting"])}
+
+
+def _seq_loads(state: Mapping[str, Any], group: str,
+               our_cost: Callable[[str], RequestCost | None]) -> tuple[SeqLoad, ...]:
+    columns = state.get(f"{group}_columns")
+    if columns is None:
+        return tuple(_seq_load(s, our_cost(s["request_id"])) for s in state[group])
+    return tuple(
+        _seq_fields(int(num_output), max_tokens, int(num_context), int(num_prefill),
+                    our_cost(request_id))
+        for request_id, num_output, max_tokens, num_context, num_prefill in zip(
+            columns["request_id"], columns["num_output_tokens"], columns["max_tokens"],
+            columns["num_context_tokens"], columns["num_prefill_tokens_remaining"], strict=True))
+
+
 def _seq_load(seq: Mapping[str, Any], cost: RequestCost | None) -> SeqLoad:
-    num_output = int(seq["num_output_tokens"])
-    max_tokens = seq.get("max_tokens")
+    return _seq_fields(int(seq["num_output_tokens"]), seq.get("max_tokens"),
+                       int(seq["num_context_tokens"]), int(seq["num_prefill_tokens_remaining"]),
+                       cost)
+
+
+def _seq_fields(num_output: int, max_tokens: Any, num_context: int, num_prefill: int,
+                cost: RequestCost | None) -> SeqLoad:
     remaining_max = max(0, int(max_tokens) - num_output) if max_tokens is not None else None
     itl_s = None
     if cost is not None:  # ours: we know its class and expected length
@@ -67,8 +95,8 @@ def _seq_load(seq: Mapping[str, Any], cost: RequestCost | None) -> SeqLoad:
     else:
         remaining = remaining_max if remaining_max is not None else 1
     return SeqLoad(
-        num_context_tokens=int(seq["num_context_tokens"]),
-        num_prefill_tokens_remaining=int(seq["num_prefill_tokens_remaining"]),
+        num_context_tokens=num_context,
+        num_prefill_tokens_remaining=num_prefill,
         num_remaining_output_tokens=remaining,
         itl_s=itl_s,
     )

@@ -46,14 +46,18 @@ from guard.replicas.documents import (
     UNKNOWN_NUM_BLOCKS,
     engine_snapshot,
     kvguard_snapshot,
+    listed_request_ids,
     unknown_capacity_snapshot,
     vllm_snapshot,
 )
 from guard.replicas.engine_metrics import EngineLoad
+from guard.replicas.fleet_ranking import FleetRanking
+from guard.replicas.mean_step_time import MeanStepTime
 from guard.replicas.prefix_cache import PrefixCacheView
 from guard.replicas.reservations import ReplicaReservations, Reservation
 from guard.replicas.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
 from guard.replicas.vllm_metrics import parse_vllm_metrics
+from policies.candidates import MIN_RANKED_REPLICAS
 from policies.cost import RequestCost
 from policies.retry_budget import NO_RETRY_OVER_BUDGET, RetryBudgetView
 from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead, ReplicaSnapshot
@@ -125,6 +129,11 @@ class LoadState:
         self._books: dict[str, ReplicaReservations] = {}  # per replica id, made on first reserve
         self._step_time: StepTimeModel | None = None  # the mean model, reset on every update
         self._snapshots: tuple[ReplicaSnapshot, ...] | None = None  # every replica's, until dirty
+        # the same snapshots by id, in the fleet's order; the ids changed since they were built
+        self._views_by_id: dict[str, ReplicaSnapshot] = {}
+        self._changed_ids: set[str] = set()
+        self._ranking = FleetRanking()  # the fleet in rank order, for bounded candidate sets
+        self._mean_step_time = MeanStepTime()  # kept as replicas refresh (used at fleet scale)
         # called with (replica id, new preemptions) when a replica's counter rises
         self.on_preemptions: Callable[[str, int], None] | None = None
         self.pending_listener: PendingListener | None = None  # own pending reservations
@@ -156,7 +165,7 @@ class LoadState:
         replica = self._replica(replica_id, prior)
         model = state.get("model")
         replica.served_model = model if isinstance(model, str) else None
-        listed = {s["request_id"] for s in (*state["running"], *state["waiting"])}
+        listed = listed_request_ids(state)
         base = kvguard_snapshot(replica_id, state, now_s, self._our_cost)
         if self.cache_view is not None:
             self.cache_view.replica_state(replica_id, state)
@@ -280,7 +289,9 @@ class LoadState:
                                        first_token_s=replica.first_token_s)
         replica.base = base
         replica.combined = None
+        self._mean_step_time.count(base.replica_id, replica.model if base.healthy else None)
         self._snapshots = None
+        self._changed_ids.add(base.replica_id)
         self._step_time = None
         # Built here, in the state poll, rather than by the next decision: at low load a state
         # refresh lands between most requests, so the engine groups' sums are ready before a
@@ -422,6 +433,7 @@ class LoadState:
         if replica is not None:
             replica.combined = None
             self._snapshots = None
+            self._changed_ids.add(replica_id)
 
     def num_reserved_blocks(self, replica_id: str) -> int:
         book = self._books.get(replica_id)
@@ -455,13 +467,21 @@ class LoadState:
         """Every replica's snapshot (engine state + reservations) and the mean step-time
         model, rebuilt where a reserve, release or state update left them out of date."""
         replicas = self._snapshots
-        if replicas is None:  # rebuilt after every reserve/release: a plain loop, no generator
-            built = []
-            for rid in self._replicas:
+        if replicas is None:  # only the replicas changed since are rebuilt and re-ranked
+            views = self._views_by_id
+            changed, self._changed_ids = self._changed_ids, set()
+            joined = False
+            for rid in changed:
                 s = self.replica_snapshot(rid)
-                if s:
-                    built.append(s)
-            replicas = self._snapshots = tuple(built)
+                if s is not None:
+                    joined = joined or rid not in views
+                    views[rid] = s
+                    self._ranking.update(s, self._replicas[rid].model)
+            if joined:  # a replica's first state: the fleet's order is the registration order
+                views = self._views_by_id = {rid: views[rid] for rid in self._replicas
+                                             if rid in views}
+                self._ranking.set_order(views)
+            replicas = self._snapshots = tuple(views.values())
         if self._step_time is None:
             self._mean_model(replicas)
         return replicas
@@ -473,10 +493,11 @@ class LoadState:
         if replicas is None or self._step_time is None:
             replicas = self._views()
         # one per request, positional in field order: now, replicas, step time, queued,
-        # staleness bound, drain rate, retry budget, queue ahead
+        # staleness bound, drain rate, retry budget, queue ahead, the ranked fleet
         return LoadSnapshot(
             now_s, replicas, self._step_time,
-            num_queued, self._max_staleness_s, drain_rate_rps, retry_budget, queued_ahead)
+            num_queued, self._max_staleness_s, drain_rate_rps, retry_budget, queued_ahead,
+            self._ranking.view(now_s))
 
     def step_time_model(self, replica_id: str) -> StepTimeModel:
         replica = self._replicas.get(replica_id)
@@ -488,6 +509,9 @@ class LoadState:
         return replica.fitter if replica else None
 
     def _mean_model(self, replicas: tuple[ReplicaSnapshot, ...]) -> StepTimeModel:
+        if len(self._mean_step_time) >= MIN_RANKED_REPLICAS:  # O(1) per refresh at scale
+            self._step_time = self._mean_step_time.mean(self._default_prior)
+            return self._step_time
         models = [self._replicas[s.replica_id].model for s in replicas if s.healthy]
         if not models:
             self._step_time = self._default_prior

@@ -89,7 +89,14 @@ class StateSource(Protocol):
 
 class HttpStateSource:
     """``GET {url}/kvguard/state`` (kind ``kvguard``) or ``GET {url}/metrics`` (a
-    ``METRICS_KINDS`` engine)."""
+    ``METRICS_KINDS`` engine).
+
+    A kvguard replica is asked for the compact document (``?compact=1``: sequences as columns)
+    with only the iteration samples after the last batch id this source has seen
+    (``&since_batch=N``); a replica that ignores the query sends the full document, which
+    reads the same. When the replica's ``step_count`` falls (it restarted: batch ids start
+    over) the next poll asks for every sample again.
+    """
 
     def __init__(self, url: str, kind: str = "kvguard", *, client: StateClient,
                  timeout_s: float = 1.0, max_model_len: int | None = None):
@@ -98,12 +105,19 @@ class HttpStateSource:
                              f"{METRICS_KINDS}, got {kind!r}")
         self.kind = kind
         self.url = url.rstrip("/") + ("/kvguard/state" if kind == "kvguard" else "/metrics")
+        self._last_batch_id: int | None = None  # the newest iteration sample seen
+        self._last_step_count = -1
         self._client = client
         self._timeout_s = timeout_s
         self.max_model_len = max_model_len  # metrics kinds: their pages lack the context length
 
     async def fetch(self) -> Any:
-        response = await self._client.get(self.url, timeout=self._timeout_s)
+        url = self.url
+        if self.kind == "kvguard":
+            url += "?compact=1"
+            if self._last_batch_id is not None:
+                url += f"&since_batch={self._last_batch_id}"
+        response = await self._client.get(url, timeout=self._timeout_s)
         if self.kind == "kvguard" and response.status_code == 404:
             raise StateUnavailable(f"{self.url} answered 404")
         if self.kind == "llamacpp" and response.status_code in (404, 501):
@@ -111,7 +125,20 @@ class HttpStateSource:
         response.raise_for_status()
         if self.kind != "kvguard":
             return response.text
-        return _state_document(response.content, self.url)
+        state = _state_document(response.content, self.url)
+        self._note_batches(state)
+        return state
+
+    def _note_batches(self, state: dict) -> None:
+        step_count = state.get("step_count")
+        if isinstance(step_count, int) and step_count < self._last_step_count:
+            self._last_batch_id = None  # restarted: its batch ids start over
+        self._last_step_count = step_count if isinstance(step_count, int) else -1
+        for it in state.get("iterations") or ():
+            batch_id = it.get("batch_id") if isinstance(it, dict) else None
+            if isinstance(batch_id, int) and (self._last_batch_id is None
+                                              or batch_id > self._last_batch_id):
+                self._last_batch_id = batch_id
 
 
     async def _slots(self) -> EngineLoad:
