@@ -131,3 +131,22 @@ def test_a_warm_replica_held_back_only_by_prefill_pacing_is_waited_for():
     idle_streams = roomy("b", running=streams, max_num_seqs=16)
     assert SloPolicy(ttft_safety_ratio=1.0).decide(
         cost, make_snapshot(roomy("a"), idle_streams)).replica_id == "b"
+
+
+def test_on_a_ranked_fleet_the_replica_holding_the_prefix_is_a_candidate_wherever_it_ranks():
+    """40 replicas: the bounded candidate set forecasts the 8 best-ranked and 4 sampled ones;
+    the replica holding the prefix ranks last (it runs streams) and is still the one chosen,
+    as the full scan chooses it."""
+    from policies.candidates import RankedFleet
+
+    idle = [roomy(f"r{i}") for i in range(39)]
+    warm = roomy("warm", running=[decoding(), decoding()])
+    replicas = (*idle, warm)
+    ranked = RankedFleet.of(replicas, STEP, 0.0)
+    assert ranked.ranked[-1].replica_id == "warm"
+    cost = shared_prefix_cost({"warm": 1900})
+    bounded = dataclasses.replace(make_snapshot(*replicas), fleet=ranked)
+    full = make_snapshot(*replicas)
+    policy = SloPolicy(ttft_safety_ratio=1.0)
+    assert policy.decide(cost, full).replica_id == "warm"
+    assert policy.decide(cost, bounded).replica_id == "warm"
