@@ -46,7 +46,7 @@ import math
 import os
 import re
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,7 @@ __all__ = [
     "ANONYMOUS_TENANT",
     "DEFAULT_CLASSES",
     "STATE_SOURCES",
+    "config_with_upstreams",
     "hash_api_key",
     "load_config",
 ]
@@ -664,3 +665,21 @@ def load_config(path: str | os.PathLike | None = None,
         return dataclasses.replace(config, **overrides)
     except ValueError as exc:
         raise ValueError(f"KVGUARD_* environment override: {exc}") from None
+
+
+def config_with_upstreams(path: str | os.PathLike | None, upstreams: Sequence[str],
+                          state_source: str, redis_url: str | None) -> GuardConfig:
+    """What ``kvguard proxy`` and ``kvguard epp`` serve: the config file (or the environment),
+    its replicas replaced by ``upstreams`` when any are given (ids ``r0``, ``r1``, …, polled
+    as ``state_source``), its ``redis_url`` by ``redis_url`` when given."""
+    config = load_config(path)
+    if upstreams:
+        replicas = tuple(ReplicaConfig(f"r{i}", url, state_source)
+                         for i, url in enumerate(upstreams))
+        config = dataclasses.replace(config, replicas=replicas)
+    if redis_url is not None:
+        config = dataclasses.replace(config, redis_url=redis_url)
+    if not config.replicas:
+        raise ValueError("no replicas: give --upstream URL or [[replicas]] in the config")
+    return config
+
