@@ -21,6 +21,7 @@ TOML layout (see ``docs/guard-config.example.toml``)::
     state_source = "kvguard"   # "kvguard" | "vllm" | "none" | "asgi"
     weight = 1.0               # relative share where routing is least-loaded (ReplicaConfig)
     [proxy]                    # the standalone proxy's settings (guard.proxy.config)
+    [cost]                     # prices for cost accounting (guard.observe.cost_config)
 
 Environment: ``KVGUARD_CONFIG`` names the TOML file; ``KVGUARD_<FIELD>`` overrides any scalar
 field (``KVGUARD_POLICY=cap``, ``KVGUARD_MAX_BODY_BYTES=65536``, ``KVGUARD_TRACE_PATH=...``);
@@ -54,6 +55,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package
 
 from guard.budget.config import LIMIT_KEYS, BudgetConfig
 from guard.budget.store import BudgetLimits
+from guard.observe.cost_config import CostConfig
 from guard.proxy.config import ProxyConfig
 from policies.cost import RequestClass
 from policies.retry_budget import RetryBudgetConfig
@@ -206,6 +208,7 @@ class GuardConfig:
     max_tenant_labels: int = 20
     redis_url: str | None = None
     budget: BudgetConfig = field(default_factory=BudgetConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
     class_header: str = "x-kvguard-class"
     deadline_header: str = "x-kvguard-deadline-ms"
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
@@ -428,6 +431,8 @@ class GuardConfig:
             data["proxy"] = ProxyConfig.from_dict(data["proxy"])
         if "budget" in data:
             data["budget"] = BudgetConfig.from_dict(data["budget"])
+        if "cost" in data and not isinstance(data["cost"], CostConfig):
+            data["cost"] = CostConfig.from_dict(data["cost"])
         if "admitted_paths" in data:
             data["admitted_paths"] = tuple(_list("admitted_paths", data["admitted_paths"]))
         if "policy_params" in data and not isinstance(data["policy_params"], Mapping):
