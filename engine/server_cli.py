@@ -74,6 +74,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="topic frame of each KV event message (default: empty, as vLLM)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="append one JSON line per request to FILE")
+    parser.add_argument("--step-trace", default=None, metavar="FILE",
+                        help="append one JSON line per engine step (each request's tokens and "
+                             "KV read: what cost accounting shares the step's time by) to FILE")
     parser.add_argument("--middleware", action="append", default=[], metavar="MODULE:CLASS",
                         help="ASGI middleware to wrap the app with (repeatable)")
     parser.add_argument("--guard", default=None, metavar="CONFIG",
@@ -220,11 +223,15 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     metrics = EngineMetrics(CollectorRegistry(), name)
 
+    trace = TraceWriter.open(args.trace) if args.trace else None
+    step_trace = TraceWriter.open(args.step_trace) if args.step_trace else None
+
     def on_step(result, state) -> None:
         num_prefill = result.iteration.num_prefill_tokens if result.iteration else 0
         metrics.record_tokens(num_prefill, sum(len(o.new_token_ids) for o in result.outputs))
+        if step_trace is not None:
+            step_trace.write_step(result)
 
-    trace = TraceWriter.open(args.trace) if args.trace else None
     async_engine = AsyncEngine(engine, on_step=on_step)
     app = build_app(async_engine, name, tokenizer, metrics, trace,
                     max_body_bytes=args.max_body_bytes)
@@ -248,8 +255,9 @@ def run(args: argparse.Namespace) -> int:
         draining_server(config, drain, ready_line).run(sockets=[sock])
     finally:
         sock.close()
-        if trace is not None:
-            trace.close()
+        for writer in (trace, step_trace):
+            if writer is not None:
+                writer.close()
         if publisher is not None:
             publisher.close()
     return 0
