@@ -22,12 +22,15 @@ __all__ = ["read_jsonl", "steps_from_lines", "fates_from_guard_trace", "fates_fr
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Every JSON line of ``path``; ValueError names the file and line of a bad one."""
+    """Every JSON line of ``path``; ValueError names the file and line of a bad one. A last
+    line without its newline is what a writer killed mid-line left: it is skipped."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"cannot read {str(path)!r}: {exc.strerror}") from None
     lines = []
+    if text and not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
