@@ -28,7 +28,7 @@ from chaos.cost_report import cost_section, plot_cost
 from chaos.goodput import Window
 from guard.observe.cost_config import CostConfig
 
-__all__ = ["configure", "run", "roofline_weights", "split_windows"]
+__all__ = ["configure", "run", "read_cost_config", "roofline_weights", "split_windows"]
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -80,7 +80,8 @@ def _parse_window(text: str) -> tuple[float, float]:
     return start, end
 
 
-def _cost_config(path: str | None) -> CostConfig:
+def read_cost_config(path: str | None) -> CostConfig:
+    """The [cost] table of the guard TOML at ``path`` (the built-in prices for None)."""
     if path is None:
         return CostConfig()
     from guard.config import load_config
@@ -89,7 +90,7 @@ def _cost_config(path: str | None) -> CostConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = _cost_config(args.config)
+    config = read_cost_config(args.config)
     tokens: dict[str, int] = {}
     for path in args.engine_trace:
         tokens.update(output_tokens_from_engine_trace(read_jsonl(path)))

@@ -25,17 +25,20 @@ from chaos.review_verdict import METRICS, WORSE, combine, compare
 from chaos.scenario_run import NOMINAL_REPLICA_CAPACITY_GPU_RPS
 from policies.cost import RequestClass
 
-__all__ = ["configure", "run", "review", "render_markdown", "plot_review"]
+__all__ = ["configure", "run", "review", "judge", "render_markdown", "plot_review"]
 
 TTFT_SLO_S, ITL_SLO_S = 1.0, 0.08  # GPU seconds: the interactive class
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--baseline", required=True, help="the baseline fleet (TOML)")
-    p.add_argument("--candidate", required=True, help="the candidate fleet (TOML)")
+    p.add_argument("--baseline", help="the baseline fleet (TOML)")
+    p.add_argument("--candidate", help="the candidate fleet (TOML)")
+    p.add_argument("--rejudge", metavar="REVIEW_JSON",
+                   help="no runs: judge the cells of an earlier review.json again (e.g. with "
+                        "another --min-effect) and rewrite its report into --out")
     p.add_argument("--seeds", type=int, default=3, help="seeded runs per scenario and fleet")
-    p.add_argument("--quick", action="store_true", help="shorter scenarios (≤ 15 min on 2 cores "
-                                                       "with 2 seeds)")
+    p.add_argument("--quick", action="store_true",
+                   help="half-length scenarios (about 13 min on 2 cores with 3 seeds)")
     p.add_argument("--scenario", action="append", default=[],
                    help="run only these scenarios (repeatable)")
     p.add_argument("--time-scale", type=float, default=2.0,
@@ -72,16 +75,23 @@ def review(baseline: FleetSpec, candidate: FleetSpec, seeds: int, quick: bool, k
                 log(f"{scenario.name} seed {seed} {side}: goodput/C {cell['goodput_ratio']:.3f}, "
                     f"$/good {format_usd(cell['cost_per_good_request_usd'])} "
                     f"({time.monotonic() - started:.0f} s)")
-        metrics = {m: compare(m, [c[m] for c in cells["baseline"]],
-                              [c[m] for c in cells["candidate"]], min_effect).to_dict()
-                   for m in METRICS}
-        scenarios[scenario.name] = {
-            "description": scenario.description, "cells": cells, "metrics": metrics,
-            "verdict": combine([v["verdict"] for v in metrics.values()])}
-    return {"baseline": baseline.name, "candidate": candidate.name, "seeds": seeds,
-            "quick": quick, "time_scale": k, "capacity_gpu_rps": capacity_rps * k,
-            "scenarios": scenarios,
-            "verdict": combine([s["verdict"] for s in scenarios.values()])}
+        scenarios[scenario.name] = {"description": scenario.description, "cells": cells}
+    return judge({"baseline": baseline.name, "candidate": candidate.name, "seeds": seeds,
+                  "quick": quick, "time_scale": k, "capacity_gpu_rps": capacity_rps * k,
+                  "scenarios": scenarios}, min_effect)
+
+
+def judge(report: dict, min_effect: float = 0.05) -> dict:
+    """Add the per-metric, per-scenario and overall verdicts to a report's cells."""
+    for s in report["scenarios"].values():
+        cells = s["cells"]
+        s["metrics"] = {m: compare(m, [c[m] for c in cells["baseline"]],
+                                   [c[m] for c in cells["candidate"]], min_effect).to_dict()
+                        for m in METRICS}
+        s["verdict"] = combine([v["verdict"] for v in s["metrics"].values()])
+    report["min_effect"] = min_effect
+    report["verdict"] = combine([s["verdict"] for s in report["scenarios"].values()])
+    return report
 
 
 def _cell(metric: str, triple: list[float] | None) -> str:
@@ -139,18 +149,23 @@ def plot_review(report: dict, path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    baseline, candidate = load_fleet(args.baseline), load_fleet(args.candidate)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    report = review(baseline, candidate, args.seeds, args.quick, args.time_scale, out,
-                    args.scenario or None, args.min_effect,
-                    log=lambda line: print(line, file=sys.stderr, flush=True))
-    report["wall_s"] = time.monotonic() - started
+    if args.rejudge:
+        report = judge(json.loads(Path(args.rejudge).read_text()), args.min_effect)
+    else:
+        if not args.baseline or not args.candidate:
+            raise ValueError("give --baseline and --candidate (or --rejudge)")
+        baseline, candidate = load_fleet(args.baseline), load_fleet(args.candidate)
+        started = time.monotonic()
+        report = review(baseline, candidate, args.seeds, args.quick, args.time_scale, out,
+                        args.scenario or None, args.min_effect,
+                        log=lambda line: print(line, file=sys.stderr, flush=True))
+        report["wall_s"] = time.monotonic() - started
     (out / "review.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "review.md").write_text(render_markdown(report))
     plot_review(report, out / "review.png")
     for name, s in report["scenarios"].items():
         print(f"{name}: {s['verdict']}")
-    print(f"overall: {report['verdict']} ({report['wall_s']:.0f} s); {out / 'review.md'}")
+    print(f"overall: {report['verdict']} ({report.get('wall_s', 0):.0f} s); {out / 'review.md'}")
     return 1 if report["verdict"] == WORSE else 0

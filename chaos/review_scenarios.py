@@ -60,7 +60,7 @@ class ReviewScenario:
 
 def scenario_matrix(quick: bool) -> list[ReviewScenario]:
     """Every scenario; ``quick`` shortens each to a few GPU seconds of judged window."""
-    d = 0.6 if quick else 1.0
+    d = 0.5 if quick else 1.0
 
     def t(x: float) -> float:
         return round(x * d, 3)

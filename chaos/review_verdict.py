@@ -9,6 +9,10 @@ to matter is no change, whatever its interval: with few seeds and many metrics t
 alone would call noise a change). The sign of the change and the metric's direction (higher
 goodput is better, higher cost is worse) give better or worse.
 
+A percentile bootstrap over a handful of seeds understates the spread (with two seeds its
+interval is just the two values), so the interval is widened to at least the Student-t
+interval of the same mean: few seeds then need a large, consistent change to count.
+
 A scenario is worse when any metric is worse, better when one is better and none is worse, and
 otherwise "no significant change"; the review overall likewise over its scenarios.
 """
@@ -44,9 +48,18 @@ class Interval:
         return self.low > 0 or self.high < 0
 
 
+# two-sided 95 % Student-t quantiles by degrees of freedom (1 … 10); 2.0 beyond, near enough
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def _t95(df: int) -> float:
+    return _T95[df - 1] if df <= len(_T95) else 2.0
+
+
 def bootstrap_mean(values: Sequence[float], confidence: float = 0.95,
                    num_resamples: int = 2000, seed: int = 0) -> Interval:
-    """Percentile bootstrap interval of the mean of ``values`` (seeded: reproducible)."""
+    """Percentile bootstrap interval of the mean of ``values`` (seeded: reproducible); at 95 %
+    widened to at least the Student-t interval (see the module docstring)."""
     if not values:
         raise ValueError("bootstrap_mean: need at least one value")
     if not 0 < confidence < 1:
@@ -57,7 +70,14 @@ def bootstrap_mean(values: Sequence[float], confidence: float = 0.95,
     tail = (1 - confidence) / 2
     low = means[math.floor(tail * (num_resamples - 1))]
     high = means[math.ceil((1 - tail) * (num_resamples - 1))]
-    return Interval(sum(values) / n, low, high)
+    mean = sum(values) / n
+    if n == 1:
+        return Interval(mean, -math.inf, math.inf)  # one seed says nothing about spread
+    if confidence == 0.95:
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+        half = _t95(n - 1) * sd / math.sqrt(n)
+        low, high = min(low, mean - half), max(high, mean + half)
+    return Interval(mean, low, high)
 
 
 @dataclass(frozen=True)

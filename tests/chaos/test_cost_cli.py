@@ -45,3 +45,21 @@ def test_cost_from_a_guarded_replicas_traces(tmp_path):
     assert window["cost_per_good_request_usd"] == pytest.approx(window["total_usd"] / 4)
     assert window["wasted_usd"] == 0.0
     assert (out / "cost.png").stat().st_size > 0 and "## Cost" in (out / "cost.md").read_text()
+
+
+@pytest.mark.slow
+def test_load_report_has_a_cost_section_from_the_step_traces(tmp_path):
+    steps = tmp_path / "steps.jsonl"
+    out = tmp_path / "run"
+    with start_engine(["--model", "llama-7b", "--backend", "sim",
+                       "--step-trace", str(steps)]) as eng:
+        assert cli.main(["load", "--url", eng.base_url, "--rate", "8", "--duration", "2",
+                         "--prompt-tokens", "64", "--output-tokens", "8", "--quiet",
+                         "--metrics-url", "none", "--step-trace", str(steps),
+                         "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    (window,) = summary["cost"]["windows"]
+    assert window["window_s"] == [0.0, 2.0]
+    assert window["num_good"] == summary["goodput"]["total"]["num_good"]["strict"]
+    assert 0 < window["accelerator_busy_usd"] < window["components_usd"]["accelerator"]
+    assert "## Cost" in (out / "report.md").read_text() and (out / "cost.png").exists()

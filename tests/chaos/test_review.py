@@ -103,3 +103,30 @@ def test_report_renders_verdicts_and_undefined_cells(tmp_path):
     assert "| steady | cost_per_good_request_usd | n/a | n/a | n/a |" in text
     assert "**Overall: no significant change**" in text
     assert Path(plot_review(report, tmp_path / "r.png")).stat().st_size > 0
+
+
+def _cells(goodput, cost):
+    return [{"goodput_ratio": g, "ttft_p90_s": 0.5, "good_tokens_per_s": 100.0 * g,
+             "cost_per_good_request_usd": c, "wasted_share": 0.1} for g, c in zip(goodput, cost)]
+
+
+def test_rejudge_an_earlier_review(tmp_path):
+    from guard import cli
+
+    report = {"baseline": "a", "candidate": "b", "seeds": 3, "quick": True, "time_scale": 2.0,
+              "capacity_gpu_rps": 48.0, "scenarios": {
+                  "steady": {"description": "", "cells": {
+                      "baseline": _cells([0.70, 0.72, 0.71], [1.0, 1.0, 1.0]),
+                      "candidate": _cells([0.71, 0.70, 0.72], [1.0, 1.01, 0.99])}},
+                  "burst": {"description": "", "cells": {
+                      "baseline": _cells([0.80, 0.82, 0.81], [1.0, 1.0, 1.0]),
+                      "candidate": _cells([0.50, 0.52, 0.51], [None, 1.6, 1.6])}}}}
+    path = tmp_path / "review.json"
+    path.write_text(json.dumps(report))
+    assert cli.main(["review", "--rejudge", str(path), "--out", str(tmp_path / "again")]) == 1
+    judged = json.loads((tmp_path / "again" / "review.json").read_text())
+    assert judged["scenarios"]["steady"]["verdict"] == "no significant change"
+    assert judged["scenarios"]["burst"]["metrics"]["goodput_ratio"]["verdict"] == "worse"
+    assert judged["scenarios"]["burst"]["metrics"]["cost_per_good_request_usd"]["num_pairs"] == 2
+    assert judged["verdict"] == "worse"
+    assert "**Overall: worse**" in (tmp_path / "again" / "review.md").read_text()

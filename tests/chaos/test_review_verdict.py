@@ -53,3 +53,12 @@ def test_combine_and_bad_input():
         bootstrap_mean([])
     interval = bootstrap_mean([1.0, 2.0, 3.0])
     assert interval.low <= interval.estimate == 2.0 <= interval.high
+    # at least the t interval: 2 ± 4.303 × 1 / sqrt(3)
+    assert interval.low == pytest.approx(2 - 4.303 / 3 ** 0.5)
+    assert not bootstrap_mean([5.0]).excludes_zero()
+
+
+def test_two_seeds_that_merely_agree_in_sign_are_no_change():
+    # both seeds 10 % and 30 % better: a percentile bootstrap would exclude zero; t does not
+    assert compare("goodput_ratio", [1.0, 1.0], [1.1, 1.3]).verdict == SAME
+    assert compare("goodput_ratio", [1.0, 1.0], [1.30, 1.31]).verdict == BETTER
