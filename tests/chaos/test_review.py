@@ -107,7 +107,8 @@ def test_report_renders_verdicts_and_undefined_cells(tmp_path):
 
 def _cells(goodput, cost):
     return [{"goodput_ratio": g, "ttft_p90_s": 0.5, "good_tokens_per_s": 100.0 * g,
-             "cost_per_good_request_usd": c, "wasted_share": 0.1} for g, c in zip(goodput, cost)]
+             "cost_per_good_request_usd": c, "wasted_share": 0.1}
+            for g, c in zip(goodput, cost, strict=True)]
 
 
 def test_rejudge_an_earlier_review(tmp_path):
