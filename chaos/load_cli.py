@@ -198,7 +198,8 @@ def run_once(args, rate: float, out_dir: Path, model: str | None) -> dict:
         def tick(counts, elapsed_s: float) -> None:
             if not started:  # the run's start on this machine's monotonic clock (the traces')
                 started.append(time.monotonic() - elapsed_s)
-            on_tick(counts, elapsed_s)
+            if on_tick is not None:
+                on_tick(counts, elapsed_s)
         result = asyncio.run(run_load(specs, cfg, on_tick=tick, tick_s=0.2))
     summary = build_summary(result, declared_rate_per_s=rate, shape=args.shape,
                             classes=classes, window=window,

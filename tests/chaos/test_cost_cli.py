@@ -41,9 +41,16 @@ def test_cost_from_a_guarded_replicas_traces(tmp_path):
     assert c["accelerator"] == pytest.approx(duration_s * 0.001)
     assert c["host"] == pytest.approx(2 * duration_s * 0.0001)  # one replica, one guard
     assert 0 < window["accelerator_busy_usd"] < c["accelerator"]
-    assert window["num_good"] == 4 and window["num_good_output_tokens"] == 32
-    assert window["cost_per_good_request_usd"] == pytest.approx(window["total_usd"] / 4)
-    assert window["wasted_usd"] == 0.0
+    # good = what the guard judged met its SLO (on a loaded machine a gap may miss it)
+    guard_lines = [json.loads(x) for x in guard_trace.read_text().splitlines()]
+    num_met = sum(bool(x["met_slo"]) for x in guard_lines)
+    assert len(guard_lines) == 4 and window["fates"]["good"] + window["fates"]["late"] == 4
+    assert window["num_good"] == num_met and window["num_good_output_tokens"] == 8 * num_met
+    if num_met:
+        assert window["cost_per_good_request_usd"] == pytest.approx(window["total_usd"] / num_met)
+    else:
+        assert window["cost_per_good_request_usd"] is None
+    assert (window["wasted_usd"] > 0) == (num_met < 4)
     assert (out / "cost.png").stat().st_size > 0 and "## Cost" in (out / "cost.md").read_text()
 
 
