@@ -21,7 +21,7 @@ from chaos.cost import format_usd
 from chaos.review_fleet import FleetSpec, load_fleet
 from chaos.review_run import run_cell
 from chaos.review_scenarios import scenario_matrix
-from chaos.review_verdict import METRICS, WORSE, combine, compare
+from chaos.review_verdict import ABSOLUTE_METRICS, METRICS, WORSE, combine, compare
 from chaos.scenario_run import NOMINAL_REPLICA_CAPACITY_GPU_RPS
 from policies.cost import RequestClass
 
@@ -116,9 +116,10 @@ def render_markdown(report: dict) -> str:
     for name, s in report["scenarios"].items():
         for metric, v in s["metrics"].items():
             change = v["relative_change"]
+            unit = " pt" if metric in ABSOLUTE_METRICS else "%"
             lines.append(f"| {name} | {metric} | {_cell(metric, v['baseline'])} | "
                          f"{_cell(metric, v['candidate'])} | "
-                         f"{'n/a' if change is None else f'{100 * change[0]:+.1f}%'} | "
+                         f"{'n/a' if change is None else f'{100 * change[0]:+.1f}{unit}'} | "
                          f"{v['verdict']} |")
         lines.append(f"| **{name}** | | | | | **{s['verdict']}** |")
     return "\n".join(lines + ["", "![review](review.png)", ""])

@@ -2,7 +2,8 @@
 per-seed numbers of one scenario.
 
 Each seed runs the same seeded users against both fleets, so the samples are **paired**: the
-test is on the per-seed differences ``candidate − baseline``, relative to the baseline's mean.
+test is on the per-seed differences ``candidate − baseline``, relative to the baseline's mean
+(shares, such as the wasted share, in absolute points instead).
 A metric changed when the bootstrap confidence interval of the mean relative difference
 excludes zero **and** its point estimate is at least ``min_effect_ratio`` (a change too small
 to matter is no change, whatever its interval: with few seeds and many metrics the interval
@@ -24,7 +25,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["BETTER", "WORSE", "SAME", "METRICS", "Interval", "MetricVerdict", "bootstrap_mean",
+__all__ = ["BETTER", "WORSE", "SAME", "METRICS", "ABSOLUTE_METRICS", "Interval", "MetricVerdict", "bootstrap_mean",
            "compare", "combine"]
 
 BETTER, WORSE, SAME = "better", "worse", "no significant change"
@@ -36,6 +37,8 @@ METRICS: Mapping[str, int] = {
     "cost_per_good_request_usd": -1,
     "wasted_share": -1,
 }
+# shares compared in absolute points (a share of 0 has no relative change): 0.05 = 5 points
+ABSOLUTE_METRICS = frozenset({"wasted_share"})
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,8 @@ class MetricVerdict:
     verdict: str
     baseline: Interval | None
     candidate: Interval | None
-    relative_change: Interval | None  # (candidate − baseline) ÷ |baseline mean|, per seed
+    # (candidate − baseline) ÷ |baseline mean| per seed; for ABSOLUTE_METRICS candidate − baseline
+    relative_change: Interval | None
     num_pairs: int
 
     def to_dict(self) -> dict:
@@ -110,7 +114,7 @@ def compare(metric: str, baseline: Sequence[float | None], candidate: Sequence[f
         return MetricVerdict(metric, SAME, None, None, None, 0)
     base = bootstrap_mean([b for b, _ in pairs], confidence)
     cand = bootstrap_mean([c for _, c in pairs], confidence)
-    scale = abs(base.estimate)
+    scale = 1.0 if metric in ABSOLUTE_METRICS else abs(base.estimate)
     if scale == 0:
         scale = max(abs(cand.estimate), 1e-12)
     change = bootstrap_mean([(c - b) / scale for b, c in pairs], confidence)

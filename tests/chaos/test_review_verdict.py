@@ -62,3 +62,9 @@ def test_two_seeds_that_merely_agree_in_sign_are_no_change():
     # both seeds 10 % and 30 % better: a percentile bootstrap would exclude zero; t does not
     assert compare("goodput_ratio", [1.0, 1.0], [1.1, 1.3]).verdict == SAME
     assert compare("goodput_ratio", [1.0, 1.0], [1.30, 1.31]).verdict == BETTER
+
+
+def test_shares_are_compared_in_points():
+    # 0 -> 3 % wasted every seed: a "100 %" relative change, but under 5 points: no change
+    assert compare("wasted_share", [0.0, 0.0, 0.0], [0.03, 0.03, 0.031]).verdict == SAME
+    assert compare("wasted_share", [0.0, 0.0, 0.0], [0.30, 0.31, 0.30]).verdict == WORSE
