@@ -7,7 +7,8 @@
 Fates (good / late / failed / canceled / rejected) come from the guard's trace (``met_slo``,
 ``outcome``); each replica's engine steps from its ``--step-trace`` (one file per replica, in
 replica order); output tokens from the engine request traces. Windows are seconds from the
-first request's arrival, like the goodput window of ``kvguard load``.
+first request's arrival, like the goodput window of ``kvguard load``. Whole-run totals
+(``--network-bytes``, ``--energy-joules``) are spread over the windows by their length.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="model preset whose roofline weighs prefill, decode and KV read")
     p.add_argument("--network-bytes", type=int, default=0,
                    help="bytes in + out at the guard over the whole run")
+    p.add_argument("--energy-joules", type=float, default=0.0,
+                   help="the replicas' energy over the whole run (sum of their "
+                        "kvguard_engine_energy_joules_total increases), priced at "
+                        "[cost] energy_usd_per_kwh")
     p.add_argument("--window", help="START:END seconds from the first arrival "
                                     "(default: first arrival to the last step)")
     p.add_argument("--interval", type=float, help="split the window into windows of this many s")
@@ -111,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     total_s = windows[-1].end_s - windows[0].start_s
     results = [window_cost(w, steps, fates, config, Fleet(
         replicas, len(args.guard_trace),
-        network_bytes=round(args.network_bytes * w.duration_s / total_s)), weights)
+        network_bytes=round(args.network_bytes * w.duration_s / total_s),
+        energy_j=args.energy_joules * w.duration_s / total_s), weights)
         for w in windows]
     dicts = [_relative(r.to_dict(), origin_s) for r in results]
     print("\n".join(cost_section(dicts, plot_name=None)))

@@ -2,8 +2,9 @@
 per-seed numbers of one scenario.
 
 Each seed runs the same seeded users against both fleets, so the samples are **paired**: the
-test is on the per-seed differences ``candidate − baseline``, relative to the baseline's mean
-(shares, such as the wasted share, in absolute points instead).
+test is on the per-seed changes ``(candidate − baseline) ÷ baseline`` (shares, such as the
+wasted share, in absolute points instead), so a consistent 80 % cut counts even when the
+seeds' baselines differ widely.
 A metric changed when the bootstrap confidence interval of the mean relative difference
 excludes zero **and** its point estimate is at least ``min_effect_ratio`` (a change too small
 to matter is no change, whatever its interval: with few seeds and many metrics the interval
@@ -89,7 +90,7 @@ class MetricVerdict:
     verdict: str
     baseline: Interval | None
     candidate: Interval | None
-    # (candidate − baseline) ÷ |baseline mean| per seed; for ABSOLUTE_METRICS candidate − baseline
+    # mean of (candidate − baseline) ÷ |baseline| per seed; for ABSOLUTE_METRICS in points
     relative_change: Interval | None
     num_pairs: int
 
@@ -114,14 +115,20 @@ def compare(metric: str, baseline: Sequence[float | None], candidate: Sequence[f
         return MetricVerdict(metric, SAME, None, None, None, 0)
     base = bootstrap_mean([b for b, _ in pairs], confidence)
     cand = bootstrap_mean([c for _, c in pairs], confidence)
-    scale = 1.0 if metric in ABSOLUTE_METRICS else abs(base.estimate)
-    if scale == 0:
-        scale = max(abs(cand.estimate), 1e-12)
-    change = bootstrap_mean([(c - b) / scale for b, c in pairs], confidence)
+    change = bootstrap_mean([_change(metric, b, c, base.estimate) for b, c in pairs], confidence)
     verdict = SAME
     if change.excludes_zero() and abs(change.estimate) >= min_effect_ratio:
         verdict = BETTER if change.estimate * direction > 0 else WORSE
     return MetricVerdict(metric, verdict, base, cand, change, len(pairs))
+
+
+def _change(metric: str, baseline: float, candidate: float, baseline_mean: float) -> float:
+    """One seed's change: in points for a share, else relative to that seed's baseline (to
+    the baseline mean where the seed's is 0)."""
+    if metric in ABSOLUTE_METRICS:
+        return candidate - baseline
+    scale = abs(baseline) or abs(baseline_mean) or max(abs(candidate), 1e-12)
+    return (candidate - baseline) / scale
 
 
 def combine(verdicts: Sequence[str]) -> str:

@@ -22,7 +22,8 @@ def test_cost_from_a_guarded_replicas_traces(tmp_path):
     steps = tmp_path / "steps.jsonl"
     config = tmp_path / "guard.toml"
     config.write_text(f'policy = "always-admit"\ntrace_path = "{guard_trace}"\n'
-                      '[cost]\naccelerator_usd_per_hour = 3.6\nhost_usd_per_hour = 0.36\n')
+                      '[cost]\naccelerator_usd_per_hour = 3.6\nhost_usd_per_hour = 0.36\n'
+                      'energy_usd_per_kwh = 0.25\n')
     with start_engine(["--model", "llama-7b", "--backend", "sim", "--guard", str(config),
                        "--trace", str(engine_trace), "--step-trace", str(steps)]) as eng:
         for i in range(4):
@@ -33,13 +34,14 @@ def test_cost_from_a_guarded_replicas_traces(tmp_path):
     out = tmp_path / "cost"
     assert cli.main(["cost", "--config", str(config), "--guard-trace", str(guard_trace),
                      "--step-trace", str(steps), "--engine-trace", str(engine_trace),
-                     "--out", str(out)]) == 0
+                     "--energy-joules", "3.6e6", "--out", str(out)]) == 0
     (window,) = json.loads((out / "cost.json").read_text())["windows"]
     c = window["components_usd"]
     assert window["total_usd"] == pytest.approx(sum(c.values()), rel=1e-12)
     duration_s = window["window_s"][1] - window["window_s"][0]
     assert c["accelerator"] == pytest.approx(duration_s * 0.001)
     assert c["host"] == pytest.approx(2 * duration_s * 0.0001)  # one replica, one guard
+    assert c["energy"] == pytest.approx(0.25)  # 1 kWh in the one window
     assert 0 < window["accelerator_busy_usd"] < c["accelerator"]
     # good = what the guard judged met its SLO (on a loaded machine a gap may miss it)
     guard_lines = [json.loads(x) for x in guard_trace.read_text().splitlines()]
