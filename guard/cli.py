@@ -35,7 +35,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 # The extra each subcommand needs beyond the guard-only install (``pip install kvguard``).
 EXTRAS: dict[str, str] = {
     "generate": "engine", "engine": "engine", "plan": "engine",
-    "fleet": "bench", "load": "bench", "cost": "bench", "review": "bench", "bench": "bench", "chaos": "bench", "demo": "bench",
+    "fleet": "bench", "load": "bench", "cost": "bench", "review": "bench", "bench": "bench",
+    "chaos": "bench", "demo": "bench",
 }
 # What each extra installs that the guard alone does not (checked before the subcommand runs,
 # so a missing extra is one line, not a traceback from deep inside the subcommand).
