@@ -24,6 +24,7 @@ TOML layout (see ``docs/guard-config.example.toml``)::
     weight = 1.0               # relative share where routing is least-loaded (ReplicaConfig)
     kv_events_endpoint = "tcp://10.0.0.5:5557"  # its KV-cache events (prefix_cache = "precise")
     [proxy]                    # the standalone proxy's settings (guard.proxy.config)
+    [cost]                     # prices for cost accounting (guard.observe.cost_config)
 
 Environment: ``KVGUARD_CONFIG`` names the TOML file; ``KVGUARD_<FIELD>`` overrides any scalar
 field (``KVGUARD_POLICY=cap``, ``KVGUARD_MAX_BODY_BYTES=65536``, ``KVGUARD_TRACE_PATH=...``);
@@ -57,6 +58,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package
 
 from guard.budget.config import LIMIT_KEYS, BudgetConfig
 from guard.budget.store import BudgetLimits
+from guard.observe.cost_config import CostConfig
 from guard.proxy.config import ProxyConfig
 from guard.redact import redact_url, redact_value
 from policies.cost import RequestClass
@@ -231,6 +233,7 @@ class GuardConfig:
     max_tenant_labels: int = 20
     redis_url: str | None = None
     budget: BudgetConfig = field(default_factory=BudgetConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
     class_header: str = "x-kvguard-class"
     deadline_header: str = "x-kvguard-deadline-ms"
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
@@ -472,6 +475,8 @@ class GuardConfig:
             data["proxy"] = ProxyConfig.from_dict(data["proxy"])
         if "budget" in data:
             data["budget"] = BudgetConfig.from_dict(data["budget"])
+        if "cost" in data and not isinstance(data["cost"], CostConfig):
+            data["cost"] = CostConfig.from_dict(data["cost"])
         if "admitted_paths" in data:
             data["admitted_paths"] = tuple(_list("admitted_paths", data["admitted_paths"]))
         if "policy_params" in data and not isinstance(data["policy_params"], Mapping):
