@@ -131,6 +131,7 @@ def test_middleware_429_with_retry_after_when_the_bucket_is_empty():
 def test_proxy_redis_flag_replaces_the_configs_redis_url(tmp_path):
     import argparse
 
+    from guard.config import config_with_upstreams
     from guard.proxy import cli
 
     parser = argparse.ArgumentParser()
@@ -139,11 +140,16 @@ def test_proxy_redis_flag_replaces_the_configs_redis_url(tmp_path):
     path.write_text('redis_url = "redis://10.0.0.1:6379/0"\n'
                     '[[tenants]]\nname = "acme"\napi_key = "k"\nrequests_per_minute = 5\n')
     base = ["--config", str(path), "--upstream", "http://127.0.0.1:8001"]
-    assert cli._config(parser.parse_args(base)).redis_url == "redis://10.0.0.1:6379/0"
-    args = parser.parse_args([*base, "--redis", "redis://127.0.0.1:6390/1"])
-    assert cli._config(args).redis_url == "redis://127.0.0.1:6390/1"
+
+    def served(argv):  # what `kvguard proxy` builds from its flags
+        args = parser.parse_args(argv)
+        return config_with_upstreams(args.config, args.upstream, args.state_source, args.redis)
+
+    assert served(base).redis_url == "redis://10.0.0.1:6379/0"
+    assert served([*base, "--redis", "redis://127.0.0.1:6390/1"]).redis_url == \
+        "redis://127.0.0.1:6390/1"
     with pytest.raises(ValueError, match="redis_url"):
-        cli._config(parser.parse_args([*base, "--redis", "127.0.0.1:6379"]))
+        served([*base, "--redis", "127.0.0.1:6379"])
 
 
 def test_middleware_lifespan_startup_opens_the_redis_link_before_any_request(redis_server):
