@@ -134,6 +134,10 @@ class ReplicaConfig:
     ``state_source = "none"``) compares requests ÷ weight, and ``slo`` breaks exact ties of its
     TTFT forecast that way. A fresh forecast is not bent by it: it already prices each
     replica's own load.
+
+    ``models``: every name a request's ``model`` may carry to be routed here (several names
+    for one model are aliases; the request is forwarded with the name it sent). Empty: the
+    proxy reads them from the replica's ``GET /v1/models``, polled with its state.
     """
 
     replica_id: str
@@ -141,6 +145,7 @@ class ReplicaConfig:
     state_source: str = "kvguard"
     max_model_len: int | None = None
     weight: float = 1.0
+    models: tuple[str, ...] = ()  # the model names it serves (aliases too); () = its /v1/models
 
     def __post_init__(self) -> None:
         if not self.replica_id:
@@ -163,6 +168,11 @@ class ReplicaConfig:
             raise ValueError(f"replicas[{self.replica_id!r}].weight: must be a finite number > 0, "
                              f"got {weight!r}")
         object.__setattr__(self, "weight", float(weight))
+        models = self.models
+        if isinstance(models, str) or not all(isinstance(m, str) and m for m in models):
+            raise ValueError(f"replicas[{self.replica_id!r}].models: must be an array of "
+                             f"non-empty model names, got {models!r}")
+        object.__setattr__(self, "models", tuple(models))
         if self.url is not None:
             if not self.url.startswith(("http://", "https://")):
                 raise ValueError(f"replicas[{self.replica_id!r}].url: must start with http:// or https://")
@@ -496,7 +506,7 @@ def _tenant_from(index: int, value: Any) -> TenantConfig:
 def _replica_from(index: int, value: Any) -> ReplicaConfig:
     key = f"replicas[{index}]"
     wanted = {"replica_id": str, "url": str, "state_source": str, "max_model_len": int,
-              "weight": float}
+              "weight": float, "models": list}
     spec = _table(key, value, set(wanted))
     spec.setdefault("replica_id", f"r{index}")
     for fname in spec:

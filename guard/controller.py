@@ -184,6 +184,8 @@ class AdmissionController:
                                             min(c.itl_s for c in config.classes))
         self.rules = self.replica_limits.rules  # what the replicas accept, from their latest state
         self._sources = dict(sources) if sources is not None else None
+        # model -> the replica ids serving it (None: any; PricingError: none), set by the proxy
+        self.replicas_for: Callable[[object], frozenset[str] | None] | None = None
         self.shared = shared_reservations  # other guards' pending reservations, via Redis
         if shared_reservations is not None:
             shared_reservations.bind(self.load_state, self.registry, self.clock)
@@ -247,9 +249,11 @@ class AdmissionController:
             priced = self.pricer.price_request(request.body, request.path, request.headers,
                                                tenant, arrival_s, request_id=request_id,
                                                rules=self.rules)
+            cost = priced.cost
+            if self.replicas_for is not None:  # only the replicas serving its model
+                cost.replica_ids = self.replicas_for(priced.body.get("model"))
         except PricingError as error:
             return self.rejecter.reject_early(request_id, tenant, arrival_s, error)
-        cost = priced.cost
         self.metrics.counters(cost.request_class.name, cost.tenant).offered.value += 1
         self.retry_budget.record(cost.tenant, cost.is_retry, arrival_s)
         grants = self.grants

@@ -47,6 +47,9 @@ class RequestCost:
     # the client software its User-Agent names (policies.client_patience.client_software):
     # client patience is learned per tenant and client software
     client: str = ""
+    # the replicas that serve the request's model (None: any replica); the guard restricts
+    # the snapshot to them before the policy decides, so a policy never sees the others
+    replica_ids: frozenset[str] | None = None
 
     @property
     def num_reserved_tokens(self) -> int:

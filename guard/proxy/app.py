@@ -9,6 +9,9 @@ Routes:
   predicted TTFT where the request fits, least-loaded for the baselines). Bad input is answered
   here and never reaches a replica.
 * ``GET /v1/models``: the union of the routable replicas' model lists.
+* Routing by model: a request is decided only among the replicas serving its ``model``
+  (:class:`guard.proxy.model_catalog.ModelCatalog`: ``[[replicas]] models`` or each replica's
+  ``/v1/models``); a model none serves is a 404 ``model_not_found`` that reaches no replica.
 * ``GET /health``: 200 while at least one replica is routable (and the proxy is not draining).
 * ``GET /kvguard/state``: the proxy's view of every replica (health, state age, reserved blocks,
   in-flight requests).
@@ -50,6 +53,7 @@ from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.proxy.h1_message import NOT_FORWARDED
 from guard.proxy.health import ReplicaHealth
 from guard.proxy.metrics import ProxyMetrics
+from guard.proxy.model_catalog import ModelCatalog
 from guard.proxy.state_client import TransportStateClient
 from guard.proxy.transports import Transport, UpstreamError, make_transport
 from guard.proxy.upstream import BodyWriter, Forwarder
@@ -115,6 +119,9 @@ class ProxyApp:
                                    self.metrics)
         self._access = OperationalAccess(config)
         self._is_admitted = config.is_admitted_path
+        self.models = ModelCatalog(config.replicas)  # a request routes among its model's
+        self.controller.replicas_for = self.models.replicas_for
+        self._models_task: asyncio.Task | None = None
 
     # --- routing facts ------------------------------------------------------------------------
     def routable(self, replica_id: str) -> bool:
@@ -309,9 +316,15 @@ class ProxyApp:
                 return
 
     async def start(self) -> None:
-        """First state poll, then the poller, the queue pump and the probes."""
+        """The replicas' model lists and first state poll, then the poller, the queue pump,
+        the probes and the model lists' refresh."""
+        config = self.config
+        await self.models.refresh(self.transport.get, config.state_timeout_s)
         await self.controller.start()
         self.health.start()
+        if self.models.polled_urls and self._models_task is None:
+            self._models_task = asyncio.ensure_future(self.models.run(
+                self.transport.get, config.refresh_interval_s, config.state_timeout_s))
 
     def drain(self) -> None:
         """Stop admitting (new and queued requests: 503 ``shutting_down``, ``/health`` 503);
@@ -323,6 +336,10 @@ class ProxyApp:
         return self.controller.tickets.num_held
 
     async def aclose(self) -> None:
+        if self._models_task is not None:
+            self._models_task.cancel()
+            await asyncio.gather(self._models_task, return_exceptions=True)
+            self._models_task = None
         await self.health.stop()
         await self.controller.aclose()
         self.controller.close()
