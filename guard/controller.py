@@ -439,6 +439,11 @@ class AdmissionController:
         if open_store is not None:
             await open_store()
 
+    def state_error(self, replica_id: str) -> str | None:
+        """Why the replica's state could not be read at its last refresh (None: it was)."""
+        poller = self.background.poller
+        return None if poller is None else poller.unreadable.get(replica_id)
+
     def _make_poller(self) -> StatePoller:
         return StatePoller(self.load_state, self._sources, self.config.refresh_interval_s,
                            clock=self.clock, timeout_s=self.config.state_timeout_s,

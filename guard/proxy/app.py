@@ -12,7 +12,9 @@ Routes:
 * Routing by model: a request is decided only among the replicas serving its ``model``
   (:class:`guard.proxy.model_catalog.ModelCatalog`: ``[[replicas]] models`` or each replica's
   ``/v1/models``); a model none serves is a 404 ``model_not_found`` that reaches no replica.
-* ``GET /health``: 200 while at least one replica is routable (and the proxy is not draining).
+* ``GET /livez``: 200 while the process serves (liveness). ``GET /readyz`` (and ``/health``,
+  kept for compatibility): 200 while a replica is routable and the proxy is not draining,
+  else 503 with the reason (readiness: take it out of rotation, do not restart it).
 * ``GET /kvguard/state``: the proxy's view of every replica (health, state age, reserved blocks,
   in-flight requests).
 * ``GET /kvguard/metrics``: the guard's and the proxy's Prometheus series.
@@ -68,7 +70,7 @@ if TYPE_CHECKING:
     from serving.h1_exchange import Exchange
     from serving.h1_head import RequestHead
 
-__all__ = ["ProxyApp"]
+__all__ = ["LIVEZ_PATH", "ProxyApp", "READYZ_PATH"]
 
 Message = dict[str, Any]
 RawHeaders = list[tuple[bytes, bytes]]
@@ -76,6 +78,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 GUARD_METRICS_PATH = "/kvguard/metrics"
+LIVEZ_PATH, READYZ_PATH = "/livez", "/readyz"  # Kubernetes' liveness and readiness probes
+PROBE_PATHS = frozenset({LIVEZ_PATH, READYZ_PATH, "/health"})  # /health: /readyz's answer
 SHARED_LEASE_MIN_S = 2.0  # a published reservation outlives its guard this long at least,
 SHARED_LEASE_REFRESHES = 10  # and this many state refreshes (renewed every refresh)
 _GATED_PATHS = ADMIN_PATHS | {MODELS_PATH}
@@ -114,7 +118,7 @@ class ProxyApp:
                                               budget=budget, shared_reservations=shared)
         self.load_state = self.controller.load_state
         self.metrics = ProxyMetrics(self.controller.registry, list(self.urls), self.routable,
-                                    self.health.num_ejections.__getitem__)
+                                    self.controller.state_error)
         self.forwarder = Forwarder(self.urls, self.transport, self.health, self._redispatch,
                                    self.metrics)
         self._access = OperationalAccess(config)
@@ -127,8 +131,9 @@ class ProxyApp:
     def routable(self, replica_id: str) -> bool:
         return self.load_state.is_healthy(replica_id) and not self.health.is_ejected(replica_id)
 
-    def _mark_unhealthy(self, replica_id: str) -> None:
+    def _mark_unhealthy(self, replica_id: str) -> None:  # the replica was ejected
         self.load_state.mark_unhealthy(replica_id, self.clock())
+        self.metrics.ejected(replica_id)
 
     async def _probe(self, replica_id: str) -> bool:
         try:
@@ -162,10 +167,8 @@ class ProxyApp:
             rejection = self._access.check(path, headers_from_scope(scope))
             if rejection is not None:
                 return await send_rejection(send, rejection)
-        if method == "GET" and path == "/health":
-            ok = not self.controller.draining and any(self.routable(rid) for rid in self.urls)
-            return await _send_json(send, 200 if ok else 503,
-                                    {"ok": ok, "draining": self.controller.draining})
+        if method == "GET" and path in PROBE_PATHS:
+            return await self._probe_answer(send, path)
         if method == "GET" and path == MODELS_PATH:
             return await self._models(send)
         if method == "GET" and path == "/kvguard/state":
@@ -175,6 +178,32 @@ class ProxyApp:
         await _send_json(send, 404, {"error": {"message": f"no route {method} {path}",
                                                "type": "invalid_request_error",
                                                "param": None, "code": "not_found"}})
+
+    async def _probe_answer(self, send: Send, path: str) -> None:
+        """``/livez``: the process serves. ``/readyz`` and ``/health``: not draining and a
+        replica routable; else 503 with the reason."""
+        if path == LIVEZ_PATH:
+            return await _send_json(send, 200, {"ok": True})
+        reason = self.not_ready_reason()
+        body = {"ok": reason is None, "draining": self.controller.draining}
+        if reason is not None:
+            body["reason"] = reason
+        await _send_json(send, 200 if reason is None else 503, body)
+
+    def not_ready_reason(self) -> str | None:
+        """Why the proxy should get no traffic now (None: ready)."""
+        if self.controller.draining:
+            return "shutting down: draining admitted requests"
+        if any(self.routable(rid) for rid in self.urls):
+            return None
+        return "no routable replica: " + "; ".join(
+            f"{rid}: {self._why_not_routable(rid)}" for rid in self.urls)
+
+    def _why_not_routable(self, replica_id: str) -> str:
+        if self.health.is_ejected(replica_id):
+            return "ejected after failing requests"
+        error = self.controller.state_error(replica_id)
+        return f"state unreadable ({error})" if error else "unhealthy"
 
     async def _refuse(self, scope: dict, send: Send, error: PricingError) -> None:
         """A request refused before its body is read (a target the guard will not forward):
@@ -292,6 +321,8 @@ class ProxyApp:
                 "routable": self.routable(rid), "healthy": self.load_state.is_healthy(rid),
                 "ejected": self.health.is_ejected(rid),
                 "consecutive_failures": self.health.consecutive_failures(rid),
+                "state_error": self.controller.state_error(rid),
+                "models": sorted(self.models.models_of(rid) or ()) or None,
                 "state_age_s": None if snap is None else round(now_s - snap.observed_s, 4),
                 "capacity_known": None if snap is None else snap.capacity_known,
                 "num_total_blocks": None if snap is None else snap.num_total_blocks,

@@ -3,7 +3,9 @@
 Run as ``python upstream_server.py MODE MODEL``; it prints ``upstream listening on
 http://127.0.0.1:PORT``. ``GET /health`` is 200 and ``GET /v1/models`` lists MODEL in every
 mode; ``GET /count`` is the number of POSTs received; ``GET /connections`` lists, per accepted
-connection, the ``METHOD PATH`` of every request it carried (``/connections`` itself left out).
+connection, the ``METHOD PATH`` of every request it carried (``/connections`` itself left out);
+``GET /metrics`` is vLLM's gauges with a ``cache_config_info`` that lacks ``num_gpu_blocks``
+(a vLLM whose KV capacity the guard cannot read).
 A POST gets, by MODE:
 
 * ``ok``: a JSON completion with usage (or, with ``"stream": true``, three SSE chunks and
@@ -26,6 +28,11 @@ COUNT = {"posts": 0}
 CONNECTIONS: list[list[str]] = []  # per accepted connection: "METHOD PATH" of each request
 BIG_EVENTS = 4000  # mode "big": ~16 MB of stream, more than loopback socket buffers hold
 SLOW_EVENTS, SLOW_GAP_S = 1200, 0.05  # mode "slow": a minute of stream
+VLLM_METRICS_WITHOUT_BLOCKS = (
+    b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+    b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0.0\n"
+    b"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.0\n"
+    b'# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="16"} 1.0\n')
 
 
 def _response(status: str, body: bytes, content_type: bytes = b"application/json") -> bytes:
@@ -116,6 +123,9 @@ async def _serve(mode: str, model: str, reader: asyncio.StreamReader,
             elif path == "/connections":
                 listed = [c for c in CONNECTIONS if c]
                 writer.write(_response("200 OK", json.dumps(listed).encode()))
+                keep = True
+            elif path == "/metrics":
+                writer.write(_response("200 OK", VLLM_METRICS_WITHOUT_BLOCKS, b"text/plain"))
                 keep = True
             elif path == "/count":
                 writer.write(_response("200 OK", json.dumps(COUNT).encode()))
