@@ -72,6 +72,7 @@ __all__ = [
 
 ANONYMOUS_TENANT = "anonymous"
 STATE_SOURCES = ("kvguard", "vllm", "none", "asgi")
+MISSING_MAX_TOKENS = ("fill", "forward")  # GuardConfig.missing_max_tokens
 # glob patterns (fnmatch) of the POST paths the guard admits; the rest pass straight through
 DEFAULT_ADMITTED_PATHS = ("*/v1/completions", "*/v1/chat/completions")
 DEFAULT_CLASSES = (
@@ -199,6 +200,10 @@ class GuardConfig:
     policy_params: Mapping[str, Any] = field(default_factory=dict)
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
+    # a request without max_tokens: "fill" (priced at default_max_tokens, forwarded with it,
+    # the response says so in x-kvguard-max-tokens) or "forward" (sent untouched; priced by
+    # the learned output length, its reservation bounded by the context)
+    missing_max_tokens: str = "fill"
     max_queue_len: int = 512
     max_queue_wait_s: float = 30.0
     refresh_interval_s: float = 0.1
@@ -233,6 +238,7 @@ class GuardConfig:
         self._check_tenants()
         self._check_admin()
         self._check_numbers()
+        self._check_missing_max_tokens()
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError("policy: must be a non-empty string")
         object.__setattr__(self, "policy_params", types.MappingProxyType(dict(self.policy_params)))
@@ -324,6 +330,11 @@ class GuardConfig:
         for t in self.tenants:
             if t.default_class is not None and t.default_class not in self._classes_by_name:
                 raise ValueError(f"tenants[{t.name!r}].default_class: unknown class {t.default_class!r}")
+
+    def _check_missing_max_tokens(self) -> None:
+        if self.missing_max_tokens not in MISSING_MAX_TOKENS:
+            raise ValueError(f"missing_max_tokens: must be one of {MISSING_MAX_TOKENS}, got "
+                             f"{self.missing_max_tokens!r}")
 
     def _check_numbers(self) -> None:
         for name in ("max_body_bytes", "default_max_tokens",
@@ -531,7 +542,7 @@ _SCALAR_FIELDS: dict[str, tuple[type, bool]] = {
     "default_class": (str, False), "allow_anonymous": (bool, False),
     "anonymous_may_choose_class": (bool, False), "policy": (str, False),
     "max_body_bytes": (int, False), "default_max_tokens": (int, False),
-    "max_queue_len": (int, False),
+    "missing_max_tokens": (str, False), "max_queue_len": (int, False),
     "max_queue_wait_s": (float, False), "refresh_interval_s": (float, False),
     "max_staleness_s": (float, False), "state_timeout_s": (float, False),
     "unhealthy_after_errors": (int, False), "tokenizer": (str, True),

@@ -6,7 +6,8 @@ the admission's body as its first ``http.request`` (then the client's own later 
 disconnect still reaches it as ``http.disconnect``), the scope carries the guard's
 ``x-request-id``, and every response message passes through unbuffered while the admission
 observes it (status, content type, first token, inter-token gaps, ``usage``, ``finish_reason``,
-end of stream). The guard adds ``x-kvguard-queue-ms`` and, unless the app set one,
+end of stream). The guard adds ``x-kvguard-queue-ms``, ``x-kvguard-max-tokens`` (the value it
+filled in for a request sent without ``max_tokens``) and, unless the app set one,
 ``x-request-id`` to the response headers. The admission is finished exactly once: with its
 natural outcome when the app returns, ``canceled`` or ``failed`` when it raises (re-raised).
 
@@ -24,6 +25,7 @@ from typing import Any
 
 from guard.admission.admitted import Admitted
 from guard.request.body import read_body
+from guard.request.request_ids import MAX_TOKENS_HEADER
 
 __all__ = ["Relay", "forward_scope", "start_with_headers", "REQUEST_ID_HEADER"]
 
@@ -69,6 +71,9 @@ def start_with_headers(message: Message, ticket: Any, request_id: bytes,
             has_request_id = True
     ticket.on_start(message["status"], content_type)
     headers.append((_QUEUE_MS_HEADER, queue_ms))
+    priced = ticket.priced
+    if priced is not None and priced.max_tokens_defaulted:  # the client sent no max_tokens
+        headers.append((MAX_TOKENS_HEADER, str(ticket.cost.max_tokens).encode()))
     if not has_request_id:
         headers.append((REQUEST_ID_HEADER, request_id))
     started = message.copy()

@@ -47,6 +47,9 @@ class ReplicaSnapshot:
     healthy: bool = True
     capacity_known: bool = True
     weight: float = 1.0
+    # the replica published its own limits and step times (a kvguard engine); False where
+    # they are assumed (a vLLM /metrics scrape, a replica of unknown capacity)
+    limits_published: bool = True
 
     @property
     def num_available_blocks(self) -> int:

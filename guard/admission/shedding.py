@@ -74,6 +74,7 @@ class Rejection:
     retry_after_s: float | None = None
     should_retry: bool = False
     param: str | None = None
+    request_id: str | None = None  # the guard's id of the request (None: it had none yet)
 
     def __post_init__(self) -> None:
         if not 400 <= self.status < 600:
@@ -258,7 +259,8 @@ class Rejecter:
         message = _SHED_MESSAGES.get(shed.status, _SHED_MESSAGES[503])
         if wait_s is None:
             message = _NO_RETRY_MESSAGES.get(why_not, _NO_RETRY_MESSAGES[None])
-        rejection = Rejection(shed.status, shed.reason, message, wait_s, wait_s is not None)
+        rejection = Rejection(shed.status, shed.reason, message, wait_s, wait_s is not None,
+                              None, cost.request_id)
         self._metrics.rejected(cost.request_class.name, cost.tenant, shed.reason).inc()
         if self.trace is not None:
             self.trace.write(rejection_record(cost.request_id, cost.tenant, cost.request_class.name,
@@ -300,7 +302,7 @@ class Rejecter:
                                                cost.arrival_s, self._clock(), None, 429, reason))
         return Rejection(429, reason, _SHED_MESSAGES[429] if retry_after_s is not None else
                          "This request exceeds the tenant's budget and can never fit it.",
-                         retry_after_s, retry_after_s is not None)
+                         retry_after_s, retry_after_s is not None, None, cost.request_id)
 
     def _queue_horizon_s(self, now_s: float) -> float:
         """Until every request queued now has left the queue: the latest ``until_s`` (past it
@@ -324,7 +326,7 @@ class Rejecter:
         self.count_early(request_id, tenant, arrival_s, class_name, "rejected",
                          reason=error.reason, status=error.status, counted=counted)
         return Rejection(error.status, error.reason, error.message, None, False,
-                         getattr(error, "param", None))
+                         getattr(error, "param", None), request_id)
 
     def count_early(self, request_id: str, tenant: TenantConfig | str | None, arrival_s: float,
                     class_name: str | None, outcome: str, enqueue_s: float | None = None,

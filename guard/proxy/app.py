@@ -64,6 +64,7 @@ from guard.relay import REQUEST_ID_HEADER
 from guard.replicas.poller import state_sources
 from guard.replicas.shared_reservations import SharedReservations
 from guard.request.body import content_length, headers_from_pairs, headers_from_scope, read_body
+from guard.request.request_ids import client_request_id, id_headers
 from guard.request.target import Target, read_target, scope_target
 
 if TYPE_CHECKING:
@@ -208,11 +209,13 @@ class ProxyApp:
     async def _refuse(self, scope: dict, send: Send, error: PricingError) -> None:
         """A request refused before its body is read (a target the guard will not forward):
         answered and counted by the controller like any other rejection (a 401 first)."""
-        request = AdmissionRequest(scope["path"], headers_from_scope(scope), b"", None, error)
+        headers = headers_from_scope(scope)
+        request = AdmissionRequest(scope["path"], headers, b"", None, error)
         result = self.controller.decide(request)
         if isinstance(result, Wait):
             result = await self.controller.wait(result)
-        await send_rejection(send, result)
+        await send_rejection(send, result, id_headers(
+            client_request_id(headers.get("x-request-id")), result.request_id))
 
     async def _admit(self, scope: dict, receive: Receive, send: Send, target: Target) -> None:
         """Admission by the controller, then the forwarder; bad input never leaves here."""
@@ -226,21 +229,23 @@ class ProxyApp:
             if isinstance(result, Wait):
                 result = await self.controller.wait(result)
             await self._answer(result, target.raw, scope["headers"], exchange.client_gone, send,
-                               exchange.writer)
+                               exchange.writer, client_request_id(headers.get("x-request-id")))
         finally:
             exchange.stop()
 
     async def _answer(self, result: Admitted | Rejection | None, raw_target: str,
                       raw_headers: RawHeaders, client_gone: Callable[[], asyncio.Future],
-                      send: Send, writer: BodyWriter | None) -> None:
+                      send: Send, writer: BodyWriter | None, client_id: str | None) -> None:
         """The controller's result answered: relayed from the replica (to ``raw_target``, the
-        client's target as sent), or the rejection."""
+        client's target as sent), or the rejection; either echoes ``client_id`` (the client's
+        sane ``x-request-id``) or the guard's id."""
         if isinstance(result, Admitted):
+            result.client_request_id = client_id
             return await self.forwarder.forward(
                 result, raw_target, _upstream_headers(raw_headers, result.request_id), client_gone(),
                 send, writer)
         if result is not None:
-            await send_rejection(send, result)
+            await send_rejection(send, result, id_headers(client_id, result.request_id))
 
     # --- kvguard's own server: the request decided and sent from its read callback ----------
     def http_direct(self, request: RequestHead, exchange: Exchange) -> Coroutine | bool | None:
@@ -265,10 +270,13 @@ class ProxyApp:
         if body is None:
             return None
         raw_target, raw_headers, gone = target.raw, request.headers, exchange.gone
+        headers = headers_from_pairs(raw_headers)
+        client_id = client_request_id(headers.get("x-request-id"))
         result = self.controller.decide(   # priced on the decoded path, sent as the client sent it
-            AdmissionRequest(target.path, headers_from_pairs(raw_headers), body, gone))
+            AdmissionRequest(target.path, headers, body, gone))
         writer = (exchange.write_body, exchange.conn.drain)
         if isinstance(result, Admitted):
+            result.client_request_id = client_id
             try:  # written upstream now, before this returns
                 sent = self.forwarder.send_now(result.replica_id, raw_target, raw_headers,
                                                result.body, result.request_id)
@@ -279,15 +287,18 @@ class ProxyApp:
                                           _upstream_headers(raw_headers, result.request_id),
                                           gone(), exchange.send, writer, sent)
         if isinstance(result, Rejection):
-            exchange.respond(result.status, *result.response())
+            response_headers, response_body = result.response()
+            response_headers += id_headers(client_id, result.request_id)
+            exchange.respond(result.status, response_headers, response_body)
             return True
-        return self._answer_later(result, raw_target, raw_headers, gone, exchange.send, writer)
+        return self._answer_later(result, raw_target, raw_headers, gone, exchange.send, writer,
+                                  client_id)
 
     async def _answer_later(self, waiting: Wait, raw_target: str, raw_headers: RawHeaders,
                             client_gone: Callable[[], asyncio.Future], send: Send,
-                            writer: BodyWriter) -> None:
+                            writer: BodyWriter, client_id: str | None) -> None:
         result = await self.controller.wait(waiting)
-        await self._answer(result, raw_target, raw_headers, client_gone, send, writer)
+        await self._answer(result, raw_target, raw_headers, client_gone, send, writer, client_id)
 
     async def _models(self, send: Send) -> None:
         routable = [rid for rid in self.urls if self.routable(rid)]

@@ -62,6 +62,7 @@ from guard.proxy.transports import (
     UpstreamUnreachable,
 )
 from guard.relay import REQUEST_ID_HEADER
+from guard.request.request_ids import MAX_TOKENS_HEADER, id_headers
 from policies.shed_reasons import SHUTTING_DOWN
 
 __all__ = ["BodyWriter", "Forwarder", "sse_error_event", "yield_cpu", "REPLICA_HEADER"]
@@ -370,10 +371,14 @@ class _Client:
             elif name == REQUEST_ID_HEADER:
                 has_request_id = True
         admission.on_start(status, content_type)
+        if has_request_id:  # the upstream's echo of the guard's id: the client gets its own
+            headers = [h for h in headers if h[0] != REQUEST_ID_HEADER]
         headers = [*headers, (REPLICA_HEADER, admission.replica_id.encode()),
-                   (QUEUE_MS_HEADER, f"{admission.queue_ms:.1f}".encode())]
-        if not has_request_id:
-            headers.append((REQUEST_ID_HEADER, admission.request_id.encode()))
+                   (QUEUE_MS_HEADER, f"{admission.queue_ms:.1f}".encode()),
+                   *id_headers(admission.client_request_id, admission.request_id)]
+        filled = admission.filled_max_tokens
+        if filled is not None:  # the client sent no max_tokens: say what the replica ran with
+            headers.append((MAX_TOKENS_HEADER, str(filled).encode()))
         self.started = True
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 

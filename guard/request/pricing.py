@@ -226,6 +226,11 @@ class Pricer:
         lower = num_prompt_tokens if exact else math.floor(num_prompt_tokens * (1 - ESTIMATE_TOLERANCE_RATIO))
         if requested is None:
             default = self._config.default_max_tokens
+            if self._config.missing_max_tokens == "forward":  # sent untouched: the replica
+                # may run to its context, so that bounds the reservation when it is known
+                if max_model_len is not None and max_model_len - num_prompt_tokens >= 1:
+                    return max_model_len - num_prompt_tokens, False
+                return default, False
             if max_model_len is not None:  # the client asked for nothing: fit what is left
                 default = min(default, max_model_len - num_prompt_tokens)
             if default >= 1:

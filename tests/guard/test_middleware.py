@@ -421,3 +421,30 @@ def test_policy_never_servable_is_400_without_retry_after():
         assert sample(guard, "kvguard_requests_rejected_total", reason="context_length_exceeded", **lab) == 1
         await guard.aclose()
     run(main())
+
+
+def test_a_filled_in_max_tokens_is_said_on_the_response():
+    """No max_tokens sent: the app gets the priced value and the response names it; a client
+    that sent one gets no such header."""
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(json.loads((await receive())["body"]))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guard = make_guard(app)
+
+    async def main():
+        answers = []
+        for body in (b'{"model": "tiny", "prompt": "hi"}',
+                     b'{"model": "tiny", "prompt": "hi", "max_tokens": 5}'):
+            client = Client(body)
+            await guard(http_scope(), client.receive, client.send)
+            answers.append(client.headers)
+        await guard.aclose()
+        return answers
+
+    filled, sent = asyncio.run(main())
+    assert filled["x-kvguard-max-tokens"] == str(seen[0]["max_tokens"])
+    assert "x-kvguard-max-tokens" not in sent and seen[1]["max_tokens"] == 5

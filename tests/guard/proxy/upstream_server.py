@@ -10,6 +10,8 @@ A POST gets, by MODE:
 
 * ``ok``: a JSON completion with usage (or, with ``"stream": true``, three SSE chunks and
   ``[DONE]``);
+* ``echo``: as ``ok``, and a JSON completion carries ``received``: the request's body and
+  headers as this upstream read them;
 * ``status500``: HTTP 500;
 * ``status503``: HTTP 503 with ``retry-after: 7`` (an engine over its connection cap);
 * ``big``: a stream of ``BIG_EVENTS`` ~4 KB events (numbered) and ``[DONE]``, written as fast
@@ -40,20 +42,22 @@ def _response(status: str, body: bytes, content_type: bytes = b"application/json
             b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] | None:
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes, dict]:
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     method, path, _ = lines[0].split(" ", 2)
-    length = 0
+    headers = {}
     for line in lines[1:]:
         name, _, value = line.partition(":")
-        if name.strip().lower() == "content-length":
-            length = int(value.strip())
+        if name:
+            headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", 0))
     body = await reader.readexactly(length) if length else b""
-    return method, path, body
+    return method, path, body, headers
 
 
-async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter,
+                headers: dict) -> bool:
     """Answer one POST; False when the connection must close."""
     COUNT["posts"] += 1
     if mode == "status500":
@@ -92,6 +96,8 @@ async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter
         payload = {"id": "x", "object": "text_completion", "model": model,
                    "choices": [{"index": 0, "text": "a b c", "finish_reason": "length"}],
                    "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}
+        if mode == "echo":
+            payload["received"] = {"body": request, "headers": headers}
         writer.write(_response("200 OK", json.dumps(payload).encode()))
         return True
     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -111,11 +117,11 @@ async def _serve(mode: str, model: str, reader: asyncio.StreamReader,
     CONNECTIONS.append(carried)
     try:
         while True:
-            method, path, body = await _read_request(reader)
+            method, path, body, headers = await _read_request(reader)
             if path != "/connections":
                 carried.append(f"{method} {path}")
             if method == "POST":
-                keep = await _post(mode, model, body, writer)
+                keep = await _post(mode, model, body, writer, headers)
             elif path == "/v1/models":
                 models = {"object": "list", "data": [{"id": model, "object": "model"}]}
                 writer.write(_response("200 OK", json.dumps(models).encode()))

@@ -1,0 +1,91 @@
+"""No silent rewrites, real processes over loopback: the client's ``x-request-id`` comes back
+on 200, 429 and 503 (replaced when not sane), the guard's own id travels in
+``x-kvguard-request-id``, and a request sent without ``max_tokens`` is forwarded with the priced
+value and the response says so — or, with ``missing_max_tokens = "forward"``, goes untouched."""
+
+import socket
+
+import pytest
+from proxy_helpers import proxy_child, running, upstream_child, write_config
+
+pytestmark = pytest.mark.slow
+
+MODEL = "m"
+KEY = "sk-tenant-one"
+TENANT = f"""
+[[tenants]]
+name = "one"
+api_key = "{KEY}"
+requests_per_minute = 2
+"""
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+def _proxy(tmp_path, upstream_url: str, extra: str = "", **kwargs):
+    config = tmp_path / "proxy.toml"
+    base = open(write_config(tmp_path)).read()
+    # top-level keys go before the first table
+    config.write_text("allow_anonymous = false\n" + extra + base + TENANT + (
+        f'[[replicas]]\nreplica_id = "r0"\nurl = "{upstream_url}"\nstate_source = "none"\n'
+        f'models = ["{MODEL}"]\n'))
+    return proxy_child([], str(config), **kwargs)
+
+
+def test_the_client_request_id_round_trips_on_200_and_429(tmp_path, client):
+    with running(upstream_child("echo", MODEL)) as upstream, \
+            running(_proxy(tmp_path, upstream.url)) as proxy:
+        ok = client.post(proxy.url + "/v1/completions", headers={**AUTH, "x-request-id": "abc-1"},
+                         json={"model": MODEL, "prompt": "hi"})
+        assert ok.status_code == 200, ok.text
+        guard_id = ok.headers["x-kvguard-request-id"]
+        assert ok.headers["x-request-id"] == "abc-1" and guard_id != "abc-1"
+        received = ok.json()["received"]
+        assert received["headers"]["x-request-id"] == guard_id  # what the replica reports by
+        # no max_tokens sent: forwarded with the priced value, and the response says so
+        assert received["body"]["max_tokens"] == 256
+        assert ok.headers["x-kvguard-max-tokens"] == "256"
+
+        sent = client.post(proxy.url + "/v1/completions",
+                           headers={**AUTH, "x-request-id": "x" * 129},  # too long: replaced
+                           json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert sent.status_code == 200
+        assert sent.headers["x-request-id"] == sent.headers["x-kvguard-request-id"]
+        assert "x-kvguard-max-tokens" not in sent.headers
+        assert sent.json()["received"]["body"]["max_tokens"] == 3
+
+        shed = client.post(proxy.url + "/v1/completions",
+                           headers={**AUTH, "x-request-id": "abc-3"},
+                           json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert shed.status_code == 429, shed.text
+        assert shed.headers["x-request-id"] == "abc-3"
+        assert shed.headers["x-kvguard-request-id"] not in ("", "abc-3")
+
+        refused = client.post(proxy.url + "/v1/completions", headers={"x-request-id": "abc-4"},
+                              json={"model": MODEL, "prompt": "hi"})
+        assert refused.status_code == 401 and refused.headers["x-request-id"] == "abc-4"
+
+
+def test_the_client_request_id_round_trips_on_503(tmp_path, client):
+    with socket.socket() as dead:  # a port nothing answers on
+        dead.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+        with running(_proxy(tmp_path, url, healthy=False)) as proxy:
+            for _ in range(50):  # until the replica is found down (connect errors: fast)
+                shed = client.post(proxy.url + "/v1/completions",
+                                   headers={**AUTH, "x-request-id": "abc-503"},
+                                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+                if shed.status_code == 503:
+                    break
+            assert shed.status_code == 503, shed.text
+            assert shed.headers["x-request-id"] == "abc-503"
+            assert shed.headers["x-kvguard-request-id"]
+
+
+def test_missing_max_tokens_forward_sends_the_body_untouched(tmp_path, client):
+    with running(upstream_child("echo", MODEL)) as upstream, running(_proxy(
+            tmp_path, upstream.url, 'missing_max_tokens = "forward"\n')) as proxy:
+        ok = client.post(proxy.url + "/v1/completions", headers=AUTH,
+                         json={"model": MODEL, "prompt": "hi"})
+        assert ok.status_code == 200, ok.text
+        assert "max_tokens" not in ok.json()["received"]["body"]
+        assert "x-kvguard-max-tokens" not in ok.headers
