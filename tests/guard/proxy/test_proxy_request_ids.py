@@ -59,10 +59,16 @@ def test_the_client_request_id_round_trips_on_200_and_429(tmp_path, client):
         assert shed.status_code == 429, shed.text
         assert shed.headers["x-request-id"] == "abc-3"
         assert shed.headers["x-kvguard-request-id"] not in ("", "abc-3")
+        error = shed.json()["error"]  # OpenAI's conventions; kvguard's reason in its header
+        assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
+        assert shed.headers["x-kvguard-reason"] == "rpm_limit"
+        assert "requests per minute" in error["message"]
 
         refused = client.post(proxy.url + "/v1/completions", headers={"x-request-id": "abc-4"},
                               json={"model": MODEL, "prompt": "hi"})
         assert refused.status_code == 401 and refused.headers["x-request-id"] == "abc-4"
+        assert refused.json()["error"]["type"] == "invalid_request_error"
+        assert refused.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_the_client_request_id_round_trips_on_503(tmp_path, client):
@@ -79,6 +85,7 @@ def test_the_client_request_id_round_trips_on_503(tmp_path, client):
             assert shed.status_code == 503, shed.text
             assert shed.headers["x-request-id"] == "abc-503"
             assert shed.headers["x-kvguard-request-id"]
+            assert shed.json()["error"]["message"].startswith("No replica can serve")
 
 
 def test_missing_max_tokens_forward_sends_the_body_untouched(tmp_path, client):
