@@ -36,6 +36,7 @@ import os
 import sys
 
 from serving import add_limit_arguments, install_quiet_logging, limits_from_args
+from serving.log_format import LOG_FORMATS, configure_logging
 
 __all__ = ["configure", "run", "load_middleware"]
 
@@ -82,7 +83,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="largest generation request body; more is a 413 (default 1 MiB, "
                         "the guard's max_body_bytes)")
     parser.add_argument("--shutdown-timeout-s", type=float, default=10.0)
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="warning",
+                        help="debug, info (lifecycle events), warning or error")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="log lines as text or one JSON object each, with a UTC timestamp")
     parser.add_argument("--http", choices=("h11", "httptools", "auto", "kvguard"),
                         default="h11",
                         help="HTTP server: uvicorn with its h11 (default) or httptools parser "
@@ -204,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
     from serving.draining_server import draining_server, listening_socket
     from serving.limited_protocol import ConnectionTable, uvicorn_config
 
+    configure_logging(args.log_level, args.log_format)
     limits = limits_from_args(args)
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,7 @@ from guard.admission.wait import Wait
 from guard.config import GuardConfig
 from guard.controller import AdmissionController
 from guard.errors import BodyTooLarge, PricingError
+from guard.observe.access_log import AccessLog, TraceTee
 from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.proxy.h1_message import NOT_FORWARDED
 from guard.proxy.health import ReplicaHealth
@@ -78,6 +80,8 @@ RawHeaders = list[tuple[bytes, bytes]]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
+_log = logging.getLogger(__name__)
+
 GUARD_METRICS_PATH = "/kvguard/metrics"
 LIVEZ_PATH, READYZ_PATH = "/livez", "/readyz"  # Kubernetes' liveness and readiness probes
 PROBE_PATHS = frozenset({LIVEZ_PATH, READYZ_PATH, "/health"})  # /health: /readyz's answer
@@ -88,11 +92,12 @@ _GATED_PATHS = ADMIN_PATHS | {MODELS_PATH}
 
 class ProxyApp:
     """ASGI app of ``kvguard proxy``. ``transport``, ``registry`` and ``budget`` (a budget
-    store; None: the controller builds what the config asks for) may be injected."""
+    store; None: the controller builds what the config asks for) may be injected;
+    ``access_log``: one ``kvguard.access`` line per request (:mod:`guard.observe.access_log`)."""
 
     def __init__(self, config: GuardConfig, *, registry: CollectorRegistry | None = None,
                  clock: Callable[[], float] | None = None, transport: Transport | None = None,
-                 budget: Any = None) -> None:
+                 budget: Any = None, access_log: bool = False) -> None:
         if not config.replicas or any(r.url is None for r in config.replicas):
             raise ValueError("replicas: the proxy needs at least one replica with a url "
                              "(--upstream URL or [[replicas]])")
@@ -118,6 +123,9 @@ class ProxyApp:
         self.controller = AdmissionController(config, gated, registry=registry, clock=self.clock,
                                               budget=budget, shared_reservations=shared)
         self.load_state = self.controller.load_state
+        if access_log:  # one line per request, from the records the trace file gets
+            trace = self.controller.trace
+            self.controller.trace = AccessLog() if trace is None else TraceTee(trace, AccessLog())
         self.metrics = ProxyMetrics(self.controller.registry, list(self.urls), self.routable,
                                     self.controller.state_error)
         self.forwarder = Forwarder(self.urls, self.transport, self.health, self._redispatch,
@@ -371,6 +379,9 @@ class ProxyApp:
     def drain(self) -> None:
         """Stop admitting (new and queued requests: 503 ``shutting_down``, ``/health`` 503);
         admitted requests run on."""
+        if not self.controller.draining:
+            _log.info("draining: no new requests admitted; %d in flight finish within %g s",
+                      self.num_in_flight, self.config.proxy.drain_timeout_s)
         self.controller.begin_drain()
 
     @property
