@@ -29,7 +29,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="arguments of every `kvguard engine` (default: %(default)r)")
     parser.add_argument("--proxy-config", default=None, metavar="FILE",
                         help="guard TOML every proxy reads (--config)")
-    parser.add_argument("--start-timeout-s", type=float, default=90.0)
+    parser.add_argument("--start-timeout-s", type=float, default=90.0,
+                        help="how long each replica and proxy may take to start")
 
 
 def spec_from(args: argparse.Namespace) -> TopologySpec:
