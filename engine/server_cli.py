@@ -41,6 +41,9 @@ from serving.log_format import LOG_FORMATS, configure_logging
 __all__ = ["configure", "run", "load_middleware"]
 
 GUARD_MIDDLEWARE = "guard.middleware:AdmissionMiddleware"
+# read before the server starts, so a bad --guard config is one line (the CLI's ValueError),
+# not a traceback from the server's start-up; imported by name like the middleware
+GUARD_CONFIG_LOADER = "guard.config:load_config"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -228,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
     specs = list(args.middleware)
     if args.guard is not None:
         os.environ["KVGUARD_CONFIG"] = args.guard
+        load_middleware(GUARD_CONFIG_LOADER)()  # a bad config: ValueError naming the key
         specs.insert(0, GUARD_MIDDLEWARE)  # outermost: it sees every request first
     middlewares = [load_middleware(s) for s in specs]
     if args.time_scale < 0:
