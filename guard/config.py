@@ -136,6 +136,11 @@ class ReplicaConfig:
     TTFT forecast that way. A fresh forecast is not bent by it: it already prices each
     replica's own load.
 
+    ``api_key`` (or ``api_key_env``, the name of an environment variable that
+    :func:`load_config` reads it from): the proxy's own credential for this replica, sent as
+    ``Authorization: Bearer ...``; the client's key (its tenant key) never goes upstream unless
+    ``[proxy] forward_client_authorization`` says so.
+
     ``models``: every name a request's ``model`` may carry to be routed here (several names
     for one model are aliases; the request is forwarded with the name it sent). Empty: the
     proxy reads them from the replica's ``GET /v1/models``, polled with its state.
@@ -147,6 +152,9 @@ class ReplicaConfig:
     max_model_len: int | None = None
     weight: float = 1.0
     models: tuple[str, ...] = ()  # the model names it serves (aliases too); () = its /v1/models
+    # the key the proxy sends this replica as "Authorization: Bearer ..." (never shown)
+    api_key: str | None = field(default=None, repr=False)
+    api_key_env: str | None = None  # the environment variable load_config reads api_key from
 
     def __post_init__(self) -> None:
         if not self.replica_id:
@@ -174,6 +182,15 @@ class ReplicaConfig:
             raise ValueError(f"replicas[{self.replica_id!r}].models: must be an array of "
                              f"non-empty model names, got {models!r}")
         object.__setattr__(self, "models", tuple(models))
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError(f"replicas[{self.replica_id!r}]: give api_key or api_key_env, "
+                             "not both")
+        for name in ("api_key", "api_key_env"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value
+                                      or not value.isprintable() or " " in value):
+                raise ValueError(f"replicas[{self.replica_id!r}].{name}: must be a non-empty "
+                                 "string without spaces")
         if self.url is not None:
             if not self.url.startswith(("http://", "https://")):
                 raise ValueError(f"replicas[{self.replica_id!r}].url: must start with http:// or https://")
@@ -517,7 +534,7 @@ def _tenant_from(index: int, value: Any) -> TenantConfig:
 def _replica_from(index: int, value: Any) -> ReplicaConfig:
     key = f"replicas[{index}]"
     wanted = {"replica_id": str, "url": str, "state_source": str, "max_model_len": int,
-              "weight": float, "models": list}
+              "weight": float, "models": list, "api_key": str, "api_key_env": str}
     spec = _table(key, value, set(wanted))
     spec.setdefault("replica_id", f"r{index}")
     for fname in spec:
@@ -615,6 +632,22 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def _with_replica_keys(config: GuardConfig, env: Mapping[str, str]) -> GuardConfig:
+    """Each ``[[replicas]] api_key_env`` read from the environment into ``api_key``."""
+    if not any(r.api_key_env for r in config.replicas):
+        return config
+    replicas = []
+    for replica in config.replicas:
+        name = replica.api_key_env
+        if name is not None:
+            if not env.get(name):
+                raise ValueError(f"replicas[{replica.replica_id!r}].api_key_env: the "
+                                 f"environment variable {name} is not set")
+            replica = dataclasses.replace(replica, api_key_env=None, api_key=env[name])
+        replicas.append(replica)
+    return dataclasses.replace(config, replicas=tuple(replicas))
+
+
 def load_config(path: str | os.PathLike | None = None,
                 env: Mapping[str, str] | None = None) -> GuardConfig:
     """The TOML file at ``path`` (or ``$KVGUARD_CONFIG``), then ``KVGUARD_*`` env overrides.
@@ -632,7 +665,7 @@ def load_config(path: str | os.PathLike | None = None,
             raise ValueError(f"KVGUARD_CONFIG: cannot read {str(path)!r}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{path}: invalid TOML: {exc}") from None
-    config = GuardConfig.from_dict(data)
+    config = _with_replica_keys(GuardConfig.from_dict(data), env)
     overrides = _env_overrides(env)
     if not overrides:
         return config

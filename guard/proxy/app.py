@@ -129,7 +129,11 @@ class ProxyApp:
         self.metrics = ProxyMetrics(self.controller.registry, list(self.urls), self.routable,
                                     self.controller.state_error)
         self.forwarder = Forwarder(self.urls, self.transport, self.health, self._redispatch,
-                                   self.metrics)
+                                   self.metrics, {r.replica_id: r.api_key for r in config.replicas
+                                                  if r.api_key is not None})
+        # the client's Authorization is its tenant key: not the replica's business by default
+        self._not_forwarded = NOT_FORWARDED if proxy.forward_client_authorization \
+            else NOT_FORWARDED | {b"authorization"}
         self._access = OperationalAccess(config)
         self._is_admitted = config.is_admitted_path
         self.models = ModelCatalog(config.replicas)  # a request routes among its model's
@@ -250,8 +254,9 @@ class ProxyApp:
         if isinstance(result, Admitted):
             result.client_request_id = client_id
             return await self.forwarder.forward(
-                result, raw_target, _upstream_headers(raw_headers, result.request_id), client_gone(),
-                send, writer)
+                result, raw_target,
+                _upstream_headers(raw_headers, result.request_id, self._not_forwarded),
+                client_gone(), send, writer)
         if result is not None:
             await send_rejection(send, result, id_headers(client_id, result.request_id))
 
@@ -279,6 +284,8 @@ class ProxyApp:
             return None
         raw_target, raw_headers, gone = target.raw, request.headers, exchange.gone
         headers = headers_from_pairs(raw_headers)
+        if b"authorization" in self._not_forwarded:
+            raw_headers = [h for h in raw_headers if h[0] != b"authorization"]
         client_id = client_request_id(headers.get("x-request-id"))
         result = self.controller.decide(   # priced on the decoded path, sent as the client sent it
             AdmissionRequest(target.path, headers, body, gone))
@@ -291,9 +298,10 @@ class ProxyApp:
             except BaseException as exc:
                 result.finish(exc)
                 raise
-            return self.forwarder.forward(result, raw_target,
-                                          _upstream_headers(raw_headers, result.request_id),
-                                          gone(), exchange.send, writer, sent)
+            return self.forwarder.forward(
+                result, raw_target,
+                _upstream_headers(raw_headers, result.request_id, self._not_forwarded),
+                gone(), exchange.send, writer, sent)
         if isinstance(result, Rejection):
             response_headers, response_body = result.response()
             response_headers += id_headers(client_id, result.request_id)
@@ -311,7 +319,8 @@ class ProxyApp:
     async def _models(self, send: Send) -> None:
         routable = [rid for rid in self.urls if self.routable(rid)]
         answers = await asyncio.gather(*(self.transport.get(
-            self.urls[rid] + "/v1/models", self.config.state_timeout_s) for rid in routable),
+            self.urls[rid] + "/v1/models", self.config.state_timeout_s,
+            self.models.headers_for(rid)) for rid in routable),
             return_exceptions=True)
         models: dict[str, dict] = {}
         for answer in answers:
@@ -336,7 +345,7 @@ class ProxyApp:
             snap = self.load_state.replica_snapshot(rid)
             replicas.append({
                 "replica_id": rid, "url": redact_url(replica.url), "state_source": replica.state_source,
-                "weight": replica.weight,
+                "weight": replica.weight, "has_api_key": replica.api_key is not None,
                 "routable": self.routable(rid), "healthy": self.load_state.is_healthy(rid),
                 "ejected": self.health.is_ejected(rid),
                 "consecutive_failures": self.health.consecutive_failures(rid),
@@ -399,12 +408,14 @@ class ProxyApp:
         await self.transport.aclose()
 
 
-def _upstream_headers(raw_headers: RawHeaders, request_id: str) -> RawHeaders:
-    """The client's end-to-end headers with the guard's ``x-request-id`` (the body may have
-    been rewritten, so its length is the transport's to set)."""
+def _upstream_headers(raw_headers: RawHeaders, request_id: str,
+                      not_forwarded: frozenset[bytes] = NOT_FORWARDED) -> RawHeaders:
+    """The client's end-to-end headers (less ``not_forwarded``) with the guard's
+    ``x-request-id`` (the body may have been rewritten, so its length is the transport's to
+    set)."""
     headers = []
     for name, value in raw_headers:
-        if name not in NOT_FORWARDED:
+        if name not in not_forwarded:
             headers.append((name, value))
     headers.append((REQUEST_ID_HEADER, request_id.encode()))
     return headers

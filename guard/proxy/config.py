@@ -11,6 +11,8 @@
     drain_timeout_s = 30.0         # SIGTERM: how long in-flight requests may still run (then cut)
     max_connections_per_replica = 256  # open connections to one replica (more requests wait
                                    # for one); below an engine's per-client connection cap
+    forward_client_authorization = false  # the client's Authorization (its tenant key) goes
+                                   # upstream only when true; a replica's own api_key wins
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ class ProxyConfig:
     probe_interval_s: float = 1.0
     drain_timeout_s: float = 30.0
     max_connections_per_replica: int = 256
+    forward_client_authorization: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.forward_client_authorization, bool):
+            raise ValueError("proxy.forward_client_authorization: must be true or false, got "
+                             f"{self.forward_client_authorization!r}")
         if self.upstream_client not in _CLIENTS:
             raise ValueError(f"proxy.upstream_client: must be one of {_CLIENTS}, "
                              f"got {self.upstream_client!r}")

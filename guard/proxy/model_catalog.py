@@ -26,8 +26,8 @@ __all__ = ["ModelCatalog", "parse_model_ids"]
 
 _log = logging.getLogger(__name__)
 
-# (status, body) of GET url, or raises (the proxy's transport.get)
-Get = Callable[[str, float], Awaitable[tuple[int, bytes]]]
+# (status, body) of GET url with headers, or raises (the proxy's transport.get)
+Get = Callable[[str, float, list], Awaitable[tuple[int, bytes]]]
 
 
 class ModelCatalog:
@@ -37,9 +37,15 @@ class ModelCatalog:
         self._models: dict[str, frozenset[str] | None] = {
             r.replica_id: frozenset(r.models) if r.models else None for r in replicas}
         self.polled_urls = {r.replica_id: r.url for r in replicas if not r.models and r.url}
+        self._headers = {r.replica_id: [(b"authorization", b"Bearer " + r.api_key.encode())]
+                         for r in replicas if r.api_key}  # the replica's own key
         self._by_model: dict[str, frozenset[str]] = {}
         self._unread: frozenset[str] = frozenset()
         self._index()
+
+    def headers_for(self, replica_id: str) -> list[tuple[bytes, bytes]]:
+        """What a GET to the replica carries: its own ``Authorization``, when it has a key."""
+        return self._headers.get(replica_id, [])
 
     def models_of(self, replica_id: str) -> frozenset[str] | None:
         """The names ``replica_id`` serves (None: not read yet)."""
@@ -72,7 +78,8 @@ class ModelCatalog:
         """Read every unconfigured replica's ``/v1/models`` once (failures keep the last list)."""
         ids = list(self.polled_urls)
         answers = await asyncio.gather(
-            *(get(self.polled_urls[rid] + "/v1/models", timeout_s) for rid in ids),
+            *(get(self.polled_urls[rid] + "/v1/models", timeout_s, self.headers_for(rid))
+              for rid in ids),
             return_exceptions=True)
         for rid, answer in zip(ids, answers, strict=True):
             if isinstance(answer, tuple) and answer[0] == 200:

@@ -98,8 +98,12 @@ class Forwarder:
     """
 
     def __init__(self, urls: Mapping[str, str], transport: Transport, health: ReplicaHealth,
-                 redispatch: Redispatch, counters: Any) -> None:
+                 redispatch: Redispatch, counters: Any,
+                 api_keys: Mapping[str, str] | None = None) -> None:
         self._urls = dict(urls)
+        # replica id -> its Authorization value: the proxy's own key for it, on every attempt
+        self._authorizations = {rid: b"Bearer " + key.encode()
+                                for rid, key in (api_keys or {}).items()}
         self._transport = transport
         self._health = health
         self._redispatch = redispatch
@@ -118,7 +122,16 @@ class Forwarder:
         send_now = self._send_now
         if send_now is None:
             return None
-        return send_now(self._urls[replica_id] + path, headers, body, request_id)
+        return send_now(self._urls[replica_id] + path, self._credentialed(replica_id, headers),
+                        body, request_id)
+
+    def _credentialed(self, replica_id: str, headers: Headers) -> Headers:
+        """``headers`` with the replica's own ``Authorization`` in place of any other."""
+        authorization = self._authorizations.get(replica_id)
+        if authorization is None:
+            return headers
+        return [h for h in headers if h[0] != b"authorization"] + [
+            (b"authorization", authorization)]
 
     def cut_all(self) -> int:
         """End every running relay now (see the module docstring); how many there were."""
@@ -177,8 +190,9 @@ class Forwarder:
                     sent, pending = None, sent
                     response = await pending
                 else:
-                    response = await self._transport.send(self._urls[replica_id] + path,
-                                                          headers, body)
+                    response = await self._transport.send(
+                        self._urls[replica_id] + path, self._credentialed(replica_id, headers),
+                        body)
             except UpstreamUnreachable as exc:
                 failure = failure_message(replica_id, exc)
             except UpstreamTimeout as exc:

@@ -96,3 +96,29 @@ def test_missing_max_tokens_forward_sends_the_body_untouched(tmp_path, client):
         assert ok.status_code == 200, ok.text
         assert "max_tokens" not in ok.json()["received"]["body"]
         assert "x-kvguard-max-tokens" not in ok.headers
+
+
+@pytest.mark.parametrize(("replica_key", "forward", "seen"), [
+    ("sk-upstream", False, "Bearer sk-upstream"),   # the replica's own key, not the client's
+    (None, False, None),                            # nobody's key
+    (None, True, f"Bearer {KEY}"),                  # configured to forward the client's
+    ("sk-upstream", True, "Bearer sk-upstream"),    # the replica's own key still wins
+])
+def test_the_upstream_sees_its_own_key_never_the_clients(tmp_path, client, replica_key, forward,
+                                                         seen):
+    with running(upstream_child("echo", MODEL)) as upstream:
+        config = tmp_path / "proxy.toml"
+        key_line = f'api_key = "{replica_key}"\n' if replica_key else ""
+        config.write_text("allow_anonymous = false\n" + open(write_config(tmp_path)).read()
+                          + f"forward_client_authorization = {str(forward).lower()}\n" + TENANT
+                          + f'[[replicas]]\nreplica_id = "r0"\nurl = "{upstream.url}"\n'
+                            f'state_source = "none"\nmodels = ["{MODEL}"]\n' + key_line)
+        with running(proxy_child([], str(config))) as proxy:
+            for stream in (False, True):
+                answer = client.post(proxy.url + "/v1/completions", headers=AUTH,
+                                     json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                           "stream": stream})
+                assert answer.status_code == 200, answer.text
+                if not stream:
+                    headers = answer.json()["received"]["headers"]
+                    assert headers.get("authorization") == seen
