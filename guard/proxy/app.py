@@ -51,13 +51,14 @@ from guard.admission.shedding import Rejection, send_rejection
 from guard.admission.wait import Wait
 from guard.config import GuardConfig
 from guard.controller import AdmissionController
-from guard.errors import BodyTooLarge, PricingError
+from guard.errors import BodyTooLarge, ClientDisconnected, PricingError
 from guard.observe.access_log import AccessLog, TraceTee
 from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.proxy.h1_message import NOT_FORWARDED
 from guard.proxy.health import ReplicaHealth
 from guard.proxy.metrics import ProxyMetrics
 from guard.proxy.model_catalog import ModelCatalog
+from guard.proxy.passthrough import Passthrough
 from guard.proxy.state_client import TransportStateClient
 from guard.proxy.transports import Transport, UpstreamError, make_transport
 from guard.proxy.upstream import BodyWriter, Forwarder
@@ -138,11 +139,26 @@ class ProxyApp:
         self._is_admitted = config.is_admitted_path
         self.models = ModelCatalog(config.replicas)  # a request routes among its model's
         self.controller.replicas_for = self.models.replicas_for
+        self.passthrough = Passthrough(proxy.relayed_paths, self.transport, self.urls,
+                                       self._relay_replica, self._relay_headers,
+                                       self.controller.registry, proxy.read_timeout_s)
         self._models_task: asyncio.Task | None = None
 
     # --- routing facts ------------------------------------------------------------------------
     def routable(self, replica_id: str) -> bool:
         return self.load_state.is_healthy(replica_id) and not self.health.is_ejected(replica_id)
+
+    def _relay_replica(self, model: object) -> str | None:
+        """For an unpriced relayed request: the routable replica serving ``model`` with the
+        fewest requests in flight (None: none routable; PricingError: an unknown model)."""
+        allowed = self.models.replicas_for(model)
+        candidates = [rid for rid in self.urls if self.routable(rid)
+                      and (allowed is None or rid in allowed)]
+        return min(candidates, key=self.load_state.num_inflight, default=None)
+
+    def _relay_headers(self, replica_id: str, raw_headers: RawHeaders) -> RawHeaders:
+        return self.forwarder.credentialed(
+            replica_id, [h for h in raw_headers if h[0] not in self._not_forwarded])
 
     def _mark_unhealthy(self, replica_id: str) -> None:  # the replica was ejected
         self.load_state.mark_unhealthy(replica_id, self.clock())
@@ -176,6 +192,10 @@ class ProxyApp:
                 return await self._refuse(scope, send, target)
             if target.admitted:
                 return await self._admit(scope, receive, send, target)
+        if method in ("GET", "POST"):
+            route = self.passthrough.route(path)
+            if route is not None:
+                return await self._relay(scope, receive, send, route)
         if path in _GATED_PATHS and self._access.enabled:
             rejection = self._access.check(path, headers_from_scope(scope))
             if rejection is not None:
@@ -191,6 +211,28 @@ class ProxyApp:
         await _send_json(send, 404, {"error": {"message": f"no route {method} {path}",
                                                "type": "invalid_request_error",
                                                "param": None, "code": "not_found"}})
+
+    async def _relay(self, scope: dict, receive: Receive, send: Send, route: str) -> None:
+        """A ``relayed_paths`` request: unpriced, to one replica (gated like ``/v1/models``)."""
+        headers = headers_from_scope(scope)
+        if self._access.enabled:
+            rejection = self._access.check(MODELS_PATH, headers)
+            if rejection is not None:
+                return await send_rejection(send, rejection)
+        body = b""
+        if scope["method"] == "POST":
+            try:
+                body = await read_body(receive, self.config.max_body_bytes,
+                                       content_length(headers))
+            except BodyTooLarge as error:
+                return await send_rejection(send, Rejection(413, error.reason, error.message))
+            except ClientDisconnected:
+                return None
+        target = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+        await self.passthrough.relay(route, scope["method"], scope["path"],
+                                     target.decode("latin-1"), scope["headers"], body, send)
 
     async def _probe_answer(self, send: Send, path: str) -> None:
         """``/livez``: the process serves. ``/readyz`` and ``/health``: not draining and a

@@ -13,6 +13,8 @@
                                    # for one); below an engine's per-client connection cap
     forward_client_authorization = false  # the client's Authorization (its tenant key) goes
                                    # upstream only when true; a replica's own api_key wins
+    relayed_paths = ["/tokenize", "/detokenize", "/version", "/ping", "/v1/models/*"]
+                                   # relayed to a replica unpriced but counted (fnmatch)
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from typing import Any
 
 from serving.checks import require_count, require_seconds
 
-__all__ = ["ProxyConfig"]
+__all__ = ["DEFAULT_RELAYED_PATHS", "ProxyConfig"]
+
+# vLLM's cheap routes: relayed to a replica unpriced (guard.proxy.passthrough)
+DEFAULT_RELAYED_PATHS = ("/tokenize", "/detokenize", "/version", "/ping", "/v1/models/*")
 
 _CLIENTS = ("h1", "aiohttp")
 
@@ -39,8 +44,15 @@ class ProxyConfig:
     drain_timeout_s: float = 30.0
     max_connections_per_replica: int = 256
     forward_client_authorization: bool = False
+    relayed_paths: tuple[str, ...] = DEFAULT_RELAYED_PATHS
 
     def __post_init__(self) -> None:
+        paths = self.relayed_paths
+        if isinstance(paths, str) or not isinstance(paths, (tuple, list)) or not all(
+                isinstance(p, str) and p.startswith("/") for p in paths):
+            raise ValueError("proxy.relayed_paths: must be an array of path patterns starting "
+                             f"with /, got {paths!r}")
+        object.__setattr__(self, "relayed_paths", tuple(paths))
         if not isinstance(self.forward_client_authorization, bool):
             raise ValueError("proxy.forward_client_authorization: must be true or false, got "
                              f"{self.forward_client_authorization!r}")

@@ -122,10 +122,10 @@ class Forwarder:
         send_now = self._send_now
         if send_now is None:
             return None
-        return send_now(self._urls[replica_id] + path, self._credentialed(replica_id, headers),
+        return send_now(self._urls[replica_id] + path, self.credentialed(replica_id, headers),
                         body, request_id)
 
-    def _credentialed(self, replica_id: str, headers: Headers) -> Headers:
+    def credentialed(self, replica_id: str, headers: Headers) -> Headers:
         """``headers`` with the replica's own ``Authorization`` in place of any other."""
         authorization = self._authorizations.get(replica_id)
         if authorization is None:
@@ -191,7 +191,7 @@ class Forwarder:
                     response = await pending
                 else:
                     response = await self._transport.send(
-                        self._urls[replica_id] + path, self._credentialed(replica_id, headers),
+                        self._urls[replica_id] + path, self.credentialed(replica_id, headers),
                         body)
             except UpstreamUnreachable as exc:
                 failure = failure_message(replica_id, exc)

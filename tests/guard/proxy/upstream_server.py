@@ -4,6 +4,8 @@ Run as ``python upstream_server.py MODE MODEL``; it prints ``upstream listening 
 http://127.0.0.1:PORT``. ``GET /health`` is 200 and ``GET /v1/models`` lists MODEL in every
 mode; ``GET /count`` is the number of POSTs received; ``GET /connections`` lists, per accepted
 connection, the ``METHOD PATH`` of every request it carried (``/connections`` itself left out);
+``GET /version`` and ``GET /v1/models/MODEL`` answer as vLLM does, ``POST /tokenize`` with
+the prompt's characters as tokens and the headers it received;
 ``GET /metrics`` is vLLM's gauges with a ``cache_config_info`` that lacks ``num_gpu_blocks``
 (a vLLM whose KV capacity the guard cannot read).
 A POST gets, by MODE:
@@ -57,9 +59,15 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes, 
 
 
 async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter,
-                headers: dict) -> bool:
+                headers: dict, path: str = "") -> bool:
     """Answer one POST; False when the connection must close."""
     COUNT["posts"] += 1
+    if path == "/tokenize":  # vLLM's shape, and what this upstream saw
+        tokens = list(range(len(json.loads(body or b"{}").get("prompt", ""))))
+        answer = {"tokens": tokens, "count": len(tokens), "max_model_len": 4096,
+                  "received_headers": headers}
+        writer.write(_response("200 OK", json.dumps(answer).encode()))
+        return True
     if mode == "status500":
         writer.write(_response("500 Internal Server Error", b'{"error": "boom"}'))
         return True
@@ -121,7 +129,7 @@ async def _serve(mode: str, model: str, reader: asyncio.StreamReader,
             if path != "/connections":
                 carried.append(f"{method} {path}")
             if method == "POST":
-                keep = await _post(mode, model, body, writer, headers)
+                keep = await _post(mode, model, body, writer, headers, path)
             elif path == "/v1/models":
                 models = {"object": "list", "data": [{"id": model, "object": "model"}]}
                 writer.write(_response("200 OK", json.dumps(models).encode()))
@@ -132,6 +140,13 @@ async def _serve(mode: str, model: str, reader: asyncio.StreamReader,
                 keep = True
             elif path == "/metrics":
                 writer.write(_response("200 OK", VLLM_METRICS_WITHOUT_BLOCKS, b"text/plain"))
+                keep = True
+            elif path == "/version":
+                writer.write(_response("200 OK", b'{"version": "scripted-0.1"}'))
+                keep = True
+            elif path == f"/v1/models/{model}":
+                writer.write(_response("200 OK", json.dumps(
+                    {"id": model, "object": "model"}).encode()))
                 keep = True
             elif path == "/count":
                 writer.write(_response("200 OK", json.dumps(COUNT).encode()))
