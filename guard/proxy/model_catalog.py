@@ -2,7 +2,8 @@
 
 A replica's models are the names its ``[[replicas]] models`` lists (aliases: any of them routes
 there), or else the ids its ``GET /v1/models`` answers, read at start-up and then every
-``refresh_interval_s`` with its state. A request is priced and decided only among the replicas
+``refresh_interval_s``, but no more often than every ``MIN_LIST_INTERVAL_S`` (a served model
+changes when a replica restarts, not between two load polls). A request is priced and decided only among the replicas
 serving its ``model`` (:attr:`policies.cost.RequestCost.replica_ids`); a model no replica
 serves is a 404 ``model_not_found`` at the proxy, and no replica sees it.
 
@@ -22,7 +23,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from guard.config import ReplicaConfig
 from guard.errors import PricingError
 
-__all__ = ["ModelCatalog", "parse_model_ids"]
+__all__ = ["MIN_LIST_INTERVAL_S", "ModelCatalog", "parse_model_ids"]
+
+MIN_LIST_INTERVAL_S = 2.0
 
 _log = logging.getLogger(__name__)
 
@@ -88,9 +91,10 @@ class ModelCatalog:
                     self.update(rid, models)
 
     async def run(self, get: Get, interval_s: float, timeout_s: float) -> None:
-        """:meth:`refresh` every ``interval_s`` until cancelled."""
+        """:meth:`refresh` every ``interval_s`` (at least ``MIN_LIST_INTERVAL_S``) until
+        cancelled."""
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(max(interval_s, MIN_LIST_INTERVAL_S))
             await self.refresh(get, timeout_s)
 
     def _index(self) -> None:
