@@ -25,7 +25,7 @@ class Admitted:
     """One admitted request: its ticket, the body to forward, the class's ITL histogram."""
 
     __slots__ = ("ticket", "request_id", "replica_id", "body", "body_rewritten", "clock", "itl",
-                 "client_request_id")
+                 "client_request_id", "response_headers")
 
     def __init__(self, ticket: Ticket, body: bytes, clock: Callable[[], float], itl: Any) -> None:
         self.ticket = ticket
@@ -40,6 +40,7 @@ class Admitted:
         self.itl = itl  # the class's inter-token gap histogram
         # the client's own sane x-request-id, echoed on the response (set by the adapter)
         self.client_request_id: str | None = None
+        self.response_headers: list[tuple[bytes, bytes]] = []  # more, from the adapter
 
     @property
     def filled_max_tokens(self) -> int | None:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry
 
 from guard.admission.admitted import Admitted
+from guard.admission.rate_limit_headers import rate_limit_headers
 from guard.admission.request import AdmissionRequest, read_request
 from guard.admission.shedding import Rejection, send_rejection
 from guard.admission.wait import Wait
@@ -136,6 +137,7 @@ class ProxyApp:
         self._not_forwarded = NOT_FORWARDED if proxy.forward_client_authorization \
             else NOT_FORWARDED | {b"authorization"}
         self._access = OperationalAccess(config)
+        self._budgeted = config.budgets_enabled  # x-ratelimit-* headers for budgeted tenants
         self._is_admitted = config.is_admitted_path
         self.models = ModelCatalog(config.replicas)  # a request routes among its model's
         self.controller.replicas_for = self.models.replicas_for
@@ -268,8 +270,8 @@ class ProxyApp:
         result = self.controller.decide(request)
         if isinstance(result, Wait):
             result = await self.controller.wait(result)
-        await send_rejection(send, result, id_headers(
-            client_request_id(headers.get("x-request-id")), result.request_id))
+        await send_rejection(send, result, self._rejection_headers(
+            result, headers.get("authorization"), client_request_id(headers.get("x-request-id"))))
 
     async def _admit(self, scope: dict, receive: Receive, send: Send, target: Target) -> None:
         """Admission by the controller, then the forwarder; bad input never leaves here."""
@@ -283,24 +285,27 @@ class ProxyApp:
             if isinstance(result, Wait):
                 result = await self.controller.wait(result)
             await self._answer(result, target.raw, scope["headers"], exchange.client_gone, send,
-                               exchange.writer, client_request_id(headers.get("x-request-id")))
+                               exchange.writer, client_request_id(headers.get("x-request-id")),
+                               headers.get("authorization"))
         finally:
             exchange.stop()
 
     async def _answer(self, result: Admitted | Rejection | None, raw_target: str,
                       raw_headers: RawHeaders, client_gone: Callable[[], asyncio.Future],
-                      send: Send, writer: BodyWriter | None, client_id: str | None) -> None:
+                      send: Send, writer: BodyWriter | None, client_id: str | None,
+                      authorization: str | None) -> None:
         """The controller's result answered: relayed from the replica (to ``raw_target``, the
         client's target as sent), or the rejection; either echoes ``client_id`` (the client's
         sane ``x-request-id``) or the guard's id."""
         if isinstance(result, Admitted):
-            result.client_request_id = client_id
+            self._annotate(result, client_id)
             return await self.forwarder.forward(
                 result, raw_target,
                 _upstream_headers(raw_headers, result.request_id, self._not_forwarded),
                 client_gone(), send, writer)
         if result is not None:
-            await send_rejection(send, result, id_headers(client_id, result.request_id))
+            await send_rejection(send, result,
+                                 self._rejection_headers(result, authorization, client_id))
 
     # --- kvguard's own server: the request decided and sent from its read callback ----------
     def http_direct(self, request: RequestHead, exchange: Exchange) -> Coroutine | bool | None:
@@ -333,7 +338,7 @@ class ProxyApp:
             AdmissionRequest(target.path, headers, body, gone))
         writer = (exchange.write_body, exchange.conn.drain)
         if isinstance(result, Admitted):
-            result.client_request_id = client_id
+            self._annotate(result, client_id)
             try:  # written upstream now, before this returns
                 sent = self.forwarder.send_now(result.replica_id, raw_target, raw_headers,
                                                result.body, result.request_id)
@@ -346,17 +351,44 @@ class ProxyApp:
                 gone(), exchange.send, writer, sent)
         if isinstance(result, Rejection):
             response_headers, response_body = result.response()
-            response_headers += id_headers(client_id, result.request_id)
+            response_headers += self._rejection_headers(result, headers.get("authorization"),
+                                                        client_id)
             exchange.respond(result.status, response_headers, response_body)
             return True
         return self._answer_later(result, raw_target, raw_headers, gone, exchange.send, writer,
-                                  client_id)
+                                  client_id, headers.get("authorization"))
 
     async def _answer_later(self, waiting: Wait, raw_target: str, raw_headers: RawHeaders,
                             client_gone: Callable[[], asyncio.Future], send: Send,
-                            writer: BodyWriter, client_id: str | None) -> None:
+                            writer: BodyWriter, client_id: str | None,
+                            authorization: str | None) -> None:
         result = await self.controller.wait(waiting)
-        await self._answer(result, raw_target, raw_headers, client_gone, send, writer, client_id)
+        await self._answer(result, raw_target, raw_headers, client_gone, send, writer, client_id,
+                           authorization)
+
+    # --- what every response says about its request --------------------------------------------
+    def _annotate(self, admitted: Admitted, client_id: str | None) -> None:
+        """An admitted request's response: the client's id echoed, its tenant's rate limits."""
+        admitted.client_request_id = client_id
+        if self._budgeted:
+            limits = self.config.budget_limits(admitted.ticket.cost.tenant)
+            admitted.response_headers = rate_limit_headers(limits)
+
+    def _rejection_headers(self, rejection: Rejection, authorization: str | None,
+                           client_id: str | None) -> RawHeaders:
+        """A rejection's ids and, for a budgeted tenant, its rate limits (on a budget 429:
+        the axis that said no, and when it has room again)."""
+        headers = id_headers(client_id, rejection.request_id)
+        if self._budgeted:
+            tenant = self.controller.tenant(authorization)
+            if tenant is not None:
+                limits = self.config.budget_limits(tenant.name)
+                if rejection.status == 429:
+                    headers += rate_limit_headers(limits, rejection.reason,
+                                                  rejection.retry_after_s)
+                else:
+                    headers += rate_limit_headers(limits)
+        return headers
 
     async def _models(self, send: Send) -> None:
         routable = [rid for rid in self.urls if self.routable(rid)]

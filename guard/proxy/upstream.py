@@ -389,7 +389,8 @@ class _Client:
             headers = [h for h in headers if h[0] != REQUEST_ID_HEADER]
         headers = [*headers, (REPLICA_HEADER, admission.replica_id.encode()),
                    (QUEUE_MS_HEADER, f"{admission.queue_ms:.1f}".encode()),
-                   *id_headers(admission.client_request_id, admission.request_id)]
+                   *id_headers(admission.client_request_id, admission.request_id),
+                   *admission.response_headers]
         filled = admission.filled_max_tokens
         if filled is not None:  # the client sent no max_tokens: say what the replica ran with
             headers.append((MAX_TOKENS_HEADER, str(filled).encode()))

@@ -44,6 +44,8 @@ def test_the_client_request_id_round_trips_on_200_and_429(tmp_path, client):
         # no max_tokens sent: forwarded with the priced value, and the response says so
         assert received["body"]["max_tokens"] == 256
         assert ok.headers["x-kvguard-max-tokens"] == "256"
+        assert ok.headers["x-ratelimit-limit-requests"] == "2"  # OpenAI's, for a budgeted tenant
+        assert "x-ratelimit-limit-tokens" not in ok.headers  # no token budget
 
         sent = client.post(proxy.url + "/v1/completions",
                            headers={**AUTH, "x-request-id": "x" * 129},  # too long: replaced
@@ -62,6 +64,9 @@ def test_the_client_request_id_round_trips_on_200_and_429(tmp_path, client):
         error = shed.json()["error"]  # OpenAI's conventions; kvguard's reason in its header
         assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
         assert shed.headers["x-kvguard-reason"] == "rpm_limit"
+        assert shed.headers["x-ratelimit-remaining-requests"] == "0"
+        reset_s = float(shed.headers["x-ratelimit-reset-requests"].removesuffix("s"))
+        assert 0 < reset_s <= 60 and reset_s <= float(shed.headers["retry-after"])
         assert "requests per minute" in error["message"]
 
         refused = client.post(proxy.url + "/v1/completions", headers={"x-request-id": "abc-4"},
