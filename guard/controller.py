@@ -46,6 +46,10 @@ ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy anot
     it than ``await wait(it)``, exactly once.
 * ``await wait(waiting)`` returns :class:`Admitted` or :class:`Rejection` as above, or
   ``None``: the client left before a decision (already counted canceled; nothing to send).
+* ``replicas_for`` (the proxy sets it): ``model -> frozenset of replica ids | None``, or
+  PricingError (404 ``model_not_found``); each priced request is then decided only among its
+  model's replicas (``RequestCost.replica_ids``), the queue pump's and redispatch's decisions
+  included.
 * ``redispatch(admitted, replica_ids)`` (the proxy): the upstream failed before answering, so
   the policy re-decides among ``replica_ids``; returns the new replica id (reservation moved)
   or None.
