@@ -281,9 +281,11 @@ class GuardConfig:
             if not isinstance(pattern, str) or not pattern.startswith(("/", "*")):
                 raise ValueError(f"admitted_paths: {pattern!r} must be a path pattern "
                                  "starting with / or *")
-            if not pattern.endswith(("/v1/completions", "/v1/chat/completions")):
-                raise ValueError(f"admitted_paths: {pattern!r} must end in /v1/completions or "
-                                 "/v1/chat/completions (the guard prices those two bodies)")
+            if not pattern.endswith(("/v1/completions", "/v1/chat/completions",
+                                     "/v1/embeddings")):
+                raise ValueError(f"admitted_paths: {pattern!r} must end in /v1/completions, "
+                                 "/v1/chat/completions or /v1/embeddings (the bodies the guard "
+                                 "prices)")
         object.__setattr__(self, "admitted_paths", tuple(paths))
         literal = [p for p in paths if not any(c in p for c in "*?[")]
         suffixes = tuple(p[1:] for p in paths if p.startswith("*") and not any(

@@ -45,3 +45,26 @@ def test_each_relayed_route_returns_what_the_upstream_returned(relayed, client):
     assert "kvguard_requests_offered_total{" not in metrics or all(
         line.endswith(" 0.0") for line in metrics.splitlines()
         if line.startswith("kvguard_requests_offered_total{"))
+
+
+def test_embeddings_are_admitted_when_configured(tmp_path, client):
+    """``admitted_paths`` with ``*/v1/embeddings``: priced by the input, admitted, forwarded as
+    sent (no max_tokens added); a malformed input is a 400 that reaches no replica."""
+    with running(upstream_child("echo", MODEL)) as upstream:
+        config = tmp_path / "proxy.toml"
+        config.write_text(
+            'admitted_paths = ["*/v1/completions", "*/v1/chat/completions", "*/v1/embeddings"]\n'
+            + open(write_config(tmp_path)).read()
+            + f'[[replicas]]\nreplica_id = "r0"\nurl = "{upstream.url}"\n'
+              f'state_source = "none"\nmodels = ["{MODEL}"]\n')
+        with running(proxy_child([], str(config))) as proxy:
+            body = {"model": MODEL, "input": ["hello there", "general kenobi"]}
+            answer = client.post(proxy.url + "/v1/embeddings", json=body)
+            assert answer.status_code == 200, answer.text
+            assert "x-kvguard-queue-ms" in answer.headers  # admitted, not merely relayed
+            assert answer.json()["received"]["body"] == body
+            bad = client.post(proxy.url + "/v1/embeddings", json={"model": MODEL, "input": 3})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+            assert httpx.get(upstream.url + "/count", trust_env=False).json() == {"posts": 1}
+            metrics = client.get(proxy.url + "/kvguard/metrics").text
+    assert 'kvguard_requests_offered_total{class="interactive",tenant="anonymous"} 2.0' in metrics
