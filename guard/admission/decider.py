@@ -148,6 +148,11 @@ class Decider:
 
 
 def _among(snapshot: LoadSnapshot, replica_ids: frozenset[str]) -> LoadSnapshot:
-    """The snapshot with only ``replica_ids``' replicas."""
-    return dataclasses.replace(snapshot, replicas=tuple(
-        r for r in snapshot.replicas if r.replica_id in replica_ids))
+    """The snapshot with only ``replica_ids``' replicas. A view of the whole fleet that a
+    snapshot may carry beside them (a ranked ``fleet``) would name the others: it is dropped,
+    and the policy decides by scanning the replicas left, as for a redispatch."""
+    changes: dict = {"replicas": tuple(r for r in snapshot.replicas
+                                       if r.replica_id in replica_ids)}
+    if getattr(snapshot, "fleet", None) is not None:
+        changes["fleet"] = None
+    return dataclasses.replace(snapshot, **changes)
