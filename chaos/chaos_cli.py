@@ -22,9 +22,16 @@ from pathlib import Path
 
 from chaos.chaos_report import checks, plot_timelines, render_report, render_table
 from chaos.overload import POLICIES
+from chaos.overload_plan import ROUTING_POLICIES
 from chaos.replica import exit_on_sigterm
 from chaos.scenario_run import NOMINAL_REPLICA_CAPACITY_GPU_RPS, RunSettings, run_policy
-from chaos.scenarios import ScenarioSpec, catalogue, missing_dependencies, quick_variant
+from chaos.scenarios import (
+    ScenarioSpec,
+    catalogue,
+    missing_dependencies,
+    quick_variant,
+    settings_for,
+)
 from chaos.verdict import THRESHOLDS
 
 __all__ = ["configure", "run", "run_scenario", "measure_capacity_rps", "BASE_POLICIES"]
@@ -40,7 +47,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     r.add_argument("name", help="scenario name (see `kvguard chaos list`)")
     r.add_argument("--quick", action="store_true",
                    help="the short CI version, at the nominal capacity (no sweep)")
-    r.add_argument("--policy", action="append", default=[], choices=POLICIES,
+    r.add_argument("--policy", action="append", default=[], choices=(*POLICIES, *ROUTING_POLICIES),
                    help="another policy to run beside always_admit and slo (repeatable)")
     r.add_argument("--out", default=None, help="output folder (default runs/chaos-NAME-<time>)")
     r.add_argument("--json", action="store_true", help="print the verdict JSON on stdout")
@@ -56,8 +63,9 @@ def _list() -> int:
 
     for name, spec in catalogue().items():
         missing = missing_dependencies(spec, SUBCOMMANDS)
-        topo = (f"{spec.replicas} replica(s), " + (f"{spec.proxies} proxy(ies)" if spec.proxies
-                                                   else "in-process guard")
+        front = (f"{spec.proxies} proxy(ies)" if spec.proxies else
+                 f"Envoy + {spec.epps} kvguard epp" if spec.epps else "in-process guard")
+        topo = (f"{spec.replicas} replica(s), " + front
                 + (", redis" if spec.redis else ""))
         state = "ready" if not missing else "UNAVAILABLE: " + "; ".join(missing)
         print(f"{name:13s} {spec.summary}\n{'':13s} [{topo}] {state}")
@@ -122,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"scenario {spec.name} cannot run in this build: " + "; ".join(missing))
     exit_on_sigterm()
     policies = list(dict.fromkeys([*BASE_POLICIES, *args.policy]))
-    settings = RunSettings(time_scale=args.time_scale, seed=args.seed)
+    settings = settings_for(spec, RunSettings(time_scale=args.time_scale, seed=args.seed))
     out = Path(args.out or f"runs/chaos-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \

@@ -180,9 +180,12 @@ class CompletionClient:
         return observation_record(spec, obs, start)
 
     def _headers(self, spec: RequestSpec) -> dict[str, str]:
-        return {"content-type": "application/json", "accept": "text/event-stream",
-                "authorization": f"Bearer {spec.tenant}",
-                self._class_header: spec.request_class}
+        headers = {"content-type": "application/json", "accept": "text/event-stream",
+                   "authorization": f"Bearer {spec.tenant}",
+                   self._class_header: spec.request_class}
+        if spec.session_id is not None:
+            headers["x-session-id"] = spec.session_id
+        return headers
 
     async def _exchange(self, spec: RequestSpec, body: bytes, obs: Observation) -> None:
         async with await self._post(spec, body, obs) as resp:

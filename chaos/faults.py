@@ -7,8 +7,13 @@
 Kinds (``duration_s`` is what follows the fault; None = nothing follows):
 
 - ``replica_kill``  SIGKILL replica ``target``; restart it ``duration_s`` later (same port).
+- ``replica_kill_hot``  SIGKILL the replica that holds the hottest prefix in its cache (asked
+  at the time of the fault: ``inject``'s ``hot_replica`` probes the replicas); restart it
+  ``duration_s`` later, cold. ``target`` is ignored.
 - ``replica_hang``  SIGSTOP replica ``target``; SIGCONT ``duration_s`` later.
 - ``proxy_kill``    SIGKILL proxy ``target`` (one of M behind the clients' round-robin);
+  restart it ``duration_s`` later.
+- ``epp_kill``      SIGKILL ``kvguard epp`` ``target`` (one of the EPPs behind Envoy);
   restart it ``duration_s`` later.
 - ``redis_kill``    SIGKILL the redis-server; restart it ``duration_s`` later.
 - ``redis_hang``    SIGSTOP the redis-server; SIGCONT ``duration_s`` later.
@@ -27,12 +32,15 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 
-__all__ = ["FAULT_KINDS", "Fault", "FaultEvent", "validate_plan", "inject", "scaled"]
+__all__ = ["FAULT_KINDS", "KILL_KINDS", "Fault", "FaultEvent", "validate_plan", "inject",
+           "scaled"]
 
-FAULT_KINDS: tuple[str, ...] = ("replica_kill", "replica_hang", "proxy_kill", "redis_kill",
-                                "redis_hang", "rate_step")
+FAULT_KINDS: tuple[str, ...] = ("replica_kill", "replica_kill_hot", "replica_hang",
+                                "proxy_kill", "epp_kill", "redis_kill", "redis_hang", "rate_step")
+KILL_KINDS = frozenset({"replica_kill", "replica_kill_hot"})  # a replica SIGKILLed
 _ACTIONS: dict[str, tuple[str, str]] = {  # kind -> (fault action, recovery action)
-    "replica_kill": ("kill", "restart"), "proxy_kill": ("kill", "restart"),
+    "replica_kill": ("kill", "restart"), "replica_kill_hot": ("kill", "restart"),
+    "proxy_kill": ("kill", "restart"), "epp_kill": ("kill", "restart"),
     "redis_kill": ("kill", "restart"), "replica_hang": ("stop", "cont"),
     "redis_hang": ("stop", "cont"), "rate_step": ("rate up", "rate down"),
 }
@@ -92,6 +100,8 @@ def _child(topology, fault: Fault):
         children = topology.replicas
     elif fault.component == "proxy":
         children = topology.proxies
+    elif fault.component == "epp":
+        children = topology.epps
     else:
         return topology.redis
     return children[fault.target] if fault.target < len(children) else None
@@ -116,11 +126,18 @@ async def _act(child, action: str) -> None:
         await asyncio.to_thread(child.restart)
 
 
-async def _run_one(fault: Fault, topology, t0_s: float, clock, sleep, events: list) -> None:
+async def _run_one(fault: Fault, topology, t0_s: float, clock, sleep, events: list,
+                   hot_replica: Callable[[], Awaitable[int]] | None = None) -> None:
     """The fault's action at its time, then its recovery ``duration_s`` after the action
     actually happened (a late action on a starved loop keeps the fault's full length)."""
     child = _child(topology, fault)
     name = fault.target_name()
+    if fault.kind == "replica_kill_hot":
+        wait_s = t0_s + fault.at_s - clock()
+        if wait_s > 0:  # who holds the hottest prefix is asked when the fault strikes
+            await sleep(wait_s)
+        index = await hot_replica() if hot_replica is not None else 0
+        child, name = topology.replicas[index], f"replica-{index}"
     steps = [(fault.at_s, _ACTIONS[fault.kind][0])]
     if fault.end_s is not None:
         steps.append((fault.end_s, _ACTIONS[fault.kind][1]))
@@ -147,10 +164,13 @@ async def _run_one(fault: Fault, topology, t0_s: float, clock, sleep, events: li
 
 async def inject(plan: Sequence[Fault], topology, t0_s: float,
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> list[FaultEvent]:
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 hot_replica: Callable[[], Awaitable[int]] | None = None) -> list[FaultEvent]:
     """Carry out ``plan`` against ``topology`` on the run clock (``t0_s`` = run start);
-    returns the events in time order once every step is done."""
+    returns the events in time order once every step is done. ``hot_replica``: the index of
+    the replica holding the hottest prefix (for ``replica_kill_hot``; default replica 0)."""
     validate_plan(plan, topology)
     events: list[FaultEvent] = []
-    await asyncio.gather(*(_run_one(f, topology, t0_s, clock, sleep, events) for f in plan))
+    await asyncio.gather(*(_run_one(f, topology, t0_s, clock, sleep, events, hot_replica)
+                           for f in plan))
     return sorted(events, key=lambda e: e.t_s)

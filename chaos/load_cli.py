@@ -26,6 +26,7 @@ from chaos.schedule import SHAPES, ClassShare, LengthDist, ScheduleConfig, build
 from chaos.server_metrics import counter_deltas, scrape, server_outcomes
 from chaos.summary import build_summary
 from chaos.sweep import MIN_GOODPUT_RATIO, SweepPoint, capacity, capacity_label, sweep_rates
+from chaos.workloads import add_workload_args, workload_from_args
 from policies.cost import RequestClass
 
 __all__ = ["configure", "run", "run_once", "parse_mix"]
@@ -44,6 +45,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst-duration", type=float, default=0.0, help="burst length, seconds")
     p.add_argument("--prompt-tokens", default="128", help="N, LO:HI or ln:MEDIAN:SIGMA:MAX")
     p.add_argument("--output-tokens", default="64", help="N, LO:HI or ln:MEDIAN:SIGMA:MAX")
+    add_workload_args(p)
     p.add_argument("--class", dest="class_name", default="interactive", help="SLO class name")
     p.add_argument("--ttft", type=float, default=1.0, help="class TTFT limit, seconds")
     p.add_argument("--itl", type=float, default=0.08, help="class inter-token limit, seconds")
@@ -110,7 +112,7 @@ def _schedule_config(args, rate: float) -> ScheduleConfig:
         classes=tuple(ClassShare(c.name, w) for c, w in _mix(args)),
         num_tenants=args.tenants, tenant_keys=keys,
         burst_rate_per_s=args.burst_rate, burst_start_s=args.burst_start,
-        burst_duration_s=args.burst_duration)
+        burst_duration_s=args.burst_duration, workload=workload_from_args(args))
 
 
 def _model_name(url: str, key: str | None) -> str | None:

@@ -50,6 +50,7 @@ from chaos.overload_table import (
     add_bare_ratios,
     fmt_num,
     plot_goodput,
+    render_cache_table,
     render_table,
     row_from_run,
 )
@@ -64,6 +65,7 @@ from chaos.report import read_records
 from chaos.schedule import LengthDist
 from chaos.sdk_column import require_user_runner, sdk_row
 from chaos.sweep import SweepPoint, capacity, sweep_rates
+from chaos.workloads import add_workload_args, workload_args, workload_from_args
 from policies.cost import RequestClass
 
 __all__ = ["configure", "configure_scenario", "run", "POLICIES", "REFERENCE_POLICIES", "Scenario",
@@ -108,13 +110,15 @@ class Scenario:
             "--duration", repr(duration_s or self.duration_s),
             "--warmup", repr(self.warmup_s if warmup_s is None else warmup_s),
             "--prompt-tokens", self.args.prompt_tokens,
-            "--output-tokens", self.args.output_tokens,
+            "--output-tokens", self.args.output_tokens, *workload_args(self.args),
             "--class", c.name, "--ttft", repr(c.ttft_s), "--itl", repr(c.itl_s),
             "--seed", str(self.args.seed), "--timeout", repr(self.timeout_s),
             "--drain-timeout", repr(self.timeout_s), "--out", str(out), "--quiet"])
 
     def mean_request_tokens(self) -> float:
-        return _mean(self.prompt) + _mean(self.output)
+        workload = workload_from_args(self.args)
+        extra = getattr(workload, "prefix_tokens", 0) or getattr(workload, "system_tokens", 0)
+        return _mean(self.prompt) + _mean(self.output) + extra
 
 
 def _mean(dist: LengthDist) -> float:
@@ -144,6 +148,7 @@ def configure_scenario(p: argparse.ArgumentParser, out_default: str) -> None:
                    help="prompt tokens per request (MIN:MAX)")
     p.add_argument("--output-tokens", default="16:64",
                    help="output tokens per request (MIN:MAX)")
+    add_workload_args(p)
     p.add_argument("--ttft", type=float, default=1.0, help="class TTFT limit, GPU seconds")
     p.add_argument("--itl", type=float, default=0.08, help="class ITL limit, GPU seconds")
     p.add_argument("--duration", type=float, default=16.0, help="run length, GPU seconds")
@@ -333,6 +338,9 @@ def _report(args, out: Path, rows: list[dict], sat, cap: float, sweep, log) -> N
     reference = reference_policy(args)
     add_bare_ratios(rows, reference)
     table = render_table(rows, reference)
+    cache_table = render_cache_table(rows)
+    if cache_table is not None:
+        table += "\n\nPrefix caches:\n\n" + cache_table
     plot_goodput(rows, out / "overload.png")
     result = {"command": " ".join(["kvguard", "bench", "overload", *sys.argv[3:]]),
               "scenario": {k: v for k, v in vars(args).items()},

@@ -15,7 +15,14 @@ scenario's engine, instead of one replica with the guard mounted in-process:
   the load generator is one client) and a short drain, so a row that ends with a backlog is
   cut off rather than drained into the next;
 * OpenAI-SDK rows and the engine-step gap attribution are single-replica only; the TTFT
-  forecast column comes from the proxy's trace.
+  forecast column comes from the proxy's trace;
+* two rows put Envoy in front instead (``deploy/envoy/envoy.yaml``, :mod:`chaos.envoy_front`):
+  ``envoy_adaptive_concurrency`` — Envoy's own adaptive concurrency filter (its gradient
+  controller, as Envoy documents it) over a least-request cluster of the replicas, no kvguard
+  at all — and ``envoy_epp_slo`` — Envoy with ``kvguard epp`` (``slo``) picking the replica.
+* with a ``--workload`` whose prompts share tokens, every replica restarts before each row (cold
+  prefix caches: no row inherits the previous one's), and each row reports the engines'
+  measured prefix-cache hit ratio and the guard's predicted one over the row.
 """
 
 from __future__ import annotations
@@ -24,7 +31,10 @@ import contextlib
 from pathlib import Path
 
 from chaos.admission_quality import forecast_error
+from chaos.cache_hits import engine_counts, guard_counts, hit_ratio
+from chaos.envoy_front import envoy_child, epp_child
 from chaos.load_cli import run_once
+from chaos.overload_plan import ENVOY_ROWS
 from chaos.overload_table import row_from_run
 from chaos.replica import wait_idle, write_guard_config
 from chaos.report import read_records
@@ -61,22 +71,73 @@ class Fleet:
         """One row: a fresh proxy with ``policy`` in front of the fleet, one open-loop run at
         ``rate``. ``cap_rps`` is the fleet's C."""
         out.mkdir(parents=True, exist_ok=True)
+        if getattr(self.scenario.args, "workload", "unique") != "unique":
+            # prompts that share tokens: every row starts from cold prefix caches, or each
+            # would find the previous row's prefixes cached
+            self.topology.restart_replicas()
         for url in self.topology.replica_urls:
             wait_idle(url)
+        engine_before = engine_counts(self.topology.replica_urls)
         c = self.scenario.request_class
         trace = out / "guard-trace.jsonl"
-        config = write_guard_config(str(out / "guard.toml"), policy=policy, ttft_s=c.ttft_s,
+        guard_policy = "slo" if policy in ENVOY_ROWS else policy  # the EPP's (unused: Envoy's)
+        config = write_guard_config(str(out / "guard.toml"), policy=guard_policy, ttft_s=c.ttft_s,
                                     itl_s=c.itl_s, trace_path=str(trace),
                                     policy_params=policy_params, extra_toml=_PROXY_TOML)
-        proxy = self.topology.proxy_child(("--config", config, *PROXY_ARGS), f"proxy-{policy}")
-        proxy.start(self.topology.spec.start_timeout_s)
+        fronts = self._fronts(policy, config, out)
         try:
-            summary = run_once(self.scenario.load_args(proxy.url, rate, out), rate, out, None)
+            for child in fronts:
+                child.start(self.topology.spec.start_timeout_s)
+            summary = run_once(self.scenario.load_args(fronts[-1].url, rate, out), rate, out,
+                               None)
+            # the guard's predicted hits: from a kvguard proxy's metrics (Envoy rows: none)
+            guard_after = None if policy in ENVOY_ROWS else guard_counts(
+                fronts[0].url + "/kvguard/metrics")
         finally:
-            with contextlib.suppress(Exception):
-                proxy.terminate()
+            for child in reversed(fronts):
+                with contextlib.suppress(Exception):
+                    child.terminate()
         row = row_from_run(summary, read_records(out / "requests.jsonl"), self.scenario, cap_rps)
+        row["engine_hit_ratio"] = hit_ratio(engine_before,
+                                            engine_counts(self.topology.replica_urls))
+        row["guard_hit_ratio"] = hit_ratio(None, guard_after)
         row["forecast"] = forecast_error(trace, (summary["goodput"]["window_s"][0],
                                                  float("inf")))
         row["gaps"] = None
         return row
+
+    def _fronts(self, policy: str, config: str, out: Path) -> list:
+        """What this row puts in front of the replicas, in start order (the clients' entry
+        last): a kvguard proxy, Envoy alone with its adaptive concurrency filter, or a kvguard
+        epp and Envoy."""
+        topology = self.topology
+        nice = topology.spec.niceness
+        if policy == "envoy_adaptive_concurrency":
+            return [envoy_child([], out, adaptive_concurrency=True, niceness=nice,
+                                alone_upstreams=[url.removeprefix("http://")
+                                                 for url in topology.replica_urls])]
+        if policy == "envoy_epp_slo":
+            epp = epp_child(topology.replica_urls, config=config, name="epp-slo", niceness=nice)
+            return [epp, _EnvoyAfter(epp, out, nice)]
+        return [topology.proxy_child(("--config", config, *PROXY_ARGS), f"proxy-{policy}")]
+
+
+class _EnvoyAfter:
+    """Envoy in front of an EPP whose port is known once the EPP has started."""
+
+    def __init__(self, epp, directory: Path, niceness: int) -> None:
+        self._epp, self._directory, self._niceness = epp, directory, niceness
+        self._child = None
+
+    def start(self, timeout_s: float):
+        self._child = envoy_child([self._epp.port], self._directory,
+                                  niceness=self._niceness).start(timeout_s)
+        return self._child
+
+    @property
+    def url(self) -> str:
+        return self._child.url
+
+    def terminate(self) -> None:
+        if self._child is not None:
+            self._child.terminate()

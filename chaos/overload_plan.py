@@ -7,15 +7,20 @@ from collections.abc import Sequence
 
 from chaos.overload_table import BARE
 
-__all__ = ["FLEET_REFERENCE", "POLICIES", "REFERENCE_POLICIES", "plan_runs", "plan_sdk_runs",
-           "reference_policy"]
+__all__ = ["ENVOY_ROWS", "FLEET_REFERENCE", "POLICIES", "REFERENCE_POLICIES", "ROUTING_POLICIES",
+           "plan_runs", "plan_sdk_runs", "reference_policy"]
 
 POLICIES: tuple[str, ...] = ("always_admit", "concurrency_cap", "saturation", "gradient",
                              "token_rate", "slo")
 REFERENCE_POLICIES: tuple[str, ...] = (BARE, "slo")
+# routing baselines for a fleet with prefix caches (named with --policies; not in the default)
+ROUTING_POLICIES: tuple[str, ...] = ("round_robin", "prefix_affinity")
 # A fleet needs something in front of its replicas, so it has no ``bare`` row: its reference
 # is the proxy that routes (least-loaded) and admits everything.
 FLEET_REFERENCE = "always_admit"
+# Fleet rows with Envoy in front instead of kvguard proxy (``--fleet`` only): Envoy's own
+# adaptive concurrency filter (no kvguard), and Envoy with kvguard epp deciding (slo)
+ENVOY_ROWS: tuple[str, ...] = ("envoy_adaptive_concurrency", "envoy_epp_slo")
 
 
 def reference_policy(args: argparse.Namespace) -> str:
@@ -49,7 +54,8 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[float, str]]:
     """``(load, policy)`` in run order: the reference loads (bare next to slo) first, then
     every policy at every load. Bad names or loads are ValueErrors before anything starts."""
     fleet = getattr(args, "fleet", 0)
-    allowed = POLICIES if fleet else (BARE, *POLICIES)
+    allowed = (*POLICIES, *ROUTING_POLICIES, *ENVOY_ROWS) if fleet else (BARE, *POLICIES,
+                                                                         *ROUTING_POLICIES)
     loads = _loads(args.loads, "--loads")
     if not loads:
         raise ValueError("--loads: need at least one load")

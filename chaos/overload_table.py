@@ -19,7 +19,8 @@ from chaos.admission_quality import admitted_misses
 from chaos.goodput import meets_slo
 from chaos.stats import percentile
 
-__all__ = ["BARE", "fmt_num", "render_table", "plot_goodput", "add_bare_ratios", "row_from_run"]
+__all__ = ["BARE", "fmt_num", "render_table", "render_cache_table", "plot_goodput",
+           "add_bare_ratios", "row_from_run"]
 
 BARE = "bare"  # the replica with no guard at all: the reference below capacity
 
@@ -40,7 +41,8 @@ def row_from_run(summary: dict, records: Sequence, scenario, cap_rps: float) -> 
         "goodput_p99_gap_rps": t["goodput_per_s"]["p99_gap"],
         "offered_rps": t["offered_per_s"],
         "completed_rps": t["completed_per_s"],
-        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p99_s": percentile(ttfts, 99),
         "rejected_ratio": counts["rejected"] / counts["offered"] if counts["offered"] else 0.0,
         "canceled_ratio": counts["canceled"] / counts["offered"] if counts["offered"] else 0.0,
         "wasted_tokens": wasted,
@@ -89,6 +91,21 @@ def render_table(rows: list[dict], reference: str = BARE) -> str:
             f"{fmt_num(forecast.get('ratio_p50'))} / {fmt_num(forecast.get('ratio_p90'))} | "
             f"{r['wasted_tokens']} ({100 * r['wasted_ratio']:.0f}%) | "
             f"{fmt_num(sdk.get('attempts_per_user'))} | {fmt_num(sdk.get('goodput_over_c'))} |")
+    return "\n".join(lines)
+
+
+def render_cache_table(rows: list[dict]) -> str | None:
+    """The prefix-cache view of a fleet run (None when no row measured a hit ratio): goodput
+    ÷ C, TTFT p50 / p90, the engines' measured hit ratio and the guard's predicted one."""
+    if not any(r.get("engine_hit_ratio") is not None for r in rows):
+        return None
+    lines = ["| load (× C) | policy | goodput ÷ C | TTFT p50 (s) | TTFT p90 (s) | "
+             "engine hit ratio | guard-predicted hit ratio |", "|" + "---|" * 7]
+    for r in rows:
+        lines.append(
+            f"| {r['load']:.2f} | {r['policy']} | {fmt_num(r['goodput_over_c'])} | "
+            f"{fmt_num(r['ttft_p50_s'])} | {fmt_num(r.get('ttft_p90_s'))} | "
+            f"{_pct(r.get('engine_hit_ratio'))} | {_pct(r.get('guard_hit_ratio'))} |")
     return "\n".join(lines)
 
 

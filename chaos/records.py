@@ -33,6 +33,10 @@ class RequestSpec:
     max_tokens: int
     request_class: str
     tenant: str
+    # how the prompt is made (chaos.workloads): seeded parts (key, tokens) in order, the same
+    # key giving the same tokens in every request that has it; empty: tokens unique to this one
+    prompt_parts: tuple[tuple[str, int], ...] = ()
+    session_id: str | None = None  # sent as x-session-id (multi-turn conversations)
 
     def __post_init__(self) -> None:
         if self.index < 0:

@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from chaos.clients import ClientConfig
-from chaos.faults import Fault, FaultEvent, inject, scaled
+from chaos.faults import KILL_KINDS, Fault, FaultEvent, inject, scaled
+from chaos.hot_prefix import hot_replica_probe
 from chaos.replica import REPLICA_SERVERS, write_guard_config
 from chaos.scenarios import ScenarioSpec
 from chaos.schedule import LengthDist, ScheduleConfig, build_schedule
 from chaos.topology import FLEET_NICENESS, Topology, TopologySpec
 from chaos.users import UserRunConfig, UserRunResult, assign_clients, run_users
 from chaos.verdict import Budget, FaultWindow, build_verdict
+from chaos.workloads import Workload
 from policies.cost import RequestClass
 
 __all__ = ["RunSettings", "PolicyRun", "run_policy", "client_configs", "schedule_for",
@@ -50,6 +53,7 @@ class RunSettings:
     max_num_seqs: int = 256
     num_blocks: int | None = None  # KV blocks per replica; None: what the GPU holds
     replica_http: str = "h11"  # the replicas' `kvguard engine --http`
+    workload: Workload | None = None  # how prompts share tokens (chaos.workloads)
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0 or self.ttft_s <= 0 or self.itl_s <= 0 or self.patience_s <= 0:
@@ -92,6 +96,11 @@ class RunSettings:
                 replica_http=self.replica_http).items():
             setattr(args, key, value)
         args.sweep = "0.8:1.5:0.1"
+        if self.workload is not None:  # capacity under the run's own workload
+            args.workload = self.workload.name
+            for name, value in dataclasses.asdict(self.workload).items():
+                if name != "name":
+                    setattr(args, name, value)
         return args
 
 
@@ -116,7 +125,7 @@ def schedule_for(spec: ScenarioSpec, settings: RunSettings, fleet_rps: float) ->
     return ScheduleConfig(rate_per_s=spec.base_load * fleet_rps, duration_s=spec.duration_s * k,
                           seed=settings.seed, prompt_tokens=LengthDist.parse(settings.prompt_tokens),
                           output_tokens=LengthDist.parse(settings.output_tokens),
-                          tenant_keys=_tenants(spec), **burst)
+                          tenant_keys=_tenants(spec), workload=settings.workload, **burst)
 
 
 def _tenants(spec: ScenarioSpec) -> tuple[str, ...]:
@@ -154,12 +163,12 @@ def _guard_toml(path: Path, policy: str, settings: RunSettings, budget: Budget |
 
 
 def _topology(spec: ScenarioSpec, settings: RunSettings, toml: str) -> TopologySpec:
-    if spec.proxies == 0:
+    if spec.proxies == 0 and spec.epps == 0:
         return TopologySpec(num_replicas=1, replica_args=(*settings.engine_args(), "--guard", toml),
                             niceness=FLEET_NICENESS)
     return TopologySpec(num_replicas=spec.replicas, replica_args=settings.engine_args(),
                         num_proxies=spec.proxies, proxy_args=("--config", toml),
-                        redis=spec.redis, niceness=FLEET_NICENESS)
+                        redis=spec.redis, niceness=FLEET_NICENESS, num_epps=spec.epps)
 
 
 def fault_window(spec: ScenarioSpec, settings: RunSettings,
@@ -192,11 +201,12 @@ class PolicyRun:
     verdict: dict
 
 
-async def _drive(specs, kinds, cfgs, run_cfg, plan: Sequence[Fault], topo: Topology):
+async def _drive(specs, kinds, cfgs, run_cfg, plan: Sequence[Fault], topo: Topology,
+                 hot_replica=None):
     """Users and faults on one run clock (the faults start when the users' clock does)."""
     faults: list[asyncio.Task] = []
     users = await run_users(specs, kinds, cfgs, run_cfg, on_start=lambda t0_s: faults.append(
-        asyncio.create_task(inject(plan, topo, t0_s))))
+        asyncio.create_task(inject(plan, topo, t0_s, hot_replica=hot_replica))))
     return users, await faults[0]
 
 
@@ -213,11 +223,11 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
     # One guard (inside the replica, or one proxy): its trace explains each decision and when
     # it relayed each chunk; several proxies would interleave their lines in one shared file,
     # so none is written then.
-    trace = out / "guard-trace.jsonl" if spec.proxies <= 1 else None
+    trace = out / "guard-trace.jsonl" if spec.proxies + spec.epps <= 1 else None
     toml = _guard_toml(out / "guard.toml", policy, settings, budget, trace)
     patience_s = settings.patience_s * k
     with Topology(_topology(spec, settings, toml)) as topo:
-        entries = tuple(topo.proxy_urls or topo.replica_urls)
+        entries = tuple(topo.entry_urls)
         killed = {topo.proxy_urls[f.target].rstrip("/") for f in spec.faults
                   if f.kind == "proxy_kill" and f.target < len(topo.proxy_urls)}
         log(f"  {policy}: {len(specs)} users over {sched.duration_s:g} s into {len(entries)} "
@@ -226,7 +236,12 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
                                 drain_timeout_s=patience_s + 1.0, seed=settings.seed,
                                 model=settings.model)
         plan = [scaled(f, k) for f in spec.faults]
-        result, events = asyncio.run(_drive(specs, kinds, cfgs, run_cfg, plan, topo))
+        hot = None
+        if any(f.kind == "replica_kill_hot" for f in plan):
+            hot = hot_replica_probe(lambda: topo.replica_urls, settings.seed,
+                                    getattr(settings.workload, "prefix_tokens", 1),
+                                    settings.model)
+        result, events = asyncio.run(_drive(specs, kinds, cfgs, run_cfg, plan, topo, hot))
     if result.entries.get("failovers"):
         log(f"  {policy}: the entry balancer sent {result.entries['failovers']} refused "
             f"connect(s) on to another entry ({result.entries['connect_failures']})")
@@ -238,7 +253,7 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
                                 if e.kind == "proxy_kill" and e.action == "kill"],
                             killed_entries=killed, replica_kills_s=[
                                 e.t_s for e in events
-                                if e.kind == "replica_kill" and e.action == "kill"])
+                                if e.kind in KILL_KINDS and e.action == "kill"])
     verdict["generator"] = {"cpu_percent_of_one_core": result.load.cpu_percent,
                             "cpu_wait_s": result.load.cpu_wait_s,
                             "send_lag_s": result.load.lag_s(),

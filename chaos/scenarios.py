@@ -7,7 +7,9 @@ speed. Loads are multiples of the fleet capacity C (capacity per replica × repl
 Topologies: ``replicas`` sim replicas of the 7 B reference model; with ``proxies`` = 0 the
 guard runs in-process on the single replica (``kvguard engine --guard``); otherwise
 ``proxies`` ``kvguard proxy`` processes front all replicas and the clients spread their
-attempts over the proxies round-robin. ``redis`` adds a redis-server for the proxies' budgets.
+attempts over the proxies round-robin; with ``epps`` > 0 one Envoy fronts the replicas instead,
+with that many ``kvguard epp`` as its endpoint pickers. ``redis`` adds a redis-server for the
+proxies' (or EPPs') budgets and shared KV reservations.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from chaos.faults import Fault
+from chaos.workloads import SharedPrefix, Workload
 
-__all__ = ["ScenarioSpec", "catalogue", "missing_dependencies", "quick_variant"]
+__all__ = ["ScenarioSpec", "catalogue", "missing_dependencies", "quick_variant", "settings_for"]
 
 SDK_ONLY: Mapping[str, float] = {"sdk": 1.0}
 RETRYING: Mapping[str, float] = {"sdk": 0.4, "tenacity": 0.2, "timeout_retry": 0.3,
@@ -42,6 +45,10 @@ class ScenarioSpec:
     clients: Mapping[str, float] = field(default_factory=lambda: dict(SDK_ONLY))
     redis: bool = False
     budget_ratio: float | None = None  # a budgeted tenant (1 user in 4) asks this × its allowance
+    epps: int = 0                      # > 0: Envoy + this many kvguard epp in place of proxies
+    workload: Workload | None = None   # how prompts share tokens (chaos.workloads); None: unique
+    prompt_tokens: str | None = None   # the prompt (question) lengths; None: the run's settings
+    num_blocks: int | None = None      # KV blocks per replica; None: the run's settings
 
     def __post_init__(self) -> None:
         lo, hi = self.fault_window_s
@@ -52,7 +59,9 @@ class ScenarioSpec:
         steps = [f for f in self.faults if f.kind == "rate_step"]
         if len(steps) > 1 or (steps and self.burst_load is None):
             raise ValueError(f"scenario {self.name}: one rate_step at most, with burst_load")
-        if self.proxies == 0 and self.replicas != 1:
+        if self.epps < 0 or (self.epps and self.proxies):
+            raise ValueError(f"scenario {self.name}: Envoy + EPPs replace the proxies")
+        if self.proxies == 0 and self.epps == 0 and self.replicas != 1:
             raise ValueError(f"scenario {self.name}: an in-process guard fronts one replica")
 
     @property
@@ -63,6 +72,8 @@ class ScenarioSpec:
         out = []
         if self.proxies:
             out.append("proxy")
+        if self.epps:
+            out.append("epp")
         if self.redis:
             out.append("budgets")
         return tuple(out)
@@ -102,12 +113,43 @@ def catalogue() -> dict[str, ScenarioSpec]:
                      "user in 4 is a tenant asking 1.25 × its budget", 2, 2, 24.0, 4.0, 0.74,
                      (Fault("redis_hang", 8.0, 6.0),), (8.0, 14.0), 2, redis=True,
                      budget_ratio=1.25),
+        ScenarioSpec("cache-loss", "shared-prefix load (32 prefixes of 2,000 tokens, Zipf) at "
+                     "0.74 C on 4 replicas whose pools hold about half of them; SIGKILL the "
+                     "replica holding the hottest prefix, restart it (cold) 4 s later", 4, 1,
+                     28.0, 4.0, 0.74, (Fault("replica_kill_hot", 10.0, 4.0),), (10.0, 16.0), 3,
+                     workload=SharedPrefix(32, 2000, 1.0), prompt_tokens="50:150",
+                     num_blocks=2000),
+        ScenarioSpec("warm-up", "shared-prefix load at 0.74 C on 4 replicas: the whole fleet "
+                     "restarts at once (a deploy) and comes back cold under the load", 4, 1,
+                     28.0, 4.0, 0.74, tuple(Fault("replica_kill", 10.0, 1.0, i)
+                                            for i in range(4)), (10.0, 18.0), 4,
+                     workload=SharedPrefix(32, 2000, 1.0), prompt_tokens="50:150",
+                     num_blocks=2000),
         ScenarioSpec("seed", "the reference overload: 0.74 C, a burst to 1.16 C, one of 4 "
                      "replicas lost during it, clients retrying", 4, 1, 32.0, 4.0, 0.74,
                      (_step(10.0, 10.0), Fault("replica_kill", 12.0, 10.0, 1)),
                      (12.0, 20.0), 3, burst_load=1.16, clients=dict(RETRYING)),
+        ScenarioSpec("seed-envoy", "the seed scenario through Envoy with kvguard epp as its "
+                     "endpoint picker (in place of kvguard proxy)", 4, 0, 32.0, 4.0, 0.74,
+                     (_step(10.0, 10.0), Fault("replica_kill", 12.0, 10.0, 1)),
+                     (12.0, 20.0), 3, burst_load=1.16, clients=dict(RETRYING), epps=1),
+        ScenarioSpec("epp-kill", "SIGKILL one of 2 kvguard epp behind one Envoy (sharing "
+                     "Redis) at 0.74 C, restart it 6 s later", 2, 0, 24.0, 4.0, 0.74,
+                     (Fault("epp_kill", 8.0, 6.0, 0),), (8.0, 14.0), 2, redis=True, epps=2),
     ]
     return {s.name: s for s in specs}
+
+
+def settings_for(spec: ScenarioSpec, settings):
+    """The run settings with the scenario's own prompt lengths, KV pool and workload."""
+    changes = {}
+    if spec.prompt_tokens is not None:
+        changes["prompt_tokens"] = spec.prompt_tokens
+    if spec.num_blocks is not None:
+        changes["num_blocks"] = spec.num_blocks
+    if spec.workload is not None:
+        changes["workload"] = spec.workload
+    return dataclasses.replace(settings, **changes) if changes else settings
 
 
 def quick_variant(spec: ScenarioSpec) -> ScenarioSpec:
@@ -132,6 +174,16 @@ def missing_dependencies(spec: ScenarioSpec, subcommands: Mapping[str, object]) 
     missing = []
     if "proxy" in spec.needs() and "proxy" not in subcommands:
         missing.append("the standalone proxy (`kvguard proxy`, issue 9) is not in this build")
+    if "epp" in spec.needs():
+        if "epp" not in subcommands:
+            missing.append("the endpoint picker (`kvguard epp`, issue 36) is not in this build")
+        if importlib.util.find_spec("grpc") is None:
+            missing.append("the gateway extra (grpcio, xds-protos) is not installed")
+        try:
+            from chaos.envoy_front import envoy_binary
+            envoy_binary()
+        except ValueError as exc:
+            missing.append(str(exc))
     if "budgets" in spec.needs():
         from guard.config import TenantConfig
         names = {f.name for f in dataclasses.fields(TenantConfig)}

@@ -20,6 +20,7 @@ import random
 from dataclasses import dataclass, field
 
 from chaos.records import RequestSpec
+from chaos.workloads import Workload
 
 __all__ = [
     "SHAPES",
@@ -110,6 +111,8 @@ class ScheduleConfig:
     burst_rate_per_s: float = 0.0
     burst_start_s: float = 0.0
     burst_duration_s: float = 0.0
+    # how prompts are shared (chaos.workloads.SharedPrefix / MultiTurn); None: all unique
+    workload: Workload | None = None
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
@@ -200,10 +203,19 @@ def build_schedule(cfg: ScheduleConfig) -> list[RequestSpec]:
             request_class=_pick_class(cfg, rng),
             tenant=_pick_tenant(cfg, rng),
         ))
+    if cfg.workload is not None:
+        specs = cfg.workload.apply(specs, cfg.seed)
     return specs
 
 
 def prompt_token_ids(seed: int, spec: RequestSpec) -> list[int]:
-    """Deterministic prompt token ids for one request, from a range every preset's vocab holds."""
+    """Deterministic prompt token ids for one request, from a range every preset's vocab holds:
+    unique to it, or its workload's parts in order (a shared prefix, a conversation so far)."""
+    if spec.prompt_parts:
+        ids: list[int] = []
+        for key, num_tokens in spec.prompt_parts:
+            rng = random.Random(f"part-{seed}-{key}")
+            ids += rng.choices(range(TOKEN_ID_LOW, TOKEN_ID_HIGH), k=num_tokens)
+        return ids
     rng = random.Random(f"prompt-{seed}-{spec.index}")
     return rng.choices(range(TOKEN_ID_LOW, TOKEN_ID_HIGH), k=spec.num_prompt_tokens)

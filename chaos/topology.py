@@ -29,10 +29,12 @@ import http.client
 import shutil
 import socket
 import sys
+import tempfile
 import threading
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from chaos.child import ChildProcess
 from chaos.ports import free_port
@@ -62,18 +64,24 @@ class TopologySpec:
     replica_args: tuple[str, ...] = SIM_REPLICA_ARGS
     num_proxies: int = 0
     proxy_args: tuple[str, ...] = ()
+    # > 0: one Envoy in front (deploy/envoy/envoy.yaml) with this many `kvguard epp` as its
+    # endpoint pickers (proxy_args go to them: `kvguard epp` flags), in place of proxies
+    num_epps: int = 0
     redis: bool = False
     start_timeout_s: float = 90.0
     env: Mapping[str, str] = field(default_factory=dict)
     niceness: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_replicas", "num_proxies"):
+        for name in ("num_replicas", "num_proxies", "num_epps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
         if self.num_proxies and not self.num_replicas:
             raise ValueError("num_proxies: a proxy needs at least one replica (num_replicas >= 1)")
+        if self.num_epps and (self.num_proxies or not self.num_replicas):
+            raise ValueError("num_epps: Envoy + EPPs front the replicas in place of proxies "
+                             "(num_proxies = 0, num_replicas >= 1)")
         if not self.start_timeout_s > 0:
             raise ValueError(f"start_timeout_s: must be > 0, got {self.start_timeout_s!r}")
         for name in ("--host", "--port", "--upstream"):
@@ -115,14 +123,18 @@ def redis_health(url: str) -> bool:
 
 
 class Topology:
-    """The running fleet: ``replicas``, ``proxies`` and ``redis`` (a :class:`ChildProcess`
-    each, ``redis`` None unless requested). ``with Topology(spec) as fleet:`` starts it."""
+    """The running fleet: ``replicas``, ``proxies``, ``epps`` and ``redis`` (a
+    :class:`ChildProcess` each, ``redis`` None unless requested), ``envoy`` in front of the
+    EPPs when there are any. ``with Topology(spec) as fleet:`` starts it."""
 
     def __init__(self, spec: TopologySpec | None = None) -> None:
         self.spec = spec or TopologySpec()
         self.replicas: list[ChildProcess] = []
         self.proxies: list[ChildProcess] = []
+        self.epps: list[ChildProcess] = []
+        self.envoy: ChildProcess | None = None
         self.redis: ChildProcess | None = None
+        self._envoy_dir: tempfile.TemporaryDirectory | None = None
 
     def __enter__(self) -> Topology:
         """Start everything (ending what started if anything fails); the fleet is ready."""
@@ -152,6 +164,23 @@ class Topology:
         # the proxies need the replicas' URLs (and redis's): they start once those are healthy
         self.proxies = [self._proxy_child(index) for index in range(spec.num_proxies)]
         _at_once(lambda child: child.start(spec.start_timeout_s), self.proxies)
+        if spec.num_epps:
+            self._start_envoy_front()
+
+    def _start_envoy_front(self) -> None:
+        """The EPPs (they need the replicas' URLs and redis's), then Envoy in front of them."""
+        from chaos.envoy_front import envoy_child, epp_child
+
+        spec = self.spec
+        self.epps = [epp_child(self.replica_urls, redis_url=self.redis_url,
+                               extra_args=spec.proxy_args, name=f"epp-{index}",
+                               niceness=spec.niceness)
+                     for index in range(spec.num_epps)]
+        _at_once(lambda child: child.start(spec.start_timeout_s), self.epps)
+        self._envoy_dir = tempfile.TemporaryDirectory(prefix="kvguard-envoy-")
+        self.envoy = envoy_child([e.port for e in self.epps], Path(self._envoy_dir.name),
+                                 niceness=spec.niceness)
+        self.envoy.start(spec.start_timeout_s)
 
     def _replica_child(self, index: int) -> ChildProcess:
         args = self.spec.replica_args
@@ -193,6 +222,11 @@ class Topology:
             niceness=self.spec.niceness)
         return child
 
+    def restart_replicas(self) -> None:
+        """Restart every replica on its own port, all at once (each starts cold: empty queue
+        and prefix cache); ready when this returns."""
+        _at_once(lambda child: child.restart(self.spec.start_timeout_s), self.replicas)
+
     @property
     def replica_urls(self) -> list[str]:
         return [r.url for r in self.replicas]
@@ -202,15 +236,26 @@ class Topology:
         return [p.url for p in self.proxies]
 
     @property
+    def entry_urls(self) -> list[str]:
+        """Where clients connect: Envoy, else the proxies, else the replicas."""
+        if self.envoy is not None:
+            return [self.envoy.url]
+        return self.proxy_urls or self.replica_urls
+
+    @property
     def redis_url(self) -> str | None:
         return None if self.redis is None else f"redis://127.0.0.1:{self.redis.port}"
 
     def close(self) -> None:
-        """End every child by pid: the proxies, then the replicas, then redis (the children of
-        one kind at once). Safe to call twice."""
-        for children in (self.proxies, self.replicas, [self.redis] if self.redis else []):
+        """End every child by pid: Envoy, the EPPs and proxies, then the replicas, then redis
+        (the children of one kind at once). Safe to call twice."""
+        for children in ([self.envoy] if self.envoy else [], self.epps, self.proxies,
+                         self.replicas, [self.redis] if self.redis else []):
             with contextlib.suppress(Exception):
                 _at_once(lambda child: child.close(), children)
+        if self._envoy_dir is not None:
+            self._envoy_dir.cleanup()
+            self._envoy_dir = None
 
 
 def _at_once(action: Callable[[ChildProcess], object], children: Sequence[ChildProcess]) -> None:

@@ -38,6 +38,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens per sequence")
     parser.add_argument("--output-tokens", type=int, default=256,
                         help="output tokens per sequence")
+    parser.add_argument("--prefix-hit-ratio", type=float, default=0.0,
+                        help="expected share of each prompt served from the prefix cache "
+                             "(0 <= h < 1): fewer new blocks per request, a shorter prefill")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="share of GPU memory the engine may use")
     parser.add_argument("--block-size", type=int, default=16,
@@ -64,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     gpu = get_gpu(args.gpu)
     serving = plan(model, gpu, args.prompt_tokens, args.output_tokens,
                    args.gpu_memory_utilization, args.block_size,
-                   args.max_num_batched_tokens, args.max_num_seqs)
+                   args.max_num_batched_tokens, args.max_num_seqs,
+                   prefix_hit_ratio=args.prefix_hit_ratio)
     if args.measure:
         return _run_measure(args, serving)
     budgets = itl_budgets(args, serving) if args.itl_ms is not None else None
@@ -140,8 +144,10 @@ def _memory_lines(m: MemoryPlan) -> list[str]:
         (f"KV per block ({m.block_size} tokens)", _bytes(m.kv_bytes_per_block)),
         (f"KV per request ({m.prompt_tokens} + {m.output_tokens} tokens)",
          f"{_bytes(m.kv_bytes_per_request)} ({m.kv_bytes_per_request:,} B, "
-         f"{m.blocks_per_request} blocks)"),
+         f"{m.blocks_per_request} {'new ' if m.prefix_hit_ratio else ''}blocks)"),
         ("KV blocks", f"{m.num_kv_blocks:,} ({m.kv_tokens:,} tokens)"),
+        *([(f"cached prefix ({100 * m.prefix_hit_ratio:g} % of the prompt, held once)",
+            f"{m.cached_prefix_blocks:,} blocks")] if m.prefix_hit_ratio else []),
         ("max concurrent requests", f"{m.max_concurrent_requests:,}"),
     ]
     width = max(len(k) for k, _ in rows)

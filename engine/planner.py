@@ -17,6 +17,14 @@ Memory (the same split vLLM makes at start-up):
 
 Roofline: one decode step per batch size, each sequence holding the request's mean decode
 context (prompt + output / 2), priced by ``engine.timing_model``.
+
+Prefix caching (``prefix_hit_ratio`` h, the share of each prompt found in the cache — a shared
+system prompt, say): a request newly allocates only ``ceil((prompt · (1 - h) + output) /
+block_size)`` blocks, and the cached prefix's ``ceil(prompt · h / block_size)`` blocks are held
+once for all of them (one shared prefix), so ``max concurrent = (blocks - prefix blocks) ÷ new
+blocks per request``; its prefill computes only the uncached ``prompt · (1 - h)`` tokens, each
+chunk attending to the cached prefix. Decode steps are unchanged: every sequence still reads
+its whole context.
 """
 
 from __future__ import annotations
@@ -64,9 +72,11 @@ class MemoryPlan:
     kv_bytes_per_token: int
     kv_bytes_per_block: int
     kv_bytes_per_request: int
-    blocks_per_request: int
+    blocks_per_request: int  # blocks a request newly allocates (its cached prefix not counted)
     num_kv_blocks: int
     max_concurrent_requests: int
+    prefix_hit_ratio: float = 0.0  # share of each prompt served from the prefix cache
+    cached_prefix_blocks: int = 0  # the shared cached prefix, held once
 
     @property
     def fits(self) -> bool:
@@ -110,8 +120,10 @@ def activation_bytes(model: ModelConfig, max_num_batched_tokens: int, max_num_se
 def plan_memory(model: ModelConfig, gpu: GPUSpec, prompt_tokens: int, output_tokens: int,
                 gpu_memory_utilization: float = 0.9, dtype_bytes: int = 2,
                 block_size: int = 16, max_num_batched_tokens: int = 2048,
-                max_num_seqs: int = 256) -> MemoryPlan:
+                max_num_seqs: int = 256, prefix_hit_ratio: float = 0.0) -> MemoryPlan:
     _check_inputs(prompt_tokens, output_tokens, gpu_memory_utilization, block_size)
+    if not 0.0 <= prefix_hit_ratio < 1.0:
+        raise ValueError(f"prefix_hit_ratio must be in [0, 1), got {prefix_hit_ratio}")
     budget = math.floor(gpu.memory_bytes * gpu_memory_utilization)
     weights = model.num_params * dtype_bytes
     workspace = activation_bytes(model, max_num_batched_tokens, max_num_seqs, dtype_bytes)
@@ -119,7 +131,9 @@ def plan_memory(model: ModelConfig, gpu: GPUSpec, prompt_tokens: int, output_tok
     per_token = kv_bytes_per_token(model, dtype_bytes)
     per_block = per_token * block_size
     num_blocks = kv_cache // per_block
-    blocks_per_request = math.ceil((prompt_tokens + output_tokens) / block_size)
+    num_cached = cached_prompt_tokens(prompt_tokens, prefix_hit_ratio, block_size)
+    blocks_per_request = math.ceil((prompt_tokens - num_cached + output_tokens) / block_size)
+    prefix_blocks = num_cached // block_size
     return MemoryPlan(
         model=model.name, gpu=gpu.name, gpu_memory_bytes=gpu.memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization, dtype_bytes=dtype_bytes,
@@ -129,8 +143,15 @@ def plan_memory(model: ModelConfig, gpu: GPUSpec, prompt_tokens: int, output_tok
         kv_bytes_per_token=per_token, kv_bytes_per_block=per_block,
         kv_bytes_per_request=per_token * (prompt_tokens + output_tokens),
         blocks_per_request=blocks_per_request, num_kv_blocks=num_blocks,
-        max_concurrent_requests=num_blocks // blocks_per_request,
+        max_concurrent_requests=max(0, num_blocks - prefix_blocks) // blocks_per_request,
+        prefix_hit_ratio=prefix_hit_ratio, cached_prefix_blocks=prefix_blocks,
     )
+
+
+def cached_prompt_tokens(prompt_tokens: int, prefix_hit_ratio: float, block_size: int) -> int:
+    """The prompt tokens a hit ratio saves: whole blocks, never the last prompt token."""
+    num_cached = min(int(prompt_tokens * prefix_hit_ratio), prompt_tokens - 1)
+    return num_cached - num_cached % block_size
 
 
 def kv_bytes_per_token(model: ModelConfig, dtype_bytes: int = 2) -> int:
@@ -187,9 +208,11 @@ def plan_roofline(timing: TimingModel, memory: MemoryPlan) -> tuple[RooflineRow,
                  for b in batch_sizes(memory.max_concurrent_requests))
 
 
-def prefill_s(timing: TimingModel, prompt_tokens: int, chunk_tokens: int) -> float:
-    """Predicted time to prefill one prompt alone, chunked as the scheduler does."""
-    total, done = 0.0, 0
+def prefill_s(timing: TimingModel, prompt_tokens: int, chunk_tokens: int,
+              num_cached_tokens: int = 0) -> float:
+    """Predicted time to prefill one prompt alone, chunked as the scheduler does (its first
+    ``num_cached_tokens`` found in the prefix cache: attended to, not computed)."""
+    total, done = 0.0, num_cached_tokens
     while done < prompt_tokens:
         n = min(chunk_tokens, prompt_tokens - done)
         total += timing.step_s(StepShape(num_prefill_tokens=n, num_prefill_cached_tokens=done))
@@ -225,11 +248,14 @@ def max_batched_tokens_for_itl(timing: TimingModel, itl_s: float, num_decode_seq
 def plan(model: ModelConfig, gpu: GPUSpec, prompt_tokens: int, output_tokens: int,
          gpu_memory_utilization: float = 0.9, block_size: int = 16,
          max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-         timing: TimingModel | None = None) -> ServingPlan:
-    """Memory plan + decode roofline + prompt prefill time for one request shape."""
+         timing: TimingModel | None = None, prefix_hit_ratio: float = 0.0) -> ServingPlan:
+    """Memory plan + decode roofline + prompt prefill time for one request shape (with
+    ``prefix_hit_ratio`` of each prompt served from the prefix cache)."""
     timing = timing or TimingModel(model, gpu)
     memory = plan_memory(model, gpu, prompt_tokens, output_tokens, gpu_memory_utilization,
-                         timing.dtype_bytes, block_size, max_num_batched_tokens, max_num_seqs)
-    prefill = prefill_s(timing, prompt_tokens, max_num_batched_tokens)
+                         timing.dtype_bytes, block_size, max_num_batched_tokens, max_num_seqs,
+                         prefix_hit_ratio)
+    prefill = prefill_s(timing, prompt_tokens, max_num_batched_tokens,
+                        cached_prompt_tokens(prompt_tokens, prefix_hit_ratio, block_size))
     return ServingPlan(memory=memory, roofline=plan_roofline(timing, memory), prefill_s=prefill,
                        timing_model=timing.as_dict())

@@ -32,6 +32,7 @@ from engine.async_engine import (
     EngineStepError,
     RequestStream,
 )
+from engine.compact_state import compact_state
 from engine.metrics import EngineMetrics
 from engine.openai_request import ApiError, GenerationRequest, parse_generation_request
 from engine.text_stream import TextStream
@@ -100,6 +101,15 @@ class _Replica:
         state = dict(self.engine.state())
         state.update(model=self.model_name, admitting=self.engine.admitting,
                      num_in_flight=self.engine.num_in_flight)
+        query = request.query_params
+        if query.get("compact") == "1":  # columns, and only the iterations not seen yet
+            since = query.get("since_batch")
+            try:
+                since_batch = int(since) if since is not None else None
+            except ValueError:
+                return _json({"error": {"message": f"since_batch: an integer, got {since!r}",
+                                        "type": "invalid_request_error"}}, 400)
+            state = compact_state(state, since_batch)
         return _json(state)
 
     async def metrics_text(self, request: Request) -> Response:

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("engine.server_cli", "serve one engine replica (OpenAI-compatible HTTP)"),
     "plan": ("engine.plan_cli", "KV memory plan and serving roofline for a model on a GPU"),
     "proxy": ("guard.proxy.cli", "the standalone proxy in front of N replicas"),
+    "epp": ("guard.epp.cli", "the endpoint picker of Envoy / the Gateway API (ext_proc gRPC)"),
     "fleet": ("chaos.fleet_cli", "start N sim replicas and proxies on loopback, stop on Ctrl-C"),
     "timeline": ("guard.observe.timeline", "join guard and engine traces into per-stage latencies"),
     "load": ("chaos.load_cli", "open-loop load test with a goodput report"),
@@ -31,13 +32,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 # The extra each subcommand needs beyond the guard-only install (``pip install kvguard``).
 EXTRAS: dict[str, str] = {
-    "generate": "engine", "engine": "engine", "plan": "engine",
+    "generate": "engine", "engine": "engine", "plan": "engine", "epp": "gateway",
     "fleet": "bench", "load": "bench", "bench": "bench", "chaos": "bench", "demo": "bench",
 }
 # What each extra installs that the guard alone does not (checked before the subcommand runs,
 # so a missing extra is one line, not a traceback from deep inside the subcommand).
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "engine": ("torch", "starlette", "gguf", "jinja2"),
+    "gateway": ("grpc", "grpc_health", "google.protobuf", "envoy"),
     "bench": ("torch", "starlette", "gguf", "jinja2", "matplotlib", "rich", "psutil", "openai"),
 }
 

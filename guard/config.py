@@ -8,6 +8,8 @@ TOML layout (see ``docs/guard-config.example.toml``)::
     policy = "slo"
     max_body_bytes = 1048576
     admin_api_key = "..."      # /kvguard/state, /kvguard/metrics, /metrics (or admin_key_sha256)
+    prefix_cache = "approximate"   # "off" | "approximate" | "precise" (needs tokenizer)
+    prefix_cache_isolation = "shared"  # "tenant": a per-tenant cache_salt (prefix_cache_secret)
     [policy_params]            # passed to the policy as-is
     [classes.interactive]      # merged over the built-in class of the same name
     ttft_s = 1.0
@@ -18,8 +20,9 @@ TOML layout (see ``docs/guard-config.example.toml``)::
     [[replicas]]
     replica_id = "r0"
     url = "http://127.0.0.1:8001"
-    state_source = "kvguard"   # "kvguard" | "vllm" | "none" | "asgi"
+    state_source = "kvguard"   # "kvguard" | "vllm" | "sglang" | "tgi" | "llamacpp" | "auto" | "none" | "asgi"
     weight = 1.0               # relative share where routing is least-loaded (ReplicaConfig)
+    kv_events_endpoint = "tcp://10.0.0.5:5557"  # its KV-cache events (prefix_cache = "precise")
     [proxy]                    # the standalone proxy's settings (guard.proxy.config)
 
 Environment: ``KVGUARD_CONFIG`` names the TOML file; ``KVGUARD_<FIELD>`` overrides any scalar
@@ -59,7 +62,10 @@ from guard.redact import redact_url, redact_value
 from policies.cost import RequestClass
 from policies.retry_budget import RetryBudgetConfig
 
+PREFIX_CACHE_MODES = ("off", "approximate", "precise")
+
 __all__ = [
+    "PREFIX_CACHE_MODES",
     "GuardConfig",
     "TenantConfig",
     "ReplicaConfig",
@@ -71,7 +77,7 @@ __all__ = [
 ]
 
 ANONYMOUS_TENANT = "anonymous"
-STATE_SOURCES = ("kvguard", "vllm", "none", "asgi")
+STATE_SOURCES = ("kvguard", "vllm", "sglang", "tgi", "llamacpp", "auto", "none", "asgi")
 MISSING_MAX_TOKENS = ("fill", "forward")  # GuardConfig.missing_max_tokens
 # glob patterns (fnmatch) of the POST paths the guard admits; the rest pass straight through
 DEFAULT_ADMITTED_PATHS = ("*/v1/completions", "*/v1/chat/completions")
@@ -123,10 +129,13 @@ class TenantConfig:
 class ReplicaConfig:
     """One upstream replica. ``url`` None means the wrapped ASGI app itself (in-process).
 
-    ``state_source``: ``kvguard`` (``GET /kvguard/state``), ``vllm`` (``GET /metrics``), ``none``
-    (no load state is read: a replica of unknown capacity) or ``asgi`` (the wrapped app).
+    ``state_source``: ``kvguard`` (``GET /kvguard/state``), ``vllm``, ``sglang``, ``tgi`` or
+    ``llamacpp`` (that engine's ``GET /metrics``), ``auto`` (probe ``/kvguard/state``, then the
+    known ``/metrics`` formats, else learn), ``none`` (no load state is read: a replica of
+    unknown capacity, admitted to by its learned concurrency limit) or ``asgi`` (the wrapped
+    app).
 
-    ``max_model_len`` is only needed for ``vllm`` replicas (their metrics do not carry it);
+    ``max_model_len`` is only needed for metrics replicas (their metrics do not carry it);
     without it the guard leaves context-length checks to the upstream.
 
     ``weight`` (a finite number > 0, default 1; only ratios between replicas matter) is the
@@ -151,12 +160,18 @@ class ReplicaConfig:
     state_source: str = "kvguard"
     max_model_len: int | None = None
     weight: float = 1.0
+    kv_events_endpoint: str | None = None  # ZMQ endpoint of its KV-cache events (precise view)
     models: tuple[str, ...] = ()  # the model names it serves (aliases too); () = its /v1/models
     # the key the proxy sends this replica as "Authorization: Bearer ..." (never shown)
     api_key: str | None = field(default=None, repr=False)
     api_key_env: str | None = None  # the environment variable load_config reads api_key from
 
     def __post_init__(self) -> None:
+        if self.kv_events_endpoint is not None and not str(self.kv_events_endpoint).startswith(
+                ("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"replicas[{self.replica_id!r}].kv_events_endpoint: must be a ZMQ "
+                             f"endpoint (tcp://host:port or ipc://path), "
+                             f"got {self.kv_events_endpoint!r}")
         if not self.replica_id:
             raise ValueError("replicas.replica_id: must be a non-empty string")
         if self.state_source not in STATE_SOURCES:
@@ -229,6 +244,14 @@ class GuardConfig:
     unhealthy_after_errors: int = 3
     replicas: tuple[ReplicaConfig, ...] = ()
     tokenizer: str | None = None  # a tokenizer.json path (guard.request.pricing.tokenizer_counter)
+    # the replicas' prefix caches (guard.replicas.prefix_cache): "off" | "approximate" | "precise"
+    prefix_cache: str = "approximate"
+    prefix_cache_chunk_chars: int = 256  # approximate view: characters per hashed chunk
+    prefix_cache_max_blocks: int = 1 << 18  # tracked blocks per replica, at most (~130 B each)
+    prefix_cache_max_sessions: int = 100_000  # x-session-id pins remembered, at most
+    # "shared" | "tenant" (guard.request.cache_salt): a per-tenant cache_salt, keyed by the secret
+    prefix_cache_isolation: str = "shared"
+    prefix_cache_secret: str | None = field(default=None, repr=False)  # None: random per process
     initial_chars_per_token: float = 4.0
     retry_budget_ratio: float = 0.10  # retries allowed per first attempt while shedding
     retry_budget_window_s: float = 10.0
@@ -267,11 +290,30 @@ class GuardConfig:
         if len(set(ids)) != len(ids):
             raise ValueError(f"replicas: duplicate replica_id in {ids}")
         self._check_paths()
+        self._check_prefix_cache()
         for name in ("class_header", "deadline_header"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value or value != value.strip():
                 raise ValueError(f"{name}: must be a non-empty header name")
             object.__setattr__(self, name, value.lower())
+
+    def _check_prefix_cache(self) -> None:
+        if self.prefix_cache not in PREFIX_CACHE_MODES:
+            raise ValueError(f"prefix_cache: must be one of {PREFIX_CACHE_MODES}, "
+                             f"got {self.prefix_cache!r}")
+        if self.prefix_cache == "precise" and self.tokenizer is None:
+            raise ValueError("prefix_cache: 'precise' needs the engine's tokenizer "
+                             "(set the tokenizer key to its tokenizer.json)")
+        if self.prefix_cache_isolation not in ("shared", "tenant"):
+            raise ValueError(f"prefix_cache_isolation: must be 'shared' or 'tenant', "
+                             f"got {self.prefix_cache_isolation!r}")
+        for name in ("prefix_cache_chunk_chars", "prefix_cache_max_blocks",
+                     "prefix_cache_max_sessions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.prefix_cache_secret is not None and len(self.prefix_cache_secret) < 16:
+            raise ValueError("prefix_cache_secret: must be at least 16 characters")
 
     def _check_paths(self) -> None:
         paths = self.admitted_paths
@@ -536,7 +578,8 @@ def _tenant_from(index: int, value: Any) -> TenantConfig:
 def _replica_from(index: int, value: Any) -> ReplicaConfig:
     key = f"replicas[{index}]"
     wanted = {"replica_id": str, "url": str, "state_source": str, "max_model_len": int,
-              "weight": float, "models": list, "api_key": str, "api_key_env": str}
+              "weight": float, "kv_events_endpoint": str,
+              "models": list, "api_key": str, "api_key_env": str}
     spec = _table(key, value, set(wanted))
     spec.setdefault("replica_id", f"r{index}")
     for fname in spec:
@@ -571,6 +614,9 @@ _SCALAR_FIELDS: dict[str, tuple[type, bool]] = {
     "trace_path": (str, True), "max_tenant_labels": (int, False), "redis_url": (str, True),
     "class_header": (str, False), "deadline_header": (str, False),
     "admin_key_sha256": (str, True), "protect_operational_endpoints": (bool, True),
+    "prefix_cache": (str, False), "prefix_cache_chunk_chars": (int, False),
+    "prefix_cache_max_blocks": (int, False), "prefix_cache_max_sessions": (int, False),
+    "prefix_cache_isolation": (str, False), "prefix_cache_secret": (str, True),
 }
 
 _TRUE = {"1", "true", "yes", "on"}

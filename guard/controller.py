@@ -77,9 +77,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import random
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from functools import partial
 from typing import Any
@@ -105,11 +105,14 @@ from guard.errors import PricingError
 from guard.observe.loop_lag import LoopLag
 from guard.observe.metrics import GaugeValues, GuardMetrics
 from guard.observe.trace import TraceWriter
+from guard.replicas.learned_limits import LearnedLimits
 from guard.replicas.load_state import LoadState
 from guard.replicas.poller import StatePoller, StateSource
+from guard.replicas.prefix_cache_feed import PrefixCacheFeed
 from guard.replicas.shared_reservations import SharedReservations
 from guard.request.pricing import PricedRequest, Pricer, tokenizer_counter
 from policies import make_policy
+from policies.concurrency_limit import ConcurrencyLimit
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
 from policies.retry_budget import GLOBAL, RetryBudget
@@ -156,6 +159,8 @@ class AdmissionController:
         if tokenizer is None and config.tokenizer is not None:
             tokenizer = _tokenizer_from(config.tokenizer)
         self.pricer = pricer if pricer is not None else Pricer(config, tokenizer)
+        self.prefix_cache = PrefixCacheFeed(config, self.load_state, self.pricer, self.registry,
+                                            set(sources) if sources is not None else None)
         self.load_state.on_preemptions = lambda _replica, num: self.pricer.observe_preemptions(num)
         self.queue = AdmissionQueue(config.max_queue_len, self.clock)
         self.drain_rate = DrainRate()
@@ -177,12 +182,20 @@ class AdmissionController:
         listeners = self.releases.listeners()
         self.tickets = TicketBook(self.clock, listeners if self.grants is None else
                                   (*listeners, self.grants.on_released))
+        # each replica's concurrency limit, learned from its responses (after the reservation
+        # is freed: a listener added last); it starts at the policy's stale-state cap
+        initial_limit = max(1, getattr(self.policy, "stale_max_inflight_per_replica", 4))
+        self.learned_limits = LearnedLimits(self.load_state,
+                                            lambda: ConcurrencyLimit(initial_limit))
+        self.tickets.add_listener(self.learned_limits.on_released)
         self.rejecter = Rejecter(config, self.clock, self.metrics, self.queue, self.tickets,
                                  self.drain_rate,
                                  RetryAdvisor(rng if rng is not None else random.Random()),
                                  lambda: self.releases.service_s, trace, self.retry_budget)
         self._anonymous = config.anonymous_tenant
-        self._id_prefix = f"g-{os.urandom(3).hex()}-"
+        # ids are UUIDs (this guard's random first 24 characters, then a 12-hex-digit count):
+        # some engines (llama-cpp-python's server) refuse an x-request-id that is not one
+        self._id_prefix = str(uuid.uuid4())[:24]
         self._next_id = itertools.count(1)
         self.replica_limits = ReplicaLimits(self.load_state, self.clock,
                                             min(c.itl_s for c in config.classes))
@@ -237,7 +250,7 @@ class AdmissionController:
         if not self.background.is_running_here():
             return Wait(request, STARTING, partial(self._started_then_decided, request))
         arrival_s = self.clock()
-        request_id = self._id_prefix + format(next(self._next_id), "x")
+        request_id = self._id_prefix + format(next(self._next_id), "012x")
         # no tenants configured: everyone is the anonymous tenant
         tenant = self._tenant_of(request.api_key) if self.config.tenants else self._anonymous
         if tenant is None:
@@ -432,6 +445,7 @@ class AdmissionController:
         """Open the budget store's link (:meth:`open_budget`), start the queue pump, poll once,
         then start the poller (on the running loop)."""
         await self.open_budget()
+        self.prefix_cache.start()
         if not self.background.is_running_here():
             await self.background.start()
 
@@ -469,6 +483,7 @@ class AdmissionController:
         for close in self.on_close:
             await close()
         self.on_close.clear()
+        await self.prefix_cache.aclose()
         if self.trace is not None:
             self.trace.flush()
 
@@ -481,13 +496,15 @@ class AdmissionController:
         replicas = self.load_state.snapshot(self.clock()).replicas
         return GaugeValues(len(self.queue), self.tickets.num_held,
                            {r.replica_id: r.num_free_blocks for r in replicas},
-                           {r.replica_id: r.num_reserved_blocks for r in replicas})
+                           {r.replica_id: r.num_reserved_blocks for r in replicas},
+                           self.learned_limits.values())
 
 
 def _forward_body(priced: PricedRequest) -> bytes:
     """The body to send upstream: as the client sent it, unless ``max_tokens`` was filled in."""
     raw = priced.raw  # forward_body(), without the call when the body goes as sent
-    return raw if raw and not priced.max_tokens_defaulted else priced.forward_body()
+    return (raw if raw and not priced.max_tokens_defaulted and priced.cache_salt is None
+            else priced.forward_body())
 
 
 async def _nothing() -> None:

@@ -6,14 +6,17 @@
       │    └─ BodyTooLarge                            413, raised before the rest is buffered
       ├─ ClientDisconnected                           the client left while its body was read
       └─ StateUnavailable (also a RuntimeError)       a replica answers but publishes no load
-                                                      state (404, not a JSON object)
+           │                                          state (404, not a JSON object)
+           └─ StateUnparseable                        its metrics page cannot be read (the
+                                                      reason says why): it is learned instead
 
 Configuration errors are plain ``ValueError`` naming the key (raised at construction).
 """
 
 from __future__ import annotations
 
-__all__ = ["BodyTooLarge", "ClientDisconnected", "GuardError", "PricingError", "StateUnavailable"]
+__all__ = ["BodyTooLarge", "ClientDisconnected", "GuardError", "PricingError", "StateUnavailable",
+           "StateUnparseable"]
 
 
 class GuardError(Exception):
@@ -42,3 +45,8 @@ class ClientDisconnected(GuardError):
 
 class StateUnavailable(GuardError, RuntimeError):
     """The replica answered, but it publishes no load state (404, or not a JSON object)."""
+
+
+class StateUnparseable(StateUnavailable):
+    """The replica's load-state page is there but cannot be read (missing gauges, not
+    Prometheus text); the guard learns the replica's capacity instead."""

@@ -2,7 +2,7 @@
 
 ``make_policy(name, **params)`` builds one by name: the SLO-aware default (``slo``) or a
 baseline that reproduces what the field does today (``always-admit``, ``concurrency-cap``,
-``saturation``, ``gradient``, ``token-rate``).
+``saturation``, ``gradient``, ``token-rate``, ``round-robin``, ``prefix-affinity``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from policies.decision import Admit, CompletionSample, Decision, Queue, Shed
 from policies.gradient import Gradient
 from policies.policy import Policy
 from policies.predictor import TtftForecast, forecast, predict_ttft_s
+from policies.prefix_affinity import PrefixAffinity
+from policies.round_robin import RoundRobin
 from policies.saturation import Saturation
 from policies.slo import SloPolicy, shed_order
 from policies.snapshot import LoadSnapshot, ReplicaSnapshot, SeqLoad
@@ -29,8 +31,10 @@ __all__ = [
     "Gradient",
     "LoadSnapshot",
     "Policy",
+    "PrefixAffinity",
     "Queue",
     "ReplicaSnapshot",
+    "RoundRobin",
     "RequestClass",
     "RequestCost",
     "Saturation",
@@ -56,6 +60,8 @@ def _policy_classes() -> dict[str, type]:
         Saturation.name: Saturation,
         Gradient.name: Gradient,
         TokenRate.name: TokenRate,
+        RoundRobin.name: RoundRobin,
+        PrefixAffinity.name: PrefixAffinity,
     }
 
 

@@ -21,6 +21,9 @@ __all__ = ["ConcurrencyCap", "CONCURRENCY_LIMIT", "num_inflight"]
 
 def num_inflight(snapshot: LoadSnapshot) -> int:
     """Requests this guard has admitted and not yet released, over all replicas."""
+    fleet = snapshot.fleet
+    if fleet is not None:  # kept by the guard as replicas change
+        return fleet.num_inflight
     return sum(r.num_inflight for r in snapshot.replicas)
 
 

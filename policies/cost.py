@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["RequestClass", "RequestCost"]
@@ -32,6 +33,13 @@ class RequestCost:
     ``arrival_s`` and ``deadline_s`` are on the guard's injected clock (monotonic seconds).
     ``deadline_s`` is when the first token must have been sent to meet the class TTFT (or the
     client's own deadline, whichever is earlier).
+
+    ``cached_prefix_tokens`` maps a replica id to the prompt tokens its prefix cache is expected
+    to hold for this request (the guard's prefix-cache view; absent replicas hold none).
+    ``num_blocks`` and ``num_prompt_tokens`` stay the request's whole worst case (what it needs
+    on a cold replica); :meth:`num_new_blocks_on` and :meth:`num_uncached_prompt_tokens_on` are
+    what it newly allocates and prefills on one replica. ``prefix_key`` is the guard's own
+    key of the prompt's prefix (opaque to policies), so the guard can record where it went.
     """
 
     request_id: str
@@ -47,9 +55,32 @@ class RequestCost:
     # the client software its User-Agent names (policies.client_patience.client_software):
     # client patience is learned per tenant and client software
     client: str = ""
+    cached_prefix_tokens: Mapping[str, int] | None = None  # replica id -> cached prompt tokens
+    prefix_key: object = None
     # the replicas that serve the request's model (None: any replica); the guard restricts
     # the snapshot to them before the policy decides, so a policy never sees the others
     replica_ids: frozenset[str] | None = None
+
+    def num_cached_tokens_on(self, replica_id: str, block_size: int) -> int:
+        """Prompt tokens a replica's prefix cache saves this request: whole blocks only, and
+        never the last prompt token (an engine always computes at least one)."""
+        cached = self.cached_prefix_tokens
+        if not cached:
+            return 0
+        num_cached = cached.get(replica_id, 0)
+        if num_cached <= 0:
+            return 0
+        num_cached = min(num_cached, self.num_prompt_tokens - 1)
+        return num_cached - num_cached % block_size if num_cached > 0 else 0
+
+    def num_uncached_prompt_tokens_on(self, replica_id: str, block_size: int) -> int:
+        """Prompt tokens the replica must prefill (the rest is its cache hit)."""
+        return self.num_prompt_tokens - self.num_cached_tokens_on(replica_id, block_size)
+
+    def num_new_blocks_on(self, replica_id: str, block_size: int) -> int:
+        """Blocks the request newly allocates there: its worst case less the cached blocks it
+        shares (taken off once, whatever ``n``: conservative for several choices)."""
+        return self.num_blocks - self.num_cached_tokens_on(replica_id, block_size) // block_size
 
     @property
     def num_reserved_tokens(self) -> int:

@@ -42,7 +42,13 @@ def least_loaded(replicas: Iterable[ReplicaSnapshot]) -> ReplicaSnapshot | None:
 
 
 def route_least_loaded(snapshot: LoadSnapshot) -> Admit | Shed:
-    """Admit to the least-loaded healthy replica; 503 ``no_replica`` when none is healthy."""
+    """Admit to the least-loaded healthy replica; 503 ``no_replica`` when none is healthy.
+    A snapshot carrying the guard's ranked fleet names that replica already."""
+    fleet = snapshot.fleet
+    if fleet is not None:
+        if fleet.least_loaded is None:
+            return Shed(503, NO_REPLICA)
+        return Admit(fleet.least_loaded.replica_id)
     healthy = []  # a plain loop: a generator is one more call per replica, per request
     for replica in snapshot.replicas:
         if replica.healthy:

@@ -18,6 +18,13 @@ For a request dispatched to a replica now, the first token arrives after
    ``step_s(chunk, num_decode_seqs, running context)``. The first token is sampled by the step
    that finishes its prompt.
 
+A prefix the replica holds in its cache (``cost.cached_prefix_tokens``, whole blocks) is
+neither allocated nor prefilled again: the blocks waited for are the request's new ones and its
+own prefill is its uncached tokens (:meth:`~policies.cost.RequestCost.num_new_blocks_on`), so a
+replica that holds the prefix forecasts a shorter TTFT and wins while it has room, and loses
+once its queue or blocks outweigh the hit. Free blocks that hold cached prefixes count as free:
+the engine evicts them when it needs room.
+
 So ``ttft_s = wait_s + queued_prefill_s + own_prefill_s``, counted from dispatch (the guard
 adds the time already spent since arrival). ``ahead`` (the requests in the guard's own queue
 that will be admitted before this one) adds their blocks, slots and prompt tokens to what this
@@ -102,6 +109,12 @@ def forecast(
     if (num_prompt + cost.max_tokens > replica.max_model_len  # never_fits(), inlined
             or cost.num_blocks > replica.num_total_blocks):
         return None
+    num_blocks = cost.num_blocks
+    num_prefill = num_prompt  # what this replica must compute: the prompt less its cache hit
+    if cost.cached_prefix_tokens:
+        num_cached = cost.num_cached_tokens_on(replica.replica_id, replica.block_size)
+        num_prefill -= num_cached
+        num_blocks -= num_cached // replica.block_size
     load = replica.load
     base_s = step_time.base_s
     per_seq_s = step_time.per_decode_seq_s
@@ -113,7 +126,7 @@ def forecast(
     # step_s(0, decode batch, running context)
     decode_s = base_s + per_seq_s * num_decode_seqs + per_context_s * load.num_running_context_tokens
     available = replica.num_free_blocks - replica.num_reserved_blocks  # num_available_blocks
-    missing_blocks = (cost.num_blocks + ahead.num_blocks
+    missing_blocks = (num_blocks + ahead.num_blocks
                       - ((available if available > 0 else 0) - load.num_committed_blocks))
     missing_seqs = num_seqs + 1 + ahead.num_requests - max_num_seqs
     chunk = replica.max_num_batched_tokens - num_decode_seqs
@@ -123,7 +136,7 @@ def forecast(
     if missing_blocks > 0 or missing_seqs > 0:
         # one request's whole run (its prefill chunks and expected output): how long a seat
         # that frees up is held again by whoever takes it
-        run_steps = -(-num_prompt // chunk) + max(1, cost.num_expected_output_tokens)
+        run_steps = -(-num_prefill // chunk) + max(1, cost.num_expected_output_tokens)
         wait_steps = max(_steps_until_freed(load, missing_blocks, run_steps),
                          _steps_until_finished(load, missing_seqs, run_steps))
         # the steps waited are those of the batch that holds the seats and blocks: every
@@ -142,7 +155,7 @@ def forecast(
     # _prefill_s() twice, inlined: each chunk step costs the decode step plus its tokens
     queued_s = (-(-num_queued // chunk) * decode_s + per_prefill_s * num_queued
                 if num_queued > 0 else 0.0)
-    num_through = num_queued + num_prompt
+    num_through = num_queued + num_prefill
     total_s = (-(-num_through // chunk) * decode_s + per_prefill_s * num_through
                if num_through > 0 else 0.0)
     num_join_seqs = num_seqs + 1
@@ -154,7 +167,8 @@ def forecast(
         wait_s,
         queued_s,
         total_s - queued_s,
-        # step_s(0, the batch once joined, its context with this prompt in)
+        # step_s(0, the batch once joined, its context with this prompt in: cached or not,
+        # every prompt token is read by attention)
         base_s + per_seq_s * num_join_seqs
         + per_context_s * (load.num_context_tokens + num_prompt),
         num_queued,

@@ -85,7 +85,8 @@ def prefill_fits_gaps(cost: RequestCost, replica: ReplicaSnapshot, step_time: St
         return True  # alone in the next prefill step: pacing cannot make it smaller
     itl_s = load.min_itl_s if load.min_itl_s is not None else cost.request_class.itl_s
     chunk = max(1, replica.max_num_batched_tokens - load.num_decode_seqs)
-    step_tokens = min(chunk, pending + cost.num_prompt_tokens)
+    own = cost.num_uncached_prompt_tokens_on(replica.replica_id, replica.block_size)
+    step_tokens = min(chunk, pending + own)
     return step_tokens <= max_step_prefill_tokens(
         step_time, itl_s / headroom, load.num_decode_seqs, load.num_running_context_tokens)
 

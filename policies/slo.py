@@ -22,6 +22,15 @@ prefill and the decode step of the batch once it joins. Then, in order:
    ``itl_safety_ratio`` (default 1.2, always applied: pacing only delays an admission by a step
    or two, and it fills steps up to this bound, so without headroom any step-forecast error is
    a missed gap for every running stream) (:mod:`policies.prefill_pacing`);
+   Among those, the replica that holds the most of the request's prefix in its cache
+   (``cost.cached_prefix_tokens``) wins, if its forecast is within ``cache_affinity_ratio`` of
+   the lowest (default unbounded: sticky for as long as it fits now — its blocks, a slot, the
+   deadline with the headroom, every ITL). A cold prefill costs the whole fleet compute and
+   every stream beside it a long step (measured on the shared-prefix bake-off: routing by
+   the lowest forecast alone spread the prefixes, and the cold prefills broke most streams'
+   gaps), while a warm replica's longer forecast still lands by the deadline; affinity breaks
+   when the replica holding the prefix saturates. A warmer replica that fits but for the
+   prefill pacing is waited for (``itl_wait``) rather than passed over for a colder one;
 5. otherwise the request would have to wait. A retry whose tenant (or the whole guard) is over
    its retry budget (:mod:`policies.retry_budget`) is shed first, told not to retry
    (503 ``retry_shed``, ``should_retry=False``). Then the fast no: the forecast is made for
@@ -48,9 +57,17 @@ traffic splits as the weights say.
 
 Stale rule: with no fresh state the policy cannot predict, so it admits to the least-loaded
 (requests ÷ weight) healthy replica only while the guard's in-flight count is below
-``stale_max_inflight_per_replica`` per healthy replica (a total: the weights split it);
-beyond that it queues for at most ``stale_queue_s`` (state may refresh meanwhile) and sheds
-503 ``stale_state`` once even that would pass the deadline.
+``stale_max_inflight_per_replica`` per healthy replica (a total: the weights split it). Where
+the guard has learned replicas' concurrency limits (``ReplicaSnapshot.concurrency_limit``,
+:mod:`policies.concurrency_limit`), each replica of unknown capacity is held to its own learned
+limit instead (never above the sequences it says it runs at once, ``max_num_seqs``: llama.cpp's
+slots) (the least-loaded replica still under its limit takes the request; the fixed cap
+remains for replicas whose capacity is known but stale), and only where the replica's learned
+dispatch-to-first-token time (``ReplicaSnapshot.first_token_s``) × ``ttft_safety_ratio`` still
+lands by the deadline (``use_learned_limits = false`` keeps the fixed cap for every replica).
+Beyond that it queues for at most ``stale_queue_s`` (state may refresh
+meanwhile; never past the last moment a dispatch could still make the deadline) and sheds 503
+``stale_state`` once even that would pass the deadline.
 
 Client patience (:mod:`policies.client_patience`): a client that disconnects from an admitted
 request before its response ends shows how long it was willing to wait (arrival → release).
@@ -75,15 +92,24 @@ started, the estimate holds until 60 s after the client's last cancellation — 
 stopping is what the check achieves, not a sign the clients became patient. With no
 cancellations the decisions are exactly those described above.
 
+Fleet scale (:mod:`policies.candidates`): when the snapshot carries the guard's ranked fleet,
+steps 4-6 run over a bounded candidate set — the ``num_candidates_best`` best-ranked replicas
+and ``num_candidates_sampled`` of the rest in turn — instead of every replica. A fleet within
+that bound is wholly the candidate set (the full scan's decision exactly); a request past its
+deadline or over the fleet's largest context or KV, no fresh candidate, or a request no
+candidate can ever hold, is decided by the full scan, so steps 1-3 stay exact.
+
 ``predicted_ttft_s`` on Admit and Queue is counted from the request's arrival (time already
 spent plus the forecast from now), so the guard can compare it with the TTFT it measures.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 
 from policies.always_admit import NO_REPLICA
+from policies.candidates import RankedFleet, pick_candidates
 from policies.client_patience import ClientPatience, Patience
 from policies.concurrency_cap import num_inflight
 from policies.cost import RequestCost
@@ -140,8 +166,16 @@ class SloPolicy:
         pressure_hold_s: float = 5.0,
         patience_quantile: float = 0.25,
         min_cancel_share: float = 0.05,
+        use_learned_limits: bool = True,
+        cache_affinity_ratio: float = math.inf,
+        num_candidates_best: int = 8,
+        num_candidates_sampled: int = 4,
     ) -> None:
         self.patience = ClientPatience(patience_quantile, min_cancel_share)
+        self.num_candidates_best = check_int("num_candidates_best", num_candidates_best, 1)
+        self.num_candidates_sampled = check_int("num_candidates_sampled",
+                                                num_candidates_sampled, 0)
+        self._turn = 0  # which window of the rest of the fleet the next decision samples
         if stale_queue_s < 0:
             raise ValueError(f"stale_queue_s must be >= 0, got {stale_queue_s!r}")
         if not pressure_hold_s >= 0:
@@ -152,17 +186,71 @@ class SloPolicy:
             "stale_max_inflight_per_replica", stale_max_inflight_per_replica, 0
         )
         self.stale_queue_s = stale_queue_s
+        if not isinstance(use_learned_limits, bool):
+            raise ValueError(f"use_learned_limits must be true or false, got {use_learned_limits!r}")
+        self.use_learned_limits = use_learned_limits
         if not 1.0 <= ttft_safety_ratio <= 10.0:
             raise ValueError(f"ttft_safety_ratio must be in [1, 10], got {ttft_safety_ratio!r}")
         self.ttft_safety_ratio = ttft_safety_ratio
         if not 1.0 <= itl_safety_ratio <= 10.0:
             raise ValueError(f"itl_safety_ratio must be in [1, 10], got {itl_safety_ratio!r}")
         self.itl_safety_ratio = itl_safety_ratio
+        if not cache_affinity_ratio >= 0.0:
+            raise ValueError(f"cache_affinity_ratio must be >= 0, got {cache_affinity_ratio!r}")
+        self.cache_affinity_ratio = cache_affinity_ratio
 
     def decide(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
+        candidates = self._fresh_candidates(cost, snapshot)
+        if candidates is not None:
+            decision = self._decide_among(cost, snapshot, candidates)
+            if decision is not None:
+                return decision
+        return self._decide_full_scan(cost, snapshot)
+
+    def _fresh_candidates(self, cost: RequestCost,
+                          snapshot: LoadSnapshot) -> list[ReplicaSnapshot] | None:
+        """The fresh replicas of the bounded candidate set (:mod:`policies.candidates`), or
+        None where only the full scan decides exactly: no ranked fleet on the snapshot, the
+        request over the fleet's largest context or KV, past its deadline, or no candidate
+        fresh (steps 1-3 then need every replica)."""
+        fleet = snapshot.fleet
+        if (fleet is None or not fleet.ranked
+                or cost.num_prompt_tokens + cost.max_tokens > fleet.max_model_len
+                or cost.num_blocks > fleet.max_total_blocks
+                or snapshot.now_s >= cost.deadline_s):
+            return None
+        self._turn += 1
+        now_s, max_staleness_s = snapshot.now_s, snapshot.max_staleness_s
+        chosen = pick_candidates(fleet, self.num_candidates_best, self.num_candidates_sampled,
+                                 self._turn)
+        if cost.cached_prefix_tokens:  # the replicas holding the request's prefix compete too
+            chosen = _with_prefix_holders(chosen, fleet, cost.cached_prefix_tokens)
+        fresh = [r for r in chosen if now_s - r.observed_s <= max_staleness_s]
+        return fresh or None
+
+    def _decide_among(self, cost: RequestCost, snapshot: LoadSnapshot,
+                      fresh: list[ReplicaSnapshot]) -> Decision | None:
+        """Steps 4-6 over ``fresh``; None when the request fits none of them at all (the
+        full scan then tells a request no replica can ever hold from one that must wait)."""
+        now_s = snapshot.now_s
+        step_time = snapshot.step_time
+        options = []
+        for r in fresh:
+            f = forecast(cost, r, step_time, NOTHING_AHEAD, now_s)
+            if f is not None:
+                options.append((r, f))
+        if not options:
+            return None
+        ratio = self.headroom_ratio(now_s)
+        patience_s = self.patience.estimate(cost.request_class.name, now_s, cost.tenant,
+                                            cost.client)
+        return (_admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio,
+                       self.cache_affinity_ratio)
+                or self._queue_or_shed(cost, snapshot, options, ratio, patience_s))
+
+    def _decide_full_scan(self, cost: RequestCost, snapshot: LoadSnapshot) -> Decision:
         # One pass over the replicas for steps 1-3 and the fresh ones, in plain loops with
-        # never_fits and LoadSnapshot.fresh_replicas inlined: this runs for every request on
-        # the proxy's path to the upstream, before the request is written there.
+        # never_fits and LoadSnapshot.fresh_replicas inlined.
         replicas = snapshot.replicas
         now_s = snapshot.now_s
         max_staleness_s = snapshot.max_staleness_s
@@ -196,7 +284,8 @@ class SloPolicy:
                  and 0.0 <= now_s - last_s <= self.pressure_hold_s else 1.0)
         patience_s = self.patience.estimate(cost.request_class.name, now_s, cost.tenant,
                                             cost.client)
-        return (_admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio)
+        return (_admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio,
+                       self.cache_affinity_ratio)
                 or self._queue_or_shed(cost, snapshot, options, ratio, patience_s))
 
     def headroom_ratio(self, now_s: float) -> float:
@@ -231,14 +320,40 @@ class SloPolicy:
     def _decide_stale(
         self, cost: RequestCost, snapshot: LoadSnapshot, healthy: list[ReplicaSnapshot]
     ) -> Decision:
-        if num_inflight(snapshot) < self.stale_max_inflight_per_replica * len(healthy):
+        now_s = snapshot.now_s
+        latest_s = cost.deadline_s  # the last moment a dispatch can still make the deadline
+        if self.use_learned_limits and any(r.concurrency_limit is not None for r in healthy):
+            # learned limits: the least-loaded replica still under its own limit, where the
+            # replica's usual first-token time (with the TTFT headroom) lands by the deadline
+            open_ = [r for r in healthy if r.num_inflight < self._stale_limit(r)
+                     and now_s + self._first_token_wait_s(r, cost) <= cost.deadline_s]
+            if open_:
+                return Admit(least_loaded(open_).replica_id)
+            latest_s -= min(self._first_token_wait_s(r, cost) for r in healthy)
+        elif num_inflight(snapshot) < self.stale_max_inflight_per_replica * len(healthy):
             return Admit(least_loaded(healthy).replica_id)
         if _is_retry_over_budget(cost, snapshot):
             return RETRY_OVER_BUDGET
-        until_s = min(cost.deadline_s, snapshot.now_s + self.stale_queue_s)
+        until_s = min(latest_s, now_s + self.stale_queue_s)
         if until_s > snapshot.now_s:
             return Queue(until_s, STALE_STATE)
         return Shed(503, STALE_STATE)
+
+    def _first_token_wait_s(self, replica: ReplicaSnapshot, cost: RequestCost) -> float:
+        """The replica's learned first-token time with the TTFT headroom; 0 when unknown, or
+        when even a request sent on arrival could not meet it: such an estimate cannot tell a
+        request that will make it from one that will not, and refusing everything on it would
+        stop the replica from ever being measured again."""
+        wait_s = (replica.first_token_s or 0.0) * self.ttft_safety_ratio
+        return wait_s if wait_s < cost.deadline_s - cost.arrival_s else 0.0
+
+    def _stale_limit(self, replica: ReplicaSnapshot) -> int:
+        """How many requests the stale rule lets run on ``replica``: its learned concurrency
+        limit for a replica of unknown capacity, else the fixed per-replica cap."""
+        if replica.concurrency_limit is not None and not replica.capacity_known:
+            # never past the sequences it runs at once, where it says (llama.cpp's slots)
+            return min(replica.concurrency_limit, replica.max_num_seqs)
+        return self.stale_max_inflight_per_replica
 
     def _queue_or_shed(
         self, cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option], ratio: float,
@@ -278,6 +393,19 @@ class SloPolicy:
         return _shed(options)
 
 
+
+def _with_prefix_holders(chosen: list[ReplicaSnapshot], fleet: RankedFleet,
+                         cached: Mapping[str, int]) -> list[ReplicaSnapshot]:
+    """``chosen`` plus every ranked replica expected to hold part of the request's prefix,
+    in snapshot order (as the candidates are decided): a warm replica outside the bounded set
+    would otherwise be missed, and with it the affinity the full scan finds."""
+    ids = {r.replica_id for r in chosen}
+    extra = [r for r in fleet.ranked if cached.get(r.replica_id) and r.replica_id not in ids]
+    if not extra:
+        return chosen
+    position = fleet.position
+    return sorted((*chosen, *extra), key=lambda r: position[r.replica_id])
+
 def _is_retry_over_budget(cost: RequestCost, snapshot: LoadSnapshot) -> bool:
     return cost.is_retry and snapshot.retry_budget.is_over(cost.tenant)
 
@@ -296,14 +424,20 @@ TTFT_TIE_S = 0.001
 
 def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
            safety_ratio: float, patience_s: Patience | None = None,
-           itl_ratio: float = 1.0) -> Admit | None:
+           itl_ratio: float = 1.0, affinity_ratio: float = 0.0) -> Admit | None:
     """The lowest predicted TTFT among the replicas that fit now; forecasts within
     ``TTFT_TIE_S`` of each other tie, and a tie goes to the first in least-loaded order
     (requests ÷ weight, then free KV, then the heavier, then the id) — so equal idle replicas
     share a burst by weight, never all to whichever replica's state happened to arrive first.
     The prediction times ``safety_ratio`` must land by the deadline (and, while a client
     patience estimate is active, early enough for the whole response to end within it); the
-    next prefill step times ``itl_ratio`` must fit the tightest running ITL."""
+    next prefill step times ``itl_ratio`` must fit the tightest running ITL.
+
+    Cache affinity: when replicas hold different shares of the request's prefix, a replica
+    that fits now and holds more of it wins over the lowest forecast if its own forecast is
+    within ``affinity_ratio`` of that one (the forecast is no more precise than that): the
+    prefill it saves is compute the whole fleet keeps, and the prefix stays warm in one place
+    instead of being prefilled cold beside another replica's running streams."""
     best: _Option | None = None
     best_ttft_s = 0.0
     now_s = snapshot.now_s
@@ -314,29 +448,82 @@ def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
                 continue
             if ttft_s >= best_ttft_s - TTFT_TIE_S and load_order(replica) >= load_order(best[0]):
                 continue
-        # fits now: no wait for blocks or a slot, the first token by the deadline with the
-        # headroom, the joined decode step within the class ITL and every running stream's,
-        # and the next prefill step within the tightest running ITL (prefill pacing)
-        if f.num_missing_blocks > 0 or f.num_missing_seqs > 0:
-            continue
-        if now_s + ttft_s * safety_ratio > cost.deadline_s:
-            continue
-        join_step_s = f.join_step_s
-        if join_step_s > cost.request_class.itl_s:
-            continue
-        load = replica.load
-        if load.min_itl_s is not None and join_step_s > load.min_itl_s:
-            continue
-        if (load.num_seqs and f.num_queued_prefill_tokens  # else nothing to pace
-                and not prefill_fits_gaps(cost, replica, snapshot.step_time, now_s,
-                                          f.num_queued_prefill_tokens, itl_ratio)):
-            continue
-        if patience_s is None or now_s + ttft_s * safety_ratio <= _first_token_by_s(
-                cost, snapshot, f, patience_s):
+        if _fits_now(cost, snapshot, replica, f, ttft_s, safety_ratio, patience_s, itl_ratio):
             best, best_ttft_s = (replica, f), ttft_s
     if best is None:
         return None
+    if cost.cached_prefix_tokens and affinity_ratio > 0.0:
+        warm = _warmest(cost, snapshot, options, best, best_ttft_s, safety_ratio, patience_s,
+                        itl_ratio, affinity_ratio)
+        if warm is None:
+            return None  # wait a step or two for the warm replica's prefill to drain
+        best, best_ttft_s = warm
     return Admit(best[0].replica_id, max(0.0, now_s - cost.arrival_s) + best_ttft_s)
+
+
+def _fits_now(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
+              f: TtftForecast, ttft_s: float, safety_ratio: float,
+              patience_s: Patience | None, itl_ratio: float) -> bool:
+    """No wait for blocks or a slot, the first token by the deadline with the headroom, the
+    joined decode step within the class ITL and every running stream's, and the next prefill
+    step within the tightest running ITL (prefill pacing)."""
+    return (_fits_but_pacing(cost, snapshot, replica, f, ttft_s, safety_ratio, patience_s)
+            and _paced(cost, snapshot, replica, f, itl_ratio))
+
+
+def _paced(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
+           f: TtftForecast, itl_ratio: float) -> bool:
+    """The next prefill step, this prompt in, within the tightest running ITL."""
+    return not (replica.load.num_seqs and f.num_queued_prefill_tokens  # else nothing to pace
+                and not prefill_fits_gaps(cost, replica, snapshot.step_time, snapshot.now_s,
+                                          f.num_queued_prefill_tokens, itl_ratio))
+
+
+def _fits_but_pacing(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
+                     f: TtftForecast, ttft_s: float, safety_ratio: float,
+                     patience_s: Patience | None) -> bool:
+    """Every check of :func:`_fits_now` but the prefill pacing."""
+    if f.num_missing_blocks > 0 or f.num_missing_seqs > 0:
+        return False
+    now_s = snapshot.now_s
+    if now_s + ttft_s * safety_ratio > cost.deadline_s:
+        return False
+    join_step_s = f.join_step_s
+    if join_step_s > cost.request_class.itl_s:
+        return False
+    load = replica.load
+    if load.min_itl_s is not None and join_step_s > load.min_itl_s:
+        return False
+    return patience_s is None or now_s + ttft_s * safety_ratio <= _first_token_by_s(
+        cost, snapshot, f, patience_s)
+
+
+def _warmest(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option], best: _Option,
+             best_ttft_s: float, safety_ratio: float, patience_s: Patience | None,
+             itl_ratio: float, affinity_ratio: float) -> tuple[_Option, float] | None:
+    """The replica holding the most of the prefix among those that fit now with a forecast
+    within ``affinity_ratio`` of the best one (``best`` itself when none holds more) — or
+    None (wait) when a replica holding more fits but for the prefill pacing: its pending
+    prefill drains in a step or two, while a colder replica would prefill the prefix again
+    beside its own streams."""
+    bound_s = best_ttft_s * (1.0 + affinity_ratio) + TTFT_TIE_S
+    most = cost.num_cached_tokens_on(best[0].replica_id, best[0].block_size)
+    paced_out = 0  # the most cached on a replica that fits but for the pacing
+    for replica, f in options:
+        cached = cost.num_cached_tokens_on(replica.replica_id, replica.block_size)
+        if cached <= most:
+            continue
+        ttft_s = f.ttft_s
+        if ttft_s > bound_s or not _fits_but_pacing(cost, snapshot, replica, f, ttft_s,
+                                                    safety_ratio, patience_s):
+            continue
+        if _paced(cost, snapshot, replica, f, itl_ratio):
+            best, best_ttft_s, most = (replica, f), ttft_s, cached
+        else:
+            paced_out = max(paced_out, cached)
+    if paced_out > most:
+        return None
+    return best, best_ttft_s
 
 
 def _first_token_by_s(cost: RequestCost, snapshot: LoadSnapshot, f: TtftForecast,

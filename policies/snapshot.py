@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from policies.replica_load import ReplicaLoad, SeqTotals
 from policies.retry_budget import NO_RETRY_OVER_BUDGET, RetryBudgetView
 from policies.seq_load import SeqLoad
 from policies.step_time import StepTimeModel
+
+if TYPE_CHECKING:  # policies.candidates forecasts on snapshots: imported for the annotation only
+    from policies.candidates import RankedFleet
 
 __all__ = ["SeqLoad", "ReplicaSnapshot", "LoadSnapshot", "QueuedAhead", "NOTHING_AHEAD"]
 
@@ -29,6 +33,12 @@ class ReplicaSnapshot:
     apart from their state: least-loaded routing compares ``requests ÷ weight``
     (:func:`policies.least_loaded.weighted_load`), and the ``slo`` policy uses that order only
     to break exact ties of its forecast and in its stale-state rule.
+
+    ``concurrency_limit`` is how many requests the guard has learned the replica serves at
+    once within its objectives (:mod:`policies.concurrency_limit`), None until one is learned;
+    for a replica of unknown capacity it replaces the ``slo`` policy's fixed stale-state cap.
+    ``first_token_s`` is a time from dispatch to first token that few of the replica's
+    requests exceed (learned alongside from every first token it sent), None until known.
     """
 
     replica_id: str
@@ -47,6 +57,8 @@ class ReplicaSnapshot:
     healthy: bool = True
     capacity_known: bool = True
     weight: float = 1.0
+    concurrency_limit: int | None = None
+    first_token_s: float | None = None
     # the replica published its own limits and step times (a kvguard engine); False where
     # they are assumed (a vLLM /metrics scrape, a replica of unknown capacity)
     limits_published: bool = True
@@ -132,6 +144,9 @@ class LoadSnapshot:
     drain_rate_rps: float = 0.0  # measured completions per second, for Retry-After
     retry_budget: RetryBudgetView = NO_RETRY_OVER_BUDGET  # whose retries are over budget now
     queued_ahead: QueuedAhead = NOTHING_AHEAD  # the guard's queue ahead of this request
+    # the fleet ranked for bounded candidate sets (policies.candidates); None: scan every replica.
+    # It describes exactly ``replicas``: a caller that narrows ``replicas`` must drop it
+    fleet: RankedFleet | None = None
 
     def fresh_replicas(self) -> tuple[ReplicaSnapshot, ...]:
         now_s, max_staleness_s = self.now_s, self.max_staleness_s

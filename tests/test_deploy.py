@@ -18,7 +18,8 @@ import pytest
 from guard.cli import SUBCOMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
-IMAGES = {"proxy.Dockerfile": ("guard", "proxy"), "engine.Dockerfile": ("engine", "engine")}
+IMAGES = {"proxy.Dockerfile": ("guard", "proxy"), "engine.Dockerfile": ("engine", "engine"),
+          "epp.Dockerfile": ("gateway", "epp")}
 
 
 def _instruction(dockerfile: str, name: str) -> str:
@@ -46,7 +47,7 @@ def test_each_image_installs_with_the_setup_script_and_runs_a_real_command(docke
 def test_the_venv_script_installs_through_the_same_recipe():
     assert '"$ROOT/scripts/install" dev "$VENV/bin/python"' in (ROOT / "scripts/_venv.sh").read_text()
     recipe = (ROOT / "scripts/install").read_text()
-    assert '-e "$ROOT[engine,dev,bench]"' in recipe and '"$ROOT[engine]"' in recipe
+    assert '-e "$ROOT[engine,dev,bench,gateway]"' in recipe and '"$ROOT[engine]"' in recipe
 
 
 @pytest.mark.slow
@@ -72,6 +73,32 @@ def test_a_guard_only_install_has_no_torch_and_names_the_extra_a_subcommand_need
         "kvguard engine: needs the 'engine' extra (torch is not installed): "
         "pip install 'kvguard[engine]'"], shlex.quote(done.stderr)
     assert sys.executable != str(python)
+
+
+def test_the_kubernetes_example_runs_kvguard_epp_with_flags_and_config_it_accepts(tmp_path):
+    """deploy/kubernetes/ is not run here (no cluster): what can be checked is that the EPP's
+    arguments are ones `kvguard epp` has, its probes name the EPP's gRPC health services, and
+    the ConfigMap's guard.toml loads."""
+    import yaml
+
+    from guard.config import load_config
+    from guard.epp import cli as epp_cli
+
+    docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/kvguard-epp.yaml").read_text()))
+    kinds = {doc["kind"]: doc for doc in docs}
+    assert set(kinds) == {"InferencePool", "ConfigMap", "Deployment", "Service"}
+    assert kinds["InferencePool"]["spec"]["endpointPickerRef"]["name"] == "kvguard-epp"
+    container = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    parser = argparse.ArgumentParser(prog="kvguard epp", exit_on_error=False)
+    epp_cli.configure(parser)
+    parsed = parser.parse_args(container["args"])
+    assert parsed.port == kinds["InferencePool"]["spec"]["endpointPickerRef"]["port"]["number"]
+    assert {container["livenessProbe"]["grpc"]["service"],
+            container["readinessProbe"]["grpc"]["service"]} == {"liveness", "readiness"}
+    config_path = tmp_path / "guard.toml"
+    config_path.write_text(kinds["ConfigMap"]["data"]["guard.toml"])
+    config = load_config(str(config_path))
+    assert len(config.replicas) == 2 and config.redis_url is not None
 
 
 PROXY_MANIFESTS = ROOT / "deploy" / "kubernetes" / "kvguard-proxy.yaml"

@@ -17,12 +17,17 @@ TARGETS: dict[str, tuple[str, str]] = {
     "sim": ("chaos.bench.sim", "the simulated backend against its timing model"),
     "overload": ("chaos.overload", "the reference overload, every policy side by side"),
     "proxy": ("chaos.bench.proxy", "kvguard proxy's added latency and shed rate vs LiteLLM"),
+    "gateway": ("chaos.bench.gateway", "Envoy + kvguard epp vs Envoy alone, kvguard proxy, "
+                                       "LiteLLM; EPP decisions/s"),
     "sheds": ("chaos.bench.sheds", "shed latency and event-loop lag under a 2,000 req/s flood"),
     "loadgen": ("chaos.bench.loadgen", "the load generator's own CPU per request, trivial server"),
     "shed-cost": ("chaos.bench.shed_cost", "CPU µs per shed in kvguard proxy's app, in-process"),
     "budget": ("chaos.bench.budget", "request rate with Redis / in-memory / no budgets"),
     "pricing": ("chaos.bench.pricing", "CPU time to price one chat request, in-process"),
     "serving": ("chaos.bench.serving", "what the connection limits cost: limited vs plain uvicorn"),
+    "llamacpp": ("chaos.bench.llamacpp", "llama-cpp-python's server (SmolLM2) bare vs behind "
+                 "kvguard proxy's defaults (a learned limit) at 0.5 / 1 / 4 x its capacity"),
+    "scale": ("chaos.bench.scale", "decision and state-ingestion cost vs fleet size, in-process"),
 }
 
 

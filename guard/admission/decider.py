@@ -98,6 +98,7 @@ class Decider:
     def _count_admitted(self, cost: RequestCost, admit: Admit, now_s: float) -> None:
         """An admit that stands: the policy told, the admitted counter counted."""
         self.policy.admitted(cost, admit.replica_id, now_s)
+        self.load_state.admitted(admit.replica_id, cost)
         self.metrics.counters(cost.request_class.name, cost.tenant).admitted.value += 1
 
     async def confirmed(self, cost: RequestCost, result: Admit | Queue | Shed,
@@ -139,7 +140,9 @@ class Decider:
         allowed = cost.replica_ids
         others = tuple(r for r in snapshot.replicas if r.replica_id in replica_ids
                        and (allowed is None or r.replica_id in allowed))
-        decision = self.policy.decide(cost, dataclasses.replace(snapshot, replicas=others))
+        # the ranked fleet describes every replica: a narrowed snapshot is decided by scanning
+        decision = self.policy.decide(cost, dataclasses.replace(snapshot, replicas=others,
+                                                                fleet=None))
         if not isinstance(decision, Admit) or not self.load_state.move(
                 cost.request_id, decision.replica_id, now_s):
             return None
@@ -148,11 +151,8 @@ class Decider:
 
 
 def _among(snapshot: LoadSnapshot, replica_ids: frozenset[str]) -> LoadSnapshot:
-    """The snapshot with only ``replica_ids``' replicas. A view of the whole fleet that a
-    snapshot may carry beside them (a ranked ``fleet``) would name the others: it is dropped,
-    and the policy decides by scanning the replicas left, as for a redispatch."""
-    changes: dict = {"replicas": tuple(r for r in snapshot.replicas
-                                       if r.replica_id in replica_ids)}
-    if getattr(snapshot, "fleet", None) is not None:
-        changes["fleet"] = None
-    return dataclasses.replace(snapshot, **changes)
+    """The snapshot with only ``replica_ids``' replicas. Its ranked ``fleet`` would name the
+    others: it is dropped, and the policy decides by scanning the replicas left, as for a
+    redispatch."""
+    return dataclasses.replace(snapshot, fleet=None, replicas=tuple(
+        r for r in snapshot.replicas if r.replica_id in replica_ids))

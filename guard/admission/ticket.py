@@ -34,6 +34,8 @@ _CONTENT = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')
 _DONE = b"data: [DONE]"
 # The replica ended the sequence itself (shutdown, engine error): never a good completion.
 _ABORTED = re.compile(rb'"finish_reason"\s*:\s*"(?:abort|error)"')
+# The engine said why the sequence ended (a string, not null): the stream ran to its end.
+_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _OUTPUT_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
@@ -46,7 +48,7 @@ class Ticket:
         "first_byte_s", "first_token_s", "last_token_s", "max_itl_s", "num_content_chunks",
         "done_seen", "body_complete", "client_disconnected", "outcome", "released_s", "_book",
         "enqueue_s", "priced", "grant", "num_usage_prompt_tokens", "num_usage_output_tokens",
-        "ok", "slo_met", "aborted", "chunks_s",
+        "ok", "slo_met", "aborted", "chunks_s", "finish_seen",
     )
 
     def __init__(self, book: TicketBook, reservation: Reservation, dispatch_s: float,
@@ -73,6 +75,7 @@ class Ticket:
         self.priced = priced  # the owner's pricing record, for learning at release
         self.grant = grant  # the budget store's grant, settled or released with the ticket
         self.aborted = False  # the upstream said finish_reason "abort" or "error"
+        self.finish_seen = False  # the upstream gave a finish_reason (an interrupted one gives none)
         self.num_usage_prompt_tokens: int | None = None  # from the upstream's "usage", if seen
         self.num_usage_output_tokens: int | None = None
         self.ok = False  # set at release: completed and the whole response went out
@@ -111,6 +114,9 @@ class Ticket:
             self.done_seen = True
         if chunk.find(b'"usage"') >= 0:
             self._usage(chunk)
+        if not self.finish_seen and chunk.find(b'"finish_reason"') >= 0 \
+                and _FINISHED.search(chunk) is not None:
+            self.finish_seen = True
         if (chunk.find(b'"abort"') >= 0 or chunk.find(b'"error"') >= 0) \
                 and _ABORTED.search(chunk) is not None:
             self.aborted = True

@@ -113,11 +113,13 @@ class GaugeValues:
 
     def __init__(self, queue_length: int = 0, held_tickets: int = 0,
                  free_blocks: dict[str, int] | None = None,
-                 reserved_blocks: dict[str, int] | None = None) -> None:
+                 reserved_blocks: dict[str, int] | None = None,
+                 concurrency_limits: dict[str, int] | None = None) -> None:
         self.queue_length = queue_length
         self.held_tickets = held_tickets
         self.free_blocks = free_blocks or {}
         self.reserved_blocks = reserved_blocks or {}
+        self.concurrency_limits = concurrency_limits or {}
 
 
 class GuardMetrics:
@@ -285,6 +287,9 @@ class GuardMetrics:
             ("kvguard_replica_free_blocks", "Free KV blocks reported by the replica", values.free_blocks),
             ("kvguard_replica_reserved_blocks", "KV blocks reserved by the guard, unreported",
              values.reserved_blocks),
+            ("kvguard_replica_concurrency_limit", "Requests the guard lets run at once on the "
+             "replica, learned from its first tokens, gaps and failures (enforced where the "
+             "replica publishes no capacity)", values.concurrency_limits),
         ):
             family = GaugeMetricFamily(name, help_text, labels=("replica",))
             for replica_id, value in data.items():

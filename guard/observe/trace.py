@@ -4,8 +4,8 @@ Timestamps are the guard's monotonic clock in seconds (``*_s``); readers join wi
 trace (``engine/trace.py``) on ``request_id`` (the ``x-request-id`` the guard sends upstream)
 and compare only differences within one trace. One line looks like::
 
-    {"source": "guard", "request_id": "g-1a2b", "tenant": "acme", "class": "interactive",
-     "replica": "local", "upstream_request_id": "g-1a2b", "decision": "admit",
+    {"source": "guard", "request_id": "5f0c2a9e-1b7d-4c3a-9e21-00000000001a", "tenant": "acme", "class": "interactive",
+     "replica": "local", "upstream_request_id": "5f0c2a9e-1b7d-4c3a-9e21-00000000001a", "decision": "admit",
      "arrival_s": 10.0, "decision_s": 10.0001, "enqueue_s": null, "dispatch_s": 10.0001,
      "first_byte_s": 10.2, "first_token_s": 10.2, "completion_s": 10.9,
      "predicted_ttft_s": 0.18, "outcome": "completed", "status": 200, "met_slo": true,

@@ -115,6 +115,7 @@ class ProxyApp:
         # state polls ride the requests' pooled transport (no second client per replica)
         sources = state_sources(config.replicas, TransportStateClient(self.transport),
                                 timeout_s=config.state_timeout_s)
+        self._sources = sources  # what each replica's state source found (``auto``)
         gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
         shared = None
         if config.redis_url is not None:  # the same Redis as the budgets: KV reservations too
@@ -431,6 +432,8 @@ class ProxyApp:
                 "num_free_blocks": None if snap is None else snap.num_free_blocks,
                 "num_reserved_blocks": self.load_state.num_reserved_blocks(rid),
                 "num_inflight": self.load_state.num_inflight(rid),
+                "concurrency_limit": None if snap is None else snap.concurrency_limit,
+                **_source_choice(self._sources.get(rid)),
             })
         return {"admitting": not self.controller.draining, "policy": self.config.policy,
                 "num_in_flight": self.num_in_flight, "num_queued": len(self.controller.queue),
@@ -553,3 +556,10 @@ async def _send_json(send: Send, status: int, payload: dict) -> None:
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _source_choice(source: Any) -> dict:
+    """What an ``auto`` state source chose for the replica, and why (nothing for the others)."""
+    if not hasattr(source, "choice"):
+        return {}
+    return {"state_source_chosen": source.choice, "state_source_reason": source.reason}

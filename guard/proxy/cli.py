@@ -6,7 +6,9 @@
     kvguard proxy --config guard.toml --redis redis://127.0.0.1:6379/0   # budgets shared by proxies
 
 ``--upstream`` (repeatable) replaces the config's ``[[replicas]]`` (ids ``r0``, ``r1``, … in
-order, state read as ``--state-source``). ``--redis URL`` replaces the config's ``redis_url``: tenant
+order, state read as ``--state-source``, by default ``auto``: ``/kvguard/state``, else the
+vLLM, SGLang, TGI or llama.cpp ``/metrics`` page, else each replica's concurrency limit is
+learned from its responses). ``--redis URL`` replaces the config's ``redis_url``: tenant
 budgets are then shared with every other guard or proxy on that Redis. Prints ``kvguard proxy listening on http://HOST:PORT``
 once it accepts connections (``--port 0``: the port the OS chose). SIGTERM/SIGINT drains: new
 requests get 503 ``shutting_down``, admitted ones run until they end or ``proxy.drain_timeout_s``
@@ -40,8 +42,12 @@ CUT_GRACE_S = 2
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upstream", action="append", default=[], metavar="URL",
                         help="a replica's base URL (repeatable); replaces [[replicas]]")
-    parser.add_argument("--state-source", choices=("kvguard", "vllm", "none"), default="kvguard",
-                        help="how --upstream replicas publish load (default: kvguard)")
+    parser.add_argument("--state-source",
+                        choices=("auto", "kvguard", "vllm", "sglang", "tgi", "llamacpp", "none"),
+                        default="auto",
+                        help="how --upstream replicas publish load (default: auto: probe "
+                             "/kvguard/state, then the vLLM, SGLang, TGI and llama.cpp /metrics "
+                             "formats, else learn each replica's concurrency limit)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="guard TOML (default: $KVGUARD_CONFIG, else built-in defaults)")
     parser.add_argument("--redis", default=None, metavar="URL",

@@ -47,11 +47,15 @@ class GatedSource:
 
     def __init__(self, replica_id: str, inner: StateSource, health: ReplicaHealth) -> None:
         self.replica_id = replica_id
-        self.kind = inner.kind
         self.local = getattr(inner, "local", False)  # answers without I/O (StatePoller)
         self.max_model_len = getattr(inner, "max_model_len", None)
         self._inner = inner
         self._health = health
+
+    @property
+    def kind(self) -> str:
+        """The inner source's kind now (``auto`` settles on one at its first answer)."""
+        return self._inner.kind
 
     async def fetch(self) -> Any:
         if self._health.is_ejected(self.replica_id):

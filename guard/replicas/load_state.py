@@ -44,13 +44,20 @@ from typing import Any, Protocol
 from guard.replicas.documents import (
     UNKNOWN_MAX_MODEL_LEN,
     UNKNOWN_NUM_BLOCKS,
+    engine_snapshot,
     kvguard_snapshot,
+    listed_request_ids,
     unknown_capacity_snapshot,
     vllm_snapshot,
 )
+from guard.replicas.engine_metrics import EngineLoad
+from guard.replicas.fleet_ranking import FleetRanking
+from guard.replicas.mean_step_time import MeanStepTime
+from guard.replicas.prefix_cache import PrefixCacheView
 from guard.replicas.reservations import ReplicaReservations, Reservation
 from guard.replicas.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
 from guard.replicas.vllm_metrics import parse_vllm_metrics
+from policies.candidates import MIN_RANKED_REPLICAS
 from policies.cost import RequestCost
 from policies.retry_budget import NO_RETRY_OVER_BUDGET, RetryBudgetView
 from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead, ReplicaSnapshot
@@ -85,6 +92,8 @@ class _Replica:
     served_model: str | None = None  # the model name its state document gives
     previous_observed_s: float = float("-inf")
     combined: ReplicaSnapshot | None = None  # base + reservations, rebuilt lazily when dirty
+    concurrency_limit: int | None = None  # learned by the guard, stamped on every base
+    first_token_s: float | None = None  # learned with it: dispatch -> first token when good
 
 
 def _default_fitter(prior: StepTimeModel) -> StepTimeFitter:
@@ -120,10 +129,18 @@ class LoadState:
         self._books: dict[str, ReplicaReservations] = {}  # per replica id, made on first reserve
         self._step_time: StepTimeModel | None = None  # the mean model, reset on every update
         self._snapshots: tuple[ReplicaSnapshot, ...] | None = None  # every replica's, until dirty
+        # the same snapshots by id, in the fleet's order; the ids changed since they were built
+        self._views_by_id: dict[str, ReplicaSnapshot] = {}
+        self._changed_ids: set[str] = set()
+        self._ranking = FleetRanking()  # the fleet in rank order, for bounded candidate sets
+        self._mean_step_time = MeanStepTime()  # kept as replicas refresh (used at fleet scale)
         # called with (replica id, new preemptions) when a replica's counter rises
         self.on_preemptions: Callable[[str, int], None] | None = None
         self.pending_listener: PendingListener | None = None  # own pending reservations
         self._foreign: dict[str, dict[str, Reservation]] = {}  # replica -> entry -> reservation
+        # the guard's prefix-cache view (guard.replicas.prefix_cache), told of every state,
+        # lost replica and admission
+        self.cache_view: PrefixCacheView | None = None
 
     # --- replica state -----------------------------------------------------------------------
 
@@ -148,8 +165,10 @@ class LoadState:
         replica = self._replica(replica_id, prior)
         model = state.get("model")
         replica.served_model = model if isinstance(model, str) else None
-        listed = {s["request_id"] for s in (*state["running"], *state["waiting"])}
+        listed = listed_request_ids(state)
         base = kvguard_snapshot(replica_id, state, now_s, self._our_cost)
+        if self.cache_view is not None:
+            self.cache_view.replica_state(replica_id, state)
         self._feed_iterations(replica, state)
         self._count_preemptions(replica_id, replica, state.get("num_preemptions"))
         book = self._books.get(replica_id)
@@ -208,6 +227,29 @@ class LoadState:
                              max_num_batched_tokens=max_num_batched_tokens,
                              assumed_output_tokens=assumed_output_tokens,
                              assumed_prompt_tokens=assumed_prompt_tokens)
+        if self.cache_view is not None:
+            self.cache_view.replica_metrics(replica_id, parse_vllm_metrics(text))
+        return self._set_counted_base(replica_id, base, now_s)
+
+    def update_from_engine_metrics(self, replica_id: str, load: EngineLoad, now_s: float, *,
+                                   max_model_len: int | None = None, max_num_seqs: int = 256,
+                                   max_num_batched_tokens: int = 8192,
+                                   assumed_output_tokens: int = 128,
+                                   assumed_prompt_tokens: int = 512) -> ReplicaSnapshot:
+        """Apply one SGLang / TGI / llama.cpp ``/metrics`` scrape, parsed
+        (:func:`guard.replicas.engine_metrics.parse_engine_metrics`): counts, no request ids,
+        so reservations end as for vLLM (:meth:`update_from_vllm_metrics`)."""
+        base = engine_snapshot(replica_id, load, now_s, max_model_len=max_model_len,
+                               max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens,
+                               assumed_output_tokens=assumed_output_tokens,
+                               assumed_prompt_tokens=assumed_prompt_tokens)
+        return self._set_counted_base(replica_id, base, now_s)
+
+    def _set_counted_base(self, replica_id: str, base: ReplicaSnapshot,
+                          now_s: float) -> ReplicaSnapshot:
+        """A metrics scrape (no request ids): a pending reservation ends once a scrape that
+        started after it was made has been applied (the request is counted there)."""
         replica = self._replica(replica_id)
         book = self._books.get(replica_id)
         if book is not None:
@@ -227,13 +269,29 @@ class LoadState:
         base = unknown_capacity_snapshot(replica_id, now_s)
         return self._set_base(self._replica(replica_id), base)
 
+    def set_concurrency_limit(self, replica_id: str, limit: int | None,
+                              first_token_s: float | None = None) -> None:
+        """The replica's learned concurrency limit (None: none learned) and its typical
+        dispatch-to-first-token time, carried by its snapshots from now on."""
+        replica = self._replica(replica_id)
+        if (replica.concurrency_limit, replica.first_token_s) == (limit, first_token_s):
+            return
+        replica.concurrency_limit, replica.first_token_s = limit, first_token_s
+        if replica.base is not None:
+            self._set_base(replica, replica.base)
+
     def _set_base(self, replica: _Replica, base: ReplicaSnapshot) -> ReplicaSnapshot:
         weight = self._weights.get(base.replica_id, 1.0)
-        if base.weight != weight:
-            base = dataclasses.replace(base, weight=weight)
+        if base.weight != weight or base.concurrency_limit != replica.concurrency_limit \
+                or base.first_token_s != replica.first_token_s:
+            base = dataclasses.replace(base, weight=weight,
+                                       concurrency_limit=replica.concurrency_limit,
+                                       first_token_s=replica.first_token_s)
         replica.base = base
         replica.combined = None
+        self._mean_step_time.count(base.replica_id, replica.model if base.healthy else None)
         self._snapshots = None
+        self._changed_ids.add(base.replica_id)
         self._step_time = None
         # Built here, in the state poll, rather than by the next decision: at low load a state
         # refresh lands between most requests, so the engine groups' sums are ready before a
@@ -259,6 +317,8 @@ class LoadState:
         replica = self._replica(replica_id)
         if replica.base is not None and replica.base.healthy:
             self._set_base(replica, dataclasses.replace(replica.base, healthy=False))
+            if self.cache_view is not None:  # it may come back restarted, its cache cold
+                self.cache_view.replica_down(replica_id)
 
     def is_healthy(self, replica_id: str) -> bool:
         replica = self._replicas.get(replica_id)
@@ -279,9 +339,17 @@ class LoadState:
             self.release(request_id)
         reserved_s = cost.arrival_s if now_s is None else now_s
         reservation = Reservation(replica_id, cost, reserved_s)
+        if cost.cached_prefix_tokens:
+            self._price_cache_hit(reservation)
         self._reservations[request_id] = reservation
         self._add(request_id, reservation)
         return reservation
+
+    def admitted(self, replica_id: str, cost: RequestCost) -> None:
+        """An admission to ``replica_id`` stands (booked and counted): the prefix-cache view
+        records where the request's prefix went."""
+        if self.cache_view is not None:
+            self.cache_view.routed(replica_id, cost)
 
     def reservation(self, request_id: str) -> Reservation | None:
         """The request's reservation while it holds one."""
@@ -303,8 +371,19 @@ class LoadState:
             return False
         self._remove(request_id, reservation.replica_id)
         reservation.move_to(replica_id, now_s)
+        if reservation.cost.cached_prefix_tokens:
+            self._price_cache_hit(reservation)
         self._add(request_id, reservation)
         return True
+
+    def _price_cache_hit(self, reservation: Reservation) -> None:
+        """The prefix the reservation's replica holds for it, in that replica's whole blocks:
+        its pending blocks and prefill are only the rest."""
+        replica = self._replicas.get(reservation.replica_id)
+        block_size = replica.base.block_size if replica is not None and replica.base else 16
+        num_cached = reservation.cost.num_cached_tokens_on(reservation.replica_id, block_size)
+        reservation.num_cached_tokens = num_cached
+        reservation.num_cached_blocks = num_cached // block_size
 
     def _add(self, request_id: str, reservation: Reservation) -> None:
         """Book ``reservation`` on its replica (pending there; shared when a listener is set)."""
@@ -354,6 +433,7 @@ class LoadState:
         if replica is not None:
             replica.combined = None
             self._snapshots = None
+            self._changed_ids.add(replica_id)
 
     def num_reserved_blocks(self, replica_id: str) -> int:
         book = self._books.get(replica_id)
@@ -387,13 +467,21 @@ class LoadState:
         """Every replica's snapshot (engine state + reservations) and the mean step-time
         model, rebuilt where a reserve, release or state update left them out of date."""
         replicas = self._snapshots
-        if replicas is None:  # rebuilt after every reserve/release: a plain loop, no generator
-            built = []
-            for rid in self._replicas:
+        if replicas is None:  # only the replicas changed since are rebuilt and re-ranked
+            views = self._views_by_id
+            changed, self._changed_ids = self._changed_ids, set()
+            joined = False
+            for rid in changed:
                 s = self.replica_snapshot(rid)
-                if s:
-                    built.append(s)
-            replicas = self._snapshots = tuple(built)
+                if s is not None:
+                    joined = joined or rid not in views
+                    views[rid] = s
+                    self._ranking.update(s, self._replicas[rid].model)
+            if joined:  # a replica's first state: the fleet's order is the registration order
+                views = self._views_by_id = {rid: views[rid] for rid in self._replicas
+                                             if rid in views}
+                self._ranking.set_order(views)
+            replicas = self._snapshots = tuple(views.values())
         if self._step_time is None:
             self._mean_model(replicas)
         return replicas
@@ -405,10 +493,11 @@ class LoadState:
         if replicas is None or self._step_time is None:
             replicas = self._views()
         # one per request, positional in field order: now, replicas, step time, queued,
-        # staleness bound, drain rate, retry budget, queue ahead
+        # staleness bound, drain rate, retry budget, queue ahead, the ranked fleet
         return LoadSnapshot(
             now_s, replicas, self._step_time,
-            num_queued, self._max_staleness_s, drain_rate_rps, retry_budget, queued_ahead)
+            num_queued, self._max_staleness_s, drain_rate_rps, retry_budget, queued_ahead,
+            self._ranking.view(now_s))
 
     def step_time_model(self, replica_id: str) -> StepTimeModel:
         replica = self._replicas.get(replica_id)
@@ -420,6 +509,9 @@ class LoadState:
         return replica.fitter if replica else None
 
     def _mean_model(self, replicas: tuple[ReplicaSnapshot, ...]) -> StepTimeModel:
+        if len(self._mean_step_time) >= MIN_RANKED_REPLICAS:  # O(1) per refresh at scale
+            self._step_time = self._mean_step_time.mean(self._default_prior)
+            return self._step_time
         models = [self._replicas[s.replica_id].model for s in replicas if s.healthy]
         if not models:
             self._step_time = self._default_prior

@@ -1,12 +1,17 @@
 """Refreshing every replica's load state: :class:`StatePoller` and the sources it reads.
 
-:class:`HttpStateSource` reads ``GET {url}/kvguard/state`` (or ``{url}/metrics`` for a vLLM
-upstream) over an httpx-shaped client (the proxy passes its pooled upstream transport);
+:class:`HttpStateSource` reads ``GET {url}/kvguard/state`` (or ``{url}/metrics`` for a vLLM,
+SGLang, TGI or llama.cpp upstream) over an httpx-shaped client (the proxy passes its pooled
+upstream transport); :class:`guard.replicas.auto_source.AutoStateSource` finds out which of
+those a replica speaks;
 :class:`AsgiStateSource` does an in-process ``GET /kvguard/state`` on the
 wrapped ASGI app. A source whose replica answers but publishes no state (404, or a body that is
 not a JSON object) raises :class:`StateUnavailable`; the poller then registers the replica as
 healthy with unknown capacity (:meth:`guard.replicas.load_state.LoadState.mark_unknown_capacity`) instead
-of counting an error, so the guard works in front of any ASGI app.
+of counting an error, so the guard works in front of any ASGI app. A metrics page that cannot
+be read (missing gauges, not Prometheus text) does the same — the replica's capacity is then
+learned, it never stays unroutable for it — and its reason is logged as a warning whenever
+it changes.
 """
 
 from __future__ import annotations
@@ -19,8 +24,14 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from guard.config import ReplicaConfig
-from guard.errors import StateUnavailable
+from guard.errors import StateUnavailable, StateUnparseable
 from guard.redact import redact_text
+from guard.replicas.engine_metrics import (
+    ENGINE_METRICS,
+    EngineLoad,
+    parse_engine_metrics,
+    parse_llamacpp_slots,
+)
 from serving.json_body import loads
 
 __all__ = [
@@ -32,10 +43,14 @@ __all__ = [
     "StateSink",
     "StateSource",
     "StateUnavailable",
+    "METRICS_KINDS",
     "state_sources",
 ]
 
 log = logging.getLogger(__name__)
+
+# the state sources read from the engine's Prometheus ``/metrics`` page
+METRICS_KINDS = ("vllm", *ENGINE_METRICS)
 
 
 class StateSink(Protocol):
@@ -46,6 +61,9 @@ class StateSink(Protocol):
 
     def update_from_vllm_metrics(self, replica_id: str, text: str, now_s: float,
                                  **limits: Any) -> Any: ...
+
+    def update_from_engine_metrics(self, replica_id: str, load: Any, now_s: float,
+                                   **limits: Any) -> Any: ...
 
     def mark_unknown_capacity(self, replica_id: str, now_s: float) -> Any: ...
 
@@ -62,7 +80,7 @@ class StateClient(Protocol):
 
 
 class StateSource(Protocol):
-    kind: str  # "kvguard" (JSON dict) or "vllm" (metrics text)
+    kind: str  # "kvguard" (JSON dict), a METRICS_KINDS engine (metrics text) or "none"
 
     async def fetch(self) -> Any:
         """One state document. :class:`StateUnavailable` when the replica has none; any other
@@ -71,26 +89,68 @@ class StateSource(Protocol):
 
 
 class HttpStateSource:
-    """``GET {url}/kvguard/state`` (kind ``kvguard``) or ``GET {url}/metrics`` (kind ``vllm``)."""
+    """``GET {url}/kvguard/state`` (kind ``kvguard``) or ``GET {url}/metrics`` (a
+    ``METRICS_KINDS`` engine).
+
+    A kvguard replica is asked for the compact document (``?compact=1``: sequences as columns)
+    with only the iteration samples after the last batch id this source has seen
+    (``&since_batch=N``); a replica that ignores the query sends the full document, which
+    reads the same. When the replica's ``step_count`` falls (it restarted: batch ids start
+    over) the next poll asks for every sample again.
+    """
 
     def __init__(self, url: str, kind: str = "kvguard", *, client: StateClient,
                  timeout_s: float = 1.0, max_model_len: int | None = None):
-        if kind not in ("kvguard", "vllm"):
-            raise ValueError(f"HttpStateSource: kind must be 'kvguard' or 'vllm', got {kind!r}")
+        if kind != "kvguard" and kind not in METRICS_KINDS:
+            raise ValueError(f"HttpStateSource: kind must be 'kvguard' or one of "
+                             f"{METRICS_KINDS}, got {kind!r}")
         self.kind = kind
         self.url = url.rstrip("/") + ("/kvguard/state" if kind == "kvguard" else "/metrics")
+        self._last_batch_id: int | None = None  # the newest iteration sample seen
+        self._last_step_count = -1
         self._client = client
         self._timeout_s = timeout_s
-        self.max_model_len = max_model_len  # vllm only: its metrics lack the context length
+        self.max_model_len = max_model_len  # metrics kinds: their pages lack the context length
 
     async def fetch(self) -> Any:
-        response = await self._client.get(self.url, timeout=self._timeout_s)
+        url = self.url
+        if self.kind == "kvguard":
+            url += "?compact=1"
+            if self._last_batch_id is not None:
+                url += f"&since_batch={self._last_batch_id}"
+        response = await self._client.get(url, timeout=self._timeout_s)
         if self.kind == "kvguard" and response.status_code == 404:
             raise StateUnavailable(f"{self.url} answered 404")
+        if self.kind == "llamacpp" and response.status_code in (404, 501):
+            return await self._slots()  # llama-server without --metrics: its /slots
         response.raise_for_status()
         if self.kind != "kvguard":
             return response.text
-        return _state_document(response.content, self.url)
+        state = _state_document(response.content, self.url)
+        self._note_batches(state)
+        return state
+
+    def _note_batches(self, state: dict) -> None:
+        step_count = state.get("step_count")
+        if isinstance(step_count, int) and step_count < self._last_step_count:
+            self._last_batch_id = None  # restarted: its batch ids start over
+        self._last_step_count = step_count if isinstance(step_count, int) else -1
+        for it in state.get("iterations") or ():
+            batch_id = it.get("batch_id") if isinstance(it, dict) else None
+            if isinstance(batch_id, int) and (self._last_batch_id is None
+                                              or batch_id > self._last_batch_id):
+                self._last_batch_id = batch_id
+
+
+    async def _slots(self) -> EngineLoad:
+        url = self.url.removesuffix("/metrics") + "/slots"
+        response = await self._client.get(url, timeout=self._timeout_s)
+        if response.status_code != 200:
+            raise StateUnavailable(f"{self.url} and {url} answered {response.status_code}")
+        try:
+            return parse_llamacpp_slots(response.text)
+        except ValueError as exc:
+            raise StateUnparseable(f"{url}: {exc}") from None
 
 
 class NoStateSource:
@@ -168,6 +228,12 @@ def state_sources(replicas: tuple[ReplicaConfig, ...], client: StateClient,
     for replica in replicas:
         if replica.state_source == "none":
             sources[replica.replica_id] = NoStateSource()
+        elif replica.state_source == "auto":
+            from guard.replicas.auto_source import AutoStateSource
+
+            sources[replica.replica_id] = AutoStateSource(
+                replica.url, client=client, timeout_s=timeout_s,
+                max_model_len=replica.max_model_len, replica_id=replica.replica_id)
         elif replica.state_source == "asgi":
             if app is None:
                 raise ValueError(f"replica {replica.replica_id!r}: state_source 'asgi' needs the app")
@@ -187,7 +253,8 @@ class StatePoller:
     admission queue re-evaluates there.
 
     ``unreadable`` maps each replica whose last refresh failed to why (an unreachable replica,
-    a timeout, a vLLM ``/metrics`` without ``num_gpu_blocks``); a warning names the replica and
+    a timeout) or whose page could not be understood (a vLLM ``/metrics`` without
+    ``num_gpu_blocks``: still routed, with unknown capacity); a warning names the replica and
     the reason when it becomes unreadable and an info line when it is read again, once per
     transition. A failure whose exception has a true ``quiet`` attribute (an ejected replica,
     whose ejection was logged already) is recorded without a line.
@@ -207,6 +274,7 @@ class StatePoller:
         self._timeout_s = timeout_s
         self._on_refresh = on_refresh
         self._errors = dict.fromkeys(self._sources, 0)
+        self._unavailable: dict[str, str] = {}  # the last reason logged per replica
         # sources that answer without I/O (``local``: state_source "none") are read in line,
         # with no task and no timeout; the others concurrently, each under ``timeout_s``
         self._local = {rid: src for rid, src in self._sources.items()
@@ -239,20 +307,19 @@ class StatePoller:
         try:
             fetch = source.fetch()
             payload = await (asyncio.wait_for(fetch, self._timeout_s) if bounded else fetch)
-            now_s = self._clock()
-            if source.kind == "kvguard":
-                self._load_state.update_from_kvguard_state(replica_id, payload, now_s)
-            else:
-                self._load_state.update_from_vllm_metrics(
-                    replica_id, payload, now_s, max_model_len=getattr(source, "max_model_len", None))
+            self._apply(replica_id, source, payload, self._clock())
             self._errors[replica_id] = 0
+            self._unavailable.pop(replica_id, None)
             self._readable(replica_id)
         except asyncio.CancelledError:
             raise
         except StateUnavailable as exc:
             self._errors[replica_id] = 0
-            self._readable(replica_id)
-            log.debug("state poller: %s publishes no state: %s", replica_id, exc)
+            if isinstance(exc, StateUnparseable):  # read, not understood: shown, still routed
+                self.unreadable[replica_id] = redact_text(str(exc))
+            else:  # it publishes no state: nothing to read
+                self._readable(replica_id)
+            self._log_unavailable(replica_id, exc)
             self._load_state.mark_unknown_capacity(replica_id, self._clock())
         except Exception as exc:
             self._errors[replica_id] += 1
@@ -273,6 +340,37 @@ class StatePoller:
         self.unreadable[replica_id] = reason
         if first and not getattr(exc, "quiet", False):
             log.warning("replica %s: state unreadable: %s", replica_id, reason)
+
+    def _apply(self, replica_id: str, source: StateSource, payload: Any, now_s: float) -> None:
+        """Feed one fetched document to the load state; a metrics page that cannot be read
+        raises :class:`StateUnparseable`."""
+        kind = source.kind
+        if kind == "kvguard":
+            self._load_state.update_from_kvguard_state(replica_id, payload, now_s)
+            return
+        max_model_len = getattr(source, "max_model_len", None)
+        try:
+            if kind == "vllm":
+                self._load_state.update_from_vllm_metrics(replica_id, payload, now_s,
+                                                          max_model_len=max_model_len)
+            else:
+                load = payload if isinstance(payload, EngineLoad) \
+                    else parse_engine_metrics(kind, payload)
+                self._load_state.update_from_engine_metrics(replica_id, load, now_s,
+                                                            max_model_len=max_model_len)
+        except ValueError as exc:
+            raise StateUnparseable(f"{getattr(source, 'url', kind)}: {exc}") from None
+
+    def _log_unavailable(self, replica_id: str, exc: StateUnavailable) -> None:
+        """An unreadable page is a warning, a replica without state a note; each once per
+        reason (it repeats on every poll)."""
+        reason = str(exc)
+        if self._unavailable.get(replica_id) == reason:
+            return
+        self._unavailable[replica_id] = reason
+        level = logging.WARNING if isinstance(exc, StateUnparseable) else logging.INFO
+        log.log(level, "replica %s: no load state read (%s); its concurrency limit is learned "
+                "from its responses", replica_id, reason)
 
     def start(self) -> None:
         if self._task is None or self._task.done():

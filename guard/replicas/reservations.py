@@ -28,28 +28,36 @@ class Reservation:
     reserved_s: float
     reported: bool = False  # the replica listed it: its blocks are in the replica's own counts
     _load: SeqLoad | None = None
+    # the prefix its replica is expected to hold for it (whole blocks): neither allocated nor
+    # prefilled again there (RequestCost.num_cached_tokens_on, at the replica's block size)
+    num_cached_tokens: int = 0
+    num_cached_blocks: int = 0
 
     @property
     def load(self) -> SeqLoad:
         """Its load as a snapshot lists it, built on first use (most requests end unlisted)."""
         if self._load is None:
-            self._load = reserved_load(self.cost, self.reserved_s)
+            self._load = reserved_load(self.cost, self.reserved_s, self.num_cached_tokens)
         return self._load
 
     def move_to(self, replica_id: str, now_s: float) -> None:
-        """Redispatched: pending on ``replica_id`` from ``now_s`` (the caller books it there)."""
+        """Redispatched: pending on ``replica_id`` from ``now_s`` (the caller books it there,
+        with that replica's cache hit)."""
         self.replica_id = replica_id
         self.reserved_s = now_s
         self.reported = False
         self._load = None
+        self.num_cached_tokens = self.num_cached_blocks = 0
 
 
-def reserved_load(cost: RequestCost, reserved_s: float | None = None) -> SeqLoad:
-    """A reservation's load: nothing computed yet, the whole prompt and expected output to come
-    (from ``reserved_s``, when the prefill pacing may count it as draining)."""
+def reserved_load(cost: RequestCost, reserved_s: float | None = None,
+                  num_cached_tokens: int = 0) -> SeqLoad:
+    """A reservation's load: nothing computed yet, the prompt (less its cached prefix) and
+    expected output to come (from ``reserved_s``, when the prefill pacing may count it as
+    draining)."""
     return SeqLoad(
         num_context_tokens=0,
-        num_prefill_tokens_remaining=cost.num_prompt_tokens,
+        num_prefill_tokens_remaining=cost.num_prompt_tokens - num_cached_tokens,
         num_remaining_output_tokens=cost.num_expected_output_tokens,
         itl_s=cost.request_class.itl_s,
         admitted_s=reserved_s,
@@ -96,13 +104,14 @@ class ReplicaReservations:
             self._count(reservation, -1)
 
     def _count(self, reservation: Reservation, sign: int) -> None:
-        """Add (+1) or remove (-1) the contribution of ``reserved_load(reservation.cost)``:
-        no computed context, the whole prompt to prefill, the class's ITL limit."""
+        """Add (+1) or remove (-1) the contribution of ``reservation.load``: no computed
+        context, the prompt less its cached prefix to prefill, the class's ITL limit."""
         cost = reservation.cost
-        self.num_reserved_blocks += sign * cost.num_blocks
-        self._num_prefill_tokens += sign * cost.num_prompt_tokens
+        num_prefill = cost.num_prompt_tokens - reservation.num_cached_tokens
+        self.num_reserved_blocks += sign * (cost.num_blocks - reservation.num_cached_blocks)
+        self._num_prefill_tokens += sign * num_prefill
         if self._block_size is not None:
-            final = cost.num_prompt_tokens + cost.num_expected_output_tokens
+            final = num_prefill + cost.num_expected_output_tokens
             self._num_committed_blocks += sign * num_blocks_for(final, self._block_size)
         itl_s = cost.request_class.itl_s
         count = self._itl_counts.get(itl_s, 0) + sign

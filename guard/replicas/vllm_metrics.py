@@ -10,6 +10,11 @@ _VLLM_GAUGES = {
     "vllm:kv_cache_usage_perc": "kv_cache_usage_ratio",
     "vllm:gpu_cache_usage_perc": "kv_cache_usage_ratio",  # the name before vLLM v0.10
 }
+# prefix-cache counters (vLLM v1, tokens): summed over engines, absent on older vLLM
+_VLLM_COUNTERS = {
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+}
 _INFO_LABELS = ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens")
 
@@ -26,7 +31,7 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            key = _VLLM_GAUGES.get(sample.name)
+            key = _VLLM_GAUGES.get(sample.name) or _VLLM_COUNTERS.get(sample.name)
             if key is not None:
                 sums.setdefault(key, []).append(float(sample.value))
             elif sample.name.endswith("_info"):

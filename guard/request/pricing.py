@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import PricingError
+from guard.replicas.prefix_cache import PrefixCacheView
+from guard.request.cache_salt import CacheSalter
 from guard.request.deadline import SDK_TIMEOUT_HEADER, client_timeout_s
 from guard.request.idempotency_keys import IdempotencyKeys
 from guard.request.output_lengths import OutputLengths
@@ -37,6 +39,7 @@ __all__ = [
     "PricedRequest",
     "Pricer",
     "tokenizer_counter",
+    "tokenizer_ids",
 ]
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -66,6 +69,14 @@ def tokenizer_counter(path: str) -> Callable[[str], int]:
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
+def tokenizer_ids(path: str) -> Callable[[str], list[int]]:
+    """Prompt token ids from a ``tokenizer.json`` (the precise prefix-cache view hashes them)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(path)
+    return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+
+
 # Built for every request: slotted, not frozen (a frozen __init__ sets each field through
 # object.__setattr__; docs/benchmarks.md §2). Never mutated after construction.
 @dataclass(slots=True)
@@ -80,21 +91,34 @@ class PricedRequest:
     is_exact: bool  # prompt tokens counted (token ids or tokenizer), not estimated
     max_tokens_defaulted: bool  # the client sent no max_tokens; cost.max_tokens is the guard's
     raw: bytes = b""  # the body as the client sent it
+    cache_salt: str | None = None  # the tenant's salt the guard adds (prefix cache isolation)
 
     def forward_body(self) -> bytes:
         """The body to send upstream: as sent, or with the priced ``max_tokens`` filled in when
-        the client sent none, so the replica runs exactly what the guard priced."""
-        if not self.max_tokens_defaulted and self.raw:
+        the client sent none and the tenant's ``cache_salt`` set when the guard isolates
+        tenants, so the replica runs exactly what the guard priced."""
+        if not self.max_tokens_defaulted and self.cache_salt is None and self.raw:
             return self.raw
-        return json.dumps({**self.body, "max_tokens": self.cost.max_tokens}).encode()
+        body = dict(self.body)
+        if self.max_tokens_defaulted:
+            body["max_tokens"] = self.cost.max_tokens
+        if self.cache_salt is not None:
+            body["cache_salt"] = self.cache_salt
+        return json.dumps(body).encode()
 
 
 class Pricer:
     """Prices requests; learns chars-per-token and expected output length per class online."""
 
-    def __init__(self, config: GuardConfig, tokenizer: Callable[[str], int] | None = None):
+    def __init__(self, config: GuardConfig, tokenizer: Callable[[str], int] | None = None,
+                 prefix_view: PrefixCacheView | None = None):
         self._config = config
         self._tokenizer = tokenizer
+        # the replicas' prefix caches as the guard sees them (None: priced as if all cold)
+        self.prefix_view = prefix_view
+        secret = config.prefix_cache_secret
+        self._salter = CacheSalter(config.prefix_cache_isolation,
+                                   secret.encode() if secret else None)
         cpt = config.initial_chars_per_token
         self._chars_sum = cpt * CALIBRATION_PRIOR_TOKENS
         self._tokens_sum = CALIBRATION_PRIOR_TOKENS
@@ -200,6 +224,13 @@ class Pricer:
         else:
             max_tokens, defaulted = self._max_tokens(data, tokens, exact, max_model_len)
         request_class = self._resolve_class(headers, tenant)
+        engine_salt, added_salt = self._salter.salts(data, tenant.name)
+        key = cached = None
+        view = self.prefix_view
+        if view is not None and not path.endswith(EMBEDDINGS_PATH):  # no KV prefix to share
+            key = view.key(data, "messages" in data, tokens, self._chars_per_token, engine_salt,
+                           headers.get("x-session-id"))
+            cached = view.cached_tokens(key)
         cost = RequestCost(  # one per request, positional in field order
             request_id or uuid.uuid4().hex,
             tenant.name,
@@ -214,10 +245,12 @@ class Pricer:
              else now_s + request_class.ttft_s),  # no deadline hint: the class's
             self._is_retry(headers, tenant.name, now_s),              # is_retry
             client_software(headers.get("user-agent")),               # client
+            cached,                                                   # cached_prefix_tokens
+            key,                                                      # prefix_key
         )
         raw = body if isinstance(body, bytes) else b""
         return PricedRequest(cost, data, bool(data.get("stream")), chars, overhead, exact, defaulted,
-                             raw)
+                             raw, added_salt)
 
     def _max_tokens(self, data: dict, num_prompt_tokens: int, exact: bool,
                     max_model_len: int | None) -> tuple[int, bool]:

@@ -94,3 +94,20 @@ def test_a_late_fault_keeps_its_full_length():
     events = asyncio.run(inject([Fault("redis_hang", 1.0, 2.0)], topo, 0.0,
                                 clock=lambda: now["t"], sleep=fake_sleep))
     assert [(e.action, e.t_s) for e in events] == [("stop", 10.0), ("cont", 12.0)]
+
+
+def test_kill_hot_strikes_the_replica_the_probe_names_when_it_strikes():
+    topo = FakeTopology(num_replicas=4)
+    asked = []
+
+    async def hottest():
+        asked.append(True)
+        return 2
+
+    events = asyncio.run(inject([Fault("replica_kill_hot", 1.0, 2.0)], topo, 0.0,
+                                lambda: 100.0, hot_replica=hottest))
+    assert asked == [True]
+    assert topo.log == [("replica-2", "kill"), ("replica-2", "restart")]
+    assert [(e.target, e.action) for e in events] == [("replica-2", "kill"),
+                                                      ("replica-2", "restart"),
+                                                      ("replica-2", "healthy")]

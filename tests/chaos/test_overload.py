@@ -135,6 +135,11 @@ def test_a_fleet_has_no_bare_row_its_reference_is_the_always_admit_proxy():
             plan_runs(scenario("--fleet", "4", *bad).args)
     with pytest.raises(ValueError, match="one replica only"):
         plan_sdk_runs(scenario("--fleet", "4", "--sdk-loads", "2").args)
+    envoy = scenario("--fleet", "2", "--loads", "2", "--reference-loads", "",
+                     "--policies", "envoy_adaptive_concurrency,envoy_epp_slo")
+    assert plan_runs(envoy.args) == [(2.0, "envoy_adaptive_concurrency"), (2.0, "envoy_epp_slo")]
+    with pytest.raises(ValueError, match="unknown"):  # Envoy rows need a fleet
+        plan_runs(scenario("--loads", "2", "--policies", "envoy_epp_slo").args)
     rows = [{"load": 2.0, "policy": "always_admit", "goodput_rps": 4.0},
             {"load": 2.0, "policy": "slo", "goodput_rps": 10.0}]
     add_bare_ratios(rows, "always_admit")

@@ -9,6 +9,7 @@ and turn a malformed or cut response into a record, never an exception."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -154,3 +155,39 @@ def test_a_malformed_or_cut_response_is_a_record_not_an_exception(answer, outcom
     server = Server([answer])  # then the server closes the connection
     (record,), _ = asyncio.run(_send_all(server, 1))
     assert record.outcome == outcome and record.error.startswith(error), record.error
+
+
+def test_a_conversation_turn_sends_its_session_header():
+    heads = []
+
+    async def handle(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                heads.append(head.decode("latin-1").lower())
+                length = int(heads[-1].split("content-length: ")[1].split("\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(_stream(2))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main():
+        listener = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        pool = RawConnectionPool("127.0.0.1", port, 4)
+        client = RawCompletionClient(pool, f"http://127.0.0.1:{port}", model=None, timeout_s=10.0)
+        turn = dataclasses.replace(_spec(), session_id="conversation-7")
+        try:
+            await client.send(turn, request_body(None, "[1, 2, 3]", 4), 0.0)
+            await client.send(_spec(1), request_body(None, "[1, 2, 3]", 4), 0.0)
+        finally:
+            pool.close()
+            listener.close()
+            await listener.wait_closed()
+
+    asyncio.run(main())
+    assert "x-session-id: conversation-7\r\n" in heads[0]
+    assert "x-session-id" not in heads[1]

@@ -10,7 +10,8 @@ from chaos.scenarios import ScenarioSpec, catalogue, missing_dependencies, quick
 from guard.cli import main as kvguard
 
 NAMES = ["burst", "retry-storm", "redis-kill", "redis-hang", "proxy-kill", "metastable",
-         "replica-kill", "seed", "recovery"]
+         "replica-kill", "seed", "recovery", "seed-envoy", "epp-kill", "cache-loss",
+         "warm-up"]
 
 
 def test_every_scenario_the_issue_names_is_there():
@@ -178,3 +179,24 @@ def test_every_scenario_fleet_runs_below_the_load_generator(name, tmp_path):
             return ["--model", "llama-7b", "--backend", "sim"]
 
     assert Fleet(Scenario(), 2).topology.spec.niceness == FLEET_NICENESS
+
+
+def test_the_cache_scenarios_run_a_shared_prefix_load_on_pools_holding_half_of_it():
+    from chaos.scenarios import settings_for
+
+    for name in ("cache-loss", "warm-up"):
+        spec = catalogue()[name]
+        settings = settings_for(spec, RunSettings())
+        assert (spec.replicas, settings.num_blocks, settings.prompt_tokens) == (4, 2000, "50:150")
+        # 32 prefixes of 2,000 tokens across 4 pools of 2,000 blocks of 16: half of them each
+        assert spec.workload.num_prefixes * spec.workload.prefix_tokens == 2 * 2000 * 16
+        sched = schedule_for(spec, settings, 10.0)
+        assert sched.workload == spec.workload
+        assert "--num-blocks" in settings.engine_args()
+        assert settings.overload_args(8.0).workload == "shared-prefix"
+    cache_loss = catalogue()["cache-loss"]
+    assert [f.kind for f in cache_loss.faults] == ["replica_kill_hot"]
+    assert cache_loss.num_surviving == 3
+    warm = catalogue()["warm-up"]
+    assert sorted(f.target for f in warm.faults) == [0, 1, 2, 3]  # the whole fleet, at once
+    assert len({f.at_s for f in warm.faults}) == 1

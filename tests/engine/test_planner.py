@@ -117,3 +117,17 @@ def test_batch_sizes():
     assert batch_sizes(6) == (1, 2, 4, 6)
     assert batch_sizes(8) == (1, 2, 4, 8)
     assert batch_sizes(0) == ()
+
+
+def test_an_expected_prefix_hit_shrinks_each_request_and_its_prefill():
+    cold = reference_plan()
+    warm = reference_plan(prefix_hit_ratio=0.9)
+    # 90 % of 2,048 = 1,843 tokens -> 1,840 in whole blocks (115): a request newly takes
+    # ceil((2,048 - 1,840 + 256) / 16) = 29 blocks, the prefix's 115 held once for all
+    assert (warm.memory.blocks_per_request, warm.memory.cached_prefix_blocks) == (29, 115)
+    assert warm.memory.max_concurrent_requests == (warm.memory.num_kv_blocks - 115) // 29
+    assert warm.memory.max_concurrent_requests > 4 * cold.memory.max_concurrent_requests
+    assert warm.prefill_s < 0.25 * cold.prefill_s
+    assert reference_plan(prefix_hit_ratio=0.0) == cold
+    with pytest.raises(ValueError, match="prefix_hit_ratio"):
+        reference_plan(prefix_hit_ratio=1.0)

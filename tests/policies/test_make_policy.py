@@ -37,7 +37,8 @@ def test_builds_each_policy_by_name_and_it_decides(name, cls):
 def test_default_first_and_every_name_builds():
     assert policy_names()[0] == "slo"
     assert sorted(policy_names()) == sorted(
-        ["slo", "always-admit", "concurrency-cap", "saturation", "gradient", "token-rate"]
+        ["slo", "always-admit", "concurrency-cap", "saturation", "gradient", "token-rate",
+         "round-robin", "prefix-affinity"]
     )
 
 

@@ -192,6 +192,80 @@ def test_unknown_capacity_replica_falls_under_the_stale_rule(inflight, now_s, ex
     assert decide(unknown, cost=cost, now_s=now_s) == expected
 
 
+@pytest.mark.parametrize(
+    ("inflight_a", "inflight_b", "expected"),
+    [
+        (0, 0, Admit("a")),  # both under their limits: the least loaded
+        (1, 0, Admit("b")),  # "a" at its learned 1: "b" (limit 3) takes it
+        (1, 2, Admit("b")),
+        (1, 3, Queue(5.5, "stale_state")),  # both at their learned limits
+    ],
+)
+def test_learned_limits_replace_the_fixed_cap_for_unknown_capacity(inflight_a, inflight_b,
+                                                                   expected):
+    def unknown(replica_id, inflight, limit):
+        r = make_replica(replica_id, free=1 << 30, total=1 << 30, inflight=inflight,
+                         observed_s=5.0)
+        return dataclasses.replace(r, capacity_known=False, concurrency_limit=limit)
+
+    cost = make_cost(arrival_s=4.9, deadline_s=6.0)
+    policy = SloPolicy(stale_max_inflight_per_replica=4, ttft_safety_ratio=1.0)
+    d = decide(unknown("a", inflight_a, 1), unknown("b", inflight_b, 3), cost=cost, now_s=5.0,
+               policy=policy)
+    assert d == expected
+
+
+@pytest.mark.parametrize(
+    ("now_s", "inflight", "expected"),
+    [
+        (5.0, 0, Admit("a")),  # 5.0 + 0.5 x 1.2 <= 6.0
+        (5.0, 2, Queue(5.4, "stale_state")),  # at its limit: no later than 6.0 - 0.6
+        (5.45, 0, Shed(503, "stale_state")),  # 5.45 + 0.6 > 6.0: it would miss anyway
+    ],
+)
+def test_learned_first_token_time_must_still_land_by_the_deadline(now_s, inflight, expected):
+    r = dataclasses.replace(
+        make_replica("a", free=1 << 30, total=1 << 30, inflight=inflight, observed_s=now_s),
+        capacity_known=False, concurrency_limit=2, first_token_s=0.5)
+    cost = make_cost(arrival_s=4.9, deadline_s=6.0)
+    d = decide(r, cost=cost, now_s=now_s, policy=SloPolicy(ttft_safety_ratio=1.2))
+    assert d == expected
+
+
+def test_a_learned_limit_never_exceeds_the_slots_the_replica_reports():
+    r = dataclasses.replace(
+        make_replica("a", free=1 << 30, total=1 << 30, inflight=2, observed_s=5.0),
+        capacity_known=False, concurrency_limit=6, max_num_seqs=2)
+    cost = make_cost(arrival_s=4.9, deadline_s=6.0)
+    assert decide(r, cost=cost, now_s=5.0) == Queue(5.5, "stale_state")
+
+
+def test_a_first_token_time_no_request_could_meet_does_not_block_the_replica():
+    r = dataclasses.replace(
+        make_replica("a", free=1 << 30, total=1 << 30, observed_s=5.0),
+        capacity_known=False, concurrency_limit=2, first_token_s=0.9)
+    cost = make_cost(arrival_s=4.9, deadline_s=5.9)  # 1 s budget < 0.9 x 1.2
+    assert decide(r, cost=cost, now_s=5.0, policy=SloPolicy(ttft_safety_ratio=1.2)) == Admit("a")
+
+
+def test_use_learned_limits_false_keeps_the_fixed_cap():
+    r = dataclasses.replace(
+        make_replica("a", free=1 << 30, total=1 << 30, inflight=1, observed_s=5.0),
+        capacity_known=False, concurrency_limit=1)
+    cost = make_cost(arrival_s=4.9, deadline_s=6.0)
+    assert decide(r, cost=cost, now_s=5.0) == Queue(5.5, "stale_state")
+    policy = SloPolicy(ttft_safety_ratio=1.0, use_learned_limits=False)
+    assert decide(r, cost=cost, now_s=5.0, policy=policy) == Admit("a")  # 1 < the fixed 4
+
+
+def test_a_learned_limit_does_not_bind_a_replica_of_known_capacity_gone_stale():
+    stale = dataclasses.replace(make_replica("a", inflight=3, observed_s=0.0),
+                                concurrency_limit=1)
+    cost = make_cost(arrival_s=4.9, deadline_s=6.0)
+    d = decide(stale, cost=cost, now_s=5.0, policy=SloPolicy(ttft_safety_ratio=1.0))
+    assert d == Admit("a")  # the fixed cap (4) holds for it
+
+
 def test_stale_state_without_queue_time_sheds():
     replica = make_replica("a", inflight=4, observed_s=0.0)
     cost = make_cost(arrival_s=4.9, deadline_s=10.0)
@@ -258,6 +332,7 @@ def test_shed_order_puts_retries_before_first_attempts_of_the_same_class():
     [
         {"stale_max_inflight_per_replica": -1},
         {"stale_max_inflight_per_replica": 1.5},
+        {"use_learned_limits": "yes"},
         {"stale_queue_s": -1.0},
         {"pressure_hold_s": -1.0},
     ],

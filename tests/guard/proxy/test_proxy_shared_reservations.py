@@ -22,8 +22,11 @@ pytestmark = pytest.mark.slow
 NUM_BLOCKS, BLOCK_SIZE = 100, 16
 REPLICA_ARGS = (*SIM_REPLICA_ARGS, "--num-blocks", str(NUM_BLOCKS), "--block-size",
                 str(BLOCK_SIZE), "--max-model-len", "1024", "--time-scale", "3")
+# Every request sends the same prompt: the guard's prefix-cache view (and the engines' cache)
+# would price the repeats at their few new blocks; this test counts whole requests' KV.
 CONFIG = """
 policy = "slo"
+prefix_cache = "off"
 refresh_interval_s = 0.1
 max_queue_wait_s = 0.3
 [budget]

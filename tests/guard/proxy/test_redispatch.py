@@ -49,3 +49,25 @@ def test_redispatch_moves_the_reservation_to_the_policys_choice():
         assert not admission.finish()  # released exactly once
         await controller.aclose()
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_redispatch_on_a_ranked_fleet_stays_among_the_replicas_offered():
+    # 40 replicas: the snapshot carries the ranked fleet, which names replicas outside the
+    # ones a failed request may move to
+    async def main():
+        for policy in ("always_admit", "slo"):
+            clock = FakeClock(1.0)
+            load_state = LoadState()
+            for k in range(40):
+                load_state.update_from_kvguard_state(f"r{k}", state_doc(), clock())
+            assert load_state.snapshot(clock()).fleet is not None
+            controller = AdmissionController(
+                GuardConfig.from_dict({"policy": policy}), registry=CollectorRegistry(),
+                clock=clock, load_state=load_state)
+            admission = await admit(controller, "/v1/completions", {}, BODY)
+            assert admission.replica_id is not None
+            assert controller.redispatch(admission, ["r37"]) == "r37"
+            assert load_state.num_inflight("r37") == 1
+            admission.finish()
+            await controller.aclose()
+    asyncio.run(asyncio.wait_for(main(), 10))

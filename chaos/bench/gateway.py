@@ -1,0 +1,184 @@
+"""``kvguard bench gateway``: what ``kvguard epp`` adds behind Envoy, beside the alternatives.
+
+**Added latency.** One sim replica, reached directly and through each target, one streamed
+completion of ``--max-tokens`` tokens at a time, the targets interleaved request by request in
+a seeded shuffled order with a ``--gap-ms`` pause before each (as ``kvguard bench proxy``
+measures, with its code): TTFT (first content token at the client) and end-to-end, median and
+p99, and each minus the direct figure; CPU per request is net of each process's idle CPU, and
+for Envoy + EPP it is the EPP's (Envoy's own is about Envoy alone's). Targets: Envoy alone (the same Envoy config without the
+ext_proc filter, a static cluster to the replica), Envoy + ``kvguard epp`` (``slo``), ``kvguard
+proxy`` (``slo``, its defaults), and LiteLLM proxy with ``--litellm`` (its own virtualenv, as
+in ``kvguard bench proxy``). The EPP's cost is its row minus Envoy alone's.
+
+**Decisions per second.** ``--rate-s`` seconds of ``--concurrency`` closed-loop clients sending
+non-streamed 1-token completions through Envoy + one EPP to an instant sim replica (time scale
+0): the requests per second that came back 200 (every one decided by the EPP), and the EPP's
+CPU per decision.
+
+    kvguard bench gateway --requests 300 --rate-s 10 --out gateway.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from chaos.bench.litellm_proxy import ensure_venv, litellm_child
+from chaos.bench.proxy import _KEY, _cpu_s, _measure_all, _print_latency
+from chaos.child import ChildProcess
+from chaos.envoy_front import envoy_child, epp_child
+from chaos.replica import exit_on_sigterm
+from chaos.topology import Topology, TopologySpec, free_port, http_health
+
+__all__ = ["configure", "run"]
+
+MODEL = "llama-7b"
+_CONFIG = 'policy = "slo"\n'
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=300,
+                        help="latency requests per target (0: skip the latency part)")
+    parser.add_argument("--warmup", type=int, default=20, help="unmeasured requests per target")
+    parser.add_argument("--max-tokens", type=int, default=8,
+                        help="tokens per streamed completion")
+    parser.add_argument("--gap-ms", type=float, default=3.0,
+                        help="pause before each latency request")
+    parser.add_argument("--idle-s", type=float, default=2.0,
+                        help="idle window that measures each process's background CPU")
+    parser.add_argument("--litellm", action="store_true",
+                        help="also measure LiteLLM proxy (installed into --litellm-venv)")
+    parser.add_argument("--litellm-venv", default=".venv-litellm", type=Path,
+                        help="the virtual environment LiteLLM is installed into")
+    parser.add_argument("--rate-s", type=float, default=10.0,
+                        help="seconds of the decisions-per-second run (0: skip it)")
+    parser.add_argument("--concurrency", type=int, default=16,
+                        help="closed-loop clients in the decisions-per-second run")
+    parser.add_argument("--out", default=None, help="also write the results as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.requests < 0 or args.warmup < 0 or args.max_tokens < 1 or not args.gap_ms >= 0:
+        raise ValueError("--max-tokens must be >= 1, --requests/--warmup/--gap-ms >= 0")
+    if args.rate_s < 0 or args.concurrency < 1:
+        raise ValueError("--rate-s must be >= 0 and --concurrency >= 1")
+    if args.requests == 0 and args.rate_s == 0:
+        raise ValueError("--requests 0 and --rate-s 0 leave nothing to measure")
+    out = Path(args.out) if args.out else None
+    if out is not None and out.is_dir():
+        raise ValueError(f"--out {out} is a folder: name the JSON file to write")
+    exit_on_sigterm()
+    results: dict = {"machine": os.uname().nodename, "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="kvguard-bench-gateway-") as work:
+        config = Path(work) / "guard.toml"
+        config.write_text(_CONFIG)
+        if args.requests > 0:
+            results["latency"] = _latency(args, Path(work), str(config))
+            _print_latency(results["latency"])
+        if args.rate_s > 0:
+            results["decisions"] = _decisions(args, Path(work), str(config))
+            print(json.dumps({"decisions": results["decisions"]}, indent=2), flush=True)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _proxy(upstream: str, config: str) -> ChildProcess:
+    import sys
+
+    def argv(port: int) -> list[str]:
+        return [sys.executable, "-m", "guard.cli", "proxy", "--upstream", upstream,
+                "--config", config, "--host", "127.0.0.1", "--port", str(port)]
+    return ChildProcess("proxy", argv, http_health,
+                        ready_pattern=r"kvguard proxy listening on (\S+)")
+
+
+def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
+    spec = TopologySpec(num_replicas=1, replica_args=("--model", MODEL, "--backend", "sim"))
+    children: list[ChildProcess] = []
+    try:
+        with Topology(spec) as fleet:
+            upstream = fleet.replica_urls[0]
+            endpoint = upstream.removeprefix("http://")
+            urls, pids = {"direct": upstream}, {"direct": fleet.replicas[0].pid}
+            alone = envoy_child([], work, alone_upstreams=[endpoint])
+            children.append(alone.start())
+            urls["envoy alone"], pids["envoy alone"] = alone.url, alone.pid
+            epp = epp_child([upstream], config=config)
+            children.append(epp.start())
+            envoy = envoy_child([epp.port], work)
+            children.append(envoy.start())
+            urls["envoy + kvguard epp"] = envoy.url
+            # its CPU column is the EPP's (Envoy's own is about Envoy alone's)
+            pids["envoy + kvguard epp"] = epp.pid
+            proxy = _proxy(upstream, config)
+            children.append(proxy.start())
+            urls["kvguard proxy slo"], pids["kvguard proxy slo"] = proxy.url, proxy.pid
+            if args.litellm:
+                exe = ensure_venv(args.litellm_venv.resolve())
+                child = litellm_child(exe, upstream, MODEL, free_port(), work, _KEY)
+                children.append(child.start(timeout_s=180))
+                urls["litellm"], pids["litellm"] = child.url, child.pid
+            rows = _measure_all(urls, pids, args)
+            alone_row = rows["envoy alone"]
+            for row in rows.values():
+                row["over_envoy_alone_ttft_p50_ms"] = row["ttft_p50_ms"] - alone_row["ttft_p50_ms"]
+                row["over_envoy_alone_e2e_p50_ms"] = row["e2e_p50_ms"] - alone_row["e2e_p50_ms"]
+            gap = rows["envoy + kvguard epp"]
+            ttft_ms = gap["over_envoy_alone_ttft_p50_ms"]
+            e2e_ms = gap["over_envoy_alone_e2e_p50_ms"]
+            per_gap_ms = (e2e_ms - ttft_ms) / max(1, args.max_tokens - 1)
+            gap["over_envoy_alone_per_token_gap_ms"] = per_gap_ms
+            print(f"Envoy + kvguard epp over Envoy alone: TTFT p50 {ttft_ms:+.2f} ms, "
+                  f"end-to-end p50 {e2e_ms:+.2f} ms ({per_gap_ms:+.3f} ms per token gap)",
+                  flush=True)
+            return rows
+    finally:
+        for child in reversed(children):
+            child.terminate()
+
+
+def _decisions(args: argparse.Namespace, work: Path, config: str) -> dict:
+    spec = TopologySpec(num_replicas=1, replica_args=("--model", MODEL, "--backend", "sim",
+                                                      "--time-scale", "0"))
+    with Topology(spec) as fleet:
+        epp = epp_child(fleet.replica_urls, config=config).start()
+        try:
+            envoy = envoy_child([epp.port], work).start()
+            try:
+                before_s = _cpu_s(epp.pid)
+                statuses = asyncio.run(_closed_loop(envoy.url, args.concurrency, args.rate_s))
+                cpu_s = _cpu_s(epp.pid) - before_s
+            finally:
+                envoy.terminate()
+        finally:
+            epp.terminate()
+    num_ok = statuses.get(200, 0)
+    return {"concurrency": args.concurrency, "duration_s": args.rate_s,
+            "statuses": {str(k): v for k, v in sorted(statuses.items())},
+            "decisions_per_s": num_ok / args.rate_s,
+            "epp_cpu_ms_per_decision": 1000 * cpu_s / max(1, sum(statuses.values()))}
+
+
+async def _closed_loop(url: str, concurrency: int, duration_s: float) -> dict[int, int]:
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    statuses: dict[int, int] = {}
+    deadline_s = time.monotonic() + duration_s
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=30.0, trust_env=False,
+                                 limits=limits) as client:
+        async def worker() -> None:
+            while time.monotonic() < deadline_s:
+                response = await client.post("/v1/completions", content=body,
+                                             headers={"content-type": "application/json"})
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return statuses

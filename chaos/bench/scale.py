@@ -1,0 +1,232 @@
+"""``kvguard bench scale``: what one decider costs as the fleet grows, in-process.
+
+For every replica count in ``--replicas`` and running-sequence count in ``--running`` it builds
+a :class:`guard.replicas.load_state.LoadState` from synthetic ``/kvguard/state`` documents (one
+per replica, ``running`` sequences each, loads varied across the fleet so replicas differ) and
+measures:
+
+* ``ingest_us``: one replica's document parsed from JSON bytes and applied
+  (``json.loads`` + ``LoadState.update_from_kvguard_state``), median over the fleet;
+  ``state_cpu_share`` = ``ingest_us`` × replicas × ``--refresh-hz`` ÷ 10⁶: the cores a decider
+  spends keeping every replica's full document fresh (the HTTP round trip not counted);
+  ``compact_*`` the same for the compact document the guard's poller asks for
+  (``?compact=1&since_batch=N``: sequences as columns, no iteration sample seen before);
+* per policy, ``decide_p50_us`` / ``decide_p99_us``: ``policy.decide`` on the guard's own
+  snapshot, the guard's path per request — every decision is followed by a reservation on the
+  chosen replica and the release of the reservation made 8 decisions earlier, so each snapshot
+  carries freshly changed reservations; ``snapshot_p50_us`` is ``LoadState.snapshot()`` itself
+  (it re-ranks the replicas whose reservations changed), ``path_p50_us`` the two together.
+  The garbage collector is off while a policy is timed (its pauses belong to the process).
+
+``--gap-decisions N`` also decides N requests on each fleet with ``slo``'s bounded candidate
+set and with its full scan side by side (:mod:`chaos.bench.candidate_gap`): how much worse the
+bounded choice is.
+
+``--json`` prints one JSON object with ``decide_p50_us`` (per policy) and ``state_cpu_share``
+(the compact document's, what the poller reads; ``full_state_cpu_share`` the full one's) keyed
+by replica count (the largest ``--running`` for the per-replica-count keys) and every row.
+Results and their commands go to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+from chaos.bench.candidate_gap import candidate_gap
+from engine.compact_state import compact_state
+from guard.replicas.load_state import LoadState
+from policies import make_policy
+from policies.cost import RequestClass, RequestCost
+from policies.decision import Admit
+
+__all__ = ["configure", "fleet_document", "run", "measure"]
+
+POLICIES = ("slo", "always-admit", "concurrency-cap", "saturation", "gradient", "token-rate")
+_CLASS = RequestClass("interactive", ttft_s=1.0, itl_s=0.08)
+_NUM_IN_FLIGHT = 8  # reservations kept in flight while deciding
+
+
+def fleet_document(index: int, num_running: int) -> dict:
+    """Replica ``index``'s ``/kvguard/state``: ``num_running`` running sequences (their count
+    and lengths varied by ``index`` so the fleet is not uniform), two waiting prompts."""
+    num_seqs = max(0, num_running - index % 5)
+    running = [
+        {"request_id": f"r{index}-{i}", "num_prompt_tokens": 200, "num_output_tokens": i % 50,
+         "max_tokens": 256, "num_context_tokens": 200 + 7 * i + index % 13,
+         "num_prefill_tokens_remaining": 0, "num_blocks": 14 + i % 8, "num_cached_tokens": 0,
+         "priority": 0}
+        for i in range(num_seqs)
+    ]
+    waiting = [
+        {"request_id": f"w{index}-{i}", "num_prompt_tokens": 300 + 50 * i + 10 * (index % 7),
+         "num_output_tokens": 0, "max_tokens": 128, "num_context_tokens": 0,
+         "num_prefill_tokens_remaining": 300 + 50 * i + 10 * (index % 7), "num_blocks": 0,
+         "num_cached_tokens": 0, "priority": 0}
+        for i in range(index % 3)
+    ]
+    return {
+        "model": "sim", "backend": "sim", "max_model_len": 4096, "block_size": 16,
+        "num_total_blocks": 8000, "num_free_blocks": 6000 - 37 * (index % 29),
+        "max_num_seqs": 512, "max_num_batched_tokens": 2048, "num_preemptions": 0,
+        "step_count": 10, "now_s": 0.0, "running": running, "waiting": waiting,
+        "iterations": [{"batch_id": b, "num_prefill_tokens": 0, "num_decode_seqs": num_seqs,
+                        "num_context_tokens": 200 * num_seqs, "duration_s": 0.02 + 1e-6 * b,
+                        "end_s": 0.0} for b in range(4)],
+        "timing_model": None, "time_scale": 1.0,
+    }
+
+
+def _cost(i: int, now_s: float) -> RequestCost:
+    return RequestCost(f"q{i}", "acme", _CLASS, 512, 128, 64, 40, arrival_s=now_s,
+                       deadline_s=now_s + 1.0)
+
+
+def _quantile_us(times_ns: list[int], q: float) -> float:
+    ordered = sorted(times_ns)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000.0
+
+
+def _fleet(num_replicas: int, num_running: int) -> tuple[LoadState, list[bytes], list[int]]:
+    """A LoadState fed one document per replica, the documents, and each ingestion's ns."""
+    load_state = LoadState(max_staleness_s=2.0)
+    documents = [json.dumps(fleet_document(k, num_running)).encode()
+                 for k in range(num_replicas)]
+    times_ns = []
+    for k, raw in enumerate(documents):
+        start = time.perf_counter_ns()
+        load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
+        times_ns.append(time.perf_counter_ns() - start)
+    return load_state, documents, times_ns
+
+
+def _decide_times(policy_name: str, load_state: LoadState, num_calls: int,
+                  ) -> tuple[list[int], list[int]]:
+    policy = make_policy(
+        policy_name, **({"tokens_per_minute": 10**12} if policy_name == "token-rate" else {}))
+    decide_ns, snapshot_ns = [], []
+    now_s = 0.5
+    for i in range(num_calls):
+        cost = _cost(i, now_s)
+        start = time.perf_counter_ns()
+        snapshot = load_state.snapshot(now_s)
+        mid = time.perf_counter_ns()
+        decision = policy.decide(cost, snapshot)
+        decide_ns.append(time.perf_counter_ns() - mid)
+        snapshot_ns.append(mid - start)
+        replica_id = decision.replica_id if isinstance(decision, Admit) else "r0"
+        load_state.reserve(replica_id, cost.request_id, cost, now_s)
+        if i >= _NUM_IN_FLIGHT:
+            load_state.release(f"q{i - _NUM_IN_FLIGHT}")
+    for i in range(max(0, num_calls - _NUM_IN_FLIGHT), num_calls):
+        load_state.release(f"q{i}")
+    return decide_ns, snapshot_ns
+
+
+def measure(num_replicas: int, num_running: int, num_calls: int, refresh_hz: float,
+            policies: tuple[str, ...] = POLICIES, num_gap_decisions: int = 0) -> dict:
+    """One row: ingestion and per-policy decision times for this fleet shape."""
+    load_state, documents, _ = _fleet(num_replicas, num_running)
+    # ingestion again, warm (the first pass also registered each replica)
+    ingest_ns = []
+    for k, raw in enumerate(documents):
+        start = time.perf_counter_ns()
+        load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
+        ingest_ns.append(time.perf_counter_ns() - start)
+    ingest_us = _quantile_us(ingest_ns, 0.5)
+    compacts = [json.dumps(compact_state(json.loads(raw), since_batch=3)).encode()
+                for raw in documents]
+    compact_ns = []
+    for k, raw in enumerate(compacts):
+        start = time.perf_counter_ns()
+        load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
+        compact_ns.append(time.perf_counter_ns() - start)
+    compact_us = _quantile_us(compact_ns, 0.5)
+    row = {
+        "replicas": num_replicas, "running": num_running,
+        "document_bytes": len(documents[0]), "ingest_us": round(ingest_us, 1),
+        "state_cpu_share": round(ingest_us * num_replicas * refresh_hz / 1e6, 4),
+        "compact_bytes": len(compacts[0]), "compact_ingest_us": round(compact_us, 1),
+        "compact_state_cpu_share": round(compact_us * num_replicas * refresh_hz / 1e6, 4),
+        "policies": {},
+    }
+    for name in policies:
+        gc.collect()
+        gc.disable()  # a collection pause is the process's, not the decision's
+        try:
+            decide_ns, snapshot_ns = _decide_times(name, load_state, num_calls)
+        finally:
+            gc.enable()
+        row["policies"][name] = {
+            "decide_p50_us": round(_quantile_us(decide_ns, 0.5), 1),
+            "decide_p99_us": round(_quantile_us(decide_ns, 0.99), 1),
+            "snapshot_p50_us": round(_quantile_us(snapshot_ns, 0.5), 1),
+            "path_p50_us": round(_quantile_us(
+                [a + b for a, b in zip(decide_ns, snapshot_ns, strict=True)], 0.5), 1),
+        }
+    if num_gap_decisions:
+        row["candidate_gap"] = candidate_gap(load_state, num_gap_decisions)
+    return row
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", default="4,16,64,256",
+                        help="comma-separated replica counts (default 4,16,64,256)")
+    parser.add_argument("--running", default="64,256",
+                        help="comma-separated running sequences per replica (default 64,256)")
+    parser.add_argument("--calls", type=int, default=400, help="decisions per policy and shape")
+    parser.add_argument("--refresh-hz", type=float, default=10.0,
+                        help="state refreshes per replica per second, for state_cpu_share")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="policies to run (comma-separated)")
+    parser.add_argument("--gap-decisions", type=int, default=0,
+                        help="also compare slo's candidate set with its full scan on N requests")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _int_list(text: str, key: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--{key}: comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"--{key}: at least one integer >= 1, got {text!r}")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    replica_counts = _int_list(args.replicas, "replicas")
+    running_counts = _int_list(args.running, "running")
+    if args.calls < 1 or not args.refresh_hz > 0 or args.gap_decisions < 0:
+        raise ValueError("--calls must be >= 1, --refresh-hz > 0, --gap-decisions >= 0")
+    policies = tuple(p for p in args.policies.split(",") if p)
+    rows = [measure(n, r, args.calls, args.refresh_hz, policies, args.gap_decisions)
+            for r in running_counts for n in replica_counts]
+    if args.json:
+        top = max(running_counts)
+        by_count = {row["replicas"]: row for row in rows if row["running"] == top}
+        print(json.dumps({
+            "running": top,
+            "decide_p50_us": {n: {p: v["decide_p50_us"] for p, v in row["policies"].items()}
+                              for n, row in by_count.items()},
+            # the compact document is what the guard's poller asks a kvguard replica for
+            "state_cpu_share": {n: row["compact_state_cpu_share"] for n, row in by_count.items()},
+            "full_state_cpu_share": {n: row["state_cpu_share"] for n, row in by_count.items()},
+            "rows": rows,
+        }, indent=1))
+        return 0
+    print(f"{'replicas':>8} {'running':>7} {'doc_B':>7} {'ingest_us':>9} {'state_cpu':>9} "
+          f"{'cdoc_B':>7} {'c_ingest':>8} {'c_cpu':>7}  "
+          f"{'policy':<16} {'p50_us':>8} {'p99_us':>8} {'snap_us':>8} {'path_us':>8}")
+    for row in rows:
+        for name, v in row["policies"].items():
+            print(f"{row['replicas']:>8} {row['running']:>7} {row['document_bytes']:>7} "
+                  f"{row['ingest_us']:>9} {row['state_cpu_share']:>9} {row['compact_bytes']:>7} "
+                  f"{row['compact_ingest_us']:>8} {row['compact_state_cpu_share']:>7}  {name:<16} "
+                  f"{v['decide_p50_us']:>8} {v['decide_p99_us']:>8} {v['snapshot_p50_us']:>8} "
+                  f"{v['path_p50_us']:>8}")
+        if "candidate_gap" in row:
+            print(f"{row['replicas']:>8} {row['running']:>7}  candidate gap: {row['candidate_gap']}")
+    return 0

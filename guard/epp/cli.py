@@ -1,0 +1,86 @@
+"""``kvguard epp``: the endpoint picker of Envoy (ext_proc) in front of one or more replicas.
+
+    kvguard epp --upstream http://10.0.0.5:8000 --upstream http://10.0.0.6:8000 --port 9002
+    kvguard epp --config guard.toml --redis redis://10.0.0.9:6379/0 --port 9002
+
+Envoy's ``ext_proc`` filter streams each request to it (``FULL_DUPLEX_STREAMED``); it answers
+with the replica to use as ``x-gateway-destination-endpoint: ip:port`` (Envoy's
+``ORIGINAL_DST`` cluster connects there), or with the 429/503 the guard decided. The replica
+URLs must name IP addresses. ``--upstream``, ``--state-source``, ``--config`` and ``--redis``
+mean what they mean for ``kvguard proxy``; with ``--redis`` several EPPs share budgets and KV
+reservations (active-active). Prints ``kvguard epp listening on grpc://HOST:PORT`` once it
+serves. ``--metrics-port`` serves its Prometheus series over HTTP. SIGTERM/SIGINT drains (503 ``shutting_down``, admitted requests run on up to
+``proxy.drain_timeout_s``), then exits 0; a second signal exits at once.
+
+Needs the ``gateway`` extra (grpcio, grpcio-health-checking, protobuf, xds-protos).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+
+from guard.config import GuardConfig, ReplicaConfig, load_config
+
+__all__ = ["config_from_args", "configure", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--upstream", action="append", default=[], metavar="URL",
+                        help="a replica's base URL, http://IP:PORT (repeatable); replaces "
+                             "[[replicas]]")
+    parser.add_argument("--state-source", choices=("kvguard", "vllm", "none"), default="kvguard",
+                        help="how --upstream replicas publish load (default: kvguard)")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="guard TOML (default: $KVGUARD_CONFIG, else built-in defaults)")
+    parser.add_argument("--redis", default=None, metavar="URL",
+                        help="Redis shared with every other EPP and proxy (budgets, KV "
+                             "reservations); replaces redis_url")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on")
+    parser.add_argument("--port", type=int, default=9002, help="gRPC port; 0 picks a free one")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve GET /metrics (Prometheus) over HTTP on this port of --host "
+                             "(0 picks a free one; default: no metrics endpoint)")
+    parser.add_argument("--log-level", default="warning",
+                        help="debug, info, warning or error")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    return asyncio.run(_serve(args))
+
+
+def config_from_args(args: argparse.Namespace) -> GuardConfig:
+    """The config file with ``--upstream`` (ids ``r0``, ``r1``, …) and ``--redis`` over it."""
+    config = load_config(args.config)
+    if args.upstream:
+        replicas = tuple(ReplicaConfig(f"r{i}", url, args.state_source)
+                         for i, url in enumerate(args.upstream))
+        config = dataclasses.replace(config, replicas=replicas)
+    if args.redis is not None:
+        config = dataclasses.replace(config, redis_url=args.redis)
+    if not config.replicas:
+        raise ValueError("no replicas: give --upstream URL or [[replicas]] in the config")
+    return config
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from guard.epp.server import EppServer
+
+    server = EppServer(config_from_args(args))
+    port = await server.start(args.host, args.port)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, server.drain)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    line = f"kvguard epp listening on grpc://{host}:{port}"
+    if args.metrics_port is not None:
+        metrics_port = await server.serve_metrics(args.host, args.metrics_port)
+        line += f" (metrics http://{host}:{metrics_port}/metrics)"
+    print(line, flush=True)
+    await server.wait_stopped()
+    return 0

@@ -1,0 +1,159 @@
+"""``EppServer``: ``kvguard epp``'s gRPC server: the ext_proc service, gRPC health, drain.
+
+It serves, on one port:
+
+* ``envoy.service.ext_proc.v3.ExternalProcessor`` (:class:`~guard.epp.processor.ExternalProcessor`
+  over an :class:`~guard.epp.picker.EndpointPicker` over an
+  :class:`~guard.controller.AdmissionController` for the configured replicas, polled for load
+  as ``kvguard proxy`` polls them);
+* replica health as the proxy keeps it (:class:`~guard.proxy.health.ReplicaHealth`): state
+  polls, and passive ejection after ``proxy.eject_after_failures`` requests Envoy could not
+  get answered by the replica (its own 5xx), probed back every ``proxy.probe_interval_s``;
+* ``grpc.health.v1.Health`` for the services ``""``, ``liveness``, ``readiness`` and the
+  ext_proc service name: all SERVING once the first state poll is done; on drain everything
+  but ``liveness`` turns NOT_SERVING.
+
+With a ``redis_url`` the controller shares tenant budgets (the config's budget store) and
+pending KV reservations with every other EPP or proxy on that Redis, so several EPPs behind
+one Envoy run active-active.
+
+Drain (:meth:`EppServer.drain`, SIGTERM in :mod:`guard.epp.cli`): new decisions are 503
+``shutting_down`` with retry advice, admitted requests run on (their streams are still
+served) until they end or ``proxy.drain_timeout_s`` passes; then the server stops.
+
+Its Prometheus series (the proxy's ``kvguard_*``) are served over HTTP when asked
+(:meth:`EppServer.serve_metrics`, ``--metrics-port``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import grpc
+import httpx
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from guard.config import GuardConfig
+from guard.controller import AdmissionController
+from guard.epp.metrics_http import MetricsEndpoint
+from guard.epp.picker import EndpointPicker, endpoint_of_url
+from guard.epp.processor import ExternalProcessor
+from guard.proxy.health import ReplicaHealth
+from guard.replicas.poller import state_sources
+from guard.replicas.shared_reservations import SharedReservations
+
+__all__ = ["EXT_PROC_SERVICE", "EppServer"]
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+SHARED_LEASE_MIN_S = 2.0  # a published reservation outlives its EPP this long at least,
+SHARED_LEASE_REFRESHES = 10  # and this many state refreshes (as the proxy's)
+
+
+class EppServer:
+    """One ``kvguard epp``: build it, ``await start(host, port)`` (returns the port), then
+    ``await wait_stopped()``; :meth:`drain` from a signal handler."""
+
+    def __init__(self, config: GuardConfig, *, clock: Callable[[], float] | None = None) -> None:
+        if not config.replicas or any(r.url is None for r in config.replicas):
+            raise ValueError("replicas: the endpoint picker needs at least one replica with a "
+                             "url (--upstream URL or [[replicas]])")
+        endpoints = {r.replica_id: endpoint_of_url(r.url) for r in config.replicas}
+        self.config = config
+        self.urls = {r.replica_id: r.url for r in config.replicas}
+        clock = clock or time.monotonic
+        self._client = httpx.AsyncClient(trust_env=False)  # state polls and health probes
+        # passive ejection as in the proxy: Envoy's own 5xx for a replica (it could not reach
+        # it) count as its failures; an ejected replica is probed back
+        proxy = config.proxy
+        self.health = ReplicaHealth(self.urls, proxy.eject_after_failures,
+                                    proxy.probe_interval_s, self._mark_unhealthy, self._probe,
+                                    clock)
+        sources = state_sources(config.replicas, self._client, timeout_s=config.state_timeout_s)
+        gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
+        shared = None
+        if config.redis_url is not None:
+            shared = SharedReservations(
+                config.redis_url, self.urls,
+                timeout_s=config.budget.redis_timeout_s,
+                lease_s=max(SHARED_LEASE_MIN_S, SHARED_LEASE_REFRESHES * config.refresh_interval_s),
+                sync_interval_s=config.refresh_interval_s)
+        self.controller = AdmissionController(config, gated, clock=clock,
+                                              shared_reservations=shared)
+        self.picker = EndpointPicker(self.controller, endpoints, self.health)
+        self.processor = ExternalProcessor(self.picker)
+        self.grpc_health = health_aio.HealthServicer()
+        self.metrics_endpoint = MetricsEndpoint(self.controller.metrics)
+        self._server: grpc.aio.Server | None = None
+        self._stopped = asyncio.Event()
+        self._draining: asyncio.Task | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Bind, poll the replicas once, serve; the bound port (``port`` 0: the OS's pick).
+        :meth:`serve_metrics` adds the Prometheus endpoint."""
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(self.processor, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.grpc_health, server)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        bound = server.add_insecure_port(address)
+        if bound == 0:
+            raise ValueError(f"cannot bind {address}")
+        self._server = server
+        await self.controller.start()
+        self.health.start()
+        await server.start()
+        for service in _SERVICES:
+            await self.grpc_health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return bound
+
+    def _mark_unhealthy(self, replica_id: str) -> None:
+        self.controller.load_state.mark_unhealthy(replica_id, self.controller.clock())
+
+    async def _probe(self, replica_id: str) -> bool:
+        try:
+            response = await self._client.get(self.urls[replica_id] + "/health",
+                                               timeout=self.config.state_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return 200 <= response.status_code < 300
+
+    async def serve_metrics(self, host: str, port: int) -> int:
+        """``GET /metrics`` over HTTP on ``port`` (0: the OS's pick); the bound port."""
+        return await self.metrics_endpoint.start(host, port)
+
+    def drain(self) -> None:
+        """Stop deciding (SIGTERM): 503 ``shutting_down`` from now on; the server stops once
+        the admitted requests ended or the drain timeout passed. A second call stops it now."""
+        if self._draining is not None:
+            self._stopped.set()
+            return
+        self.controller.begin_drain()
+        self._draining = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        for service in _SERVICES:
+            if service != "liveness":
+                await self.grpc_health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline_s = time.monotonic() + self.config.proxy.drain_timeout_s
+        while self.controller.tickets.num_held and time.monotonic() < deadline_s:
+            await asyncio.sleep(0.05)
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        """Serve until :meth:`drain` finished (or was called twice), then stop and close."""
+        await self._stopped.wait()
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+            self._server = None
+        await self.metrics_endpoint.aclose()
+        await self.health.stop()
+        await self.controller.aclose()
+        self.controller.close()
+        await self._client.aclose()

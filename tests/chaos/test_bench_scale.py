@@ -1,0 +1,41 @@
+"""``kvguard bench scale``: its JSON carries decision µs and state CPU per replica count, and
+the candidate-gap comparison finds no difference where the fleet is scanned."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from chaos.bench import scale
+from chaos.bench.candidate_gap import candidate_gap
+
+
+def test_scale_json_keys_by_replica_count(capsys):
+    parser = argparse.ArgumentParser()
+    scale.configure(parser)
+    assert scale.run(parser.parse_args(["--replicas", "2,33", "--running", "4", "--calls", "5",
+                                        "--policies", "slo,always-admit", "--json"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["decide_p50_us"]) == {"2", "33"}
+    assert set(out["decide_p50_us"]["33"]) == {"slo", "always-admit"}
+    assert set(out["state_cpu_share"]) == {"2", "33"}
+    rows = {row["replicas"]: row for row in out["rows"]}
+    assert rows[33]["compact_bytes"] < rows[33]["document_bytes"]
+
+
+def test_bad_replica_counts_are_refused_by_flag():
+    parser = argparse.ArgumentParser()
+    scale.configure(parser)
+    for flags, key in ((["--replicas", "0"], "--replicas"), (["--running", "x"], "--running")):
+        try:
+            scale.run(parser.parse_args(flags))
+        except ValueError as exc:
+            assert key in str(exc)
+        else:
+            raise AssertionError(f"{flags} accepted")
+
+
+def test_a_scanned_fleet_has_no_candidate_gap():
+    load_state, _, _ = scale._fleet(8, 16)  # under 32 replicas: no ranking, both scan
+    gap = candidate_gap(load_state, 200)
+    assert gap["other_kind_share"] == 0 and gap["ttft_gap_max_ms"] == 0
