@@ -287,10 +287,14 @@ async def _drain(tasks: list[asyncio.Task], specs: list[RequestSpec], deadline_s
 async def run_load(specs: list[RequestSpec], cfg: LoadConfig,
                    on_tick: Callable[[LiveCounts, float], None] | None = None,
                    tick_s: float = 0.5, clock: Callable[[], float] = time.monotonic,
-                   ) -> LoadResult:
-    """Run the schedule against ``cfg.url``; ``on_tick(counts, elapsed_s)`` reports progress."""
+                   bodies: Sequence[bytes] | None = None) -> LoadResult:
+    """Run the schedule against ``cfg.url``; ``on_tick(counts, elapsed_s)`` reports progress.
+    ``bodies``: one request body per spec (default: seeded random prompts of each spec's size)."""
     _raise_fd_limit(cfg.max_connections + 256)
-    bodies = _bodies(specs, cfg)
+    if bodies is None:
+        bodies = _bodies(specs, cfg)
+    elif len(bodies) != len(specs):
+        raise ValueError(f"bodies: {len(bodies)} bodies for {len(specs)} requests")
     counts = LiveCounts(len(specs))
     proc = psutil.Process()
     with few_collections() as gc_pauses:

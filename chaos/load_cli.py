@@ -74,6 +74,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-key", default=os.environ.get("KVGUARD_ADMIN_API_KEY"),
                    help="bearer key for a guard's protected metrics pages (default "
                         "$KVGUARD_ADMIN_API_KEY)")
+    p.add_argument("--step-trace", action="append", default=[], metavar="FILE",
+                   help="a replica's step trace (kvguard engine --step-trace; one per replica): "
+                        "adds the cost of the goodput window to the report")
+    p.add_argument("--cost-config", default=None, metavar="TOML",
+                   help="guard TOML whose [cost] table prices the run (default: built-in prices)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="replicas provisioned for the cost (default: one per --step-trace)")
+    p.add_argument("--engine-model", default="llama-7b",
+                   help="model preset whose roofline weighs each step's work for the cost")
     p.add_argument("--out", default=None, help="output folder (default runs/load-<time>)")
     p.add_argument("--sweep", default=None, help="START:STOP:STEP multiples of --base-rate")
     p.add_argument("--base-rate", type=float, default=None, help="base rate for --sweep")
@@ -189,14 +198,40 @@ def run_once(args, rate: float, out_dir: Path, model: str | None) -> dict:
     specs = build_schedule(sched)
     metrics_urls = _metrics_urls(args)
     before = _scrape_all(metrics_urls, args.admin_key)
+    started: list[float] = []
     with progress(quiet=args.quiet) as on_tick:
-        result = asyncio.run(run_load(specs, cfg, on_tick=on_tick))
+        def tick(counts, elapsed_s: float) -> None:
+            if not started:  # the run's start on this machine's monotonic clock (the traces')
+                started.append(time.monotonic() - elapsed_s)
+            if on_tick is not None:
+                on_tick(counts, elapsed_s)
+        result = asyncio.run(run_load(specs, cfg, on_tick=tick, tick_s=0.2))
     summary = build_summary(result, declared_rate_per_s=rate, shape=args.shape,
                             classes=classes, window=window,
                             server=_server_block(metrics_urls, before, args.admin_key),
                             declared_mean_rate_per_s=sched.expected_count() / args.duration)
+    if args.step_trace:
+        summary["cost"] = _cost_block(args, result.records, classes, window, started[0])
     write_run(out_dir, result.records, summary, classes, window)
     return summary
+
+
+def _cost_block(args, records, classes, window: Window, t0_s: float) -> dict:
+    """The goodput window's cost (``chaos.cost``), from the replicas' step traces."""
+    from chaos.cost import Fleet, window_cost
+    from chaos.cost_cli import read_cost_config, roofline_weights
+    from chaos.cost_inputs import fates_from_records, read_jsonl, steps_from_lines
+
+    config = read_cost_config(args.cost_config)
+    steps = [s for i, path in enumerate(args.step_trace)
+             for s in steps_from_lines(read_jsonl(path), f"r{i}")]
+    replicas = args.replicas if args.replicas is not None else len(args.step_trace)
+    cost = window_cost(Window(t0_s + window.start_s, t0_s + window.end_s), steps,
+                       fates_from_records(records, classes, t0_s), config, Fleet(replicas),
+                       roofline_weights(args.engine_model, config.gpu))
+    doc = cost.to_dict()
+    doc["window_s"] = [window.start_s, window.end_s]
+    return {"windows": [doc]}
 
 
 def _print_summary(summary: dict, out_dir: Path) -> None:

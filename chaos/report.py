@@ -15,6 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from chaos.cost_report import cost_section, plot_cost
 from chaos.goodput import VARIANTS, Window, meets_slo
 from chaos.plots import plot_latency_cdfs, plot_timeline
 from chaos.records import RequestRecord
@@ -103,6 +104,8 @@ def render_markdown(summary: Mapping) -> str:
               "", "## Latency (completed requests, seconds)", "",
               *_latency_rows(summary["latency"]), *_server_lines(summary.get("server")),
               "", "![timeline](timeline.png)", "", "![latency CDFs](latency_cdf.png)", ""]
+    if summary.get("cost"):
+        lines += cost_section(summary["cost"]["windows"])
     return "\n".join(lines)
 
 
@@ -120,4 +123,6 @@ def write_run(out_dir: Path, records: Sequence[RequestRecord], summary: Mapping,
     first = next(iter(classes.values()))
     plot_latency_cdfs(records, paths["latency_cdf.png"], first.ttft_s if len(classes) == 1
                       else None, first.itl_s if len(classes) == 1 else None)
+    if summary.get("cost"):
+        paths["cost.png"] = plot_cost(summary["cost"]["windows"], out_dir / "cost.png")
     return paths

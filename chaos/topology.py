@@ -55,7 +55,8 @@ _PROXY_READY = r"kvguard proxy listening on (http://\S+)"
 
 @dataclass(frozen=True)
 class TopologySpec:
-    """What to start. ``replica_args`` go to every ``kvguard engine``, ``proxy_args`` to every
+    """What to start. ``replica_args`` go to every ``kvguard engine`` (``{replica}`` in one
+    becomes the replica's index), ``proxy_args`` to every
     ``kvguard proxy`` (e.g. ``("--config", "guard.toml")``). ``niceness`` > 0 starts every child
     under ``nice -n``: on a machine the fleet shares with the load generator that times it, the
     instrument is served first and the fleet absorbs the CPU contention."""
@@ -183,7 +184,8 @@ class Topology:
         self.envoy.start(spec.start_timeout_s)
 
     def _replica_child(self, index: int) -> ChildProcess:
-        args = self.spec.replica_args
+        # "{replica}" in an argument becomes the replica's index (a trace file per replica)
+        args = tuple(a.replace("{replica}", str(index)) for a in self.spec.replica_args)
         return ChildProcess(
             f"replica-{index}",
             lambda port: [sys.executable, "-m", "guard.cli", "engine", *args,

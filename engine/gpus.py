@@ -15,6 +15,13 @@ Sources:
 * H200 SXM 141GB — NVIDIA H200 Tensor Core GPU datasheet (2024): HBM3e bandwidth 4.8 TB/s,
   BF16 Tensor Core 1,979 TFLOPS with sparsity (989.4 dense, same Hopper die as H100), 141 GB
   HBM3e; ``nvidia-smi`` reports 143,771 MiB.
+
+Power (``max_power_w``, ``idle_power_w``), for the modelled power of the sim and CPU backends
+(``engine.gpu_meter``): the maximum is each datasheet's "Max thermal design power" for the SXM
+part (A100 400 W, H100 700 W, H200 up to 700 W). NVIDIA publishes no idle figure; the idle
+numbers (A100 60 W, H100 and H200 70 W) are an assumption of this table, the order of what
+``nvidia-smi`` shows for an idle SXM board with its memory clocks up. Modelled power is labelled
+``source="modelled"`` wherever it is exported.
 """
 
 from __future__ import annotations
@@ -35,12 +42,16 @@ class GPUSpec:
     hbm_bytes_per_s: float
     bf16_flops_per_s: float  # dense (no structured sparsity)
     memory_bytes: int
+    max_power_w: float = 700.0  # board power limit (datasheet TDP)
+    idle_power_w: float = 70.0  # an assumption: see the module docstring
 
     def __post_init__(self) -> None:
         if self.hbm_bytes_per_s <= 0 or self.bf16_flops_per_s <= 0:
             raise ValueError(f"{self.name}: bandwidth and peak FLOP/s must be > 0")
         if self.memory_bytes <= 0:
             raise ValueError(f"{self.name}: memory_bytes must be > 0")
+        if not 0 <= self.idle_power_w <= self.max_power_w:
+            raise ValueError(f"{self.name}: need 0 <= idle_power_w <= max_power_w")
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -55,6 +66,8 @@ GPUS: tuple[GPUSpec, ...] = (
         hbm_bytes_per_s=2.039e12,
         bf16_flops_per_s=312e12,
         memory_bytes=81_920 * _MIB,
+        max_power_w=400.0,
+        idle_power_w=60.0,
     ),
     GPUSpec(
         name="h100-80g",
@@ -62,6 +75,8 @@ GPUS: tuple[GPUSpec, ...] = (
         hbm_bytes_per_s=3.35e12,
         bf16_flops_per_s=989.4e12,
         memory_bytes=81_559 * _MIB,
+        max_power_w=700.0,
+        idle_power_w=70.0,
     ),
     GPUSpec(
         name="h200",
@@ -69,6 +84,8 @@ GPUS: tuple[GPUSpec, ...] = (
         hbm_bytes_per_s=4.8e12,
         bf16_flops_per_s=989.4e12,
         memory_bytes=143_771 * _MIB,
+        max_power_w=700.0,
+        idle_power_w=70.0,
     ),
 )
 

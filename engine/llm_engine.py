@@ -22,7 +22,7 @@ from engine.block_hash import HASH_VERSION
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, model_preset
 from engine.kv_events import KVCacheEvent
-from engine.outputs import IterationRecord, RequestOutput, StepResult
+from engine.outputs import IterationRecord, RequestOutput, RequestWork, StepResult
 from engine.runner import Runner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -152,6 +152,7 @@ class LLMEngine:
             outputs, self._pending_outputs = self._pending_outputs, []
             if sched_out.is_empty:
                 return StepResult(outputs=tuple(outputs), iteration=None)
+            preempted_before = self._preempted(sched_out)
             start_s = self._clock()
             sampled = self.runner.execute(sched_out)
             end_s = self._clock()
@@ -170,7 +171,29 @@ class LLMEngine:
             self._publish_kv_events()
             scheduled_ids = tuple(e.request_id for e in sched_out.scheduled)
             return StepResult(outputs=tuple(outputs), iteration=record,
-                              scheduled_request_ids=scheduled_ids)
+                              scheduled_request_ids=scheduled_ids,
+                              work=self._work(sched_out, preempted_before), start_s=start_s)
+
+    def _preempted(self, sched_out) -> dict[str, int]:
+        """Scheduled requests that have lost their KV to a preemption at least once, each with
+        the number of tokens it knew before this step (all computed once, except the last)."""
+        found = (self.scheduler.get(s.request_id) for s in sched_out.scheduled if not s.is_decode)
+        return {q.request_id: q.num_tokens for q in found if q is not None and q.num_preemptions}
+
+    @staticmethod
+    def _work(sched_out, preempted_before: dict[str, int]) -> tuple[RequestWork, ...]:
+        """Each scheduled request's tokens this step. A preempted request recomputes the
+        positions it had computed before: every known token but the last sampled one."""
+        work = []
+        for s in sched_out.scheduled:
+            decode = s.is_decode
+            prefill = 0 if decode else s.num_new_tokens
+            known = preempted_before.get(s.request_id)
+            recomputed = 0 if known is None else max(
+                0, min(s.num_computed_tokens + prefill, known - 1) - s.num_computed_tokens)
+            work.append(RequestWork(s.request_id, prefill, int(decode), s.num_computed_tokens,
+                                    recomputed))
+        return tuple(work)
 
     @staticmethod
     def _output(seq: Sequence, new_token_ids: tuple[int, ...], batch_id: int,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
 __all__ = ["EngineMetrics"]
@@ -176,5 +177,37 @@ class EngineMetrics:
         if queue_s is not None:
             self._m(self._queue).observe(queue_s)
 
+    def attach_gpu_meter(self, meter) -> None:
+        """Export an ``engine.gpu_meter.GpuMeter``: model FLOPs and HBM bytes (counters),
+        memory by use, power (gauges) and energy (counter), power and energy labelled with
+        ``source`` (``measured`` or ``modelled``)."""
+        self.registry.register(_GpuCollector(meter, self.model_name))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _GpuCollector:
+    def __init__(self, meter, model_name: str) -> None:
+        self._meter, self._model_name = meter, model_name
+
+    def collect(self):
+        m, name = self._meter, self._model_name
+        flops = CounterMetricFamily("kvguard_engine_model_flops", "Model FLOPs of the executed "
+                                    "steps (roofline count)", labels=["model_name"])
+        flops.add_metric([name], m.flops)
+        hbm = CounterMetricFamily("kvguard_engine_hbm_bytes", "HBM bytes the executed steps "
+                                  "moved (roofline count)", labels=["model_name"])
+        hbm.add_metric([name], m.hbm_bytes)
+        memory = GaugeMetricFamily("kvguard_engine_memory_bytes", "Device memory by use "
+                                   "(weights, kv, workspace, reserve)", labels=["model_name", "kind"])
+        for kind, value in m.memory.as_dict().items():
+            memory.add_metric([name, kind], value)
+        power = GaugeMetricFamily("kvguard_engine_power_watts", "Accelerator power (measured by "
+                                  "NVML or modelled from the roofline utilisation)",
+                                  labels=["model_name", "source"])
+        power.add_metric([name, m.source], m.power_w())
+        energy = CounterMetricFamily("kvguard_engine_energy_joules", "Accelerator energy since "
+                                     "start", labels=["model_name", "source"])
+        energy.add_metric([name, m.source], m.energy_j())
+        yield from (flops, hbm, memory, power, energy)

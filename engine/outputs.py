@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["IterationRecord", "RequestOutput", "StepResult"]
+__all__ = ["IterationRecord", "RequestOutput", "RequestWork", "StepResult"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,26 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class RequestWork:
+    """One request's part of one step, the units cost accounting shares the step's time by.
+
+    ``num_prefill_tokens``: tokens computed that are not single-token decodes (prompt chunks,
+    recomputation); ``num_decode_tokens``: 0 or 1; ``num_kv_read_tokens``: cached tokens this
+    request's attention read; ``num_recomputed_tokens``: the part of ``num_prefill_tokens`` that
+    a preemption threw away and this step computes again.
+    """
+
+    request_id: str
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_kv_read_tokens: int
+    num_recomputed_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class StepResult:
     outputs: tuple[RequestOutput, ...]
     iteration: IterationRecord | None  # None when nothing was scheduled
     scheduled_request_ids: tuple[str, ...] = ()  # every request in this step's batch
+    work: tuple[RequestWork, ...] = ()  # each scheduled request's share of the step
+    start_s: float | None = None  # engine clock when the step's forward pass began

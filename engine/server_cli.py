@@ -53,7 +53,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="name clients send as 'model' (default: --model)")
     parser.add_argument("--backend", choices=("torch", "sim"), default="torch",
                         help="torch runs the model; sim models a GPU's step times")
-    parser.add_argument("--gpu", default="h100-80g", help="GPU the sim backend models")
+    parser.add_argument("--gpu", default="h100-80g",
+                        help="GPU the sim backend models; the power figures for modelled power "
+                             "(sim and CPU backends)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="sim backend: wall seconds per simulated second (0: no waiting)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
@@ -90,6 +92,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="topic frame of each KV event message (default: empty, as vLLM)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="append one JSON line per request to FILE")
+    parser.add_argument("--step-trace", default=None, metavar="FILE",
+                        help="append one JSON line per engine step (each request's tokens and "
+                             "KV read: what cost accounting shares the step's time by) to FILE")
     parser.add_argument("--middleware", action="append", default=[], metavar="MODULE:CLASS",
                         help="ASGI middleware to wrap the app with (repeatable)")
     parser.add_argument("--guard", default=None, metavar="CONFIG",
@@ -147,6 +152,18 @@ def _build_engine(args: argparse.Namespace):
     if args.dtype is not None:
         overrides["dtype"] = args.dtype
     return LLMEngine.from_preset(args.model, **overrides)
+
+
+def _gpu_meter(engine, args: argparse.Namespace):
+    """The replica's GPU meter: the ``--gpu`` kind's figures (measured power on CUDA)."""
+    from engine.gpu_meter import GpuMeter, MemorySplit, nvml_power
+    from engine.gpus import get_gpu
+
+    cfg = engine.config
+    memory = MemorySplit.plan(cfg.model, engine.num_total_blocks, cfg.cache.block_size,
+                              cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
+    measured = nvml_power() if args.backend == "torch" and args.device == "cuda" else None
+    return GpuMeter(cfg.model, get_gpu(args.gpu), memory, measured)
 
 
 class _FoldedVocab:
@@ -242,11 +259,20 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     metrics = EngineMetrics(CollectorRegistry(), name)
 
+    trace = TraceWriter.open(args.trace) if args.trace else None
+    step_trace = TraceWriter.open(args.step_trace) if args.step_trace else None
+
+    meter = _gpu_meter(engine, args)
+    metrics.attach_gpu_meter(meter)
+
     def on_step(result, state) -> None:
         num_prefill = result.iteration.num_prefill_tokens if result.iteration else 0
         metrics.record_tokens(num_prefill, sum(len(o.new_token_ids) for o in result.outputs))
+        if result.iteration is not None:
+            meter.on_step(result.work, result.iteration.duration_s)
+        if step_trace is not None:
+            step_trace.write_step(result)
 
-    trace = TraceWriter.open(args.trace) if args.trace else None
     async_engine = AsyncEngine(engine, on_step=on_step)
     app = build_app(async_engine, name, tokenizer, metrics, trace,
                     max_body_bytes=args.max_body_bytes)
@@ -270,8 +296,9 @@ def run(args: argparse.Namespace) -> int:
         draining_server(config, drain, ready_line).run(sockets=[sock])
     finally:
         sock.close()
-        if trace is not None:
-            trace.close()
+        for writer in (trace, step_trace):
+            if writer is not None:
+                writer.close()
         if publisher is not None:
             publisher.close()
     return 0

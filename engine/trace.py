@@ -26,6 +26,15 @@ server's ``send`` of the SSE chunk carrying it returned (the bytes are with the 
 the guard mounted in-process this includes the guard's relay). ``written_s`` is ``null`` for a
 token whose chunk was never written (the client went away). Recorded only while a trace is
 written: with no ``--trace`` the server takes no per-token timestamps.
+
+With ``--step-trace FILE`` the server also writes one line per engine step to FILE: the record
+cost accounting shares each step's time by (``chaos.cost``)::
+
+    {"source": "engine_step", "batch_id": 4, "start_s": 10.011, "end_s": 10.02,
+     "work": [["r1", 0, 1, 20, 0], ["r2", 16, 0, 0, 0], ...]}
+
+``work`` holds one ``[request_id, prefill_tokens, decode_tokens, kv_read_tokens,
+recomputed_tokens]`` per scheduled request (:class:`engine.outputs.RequestWork`).
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TextIO
 
-__all__ = ["RequestTimeline", "TOKEN_FIELDS", "TraceWriter"]
+__all__ = ["RequestTimeline", "TOKEN_FIELDS", "TraceWriter", "step_record"]
 
 TOKEN_FIELDS = ("batch_id", "step_start_s", "step_end_s", "handed_s", "written_s")
 
@@ -98,6 +107,16 @@ class RequestTimeline:
         }
 
 
+def step_record(result) -> dict | None:
+    """The ``engine_step`` line of a ``StepResult``; None for a step that ran nothing."""
+    if result.iteration is None:
+        return None
+    return {"source": "engine_step", "batch_id": result.iteration.batch_id,
+            "start_s": result.start_s, "end_s": result.iteration.end_s,
+            "work": [[w.request_id, w.num_prefill_tokens, w.num_decode_tokens,
+                      w.num_kv_read_tokens, w.num_recomputed_tokens] for w in result.work]}
+
+
 class TraceWriter:
     """Appends one JSON line per request to a text stream and flushes it (thread-safe)."""
 
@@ -110,7 +129,16 @@ class TraceWriter:
         return cls(open(path, "a", encoding="utf-8"))  # noqa: SIM115 - closed by close()
 
     def write(self, timeline: RequestTimeline) -> None:
-        line = json.dumps(timeline.to_json(), separators=(",", ":"))
+        self.write_line(timeline.to_json())
+
+    def write_step(self, result) -> None:
+        """One ``engine_step`` line for a ``StepResult`` (nothing for an empty step)."""
+        record = step_record(result)
+        if record is not None:
+            self.write_line(record)
+
+    def write_line(self, record: dict) -> None:
+        line = json.dumps(record, separators=(",", ":"))
         with self._lock:
             self._out.write(line + "\n")
             self._out.flush()

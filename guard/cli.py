@@ -24,6 +24,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fleet": ("chaos.fleet_cli", "start N sim replicas and proxies on loopback, stop on Ctrl-C"),
     "timeline": ("guard.observe.timeline", "join guard and engine traces into per-stage latencies"),
     "load": ("chaos.load_cli", "open-loop load test with a goodput report"),
+    "cost": ("chaos.cost_cli", "a run's cost per window (good, wasted, idle) from its traces"),
+    "review": ("chaos.review", "baseline vs candidate fleet over a scenario matrix: better, "
+                               "no significant change or worse"),
     "bench": ("chaos.bench.cli", "benchmarks: engine, overload, guard overhead"),
     "chaos": ("chaos.chaos_cli", "game days: kill replicas, Redis and proxies under retrying "
                                  "clients; goodput verdicts"),
@@ -33,7 +36,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 # The extra each subcommand needs beyond the guard-only install (``pip install kvguard``).
 EXTRAS: dict[str, str] = {
     "generate": "engine", "engine": "engine", "plan": "engine", "epp": "gateway",
-    "fleet": "bench", "load": "bench", "bench": "bench", "chaos": "bench", "demo": "bench",
+    "fleet": "bench", "load": "bench", "cost": "bench", "review": "bench", "bench": "bench",
+    "chaos": "bench", "demo": "bench",
 }
 # What each extra installs that the guard alone does not (checked before the subcommand runs,
 # so a missing extra is one line, not a traceback from deep inside the subcommand).

@@ -24,6 +24,7 @@ TOML layout (see ``docs/guard-config.example.toml``)::
     weight = 1.0               # relative share where routing is least-loaded (ReplicaConfig)
     kv_events_endpoint = "tcp://10.0.0.5:5557"  # its KV-cache events (prefix_cache = "precise")
     [proxy]                    # the standalone proxy's settings (guard.proxy.config)
+    [cost]                     # prices for cost accounting (guard.observe.cost_config)
 
 Environment: ``KVGUARD_CONFIG`` names the TOML file; ``KVGUARD_<FIELD>`` overrides any scalar
 field (``KVGUARD_POLICY=cap``, ``KVGUARD_MAX_BODY_BYTES=65536``, ``KVGUARD_TRACE_PATH=...``);
@@ -46,7 +47,7 @@ import math
 import os
 import re
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package
 
 from guard.budget.config import LIMIT_KEYS, BudgetConfig
 from guard.budget.store import BudgetLimits
+from guard.observe.cost_config import CostConfig
 from guard.proxy.config import ProxyConfig
 from guard.redact import redact_url, redact_value
 from policies.cost import RequestClass
@@ -72,6 +74,7 @@ __all__ = [
     "ANONYMOUS_TENANT",
     "DEFAULT_CLASSES",
     "STATE_SOURCES",
+    "config_with_upstreams",
     "hash_api_key",
     "load_config",
 ]
@@ -262,6 +265,7 @@ class GuardConfig:
     max_tenant_labels: int = 20
     redis_url: str | None = None
     budget: BudgetConfig = field(default_factory=BudgetConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
     class_header: str = "x-kvguard-class"
     deadline_header: str = "x-kvguard-deadline-ms"
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
@@ -511,6 +515,8 @@ class GuardConfig:
             data["proxy"] = ProxyConfig.from_dict(data["proxy"])
         if "budget" in data:
             data["budget"] = BudgetConfig.from_dict(data["budget"])
+        if "cost" in data and not isinstance(data["cost"], CostConfig):
+            data["cost"] = CostConfig.from_dict(data["cost"])
         if "admitted_paths" in data:
             data["admitted_paths"] = tuple(_list("admitted_paths", data["admitted_paths"]))
         if "policy_params" in data and not isinstance(data["policy_params"], Mapping):
@@ -721,3 +727,21 @@ def load_config(path: str | os.PathLike | None = None,
         return dataclasses.replace(config, **overrides)
     except ValueError as exc:
         raise ValueError(f"KVGUARD_* environment override: {exc}") from None
+
+
+def config_with_upstreams(path: str | os.PathLike | None, upstreams: Sequence[str],
+                          state_source: str, redis_url: str | None) -> GuardConfig:
+    """What ``kvguard proxy`` and ``kvguard epp`` serve: the config file (or the environment),
+    its replicas replaced by ``upstreams`` when any are given (ids ``r0``, ``r1``, …, polled
+    as ``state_source``), its ``redis_url`` by ``redis_url`` when given."""
+    config = load_config(path)
+    if upstreams:
+        replicas = tuple(ReplicaConfig(f"r{i}", url, state_source)
+                         for i, url in enumerate(upstreams))
+        config = dataclasses.replace(config, replicas=replicas)
+    if redis_url is not None:
+        config = dataclasses.replace(config, redis_url=redis_url)
+    if not config.replicas:
+        raise ValueError("no replicas: give --upstream URL or [[replicas]] in the config")
+    return config
+

@@ -102,6 +102,7 @@ from guard.budget.factory import build_budget_store
 from guard.budget.store import BudgetStore, Denied, Grant
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import PricingError
+from guard.observe.cost_meter import CostMeter
 from guard.observe.loop_lag import LoopLag
 from guard.observe.metrics import GaugeValues, GuardMetrics
 from guard.observe.trace import TraceWriter
@@ -151,6 +152,7 @@ class AdmissionController:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = GuardMetrics(self.registry, config.max_tenant_labels)
         self.metrics.gauges = self._gauge_values
+        self.metrics.cost = CostMeter(config.cost, max(len(config.replicas), 1), clock=self.clock)
         self.metrics.loop_lag = self.loop_lag = LoopLag()
         self.policy = policy if policy is not None else make_policy(config.policy,
                                                                     **config.policy_params)

@@ -170,6 +170,7 @@ class Relay:
         body = admission.body
         self.request_id = ticket.cost.request_id.encode()
         self._first = {"type": "http.request", "body": body, "more_body": False}
+        ticket.num_request_bytes = len(body)
         body_len = len(body) if admission.body_rewritten else None
         try:
             await app(forward_scope(scope, self.request_id, body_len), self.receive, self.send)

@@ -48,7 +48,8 @@ class Ticket:
         "first_byte_s", "first_token_s", "last_token_s", "max_itl_s", "num_content_chunks",
         "done_seen", "body_complete", "client_disconnected", "outcome", "released_s", "_book",
         "enqueue_s", "priced", "grant", "num_usage_prompt_tokens", "num_usage_output_tokens",
-        "ok", "slo_met", "aborted", "chunks_s", "finish_seen",
+        "ok", "slo_met", "aborted", "chunks_s", "finish_seen", "num_request_bytes",
+        "num_response_bytes",
     )
 
     def __init__(self, book: TicketBook, reservation: Reservation, dispatch_s: float,
@@ -76,6 +77,8 @@ class Ticket:
         self.grant = grant  # the budget store's grant, settled or released with the ticket
         self.aborted = False  # the upstream said finish_reason "abort" or "error"
         self.finish_seen = False  # the upstream gave a finish_reason (an interrupted one gives none)
+        self.num_request_bytes = 0  # the body sent upstream; with the response's: network cost
+        self.num_response_bytes = 0
         self.num_usage_prompt_tokens: int | None = None  # from the upstream's "usage", if seen
         self.num_usage_output_tokens: int | None = None
         self.ok = False  # set at release: completed and the whole response went out
@@ -108,6 +111,7 @@ class Ticket:
             self.body_complete = True
         if not chunk:
             return None
+        self.num_response_bytes += len(chunk)
         # bytes.find, not ``in``: ``sub in chunk`` first tries ``sub`` as an int and formats
         # the TypeError it then discards, several times the cost of the search itself
         if self.is_stream and chunk.find(_DONE) >= 0:

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import signal
 
-from guard.config import GuardConfig, ReplicaConfig, load_config
+from guard.config import config_with_upstreams
 
-__all__ = ["config_from_args", "configure", "run"]
+__all__ = ["configure", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -54,24 +53,13 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(args))
 
 
-def config_from_args(args: argparse.Namespace) -> GuardConfig:
-    """The config file with ``--upstream`` (ids ``r0``, ``r1``, …) and ``--redis`` over it."""
-    config = load_config(args.config)
-    if args.upstream:
-        replicas = tuple(ReplicaConfig(f"r{i}", url, args.state_source)
-                         for i, url in enumerate(args.upstream))
-        config = dataclasses.replace(config, replicas=replicas)
-    if args.redis is not None:
-        config = dataclasses.replace(config, redis_url=args.redis)
-    if not config.replicas:
-        raise ValueError("no replicas: give --upstream URL or [[replicas]] in the config")
-    return config
 
 
 async def _serve(args: argparse.Namespace) -> int:
     from guard.epp.server import EppServer
 
-    server = EppServer(config_from_args(args))
+    server = EppServer(config_with_upstreams(args.config, args.upstream,
+                                             args.state_source, args.redis))
     port = await server.start(args.host, args.port)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

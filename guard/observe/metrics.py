@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from guard.admission.ticket import Ticket
+from guard.observe.cost_meter import CostMeter
 from guard.observe.forecast_error import ForecastError
 from guard.observe.loop_lag import LoopLag
 
@@ -139,6 +140,7 @@ class GuardMetrics:
         self.retry_counts: Callable[[], tuple[int, int, int]] | None = None
         # the policy's active client-patience estimate per class (policies that learn one)
         self.client_patience: Callable[[], dict[str, float]] | None = None
+        self.cost: CostMeter | None = None  # kvguard_cost_dollars_total, set by the owner
         registry.register(_Collector(self))
 
     # --- the request path ----------------------------------------------------------------
@@ -176,6 +178,8 @@ class GuardMetrics:
     def on_released(self, ticket: Ticket) -> None:
         """Ticket release listener: outcome counters, goodput and latency histograms."""
         cost = ticket.cost
+        if self.cost is not None:
+            self.cost.add_bytes(ticket.num_request_bytes + ticket.num_response_bytes)
         counters = self.counters(cost.request_class.name, cost.tenant)
         outcome = ticket.outcome
         if outcome == "completed":
@@ -232,6 +236,8 @@ class GuardMetrics:
         yield from self._histogram_families()
         yield from self._gauge_families()
         yield from self._quality_families()
+        if self.cost is not None:
+            yield from self.cost.families()
 
     def _quality_families(self) -> Iterator:
         """The TTFT forecast's error and the event loop's lag (when sampled)."""

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import time
 
-from guard.config import ReplicaConfig, load_config
+from guard.config import config_with_upstreams
 from serving import add_limit_arguments, install_quiet_logging, limits_from_args
 from serving.log_format import LOG_FORMATS, configure_logging
 
@@ -73,17 +72,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_limit_arguments(parser)
 
 
-def _config(args: argparse.Namespace):
-    config = load_config(args.config)
-    if args.upstream:
-        replicas = tuple(ReplicaConfig(f"r{i}", url, args.state_source)
-                         for i, url in enumerate(args.upstream))
-        config = dataclasses.replace(config, replicas=replicas)
-    if args.redis is not None:
-        config = dataclasses.replace(config, redis_url=args.redis)
-    if not config.replicas:
-        raise ValueError("no replicas: give --upstream URL or [[replicas]] in the config")
-    return config
 
 
 async def _drain(app) -> None:
@@ -110,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level, args.log_format)
     table = ConnectionTable(limits_from_args(args))
-    app = ProxyApp(_config(args), access_log=args.access_log)
+    app = ProxyApp(config_with_upstreams(args.config, args.upstream,
+                                             args.state_source, args.redis),
+                   access_log=args.access_log)
     sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -147,6 +147,7 @@ class Forwarder:
         when the client disconnects; the relay then stops at once. ``writer``: the server's
         direct body writer, when it has one. ``sent``: :meth:`send_now`'s awaitable, when the
         request was already written (its first attempt)."""
+        admission.ticket.num_request_bytes = len(admission.body)  # network cost
         client = _Client(admission, send, writer)
         watch = _Watch(admission, asyncio.current_task())
         gone.add_done_callback(watch.on_gone)

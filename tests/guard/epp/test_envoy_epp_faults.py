@@ -46,9 +46,11 @@ def client():
 @pytest.mark.parametrize("failure_mode_allow", [False, True])
 def test_epp_down_envoy_fails_closed_in_full_duplex_mode(fleet, client, tmp_path,
                                                          failure_mode_allow):
-    """With ``FULL_DUPLEX_STREAMED`` bodies Envoy 1.40 answers 500 when the EPP cannot be
-    reached, whatever ``failure_mode_allow`` says; no request reaches a replica unpicked, and
-    a client's own destination header is dropped, not obeyed."""
+    """With ``FULL_DUPLEX_STREAMED`` bodies Envoy 1.40 fails closed when the EPP cannot be
+    reached, whatever ``failure_mode_allow`` says: a 500 (the ext_proc stream failed) or a 503
+    (no healthy ext_proc endpoint yet; which one depends on how far Envoy's health checks got),
+    never a relay; no request reaches a replica unpicked, and a client's own destination header
+    is dropped, not obeyed."""
     envoy = envoy_child([free_port()], tmp_path, failure_mode_allow=failure_mode_allow)
     envoy._health = _answers_at_all
     envoy.start(60)
@@ -56,7 +58,7 @@ def test_epp_down_envoy_fails_closed_in_full_duplex_mode(fleet, client, tmp_path
         answer = client.post(envoy.url + "/v1/completions", json=BODIES["/v1/completions"],
                              headers={"x-gateway-destination-endpoint":
                                       endpoints(fleet)["r0"]})
-        assert answer.status_code == 500
+        assert answer.status_code in (500, 503), answer.text
         assert "x-envoy-upstream-host" not in answer.headers
     finally:
         envoy.close()

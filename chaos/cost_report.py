@@ -1,0 +1,89 @@
+"""The cost section of a report: a markdown table per window and a stacked-bar plot.
+
+Input is ``WindowCost.to_dict()`` (what ``summary.json`` / ``cost.json`` hold), so a report can
+be re-rendered from the JSON alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from chaos.cost import format_usd
+from guard.observe.cost_config import COMPONENTS
+
+__all__ = ["cost_rows", "cost_section", "plot_cost"]
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def cost_rows(windows: Sequence[Mapping]) -> list[str]:
+    """One row per window: total, components, good, cost per good request, wasted share."""
+    rows = ["| window (s) | total | accelerator (idle) | host | network | idle reserve | energy "
+            "| good | $/good request | $/M good output tokens | wasted | wasted share |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for w in windows:
+        c = w["components_usd"]
+        rows.append(
+            f"| [{w['window_s'][0]:g}, {w['window_s'][1]:g}) | {format_usd(w['total_usd'])} | "
+            f"{format_usd(c['accelerator'])} ({format_usd(w['accelerator_idle_usd'])}) | "
+            f"{format_usd(c['host'])} | {format_usd(c['network'])} | "
+            f"{format_usd(c['idle_reserve'])} | {format_usd(c['energy'])} | {w['num_good']} | "
+            f"{format_usd(w['cost_per_good_request_usd'])} | "
+            f"{format_usd(w['cost_per_million_good_output_tokens_usd'])} | "
+            f"{format_usd(w['wasted_usd'])} | {_share(w['wasted_share'])} |")
+    return rows
+
+
+def _wasted_lines(windows: Sequence[Mapping]) -> list[str]:
+    lines = []
+    for w in windows:
+        parts = [f"{axis} " + ", ".join(f"{k} {format_usd(v)}" for k, v in sorted(w[key].items()))
+                 for axis, key in (("by class:", "wasted_by_class_usd"),
+                                   ("by tenant:", "wasted_by_tenant_usd")) if w[key]]
+        if parts:
+            lines.append(f"- wasted in [{w['window_s'][0]:g}, {w['window_s'][1]:g}): "
+                         + "; ".join(parts))
+    return lines
+
+
+def cost_section(windows: Sequence[Mapping], plot_name: str | None = "cost.png") -> list[str]:
+    """Markdown lines: the table, the wasted split, the plot link."""
+    lines = ["## Cost", "",
+             "Accelerator busy time is shared by each engine step's work; idle is what no "
+             "step used. $/good request is n/a in a window with no good request.", "",
+             *cost_rows(windows), "", *_wasted_lines(windows)]
+    if plot_name:
+        lines += ["", f"![cost per window]({plot_name})"]
+    return lines + [""]
+
+
+def plot_cost(windows: Sequence[Mapping], path: Path) -> Path:
+    """Stacked bars per window: accelerator busy (useful and wasted), idle, and the rest."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    labels = [f"{w['window_s'][0]:g}-{w['window_s'][1]:g}" for w in windows]
+    wasted = [w["wasted_usd"] for w in windows]
+    useful = [w["accelerator_busy_usd"] - w["wasted_usd"] for w in windows]
+    idle = [w["accelerator_idle_usd"] for w in windows]
+    others = {k: [w["components_usd"][k] for w in windows] for k in COMPONENTS
+              if k != "accelerator"}
+    fig = Figure(figsize=(max(5.0, 1.2 * len(windows) + 3), 4))
+    ax = fig.add_subplot(1, 1, 1)
+    bottom = [0.0] * len(windows)
+    for name, values in [("busy, useful", useful), ("busy, wasted", wasted),
+                         ("accelerator idle", idle), *others.items()]:
+        if any(values):
+            ax.bar(labels, values, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_ylabel("US dollars")
+    ax.set_xlabel("window (s)")
+    ax.set_title("cost per window")
+    ax.legend(fontsize="small")
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
