@@ -40,7 +40,8 @@ BASE_POLICIES: tuple[str, ...] = ("always_admit", "slo")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True,
+                           help="list the scenarios, or run one")
     sub.add_parser("list", help="the scenarios, what each needs, and whether it can run here")
     r = sub.add_parser("run", help="run one scenario for always_admit, slo and any --policy")
     r.add_argument("name", help="scenario name (see `kvguard chaos list`)")
@@ -54,7 +55,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="capacity of one replica in req/s at this time scale (skips the sweep)")
     r.add_argument("--time-scale", type=float, default=2.0,
                    help="stretch every GPU step and every scenario time by this factor")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="workload seed")
 
 
 def _list() -> int:

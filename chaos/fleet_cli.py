@@ -50,7 +50,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--front", choices=("proxy", "envoy"), default="proxy",
                         help="what clients talk to: kvguard proxies, or one Envoy with "
                              "--proxies kvguard epp processes as its endpoint pickers")
-    parser.add_argument("--start-timeout-s", type=float, default=90.0)
+    parser.add_argument("--start-timeout-s", type=float, default=90.0,
+                        help="how long each replica and proxy may take to start")
     parser.add_argument("--state-only", action="store_true",
                         help="serve the replicas state-only from this process (chaos.state_fleet)")
     parser.add_argument("--state-model", default="llama-7b", help="state-only replicas' model")

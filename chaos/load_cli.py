@@ -38,7 +38,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="base URL of the server (loopback only)")
     p.add_argument("--rate", type=float, help="arrivals per second (not with --sweep)")
     p.add_argument("--duration", type=float, required=True, help="schedule length, seconds")
-    p.add_argument("--shape", choices=SHAPES, default="poisson")
+    p.add_argument("--shape", choices=SHAPES, default="poisson",
+                   help="arrival process")
     p.add_argument("--burst-rate", type=float, default=0.0, help="arrivals/s inside the burst")
     p.add_argument("--burst-start", type=float, default=0.0, help="burst start, seconds")
     p.add_argument("--burst-duration", type=float, default=0.0, help="burst length, seconds")
@@ -56,12 +57,14 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="explicit tenant API keys (default chaos-tenant-0..N-1)")
     p.add_argument("--warmup", type=float, default=0.0,
                    help="seconds of arrivals left out of goodput")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="arrival-time seed")
     p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, seconds")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds after the schedule to let requests finish")
-    p.add_argument("--max-connections", type=int, default=4096)
+    p.add_argument("--max-connections", type=int, default=4096,
+                   help="the client's connection pool size")
     p.add_argument("--client", choices=CLIENTS, default="aiohttp",
                    help="the HTTP client: aiohttp, or raw asyncio protocols (chaos.raw_client: "
                         "less CPU per request, for floods)")

@@ -127,11 +127,14 @@ def _mean(dist: LengthDist) -> float:
 
 def configure_scenario(p: argparse.ArgumentParser, out_default: str) -> None:
     """The scenario's flags (replica, traffic, SLO, seed, output folder)."""
-    p.add_argument("--model", default="llama-7b")
-    p.add_argument("--gpu", default="h100-80g")
+    p.add_argument("--model", default="llama-7b",
+                   help="model preset of the sim replicas")
+    p.add_argument("--gpu", default="h100-80g",
+                   help="GPU profile of the sim replicas")
     p.add_argument("--time-scale", type=float, default=2.0,
                    help="stretch every GPU step (and every scenario time) by this factor")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="each sim replica's sequence slots")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024,
                    help="prefill chunk: 1024 keeps a mixed step near 35 ms on an H100, "
                         "inside the 80 ms ITL limit")
@@ -141,8 +144,10 @@ def configure_scenario(p: argparse.ArgumentParser, out_default: str) -> None:
     p.add_argument("--replica-http", choices=REPLICA_SERVERS,
                    default="h11", help="the replicas' HTTP server (`kvguard engine --http`; "
                    "default h11, the one every table in docs/benchmarks.md was measured on)")
-    p.add_argument("--prompt-tokens", default="512:2048")
-    p.add_argument("--output-tokens", default="16:64")
+    p.add_argument("--prompt-tokens", default="512:2048",
+                   help="prompt tokens per request (MIN:MAX)")
+    p.add_argument("--output-tokens", default="16:64",
+                   help="output tokens per request (MIN:MAX)")
     add_workload_args(p)
     p.add_argument("--ttft", type=float, default=1.0, help="class TTFT limit, GPU seconds")
     p.add_argument("--itl", type=float, default=0.08, help="class ITL limit, GPU seconds")
@@ -152,7 +157,8 @@ def configure_scenario(p: argparse.ArgumentParser, out_default: str) -> None:
                    help="clients give up after this many GPU seconds")
     p.add_argument("--shape", choices=("poisson", "constant"), default="poisson",
                    help="arrival process of every run (the capacity probe is fixed)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="workload seed")
     p.add_argument("--out", default=None, help=f"output folder (default {out_default})")
 
 
@@ -171,7 +177,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="loads at which the same arrivals are replayed as users on the OpenAI "
                         "SDK (default retries) for --sdk-policies ('' for none; default 2.0, "
                         "none with --fleet)")
-    p.add_argument("--sdk-policies", default="always_admit,slo")
+    p.add_argument("--sdk-policies", default="always_admit,slo",
+                   help="policies the OpenAI-SDK rows run with (comma-separated)")
     p.add_argument("--sweep", default="0.8:1.6:0.1",
                    help="capacity sweep, multiples of the saturation throughput S")
     p.add_argument("--capacity", type=float, default=None,

@@ -34,13 +34,17 @@ _GIB, _MIB = 1 << 30, 1 << 20
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-7b", help=f"one of {', '.join(PRESET_NAMES)}")
     parser.add_argument("--gpu", default="h100-80g", help=f"one of {', '.join(gpu_names())}")
-    parser.add_argument("--prompt-tokens", type=int, default=2048)
-    parser.add_argument("--output-tokens", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=2048,
+                        help="prompt tokens per sequence")
+    parser.add_argument("--output-tokens", type=int, default=256,
+                        help="output tokens per sequence")
     parser.add_argument("--prefix-hit-ratio", type=float, default=0.0,
                         help="expected share of each prompt served from the prefix cache "
                              "(0 <= h < 1): fewer new blocks per request, a shorter prefill")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of GPU memory the engine may use")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="engine limit; sizes the sampler part of the activation estimate")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -54,7 +58,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "and print them beside the predictions")
     parser.add_argument("--measure-steps", type=int, default=8,
                         help="decode steps timed per batch size (median reported)")
-    parser.add_argument("--measure-max-batch", type=int, default=64)
+    parser.add_argument("--measure-max-batch", type=int, default=64,
+                        help="--measure: the largest decode batch timed")
 
 
 def run(args: argparse.Namespace) -> int:

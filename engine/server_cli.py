@@ -36,10 +36,14 @@ import os
 import sys
 
 from serving import add_limit_arguments, install_quiet_logging, limits_from_args
+from serving.log_format import LOG_FORMATS, configure_logging
 
 __all__ = ["configure", "run", "load_middleware"]
 
 GUARD_MIDDLEWARE = "guard.middleware:AdmissionMiddleware"
+# read before the server starts, so a bad --guard config is one line (the CLI's ValueError),
+# not a traceback from the server's start-up; imported by name like the middleware
+GUARD_CONFIG_LOADER = "guard.config:load_config"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -47,22 +51,34 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "llama-7b, ...)")
     parser.add_argument("--served-model-name", default=None,
                         help="name clients send as 'model' (default: --model)")
-    parser.add_argument("--backend", choices=("torch", "sim"), default="torch")
+    parser.add_argument("--backend", choices=("torch", "sim"), default="torch",
+                        help="torch runs the model; sim models a GPU's step times")
     parser.add_argument("--gpu", default="h100-80g",
                         help="GPU the sim backend models; the power figures for modelled power "
                              "(sim and CPU backends)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="sim backend: wall seconds per simulated second (0: no waiting)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="torch backend: where the model runs (default: cuda when available)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="torch backend: weight dtype (default: the device's)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV cache blocks (default: max-num-seqs full-length sequences, "
+                             "at most 1 GiB; on CUDA at most 90%% of free memory)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV block (default: the preset's)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="sequences per step (default: the preset's)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step, the prefill chunk budget (default: the preset's)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length (default: the model's)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the random weights of a preset without a checkpoint "
+                             "(default: 0)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse the KV blocks of cached prompt prefixes "
                         "(default: on)")
@@ -86,8 +102,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20,
                         help="largest generation request body; more is a 413 (default 1 MiB, "
                         "the guard's max_body_bytes)")
-    parser.add_argument("--shutdown-timeout-s", type=float, default=10.0)
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--shutdown-timeout-s", type=float, default=10.0,
+                        help="SIGTERM: how long running requests may still run")
+    parser.add_argument("--log-level", default="warning",
+                        help="debug, info (lifecycle events), warning or error")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="log lines as text or one JSON object each, with a UTC timestamp")
     parser.add_argument("--http", choices=("h11", "httptools", "auto", "kvguard"),
                         default="h11",
                         help="HTTP server: uvicorn with its h11 (default) or httptools parser "
@@ -221,12 +241,14 @@ def run(args: argparse.Namespace) -> int:
     from serving.draining_server import draining_server, listening_socket
     from serving.limited_protocol import ConnectionTable, uvicorn_config
 
+    configure_logging(args.log_level, args.log_format)
     limits = limits_from_args(args)
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     specs = list(args.middleware)
     if args.guard is not None:
         os.environ["KVGUARD_CONFIG"] = args.guard
+        load_middleware(GUARD_CONFIG_LOADER)()  # a bad config: ValueError naming the key
         specs.insert(0, GUARD_MIDDLEWARE)  # outermost: it sees every request first
     middlewares = [load_middleware(s) for s in specs]
     if args.time_scale < 0:

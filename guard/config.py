@@ -81,6 +81,7 @@ __all__ = [
 
 ANONYMOUS_TENANT = "anonymous"
 STATE_SOURCES = ("kvguard", "vllm", "sglang", "tgi", "llamacpp", "auto", "none", "asgi")
+MISSING_MAX_TOKENS = ("fill", "forward")  # GuardConfig.missing_max_tokens
 # glob patterns (fnmatch) of the POST paths the guard admits; the rest pass straight through
 DEFAULT_ADMITTED_PATHS = ("*/v1/completions", "*/v1/chat/completions")
 DEFAULT_CLASSES = (
@@ -146,6 +147,15 @@ class ReplicaConfig:
     ``state_source = "none"``) compares requests ÷ weight, and ``slo`` breaks exact ties of its
     TTFT forecast that way. A fresh forecast is not bent by it: it already prices each
     replica's own load.
+
+    ``api_key`` (or ``api_key_env``, the name of an environment variable that
+    :func:`load_config` reads it from): the proxy's own credential for this replica, sent as
+    ``Authorization: Bearer ...``; the client's key (its tenant key) never goes upstream unless
+    ``[proxy] forward_client_authorization`` says so.
+
+    ``models``: every name a request's ``model`` may carry to be routed here (several names
+    for one model are aliases; the request is forwarded with the name it sent). Empty: the
+    proxy reads them from the replica's ``GET /v1/models``, polled with its state.
     """
 
     replica_id: str
@@ -154,6 +164,10 @@ class ReplicaConfig:
     max_model_len: int | None = None
     weight: float = 1.0
     kv_events_endpoint: str | None = None  # ZMQ endpoint of its KV-cache events (precise view)
+    models: tuple[str, ...] = ()  # the model names it serves (aliases too); () = its /v1/models
+    # the key the proxy sends this replica as "Authorization: Bearer ..." (never shown)
+    api_key: str | None = field(default=None, repr=False)
+    api_key_env: str | None = None  # the environment variable load_config reads api_key from
 
     def __post_init__(self) -> None:
         if self.kv_events_endpoint is not None and not str(self.kv_events_endpoint).startswith(
@@ -181,6 +195,20 @@ class ReplicaConfig:
             raise ValueError(f"replicas[{self.replica_id!r}].weight: must be a finite number > 0, "
                              f"got {weight!r}")
         object.__setattr__(self, "weight", float(weight))
+        models = self.models
+        if isinstance(models, str) or not all(isinstance(m, str) and m for m in models):
+            raise ValueError(f"replicas[{self.replica_id!r}].models: must be an array of "
+                             f"non-empty model names, got {models!r}")
+        object.__setattr__(self, "models", tuple(models))
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError(f"replicas[{self.replica_id!r}]: give api_key or api_key_env, "
+                             "not both")
+        for name in ("api_key", "api_key_env"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value
+                                      or not value.isprintable() or " " in value):
+                raise ValueError(f"replicas[{self.replica_id!r}].{name}: must be a non-empty "
+                                 "string without spaces")
         if self.url is not None:
             if not self.url.startswith(("http://", "https://")):
                 raise ValueError(f"replicas[{self.replica_id!r}].url: must start with http:// or https://")
@@ -207,6 +235,10 @@ class GuardConfig:
     policy_params: Mapping[str, Any] = field(default_factory=dict)
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
+    # a request without max_tokens: "fill" (priced at default_max_tokens, forwarded with it,
+    # the response says so in x-kvguard-max-tokens) or "forward" (sent untouched; priced by
+    # the learned output length, its reservation bounded by the context)
+    missing_max_tokens: str = "fill"
     max_queue_len: int = 512
     max_queue_wait_s: float = 30.0
     refresh_interval_s: float = 0.1
@@ -250,6 +282,7 @@ class GuardConfig:
         self._check_tenants()
         self._check_admin()
         self._check_numbers()
+        self._check_missing_max_tokens()
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError("policy: must be a non-empty string")
         object.__setattr__(self, "policy_params", types.MappingProxyType(dict(self.policy_params)))
@@ -294,9 +327,11 @@ class GuardConfig:
             if not isinstance(pattern, str) or not pattern.startswith(("/", "*")):
                 raise ValueError(f"admitted_paths: {pattern!r} must be a path pattern "
                                  "starting with / or *")
-            if not pattern.endswith(("/v1/completions", "/v1/chat/completions")):
-                raise ValueError(f"admitted_paths: {pattern!r} must end in /v1/completions or "
-                                 "/v1/chat/completions (the guard prices those two bodies)")
+            if not pattern.endswith(("/v1/completions", "/v1/chat/completions",
+                                     "/v1/embeddings")):
+                raise ValueError(f"admitted_paths: {pattern!r} must end in /v1/completions, "
+                                 "/v1/chat/completions or /v1/embeddings (the bodies the guard "
+                                 "prices)")
         object.__setattr__(self, "admitted_paths", tuple(paths))
         literal = [p for p in paths if not any(c in p for c in "*?[")]
         suffixes = tuple(p[1:] for p in paths if p.startswith("*") and not any(
@@ -360,6 +395,11 @@ class GuardConfig:
         for t in self.tenants:
             if t.default_class is not None and t.default_class not in self._classes_by_name:
                 raise ValueError(f"tenants[{t.name!r}].default_class: unknown class {t.default_class!r}")
+
+    def _check_missing_max_tokens(self) -> None:
+        if self.missing_max_tokens not in MISSING_MAX_TOKENS:
+            raise ValueError(f"missing_max_tokens: must be one of {MISSING_MAX_TOKENS}, got "
+                             f"{self.missing_max_tokens!r}")
 
     def _check_numbers(self) -> None:
         for name in ("max_body_bytes", "default_max_tokens",
@@ -544,7 +584,8 @@ def _tenant_from(index: int, value: Any) -> TenantConfig:
 def _replica_from(index: int, value: Any) -> ReplicaConfig:
     key = f"replicas[{index}]"
     wanted = {"replica_id": str, "url": str, "state_source": str, "max_model_len": int,
-              "weight": float, "kv_events_endpoint": str}
+              "weight": float, "kv_events_endpoint": str,
+              "models": list, "api_key": str, "api_key_env": str}
     spec = _table(key, value, set(wanted))
     spec.setdefault("replica_id", f"r{index}")
     for fname in spec:
@@ -569,7 +610,7 @@ _SCALAR_FIELDS: dict[str, tuple[type, bool]] = {
     "default_class": (str, False), "allow_anonymous": (bool, False),
     "anonymous_may_choose_class": (bool, False), "policy": (str, False),
     "max_body_bytes": (int, False), "default_max_tokens": (int, False),
-    "max_queue_len": (int, False),
+    "missing_max_tokens": (str, False), "max_queue_len": (int, False),
     "max_queue_wait_s": (float, False), "refresh_interval_s": (float, False),
     "max_staleness_s": (float, False), "state_timeout_s": (float, False),
     "unhealthy_after_errors": (int, False), "tokenizer": (str, True),
@@ -645,6 +686,22 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def _with_replica_keys(config: GuardConfig, env: Mapping[str, str]) -> GuardConfig:
+    """Each ``[[replicas]] api_key_env`` read from the environment into ``api_key``."""
+    if not any(r.api_key_env for r in config.replicas):
+        return config
+    replicas = []
+    for replica in config.replicas:
+        name = replica.api_key_env
+        if name is not None:
+            if not env.get(name):
+                raise ValueError(f"replicas[{replica.replica_id!r}].api_key_env: the "
+                                 f"environment variable {name} is not set")
+            replica = dataclasses.replace(replica, api_key_env=None, api_key=env[name])
+        replicas.append(replica)
+    return dataclasses.replace(config, replicas=tuple(replicas))
+
+
 def load_config(path: str | os.PathLike | None = None,
                 env: Mapping[str, str] | None = None) -> GuardConfig:
     """The TOML file at ``path`` (or ``$KVGUARD_CONFIG``), then ``KVGUARD_*`` env overrides.
@@ -662,7 +719,7 @@ def load_config(path: str | os.PathLike | None = None,
             raise ValueError(f"KVGUARD_CONFIG: cannot read {str(path)!r}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{path}: invalid TOML: {exc}") from None
-    config = GuardConfig.from_dict(data)
+    config = _with_replica_keys(GuardConfig.from_dict(data), env)
     overrides = _env_overrides(env)
     if not overrides:
         return config

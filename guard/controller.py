@@ -46,6 +46,10 @@ ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy anot
     it than ``await wait(it)``, exactly once.
 * ``await wait(waiting)`` returns :class:`Admitted` or :class:`Rejection` as above, or
   ``None``: the client left before a decision (already counted canceled; nothing to send).
+* ``replicas_for`` (the proxy sets it): ``model -> frozenset of replica ids | None``, or
+  PricingError (404 ``model_not_found``); each priced request is then decided only among its
+  model's replicas (``RequestCost.replica_ids``), the queue pump's and redispatch's decisions
+  included.
 * ``redispatch(admitted, replica_ids)`` (the proxy): the upstream failed before answering, so
   the policy re-decides among ``replica_ids``; returns the new replica id (reservation moved)
   or None.
@@ -199,6 +203,8 @@ class AdmissionController:
                                             min(c.itl_s for c in config.classes))
         self.rules = self.replica_limits.rules  # what the replicas accept, from their latest state
         self._sources = dict(sources) if sources is not None else None
+        # model -> the replica ids serving it (None: any; PricingError: none), set by the proxy
+        self.replicas_for: Callable[[object], frozenset[str] | None] | None = None
         self.shared = shared_reservations  # other guards' pending reservations, via Redis
         if shared_reservations is not None:
             shared_reservations.bind(self.load_state, self.registry, self.clock)
@@ -262,9 +268,11 @@ class AdmissionController:
             priced = self.pricer.price_request(request.body, request.path, request.headers,
                                                tenant, arrival_s, request_id=request_id,
                                                rules=self.rules)
+            cost = priced.cost
+            if self.replicas_for is not None:  # only the replicas serving its model
+                cost.replica_ids = self.replicas_for(priced.body.get("model"))
         except PricingError as error:
             return self.rejecter.reject_early(request_id, tenant, arrival_s, error)
-        cost = priced.cost
         self.metrics.counters(cost.request_class.name, cost.tenant).offered.value += 1
         self.retry_budget.record(cost.tenant, cost.is_retry, arrival_s)
         grants = self.grants
@@ -450,6 +458,11 @@ class AdmissionController:
         open_store = getattr(self.budget, "open", None)
         if open_store is not None:
             await open_store()
+
+    def state_error(self, replica_id: str) -> str | None:
+        """Why the replica's state could not be read at its last refresh (None: it was)."""
+        poller = self.background.poller
+        return None if poller is None else poller.unreadable.get(replica_id)
 
     def _make_poller(self) -> StatePoller:
         return StatePoller(self.load_state, self._sources, self.config.refresh_interval_s,

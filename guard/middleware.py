@@ -50,6 +50,7 @@ from guard.replicas.load_state import LoadState
 from guard.replicas.poller import AsgiStateSource
 from guard.request.body import content_length, headers_from_scope
 from guard.request.pricing import Pricer
+from guard.request.request_ids import client_request_id, id_headers
 from guard.request.target import Target, scope_target
 from guard.state_page import STATE_PATH, not_admitting
 from serving.drain_hooks import register_drain_hook
@@ -129,11 +130,13 @@ class AdmissionMiddleware:
     async def _refuse(self, scope: Scope, send: Send, error: PricingError) -> None:
         """A request refused before its body is read (a target the guard will not forward):
         answered and counted by the controller like any other rejection (a 401 first)."""
-        request = AdmissionRequest(scope["path"], headers_from_scope(scope), b"", None, error)
+        headers = headers_from_scope(scope)
+        request = AdmissionRequest(scope["path"], headers, b"", None, error)
         result = self.controller.decide(request)
         if isinstance(result, Wait):
             result = await self.controller.wait(result)
-        await send_rejection(send, result)
+        await send_rejection(send, result, id_headers(
+            client_request_id(headers.get("x-request-id")), result.request_id))
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         headers = headers_from_scope(scope)
@@ -142,11 +145,13 @@ class AdmissionMiddleware:
         result = self.controller.decide(request)
         if isinstance(result, Wait):
             result = await self.controller.wait(result)
+        client_id = client_request_id(headers.get("x-request-id"))
         if isinstance(result, Admitted):
+            result.client_request_id = client_id
             return await relay.run(self.app, scope, result)
         relay.stop_watching()
         if result is not None:
-            await send_rejection(send, result)
+            await send_rejection(send, result, id_headers(client_id, result.request_id))
 
     def _lifespan_receive(self, receive: Receive) -> Receive:
         async def wrapped() -> Message:

@@ -6,7 +6,8 @@ the admission's body as its first ``http.request`` (then the client's own later 
 disconnect still reaches it as ``http.disconnect``), the scope carries the guard's
 ``x-request-id``, and every response message passes through unbuffered while the admission
 observes it (status, content type, first token, inter-token gaps, ``usage``, ``finish_reason``,
-end of stream). The guard adds ``x-kvguard-queue-ms`` and, unless the app set one,
+end of stream). The guard adds ``x-kvguard-queue-ms``, ``x-kvguard-max-tokens`` (the value it
+filled in for a request sent without ``max_tokens``) and, unless the app set one,
 ``x-request-id`` to the response headers. The admission is finished exactly once: with its
 natural outcome when the app returns, ``canceled`` or ``failed`` when it raises (re-raised).
 
@@ -24,6 +25,7 @@ from typing import Any
 
 from guard.admission.admitted import Admitted
 from guard.request.body import read_body
+from guard.request.request_ids import GUARD_REQUEST_ID_HEADER, MAX_TOKENS_HEADER
 
 __all__ = ["Relay", "forward_scope", "start_with_headers", "REQUEST_ID_HEADER"]
 
@@ -57,8 +59,11 @@ def forward_scope(scope: Scope, request_id: bytes, body_len: int | None = None) 
 
 
 def start_with_headers(message: Message, ticket: Any, request_id: bytes,
-                       queue_ms: bytes) -> Message:
-    """Note the status and content type; add the guard's headers (ASGI names are lower-case)."""
+                       queue_ms: bytes, client_id: str | None = None) -> Message:
+    """Note the status and content type; add the guard's headers (ASGI names are lower-case):
+    ``x-kvguard-request-id`` (the guard's id) and, unless the app set its own, ``x-request-id``
+    (``client_id``, the client's sane one, else the guard's; the app's echo of the guard's id
+    gives way to the client's)."""
     headers = list(message.get("headers", ()))
     content_type = b""
     has_request_id = False
@@ -66,9 +71,16 @@ def start_with_headers(message: Message, ticket: Any, request_id: bytes,
         if name == b"content-type":
             content_type = value
         elif name == REQUEST_ID_HEADER:
-            has_request_id = True
+            has_request_id = value != request_id or client_id is None
+    if client_id is not None and not has_request_id:  # the echo of the guard's id goes
+        headers = [h for h in headers if h[0] != REQUEST_ID_HEADER]
+        request_id = client_id.encode()
     ticket.on_start(message["status"], content_type)
+    headers.append((GUARD_REQUEST_ID_HEADER, ticket.cost.request_id.encode()))
     headers.append((_QUEUE_MS_HEADER, queue_ms))
+    priced = ticket.priced
+    if priced is not None and priced.max_tokens_defaulted:  # the client sent no max_tokens
+        headers.append((MAX_TOKENS_HEADER, str(ticket.cost.max_tokens).encode()))
     if not has_request_id:
         headers.append((REQUEST_ID_HEADER, request_id))
     started = message.copy()
@@ -135,7 +147,8 @@ class Relay:
         elif kind == "http.response.start":
             queue_ms = (ticket.dispatch_s - ticket.cost.arrival_s) * 1000.0
             message = start_with_headers(message, ticket, self.request_id,
-                                         f"{queue_ms:.1f}".encode())
+                                         f"{queue_ms:.1f}".encode(),
+                                         self.admission.client_request_id)
         try:
             await self._send(message)
         except OSError:

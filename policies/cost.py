@@ -57,6 +57,9 @@ class RequestCost:
     client: str = ""
     cached_prefix_tokens: Mapping[str, int] | None = None  # replica id -> cached prompt tokens
     prefix_key: object = None
+    # the replicas that serve the request's model (None: any replica); the guard restricts
+    # the snapshot to them before the policy decides, so a policy never sees the others
+    replica_ids: frozenset[str] | None = None
 
     def num_cached_tokens_on(self, replica_id: str, block_size: int) -> int:
         """Prompt tokens a replica's prefix cache saves this request: whole blocks only, and

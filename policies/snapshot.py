@@ -59,6 +59,9 @@ class ReplicaSnapshot:
     weight: float = 1.0
     concurrency_limit: int | None = None
     first_token_s: float | None = None
+    # the replica published its own limits and step times (a kvguard engine); False where
+    # they are assumed (a vLLM /metrics scrape, a replica of unknown capacity)
+    limits_published: bool = True
 
     @property
     def num_available_blocks(self) -> int:

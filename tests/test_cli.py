@@ -81,3 +81,18 @@ def test_subcommand_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["proxy", "--help"])
     assert "(default:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("front_end", [["proxy", "--upstream", "http://127.0.0.1:9"],
+                                       ["engine", "--model", "tiny", "--backend", "sim"]])
+def test_every_front_end_reports_a_bad_config_in_one_line(front_end, tmp_path):
+    """The same bad file through the proxy and the engine's --guard: one line naming the key,
+    exit 2, no traceback (the engine reads it before its server starts)."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("policy = 3\n")
+    flag = "--config" if front_end[0] == "proxy" else "--guard"
+    done = subprocess.run([sys.executable, "-m", "guard.cli", *front_end, flag, str(bad),
+                           "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"kvguard {front_end[0]}: error: policy: expected str, got int 3"], done.stderr

@@ -99,3 +99,54 @@ def test_the_kubernetes_example_runs_kvguard_epp_with_flags_and_config_it_accept
     config_path.write_text(kinds["ConfigMap"]["data"]["guard.toml"])
     config = load_config(str(config_path))
     assert len(config.replicas) == 2 and config.redis_url is not None
+
+
+PROXY_MANIFESTS = ROOT / "deploy" / "kubernetes" / "kvguard-proxy.yaml"
+
+
+def _manifests() -> dict[str, dict]:
+    yaml = pytest.importorskip("yaml", reason="PyYAML (the dev extra) reads the manifests")
+    found = {}
+    for document in yaml.safe_load_all(PROXY_MANIFESTS.read_text()):
+        if document is None:
+            continue
+        assert document["kind"] not in found, f"a second {document['kind']}"
+        found[document["kind"]] = document
+    return found
+
+
+def test_the_kubernetes_manifests_probe_the_proxy_where_it_answers(tmp_path):
+    """Deployment, Service, ConfigMap and Secret for the proxy: the probes' paths are the ones
+    the proxy serves, on the port its args listen on (the image's EXPOSE), the Service targets
+    that port, the config the ConfigMap mounts loads with the Secret's variables, and the grace
+    period outlasts the drain. (No cluster runs them here.)"""
+    from guard.config import load_config
+    from guard.proxy.app import LIVEZ_PATH, READYZ_PATH
+
+    manifests = _manifests()
+    assert set(manifests) == {"Deployment", "Service", "ConfigMap", "Secret"}
+    pod = manifests["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    importlib.import_module(SUBCOMMANDS["proxy"][0]).configure(parser)
+    args = parser.parse_args(container["args"])
+    exposed = int(re.search(r"EXPOSE (\d+)", (ROOT / "deploy/docker/proxy.Dockerfile").read_text())[1])
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": args.port} and args.port == exposed and args.host == "0.0.0.0"
+    for probe, path in (("livenessProbe", LIVEZ_PATH), ("readinessProbe", READYZ_PATH)):
+        assert container[probe]["httpGet"] == {"path": path, "port": "http"}
+    assert manifests["Service"]["spec"]["ports"][0]["targetPort"] == "http"
+    selector = manifests["Service"]["spec"]["selector"]
+    assert selector.items() <= manifests["Deployment"]["spec"]["template"]["metadata"]["labels"].items()
+
+    (mount,) = container["volumeMounts"]
+    (volume,) = pod["volumes"]
+    assert volume["configMap"]["name"] == manifests["ConfigMap"]["metadata"]["name"]
+    (file_name,) = manifests["ConfigMap"]["data"]
+    assert args.config == f"{mount['mountPath']}/{file_name}"
+    assert container["envFrom"] == [{"secretRef": {"name": manifests["Secret"]["metadata"]["name"]}}]
+    config_path = tmp_path / file_name
+    config_path.write_text(manifests["ConfigMap"]["data"][file_name])
+    config = load_config(config_path, env=manifests["Secret"]["stringData"])
+    assert config.replicas and config.redis_url and config.admin_key_sha256
+    assert pod["terminationGracePeriodSeconds"] > config.proxy.drain_timeout_s

@@ -144,3 +144,44 @@ def test_both_endpoints_pass_the_lint(guarded_engine):
         families = list(text_string_to_metric_families(page.text))
         assert len(families) > 5, path
         assert lint(page.text) == [], path
+
+
+def promtool_problems(text: str) -> list[str]:
+    """``promtool check metrics`` on one exposition: its problems with kvguard-owned families
+    (the ``vllm:*`` names are vLLM's on purpose), or a skip when promtool is absent."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+    done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                          text=True, timeout=60)
+    lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    return [line for line in lines if not line.startswith(VLLM_PREFIX)]
+
+
+def test_the_engine_endpoints_are_promtool_clean(guarded_engine):
+    with httpx.Client(base_url=guarded_engine.base_url, timeout=60.0, trust_env=False,
+                      headers={"authorization": f"Bearer {KEY}"}) as client:
+        assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}
+                           ).status_code == 200
+        pages = [client.get(path).text for path in ("/metrics", "/kvguard/metrics")]
+    for page in pages:
+        assert promtool_problems(page) == []
+
+
+def test_the_proxy_endpoint_passes_the_lint_and_promtool(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "guard" / "proxy"))
+    from proxy_helpers import proxy_child, running, upstream_child, write_config
+
+    with running(upstream_child("ok", "m")) as upstream, \
+            running(proxy_child([upstream.url], write_config(tmp_path),
+                                state_source="none")) as proxy, \
+            httpx.Client(base_url=proxy.url, timeout=60.0, trust_env=False) as client:
+        assert client.post("/v1/completions", json={"model": "m", "prompt": "hi",
+                                                    "max_tokens": 2}).status_code == 200
+        page = client.get("/kvguard/metrics").text
+    assert "kvguard_proxy_ejections_total" in page
+    assert lint(page) == []
+    assert promtool_problems(page) == []

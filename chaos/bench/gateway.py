@@ -47,14 +47,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=300,
                         help="latency requests per target (0: skip the latency part)")
     parser.add_argument("--warmup", type=int, default=20, help="unmeasured requests per target")
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=8,
+                        help="tokens per streamed completion")
     parser.add_argument("--gap-ms", type=float, default=3.0,
                         help="pause before each latency request")
     parser.add_argument("--idle-s", type=float, default=2.0,
                         help="idle window that measures each process's background CPU")
     parser.add_argument("--litellm", action="store_true",
                         help="also measure LiteLLM proxy (installed into --litellm-venv)")
-    parser.add_argument("--litellm-venv", default=".venv-litellm", type=Path)
+    parser.add_argument("--litellm-venv", default=".venv-litellm", type=Path,
+                        help="the virtual environment LiteLLM is installed into")
     parser.add_argument("--rate-s", type=float, default=10.0,
                         help="seconds of the decisions-per-second run (0: skip it)")
     parser.add_argument("--concurrency", type=int, default=16,

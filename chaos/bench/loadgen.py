@@ -113,7 +113,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=8, help="token chunks per stream")
     p.add_argument("--hold-s", type=float, default=0.0,
                    help="the server answers after this long (keeps rate × hold pending)")
-    p.add_argument("--max-connections", type=int, default=4096)
+    p.add_argument("--max-connections", type=int, default=4096,
+                   help="the client's connection pool size")
     p.add_argument("--client", choices=("aiohttp", "raw"), default="aiohttp",
                    help="the generator's HTTP client (chaos.load.CLIENTS)")
 

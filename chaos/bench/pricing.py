@@ -43,7 +43,8 @@ def price_us_per_request(num_requests: int, num_chars: int) -> float:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=2000, help="requests priced per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="timed rounds (the best round is reported)")
     parser.add_argument("--chars", type=int, default=300, help="characters of user content")
 
 

@@ -11,7 +11,8 @@ target's figure minus the direct one. Targets: ``kvguard proxy`` with
 ``always_admit`` and with ``slo`` (aiohttp upstream client, uvicorn on asyncio + h11), both
 again on the proxy's defaults (``kvguard defaults ...``: kvguard's own HTTP server and the h1
 client, on uvloop — what ``--loop auto`` picks, uvloop being a core dependency) and LiteLLM proxy (one worker, installed into ``.venv-litellm/``; ``--no-litellm`` skips it);
-``--stacks`` adds ``always_admit`` with the h1 client (HTTP/1.1 on raw asyncio protocols), on uvloop + httptools (installed by the bench into ``.bench-site/`` when
+``--access-log`` adds both defaults again with ``kvguard proxy --access-log`` (one log line per
+request, to the bench's pipe); ``--stacks`` adds ``always_admit`` with the h1 client (HTTP/1.1 on raw asyncio protocols), on uvloop + httptools (installed by the bench into ``.bench-site/`` when
 the environment lacks them), the h1 client on those, and on kvguard's own HTTP server
 (``--http kvguard``, on asyncio and on uvloop with the aiohttp client, on asyncio with the h1
 client).
@@ -95,6 +96,10 @@ STACK_VARIANTS = {  # --stacks: the HTTP client and server stacks side by side
     "kvguard always_admit kvguard-http h1 client asyncio": ("always_admit", "h1", "asyncio",
                                                             "kvguard"),
 }
+ACCESS_LOG_VARIANTS = {  # --access-log: the proxy's defaults again, with --access-log on
+    "kvguard defaults always_admit access-log": VARIANTS["kvguard defaults always_admit"],
+    "kvguard defaults slo access-log": VARIANTS["kvguard defaults slo"],
+}
 FLOOR_VARIANTS = {  # --floor: name -> (chaos.passthrough mode, uvicorn loop, uvicorn http)
     "passthrough tcp": ("tcp", "asyncio", "h11"),
     "passthrough http (raw asyncio)": ("http", "asyncio", "h11"),
@@ -109,7 +114,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=300,
                         help="latency requests per target (0: skip the latency part)")
     parser.add_argument("--warmup", type=int, default=20, help="unmeasured requests per target")
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=8,
+                        help="tokens per streamed completion")
     parser.add_argument("--stacks", action="store_true",
                         help="also run the h1/aiohttp client and uvloop+httptools variants")
     parser.add_argument("--defaults-only", action="store_true",
@@ -122,16 +128,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "is done; 0: back to back)")
     parser.add_argument("--idle-s", type=float, default=3.0,
                         help="idle window that measures each process's background CPU")
+    parser.add_argument("--access-log", action="store_true",
+                        help="also run the proxy's defaults with --access-log (one log line "
+                             "per request), beside the same without it")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM target")
     parser.add_argument("--floor", action="store_true",
                         help="also run trivial pass-through proxies (TCP pump, uvicorn+aiohttp)")
     parser.add_argument("--against", default=None, type=Path, metavar="DIR",
                         help="also run kvguard proxy from another checkout, side by side")
-    parser.add_argument("--litellm-venv", default=".venv-litellm", type=Path)
+    parser.add_argument("--litellm-venv", default=".venv-litellm", type=Path,
+                        help="the virtual environment LiteLLM is installed into")
     parser.add_argument("--bench-site", default=".bench-site", type=Path,
                         help="where uvloop/httptools go when the environment lacks them")
     parser.add_argument("--shed-rate", type=float, default=2000.0, help="req/s (0: skip)")
-    parser.add_argument("--shed-duration-s", type=float, default=10.0)
+    parser.add_argument("--shed-duration-s", type=float, default=10.0,
+                        help="how long the shedding flood runs")
     parser.add_argument("--shed-http", action="append", default=None,
                         choices=("auto", "h11", "httptools", "kvguard"),
                         help="the proxy's --http for the shedding run (repeatable: one run "
@@ -201,14 +212,14 @@ def _env(loop: str, site: str | None, checkout: Path | None = None) -> dict[str,
 
 
 def _proxy(upstream: str, config: str, loop: str, http: str, site: str | None,
-           checkout: Path | None = None) -> ChildProcess:
+           checkout: Path | None = None, extra: tuple[str, ...] = ()) -> ChildProcess:
     # -P for another checkout: the current directory is not put first on sys.path, so the
     # checkout's guard/ is the one imported
     isolate = ["-P"] if checkout is not None else []
     return ChildProcess(
         "proxy", lambda port: [sys.executable, *isolate, "-m", "guard.cli", "proxy", "--upstream",
                                upstream, "--config", config, "--loop", loop, "--http", http,
-                               "--host", "127.0.0.1", "--port", str(port)],
+                               *extra, "--host", "127.0.0.1", "--port", str(port)],
         http_health, ready_pattern=r"kvguard proxy listening on (\S+)",
         env=_env(loop, site, checkout))
 
@@ -232,7 +243,9 @@ def _latency(args: argparse.Namespace, work: Path) -> dict:
             ours, variants = _variants(args)
             site = _site_path(args) if args.stacks else None
             for name, (policy, client, loop, http) in variants.items():
-                child = _proxy(upstream, _proxy_config(work, policy, client), loop, http, site)
+                extra = ("--access-log",) if name.split(" #")[0] in ACCESS_LOG_VARIANTS else ()
+                child = _proxy(upstream, _proxy_config(work, policy, client), loop, http, site,
+                               extra=extra)
                 children.append(child.start())
                 urls[name] = child.url
             if args.against is not None:
@@ -265,7 +278,8 @@ def _variants(args: argparse.Namespace) -> tuple[dict, dict]:
     second; ``--against`` runs the first from the other checkout."""
     ours = {name: variant for name, variant in VARIANTS.items()
             if not args.defaults_only or "defaults" in name}
-    return ours, _copies({**ours, **(STACK_VARIANTS if args.stacks else {})}, args.copies)
+    return ours, _copies({**ours, **(STACK_VARIANTS if args.stacks else {}),
+                          **(ACCESS_LOG_VARIANTS if args.access_log else {})}, args.copies)
 
 
 def _copies(variants: dict, copies: int) -> dict:

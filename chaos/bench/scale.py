@@ -179,7 +179,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls", type=int, default=400, help="decisions per policy and shape")
     parser.add_argument("--refresh-hz", type=float, default=10.0,
                         help="state refreshes per replica per second, for state_cpu_share")
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="policies to run (comma-separated)")
     parser.add_argument("--gap-decisions", type=int, default=0,
                         help="also compare slo's candidate set with its full scan on N requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -52,10 +52,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=3.0, help="seconds of arrivals")
     p.add_argument("--time-scale", type=float, default=20.0,
                    help="sim slow-down: the replica serves a few req/s")
-    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=4,
+                   help="the sim replica's sequence slots")
     p.add_argument("--ttft", type=float, default=1.0, help="class TTFT limit, wall seconds")
     p.add_argument("--itl", type=float, default=1.0, help="class ITL limit, wall seconds")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="arrival-time seed")
     p.add_argument("--http", choices=("h11", "kvguard"), default="h11",
                    help="the replica's HTTP server (kvguard engine --http): uvicorn's h11 "
                         "(the engine's default) or kvguard's own")

@@ -81,12 +81,18 @@ def run_saturation(model: str = "llama-3.1-8b", gpu: str = "a100-80g", num_reque
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-3.1-8b")
-    parser.add_argument("--gpu", default="a100-80g")
-    parser.add_argument("--num-requests", type=int, default=1000)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="llama-3.1-8b",
+                        help="model preset the timing model uses")
+    parser.add_argument("--gpu", default="a100-80g",
+                        help="GPU profile the timing model uses")
+    parser.add_argument("--num-requests", type=int, default=1000,
+                        help="requests in the simulated run")
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="the simulated engine's sequence slots")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the simulated engine's tokens per step")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="workload seed")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

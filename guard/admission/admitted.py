@@ -24,7 +24,8 @@ __all__ = ["Admitted"]
 class Admitted:
     """One admitted request: its ticket, the body to forward, the class's ITL histogram."""
 
-    __slots__ = ("ticket", "request_id", "replica_id", "body", "body_rewritten", "clock", "itl")
+    __slots__ = ("ticket", "request_id", "replica_id", "body", "body_rewritten", "clock", "itl",
+                 "client_request_id", "response_headers")
 
     def __init__(self, ticket: Ticket, body: bytes, clock: Callable[[], float], itl: Any) -> None:
         self.ticket = ticket
@@ -37,6 +38,18 @@ class Admitted:
         self.body_rewritten = priced is not None and body is not priced.raw
         self.clock = clock  # the controller's clock
         self.itl = itl  # the class's inter-token gap histogram
+        # the client's own sane x-request-id, echoed on the response (set by the adapter)
+        self.client_request_id: str | None = None
+        self.response_headers: list[tuple[bytes, bytes]] = []  # more, from the adapter
+
+    @property
+    def filled_max_tokens(self) -> int | None:
+        """The ``max_tokens`` the guard filled in for a client that sent none (None: it sent
+        one, or its request went upstream untouched)."""
+        priced = self.ticket.priced
+        if priced is None or not priced.max_tokens_defaulted:
+            return None
+        return self.ticket.cost.max_tokens
 
     @property
     def queue_ms(self) -> float:

@@ -26,7 +26,7 @@ from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
 from policies.retry_budget import RetryBudget
 from policies.shed_reasons import SHUTTING_DOWN
-from policies.snapshot import NOTHING_AHEAD, QueuedAhead
+from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead
 
 __all__ = ["Decider", "MAX_REDECISIONS"]
 
@@ -91,6 +91,8 @@ class Decider:
             return _DRAINING
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
                                             self.retry_budget.view(now_s), ahead)
+        if cost.replica_ids is not None:  # only the replicas serving its model
+            snapshot = _among(snapshot, cost.replica_ids)
         return self.policy.decide(cost, snapshot)
 
     def _count_admitted(self, cost: RequestCost, admit: Admit, now_s: float) -> None:
@@ -135,7 +137,9 @@ class Decider:
         now_s = self.clock()
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
                                             self.retry_budget.view(now_s))
-        others = tuple(r for r in snapshot.replicas if r.replica_id in replica_ids)
+        allowed = cost.replica_ids
+        others = tuple(r for r in snapshot.replicas if r.replica_id in replica_ids
+                       and (allowed is None or r.replica_id in allowed))
         # the ranked fleet describes every replica: a narrowed snapshot is decided by scanning
         decision = self.policy.decide(cost, dataclasses.replace(snapshot, replicas=others,
                                                                 fleet=None))
@@ -144,3 +148,11 @@ class Decider:
             return None
         self.policy.admitted(cost, decision.replica_id, now_s)
         return decision.replica_id
+
+
+def _among(snapshot: LoadSnapshot, replica_ids: frozenset[str]) -> LoadSnapshot:
+    """The snapshot with only ``replica_ids``' replicas. Its ranked ``fleet`` would name the
+    others: it is dropped, and the policy decides by scanning the replicas left, as for a
+    redispatch."""
+    return dataclasses.replace(snapshot, fleet=None, replicas=tuple(
+        r for r in snapshot.replicas if r.replica_id in replica_ids))

@@ -39,14 +39,24 @@ from guard.request.deadline import client_timeout_s
 from policies.cost import RequestCost
 from policies.decision import Shed
 from policies.retry_budget import RetryBudget
-from policies.shed_reasons import NEVER_RETRY, RETRY_SHED
+from policies.shed_reasons import (
+    CONCURRENCY_LIMIT,
+    NEVER_RETRY,
+    NO_REPLICA,
+    RETRY_SHED,
+    SHUTTING_DOWN,
+    TPM_LIMIT,
+)
 
 __all__ = ["DrainRate", "Rejecter", "Rejection", "RetryAdvisor", "error_type",
            "send_rejection"]
 
 Send = Callable[[dict], Awaitable[None]]
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+# OpenAI's error.type per status (a bad or missing key is its invalid_request_error, code
+# invalid_api_key); a tenant's rate limits are OpenAI's type "requests"/"tokens", code
+# rate_limit_exceeded (kvguard's own reason stays in x-kvguard-reason)
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
@@ -60,8 +70,15 @@ def _error_body(status: int, reason: str, message: str, param: str | None) -> by
     """The OpenAI-style error body. Memoised: a flood is answered with a handful of distinct
     (reason, message) pairs, and encoding the same JSON for every shed showed in the profile
     (``kvguard bench shed-cost --profile``)."""
-    error = {"message": message, "type": error_type(status), "param": param, "code": reason}
+    kind, code = (_RATE_LIMIT_TYPES.get(reason), "rate_limit_exceeded") if status == 429 \
+        else (None, reason)
+    error = {"message": message, "type": kind or error_type(status), "param": param,
+             "code": code if kind else reason}
     return json.dumps({"error": error}).encode()
+
+
+_RPM_LIMIT = "rpm_limit"  # a budget store's Denied reason (guard.budget)
+_RATE_LIMIT_TYPES = {_RPM_LIMIT: "requests", TPM_LIMIT: "tokens", CONCURRENCY_LIMIT: "requests"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,7 @@ class Rejection:
     retry_after_s: float | None = None
     should_retry: bool = False
     param: str | None = None
+    request_id: str | None = None  # the guard's id of the request (None: it had none yet)
 
     def __post_init__(self) -> None:
         if not 400 <= self.status < 600:
@@ -224,6 +242,22 @@ _SHED_MESSAGES = {
     429: "Rate limit reached for this tenant; retry after the indicated time.",
     503: "The service is overloaded; retry after the indicated time.",
 }
+# a 503's message names its real reason where "overloaded" would not be true
+_UNAVAILABLE_MESSAGES = {
+    NO_REPLICA: "No replica can serve this request now (none is routable); retry after the "
+                "indicated time.",
+    SHUTTING_DOWN: "This server is shutting down and admits no new requests; retry (another "
+                   "instance can serve it).",
+}
+# a tenant budget's 429, by the limit that said no
+_LIMIT_MESSAGES = {
+    _RPM_LIMIT: "Rate limit reached for this tenant's requests per minute; retry after the "
+               "indicated time.",
+    TPM_LIMIT: "Rate limit reached for this tenant's tokens per minute; retry after the "
+               "indicated time.",
+    CONCURRENCY_LIMIT: "Rate limit reached for this tenant's concurrent requests; retry when "
+                       "one of them has finished.",
+}
 
 
 class Rejecter:
@@ -255,10 +289,12 @@ class Rejecter:
             return self.reject_early(cost.request_id, cost.tenant, cost.arrival_s,
                                      error, cost.request_class.name, counted=True)
         wait_s, why_not = self.advise(cost, shed, headers, now_s)
-        message = _SHED_MESSAGES.get(shed.status, _SHED_MESSAGES[503])
+        message = (_UNAVAILABLE_MESSAGES.get(shed.reason) if shed.status == 503 else None) \
+            or _SHED_MESSAGES.get(shed.status, _SHED_MESSAGES[503])
         if wait_s is None:
             message = _NO_RETRY_MESSAGES.get(why_not, _NO_RETRY_MESSAGES[None])
-        rejection = Rejection(shed.status, shed.reason, message, wait_s, wait_s is not None)
+        rejection = Rejection(shed.status, shed.reason, message, wait_s, wait_s is not None,
+                              None, cost.request_id)
         self._metrics.rejected(cost.request_class.name, cost.tenant, shed.reason).inc()
         if self.trace is not None:
             self.trace.write(rejection_record(cost.request_id, cost.tenant, cost.request_class.name,
@@ -298,9 +334,10 @@ class Rejecter:
         if self.trace is not None:
             self.trace.write(rejection_record(cost.request_id, cost.tenant, cost.request_class.name,
                                                cost.arrival_s, self._clock(), None, 429, reason))
-        return Rejection(429, reason, _SHED_MESSAGES[429] if retry_after_s is not None else
+        return Rejection(429, reason, _LIMIT_MESSAGES.get(reason, _SHED_MESSAGES[429])
+                         if retry_after_s is not None else
                          "This request exceeds the tenant's budget and can never fit it.",
-                         retry_after_s, retry_after_s is not None)
+                         retry_after_s, retry_after_s is not None, None, cost.request_id)
 
     def _queue_horizon_s(self, now_s: float) -> float:
         """Until every request queued now has left the queue: the latest ``until_s`` (past it
@@ -324,7 +361,7 @@ class Rejecter:
         self.count_early(request_id, tenant, arrival_s, class_name, "rejected",
                          reason=error.reason, status=error.status, counted=counted)
         return Rejection(error.status, error.reason, error.message, None, False,
-                         getattr(error, "param", None))
+                         getattr(error, "param", None), request_id)
 
     def count_early(self, request_id: str, tenant: TenantConfig | str | None, arrival_s: float,
                     class_name: str | None, outcome: str, enqueue_s: float | None = None,

@@ -370,7 +370,7 @@ class FallbackStore:
             if self._wake is not None:
                 self._wake.set()
         else:
-            log.warning("budget backend: local -> redis (%s)", self._shown_url)
+            log.info("budget backend: local -> redis (%s)", self._shown_url)  # back to normal
         if self._metrics is not None:
             self._metrics.set_breaker(is_open)
 

@@ -38,12 +38,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", default=None, metavar="URL",
                         help="Redis shared with every other EPP and proxy (budgets, KV "
                              "reservations); replaces redis_url")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on")
     parser.add_argument("--port", type=int, default=9002, help="gRPC port; 0 picks a free one")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve GET /metrics (Prometheus) over HTTP on this port of --host "
                              "(0 picks a free one; default: no metrics endpoint)")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="warning",
+                        help="debug, info, warning or error")
 
 
 def run(args: argparse.Namespace) -> int:

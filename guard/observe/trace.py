@@ -97,7 +97,22 @@ def ticket_record(ticket: Ticket, decision: str, decision_s: float,
         "status": ticket.status, "met_slo": ticket.slo_met,
         "num_prompt_tokens": cost.num_prompt_tokens, "num_content_chunks": ticket.num_content_chunks,
         "itl_limit_s": cost.request_class.itl_s, "chunks_s": ticket.chunks_s,
+        "model": _model(ticket), "num_output_tokens": _num_output_tokens(ticket),
     }
+
+
+def _model(ticket: Ticket) -> str | None:
+    priced = ticket.priced
+    model = priced.body.get("model") if priced is not None else None
+    return model if isinstance(model, str) else None
+
+
+def _num_output_tokens(ticket: Ticket) -> int | None:
+    """The upstream's ``usage`` count; for a stream without one, its content chunks."""
+    output = ticket.num_usage_output_tokens
+    if output is None and ticket.is_stream:
+        output = ticket.num_content_chunks
+    return output
 
 
 def rejection_record(request_id: str, tenant: str, class_name: str | None, arrival_s: float,

@@ -30,6 +30,7 @@ import time
 
 from guard.config import config_with_upstreams
 from serving import add_limit_arguments, install_quiet_logging, limits_from_args
+from serving.log_format import LOG_FORMATS, configure_logging
 
 __all__ = ["CUT_GRACE_S", "configure", "run"]
 
@@ -51,7 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", default=None, metavar="URL",
                         help="Redis holding the tenant budgets shared by every proxy "
                              "(replaces redis_url; budgets themselves come from the config)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=9000, help="0 picks a free port")
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                         help="event loop (auto: uvloop when installed)")
@@ -60,7 +61,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="HTTP server: kvguard's own HTTP/1.1 server (serving.h1server; "
                              "the default), or uvicorn with its h11 or httptools parser "
                              "(auto: httptools when installed)")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="warning",
+                        help="debug, info (lifecycle events: re-admissions, drain, Redis "
+                             "switches), warning or error")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="log lines as text or one JSON object each, with a UTC timestamp")
+    parser.add_argument("--access-log", action="store_true",
+                        help="one kvguard.access line per request: id, tenant, model, replica, "
+                             "decision, status, TTFT, tokens, duration")
     add_limit_arguments(parser)
 
 
@@ -88,9 +96,11 @@ def run(args: argparse.Namespace) -> int:
     from serving.draining_server import draining_server, listening_socket
     from serving.limited_protocol import ConnectionTable, uvicorn_config
 
+    configure_logging(args.log_level, args.log_format)
     table = ConnectionTable(limits_from_args(args))
     app = ProxyApp(config_with_upstreams(args.config, args.upstream,
-                                             args.state_source, args.redis))
+                                             args.state_source, args.redis),
+                   access_log=args.access_log)
     sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -113,12 +123,9 @@ def run(args: argparse.Namespace) -> int:
 def _run_h1server(app, table, sock, args: argparse.Namespace, ready_line: str,
                   graceful_timeout_s: float) -> int:
     """``--http kvguard``: the same app, limits, drain and ready line on serving.h1server."""
-    import logging
-
     from serving.h1server import H1Server
     from serving.h1server import run as serve
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     install_quiet_logging()
     server = H1Server(app, table, graceful_timeout_s=graceful_timeout_s)
     try:

@@ -11,6 +11,10 @@
     drain_timeout_s = 30.0         # SIGTERM: how long in-flight requests may still run (then cut)
     max_connections_per_replica = 256  # open connections to one replica (more requests wait
                                    # for one); below an engine's per-client connection cap
+    forward_client_authorization = false  # the client's Authorization (its tenant key) goes
+                                   # upstream only when true; a replica's own api_key wins
+    relayed_paths = ["/tokenize", "/detokenize", "/version", "/ping", "/v1/models/*"]
+                                   # relayed to a replica unpriced but counted (fnmatch)
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from typing import Any
 
 from serving.checks import require_count, require_seconds
 
-__all__ = ["ProxyConfig"]
+__all__ = ["DEFAULT_RELAYED_PATHS", "ProxyConfig"]
+
+# vLLM's cheap routes: relayed to a replica unpriced (guard.proxy.passthrough)
+DEFAULT_RELAYED_PATHS = ("/tokenize", "/detokenize", "/version", "/ping", "/v1/models/*")
 
 _CLIENTS = ("h1", "aiohttp")
 
@@ -36,8 +43,19 @@ class ProxyConfig:
     probe_interval_s: float = 1.0
     drain_timeout_s: float = 30.0
     max_connections_per_replica: int = 256
+    forward_client_authorization: bool = False
+    relayed_paths: tuple[str, ...] = DEFAULT_RELAYED_PATHS
 
     def __post_init__(self) -> None:
+        paths = self.relayed_paths
+        if isinstance(paths, str) or not isinstance(paths, (tuple, list)) or not all(
+                isinstance(p, str) and p.startswith("/") for p in paths):
+            raise ValueError("proxy.relayed_paths: must be an array of path patterns starting "
+                             f"with /, got {paths!r}")
+        object.__setattr__(self, "relayed_paths", tuple(paths))
+        if not isinstance(self.forward_client_authorization, bool):
+            raise ValueError("proxy.forward_client_authorization: must be true or false, got "
+                             f"{self.forward_client_authorization!r}")
         if self.upstream_client not in _CLIENTS:
             raise ValueError(f"proxy.upstream_client: must be one of {_CLIENTS}, "
                              f"got {self.upstream_client!r}")

@@ -131,10 +131,11 @@ class H1Transport:
     async def send(self, url: str, headers: Headers, body: bytes) -> _Response:
         return await self._exchange(url, b"POST", headers, body)
 
-    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+    async def get(self, url: str, timeout_s: float,
+                  headers: Headers | None = None) -> tuple[int, bytes]:
         try:
             async with asyncio.timeout(timeout_s):
-                response = await self._exchange(url, b"GET", [], None)
+                response = await self._exchange(url, b"GET", list(headers or ()), None)
                 try:
                     body = b"".join([chunk async for chunk in response.chunks()])
                 finally:

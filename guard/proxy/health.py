@@ -36,6 +36,11 @@ Probe = Callable[[str], Awaitable[bool]]
 class ReplicaEjected(RuntimeError):
     """The replica is ejected: its state is not read until a probe re-admits it."""
 
+    quiet = True  # the ejection was logged; the state poller records it without a line
+
+    def __str__(self) -> str:
+        return "ejected after failing requests; probed until its /health answers"
+
 
 class GatedSource:
     """A state source that fails while its replica is ejected (checked before and after)."""
@@ -123,7 +128,7 @@ class ReplicaHealth:
             if self._ejected.pop(replica_id, None) is not None:
                 self._failures[replica_id] = 0
                 self.num_readmissions[replica_id] += 1
-                log.warning("proxy: replica %s answers again: re-admitted", replica_id)
+                log.info("proxy: replica %s answers again: re-admitted", replica_id)
 
     def start(self) -> None:
         """Probe ejected replicas from now on (on the running loop): the probe loop runs only

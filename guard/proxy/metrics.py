@@ -6,8 +6,10 @@
   ``timeout``, ``status`` (a 5xx answer), ``unavailable`` (a 503, not counted toward
   ejection), ``broken`` (closed after the request was written, or a response cut mid-way) or
   ``malformed`` (not valid HTTP/1.1; not counted toward ejection).
-* ``kvguard_proxy_ejections_total{replica}`` and ``kvguard_proxy_replica_routable{replica}``
-  (1 while the policy may pick it).
+* ``kvguard_proxy_ejections_total{replica}``: times the replica was ejected (a counter).
+* ``kvguard_proxy_replica_routable{replica}``: 1 while the policy may pick it.
+* ``kvguard_proxy_replica_state_readable{replica}``: 0 while its last state refresh failed
+  (``/kvguard/state`` says why).
 """
 
 from __future__ import annotations
@@ -21,27 +23,35 @@ __all__ = ["ProxyMetrics"]
 
 class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry, replica_ids: list[str],
-                 routable: Callable[[str], bool], num_ejections: Callable[[str], int]) -> None:
+                 routable: Callable[[str], bool],
+                 state_error: Callable[[str], str | None]) -> None:
         self._redispatches = Counter(
             "kvguard_proxy_redispatches", "Requests re-dispatched away from a replica before "
             "any response byte", ["replica"], registry=registry)
         self._failures = Counter(
             "kvguard_proxy_upstream_failures", "Failed upstream requests by kind",
             ["replica", "kind"], registry=registry)
-        ejections = Gauge("kvguard_proxy_ejections_total", "Times the replica was ejected",
-                          ["replica"], registry=registry)
+        self._ejections = Counter("kvguard_proxy_ejections", "Times the replica was ejected",
+                                  ["replica"], registry=registry)
+        readable = Gauge("kvguard_proxy_replica_state_readable",
+                         "0 while the replica's last state refresh failed", ["replica"],
+                         registry=registry)
         routable_gauge = Gauge("kvguard_proxy_replica_routable",
                                "1 while the policy may route to the replica", ["replica"],
                                registry=registry)
         for replica_id in replica_ids:
             self._redispatches.labels(replica_id)
-            ejections.labels(replica_id).set_function(
-                lambda rid=replica_id: num_ejections(rid))
+            self._ejections.labels(replica_id)
+            readable.labels(replica_id).set_function(
+                lambda rid=replica_id: 0.0 if state_error(rid) else 1.0)
             routable_gauge.labels(replica_id).set_function(
                 lambda rid=replica_id: 1.0 if routable(rid) else 0.0)
 
     def redispatched(self, replica_id: str) -> None:
         self._redispatches.labels(replica_id).inc()
+
+    def ejected(self, replica_id: str) -> None:
+        self._ejections.labels(replica_id).inc()
 
     def upstream_failure(self, replica_id: str, kind: str) -> None:
         self._failures.labels(replica_id, kind).inc()

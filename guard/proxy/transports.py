@@ -140,9 +140,11 @@ class AiohttpTransport:
             response.close()  # the connection is not trusted again
             raise
 
-    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+    async def get(self, url: str, timeout_s: float,
+                  headers: Headers | None = None) -> tuple[int, bytes]:
         try:
-            async with self._client().get(url, allow_redirects=False,
+            fields = {n.decode("latin-1"): v.decode("latin-1") for n, v in headers or ()}
+            async with self._client().get(url, allow_redirects=False, headers=fields,
                                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 return r.status, await r.read()
         except asyncio.TimeoutError:

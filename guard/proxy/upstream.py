@@ -62,6 +62,7 @@ from guard.proxy.transports import (
     UpstreamUnreachable,
 )
 from guard.relay import REQUEST_ID_HEADER
+from guard.request.request_ids import MAX_TOKENS_HEADER, id_headers
 from policies.shed_reasons import SHUTTING_DOWN
 
 __all__ = ["BodyWriter", "Forwarder", "sse_error_event", "yield_cpu", "REPLICA_HEADER"]
@@ -97,8 +98,12 @@ class Forwarder:
     """
 
     def __init__(self, urls: Mapping[str, str], transport: Transport, health: ReplicaHealth,
-                 redispatch: Redispatch, counters: Any) -> None:
+                 redispatch: Redispatch, counters: Any,
+                 api_keys: Mapping[str, str] | None = None) -> None:
         self._urls = dict(urls)
+        # replica id -> its Authorization value: the proxy's own key for it, on every attempt
+        self._authorizations = {rid: b"Bearer " + key.encode()
+                                for rid, key in (api_keys or {}).items()}
         self._transport = transport
         self._health = health
         self._redispatch = redispatch
@@ -117,7 +122,16 @@ class Forwarder:
         send_now = self._send_now
         if send_now is None:
             return None
-        return send_now(self._urls[replica_id] + path, headers, body, request_id)
+        return send_now(self._urls[replica_id] + path, self.credentialed(replica_id, headers),
+                        body, request_id)
+
+    def credentialed(self, replica_id: str, headers: Headers) -> Headers:
+        """``headers`` with the replica's own ``Authorization`` in place of any other."""
+        authorization = self._authorizations.get(replica_id)
+        if authorization is None:
+            return headers
+        return [h for h in headers if h[0] != b"authorization"] + [
+            (b"authorization", authorization)]
 
     def cut_all(self) -> int:
         """End every running relay now (see the module docstring); how many there were."""
@@ -177,8 +191,9 @@ class Forwarder:
                     sent, pending = None, sent
                     response = await pending
                 else:
-                    response = await self._transport.send(self._urls[replica_id] + path,
-                                                          headers, body)
+                    response = await self._transport.send(
+                        self._urls[replica_id] + path, self.credentialed(replica_id, headers),
+                        body)
             except UpstreamUnreachable as exc:
                 failure = failure_message(replica_id, exc)
             except UpstreamTimeout as exc:
@@ -371,10 +386,15 @@ class _Client:
             elif name == REQUEST_ID_HEADER:
                 has_request_id = True
         admission.on_start(status, content_type)
+        if has_request_id:  # the upstream's echo of the guard's id: the client gets its own
+            headers = [h for h in headers if h[0] != REQUEST_ID_HEADER]
         headers = [*headers, (REPLICA_HEADER, admission.replica_id.encode()),
-                   (QUEUE_MS_HEADER, f"{admission.queue_ms:.1f}".encode())]
-        if not has_request_id:
-            headers.append((REQUEST_ID_HEADER, admission.request_id.encode()))
+                   (QUEUE_MS_HEADER, f"{admission.queue_ms:.1f}".encode()),
+                   *id_headers(admission.client_request_id, admission.request_id),
+                   *admission.response_headers]
+        filled = admission.filled_max_tokens
+        if filled is not None:  # the client sent no max_tokens: say what the replica ran with
+            headers.append((MAX_TOKENS_HEADER, str(filled).encode()))
         self.started = True
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 

@@ -85,8 +85,10 @@ class Transport(Protocol):
         """POST ``body`` to ``url``; raises :class:`UpstreamError` subclasses only."""
         ...
 
-    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        """A small GET (models, probes): status and body. Raises :class:`UpstreamError`."""
+    async def get(self, url: str, timeout_s: float,
+                  headers: Headers | None = None) -> tuple[int, bytes]:
+        """A small GET (models, probes) with ``headers`` (e.g. the replica's own
+        ``Authorization``): status and body. Raises :class:`UpstreamError`."""
         ...
 
     async def aclose(self) -> None: ...

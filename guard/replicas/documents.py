@@ -125,6 +125,7 @@ def vllm_snapshot(replica_id: str, text: str, now_s: float, *, max_model_len: in
         running=(SeqLoad(context, 0, assumed_output_tokens),) * running,
         waiting=(SeqLoad(0, assumed_prompt_tokens, assumed_output_tokens),)
         * int(m["num_requests_waiting"]),
+        limits_published=False,
     )
 
 
@@ -155,6 +156,7 @@ def engine_snapshot(replica_id: str, load: EngineLoad, now_s: float, *,
         waiting=(SeqLoad(0, assumed_prompt_tokens, assumed_output_tokens),)
         * load.num_requests_waiting,
         capacity_known=known,
+        limits_published=False,  # SGLang / TGI / llama.cpp publish no chunk budget or step times
     )
 
 
@@ -170,4 +172,5 @@ def unknown_capacity_snapshot(replica_id: str, now_s: float) -> ReplicaSnapshot:
         max_num_batched_tokens=8192,
         max_model_len=UNKNOWN_MAX_MODEL_LEN,
         capacity_known=False,
+        limits_published=False,
     )

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from guard.config import ReplicaConfig
 from guard.errors import StateUnavailable, StateUnparseable
+from guard.redact import redact_text
 from guard.replicas.engine_metrics import (
     ENGINE_METRICS,
     EngineLoad,
@@ -250,6 +251,13 @@ class StatePoller:
     After ``unhealthy_after_errors`` consecutive failures a replica is marked unhealthy; one good
     refresh makes it healthy again. ``on_refresh`` (optional, sync) runs after every round — the
     admission queue re-evaluates there.
+
+    ``unreadable`` maps each replica whose last refresh failed to why (an unreachable replica,
+    a timeout) or whose page could not be understood (a vLLM ``/metrics`` without
+    ``num_gpu_blocks``: still routed, with unknown capacity); a warning names the replica and
+    the reason when it becomes unreadable and an info line when it is read again, once per
+    transition. A failure whose exception has a true ``quiet`` attribute (an ejected replica,
+    whose ejection was logged already) is recorded without a line.
     """
 
     def __init__(self, load_state: StateSink, sources: Mapping[str, StateSource],
@@ -274,6 +282,7 @@ class StatePoller:
         self._remote = {rid: src for rid, src in self._sources.items() if rid not in self._local}
         self._task: asyncio.Task | None = None
         self.num_refreshes = 0
+        self.unreadable: dict[str, str] = {}  # replica id -> why its last refresh failed
 
     def consecutive_errors(self, replica_id: str) -> int:
         return self._errors[replica_id]
@@ -301,17 +310,36 @@ class StatePoller:
             self._apply(replica_id, source, payload, self._clock())
             self._errors[replica_id] = 0
             self._unavailable.pop(replica_id, None)
+            self._readable(replica_id)
         except asyncio.CancelledError:
             raise
         except StateUnavailable as exc:
             self._errors[replica_id] = 0
+            if isinstance(exc, StateUnparseable):  # read, not understood: shown, still routed
+                self.unreadable[replica_id] = redact_text(str(exc))
+            else:  # it publishes no state: nothing to read
+                self._readable(replica_id)
             self._log_unavailable(replica_id, exc)
             self._load_state.mark_unknown_capacity(replica_id, self._clock())
         except Exception as exc:
             self._errors[replica_id] += 1
-            log.debug("state poller: %s refresh failed: %r", replica_id, exc)
+            self._unreadable(replica_id, exc)
             if self._errors[replica_id] >= self._unhealthy_after:
                 self._load_state.mark_unhealthy(replica_id, self._clock())
+
+    def _readable(self, replica_id: str) -> None:
+        if self.unreadable.pop(replica_id, None) is not None:
+            log.info("replica %s: state read again", replica_id)
+
+    def _unreadable(self, replica_id: str, exc: Exception) -> None:
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+            reason = f"no answer within {self._timeout_s:g} s"
+        else:
+            reason = f"{type(exc).__name__}: {redact_text(str(exc)) or 'no detail'}"
+        first = replica_id not in self.unreadable
+        self.unreadable[replica_id] = reason
+        if first and not getattr(exc, "quiet", False):
+            log.warning("replica %s: state unreadable: %s", replica_id, reason)
 
     def _apply(self, replica_id: str, source: StateSource, payload: Any, now_s: float) -> None:
         """Feed one fetched document to the load state; a metrics page that cannot be read

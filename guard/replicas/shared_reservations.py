@@ -216,7 +216,7 @@ class SharedReservations:
             return
         self.shared = shared
         if shared:
-            log.warning("KV reservations: shared with the other guards through redis (%s)",
+            log.info("KV reservations: shared with the other guards through redis (%s)",
                         redact_url(self._url))
             for replica_id, own in self._own.items():  # publish everything still pending
                 self._adds[replica_id] |= set(own)

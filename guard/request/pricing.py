@@ -44,7 +44,8 @@ __all__ = [
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
-PRICED_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH})
+EMBEDDINGS_PATH = "/v1/embeddings"  # priced by its input tokens (admitted when configured)
+PRICED_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH, EMBEDDINGS_PATH})
 CHAT_TOKENS_PER_MESSAGE = 4  # role and template markers around each message (estimate)
 CHAT_TOKENS_PER_REPLY = 3  # the assistant header that primes the reply (estimate)
 ESTIMATE_TOLERANCE_RATIO = 0.10  # an estimated prompt is rejected only if 10 % over the context
@@ -218,12 +219,15 @@ class Pricer:
         data = parse_body(body)
         n = check_common(data, rules)
         chars, tokens, overhead, exact = self._count_prompt(data, path, rules)
-        max_tokens, defaulted = self._max_tokens(data, tokens, exact, max_model_len)
+        if path.endswith(EMBEDDINGS_PATH):  # one forward pass, nothing generated: one step
+            max_tokens, defaulted = 1, False
+        else:
+            max_tokens, defaulted = self._max_tokens(data, tokens, exact, max_model_len)
         request_class = self._resolve_class(headers, tenant)
         engine_salt, added_salt = self._salter.salts(data, tenant.name)
         key = cached = None
         view = self.prefix_view
-        if view is not None:
+        if view is not None and not path.endswith(EMBEDDINGS_PATH):  # no KV prefix to share
             key = view.key(data, "messages" in data, tokens, self._chars_per_token, engine_salt,
                            headers.get("x-session-id"))
             cached = view.cached_tokens(key)
@@ -259,6 +263,11 @@ class Pricer:
         lower = num_prompt_tokens if exact else math.floor(num_prompt_tokens * (1 - ESTIMATE_TOLERANCE_RATIO))
         if requested is None:
             default = self._config.default_max_tokens
+            if self._config.missing_max_tokens == "forward":  # sent untouched: the replica
+                # may run to its context, so that bounds the reservation when it is known
+                if max_model_len is not None and max_model_len - num_prompt_tokens >= 1:
+                    return max_model_len - num_prompt_tokens, False
+                return default, False
             if max_model_len is not None:  # the client asked for nothing: fit what is left
                 default = min(default, max_model_len - num_prompt_tokens)
             if default >= 1:
@@ -284,7 +293,36 @@ class Pricer:
             if self._tokenizer is not None:
                 return chars, sum(self._tokenizer(t) for t in texts) + overhead, overhead, True
             return chars, self._estimate(chars) + overhead, overhead, False
+        if path.endswith(EMBEDDINGS_PATH):
+            return self._count_embedding_input(data)
         raise PricingError(404, "unknown_endpoint", f"{path} is not a priced endpoint")
+
+    def _count_embedding_input(self, data: dict) -> tuple[int, int, int, bool]:
+        """``input``: a string, strings, token ids, or lists of token ids (OpenAI's shapes)."""
+        items = data.get("input")
+        if isinstance(items, str) or (isinstance(items, list) and items
+                                      and all(isinstance(i, int) for i in items)):
+            items = [items]
+        if not isinstance(items, list) or not items:
+            raise PricingError(400, "invalid_value", "'input' must be a string, an array of "
+                               "strings, or token ids", "input")
+        chars = tokens = 0
+        exact = True
+        for item in items:
+            if isinstance(item, str):
+                chars += len(item)
+                if self._tokenizer is not None:
+                    tokens += self._tokenizer(item)
+                else:
+                    tokens += self._estimate(len(item))
+                    exact = False
+            elif isinstance(item, list) and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in item):
+                tokens += len(item)
+            else:
+                raise PricingError(400, "invalid_value", "'input' must be a string, an array "
+                                   "of strings, or token ids", "input")
+        return chars, max(tokens, 1), 0, exact
 
     def _count_completion_prompt(self, data: dict) -> tuple[int, int, int, bool]:
         prompt = completion_prompt(data)

@@ -38,3 +38,21 @@ def test_a_chunk_budget_that_stretches_gaps_is_warned_about_once(caplog):
         assert len(lines) == (1 if warned else 0)
         if warned:
             assert lines[0].startswith("replica local: a step with a full 512-token prefill chunk")
+
+
+def test_no_warning_from_limits_assumed_for_a_vllm_replica(caplog):
+    """A vLLM replica's chunk budget and step times are assumed (its /metrics carries neither):
+    no warning is computed from them."""
+    from guard.admission.replica_limits import ReplicaLimits
+    from guard.replicas.load_state import LoadState
+
+    metrics = ("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+               "vllm:kv_cache_usage_perc 0.0\n"
+               'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0\n')
+    load_state = LoadState(2.0)
+    load_state.update_from_vllm_metrics("v0", metrics, 0.0, max_num_batched_tokens=65536)
+    limits = ReplicaLimits(load_state, lambda: 0.0, itl_s=0.001)
+    with caplog.at_level(logging.WARNING, logger="guard.controller"):
+        rules = limits.update()
+    assert not [r for r in caplog.records if "max-num-batched-tokens" in r.getMessage()]
+    assert rules.max_model_len is None  # an unpublished context length is no limit

@@ -67,7 +67,7 @@ def test_middleware_refuses_replicas_naming_them():
         AdmissionMiddleware(lambda *a: None, config)
 
 
-@pytest.mark.parametrize("paths", [[], ["/v1/embeddings"], ["v1/completions"], "*/v1/completions"])
+@pytest.mark.parametrize("paths", [[], ["/v1/rerank"], ["v1/completions"], "*/v1/completions"])
 def test_admitted_paths_are_checked(paths):
     with pytest.raises(ValueError, match="admitted_paths"):
         GuardConfig.from_dict({"admitted_paths": paths})

@@ -421,3 +421,62 @@ def test_policy_never_servable_is_400_without_retry_after():
         assert sample(guard, "kvguard_requests_rejected_total", reason="context_length_exceeded", **lab) == 1
         await guard.aclose()
     run(main())
+
+
+def test_a_filled_in_max_tokens_is_said_on_the_response():
+    """No max_tokens sent: the app gets the priced value and the response names it; a client
+    that sent one gets no such header."""
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(json.loads((await receive())["body"]))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guard = make_guard(app)
+
+    async def main():
+        answers = []
+        for body in (b'{"model": "tiny", "prompt": "hi"}',
+                     b'{"model": "tiny", "prompt": "hi", "max_tokens": 5}'):
+            client = Client(body)
+            await guard(http_scope(), client.receive, client.send)
+            answers.append(client.headers)
+        await guard.aclose()
+        return answers
+
+    filled, sent = asyncio.run(main())
+    assert filled["x-kvguard-max-tokens"] == str(seen[0]["max_tokens"])
+    assert "x-kvguard-max-tokens" not in sent and seen[1]["max_tokens"] == 5
+
+
+def test_the_client_request_id_is_echoed_on_admits_and_sheds():
+    """The app (like a kvguard engine) echoes the x-request-id it got, the guard's: the client
+    still gets its own back, and the guard's in x-kvguard-request-id; a shed echoes it too."""
+    from policies.decision import Shed
+
+    async def app(scope, receive, send):
+        await receive()
+        echoed = dict(scope["headers"])[b"x-request-id"]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"x-request-id", echoed)]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    class Shedding:
+        def decide(self, cost, snapshot):
+            return Shed(503, "overloaded", retry_after_s=1.0)
+
+    async def one(guard, request_id):
+        client = Client(PROMPT)
+        await guard(http_scope(headers=[(b"x-request-id", request_id)]), client.receive,
+                    client.send)
+        await guard.aclose()
+        return client.headers
+
+    admitted = asyncio.run(one(make_guard(app), b"client-1"))
+    assert admitted["x-request-id"] == "client-1"
+    assert admitted["x-kvguard-request-id"] not in ("", "client-1")
+    shed = asyncio.run(one(make_guard(app, policy=Shedding()), b"client-2"))
+    assert shed["x-request-id"] == "client-2" and shed["x-kvguard-request-id"]
+    insane = asyncio.run(one(make_guard(app), "clïent".encode()))
+    assert insane["x-request-id"] == insane["x-kvguard-request-id"]  # replaced by the guard's

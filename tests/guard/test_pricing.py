@@ -143,7 +143,7 @@ def test_chat_validation(body, reason, param):
 
 
 def test_unknown_path_is_not_priced():
-    raises(Pricer(GuardConfig()), {"prompt": "x"}, "unknown_endpoint", path="/v1/embeddings",
+    raises(Pricer(GuardConfig()), {"prompt": "x"}, "unknown_endpoint", path="/v1/audio/speech",
            status=404)
 
 
@@ -451,3 +451,30 @@ def test_the_pricer_hands_the_ending_time_on_to_the_class_table():
         pricer.observe_completion(priced, None, 20, now_s=float(i))
     learned = pricer._outputs["interactive"]
     assert learned._stale == 0 and learned._built_s == 19.0
+
+
+# --- embeddings: priced by their input tokens ------------------------------------------------
+EMB = "/v1/embeddings"
+
+
+@pytest.mark.parametrize(("body", "num_tokens"), [
+    ({"input": [1, 2, 3]}, 3),
+    ({"input": [[1, 2], [3, 4, 5]]}, 5),
+    ({"input": "abcdefgh"}, 2),            # 4 chars per token before calibration
+    ({"input": ["abcd", "abcdefgh"]}, 3),
+])
+def test_embeddings_are_priced_by_their_input(body, num_tokens):
+    cost = price(Pricer(GuardConfig()), {"model": "e", **body}, path=EMB)
+    assert (cost.num_prompt_tokens, cost.max_tokens) == (num_tokens, 1)
+    assert cost.num_blocks == -(-(num_tokens + 1) // 16)
+
+
+def test_an_embedding_body_is_forwarded_as_sent():
+    body = b'{"model": "e", "input": "hello"}'
+    priced = Pricer(GuardConfig()).price_request(body, EMB, {}, ANON, 0.0)
+    assert not priced.max_tokens_defaulted and priced.forward_body() == body
+
+
+@pytest.mark.parametrize("value", [None, [], 3, [1, "a"], [[1], "a", {}], [True]])
+def test_a_bad_embedding_input_is_a_400(value):
+    raises(Pricer(GuardConfig()), {"model": "e", "input": value}, "invalid_value", path=EMB)

@@ -95,3 +95,15 @@ def test_expected_free_time_is_used_when_it_exceeds_the_drain_estimate():
     assert adv.retry_after_s(num_ahead=0, drain_rate_rps=4.0, expected_free_s=1.5) == 1.5
     assert adv.retry_after_s(num_ahead=0, drain_rate_rps=4.0, expected_free_s=0.1) == 0.25
     assert adv.retry_after_s(num_ahead=0, drain_rate_rps=0.0, expected_free_s=0.8) == 0.8
+
+
+@pytest.mark.parametrize(("status", "reason", "kind", "code"), [
+    (401, "invalid_api_key", "invalid_request_error", "invalid_api_key"),
+    (429, "rpm_limit", "requests", "rate_limit_exceeded"),
+    (429, "tpm_limit", "tokens", "rate_limit_exceeded"),
+    (429, "concurrency_limit", "requests", "rate_limit_exceeded"),
+    (503, "no_replica", "overloaded_error", "no_replica"),
+])
+def test_error_bodies_follow_openai_conventions(status, reason, kind, code):
+    error = json.loads(Rejection(status, reason, "m").body())["error"]
+    assert (error["type"], error["code"]) == (kind, code)

@@ -131,7 +131,8 @@ def test_a_tenant_over_budget_gets_the_epps_429_with_retry_advice(gateway, clien
     assert denied.headers["x-kvguard-reason"] == "rpm_limit"
     assert denied.headers["x-should-retry"] == "true"
     assert int(denied.headers["retry-after"]) >= 1 and int(denied.headers["retry-after-ms"]) >= 1
-    assert denied.json()["error"]["type"] == "rate_limit_error"
+    error = denied.json()["error"]  # OpenAI's: the limit's axis, code rate_limit_exceeded
+    assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
     assert "x-envoy-upstream-host" not in denied.headers  # answered by Envoy for the EPP
 
 

@@ -127,7 +127,7 @@ def test_request_ids_sent_upstream_are_uuids(tmp_path):
     with LoopbackServer(fake.app) as server, running(proxy_for(server.url, tmp_path, 4)) as proxy:
         outcome = asyncio.run(open_loop(proxy.url, chat_load(10.0, 1, 3, seed=0)))[0]
         response = httpx.post(proxy.url + "/v1/chat/completions", trust_env=False, timeout=10,
-                              json={"model": "m", "max_tokens": 2,
+                              json={"model": fake.model, "max_tokens": 2,
                                     "messages": [{"role": "user", "content": "hi"}]})
         metrics = httpx.get(proxy.url + "/metrics", trust_env=False, timeout=10,
                             headers={"authorization": f"Bearer {ADMIN_KEY}"}).text

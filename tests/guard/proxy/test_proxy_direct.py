@@ -71,7 +71,8 @@ def _recorded_proxy() -> Iterator[tuple[Recorded, str]]:
     upstream process: (the app, the proxy's URL)."""
     with running(upstream_child("ok")) as upstream:
         config = GuardConfig.from_dict({"policy": "always_admit", "replicas": [
-            {"replica_id": "r0", "url": upstream.url, "state_source": "none"}]})
+            {"replica_id": "r0", "url": upstream.url, "state_source": "none",
+             "models": [BODY["model"]]}]})  # listed: no /v1/models read opens a connection
         app = Recorded(config)
         with H1LoopbackServer(app, ConnectionTable(ServerLimits())) as proxy:
             yield app, proxy.url
@@ -140,7 +141,8 @@ def test_the_cpu_is_yielded_once_after_the_last_write_and_before_the_release(cli
     monkeypatch.setattr(H1Connection, "write", recorded_write)
     with running(upstream_child("ok")) as upstream:
         config = GuardConfig.from_dict({"policy": "always_admit", "replicas": [
-            {"replica_id": "r0", "url": upstream.url, "state_source": "none"}]})
+            {"replica_id": "r0", "url": upstream.url, "state_source": "none",
+             "models": [BODY["model"]]}]})  # listed: no /v1/models read opens a connection
         app = Recorded(config)
         monkeypatch.setattr(forwarding, "yield_cpu",
                             lambda: events.append(("yield", app.num_in_flight)))

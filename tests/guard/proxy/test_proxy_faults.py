@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 # the default upstream client and the one on raw asyncio protocols (same contract, same faults)
 CLIENTS = pytest.mark.parametrize("upstream_client", ["aiohttp", "h1"])
 
-BODY = {"model": "llama-7b", "prompt": "the quick brown fox", "max_tokens": 4}
+MODEL = "llama-7b"  # what the fleet and the scripted upstreams serve
+BODY = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 4}
 
 
 def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
@@ -159,7 +160,7 @@ def test_hung_replica_gets_504_within_the_read_timeout_then_is_ejected(tmp_path,
 def test_failing_upstream_is_a_clear_502_then_ejected(tmp_path, client, upstream_client):
     # stays ejected while we look
     config = write_config(tmp_path, probe_interval_s=30.0, client=upstream_client)
-    with running(upstream_child("status500")) as bad, \
+    with running(upstream_child("status500", MODEL)) as bad, \
             running(proxy_child([bad.url], config, state_source="none")) as proxy:
         for _ in range(2):
             response = client.post(proxy.url + "/v1/completions", json=BODY)
@@ -180,7 +181,7 @@ def test_a_garbage_answer_is_a_502_never_resent_and_never_ejects(tmp_path, clien
     sent again (to it or another replica: it may have run), and one malformed answer, however
     often, does not eject a replica (eject_after_failures = 2)."""
     config = write_config(tmp_path, probe_interval_s=30.0, client=upstream_client)
-    with running(upstream_child("garbage")) as bad, running(upstream_child("ok")) as good, \
+    with running(upstream_child("garbage", MODEL)) as bad, running(upstream_child("ok", MODEL)) as good, \
             running(proxy_child([bad.url, good.url], config, state_source="none")) as proxy:
         statuses = []
         for _ in range(6):
@@ -200,7 +201,7 @@ def test_a_garbage_answer_is_a_502_never_resent_and_never_ejects(tmp_path, clien
 def test_a_refused_connect_is_redispatched_and_the_dead_replica_ejected(tmp_path, client,
                                                                          upstream_client):
     config = write_config(tmp_path, probe_interval_s=30.0, client=upstream_client)
-    with socket.socket() as dead, running(upstream_child("ok")) as good:
+    with socket.socket() as dead, running(upstream_child("ok", MODEL)) as good:
         dead.bind(("127.0.0.1", 0))  # bound, never listening: every connect is refused
         dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
         with running(proxy_child([dead_url, good.url], config, state_source="none",
@@ -219,7 +220,7 @@ def test_a_refused_connect_is_redispatched_and_the_dead_replica_ejected(tmp_path
 def test_a_replicas_503_moves_the_request_on_and_never_ejects_it(tmp_path, client,
                                                                  upstream_client):
     config = write_config(tmp_path, probe_interval_s=30.0, client=upstream_client)
-    with running(upstream_child("status503")) as busy, running(upstream_child("ok")) as good, \
+    with running(upstream_child("status503", MODEL)) as busy, running(upstream_child("ok", MODEL)) as good, \
             running(proxy_child([busy.url], config, state_source="none")) as alone, \
             running(proxy_child([busy.url, good.url], config, state_source="none")) as pair:
         for _ in range(4):  # eject_after_failures = 2: a 503 is not a failure
@@ -255,7 +256,7 @@ def test_a_whole_chunked_body_is_held_to_the_byte_limit_and_relayed_under_it(tmp
         f.write("max_body_bytes = 300\n" + text)
     small = json.dumps(BODY).encode()
     large = json.dumps({**BODY, "prompt": "x" * 400}).encode()
-    with running(upstream_child("ok")) as upstream, \
+    with running(upstream_child("ok", MODEL)) as upstream, \
             running(proxy_child([upstream.url], config, state_source="none")) as proxy:
         port = int(proxy.url.rsplit(":", 1)[1])
         refused = _chunked_post(port, large)
@@ -268,7 +269,7 @@ def test_a_whole_chunked_body_is_held_to_the_byte_limit_and_relayed_under_it(tmp
 
 def test_bad_input_never_reaches_an_upstream(tmp_path, client):
     config = write_config(tmp_path)
-    with running(upstream_child("ok")) as upstream, \
+    with running(upstream_child("ok", MODEL)) as upstream, \
             running(proxy_child([upstream.url], config, state_source="none")) as proxy:
         for body in (b'{"prompt": "hi", ', b"[1]", b'{"prompt": "hi", "stream": "yes"}',
                      b'{"messages": [{"role": "wizard", "content": "x"}]}',

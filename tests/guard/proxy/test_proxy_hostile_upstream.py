@@ -49,7 +49,8 @@ def answer(target: bytes) -> bytes | None:
 def proxy_on(server: str, client: str, upstream_url: str):
     config = GuardConfig.from_dict({
         "policy": "always_admit",
-        "replicas": [{"replica_id": "r0", "url": upstream_url, "state_source": "none"}],
+        "replicas": [{"replica_id": "r0", "url": upstream_url, "state_source": "none",
+                      "models": ["fake-model"]}],  # listed: only the test's requests go upstream
         "proxy": {"upstream_client": client, "read_timeout_s": 10.0,
                   "eject_after_failures": 2, "probe_interval_s": 30.0}})
     app = ProxyApp(config)

@@ -29,7 +29,8 @@ ANSWER = ok_json(b'{"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, '
 def proxy_on(server: str, client: str, upstream_url: str):
     config = GuardConfig.from_dict({
         "policy": "always_admit",
-        "replicas": [{"replica_id": "r0", "url": upstream_url, "state_source": "none"}],
+        "replicas": [{"replica_id": "r0", "url": upstream_url, "state_source": "none",
+                      "models": ["fake-model"]}],  # listed: only the test's requests go upstream
         "proxy": {"upstream_client": client, "read_timeout_s": 10.0}})
     app = ProxyApp(config)
     if server == "kvguard":

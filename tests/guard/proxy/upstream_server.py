@@ -3,11 +3,17 @@
 Run as ``python upstream_server.py MODE MODEL``; it prints ``upstream listening on
 http://127.0.0.1:PORT``. ``GET /health`` is 200 and ``GET /v1/models`` lists MODEL in every
 mode; ``GET /count`` is the number of POSTs received; ``GET /connections`` lists, per accepted
-connection, the ``METHOD PATH`` of every request it carried (``/connections`` itself left out).
+connection, the ``METHOD PATH`` of every request it carried (``/connections`` itself left out);
+``GET /version`` and ``GET /v1/models/MODEL`` answer as vLLM does, ``POST /tokenize`` with
+the prompt's characters as tokens and the headers it received;
+``GET /metrics`` is vLLM's gauges with a ``cache_config_info`` that lacks ``num_gpu_blocks``
+(a vLLM whose KV capacity the guard cannot read).
 A POST gets, by MODE:
 
 * ``ok``: a JSON completion with usage (or, with ``"stream": true``, three SSE chunks and
   ``[DONE]``);
+* ``echo``: as ``ok``, and a JSON completion carries ``received``: the request's body and
+  headers as this upstream read them;
 * ``status500``: HTTP 500;
 * ``status503``: HTTP 503 with ``retry-after: 7`` (an engine over its connection cap);
 * ``big``: a stream of ``BIG_EVENTS`` ~4 KB events (numbered) and ``[DONE]``, written as fast
@@ -26,6 +32,11 @@ COUNT = {"posts": 0}
 CONNECTIONS: list[list[str]] = []  # per accepted connection: "METHOD PATH" of each request
 BIG_EVENTS = 4000  # mode "big": ~16 MB of stream, more than loopback socket buffers hold
 SLOW_EVENTS, SLOW_GAP_S = 1200, 0.05  # mode "slow": a minute of stream
+VLLM_METRICS_WITHOUT_BLOCKS = (
+    b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+    b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0.0\n"
+    b"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.0\n"
+    b'# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="16"} 1.0\n')
 
 
 def _response(status: str, body: bytes, content_type: bytes = b"application/json") -> bytes:
@@ -33,22 +44,30 @@ def _response(status: str, body: bytes, content_type: bytes = b"application/json
             b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] | None:
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes, dict]:
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     method, path, _ = lines[0].split(" ", 2)
-    length = 0
+    headers = {}
     for line in lines[1:]:
         name, _, value = line.partition(":")
-        if name.strip().lower() == "content-length":
-            length = int(value.strip())
+        if name:
+            headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", 0))
     body = await reader.readexactly(length) if length else b""
-    return method, path, body
+    return method, path, body, headers
 
 
-async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter,
+                headers: dict, path: str = "") -> bool:
     """Answer one POST; False when the connection must close."""
     COUNT["posts"] += 1
+    if path == "/tokenize":  # vLLM's shape, and what this upstream saw
+        tokens = list(range(len(json.loads(body or b"{}").get("prompt", ""))))
+        answer = {"tokens": tokens, "count": len(tokens), "max_model_len": 4096,
+                  "received_headers": headers}
+        writer.write(_response("200 OK", json.dumps(answer).encode()))
+        return True
     if mode == "status500":
         writer.write(_response("500 Internal Server Error", b'{"error": "boom"}'))
         return True
@@ -85,6 +104,8 @@ async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter
         payload = {"id": "x", "object": "text_completion", "model": model,
                    "choices": [{"index": 0, "text": "a b c", "finish_reason": "length"}],
                    "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}
+        if mode == "echo":
+            payload["received"] = {"body": request, "headers": headers}
         writer.write(_response("200 OK", json.dumps(payload).encode()))
         return True
     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -104,11 +125,11 @@ async def _serve(mode: str, model: str, reader: asyncio.StreamReader,
     CONNECTIONS.append(carried)
     try:
         while True:
-            method, path, body = await _read_request(reader)
+            method, path, body, headers = await _read_request(reader)
             if path != "/connections":
                 carried.append(f"{method} {path}")
             if method == "POST":
-                keep = await _post(mode, model, body, writer)
+                keep = await _post(mode, model, body, writer, headers, path)
             elif path == "/v1/models":
                 models = {"object": "list", "data": [{"id": model, "object": "model"}]}
                 writer.write(_response("200 OK", json.dumps(models).encode()))
@@ -116,6 +137,16 @@ async def _serve(mode: str, model: str, reader: asyncio.StreamReader,
             elif path == "/connections":
                 listed = [c for c in CONNECTIONS if c]
                 writer.write(_response("200 OK", json.dumps(listed).encode()))
+                keep = True
+            elif path == "/metrics":
+                writer.write(_response("200 OK", VLLM_METRICS_WITHOUT_BLOCKS, b"text/plain"))
+                keep = True
+            elif path == "/version":
+                writer.write(_response("200 OK", b'{"version": "scripted-0.1"}'))
+                keep = True
+            elif path == f"/v1/models/{model}":
+                writer.write(_response("200 OK", json.dumps(
+                    {"id": model, "object": "model"}).encode()))
                 keep = True
             elif path == "/count":
                 writer.write(_response("200 OK", json.dumps(COUNT).encode()))
