@@ -8,11 +8,9 @@ import socket
 import subprocess
 import uuid
 
-import httpx
 import pytest
 from epp_helpers import (
     BODIES,
-    CONFIG,
     MAX_BODY_BYTES,
     MODEL,
     REPLICA_ARGS,
@@ -38,17 +36,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    with Topology(TopologySpec(num_replicas=2, replica_args=REPLICA_ARGS)) as topology:
-        yield topology
-
-
-@pytest.fixture(scope="module")
-def config(tmp_path_factory):
-    return write_config(tmp_path_factory, CONFIG, "guard.toml")
-
-
-@pytest.fixture(scope="module")
 def gateway(fleet, config, tmp_path_factory):
     """(Envoy, its EPP) in front of the fleet."""
     epp = epp_child(fleet.replica_urls, config=config).start(60)
@@ -60,12 +47,6 @@ def gateway(fleet, config, tmp_path_factory):
             envoy.close()
     finally:
         epp.close()
-
-
-@pytest.fixture
-def client():
-    with httpx.Client(timeout=60.0, trust_env=False) as c:
-        yield c
 
 
 

@@ -10,7 +10,6 @@ import httpx
 import pytest
 from epp_helpers import (
     BODIES,
-    CONFIG,
     MODEL,
     REPLICA_ARGS,
     endpoints,
@@ -24,23 +23,6 @@ from chaos.ports import free_port
 from chaos.topology import Topology, TopologySpec
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def fleet():
-    with Topology(TopologySpec(num_replicas=2, replica_args=REPLICA_ARGS)) as topology:
-        yield topology
-
-
-@pytest.fixture(scope="module")
-def config(tmp_path_factory):
-    return write_config(tmp_path_factory, CONFIG, "guard.toml")
-
-
-@pytest.fixture
-def client():
-    with httpx.Client(timeout=60.0, trust_env=False) as c:
-        yield c
 
 
 @pytest.mark.parametrize("failure_mode_allow", [False, True])
