@@ -9,10 +9,8 @@ import socket
 
 import pytest
 
-from serving import ServerLimits
-from serving.limited_protocol import ConnectionTable
 from tests.support.admission import make_guard
-from tests.support.loopback import H1LoopbackServer, LoopbackServer
+from tests.support.loopback import serve_on
 
 BODY = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4}).encode()
 
@@ -35,12 +33,6 @@ class RoutedApp:
                     "body": b'{"usage": {"prompt_tokens": 1, "completion_tokens": 1}}'})
 
 
-def _running(server: str, app):
-    if server == "kvguard":
-        return H1LoopbackServer(app, ConnectionTable(ServerLimits()))
-    return LoopbackServer(app, http=server)
-
-
 def post(url: str, target: bytes) -> int:
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=20) as sock:
@@ -56,7 +48,7 @@ def post(url: str, target: bytes) -> int:
 def test_the_middleware_refuses_hidden_separators_and_never_answers_500(server):
     app = RoutedApp()
     guard = make_guard(app)
-    with _running(server, guard) as running:
+    with serve_on(guard, server) as running:
         assert post(running.url, b"/v1/completions") == 200
         for target in (b"/v1/completions%3F/v1/chat/completions",
                        b"/v1/completions%23/v1/chat/completions", b"/x%2Fv1/completions",

@@ -106,3 +106,13 @@ class H1LoopbackServer:
             self.thread.join(timeout=10)
             self.loop.close()
             self.sock.close()
+
+
+def serve_on(app: Any, server: str, **uvicorn_kwargs: Any) -> LoopbackServer | H1LoopbackServer:
+    """``app`` on the named server: ``"kvguard"`` (kvguard's own, default limits) or a uvicorn
+    HTTP implementation (``"h11"``, ``"httptools"``), for tests run on every server."""
+    if server == "kvguard":
+        from serving import ServerLimits
+        from serving.limited_protocol import ConnectionTable
+        return H1LoopbackServer(app, ConnectionTable(ServerLimits()))
+    return LoopbackServer(app, http=server, **uvicorn_kwargs)

@@ -18,9 +18,7 @@ from scripted_upstream import ScriptedUpstream, ok_json, sse_burst
 
 from guard.config import GuardConfig
 from guard.proxy.app import ProxyApp
-from serving import ServerLimits
-from serving.limited_protocol import ConnectionTable
-from tests.support.loopback import H1LoopbackServer, LoopbackServer
+from tests.support.loopback import serve_on
 
 BODY = {"model": "fake-model", "prompt": "hi", "max_tokens": 4}
 ANSWER = ok_json(b'{"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, '
@@ -54,11 +52,7 @@ def proxy_on(server: str, client: str, upstream_url: str):
         "proxy": {"upstream_client": client, "read_timeout_s": 10.0,
                   "eject_after_failures": 2, "probe_interval_s": 30.0}})
     app = ProxyApp(config)
-    if server == "kvguard":
-        running = H1LoopbackServer(app, ConnectionTable(ServerLimits()))
-    else:
-        running = LoopbackServer(app, http=server, lifespan="on")
-    with running:
+    with serve_on(app, server, lifespan="on") as running:
         yield app, running.url
 
 

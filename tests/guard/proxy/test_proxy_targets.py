@@ -14,9 +14,7 @@ from scripted_upstream import ScriptedUpstream, ok_json
 
 from guard.config import GuardConfig
 from guard.proxy.app import ProxyApp
-from serving import ServerLimits
-from serving.limited_protocol import ConnectionTable
-from tests.support.loopback import H1LoopbackServer, LoopbackServer
+from tests.support.loopback import serve_on
 
 SERVERS = ("kvguard", "h11", "httptools")
 CLIENTS = ("h1", "aiohttp")
@@ -33,11 +31,7 @@ def proxy_on(server: str, client: str, upstream_url: str):
                       "models": ["fake-model"]}],  # listed: only the test's requests go upstream
         "proxy": {"upstream_client": client, "read_timeout_s": 10.0}})
     app = ProxyApp(config)
-    if server == "kvguard":
-        running = H1LoopbackServer(app, ConnectionTable(ServerLimits()))
-    else:
-        running = LoopbackServer(app, http=server, lifespan="on")
-    with running:
+    with serve_on(app, server, lifespan="on") as running:
         yield app, running.url
 
 
