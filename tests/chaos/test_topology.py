@@ -9,6 +9,7 @@ import pytest
 from chaos.child import ChildProcess
 from chaos.ports import ephemeral_range
 from chaos.topology import Topology, TopologySpec, http_health, redis_health
+from tests.support.fleet_cli import fleet_cli
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -148,21 +149,8 @@ def test_a_failed_start_ends_what_was_already_started():
 @pytest.mark.slow
 def test_kvguard_fleet_prints_urls_and_stops_everything_on_sigint():
     import signal
-    import subprocess
-    import sys
-    import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "guard.cli", "fleet", "--replicas", "2",
-                             "--proxies", "1"], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        lines = []
-        deadline_s = time.monotonic() + 120  # hang guard
-        while time.monotonic() < deadline_s:
-            line = proc.stdout.readline()
-            if not line or line.startswith("fleet ready"):
-                break
-            lines.append(line.split())
+    with fleet_cli("--replicas", "2", "--proxies", "1") as (proc, lines):
         names = [fields[0] for fields in lines]
         assert names == ["replica-0", "replica-1", "proxy-0"], lines
         assert http_health(lines[2][1])
@@ -173,10 +161,6 @@ def test_kvguard_fleet_prints_urls_and_stops_everything_on_sigint():
         for fields in lines:
             with pytest.raises(ProcessLookupError):
                 os.kill(int(fields[3]), 0)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_child_started_nicer_runs_at_that_niceness_under_its_own_pid():

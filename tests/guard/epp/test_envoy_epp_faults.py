@@ -3,8 +3,6 @@ settings), SIGTERM drain, two EPPs active-active on Redis with one SIGKILLed, an
 ``kvguard fleet --front envoy``. Real processes on loopback."""
 
 import signal
-import subprocess
-import time
 
 import httpx
 import pytest
@@ -21,6 +19,7 @@ from epp_helpers import (
 from chaos.envoy_front import envoy_child, epp_child, epp_metrics_url
 from chaos.ports import free_port
 from chaos.topology import Topology, TopologySpec
+from tests.support.fleet_cli import fleet_cli
 
 pytestmark = pytest.mark.slow
 
@@ -140,20 +139,9 @@ def test_two_epps_share_budgets_through_redis_and_one_killed_costs_nothing_new(
 
 def test_kvguard_fleet_front_envoy_serves_through_envoy_and_stops_everything(client):
     import os
-    import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "guard.cli", "fleet", "--replicas", "2",
-                             "--proxies", "2", "--redis", "--front", "envoy"],
-                            stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        lines = []
-        deadline_s = time.monotonic() + 120  # hang guard
-        while time.monotonic() < deadline_s:
-            line = proc.stdout.readline()
-            if not line or line.startswith("fleet ready"):
-                break
-            lines.append(line.split())
+    with fleet_cli("--replicas", "2", "--proxies", "2", "--redis", "--front", "envoy") as (
+            proc, lines):
         by_name = {fields[0]: fields for fields in lines}
         assert list(by_name) == ["replica-0", "replica-1", "epp-0", "epp-1", "envoy", "redis"]
         answer = client.post(by_name["envoy"][1] + "/v1/completions",
@@ -164,10 +152,6 @@ def test_kvguard_fleet_front_envoy_serves_through_envoy_and_stops_everything(cli
         for fields in lines:
             with pytest.raises(ProcessLookupError):
                 os.kill(int(fields[3]), 0)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 EJECT_FAST = """
