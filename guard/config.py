@@ -75,6 +75,8 @@ __all__ = [
     "DEFAULT_CLASSES",
     "STATE_SOURCES",
     "config_with_upstreams",
+    "replica_from",
+    "with_replica_keys",
     "hash_api_key",
     "load_config",
 ]
@@ -510,7 +512,7 @@ class GuardConfig:
         if "tenants" in data:
             data["tenants"] = tuple(_tenant_from(i, t) for i, t in enumerate(_list("tenants", data["tenants"])))
         if "replicas" in data:
-            data["replicas"] = tuple(_replica_from(i, r) for i, r in enumerate(_list("replicas", data["replicas"])))
+            data["replicas"] = tuple(replica_from(i, r) for i, r in enumerate(_list("replicas", data["replicas"])))
         if "proxy" in data and not isinstance(data["proxy"], ProxyConfig):
             data["proxy"] = ProxyConfig.from_dict(data["proxy"])
         if "budget" in data:
@@ -581,7 +583,8 @@ def _tenant_from(index: int, value: Any) -> TenantConfig:
     return TenantConfig(**spec)
 
 
-def _replica_from(index: int, value: Any) -> ReplicaConfig:
+def replica_from(index: int, value: Any) -> ReplicaConfig:
+    """One ``[[replicas]]`` table (``index``: its place, for the default id and errors)."""
     key = f"replicas[{index}]"
     wanted = {"replica_id": str, "url": str, "state_source": str, "max_model_len": int,
               "weight": float, "kv_events_endpoint": str,
@@ -690,16 +693,23 @@ def _with_replica_keys(config: GuardConfig, env: Mapping[str, str]) -> GuardConf
     """Each ``[[replicas]] api_key_env`` read from the environment into ``api_key``."""
     if not any(r.api_key_env for r in config.replicas):
         return config
-    replicas = []
-    for replica in config.replicas:
+    return dataclasses.replace(config, replicas=with_replica_keys(config.replicas, env))
+
+
+def with_replica_keys(replicas: tuple[ReplicaConfig, ...],
+                      env: Mapping[str, str] | None = None) -> tuple[ReplicaConfig, ...]:
+    """``replicas`` with each ``api_key_env`` read from ``env`` (default: the environment)."""
+    env = os.environ if env is None else env
+    out = []
+    for replica in replicas:
         name = replica.api_key_env
         if name is not None:
             if not env.get(name):
                 raise ValueError(f"replicas[{replica.replica_id!r}].api_key_env: the "
                                  f"environment variable {name} is not set")
             replica = dataclasses.replace(replica, api_key_env=None, api_key=env[name])
-        replicas.append(replica)
-    return dataclasses.replace(config, replicas=tuple(replicas))
+        out.append(replica)
+    return tuple(out)
 
 
 def load_config(path: str | os.PathLike | None = None,
@@ -730,18 +740,32 @@ def load_config(path: str | os.PathLike | None = None,
 
 
 def config_with_upstreams(path: str | os.PathLike | None, upstreams: Sequence[str],
-                          state_source: str, redis_url: str | None) -> GuardConfig:
+                          state_source: str, redis_url: str | None,
+                          replicas_from: str | None = None) -> GuardConfig:
     """What ``kvguard proxy`` and ``kvguard epp`` serve: the config file (or the environment),
     its replicas replaced by ``upstreams`` when any are given (ids ``r0``, ``r1``, …, polled
-    as ``state_source``), its ``redis_url`` by ``redis_url`` when given."""
+    as ``state_source``), its ``redis_url`` by ``redis_url`` when given. ``replicas_from``
+    (else ``[proxy] replicas_from``) names where the replicas are listed instead
+    (:mod:`guard.replicas.discovery`); the list is read once here and must be valid."""
     config = load_config(path)
+    if replicas_from is not None:
+        config = dataclasses.replace(
+            config, proxy=dataclasses.replace(config.proxy, replicas_from=replicas_from))
     if upstreams:
+        if config.proxy.replicas_from is not None:
+            raise ValueError("--upstream and replicas_from: give one of them")
         replicas = tuple(ReplicaConfig(f"r{i}", url, state_source)
                          for i, url in enumerate(upstreams))
         config = dataclasses.replace(config, replicas=replicas)
+    if config.proxy.replicas_from is not None:
+        if config.replicas:
+            raise ValueError("[[replicas]] and replicas_from: give one of them")
+        from guard.replicas.discovery import replica_source
+
+        source = replica_source(config.proxy.replicas_from, state_source)
+        config = dataclasses.replace(config, replicas=source.read())
     if redis_url is not None:
         config = dataclasses.replace(config, redis_url=redis_url)
     if not config.replicas:
         raise ValueError("no replicas: give --upstream URL or [[replicas]] in the config")
     return config
-

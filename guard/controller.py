@@ -464,6 +464,23 @@ class AdmissionController:
         poller = self.background.poller
         return None if poller is None else poller.unreadable.get(replica_id)
 
+    def add_source(self, replica_id: str, source: StateSource) -> None:
+        """A replica joined the fleet: its state is polled from the next round."""
+        if self._sources is None:
+            raise ValueError("add_source: this controller polls no replicas")
+        self._sources[replica_id] = source
+        poller = self.background.poller
+        if poller is not None:
+            poller.add(replica_id, source)
+
+    def remove_source(self, replica_id: str) -> None:
+        """A replica left the fleet: no longer polled (its load state is the caller's)."""
+        if self._sources is not None:
+            self._sources.pop(replica_id, None)
+        poller = self.background.poller
+        if poller is not None:
+            poller.remove(replica_id)
+
     def _make_poller(self) -> StatePoller:
         return StatePoller(self.load_state, self._sources, self.config.refresh_interval_s,
                            clock=self.clock, timeout_s=self.config.state_timeout_s,

@@ -62,6 +62,9 @@ class EppServer:
         if not config.replicas or any(r.url is None for r in config.replicas):
             raise ValueError("replicas: the endpoint picker needs at least one replica with a "
                              "url (--upstream URL or [[replicas]])")
+        if config.proxy.replicas_from is not None:  # not a key that silently does nothing
+            raise ValueError("proxy.replicas_from: kvguard epp does not re-read its replicas "
+                             "yet; list them with --upstream or [[replicas]]")
         endpoints = {r.replica_id: endpoint_of_url(r.url) for r in config.replicas}
         self.config = config
         self.urls = {r.replica_id: r.url for r in config.replicas}

@@ -50,7 +50,7 @@ from guard.admission.rate_limit_headers import rate_limit_headers
 from guard.admission.request import AdmissionRequest, read_request
 from guard.admission.shedding import Rejection, send_rejection
 from guard.admission.wait import Wait
-from guard.config import GuardConfig
+from guard.config import GuardConfig, ReplicaConfig
 from guard.controller import AdmissionController
 from guard.errors import BodyTooLarge, ClientDisconnected, PricingError
 from guard.observe.access_log import AccessLog, TraceTee
@@ -65,6 +65,7 @@ from guard.proxy.transports import Transport, UpstreamError, make_transport
 from guard.proxy.upstream import BodyWriter, Forwarder
 from guard.redact import redact_url
 from guard.relay import REQUEST_ID_HEADER
+from guard.replicas.discovery import ReplicaWatcher, replica_source
 from guard.replicas.poller import state_sources
 from guard.replicas.shared_reservations import SharedReservations
 from guard.request.body import content_length, headers_from_pairs, headers_from_scope, read_body
@@ -107,13 +108,16 @@ class ProxyApp:
         self.clock = clock or time.monotonic
         proxy = config.proxy
         self.urls = {r.replica_id: r.url for r in config.replicas}
+        self.replicas = {r.replica_id: r for r in config.replicas}  # the fleet now
+        self.leaving: dict[str, ReplicaConfig] = {}  # left the list, still draining
         self.transport = transport or make_transport(
             proxy.upstream_client, proxy.connect_timeout_s, proxy.read_timeout_s,
             proxy.max_connections_per_replica, len(self.urls))
         self.health = ReplicaHealth(self.urls, proxy.eject_after_failures, proxy.probe_interval_s,
                                     self._mark_unhealthy, self._probe, self.clock)
         # state polls ride the requests' pooled transport (no second client per replica)
-        sources = state_sources(config.replicas, TransportStateClient(self.transport),
+        self._state_client = TransportStateClient(self.transport)
+        sources = state_sources(config.replicas, self._state_client,
                                 timeout_s=config.state_timeout_s)
         self._sources = sources  # what each replica's state source found (``auto``)
         gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
@@ -146,10 +150,81 @@ class ProxyApp:
                                        self._relay_replica, self._relay_headers,
                                        self.controller.registry, proxy.read_timeout_s)
         self._models_task: asyncio.Task | None = None
+        self.shared_reservations = shared
+        self.watcher: ReplicaWatcher | None = None
+        if proxy.replicas_from is not None:  # the fleet is listed there, re-read while running
+            self.watcher = ReplicaWatcher(
+                replica_source(proxy.replicas_from, config.replicas[0].state_source),
+                proxy.replicas_from_interval_s, self.apply_replicas, config.replicas,
+                tick=self.forget_drained)
+
+    # --- fleet membership ---------------------------------------------------------------------
+    def apply_replicas(self, replicas: tuple[ReplicaConfig, ...]) -> None:
+        """The fleet is now ``replicas``: new ids join (polled, routable once their state is
+        read), missing ids leave (no new request; those in flight finish; then forgotten,
+        see :meth:`forget_drained`). ValueError, and nothing changes, when an id that stays
+        changed its URL, state source or key (give the new one a new id), or a leaving
+        replica's id comes back before it drained."""
+        new = {r.replica_id: r for r in replicas}
+        for rid, replica in new.items():
+            old = self.replicas.get(rid)
+            if old is not None and old != replica:
+                raise ValueError(f"replica {rid!r} changed ({_changed_fields(old, replica)}): "
+                                 "a changed replica needs a new replica_id")
+            if old is None and rid in self.leaving:
+                raise ValueError(f"replica {rid!r} is still draining: it can come back once "
+                                 "its requests finished")
+        for rid in [rid for rid in self.replicas if rid not in new]:
+            self._leave(rid)
+        for rid, replica in new.items():
+            if rid not in self.replicas:
+                self._join(replica)
+
+    def _join(self, replica: ReplicaConfig) -> None:
+        rid = replica.replica_id
+        self.replicas[rid] = replica
+        self.urls[rid] = replica.url
+        self.health.add(rid)
+        self.load_state.set_weight(rid, replica.weight)
+        self.forwarder.set_replica(rid, replica.url, replica.api_key)
+        self.models.add(replica)
+        self.metrics.add(rid)
+        if self.shared_reservations is not None:
+            self.shared_reservations.add_replica(rid, replica.url)
+        source, = state_sources((replica,), self._state_client,
+                                timeout_s=self.config.state_timeout_s).values()
+        self._sources[rid] = source
+        self.controller.add_source(rid, self.health.gate(rid, source))
+        _log.info("replica %s joined the fleet (%s)", rid, redact_url(replica.url))
+
+    def _leave(self, rid: str) -> None:
+        self.leaving[rid] = self.replicas.pop(rid)
+        self.controller.remove_source(rid)
+        self.load_state.leave(rid, self.clock())
+        self.models.remove(rid)
+        _log.info("replica %s left the fleet: no new requests, %d in flight finish", rid,
+                  self.load_state.num_inflight(rid))
+
+    def forget_drained(self) -> None:
+        """Forget each leaving replica with nothing in flight any more: its URL, health,
+        load state, reservations, prefix index and series."""
+        for rid in [rid for rid in self.leaving if not self.load_state.holds_reservations(rid)]:
+            del self.leaving[rid]
+            self.load_state.forget(rid)
+            self.controller.learned_limits.forget(rid)
+            self.health.remove(rid)
+            self.forwarder.drop(rid)
+            self.urls.pop(rid, None)
+            self._sources.pop(rid, None)
+            self.metrics.remove(rid)
+            if self.shared_reservations is not None:
+                self.shared_reservations.remove_replica(rid)
+            _log.info("replica %s drained and forgotten", rid)
 
     # --- routing facts ------------------------------------------------------------------------
     def routable(self, replica_id: str) -> bool:
-        return self.load_state.is_healthy(replica_id) and not self.health.is_ejected(replica_id)
+        return self.load_state.is_healthy(replica_id) and not self.health.is_ejected(replica_id) \
+            and replica_id in self.replicas
 
     def _relay_replica(self, model: object) -> str | None:
         """For an unpriced relayed request: the routable replica serving ``model`` with the
@@ -415,7 +490,7 @@ class ProxyApp:
         """``GET /kvguard/state``: the proxy's view of each replica."""
         now_s = self.clock()
         replicas = []
-        for replica in self.config.replicas:
+        for replica in [*self.replicas.values(), *self.leaving.values()]:
             rid = replica.replica_id
             snap = self.load_state.replica_snapshot(rid)
             replicas.append({
@@ -433,6 +508,7 @@ class ProxyApp:
                 "num_reserved_blocks": self.load_state.num_reserved_blocks(rid),
                 "num_inflight": self.load_state.num_inflight(rid),
                 "concurrency_limit": None if snap is None else snap.concurrency_limit,
+                "leaving": rid in self.leaving,
                 **_source_choice(self._sources.get(rid)),
             })
         return {"admitting": not self.controller.draining, "policy": self.config.policy,
@@ -458,7 +534,9 @@ class ProxyApp:
         await self.models.refresh(self.transport.get, config.state_timeout_s)
         await self.controller.start()
         self.health.start()
-        if self.models.polled_urls and self._models_task is None:
+        if self.watcher is not None:
+            self.watcher.start()
+        if (self.models.polled_urls or self.watcher is not None) and self._models_task is None:
             self._models_task = asyncio.ensure_future(self.models.run(
                 self.transport.get, config.refresh_interval_s, config.state_timeout_s))
 
@@ -475,6 +553,8 @@ class ProxyApp:
         return self.controller.tickets.num_held
 
     async def aclose(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
         if self._models_task is not None:
             self._models_task.cancel()
             await asyncio.gather(self._models_task, return_exceptions=True)
@@ -556,6 +636,12 @@ async def _send_json(send: Send, status: int, payload: dict) -> None:
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _changed_fields(old: ReplicaConfig, new: ReplicaConfig) -> str:
+    names = [f for f in ("url", "state_source", "max_model_len", "weight", "kv_events_endpoint",
+                         "models", "api_key") if getattr(old, f) != getattr(new, f)]
+    return ", ".join(names)
 
 
 def _source_choice(source: Any) -> dict:

@@ -47,6 +47,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="how --upstream replicas publish load (default: auto: probe "
                              "/kvguard/state, then the vLLM, SGLang, TGI and llama.cpp /metrics "
                              "formats, else learn each replica's concurrency limit)")
+    parser.add_argument("--replicas-from", default=None, metavar="SPEC",
+                        help="where the replicas are listed, re-read while running: "
+                             "file:PATH (TOML [[replicas]] or a JSON list, as a mounted "
+                             "ConfigMap) or dns:NAME:PORT (a headless Service); replaces "
+                             "[proxy] replicas_from (default: none, the replicas are fixed)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="guard TOML (default: $KVGUARD_CONFIG, else built-in defaults)")
     parser.add_argument("--redis", default=None, metavar="URL",
@@ -99,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     table = ConnectionTable(limits_from_args(args))
     app = ProxyApp(config_with_upstreams(args.config, args.upstream,
-                                             args.state_source, args.redis),
+                                         args.state_source, args.redis,
+                                         args.replicas_from),
                    access_log=args.access_log)
     sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -15,6 +15,10 @@
                                    # upstream only when true; a replica's own api_key wins
     relayed_paths = ["/tokenize", "/detokenize", "/version", "/ping", "/v1/models/*"]
                                    # relayed to a replica unpriced but counted (fnmatch)
+    replicas_from = "file:/etc/kvguard/replicas.toml"  # or "dns:NAME:PORT": the replicas
+                                   # are listed there, re-read while running (instead of
+                                   # [[replicas]]; guard.replicas.discovery)
+    replicas_from_interval_s = 1.0 # how often that list is read again
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class ProxyConfig:
     max_connections_per_replica: int = 256
     forward_client_authorization: bool = False
     relayed_paths: tuple[str, ...] = DEFAULT_RELAYED_PATHS
+    replicas_from: str | None = None
+    replicas_from_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         paths = self.relayed_paths
@@ -59,8 +65,12 @@ class ProxyConfig:
         if self.upstream_client not in _CLIENTS:
             raise ValueError(f"proxy.upstream_client: must be one of {_CLIENTS}, "
                              f"got {self.upstream_client!r}")
+        if self.replicas_from is not None:
+            from guard.replicas.discovery import check_replicas_from
+
+            check_replicas_from(self.replicas_from)
         for name in ("connect_timeout_s", "read_timeout_s", "probe_interval_s",
-                     "drain_timeout_s"):
+                     "drain_timeout_s", "replicas_from_interval_s"):
             require_seconds(f"proxy.{name}", getattr(self, name))
         for name in ("eject_after_failures", "max_connections_per_replica"):
             require_count(f"proxy.{name}", getattr(self, name))

@@ -90,6 +90,17 @@ class ReplicaHealth:
         self.num_ejections = dict.fromkeys(self._failures, 0)
         self.num_readmissions = dict.fromkeys(self._failures, 0)
 
+    def add(self, replica_id: str) -> None:
+        """A replica joined the fleet."""
+        self._failures.setdefault(replica_id, 0)
+        self.num_ejections.setdefault(replica_id, 0)
+        self.num_readmissions.setdefault(replica_id, 0)
+
+    def remove(self, replica_id: str) -> None:
+        """A replica left the fleet: no longer counted or probed."""
+        for table in (self._failures, self._ejected, self.num_ejections, self.num_readmissions):
+            table.pop(replica_id, None)
+
     def is_ejected(self, replica_id: str) -> bool:
         return replica_id in self._ejected
 
@@ -97,10 +108,13 @@ class ReplicaHealth:
         return self._failures[replica_id]
 
     def record_success(self, replica_id: str) -> None:
-        self._failures[replica_id] = 0
+        if replica_id in self._failures:  # else it left the fleet
+            self._failures[replica_id] = 0
 
     def record_failure(self, replica_id: str) -> bool:
         """One failed request; True when this failure ejected the replica."""
+        if replica_id not in self._failures:  # it left the fleet
+            return False
         self._failures[replica_id] += 1
         if replica_id in self._ejected or self._failures[replica_id] < self._eject_after:
             return False

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -39,13 +40,29 @@ class ProxyMetrics:
         routable_gauge = Gauge("kvguard_proxy_replica_routable",
                                "1 while the policy may route to the replica", ["replica"],
                                registry=registry)
+        self._failure_kinds: dict[str, set[str]] = {}  # the series made, to remove them
+        self._readable, self._routable = readable, routable_gauge
+        self._state_error, self._is_routable = state_error, routable
         for replica_id in replica_ids:
-            self._redispatches.labels(replica_id)
-            self._ejections.labels(replica_id)
-            readable.labels(replica_id).set_function(
-                lambda rid=replica_id: 0.0 if state_error(rid) else 1.0)
-            routable_gauge.labels(replica_id).set_function(
-                lambda rid=replica_id: 1.0 if routable(rid) else 0.0)
+            self.add(replica_id)
+
+    def add(self, replica_id: str) -> None:
+        """The replica's series (a replica joined the fleet)."""
+        state_error, routable = self._state_error, self._is_routable
+        self._redispatches.labels(replica_id)
+        self._ejections.labels(replica_id)
+        self._readable.labels(replica_id).set_function(
+            lambda rid=replica_id: 0.0 if state_error(rid) else 1.0)
+        self._routable.labels(replica_id).set_function(
+            lambda rid=replica_id: 1.0 if routable(rid) else 0.0)
+
+    def remove(self, replica_id: str) -> None:
+        """A replica left the fleet: its series go (a scrape no longer shows it)."""
+        for metric in (self._redispatches, self._ejections, self._readable, self._routable):
+            with contextlib.suppress(KeyError):
+                metric.remove(replica_id)
+        for kind in self._failure_kinds.pop(replica_id, ()):
+            self._failures.remove(replica_id, kind)
 
     def redispatched(self, replica_id: str) -> None:
         self._redispatches.labels(replica_id).inc()
@@ -54,4 +71,5 @@ class ProxyMetrics:
         self._ejections.labels(replica_id).inc()
 
     def upstream_failure(self, replica_id: str, kind: str) -> None:
+        self._failure_kinds.setdefault(replica_id, set()).add(kind)
         self._failures.labels(replica_id, kind).inc()

@@ -46,13 +46,29 @@ class ModelCatalog:
         self._unread: frozenset[str] = frozenset()
         self._index()
 
+    def add(self, replica: ReplicaConfig) -> None:
+        """A replica joined the fleet: its configured models, else read with the others'."""
+        self._models[replica.replica_id] = frozenset(replica.models) if replica.models else None
+        if not replica.models and replica.url:
+            self.polled_urls[replica.replica_id] = replica.url
+        if replica.api_key:
+            self._headers[replica.replica_id] = [
+                (b"authorization", b"Bearer " + replica.api_key.encode())]
+        self._index()
+
+    def remove(self, replica_id: str) -> None:
+        """A replica left the fleet: requests for its models route among the others."""
+        for table in (self._models, self.polled_urls, self._headers):
+            table.pop(replica_id, None)
+        self._index()
+
     def headers_for(self, replica_id: str) -> list[tuple[bytes, bytes]]:
         """What a GET to the replica carries: its own ``Authorization``, when it has a key."""
         return self._headers.get(replica_id, [])
 
     def models_of(self, replica_id: str) -> frozenset[str] | None:
-        """The names ``replica_id`` serves (None: not read yet)."""
-        return self._models[replica_id]
+        """The names ``replica_id`` serves (None: not read yet, or not in the fleet)."""
+        return self._models.get(replica_id)
 
     def replicas_for(self, model: object) -> frozenset[str] | None:
         """The replica ids that may serve ``model`` (None: any, the request names no model);
@@ -70,6 +86,8 @@ class ModelCatalog:
 
     def update(self, replica_id: str, models: frozenset[str]) -> None:
         """A replica's list as read from its ``/v1/models``."""
+        if replica_id not in self._models:  # it left while its list was on the way
+            return
         before = self._models[replica_id]
         if before == models:
             return

@@ -111,6 +111,19 @@ class Forwarder:
         self._send_now = getattr(transport, "send_now", None)  # h1 only
         self._watches: set[_Watch] = set()  # the relays running now (for cut_all)
 
+    def set_replica(self, replica_id: str, url: str, api_key: str | None) -> None:
+        """A replica joined the fleet (or its credential changed)."""
+        self._urls[replica_id] = url
+        if api_key is not None:
+            self._authorizations[replica_id] = b"Bearer " + api_key.encode()
+        else:
+            self._authorizations.pop(replica_id, None)
+
+    def drop(self, replica_id: str) -> None:
+        """A replica left the fleet and nothing is in flight to it any more."""
+        self._urls.pop(replica_id, None)
+        self._authorizations.pop(replica_id, None)
+
     def send_now(self, replica_id: str, path: str, headers: Headers, body: bytes,
                  request_id: str) -> Awaitable[UpstreamResponse] | None:
         """The request written to ``replica_id`` at once when the transport can (``h1``, an

@@ -77,6 +77,19 @@ class FleetRanking:
                                 max(b for _, b in self._limits.values()))
         self._view = None
 
+    def remove(self, replica_id: str) -> None:
+        """``replica_id`` left the fleet: unranked and forgotten."""
+        if self._latest.pop(replica_id, None) is None:
+            return
+        self._discard(replica_id)
+        self._ids.remove(replica_id)
+        self._changed.pop(replica_id, None)
+        self._num_inflight -= self._num_inflight_of.pop(replica_id, 0)
+        self._limits.pop(replica_id, None)
+        self._max_limits = (max((m for m, _ in self._limits.values()), default=0),
+                            max((b for _, b in self._limits.values()), default=0))
+        self._view = None
+
     def _rank(self, replica: ReplicaSnapshot, step_time: StepTimeModel,
               now_s: float | None) -> None:
         replica_id = replica.replica_id

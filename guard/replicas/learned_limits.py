@@ -96,6 +96,12 @@ class LearnedLimits:
             self._stamped_s[replica_id] = None
         return limit
 
+    def forget(self, replica_id: str) -> None:
+        """The replica left the fleet: what was learned of it goes."""
+        for table in (self._limits, self._first_token, self._stamped_s):
+            table.pop(replica_id, None)
+        self._finishers.discard(replica_id)
+
     def values(self) -> dict[str, int]:
         return {replica_id: limit.value for replica_id, limit in self._limits.items()}
 

@@ -141,6 +141,7 @@ class LoadState:
         # the guard's prefix-cache view (guard.replicas.prefix_cache), told of every state,
         # lost replica and admission
         self.cache_view: PrefixCacheView | None = None
+        self._left: set[str] = set()  # replicas leaving the fleet (kept unhealthy)
 
     # --- replica state -----------------------------------------------------------------------
 
@@ -157,6 +158,48 @@ class LoadState:
         if book is None:
             book = self._books[replica_id] = ReplicaReservations()
         return book
+
+    # --- fleet membership (a running proxy's replicas change: guard.replicas.discovery) -------
+
+    def set_weight(self, replica_id: str, weight: float) -> None:
+        """The weight a replica joining the fleet was configured with."""
+        self._weights[replica_id] = weight
+
+    def leave(self, replica_id: str, now_s: float) -> None:
+        """``replica_id`` is leaving the fleet: unhealthy from now on (no policy picks it),
+        whatever state still arrives for it; its reservations end as their requests do."""
+        self._left.add(replica_id)
+        replica = self._replicas.get(replica_id)
+        if replica is not None and replica.base is not None and replica.base.healthy:
+            self._set_base(replica, dataclasses.replace(replica.base, healthy=False))
+        if self.cache_view is not None:
+            self.cache_view.forget(replica_id)
+
+    def forget(self, replica_id: str) -> None:
+        """A replica that left (:meth:`leave`) and holds no reservation any more: its state,
+        step-time fit, rank and books are dropped. ValueError while it still holds one."""
+        if self.holds_reservations(replica_id):
+            raise ValueError(f"replica {replica_id!r} still holds reservations")
+        self._replicas.pop(replica_id, None)
+        self._books.pop(replica_id, None)
+        self._foreign.pop(replica_id, None)
+        self._weights.pop(replica_id, None)
+        self._left.discard(replica_id)
+        self._changed_ids.discard(replica_id)
+        self._ranking.remove(replica_id)
+        self._mean_step_time.count(replica_id, None)
+        if self._views_by_id.pop(replica_id, None) is not None:
+            self._ranking.set_order(self._views_by_id)
+        if self.cache_view is not None:
+            self.cache_view.forget(replica_id)
+        self._snapshots = None
+        self._step_time = None
+
+    def holds_reservations(self, replica_id: str) -> bool:
+        """True while a request this guard admitted to ``replica_id`` is still in flight."""
+        book = self._books.get(replica_id)
+        return book is not None and bool(book.num_inflight or any(
+            not key.startswith(FOREIGN_PREFIX) for key in book.pending))
 
     def update_from_kvguard_state(self, replica_id: str, state: Mapping[str, Any],
                                   now_s: float) -> ReplicaSnapshot:
@@ -281,6 +324,8 @@ class LoadState:
             self._set_base(replica, replica.base)
 
     def _set_base(self, replica: _Replica, base: ReplicaSnapshot) -> ReplicaSnapshot:
+        if base.healthy and base.replica_id in self._left:  # leaving: never routable again
+            base = dataclasses.replace(base, healthy=False)
         weight = self._weights.get(base.replica_id, 1.0)
         if base.weight != weight or base.concurrency_limit != replica.concurrency_limit \
                 or base.first_token_s != replica.first_token_s:

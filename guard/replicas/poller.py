@@ -287,6 +287,18 @@ class StatePoller:
     def consecutive_errors(self, replica_id: str) -> int:
         return self._errors[replica_id]
 
+    def add(self, replica_id: str, source: StateSource) -> None:
+        """A replica joined: polled from the next round on."""
+        self._sources[replica_id] = source
+        self._errors[replica_id] = 0
+        (self._local if getattr(source, "local", False) else self._remote)[replica_id] = source
+
+    def remove(self, replica_id: str) -> None:
+        """A replica left: not polled any more (a fetch in flight is not applied)."""
+        for table in (self._sources, self._local, self._remote, self._errors,
+                      self._unavailable, self.unreadable):
+            table.pop(replica_id, None)
+
     async def refresh_now(self) -> None:
         """Refresh all replicas once, concurrently."""
         for rid, src in self._local.items():
@@ -307,6 +319,8 @@ class StatePoller:
         try:
             fetch = source.fetch()
             payload = await (asyncio.wait_for(fetch, self._timeout_s) if bounded else fetch)
+            if self._sources.get(replica_id) is not source:
+                return  # it left the fleet while its state was on the way
             self._apply(replica_id, source, payload, self._clock())
             self._errors[replica_id] = 0
             self._unavailable.pop(replica_id, None)
@@ -314,6 +328,8 @@ class StatePoller:
         except asyncio.CancelledError:
             raise
         except StateUnavailable as exc:
+            if self._sources.get(replica_id) is not source:
+                return
             self._errors[replica_id] = 0
             if isinstance(exc, StateUnparseable):  # read, not understood: shown, still routed
                 self.unreadable[replica_id] = redact_text(str(exc))
@@ -322,6 +338,8 @@ class StatePoller:
             self._log_unavailable(replica_id, exc)
             self._load_state.mark_unknown_capacity(replica_id, self._clock())
         except Exception as exc:
+            if self._sources.get(replica_id) is not source:
+                return
             self._errors[replica_id] += 1
             self._unreadable(replica_id, exc)
             if self._errors[replica_id] >= self._unhealthy_after:

@@ -126,6 +126,22 @@ class SharedReservations:
 
     # --- the load state's listener (own reservations) --------------------------------------
 
+    # --- fleet membership -------------------------------------------------------------------
+
+    def add_replica(self, replica_id: str, url: str) -> None:
+        """A replica joined the fleet: its reservations are shared from now on."""
+        if replica_id in self._keys:
+            return
+        self._keys[replica_id] = replica_keys(url)
+        self._own[replica_id], self._adds[replica_id], self._removes[replica_id] = {}, set(), set()
+        self.version[replica_id] = 0
+
+    def remove_replica(self, replica_id: str) -> None:
+        """A replica left the fleet (none of this guard's requests is in flight there)."""
+        for table in (self._keys, self._own, self._adds, self._removes, self.version,
+                      self._locks):
+            table.pop(replica_id, None)
+
     def pending_added(self, replica_id: str, request_id: str, cost: RequestCost) -> None:
         if replica_id not in self._own:
             return
@@ -152,7 +168,7 @@ class SharedReservations:
             return True
         if not await self.sync(replica_id):
             return True
-        return self.version[replica_id] == version
+        return self.version.get(replica_id, version) == version
 
     async def sync(self, replica_id: str) -> bool:
         """Join (or start) the next sync of ``replica_id``; True when it reached Redis."""
@@ -172,7 +188,7 @@ class SharedReservations:
             future.set_result(ok)
 
     async def _send(self, replica_id: str) -> bool:
-        if self._client is None:
+        if self._client is None or replica_id not in self._keys:
             return False
         own = self._own[replica_id]
         adds, self._adds[replica_id] = self._adds[replica_id], set()
@@ -202,7 +218,7 @@ class SharedReservations:
                 entries[str(reply[i])] = decode_load(str(reply[i + 1]), now_s, self._classes)
             except ValueError:
                 log.debug("shared reservation %r: malformed entry skipped", reply[i])
-        if self._load_state is not None and self.shared:
+        if self._load_state is not None and self.shared and replica_id in self.version:
             self.version[replica_id] += self._load_state.set_foreign(replica_id, entries, now_s)
 
     def _failed(self, exc: BaseException) -> None:
@@ -226,7 +242,7 @@ class SharedReservations:
             for removes in self._removes.values():
                 removes.clear()  # their leases expire in Redis
             if self._load_state is not None:
-                for replica_id in self._keys:
+                for replica_id in list(self._keys):
                     self._load_state.set_foreign(replica_id, {}, self._clock())
         if self._shared_gauge is not None:
             self._shared_gauge.set(1 if shared else 0)
@@ -249,7 +265,7 @@ class SharedReservations:
                 if not self.shared:
                     await asyncio.wait_for(self._scripts.load(self._client), CONNECT_TIMEOUT_S)
                     self._set_shared(True)
-                for replica_id in self._keys:
+                for replica_id in list(self._keys):  # the fleet may change meanwhile
                     await self.sync(replica_id)
             except Exception as exc:  # noqa: BLE001 - keep serving local-only, retry
                 self._failed(exc)
@@ -264,7 +280,7 @@ class SharedReservations:
             self._task = None
         if self._client is not None:
             if self.shared:
-                for replica_id, own in self._own.items():
+                for replica_id, own in list(self._own.items()):
                     self._removes[replica_id] |= set(own)
                     own.clear()
                     self._adds[replica_id].clear()
