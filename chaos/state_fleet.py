@@ -34,6 +34,7 @@ from serving.draining_server import listening_socket
 from serving.h1server import H1Server
 from serving.limited_protocol import ConnectionTable
 from serving.server_limits import ServerLimits
+from serving.state_delta import serve_state_stream
 
 __all__ = ["StateFleet", "StateFleetConfig"]
 
@@ -153,12 +154,20 @@ class _ReplicaApp:
             await _send_json(send, {"object": "list", "data": [
                 {"id": self.replica.model, "object": "model", "created": self.created_s,
                  "owned_by": "kvguard", "max_model_len": self.replica.max_model_len}]})
+        elif method == "GET" and path == "/kvguard/state/stream":
+            await serve_state_stream(scope, receive, send, self._compact)
         elif method == "GET" and path == "/kvguard/state":
             await self._state(scope, send)
         elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
             await self._generate(scope, receive, send, chat=path.endswith("chat/completions"))
         else:
             await _send_json(send, {"error": {"message": f"no route {method} {path}"}}, 404)
+
+    def _compact(self) -> dict:
+        state = self.replica.state()
+        state.update(admitting=True, num_in_flight=len(self.replica.running)
+                     + len(self.replica.waiting))
+        return compact_state(state)
 
     async def _state(self, scope, send) -> None:
         query = dict(pair.split("=", 1) for pair in scope["query_string"].decode().split("&")

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SEQUENCE_COLUMNS", "compact_state", "expand_compact_state"]
+from serving.state_delta import SEQUENCE_COLUMNS  # the per-sequence fields a guard reads
 
-# the per-sequence fields a guard reads, in column order
-SEQUENCE_COLUMNS = ("request_id", "num_output_tokens", "max_tokens", "num_context_tokens",
-                    "num_prefill_tokens_remaining")
+__all__ = ["SEQUENCE_COLUMNS", "compact_state", "expand_compact_state"]
 
 
 def compact_state(state: dict[str, Any], since_batch: int | None = None) -> dict[str, Any]:

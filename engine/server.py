@@ -37,6 +37,7 @@ from engine.metrics import EngineMetrics
 from engine.openai_request import ApiError, GenerationRequest, parse_generation_request
 from engine.text_stream import TextStream
 from engine.trace import RequestTimeline, TraceWriter
+from serving.state_delta import serve_state_stream
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app"]
 
@@ -111,6 +112,18 @@ class _Replica:
                                         "type": "invalid_request_error"}}, 400)
             state = compact_state(state, since_batch)
         return _json(state)
+
+    def compact_state(self) -> dict:
+        """The compact ``/kvguard/state`` of now, every kept iteration sample included."""
+        state = dict(self.engine.state())
+        state.update(model=self.model_name, admitting=self.engine.admitting,
+                     num_in_flight=self.engine.num_in_flight)
+        return compact_state(state)
+
+    async def state_stream(self, scope, receive, send) -> None:
+        """``GET /kvguard/state/stream``: :mod:`serving.state_delta`'s events."""
+        self.engine.start()
+        await serve_state_stream(scope, receive, send, self.compact_state)
 
     async def metrics_text(self, request: Request) -> Response:
         self.metrics.observe_state(self.engine.state())
@@ -408,8 +421,20 @@ def build_app(async_engine: AsyncEngine, model_name: str, tokenizer, metrics: En
         Route("/v1/models", replica.models, methods=["GET"]),
         Route("/health", replica.health, methods=["GET"]),
         Route("/kvguard/state", replica.state, methods=["GET"]),
+        Route("/kvguard/state/stream", _AsgiEndpoint(replica.state_stream), methods=["GET"]),
         Route("/metrics", replica.metrics_text, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.replica = replica
     return app
+
+
+class _AsgiEndpoint:
+    """A coroutine ``(scope, receive, send)`` as a Starlette endpoint (it writes its own
+    response: the state stream)."""
+
+    def __init__(self, handler: Callable) -> None:
+        self._handler = handler
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self._handler(scope, receive, send)

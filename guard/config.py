@@ -82,7 +82,8 @@ __all__ = [
 ]
 
 ANONYMOUS_TENANT = "anonymous"
-STATE_SOURCES = ("kvguard", "vllm", "sglang", "tgi", "llamacpp", "auto", "none", "asgi")
+STATE_SOURCES = ("kvguard", "stream", "vllm", "sglang", "tgi", "llamacpp", "auto", "none",
+                 "asgi")
 MISSING_MAX_TOKENS = ("fill", "forward")  # GuardConfig.missing_max_tokens
 # glob patterns (fnmatch) of the POST paths the guard admits; the rest pass straight through
 DEFAULT_ADMITTED_PATHS = ("*/v1/completions", "*/v1/chat/completions")
@@ -134,7 +135,8 @@ class TenantConfig:
 class ReplicaConfig:
     """One upstream replica. ``url`` None means the wrapped ASGI app itself (in-process).
 
-    ``state_source``: ``kvguard`` (``GET /kvguard/state``), ``vllm``, ``sglang``, ``tgi`` or
+    ``state_source``: ``kvguard`` (``GET /kvguard/state``), ``stream`` (a kvguard replica's
+    ``GET /kvguard/state/stream``: a full document, then deltas), ``vllm``, ``sglang``, ``tgi`` or
     ``llamacpp`` (that engine's ``GET /metrics``), ``auto`` (probe ``/kvguard/state``, then the
     known ``/metrics`` formats, else learn), ``none`` (no load state is read: a replica of
     unknown capacity, admitted to by its learned concurrency limit) or ``asgi`` (the wrapped

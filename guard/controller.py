@@ -227,7 +227,8 @@ class AdmissionController:
         if not config.replicas:
             raise ValueError("replicas: at least one [[replicas]] entry is needed")
         client = httpx.AsyncClient()
-        sources = state_sources(config.replicas, client, timeout_s=config.state_timeout_s)
+        sources = state_sources(config.replicas, client, timeout_s=config.state_timeout_s,
+                                stream_interval_s=config.refresh_interval_s)
         controller = cls(config, sources, **kwargs)
         controller.on_close.append(client.aclose)
         return controller

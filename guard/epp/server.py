@@ -76,7 +76,8 @@ class EppServer:
         self.health = ReplicaHealth(self.urls, proxy.eject_after_failures,
                                     proxy.probe_interval_s, self._mark_unhealthy, self._probe,
                                     clock)
-        sources = state_sources(config.replicas, self._client, timeout_s=config.state_timeout_s)
+        sources = state_sources(config.replicas, self._client, timeout_s=config.state_timeout_s,
+                                stream_interval_s=config.refresh_interval_s)
         gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
         shared = None
         if config.redis_url is not None:

@@ -118,7 +118,8 @@ class ProxyApp:
         # state polls ride the requests' pooled transport (no second client per replica)
         self._state_client = TransportStateClient(self.transport)
         sources = state_sources(config.replicas, self._state_client,
-                                timeout_s=config.state_timeout_s)
+                                timeout_s=config.state_timeout_s,
+                                stream_interval_s=config.refresh_interval_s)
         self._sources = sources  # what each replica's state source found (``auto``)
         gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
         shared = None
@@ -192,7 +193,8 @@ class ProxyApp:
         if self.shared_reservations is not None:
             self.shared_reservations.add_replica(rid, replica.url)
         source, = state_sources((replica,), self._state_client,
-                                timeout_s=self.config.state_timeout_s).values()
+                                timeout_s=self.config.state_timeout_s,
+                                stream_interval_s=self.config.refresh_interval_s).values()
         self._sources[rid] = source
         self.controller.add_source(rid, self.health.gate(rid, source))
         _log.info("replica %s joined the fleet (%s)", rid, redact_url(replica.url))

@@ -42,11 +42,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upstream", action="append", default=[], metavar="URL",
                         help="a replica's base URL (repeatable); replaces [[replicas]]")
     parser.add_argument("--state-source",
-                        choices=("auto", "kvguard", "vllm", "sglang", "tgi", "llamacpp", "none"),
+                        choices=("auto", "kvguard", "stream", "vllm", "sglang", "tgi", "llamacpp",
+                                 "none"),
                         default="auto",
                         help="how --upstream replicas publish load (default: auto: probe "
                              "/kvguard/state, then the vLLM, SGLang, TGI and llama.cpp /metrics "
-                             "formats, else learn each replica's concurrency limit)")
+                             "formats, else learn each replica's concurrency limit; stream: a kvguard "
+                             "replica's /kvguard/state/stream, one response of deltas)")
     parser.add_argument("--replicas-from", default=None, metavar="SPEC",
                         help="where the replicas are listed, re-read while running: "
                              "file:PATH (TOML [[replicas]] or a JSON list, as a mounted "

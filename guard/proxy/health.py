@@ -65,6 +65,12 @@ class GatedSource:
             raise ReplicaEjected(self.replica_id)
         return document
 
+    async def aclose(self) -> None:
+        """Close the inner source's own connection, where it holds one (a stream)."""
+        close = getattr(self._inner, "aclose", None)
+        if close is not None:
+            await close()
+
 
 class ReplicaHealth:
     """Consecutive request failures per replica, ejection, and the probe loop.

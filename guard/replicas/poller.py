@@ -218,8 +218,11 @@ def _state_document(body: bytes, where: str) -> dict:
 
 def state_sources(replicas: tuple[ReplicaConfig, ...], client: StateClient,
                   app: Callable | None = None, timeout_s: float = 1.0,
-                  local_replica_id: str = "local") -> dict[str, StateSource]:
-    """One source per configured replica; no replicas means ``app`` itself is the one replica."""
+                  local_replica_id: str = "local",
+                  stream_interval_s: float = 0.1) -> dict[str, StateSource]:
+    """One source per configured replica; no replicas means ``app`` itself is the one replica.
+    ``stream_interval_s``: how often a ``stream`` replica sends an event (the refresh
+    interval)."""
     if not replicas:
         if app is None:
             raise ValueError("state_sources: in-process mode needs the wrapped ASGI app")
@@ -234,6 +237,12 @@ def state_sources(replicas: tuple[ReplicaConfig, ...], client: StateClient,
             sources[replica.replica_id] = AutoStateSource(
                 replica.url, client=client, timeout_s=timeout_s,
                 max_model_len=replica.max_model_len, replica_id=replica.replica_id)
+        elif replica.state_source == "stream":
+            from guard.replicas.state_stream import StreamStateSource
+
+            sources[replica.replica_id] = StreamStateSource(
+                replica.url, timeout_s=timeout_s,
+                interval_ms=max(10, min(5000, round(stream_interval_s * 1000))))
         elif replica.state_source == "asgi":
             if app is None:
                 raise ValueError(f"replica {replica.replica_id!r}: state_source 'asgi' needs the app")
@@ -295,9 +304,11 @@ class StatePoller:
 
     def remove(self, replica_id: str) -> None:
         """A replica left: not polled any more (a fetch in flight is not applied)."""
+        source = self._sources.get(replica_id)
         for table in (self._sources, self._local, self._remote, self._errors,
                       self._unavailable, self.unreadable):
             table.pop(replica_id, None)
+        _close_soon(source)
 
     async def refresh_now(self) -> None:
         """Refresh all replicas once, concurrently."""
@@ -321,7 +332,8 @@ class StatePoller:
             payload = await (asyncio.wait_for(fetch, self._timeout_s) if bounded else fetch)
             if self._sources.get(replica_id) is not source:
                 return  # it left the fleet while its state was on the way
-            self._apply(replica_id, source, payload, self._clock())
+            if payload is not None:  # None: a stream with nothing new since the last round
+                self._apply(replica_id, source, payload, self._clock())
             self._errors[replica_id] = 0
             self._unavailable.pop(replica_id, None)
             self._readable(replica_id)
@@ -404,10 +416,22 @@ class StatePoller:
             await asyncio.sleep(max(0.0, self._interval_s - (time.monotonic() - started_s)))
 
     async def stop(self) -> None:
-        """Cancel the polling task and wait for it to end."""
+        """Cancel the polling task and wait for it to end; close the sources that hold a
+        connection of their own (streams)."""
         task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for source in self._sources.values():
+            close = getattr(source, "aclose", None)
+            if close is not None:
+                await close()
+
+
+def _close_soon(source: Any) -> None:
+    """Close a removed source's own connection (a stream) without waiting for it."""
+    close = getattr(source, "aclose", None)
+    if close is not None:
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing was opened
+            asyncio.get_running_loop().create_task(close())

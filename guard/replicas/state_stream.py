@@ -1,0 +1,141 @@
+"""``state_source = "stream"``: a kvguard replica's state over one long-lived response.
+
+:class:`StreamStateSource` holds ``GET {url}/kvguard/state/stream?interval_ms=N`` open
+(:mod:`serving.state_delta` is the protocol: a full compact document, then deltas numbered
+one by one) and keeps the replica's compact document up to date by applying each delta, so a
+state refresh costs what changed on the wire instead of a request and a whole document per
+poll. The poller still asks :meth:`fetch` every ``refresh_interval_s``; it returns the
+document as of the latest event, or None when no event arrived since the round before (the
+replica's view then stands, and ages).
+
+A **resync** (a new stream, whose first event is a full document) happens when an event's
+``seq`` is not the next one (a lost delta), when the stream ends or breaks (a restarted
+replica ends its streams), or when no event arrived for ``stale_after_s``; ``num_resyncs``
+counts them and ``num_gaps`` the lost deltas among them. Until a stream delivers its full
+document, :meth:`fetch` raises (the poller counts the replica's errors as for any source).
+A replica that answers 404 has no stream: :class:`guard.errors.StateUnavailable`, as for
+``/kvguard/state``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from guard.errors import StateUnavailable
+from serving.json_body import loads
+from serving.state_delta import apply_delta
+
+__all__ = ["StreamStateSource"]
+
+log = logging.getLogger(__name__)
+
+
+class StreamGap(Exception):
+    """An event that does not follow the one before: the document is rebuilt from a new
+    stream."""
+
+
+class StreamStateSource:
+    """One replica's state stream, read by a task of its own (started on first fetch)."""
+
+    kind = "kvguard"
+
+    def __init__(self, url: str, *, client: Any = None, interval_ms: int = 100,
+                 timeout_s: float = 1.0, stale_after_s: float | None = None) -> None:
+        self.url = url.rstrip("/") + f"/kvguard/state/stream?interval_ms={interval_ms}"
+        self._client = client  # an httpx.AsyncClient (None: its own, made on first use)
+        self._own_client = client is None
+        self._timeout_s = timeout_s
+        self._stale_after_s = stale_after_s if stale_after_s is not None else max(
+            1.0, 10 * interval_ms / 1000)
+        self._doc: dict | None = None
+        self._seq = -1
+        self._task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+        self._unavailable: str | None = None
+        self.fresh = False  # an event arrived since the last fetch
+        self.num_events = 0
+        self.num_resyncs = 0  # new streams after the first
+        self.num_gaps = 0  # events whose seq was not the next
+
+    async def fetch(self) -> Any:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+            await asyncio.sleep(0)
+        if self._unavailable is not None:
+            raise StateUnavailable(self._unavailable)
+        if self._doc is None:
+            if self._error is not None:
+                raise self._error
+            raise ConnectionError(f"{self.url}: no full document yet")
+        if not self.fresh:
+            return None  # nothing new since the last round: the replica's view stands
+        self.fresh = False
+        return self._doc
+
+    def feed(self, event: dict) -> None:
+        """One decoded event (the stream task's; tests may call it). StreamGap when it does
+        not follow the one before."""
+        seq = event.get("seq")
+        if "full" in event:
+            if seq != 0:
+                raise StreamGap(f"a full document with seq {seq!r}")
+            self._doc, self._seq = event["full"], 0
+        elif "delta" in event:
+            if self._doc is None or seq != self._seq + 1:
+                self.num_gaps += 1
+                raise StreamGap(f"seq {seq!r} after {self._seq}")
+            self._doc, self._seq = apply_delta(self._doc, event["delta"]), seq
+        else:
+            raise StreamGap(f"an event of neither kind: {sorted(event)}")
+        self.fresh = True
+        self.num_events += 1
+
+    async def _run(self) -> None:
+        first = True
+        while True:
+            if not first:
+                self.num_resyncs += 1
+            first = False
+            self._seq, self._doc = -1, None  # a new stream starts with a full document
+            try:
+                await self._read_stream()
+            except asyncio.CancelledError:
+                raise
+            except StreamGap as exc:
+                log.info("state stream %s: resync (%s)", self.url, exc)
+            except Exception as exc:  # noqa: BLE001 - any failure: a new stream
+                self._error = exc
+                await asyncio.sleep(min(1.0, self._timeout_s))
+
+    async def _read_stream(self) -> None:
+        if self._client is None:
+            import httpx
+
+            self._client = httpx.AsyncClient(trust_env=False)
+        async with self._client.stream("GET", self.url, timeout=self._timeout_s) as response:
+            if response.status_code == 404:
+                self._unavailable = f"{self.url} answered 404"
+                await asyncio.sleep(30.0)  # asked again now and then
+                return
+            self._unavailable = None
+            response.raise_for_status()
+            lines = response.aiter_lines().__aiter__()
+            while True:
+                line = await asyncio.wait_for(lines.__anext__(), self._stale_after_s)
+                if line.startswith("data: "):
+                    self.feed(loads(line[6:].encode()))
+                    self._error = None
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._own_client and self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()

@@ -1,0 +1,265 @@
+"""The streamed state (``/kvguard/state/stream``: a full compact document, then deltas) gives
+the guard exactly the documents, snapshots and decisions that polling full documents gives on
+a recorded trace; a lost delta and a restarted replica each make the guard start a new stream
+(a full resync)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+
+import httpx
+import pytest
+
+from chaos.state_fleet import StateFleet, StateFleetConfig
+from chaos.state_replica import StateReplica
+from chaos.topology import Topology, TopologySpec
+from engine.compact_state import compact_state
+from guard.replicas.load_state import LoadState
+from guard.replicas.state_stream import StreamGap, StreamStateSource
+from policies.slo import SloPolicy
+from serving.state_delta import StateDeltas, apply_delta, stream_interval_s
+from tests.policies.policy_builders import make_cost
+
+
+def _trace(seed: int = 7, num_steps: int = 120, step_s: float = 0.05) -> list[dict]:
+    """Full ``/kvguard/state`` documents of a state-only replica under random arrivals, one
+    every ``step_s``: sequences arrive, prefill in chunks, decode, wait for blocks, end."""
+    rng = random.Random(seed)
+    replica = StateReplica(lambda p, d, c: 0.004 + 2e-6 * p + 2e-4 * d, num_total_blocks=600,
+                           max_num_seqs=12, max_num_batched_tokens=512)
+    docs, now_s = [], 0.0
+    for step in range(num_steps):
+        for i in range(rng.choice((0, 1, 2, 4, 6))):
+            replica.submit(f"q{step}-{i}", rng.randint(20, 900), rng.randint(1, 120),
+                           lambda n, done: None, now_s)
+        if step % 17 == 5 and replica.running:  # a client goes away mid-stream
+            replica.abort(rng.choice(replica.running).request_id)
+        now_s += step_s
+        replica.advance_to(now_s)
+        docs.append(replica.state())
+    return docs
+
+
+def _streamed(docs: list[dict]) -> list[dict]:
+    """What a stream reader holds after each event of ``docs``' stream."""
+    encoder, source, out = StateDeltas(), StreamStateSource("http://r"), []
+    for doc in docs:
+        event = json.loads(json.dumps(encoder.event(compact_state(doc))))  # over the wire
+        source.feed(event)
+        out.append(source._doc)
+    return out
+
+
+def test_deltas_rebuild_every_document_of_a_recorded_trace():
+    docs = _trace()
+    assert max(len(d["running"]) for d in docs) >= 10 and any(d["waiting"] for d in docs)
+    last_batch = None
+    for doc, streamed in zip(docs, _streamed(docs), strict=True):
+        expected = compact_state(doc, last_batch)
+        assert streamed == expected
+        if expected["iterations"]:
+            last_batch = expected["iterations"][-1]["batch_id"]
+
+
+def test_deltas_carry_only_what_changed():
+    from chaos.bench.scale import fleet_document
+
+    before = fleet_document(0, 256)
+    after = json.loads(json.dumps(before))
+    for seq in after["running"]:  # three decode steps for every running sequence
+        seq["num_output_tokens"] += 3
+        seq["num_context_tokens"] += 3
+    after["running"][7]["max_tokens"] = 999  # and one that changed otherwise
+    after["num_free_blocks"] -= 20
+    encoder = StateDeltas()
+    full = encoder.event(compact_state(before))
+    delta = encoder.event(compact_state(after))
+    assert delta["delta"]["advance"] == 3
+    assert delta["delta"]["running"]["upsert"]["request_id"] == ["r0-7"]
+    assert len(json.dumps(delta)) < 400 < 20 * 400 < len(json.dumps(full))
+    steady = StateDeltas()
+    steady.event(compact_state(after))
+    assert steady.event(compact_state(after)) == {"seq": 1, "delta": {}}
+
+
+def test_a_reordered_group_and_a_preempted_sequence_come_through():
+    from chaos.bench.scale import fleet_document
+
+    before = compact_state(fleet_document(4, 8))
+    after = compact_state(fleet_document(4, 8))
+    running = after["running_columns"]
+    for name in running:  # the first running sequence is preempted: back to the waiting front
+        after["waiting_columns"][name].insert(0, running[name].pop(0))
+        running[name].reverse()  # and the engine reordered the rest
+    after["num_free_blocks"] += 14
+    encoder = StateDeltas()
+    encoder.event(before)
+    event = encoder.event(after)
+    assert "order" in event["delta"]["running"] and "order" in event["delta"]["waiting"]
+    assert apply_delta(before, event["delta"]) == {**after, "iterations": []}
+
+
+def _fed(load: LoadState, doc: dict, now_s: float) -> None:
+    if doc is not None:
+        load.update_from_kvguard_state("r0", doc, now_s)
+    load.update_from_kvguard_state("r1", compact_state(_FIXED), now_s)
+
+
+_FIXED = {**_trace(seed=3, num_steps=40)[-1]}
+
+
+def test_the_streamed_view_decides_as_the_full_documents_do():
+    docs = _trace(seed=11)
+    polled, streamed = LoadState(), LoadState()
+    policy = SloPolicy()
+    num_decided = 0
+    for step, (doc, view) in enumerate(zip(docs, _streamed(docs), strict=True)):
+        now_s = 0.05 * (step + 1)
+        _fed(polled, compact_state(doc), now_s)
+        _fed(streamed, view, now_s)
+        a, b = polled.snapshot(now_s), streamed.snapshot(now_s)
+        assert a.replicas == b.replicas and a.step_time == b.step_time
+        for i in range(3):
+            cost = make_cost(f"d{step}-{i}", prompt=100 + 300 * i, max_tokens=64,
+                             arrival_s=now_s)
+            decision = policy.decide(cost, a)
+            assert decision == SloPolicy().decide(cost, b)
+            num_decided += 1
+            if hasattr(decision, "replica_id"):
+                for load in (polled, streamed):
+                    load.reserve(decision.replica_id, cost.request_id, cost, now_s)
+    assert num_decided == 3 * len(docs)
+
+
+def test_an_event_out_of_sequence_is_a_gap():
+    docs = _trace(num_steps=5)
+    encoder = StateDeltas()
+    events = [encoder.event(compact_state(d)) for d in docs]
+    source = StreamStateSource("http://r")
+    source.feed(events[0])
+    source.feed(events[1])
+    with pytest.raises(StreamGap):
+        source.feed(events[3])  # events[2] was lost
+    assert source.num_gaps == 1
+    with pytest.raises(StreamGap):
+        StreamStateSource("http://r").feed(events[1])  # a delta before any full document
+
+
+@pytest.mark.parametrize("value", ["0", "9", "5001", "x", "-1", "1e3"])
+def test_a_bad_interval_is_refused(value):
+    with pytest.raises(ValueError, match="interval_ms"):
+        stream_interval_s(value)
+
+
+async def _dropping_relay(upstream_port: int, drop_event: int):
+    """A loopback TCP relay that forwards everything but the ``drop_event``-th SSE event of
+    the first connection's response (one delta lost on the wire)."""
+    connections = []
+
+    async def handle(reader, writer):
+        index = len(connections)
+        connections.append(writer)
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", upstream_port)
+
+        async def client_to_upstream():
+            with contextlib.suppress(Exception):
+                while data := await reader.read(65536):
+                    up_writer.write(data)
+                    await up_writer.drain()
+
+        async def upstream_to_client():
+            buffered, num_events = b"", 0
+            with contextlib.suppress(Exception):
+                while data := await up_reader.read(65536):
+                    if index != 0:
+                        writer.write(data)
+                        await writer.drain()
+                        continue
+                    buffered += data
+                    out = b""
+                    while (end := buffered.find(b"data: ")) >= 0 and \
+                            (stop := buffered.find(b"\n\n", end)) >= 0:
+                        event = buffered[:stop + 2]
+                        buffered = buffered[stop + 2:]
+                        num_events += 1
+                        if num_events == drop_event:  # keep the chunk framing: blank it
+                            event = event[:end] + b": lost" + b" " * (len(event) - end - 8) \
+                                + b"\n\n"
+                        out += event
+                    writer.write(out)
+                    await writer.drain()
+            writer.close()
+
+        await asyncio.gather(client_to_upstream(), upstream_to_client())
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def test_a_lost_delta_on_the_wire_makes_the_guard_resync():
+    async def main():
+        fleet = StateFleet(StateFleetConfig(tick_s=0.002))
+        await fleet.start(1)
+        port = int(fleet.urls["replica-0"].rsplit(":", 1)[1])
+        relay, relay_port = await _dropping_relay(port, drop_event=4)
+        source = StreamStateSource(f"http://127.0.0.1:{relay_port}", interval_ms=20)
+        try:
+            async with httpx.AsyncClient(trust_env=False) as client:
+                body = {"model": "llama-7b", "prompt": list(range(50)), "max_tokens": 400}
+                work = [asyncio.ensure_future(client.post(
+                    fleet.urls["replica-0"] + "/v1/completions", json=body)) for _ in range(3)]
+                for _ in range(200):
+                    with contextlib.suppress(ConnectionError):
+                        await source.fetch()
+                    if source.num_resyncs and source._doc is not None:
+                        break
+                    await asyncio.sleep(0.02)
+                assert source.num_gaps == 1 and source.num_resyncs == 1
+                await asyncio.sleep(0.1)
+                doc = await source.fetch() or source._doc
+                expected = compact_state(fleet._served["replica-0"].replica.state())
+                assert doc["running_columns"]["request_id"] == \
+                    expected["running_columns"]["request_id"]
+                for task in work:
+                    task.cancel()
+        finally:
+            await source.aclose()
+            relay.close()
+            await fleet.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@pytest.mark.slow
+def test_a_restarted_replica_makes_the_guard_resync():
+    with Topology(TopologySpec(num_replicas=1, num_proxies=0)) as fleet:
+        url = fleet.replica_urls[0]
+
+        async def until(predicate, source):
+            for _ in range(400):
+                with contextlib.suppress(Exception):
+                    await source.fetch()
+                if predicate():
+                    return
+                await asyncio.sleep(0.025)
+            raise AssertionError("timed out")
+
+        async def main():
+            source = StreamStateSource(url, interval_ms=50)
+            try:
+                await until(lambda: source._doc is not None, source)
+                async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+                    await client.post(url + "/v1/completions",
+                                      json={"model": "llama-7b", "prompt": "hi", "max_tokens": 8})
+                await until(lambda: source._doc["step_count"] > 0, source)
+                steps_before = source._doc["step_count"]
+                await asyncio.to_thread(fleet.restart_replicas)
+                await until(lambda: source.num_resyncs >= 1 and source._doc is not None
+                            and source._doc["step_count"] < steps_before, source)
+            finally:
+                await source.aclose()
+
+        asyncio.run(asyncio.wait_for(main(), 120))
