@@ -11,6 +11,10 @@ measures:
   spends keeping every replica's full document fresh (the HTTP round trip not counted);
   ``compact_*`` the same for the compact document the guard's poller asks for
   (``?compact=1&since_batch=N``: sequences as columns, no iteration sample seen before);
+  ``stream_*`` the same for ``state_source = "stream"``: one delta of
+  ``/kvguard/state/stream`` (5 decode steps for every running sequence, one finished, one
+  started, one arrival, new iteration samples: a 10 Hz refresh of a busy replica) parsed,
+  applied to the replica's groups and ingested;
 * per policy, ``decide_p50_us`` / ``decide_p99_us``: ``policy.decide`` on the guard's own
   snapshot, the guard's path per request — every decision is followed by a reservation on the
   chosen replica and the release of the reservation made 8 decisions earlier, so each snapshot
@@ -38,9 +42,12 @@ import time
 from chaos.bench.candidate_gap import candidate_gap
 from engine.compact_state import compact_state
 from guard.replicas.load_state import LoadState
+from guard.replicas.state_stream import StreamStateSource
 from policies import make_policy
 from policies.cost import RequestClass, RequestCost
 from policies.decision import Admit
+from serving.json_body import loads
+from serving.state_delta import StateDeltas
 
 __all__ = ["configure", "fleet_document", "run", "measure"]
 
@@ -77,6 +84,62 @@ def fleet_document(index: int, num_running: int) -> dict:
                         "end_s": 0.0} for b in range(4)],
         "timing_model": None, "time_scale": 1.0,
     }
+
+
+def stream_events(index: int, num_running: int, num_events: int,
+                  steps_per_event: int = 5) -> list[bytes]:
+    """Replica ``index``'s ``/kvguard/state/stream`` events as sent (bytes after
+    ``data: ``): its full document, then ``num_events`` deltas of ``steps_per_event`` decode
+    steps each (a refresh at 10 Hz of a replica stepping every ~20 ms), in each of which one
+    sequence finishes, one waiting prompt starts running and one new prompt arrives."""
+    doc = fleet_document(index, num_running)
+    encoder = StateDeltas()
+    events = [json.dumps(encoder.event(compact_state(doc))).encode()]
+    for e in range(num_events):
+        for seq in doc["running"]:
+            seq["num_output_tokens"] += steps_per_event
+            seq["num_context_tokens"] += steps_per_event
+        if doc["running"]:
+            doc["running"].pop(0)
+        if doc["waiting"]:
+            started = doc["waiting"].pop(0)
+            started.update(num_context_tokens=started["num_prompt_tokens"],
+                           num_prefill_tokens_remaining=0, num_output_tokens=1)
+            doc["running"].append(started)
+        doc["waiting"].append({"request_id": f"n{index}-{e}", "num_prompt_tokens": 400,
+                               "num_output_tokens": 0, "max_tokens": 128,
+                               "num_context_tokens": 0, "num_prefill_tokens_remaining": 400,
+                               "num_blocks": 0, "num_cached_tokens": 0, "priority": 0})
+        doc["num_free_blocks"] -= 3
+        doc["step_count"] += steps_per_event
+        last = doc["iterations"][-1]["batch_id"]
+        doc["iterations"] = doc["iterations"][steps_per_event:] + [
+            {**doc["iterations"][-1], "batch_id": last + 1 + s} for s in range(steps_per_event)]
+        events.append(json.dumps(encoder.event(compact_state(doc))).encode())
+    return events
+
+
+def _stream_ingest_ns(load_state: LoadState, num_replicas: int, num_running: int,
+                      num_events: int = 6) -> tuple[list[int], int]:
+    """Each streamed delta's ns at the guard: parsed, applied to the replica's groups, handed
+    over and ingested (``LoadState.update_from_kvguard_state``); and a delta's bytes."""
+    sources, streams = [], []
+    for k in range(num_replicas):
+        events = stream_events(k, num_running, num_events)
+        source = StreamStateSource(f"http://r{k}")
+        source.feed(json.loads(events[0]))
+        load_state.update_from_kvguard_state(f"r{k}", source.take(), 0.0)
+        sources.append(source)
+        streams.append(events[1:])
+    times_ns = []
+    for e in range(num_events):
+        for k, source in enumerate(sources):
+            raw = streams[k][e]
+            start = time.perf_counter_ns()
+            source.feed(loads(raw))
+            load_state.update_from_kvguard_state(f"r{k}", source.take(), 0.0)
+            times_ns.append(time.perf_counter_ns() - start)
+    return times_ns, len(streams[0][-1])
 
 
 def _cost(i: int, now_s: float) -> RequestCost:
@@ -144,12 +207,16 @@ def measure(num_replicas: int, num_running: int, num_calls: int, refresh_hz: flo
         load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
         compact_ns.append(time.perf_counter_ns() - start)
     compact_us = _quantile_us(compact_ns, 0.5)
+    stream_ns, delta_bytes = _stream_ingest_ns(load_state, num_replicas, num_running)
+    stream_us = _quantile_us(stream_ns, 0.5)
     row = {
         "replicas": num_replicas, "running": num_running,
         "document_bytes": len(documents[0]), "ingest_us": round(ingest_us, 1),
         "state_cpu_share": round(ingest_us * num_replicas * refresh_hz / 1e6, 4),
         "compact_bytes": len(compacts[0]), "compact_ingest_us": round(compact_us, 1),
         "compact_state_cpu_share": round(compact_us * num_replicas * refresh_hz / 1e6, 4),
+        "delta_bytes": delta_bytes, "stream_ingest_us": round(stream_us, 1),
+        "stream_state_cpu_share": round(stream_us * num_replicas * refresh_hz / 1e6, 4),
         "policies": {},
     }
     for name in policies:
@@ -214,17 +281,22 @@ def run(args: argparse.Namespace) -> int:
             # the compact document is what the guard's poller asks a kvguard replica for
             "state_cpu_share": {n: row["compact_state_cpu_share"] for n, row in by_count.items()},
             "full_state_cpu_share": {n: row["state_cpu_share"] for n, row in by_count.items()},
+            # state_source = "stream": one long-lived response of deltas per replica
+            "stream_state_cpu_share": {n: row["stream_state_cpu_share"]
+                                       for n, row in by_count.items()},
             "rows": rows,
         }, indent=1))
         return 0
     print(f"{'replicas':>8} {'running':>7} {'doc_B':>7} {'ingest_us':>9} {'state_cpu':>9} "
-          f"{'cdoc_B':>7} {'c_ingest':>8} {'c_cpu':>7}  "
-          f"{'policy':<16} {'p50_us':>8} {'p99_us':>8} {'snap_us':>8} {'path_us':>8}")
+          f"{'cdoc_B':>7} {'c_ingest':>8} {'c_cpu':>7} {'delta_B':>7} {'s_ingest':>8} "
+          f"{'s_cpu':>7}  {'policy':<16} {'p50_us':>8} {'p99_us':>8} {'snap_us':>8} {'path_us':>8}")
     for row in rows:
         for name, v in row["policies"].items():
             print(f"{row['replicas']:>8} {row['running']:>7} {row['document_bytes']:>7} "
                   f"{row['ingest_us']:>9} {row['state_cpu_share']:>9} {row['compact_bytes']:>7} "
-                  f"{row['compact_ingest_us']:>8} {row['compact_state_cpu_share']:>7}  {name:<16} "
+                  f"{row['compact_ingest_us']:>8} {row['compact_state_cpu_share']:>7} "
+                  f"{row['delta_bytes']:>7} {row['stream_ingest_us']:>8} "
+                  f"{row['stream_state_cpu_share']:>7}  {name:<16} "
                   f"{v['decide_p50_us']:>8} {v['decide_p99_us']:>8} {v['snapshot_p50_us']:>8} "
                   f"{v['path_p50_us']:>8}")
         if "candidate_gap" in row:

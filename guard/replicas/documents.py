@@ -13,12 +13,14 @@ their stale-state rule).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any
 
 from guard.replicas.engine_metrics import EngineLoad
+from guard.replicas.stream_view import GroupCapture
 from guard.replicas.vllm_metrics import parse_vllm_metrics
 from policies.cost import RequestCost
+from policies.replica_load import SeqTotals
 from policies.snapshot import ReplicaSnapshot, SeqLoad
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "engine_snapshot",
     "kvguard_snapshot",
     "listed_request_ids",
+    "seq_fields",
     "unknown_capacity_snapshot",
     "vllm_snapshot",
 ]
@@ -41,9 +44,35 @@ ENGINE_BLOCK_SIZE = 16
 
 
 def kvguard_snapshot(replica_id: str, state: Mapping[str, Any], now_s: float,
-                     our_cost: Callable[[str], RequestCost | None]) -> ReplicaSnapshot:
+                     our_cost: Callable[[str], RequestCost | None],
+                     ours: Container[str] | None = None) -> ReplicaSnapshot:
     """One ``/kvguard/state`` document received at ``now_s``. ``our_cost(request_id)`` is the
-    cost of a request this guard admitted (its class and expected length), else None."""
+    cost of a request this guard admitted (its class and expected length), else None;
+    ``ours`` (optional) holds at least every such request id, so no other is asked about.
+
+    A compact document's groups stay columns (:class:`SeqColumns`: a sequence's
+    :class:`~policies.seq_load.SeqLoad` is made only when a policy walks the group) and their
+    sums are taken from the columns directly: what every refresh needs (the replica's load
+    and rank) costs arithmetic per sequence, not an object."""
+    if "running_columns" in state:
+        block_size = int(state["block_size"])
+        chunk = int(state["max_num_batched_tokens"])
+        groups = state["running_columns"], state["waiting_columns"]
+        if isinstance(groups[0], GroupCapture):  # a streamed replica's (guard.replicas.stream_view)
+            running, waiting = (g.totals(our_cost, ours, chunk, _column_group) for g in groups)
+        else:
+            running, waiting = (_column_group(g, our_cost, block_size, chunk, ours)
+                                for g in groups)
+        snapshot = ReplicaSnapshot(
+            replica_id=replica_id, observed_s=now_s, block_size=block_size,
+            num_total_blocks=int(state["num_total_blocks"]),
+            num_free_blocks=int(state["num_free_blocks"]),
+            max_num_seqs=int(state["max_num_seqs"]), max_num_batched_tokens=chunk,
+            max_model_len=int(state["max_model_len"]), running=running.seqs,
+            waiting=waiting.seqs)
+        snapshot.__dict__["running_totals"] = running  # the cached properties, filled
+        snapshot.__dict__["waiting_totals"] = waiting
+        return snapshot
     return ReplicaSnapshot(
         replica_id=replica_id,
         observed_s=now_s,
@@ -58,8 +87,10 @@ def kvguard_snapshot(replica_id: str, state: Mapping[str, Any], now_s: float,
     )
 
 
-def listed_request_ids(state: Mapping[str, Any]) -> set[str]:
+def listed_request_ids(state: Mapping[str, Any]) -> Container[str]:
     """The request ids a ``/kvguard/state`` document lists as running or waiting."""
+    if isinstance(state.get("running_columns"), GroupCapture):
+        return _Listed(state["running_columns"], state["waiting_columns"])
     if "running_columns" in state:
         return {*state["running_columns"]["request_id"], *state["waiting_columns"]["request_id"]}
     return {s["request_id"] for s in (*state["running"], *state["waiting"])}
@@ -71,21 +102,111 @@ def _seq_loads(state: Mapping[str, Any], group: str,
     if columns is None:
         return tuple(_seq_load(s, our_cost(s["request_id"])) for s in state[group])
     return tuple(
-        _seq_fields(int(num_output), max_tokens, int(num_context), int(num_prefill),
+        seq_fields(int(num_output), max_tokens, int(num_context), int(num_prefill),
                     our_cost(request_id))
         for request_id, num_output, max_tokens, num_context, num_prefill in zip(
             columns["request_id"], columns["num_output_tokens"], columns["max_tokens"],
             columns["num_context_tokens"], columns["num_prefill_tokens_remaining"], strict=True))
 
 
+class _Listed:
+    """The ids two captured groups list (a membership test, no set built)."""
+
+    __slots__ = ("_groups",)
+
+    def __init__(self, *groups: Container[str]) -> None:
+        self._groups = groups
+
+    def __contains__(self, request_id: object) -> bool:
+        return any(request_id in g for g in self._groups)
+
+
+class SeqColumns(Sequence):
+    """One group of a compact document as a sequence of :class:`SeqLoad`, made on first
+    use; equal to the tuple of those (either way round)."""
+
+    __slots__ = ("_rows", "_costs", "_seqs")
+
+    def __init__(self, rows: list, costs: dict[int, RequestCost]) -> None:
+        self._rows = rows  # (request id, output, max_tokens, context, prefill) per sequence
+        self._costs = costs  # row index -> the guard's cost of it, as of the document
+        self._seqs: tuple[SeqLoad, ...] | None = None
+
+    def _loads(self) -> tuple[SeqLoad, ...]:
+        seqs = self._seqs
+        if seqs is None:
+            cost_of = self._costs.get
+            seqs = self._seqs = tuple(
+                seq_fields(int(out), max_tokens, int(ctx), int(pre), cost_of(i))
+                for i, (_, out, max_tokens, ctx, pre) in enumerate(self._rows))
+            self._rows = None
+        return seqs
+
+    def __len__(self) -> int:
+        return len(self._rows) if self._seqs is None else len(self._seqs)
+
+    def __getitem__(self, index):  # noqa: ANN001 - int or slice, as a tuple's
+        return self._loads()[index]
+
+    def __iter__(self) -> Iterator[SeqLoad]:
+        return iter(self._loads())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (tuple, SeqColumns)):
+            return self._loads() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._loads())
+
+    def __repr__(self) -> str:
+        return repr(self._loads())
+
+
+def _column_group(columns: Mapping[str, list], our_cost: Callable[[str], RequestCost | None],
+                  block_size: int, chunk_tokens: int,
+                  ours: Container[str] | None = None) -> SeqTotals:
+    """A compact group's :class:`SeqTotals` (exactly ``SeqTotals.of`` over its SeqLoads)
+    from its columns, its ``seqs`` a :class:`SeqColumns`: sums over whole columns, then the
+    guard's own requests (few: their class and expected length apply) corrected one by one."""
+    ids, outs, maxes = columns["request_id"], columns["num_output_tokens"], columns["max_tokens"]
+    ctxs, pres = columns["num_context_tokens"], columns["num_prefill_tokens_remaining"]
+    bs = block_size
+    finals = [c + p + (1 if m is None else m - o if m > o else 0)
+              for c, p, m, o in zip(ctxs, pres, maxes, outs, strict=True)]
+    num_committed = sum([-(-f // bs) for f in finals]) - sum([-(-c // bs) for c in ctxs])
+    costs: dict[int, RequestCost] = {}
+    min_itl_s = None
+    for i, rid in enumerate(ids):
+        if ours is not None and rid not in ours:
+            continue
+        cost = our_cost(rid)
+        if cost is None:
+            continue
+        costs[i] = cost
+        num_output, max_tokens = outs[i], maxes[i]
+        expected = max(1, cost.num_expected_output_tokens - num_output)
+        remaining = expected if max_tokens is None else min(max(0, max_tokens - num_output),
+                                                            expected)
+        final = ctxs[i] + pres[i] + remaining
+        num_committed += -(-final // bs) - -(-finals[i] // bs)
+        itl_s = cost.request_class.itl_s
+        if min_itl_s is None or itl_s < min_itl_s:
+            min_itl_s = itl_s
+    rows = list(zip(ids, outs, maxes, ctxs, pres, strict=True))
+    return SeqTotals(SeqColumns(rows, costs), block_size, chunk_tokens, sum(ctxs), sum(pres),
+                     num_committed, min_itl_s)
+
+
 def _seq_load(seq: Mapping[str, Any], cost: RequestCost | None) -> SeqLoad:
-    return _seq_fields(int(seq["num_output_tokens"]), seq.get("max_tokens"),
+    return seq_fields(int(seq["num_output_tokens"]), seq.get("max_tokens"),
                        int(seq["num_context_tokens"]), int(seq["num_prefill_tokens_remaining"]),
                        cost)
 
 
-def _seq_fields(num_output: int, max_tokens: Any, num_context: int, num_prefill: int,
-                cost: RequestCost | None) -> SeqLoad:
+def seq_fields(num_output: int, max_tokens: Any, num_context: int, num_prefill: int,
+               cost: RequestCost | None) -> SeqLoad:
+    """One listed sequence as a policy sees it (``cost``: the guard's, when it is its own)."""
     remaining_max = max(0, int(max_tokens) - num_output) if max_tokens is not None else None
     itl_s = None
     if cost is not None:  # ours: we know its class and expected length

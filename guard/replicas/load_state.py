@@ -209,7 +209,7 @@ class LoadState:
         model = state.get("model")
         replica.served_model = model if isinstance(model, str) else None
         listed = listed_request_ids(state)
-        base = kvguard_snapshot(replica_id, state, now_s, self._our_cost)
+        base = kvguard_snapshot(replica_id, state, now_s, self._our_cost, self._reservations)
         if self.cache_view is not None:
             self.cache_view.replica_state(replica_id, state)
         self._feed_iterations(replica, state)

@@ -25,8 +25,8 @@ import logging
 from typing import Any
 
 from guard.errors import StateUnavailable
+from guard.replicas.stream_view import StreamGroup
 from serving.json_body import loads
-from serving.state_delta import apply_delta
 
 __all__ = ["StreamStateSource"]
 
@@ -51,7 +51,11 @@ class StreamStateSource:
         self._timeout_s = timeout_s
         self._stale_after_s = stale_after_s if stale_after_s is not None else max(
             1.0, 10 * interval_ms / 1000)
-        self._doc: dict | None = None
+        self._top: dict | None = None  # the document's other fields (None: no full one yet)
+        self._running = StreamGroup(16, advances=True)
+        self._waiting = StreamGroup(16, advances=False)
+        self._iterations: list = []  # the samples the events since the last take brought
+        self._latest_iterations: list = []  # those of the latest event
         self._seq = -1
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
@@ -67,14 +71,30 @@ class StreamStateSource:
             await asyncio.sleep(0)
         if self._unavailable is not None:
             raise StateUnavailable(self._unavailable)
-        if self._doc is None:
+        if self._top is None:
             if self._error is not None:
                 raise self._error
             raise ConnectionError(f"{self.url}: no full document yet")
-        if not self.fresh:
+        return self.take()
+
+    def take(self) -> dict | None:
+        """What the events since the last take brought, as a compact document whose groups
+        are :class:`~guard.replicas.stream_view.GroupCapture` (its ``iterations`` only the new
+        samples); None when no event arrived since."""
+        if not self.fresh or self._top is None:
             return None  # nothing new since the last round: the replica's view stands
         self.fresh = False
-        return self._doc
+        iterations, self._iterations = self._iterations, []
+        return {**self._top, "running_columns": self._running.capture(),
+                "waiting_columns": self._waiting.capture(), "iterations": iterations}
+
+    def document(self) -> dict | None:
+        """The compact document as of the latest event (None before a full one)."""
+        if self._top is None:
+            return None
+        return {**self._top, "running_columns": self._running.capture().columns(),
+                "waiting_columns": self._waiting.capture().columns(),
+                "iterations": list(self._latest_iterations)}
 
     def feed(self, event: dict) -> None:
         """One decoded event (the stream task's; tests may call it). StreamGap when it does
@@ -83,12 +103,30 @@ class StreamStateSource:
         if "full" in event:
             if seq != 0:
                 raise StreamGap(f"a full document with seq {seq!r}")
-            self._doc, self._seq = event["full"], 0
+            full = event["full"]
+            block_size = int(full["block_size"])
+            for group, name in ((self._running, "running"), (self._waiting, "waiting")):
+                group.block_size = block_size
+                group.load(full[f"{name}_columns"])
+            self._top = {k: v for k, v in full.items()
+                         if k not in ("running_columns", "waiting_columns", "iterations")}
+            self._iterations = list(full.get("iterations") or ())
+            self._latest_iterations = self._iterations
+            self._seq = 0
         elif "delta" in event:
-            if self._doc is None or seq != self._seq + 1:
+            if self._top is None or seq != self._seq + 1:
                 self.num_gaps += 1
                 raise StreamGap(f"seq {seq!r} after {self._seq}")
-            self._doc, self._seq = apply_delta(self._doc, event["delta"]), seq
+            delta = event["delta"]
+            self._top.update(delta.get("set", ()))
+            if "block_size" in delta.get("set", ()):
+                raise StreamGap("the block size changed")  # rebuilt from a full document
+            self._latest_iterations = delta.get("iterations", [])
+            self._iterations += self._latest_iterations
+            k = delta.get("advance", 0)
+            self._running.apply(delta.get("running", {}), k)
+            self._waiting.apply(delta.get("waiting", {}), 0)
+            self._seq = seq
         else:
             raise StreamGap(f"an event of neither kind: {sorted(event)}")
         self.fresh = True
@@ -100,7 +138,7 @@ class StreamStateSource:
             if not first:
                 self.num_resyncs += 1
             first = False
-            self._seq, self._doc = -1, None  # a new stream starts with a full document
+            self._seq, self._top = -1, None  # a new stream starts with a full document
             try:
                 await self._read_stream()
             except asyncio.CancelledError:

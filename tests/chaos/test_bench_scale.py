@@ -21,6 +21,24 @@ def test_scale_json_keys_by_replica_count(capsys):
     assert set(out["state_cpu_share"]) == {"2", "33"}
     rows = {row["replicas"]: row for row in out["rows"]}
     assert rows[33]["compact_bytes"] < rows[33]["document_bytes"]
+    assert set(out["stream_state_cpu_share"]) == {"2", "33"}
+    assert 0 < rows[33]["delta_bytes"] and rows[33]["stream_ingest_us"] > 0
+
+
+def test_the_streamed_events_rebuild_the_documents_they_were_made_from():
+    from guard.replicas.state_stream import StreamStateSource
+
+    events = scale.stream_events(3, 40, 4)
+    source = StreamStateSource("http://r")
+    for raw in events:
+        source.feed(json.loads(raw))
+    doc = source.document()
+    # 37 running, no prompt waiting; each event one ends, one arrives, and from the second
+    # on the one that arrived before starts: 37 - 4 + 3
+    assert len(doc["running_columns"]["request_id"]) == 36
+    assert doc["running_columns"]["request_id"][0] == "r3-4"
+    assert doc["running_columns"]["num_output_tokens"][0] == 4 + 4 * 5  # 5 steps an event
+    assert doc["waiting_columns"]["request_id"] == ["n3-3"]
 
 
 def test_bad_replica_counts_are_refused_by_flag():

@@ -1,0 +1,246 @@
+"""A streamed replica's sequence groups, kept up to date in O(what changed).
+
+:class:`StreamGroup` applies :mod:`serving.state_delta`'s changes to one group (``running`` or
+``waiting``) of a replica's compact document without rebuilding it: a row is stored as its
+values at the cumulative decode advance when it was last set, so one ``advance`` of ``k``
+steps is a counter (plus a 16-bucket histogram that says how many decoding sequences cross a
+KV block boundary), and the sums a snapshot needs — context and prefill tokens, the blocks
+the group will still grow into — are running sums adjusted per changed row. :meth:`capture`
+freezes the group (a C-level dict copy) into a :class:`GroupCapture`, which gives the
+snapshot its :class:`~policies.replica_load.SeqTotals` with the guard's own requests (few)
+corrected one by one, and its :class:`~policies.seq_load.SeqLoad` only if a policy walks the
+group. Equal, field by field, to what :mod:`guard.replicas.documents` builds from the same
+compact document (the tests compare them).
+
+A row whose remaining output is not ``max_tokens - output`` for a foreign request — no
+``max_tokens``, or past it — makes the group *irregular*: its sums are then taken the plain
+way from the columns (exact, O(sequences)) until no such row is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from typing import Any
+
+from policies.cost import RequestCost
+from policies.replica_load import SeqTotals
+from policies.seq_load import SeqLoad
+
+__all__ = ["GroupCapture", "StreamGroup"]
+
+_OUT, _MAX, _CTX, _PRE, _AT = range(5)
+
+
+def _blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class StreamGroup:
+    """One group's rows (request id -> output, max_tokens, context, prefill, advance mark)."""
+
+    def __init__(self, block_size: int, advances: bool) -> None:
+        self.block_size = block_size
+        self.advances = advances  # the running group: decode steps advance its rows
+        self.rows: dict[str, tuple] = {}
+        self.advance = 0  # cumulative decode steps
+        self._static_ctx = 0  # context of the rows that do not advance
+        self._static_ctx_blocks = 0
+        self._dec_ctx_base = 0  # sum over decoding rows of (context - their advance mark)
+        self._dec_ctx_blocks = 0  # sum over decoding rows of ceil(context / block size) now
+        self._num_dec = 0
+        self._hist = [0] * block_size  # decoding rows by (context - mark - 1) mod block size
+        self.num_prefill = 0
+        self._final_blocks = 0  # sum of ceil(final / block size), final = ctx + pre + max - out
+        self.num_irregular = 0
+
+    # --- one row in or out ---------------------------------------------------------------
+    def _decoding(self, row: tuple) -> bool:
+        return self.advances and not row[_PRE]
+
+    def _now(self, row: tuple) -> tuple[int, int, int, int]:
+        """(output, max_tokens, context, prefill) of a stored row at the current advance."""
+        k = self.advance - row[_AT] if self._decoding(row) else 0
+        return row[_OUT] + k, row[_MAX], row[_CTX] + k, row[_PRE]
+
+    def _count(self, row: tuple, sign: int) -> None:
+        bs = self.block_size
+        out, max_tokens, ctx, pre = self._now(row)
+        self.num_prefill += sign * pre
+        if max_tokens is None or max_tokens < out:
+            self.num_irregular += sign
+        else:
+            self._final_blocks += sign * _blocks(ctx + pre + max_tokens - out, bs)
+        if self._decoding(row):
+            self._num_dec += sign
+            self._dec_ctx_base += sign * (row[_CTX] - row[_AT])
+            self._dec_ctx_blocks += sign * _blocks(ctx, bs)
+            self._hist[(row[_CTX] - row[_AT] - 1) % bs] += sign
+        else:
+            self._static_ctx += sign * ctx
+            self._static_ctx_blocks += sign * _blocks(ctx, bs)
+
+    def set(self, request_id: str, out: int, max_tokens: int | None, ctx: int, pre: int) -> None:
+        """A row new to the group, or changed: its values now."""
+        old = self.rows.get(request_id)
+        if old is not None:
+            self._count(old, -1)
+        row = (out, max_tokens, ctx, pre, self.advance)
+        self.rows[request_id] = row
+        self._count(row, 1)
+
+    def remove(self, request_id: str) -> None:
+        self._count(self.rows.pop(request_id), -1)
+
+    def step(self, k: int) -> None:
+        """``k`` decode steps for every decoding row (those set since are set after it)."""
+        if not k or not self.advances:
+            return
+        bs, a = self.block_size, self.advance
+        crossed = 0
+        for key, count in enumerate(self._hist):
+            if count:
+                crossed += count * (((key + a) % bs + k) // bs)
+        self._dec_ctx_blocks += crossed
+        self.advance = a + k
+
+    def reorder(self, order: list[str]) -> None:
+        self.rows = {rid: self.rows[rid] for rid in order}
+
+    def apply(self, change: Mapping[str, Any], k: int) -> None:
+        """One group's part of a delta (``k``: its ``advance``, applied before the upserts:
+        an upserted row carries its values of now)."""
+        for rid in change.get("remove", ()):
+            self.remove(rid)
+        self.step(k)
+        upsert = change.get("upsert")
+        if upsert:
+            for rid, out, max_tokens, ctx, pre in zip(
+                    upsert["request_id"], upsert["num_output_tokens"], upsert["max_tokens"],
+                    upsert["num_context_tokens"], upsert["num_prefill_tokens_remaining"],
+                    strict=True):
+                self.set(rid, out, max_tokens, ctx, pre)
+        order = change.get("order")
+        if order is not None:
+            self.reorder(order)
+
+    def load(self, columns: Mapping[str, list]) -> None:
+        """Start over from a full document's columns."""
+        self.__init__(self.block_size, self.advances)
+        for rid, out, max_tokens, ctx, pre in zip(
+                columns["request_id"], columns["num_output_tokens"], columns["max_tokens"],
+                columns["num_context_tokens"], columns["num_prefill_tokens_remaining"],
+                strict=True):
+            self.set(rid, out, max_tokens, ctx, pre)
+
+    # --- reading ------------------------------------------------------------------------
+    def capture(self) -> GroupCapture:
+        """This group now, frozen (later changes do not reach it)."""
+        return GroupCapture(self)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.rows
+
+
+class GroupCapture:
+    """One group as of :meth:`StreamGroup.capture`: its columns on demand, its totals."""
+
+    __slots__ = ("_rows", "_advance", "_advances", "_bs", "_sums", "_irregular")
+
+    def __init__(self, group: StreamGroup) -> None:
+        self._rows = group.rows.copy()
+        self._advance, self._advances, self._bs = group.advance, group.advances, group.block_size
+        dec_ctx = group._dec_ctx_base + group._num_dec * group.advance
+        self._sums = (group._static_ctx + dec_ctx, group.num_prefill,
+                      group._final_blocks - group._static_ctx_blocks - group._dec_ctx_blocks)
+        self._irregular = group.num_irregular > 0
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def rows(self) -> list[tuple]:
+        """(request id, output, max_tokens, context, prefill) per sequence, in order."""
+        a, advances = self._advance, self._advances
+        out = []
+        for rid, (o, m, c, p, at) in self._rows.items():
+            k = a - at if advances and not p else 0
+            out.append((rid, o + k, m, c + k, p))
+        return out
+
+    def columns(self) -> dict[str, list]:
+        """The compact document's columns of this group."""
+        rows = self.rows()
+        return {name: [r[i] for r in rows] for i, name in enumerate(
+            ("request_id", "num_output_tokens", "max_tokens", "num_context_tokens",
+             "num_prefill_tokens_remaining"))}
+
+    def totals(self, our_cost: Callable[[str], RequestCost | None], ours: Container[str] | None,
+               chunk_tokens: int, plain: Callable[..., SeqTotals]) -> SeqTotals:
+        """The group's :class:`SeqTotals` with the guard's own requests (``ours``: at least
+        their ids) priced as theirs; ``plain(columns, ...)`` when the group is irregular."""
+        if self._irregular or ours is None:
+            return plain(self.columns(), our_cost, self._bs, chunk_tokens, ours)
+        num_context, num_prefill, num_committed = self._sums
+        bs, rows = self._bs, self._rows
+        costs: dict[str, RequestCost] = {}
+        min_itl_s = None
+        for rid in ours if len(ours) < len(rows) else rows:  # the smaller side
+            if rid not in rows or rid not in ours:
+                continue
+            cost = our_cost(rid)
+            if cost is None:
+                continue
+            costs[rid] = cost
+            o, m, c, p, at = rows[rid]
+            k = self._advance - at if self._advances and not p else 0
+            o, c = o + k, c + k
+            expected = max(1, cost.num_expected_output_tokens - o)
+            remaining = min(max(0, m - o), expected)
+            num_committed += _blocks(c + p + remaining, bs) - _blocks(c + p + m - o, bs)
+            itl_s = cost.request_class.itl_s
+            if min_itl_s is None or itl_s < min_itl_s:
+                min_itl_s = itl_s
+        return SeqTotals(CapturedSeqs(self, costs), bs, chunk_tokens, num_context, num_prefill,
+                         num_committed, min_itl_s)
+
+
+class CapturedSeqs(Sequence):
+    """A captured group as a sequence of :class:`SeqLoad` (made on first use); equal to the
+    tuple of those."""
+
+    __slots__ = ("_capture", "_costs", "_seqs")
+
+    def __init__(self, capture: GroupCapture, costs: dict[str, RequestCost]) -> None:
+        self._capture, self._costs = capture, costs
+        self._seqs: tuple[SeqLoad, ...] | None = None
+
+    def _loads(self) -> tuple[SeqLoad, ...]:
+        if self._seqs is None:
+            from guard.replicas.documents import seq_fields
+
+            cost_of = self._costs.get
+            self._seqs = tuple(seq_fields(o, m, c, p, cost_of(rid))
+                               for rid, o, m, c, p in self._capture.rows())
+        return self._seqs
+
+    def __len__(self) -> int:
+        return len(self._capture)
+
+    def __getitem__(self, index):  # noqa: ANN001 - int or slice, as a tuple's
+        return self._loads()[index]
+
+    def __iter__(self) -> Iterator[SeqLoad]:
+        return iter(self._loads())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (tuple, Sequence)) and not isinstance(other, (str, bytes)):
+            return self._loads() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._loads())
+
+    def __repr__(self) -> str:
+        return repr(self._loads())
