@@ -209,6 +209,8 @@ def measure(num_replicas: int, num_running: int, num_calls: int, refresh_hz: flo
     compact_us = _quantile_us(compact_ns, 0.5)
     stream_ns, delta_bytes = _stream_ingest_ns(load_state, num_replicas, num_running)
     stream_us = _quantile_us(stream_ns, 0.5)
+    for k, raw in enumerate(compacts):  # the policies decide on the same fleet as before
+        load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
     row = {
         "replicas": num_replicas, "running": num_running,
         "document_bytes": len(documents[0]), "ingest_us": round(ingest_us, 1),

@@ -125,12 +125,13 @@ class SeqColumns(Sequence):
     """One group of a compact document as a sequence of :class:`SeqLoad`, made on first
     use; equal to the tuple of those (either way round)."""
 
-    __slots__ = ("_rows", "_costs", "_seqs")
+    __slots__ = ("_rows", "_costs", "_seqs", "_n")
 
     def __init__(self, rows: list, costs: dict[int, RequestCost]) -> None:
         self._rows = rows  # (request id, output, max_tokens, context, prefill) per sequence
         self._costs = costs  # row index -> the guard's cost of it, as of the document
         self._seqs: tuple[SeqLoad, ...] | None = None
+        self._n = len(rows)  # len() is on every least-loaded comparison: one frame
 
     def _loads(self) -> tuple[SeqLoad, ...]:
         seqs = self._seqs
@@ -143,7 +144,7 @@ class SeqColumns(Sequence):
         return seqs
 
     def __len__(self) -> int:
-        return len(self._rows) if self._seqs is None else len(self._seqs)
+        return self._n
 
     def __getitem__(self, index):  # noqa: ANN001 - int or slice, as a tuple's
         return self._loads()[index]

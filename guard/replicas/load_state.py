@@ -221,6 +221,19 @@ class LoadState:
                     self._mark_reported(replica_id, book, request_id)
         return self._set_base(replica, base)
 
+    def touch(self, replica_id: str, now_s: float) -> None:
+        """The replica's state is known unchanged at ``now_s`` (a streamed replica that only
+        said it is alive): the same view, observed now (and healthy, as after any good
+        refresh)."""
+        replica = self._replicas.get(replica_id)
+        if replica is None or replica.base is None:
+            return
+        base = object.__new__(ReplicaSnapshot)  # as with_reservations: no re-validation, and
+        base.__dict__.update(replica.base.__dict__)  # the sums already made stay
+        base.__dict__["observed_s"] = now_s
+        base.__dict__["healthy"] = True
+        self._set_base(replica, base)
+
     def _mark_reported(self, replica_id: str, book: ReplicaReservations, key: str) -> None:
         book.mark_reported(key)
         if self.pending_listener is not None and not key.startswith(FOREIGN_PREFIX):

@@ -32,6 +32,7 @@ from guard.replicas.engine_metrics import (
     parse_engine_metrics,
     parse_llamacpp_slots,
 )
+from guard.replicas.state_stream import UNCHANGED
 from serving.json_body import loads
 
 __all__ = [
@@ -66,6 +67,8 @@ class StateSink(Protocol):
                                    **limits: Any) -> Any: ...
 
     def mark_unknown_capacity(self, replica_id: str, now_s: float) -> Any: ...
+
+    def touch(self, replica_id: str, now_s: float) -> Any: ...
 
     def mark_unhealthy(self, replica_id: str, now_s: float) -> None: ...
 
@@ -332,7 +335,9 @@ class StatePoller:
             payload = await (asyncio.wait_for(fetch, self._timeout_s) if bounded else fetch)
             if self._sources.get(replica_id) is not source:
                 return  # it left the fleet while its state was on the way
-            if payload is not None:  # None: a stream with nothing new since the last round
+            if payload is UNCHANGED:  # a stream: heard from, nothing changed
+                self._load_state.touch(replica_id, self._clock())
+            elif payload is not None:  # None: a stream with nothing new since the last round
                 self._apply(replica_id, source, payload, self._clock())
             self._errors[replica_id] = 0
             self._unavailable.pop(replica_id, None)

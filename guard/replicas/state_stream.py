@@ -5,8 +5,9 @@
 one by one) and keeps the replica's compact document up to date by applying each delta, so a
 state refresh costs what changed on the wire instead of a request and a whole document per
 poll. The poller still asks :meth:`fetch` every ``refresh_interval_s``; it returns the
-document as of the latest event, or None when no event arrived since the round before (the
-replica's view then stands, and ages).
+document as of the latest event, :data:`UNCHANGED` when events arrived but changed nothing
+but the replica's clock (its view is then only marked fresh), or None when no event arrived
+since the round before (the view stands, and ages).
 
 A **resync** (a new stream, whose first event is a full document) happens when an event's
 ``seq`` is not the next one (a lost delta), when the stream ends or breaks (a restarted
@@ -23,14 +24,27 @@ import asyncio
 import contextlib
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 from guard.errors import StateUnavailable
 from guard.replicas.stream_view import StreamGroup
 from serving.json_body import loads
 
-__all__ = ["StreamStateSource"]
+__all__ = ["UNCHANGED", "StreamGap", "StreamStateSource"]
 
 log = logging.getLogger(__name__)
+
+
+class _Unchanged:
+    """What :meth:`StreamStateSource.take` hands over when events came but changed nothing
+    (the poller then only marks the replica's view fresh:
+    :meth:`guard.replicas.load_state.LoadState.touch`)."""
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED = _Unchanged()
 
 
 class StreamGap(Exception):
@@ -60,7 +74,8 @@ class StreamStateSource:
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
         self._unavailable: str | None = None
-        self.fresh = False  # an event arrived since the last fetch
+        self.fresh = False  # an event arrived since the last take
+        self._changed = False  # and one of them changed more than the replica's clock
         self.num_events = 0
         self.num_resyncs = 0  # new streams after the first
         self.num_gaps = 0  # events whose seq was not the next
@@ -84,6 +99,9 @@ class StreamStateSource:
         if not self.fresh or self._top is None:
             return None  # nothing new since the last round: the replica's view stands
         self.fresh = False
+        if not self._changed:
+            return UNCHANGED  # heard from, nothing changed: the same view, fresh again
+        self._changed = False
         iterations, self._iterations = self._iterations, []
         return {**self._top, "running_columns": self._running.capture(),
                 "waiting_columns": self._waiting.capture(), "iterations": iterations}
@@ -113,6 +131,7 @@ class StreamStateSource:
             self._iterations = list(full.get("iterations") or ())
             self._latest_iterations = self._iterations
             self._seq = 0
+            self._changed = True
         elif "delta" in event:
             if self._top is None or seq != self._seq + 1:
                 self.num_gaps += 1
@@ -127,6 +146,8 @@ class StreamStateSource:
             self._running.apply(delta.get("running", {}), k)
             self._waiting.apply(delta.get("waiting", {}), 0)
             self._seq = seq
+            if delta.keys() - {"set"} or delta.get("set", {}).keys() - {"now_s"}:
+                self._changed = True
         else:
             raise StreamGap(f"an event of neither kind: {sorted(event)}")
         self.fresh = True
@@ -150,15 +171,15 @@ class StreamStateSource:
                 await asyncio.sleep(min(1.0, self._timeout_s))
 
     async def _read_stream(self) -> None:
+        if self.url.startswith("http://") and self._client is None:
+            return await self._read_raw()
         if self._client is None:
             import httpx
 
             self._client = httpx.AsyncClient(trust_env=False)
         async with self._client.stream("GET", self.url, timeout=self._timeout_s) as response:
             if response.status_code == 404:
-                self._unavailable = f"{self.url} answered 404"
-                await asyncio.sleep(30.0)  # asked again now and then
-                return
+                return await self._no_stream()
             self._unavailable = None
             response.raise_for_status()
             lines = response.aiter_lines().__aiter__()
@@ -167,6 +188,49 @@ class StreamStateSource:
                 if line.startswith("data: "):
                     self.feed(loads(line[6:].encode()))
                     self._error = None
+
+    async def _no_stream(self) -> None:
+        self._unavailable = f"{self.url} answered 404"
+        await asyncio.sleep(30.0)  # asked again now and then
+
+    async def _read_raw(self) -> None:
+        """The stream over a plain asyncio connection (HTTP/1.1, chunked or until close):
+        one read per batch of bytes, no client library on the way of every event."""
+        parts = urlsplit(self.url)
+        host, port = parts.hostname or "", parts.port or 80
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                                self._timeout_s)
+        try:
+            target = parts.path + (f"?{parts.query}" if parts.query else "")
+            writer.write(f"GET {target} HTTP/1.1\r\nhost: {parts.netloc}\r\n"
+                         "accept: text/event-stream\r\n\r\n".encode("latin-1"))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._timeout_s)
+            status = int(head.split(b" ", 2)[1])
+            if status == 404:
+                return await self._no_stream()
+            self._unavailable = None
+            if status != 200:
+                raise ConnectionError(f"{self.url} answered {status}")
+            chunked = b"transfer-encoding: chunked" in head.lower()
+            raw = body = b""
+            while True:
+                data = await asyncio.wait_for(reader.read(65536), self._stale_after_s)
+                if not data:
+                    raise ConnectionError(f"{self.url}: the stream ended")
+                if chunked:
+                    raw += data
+                    more, raw = _dechunk(raw)
+                    body += more
+                else:
+                    body += data
+                *events, body = body.split(b"\n\n")
+                for event in events:
+                    for line in event.split(b"\n"):
+                        if line.startswith(b"data: "):
+                            self.feed(loads(line[6:]))
+                            self._error = None
+        finally:
+            writer.close()
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
@@ -177,3 +241,21 @@ class StreamStateSource:
         if self._own_client and self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
+
+
+def _dechunk(raw: bytes) -> tuple[bytes, bytes]:
+    """The payload of the whole chunks at the start of ``raw`` (chunked transfer coding) and
+    what is left of it; ConnectionError at the last chunk (the stream ended)."""
+    out = []
+    while True:
+        end = raw.find(b"\r\n")
+        if end < 0:
+            break
+        size = int(raw[:end].split(b";", 1)[0], 16)
+        if size == 0:
+            raise ConnectionError("the stream ended")
+        if len(raw) < end + 2 + size + 2:
+            break
+        out.append(raw[end + 2:end + 2 + size])
+        raw = raw[end + 2 + size + 2:]
+    return b"".join(out), raw

@@ -210,11 +210,12 @@ class CapturedSeqs(Sequence):
     """A captured group as a sequence of :class:`SeqLoad` (made on first use); equal to the
     tuple of those."""
 
-    __slots__ = ("_capture", "_costs", "_seqs")
+    __slots__ = ("_capture", "_costs", "_seqs", "_n")
 
     def __init__(self, capture: GroupCapture, costs: dict[str, RequestCost]) -> None:
         self._capture, self._costs = capture, costs
         self._seqs: tuple[SeqLoad, ...] | None = None
+        self._n = len(capture)  # len() is on every least-loaded comparison: one frame
 
     def _loads(self) -> tuple[SeqLoad, ...]:
         if self._seqs is None:
@@ -226,7 +227,7 @@ class CapturedSeqs(Sequence):
         return self._seqs
 
     def __len__(self) -> int:
-        return len(self._capture)
+        return self._n
 
     def __getitem__(self, index):  # noqa: ANN001 - int or slice, as a tuple's
         return self._loads()[index]

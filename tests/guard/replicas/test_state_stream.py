@@ -18,7 +18,7 @@ from chaos.state_replica import StateReplica
 from chaos.topology import Topology, TopologySpec
 from engine.compact_state import compact_state
 from guard.replicas.load_state import LoadState
-from guard.replicas.state_stream import StreamGap, StreamStateSource
+from guard.replicas.state_stream import UNCHANGED, StreamGap, StreamStateSource
 from policies.slo import SloPolicy
 from serving.state_delta import StateDeltas, apply_delta, stream_interval_s
 from tests.policies.policy_builders import make_cost
@@ -151,6 +151,22 @@ def test_an_event_out_of_sequence_is_a_gap():
         StreamStateSource("http://r").feed(events[1])  # a delta before any full document
 
 
+def test_a_heartbeat_only_marks_the_view_fresh():
+    docs = _trace(num_steps=30)
+    encoder, source, load = StateDeltas(), StreamStateSource("http://r"), LoadState()
+    source.feed(encoder.event(compact_state(docs[-1])))
+    load.update_from_kvguard_state("r0", source.take(), 1.0)
+    before = load.replica_snapshot("r0")
+    later = {**docs[-1], "now_s": docs[-1]["now_s"] + 0.1}  # only the replica's clock moved
+    source.feed(json.loads(json.dumps(encoder.event(compact_state(later)))))
+    assert source.take() is UNCHANGED
+    load.mark_unhealthy("r0", 1.5)
+    load.touch("r0", 2.0)
+    after = load.replica_snapshot("r0")
+    assert after.observed_s == 2.0 and after.healthy and after.load == before.load
+    assert source.take() is None  # and nothing since
+
+
 @pytest.mark.parametrize("value", ["0", "9", "5001", "x", "-1", "1e3"])
 def test_a_bad_interval_is_refused(value):
     with pytest.raises(ValueError, match="interval_ms"):
@@ -202,13 +218,15 @@ async def _dropping_relay(upstream_port: int, drop_event: int):
     return server, server.sockets[0].getsockname()[1]
 
 
-def test_a_lost_delta_on_the_wire_makes_the_guard_resync():
+@pytest.mark.parametrize("reader", ["raw", "httpx"])
+def test_a_lost_delta_on_the_wire_makes_the_guard_resync(reader):
     async def main():
         fleet = StateFleet(StateFleetConfig(tick_s=0.002))
         await fleet.start(1)
         port = int(fleet.urls["replica-0"].rsplit(":", 1)[1])
         relay, relay_port = await _dropping_relay(port, drop_event=4)
-        source = StreamStateSource(f"http://127.0.0.1:{relay_port}", interval_ms=20)
+        own = httpx.AsyncClient(trust_env=False) if reader == "httpx" else None
+        source = StreamStateSource(f"http://127.0.0.1:{relay_port}", interval_ms=20, client=own)
         try:
             async with httpx.AsyncClient(trust_env=False) as client:
                 body = {"model": "llama-7b", "prompt": list(range(50)), "max_tokens": 400}
@@ -230,6 +248,8 @@ def test_a_lost_delta_on_the_wire_makes_the_guard_resync():
                     task.cancel()
         finally:
             await source.aclose()
+            if own is not None:
+                await own.aclose()
             relay.close()
             await fleet.stop()
 
