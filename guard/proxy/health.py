@@ -65,6 +65,15 @@ class GatedSource:
             raise ReplicaEjected(self.replica_id)
         return document
 
+    def listen(self, listener: Any) -> None:
+        """A pushing inner source (a stream): its updates, dropped while ejected."""
+        self._inner.listen(lambda payload: None if self._health.is_ejected(self.replica_id)
+                           else listener(payload))
+
+    @property
+    def pushes(self) -> bool:
+        return hasattr(self._inner, "listen")
+
     async def aclose(self) -> None:
         """Close the inner source's own connection, where it holds one (a stream)."""
         close = getattr(self._inner, "aclose", None)

@@ -292,6 +292,8 @@ class StatePoller:
         self._local = {rid: src for rid, src in self._sources.items()
                        if getattr(src, "local", False)}
         self._remote = {rid: src for rid, src in self._sources.items() if rid not in self._local}
+        for rid, src in self._sources.items():
+            self._listen(rid, src)
         self._task: asyncio.Task | None = None
         self.num_refreshes = 0
         self.unreadable: dict[str, str] = {}  # replica id -> why its last refresh failed
@@ -304,6 +306,28 @@ class StatePoller:
         self._sources[replica_id] = source
         self._errors[replica_id] = 0
         (self._local if getattr(source, "local", False) else self._remote)[replica_id] = source
+        self._listen(replica_id, source)
+
+    def _listen(self, replica_id: str, source: StateSource) -> None:
+        """A source that pushes (a stream) hands each update over as it arrives."""
+        if getattr(source, "pushes", hasattr(source, "listen")):
+            source.listen(lambda payload: self._pushed(replica_id, source, payload))
+
+    def _pushed(self, replica_id: str, source: StateSource, payload: Any) -> None:
+        if self._sources.get(replica_id) is not source:
+            return  # it left the fleet
+        try:
+            if payload is UNCHANGED:
+                self._load_state.touch(replica_id, self._clock())
+            else:
+                self._apply(replica_id, source, payload, self._clock())
+        except Exception as exc:  # the stream reader outlives a bad update
+            self._errors[replica_id] += 1
+            self._unreadable(replica_id, exc)
+            return
+        self._errors[replica_id] = 0
+        self._unavailable.pop(replica_id, None)
+        self._readable(replica_id)
 
     def remove(self, replica_id: str) -> None:
         """A replica left: not polled any more (a fetch in flight is not applied)."""

@@ -4,7 +4,8 @@
 (:mod:`serving.state_delta` is the protocol: a full compact document, then deltas numbered
 one by one) and keeps the replica's compact document up to date by applying each delta, so a
 state refresh costs what changed on the wire instead of a request and a whole document per
-poll. The poller still asks :meth:`fetch` every ``refresh_interval_s``; it returns the
+poll. The poller hands each event to the guard's view as it arrives (:meth:`listen`), so the
+view is as fresh as the stream; its rounds still call :meth:`fetch`, which returns the
 document as of the latest event, :data:`UNCHANGED` when events arrived but changed nothing
 but the replica's clock (its view is then only marked fresh), or None when no event arrived
 since the round before (the view stands, and ages).
@@ -76,6 +77,7 @@ class StreamStateSource:
         self._unavailable: str | None = None
         self.fresh = False  # an event arrived since the last take
         self._changed = False  # and one of them changed more than the replica's clock
+        self._listener: Any = None  # called with what take() gives, as each event arrives
         self.num_events = 0
         self.num_resyncs = 0  # new streams after the first
         self.num_gaps = 0  # events whose seq was not the next
@@ -91,6 +93,18 @@ class StreamStateSource:
                 raise self._error
             raise ConnectionError(f"{self.url}: no full document yet")
         return self.take()
+
+    def listen(self, listener: Any) -> None:
+        """Hand every event over as it arrives: ``listener(self.take())`` (the poller's
+        rounds then find nothing new; freshness is the stream's, not the rounds')."""
+        self._listener = listener
+
+    def _arrived(self) -> None:
+        listener = self._listener
+        if listener is not None:
+            payload = self.take()
+            if payload is not None:
+                listener(payload)
 
     def take(self) -> dict | None:
         """What the events since the last take brought, as a compact document whose groups
@@ -188,6 +202,7 @@ class StreamStateSource:
                 if line.startswith("data: "):
                     self.feed(loads(line[6:].encode()))
                     self._error = None
+                    self._arrived()
 
     async def _no_stream(self) -> None:
         self._unavailable = f"{self.url} answered 404"
@@ -229,6 +244,7 @@ class StreamStateSource:
                         if line.startswith(b"data: "):
                             self.feed(loads(line[6:]))
                             self._error = None
+                    self._arrived()
         finally:
             writer.close()
 

@@ -286,3 +286,31 @@ def test_a_restarted_replica_makes_the_guard_resync():
                 await source.aclose()
 
         asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_events_reach_the_guard_as_they_arrive_not_at_the_next_round():
+    from guard.replicas.poller import StatePoller
+
+    async def main():
+        fleet = StateFleet(StateFleetConfig(tick_s=0.002))
+        await fleet.start(1)
+        source = StreamStateSource(fleet.urls["replica-0"], interval_ms=20)
+        load = LoadState()
+        poller = StatePoller(load, {"r0": source}, interval_s=60.0)  # no round in this test
+        try:
+            with contextlib.suppress(ConnectionError):
+                await source.fetch()  # starts the stream
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if source.num_events >= 5:
+                    break
+            snap = load.replica_snapshot("r0")
+            assert snap is not None and snap.capacity_known and poller.num_refreshes == 0
+            first_s = snap.observed_s
+            await asyncio.sleep(0.1)
+            assert load.replica_snapshot("r0").observed_s > first_s  # touched by heartbeats
+        finally:
+            await poller.stop()
+            await fleet.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
