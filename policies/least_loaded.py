@@ -20,8 +20,9 @@ __all__ = ["NO_REPLICA", "least_loaded", "load_order", "num_requests", "route_le
 
 
 def num_requests(replica: ReplicaSnapshot) -> int:
-    """Requests on the replica: reported running and waiting, plus the guard's unreported ones."""
-    return len(replica.running) + len(replica.waiting) + len(replica.reserved)
+    """Requests on the replica: reported running and waiting, plus the guard's unreported ones
+    (the count its load already holds: kept on the snapshot, whatever holds the groups)."""
+    return replica.load.num_seqs
 
 
 def weighted_load(replica: ReplicaSnapshot) -> float:
