@@ -28,6 +28,8 @@ TARGETS: dict[str, tuple[str, str]] = {
     "llamacpp": ("chaos.bench.llamacpp", "llama-cpp-python's server (SmolLM2) bare vs behind "
                  "kvguard proxy's defaults (a learned limit) at 0.5 / 1 / 4 x its capacity"),
     "scale": ("chaos.bench.scale", "decision and state-ingestion cost vs fleet size, in-process"),
+    "state-cpu": ("chaos.bench.state_cpu", "a real proxy's CPU and state age in front of N "
+                  "state-only replicas, per --state-source (polled vs streamed)"),
 }
 
 
