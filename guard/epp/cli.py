@@ -31,7 +31,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upstream", action="append", default=[], metavar="URL",
                         help="a replica's base URL, http://IP:PORT (repeatable); replaces "
                              "[[replicas]]")
-    parser.add_argument("--state-source", choices=("kvguard", "vllm", "none"), default="kvguard",
+    parser.add_argument("--replicas-from", default=None, metavar="SPEC",
+                        help="where the replicas are listed, re-read while running: "
+                             "file:PATH or dns:NAME:PORT, as kvguard proxy's; replaces "
+                             "[proxy] replicas_from (default: none, the replicas are fixed)")
+    parser.add_argument("--state-source", choices=("kvguard", "stream", "vllm", "none"),
+                        default="kvguard",
                         help="how --upstream replicas publish load (default: kvguard)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="guard TOML (default: $KVGUARD_CONFIG, else built-in defaults)")
@@ -59,7 +64,8 @@ async def _serve(args: argparse.Namespace) -> int:
     from guard.epp.server import EppServer
 
     server = EppServer(config_with_upstreams(args.config, args.upstream,
-                                             args.state_source, args.redis))
+                                             args.state_source, args.redis,
+                                             args.replicas_from))
     port = await server.start(args.host, args.port)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

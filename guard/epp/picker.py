@@ -98,6 +98,19 @@ class EndpointPicker:
         self.is_admitted = controller.config.is_admitted_path
         self.max_body_bytes = controller.config.max_body_bytes
 
+    def add(self, replica_id: str, endpoint: str) -> None:
+        """A replica joined the fleet (``replicas_from``)."""
+        self.endpoints[replica_id] = endpoint
+        self.replica_of[endpoint] = replica_id
+        self._turns = itertools.cycle(list(self.endpoints))
+
+    def remove(self, replica_id: str) -> None:
+        """A replica left the fleet and nothing runs on it any more."""
+        endpoint = self.endpoints.pop(replica_id, None)
+        if self.replica_of.get(endpoint) == replica_id:
+            del self.replica_of[endpoint]
+        self._turns = itertools.cycle(list(self.endpoints))
+
     def exchange(self, client_gone: ClientGone | None = None) -> PickerExchange:
         """One HTTP request's calls (one ext_proc stream)."""
         return PickerExchange(self, client_gone)
@@ -128,7 +141,9 @@ class EndpointPicker:
     def any_routable(self, allowed: Sequence[str]) -> str | None:
         """A routable replica among ``allowed``, taking turns (None: there is none)."""
         for _ in range(len(self.endpoints)):
-            rid = next(self._turns)
+            rid = next(self._turns, None)
+            if rid is None:  # the fleet is empty
+                return None
             if rid in allowed and self.routable(rid):
                 return rid
         return None

@@ -13,6 +13,10 @@ It serves, on one port:
   ext_proc service name: all SERVING once the first state poll is done; on drain everything
   but ``liveness`` turns NOT_SERVING.
 
+With ``[proxy] replicas_from`` (``--replicas-from``) the replicas are re-read while it runs,
+as the proxy's (:mod:`guard.replicas.membership`): a joining one becomes an endpoint once its
+state is read, a leaving one is picked no more and forgotten once its requests ended.
+
 With a ``redis_url`` the controller shares tenant budgets (the config's budget store) and
 pending KV reservations with every other EPP or proxy on that Redis, so several EPPs behind
 one Envoy run active-active.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 import httpx
@@ -37,12 +42,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from guard.config import GuardConfig
+from guard.config import GuardConfig, ReplicaConfig
 from guard.controller import AdmissionController
 from guard.epp.metrics_http import MetricsEndpoint
 from guard.epp.picker import EndpointPicker, endpoint_of_url
 from guard.epp.processor import ExternalProcessor
 from guard.proxy.health import ReplicaHealth
+from guard.replicas.discovery import ReplicaWatcher, replica_source
+from guard.replicas.membership import FleetMembership
 from guard.replicas.poller import state_sources
 from guard.replicas.shared_reservations import SharedReservations
 
@@ -62,9 +69,6 @@ class EppServer:
         if not config.replicas or any(r.url is None for r in config.replicas):
             raise ValueError("replicas: the endpoint picker needs at least one replica with a "
                              "url (--upstream URL or [[replicas]])")
-        if config.proxy.replicas_from is not None:  # not a key that silently does nothing
-            raise ValueError("proxy.replicas_from: kvguard epp does not re-read its replicas "
-                             "yet; list them with --upstream or [[replicas]]")
         endpoints = {r.replica_id: endpoint_of_url(r.url) for r in config.replicas}
         self.config = config
         self.urls = {r.replica_id: r.url for r in config.replicas}
@@ -89,6 +93,15 @@ class EppServer:
         self.controller = AdmissionController(config, gated, clock=clock,
                                               shared_reservations=shared)
         self.picker = EndpointPicker(self.controller, endpoints, self.health)
+        self.membership = FleetMembership(
+            config.replicas, self.controller, self.health, self._make_source, shared,
+            on_join=self._joined, on_forget=self._forgotten)
+        self.watcher: ReplicaWatcher | None = None
+        if proxy.replicas_from is not None:  # the fleet is listed there, re-read while running
+            self.watcher = ReplicaWatcher(
+                replica_source(proxy.replicas_from, config.replicas[0].state_source),
+                proxy.replicas_from_interval_s, self.membership.apply, config.replicas,
+                tick=self.membership.forget_drained)
         self.processor = ExternalProcessor(self.picker)
         self.grpc_health = health_aio.HealthServicer()
         self.metrics_endpoint = MetricsEndpoint(self.controller.metrics)
@@ -109,10 +122,25 @@ class EppServer:
         self._server = server
         await self.controller.start()
         self.health.start()
+        if self.watcher is not None:
+            self.watcher.start()
         await server.start()
         for service in _SERVICES:
             await self.grpc_health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return bound
+
+    def _make_source(self, replica: ReplicaConfig) -> Any:
+        source, = state_sources((replica,), self._client, timeout_s=self.config.state_timeout_s,
+                                stream_interval_s=self.config.refresh_interval_s).values()
+        return source
+
+    def _joined(self, replica: ReplicaConfig) -> None:
+        self.urls[replica.replica_id] = replica.url
+        self.picker.add(replica.replica_id, endpoint_of_url(replica.url))
+
+    def _forgotten(self, replica_id: str) -> None:
+        self.urls.pop(replica_id, None)
+        self.picker.remove(replica_id)
 
     def _mark_unhealthy(self, replica_id: str) -> None:
         self.controller.load_state.mark_unhealthy(replica_id, self.controller.clock())
@@ -153,6 +181,8 @@ class EppServer:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
         if self._server is not None:
             await self._server.stop(grace=1.0)
             self._server = None

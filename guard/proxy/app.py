@@ -66,6 +66,7 @@ from guard.proxy.upstream import BodyWriter, Forwarder
 from guard.redact import redact_url
 from guard.relay import REQUEST_ID_HEADER
 from guard.replicas.discovery import ReplicaWatcher, replica_source
+from guard.replicas.membership import FleetMembership
 from guard.replicas.poller import state_sources
 from guard.replicas.shared_reservations import SharedReservations
 from guard.request.body import content_length, headers_from_pairs, headers_from_scope, read_body
@@ -108,8 +109,6 @@ class ProxyApp:
         self.clock = clock or time.monotonic
         proxy = config.proxy
         self.urls = {r.replica_id: r.url for r in config.replicas}
-        self.replicas = {r.replica_id: r for r in config.replicas}  # the fleet now
-        self.leaving: dict[str, ReplicaConfig] = {}  # left the list, still draining
         self.transport = transport or make_transport(
             proxy.upstream_client, proxy.connect_timeout_s, proxy.read_timeout_s,
             proxy.max_connections_per_replica, len(self.urls))
@@ -151,7 +150,9 @@ class ProxyApp:
                                        self._relay_replica, self._relay_headers,
                                        self.controller.registry, proxy.read_timeout_s)
         self._models_task: asyncio.Task | None = None
-        self.shared_reservations = shared
+        self.membership = FleetMembership(
+            config.replicas, self.controller, self.health, self._make_source, shared,
+            on_join=self._joined, on_leave=self.models.remove, on_forget=self._forgotten)
         self.watcher: ReplicaWatcher | None = None
         if proxy.replicas_from is not None:  # the fleet is listed there, re-read while running
             self.watcher = ReplicaWatcher(
@@ -159,69 +160,41 @@ class ProxyApp:
                 proxy.replicas_from_interval_s, self.apply_replicas, config.replicas,
                 tick=self.forget_drained)
 
-    # --- fleet membership ---------------------------------------------------------------------
-    def apply_replicas(self, replicas: tuple[ReplicaConfig, ...]) -> None:
-        """The fleet is now ``replicas``: new ids join (polled, routable once their state is
-        read), missing ids leave (no new request; those in flight finish; then forgotten,
-        see :meth:`forget_drained`). ValueError, and nothing changes, when an id that stays
-        changed its URL, state source or key (give the new one a new id), or a leaving
-        replica's id comes back before it drained."""
-        new = {r.replica_id: r for r in replicas}
-        for rid, replica in new.items():
-            old = self.replicas.get(rid)
-            if old is not None and old != replica:
-                raise ValueError(f"replica {rid!r} changed ({_changed_fields(old, replica)}): "
-                                 "a changed replica needs a new replica_id")
-            if old is None and rid in self.leaving:
-                raise ValueError(f"replica {rid!r} is still draining: it can come back once "
-                                 "its requests finished")
-        for rid in [rid for rid in self.replicas if rid not in new]:
-            self._leave(rid)
-        for rid, replica in new.items():
-            if rid not in self.replicas:
-                self._join(replica)
+    # --- fleet membership (replicas_from: guard.replicas.membership) -------------------------
+    @property
+    def replicas(self) -> dict[str, ReplicaConfig]:
+        return self.membership.replicas
 
-    def _join(self, replica: ReplicaConfig) -> None:
-        rid = replica.replica_id
-        self.replicas[rid] = replica
-        self.urls[rid] = replica.url
-        self.health.add(rid)
-        self.load_state.set_weight(rid, replica.weight)
-        self.forwarder.set_replica(rid, replica.url, replica.api_key)
-        self.models.add(replica)
-        self.metrics.add(rid)
-        if self.shared_reservations is not None:
-            self.shared_reservations.add_replica(rid, replica.url)
+    @property
+    def leaving(self) -> dict[str, ReplicaConfig]:
+        return self.membership.leaving
+
+    def apply_replicas(self, replicas: tuple[ReplicaConfig, ...]) -> None:
+        """The fleet is now ``replicas`` (:meth:`FleetMembership.apply`)."""
+        self.membership.apply(replicas)
+
+    def forget_drained(self) -> None:
+        self.membership.forget_drained()
+
+    def _make_source(self, replica: ReplicaConfig) -> Any:
         source, = state_sources((replica,), self._state_client,
                                 timeout_s=self.config.state_timeout_s,
                                 stream_interval_s=self.config.refresh_interval_s).values()
-        self._sources[rid] = source
-        self.controller.add_source(rid, self.health.gate(rid, source))
-        _log.info("replica %s joined the fleet (%s)", rid, redact_url(replica.url))
+        self._sources[replica.replica_id] = source
+        return source
 
-    def _leave(self, rid: str) -> None:
-        self.leaving[rid] = self.replicas.pop(rid)
-        self.controller.remove_source(rid)
-        self.load_state.leave(rid, self.clock())
-        self.models.remove(rid)
-        _log.info("replica %s left the fleet: no new requests, %d in flight finish", rid,
-                  self.load_state.num_inflight(rid))
+    def _joined(self, replica: ReplicaConfig) -> None:
+        rid = replica.replica_id
+        self.urls[rid] = replica.url
+        self.forwarder.set_replica(rid, replica.url, replica.api_key)
+        self.models.add(replica)
+        self.metrics.add(rid)
 
-    def forget_drained(self) -> None:
-        """Forget each leaving replica with nothing in flight any more: its URL, health,
-        load state, reservations, prefix index and series."""
-        for rid in [rid for rid in self.leaving if not self.load_state.holds_reservations(rid)]:
-            del self.leaving[rid]
-            self.load_state.forget(rid)
-            self.controller.learned_limits.forget(rid)
-            self.health.remove(rid)
-            self.forwarder.drop(rid)
-            self.urls.pop(rid, None)
-            self._sources.pop(rid, None)
-            self.metrics.remove(rid)
-            if self.shared_reservations is not None:
-                self.shared_reservations.remove_replica(rid)
-            _log.info("replica %s drained and forgotten", rid)
+    def _forgotten(self, rid: str) -> None:
+        self.forwarder.drop(rid)
+        self.urls.pop(rid, None)
+        self._sources.pop(rid, None)
+        self.metrics.remove(rid)
 
     # --- routing facts ------------------------------------------------------------------------
     def routable(self, replica_id: str) -> bool:
@@ -638,12 +611,6 @@ async def _send_json(send: Send, status: int, payload: dict) -> None:
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _changed_fields(old: ReplicaConfig, new: ReplicaConfig) -> str:
-    names = [f for f in ("url", "state_source", "max_model_len", "weight", "kv_events_endpoint",
-                         "models", "api_key") if getattr(old, f) != getattr(new, f)]
-    return ", ".join(names)
 
 
 def _source_choice(source: Any) -> dict:
