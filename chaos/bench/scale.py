@@ -253,6 +253,45 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gap-decisions", type=int, default=0,
                         help="also compare slo's candidate set with its full scan on N requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="also draw decision µs and state cores against the replica count "
+                             "(the largest --running) into this PNG (default: none)")
+
+
+def plot_scale(rows: list[dict], running: int, path: str) -> None:
+    """Per policy decide p50/p99 and the path p50 (µs, log scale) and the state cores of each
+    refresh mode, against the replica count, for the rows with ``running`` sequences."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = sorted((r for r in rows if r["running"] == running), key=lambda r: r["replicas"])
+    xs = [r["replicas"] for r in rows]
+    fig = Figure(figsize=(11, 4.2))
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for name in rows[0]["policies"]:
+        line, = left.plot(xs, [r["policies"][name]["decide_p50_us"] for r in rows], "o-",
+                          label=f"{name} decide p50")
+        if name == "slo":
+            left.plot(xs, [r["policies"][name]["decide_p99_us"] for r in rows], "o:",
+                      color=line.get_color(), label="slo decide p99")
+            left.plot(xs, [r["policies"][name]["path_p50_us"] for r in rows], "s--",
+                      color=line.get_color(), label="slo path p50 (snapshot + decide)")
+    left.set(xscale="log", yscale="log", xlabel="replicas", ylabel="µs per request",
+             title=f"one decision ({running} running per replica)")
+    left.set_xticks(xs, [str(x) for x in xs])
+    left.legend(fontsize=7)
+    for key, label in (("state_cpu_share", "full document, polled"),
+                       ("compact_state_cpu_share", "compact document, polled"),
+                       ("stream_state_cpu_share", "stream of deltas")):
+        right.plot(xs, [r[key] for r in rows], "o-", label=label)
+    right.axhline(0.2, color="grey", linestyle=":", label="target 0.2 core")
+    right.set(xscale="log", xlabel="replicas", ylabel="cores",
+              title=f"keeping the state fresh at 10 Hz ({running} running per replica)")
+    right.set_xticks(xs, [str(x) for x in xs])
+    right.legend(fontsize=7)
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def _int_list(text: str, key: str) -> list[int]:
@@ -273,6 +312,8 @@ def run(args: argparse.Namespace) -> int:
     policies = tuple(p for p in args.policies.split(",") if p)
     rows = [measure(n, r, args.calls, args.refresh_hz, policies, args.gap_decisions)
             for r in running_counts for n in replica_counts]
+    if args.plot:
+        plot_scale(rows, max(running_counts), args.plot)
     if args.json:
         top = max(running_counts)
         by_count = {row["replicas"]: row for row in rows if row["running"] == top}

@@ -41,6 +41,15 @@ def test_the_streamed_events_rebuild_the_documents_they_were_made_from():
     assert doc["waiting_columns"]["request_id"] == ["n3-3"]
 
 
+def test_the_plot_is_a_png(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    scale.configure(parser)
+    path = tmp_path / "scale.png"
+    assert scale.run(parser.parse_args(["--replicas", "2,4", "--running", "4", "--calls", "5",
+                                        "--policies", "slo", "--plot", str(path)])) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_bad_replica_counts_are_refused_by_flag():
     parser = argparse.ArgumentParser()
     scale.configure(parser)
