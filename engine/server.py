@@ -123,7 +123,8 @@ class _Replica:
     async def state_stream(self, scope, receive, send) -> None:
         """``GET /kvguard/state/stream``: :mod:`serving.state_delta`'s events."""
         self.engine.start()
-        await serve_state_stream(scope, receive, send, self.compact_state)
+        await serve_state_stream(scope, receive, send, self.compact_state,
+                                 lambda: self.engine.admitting)
 
     async def metrics_text(self, request: Request) -> Response:
         self.metrics.observe_state(self.engine.state())

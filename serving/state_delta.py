@@ -172,10 +172,12 @@ def apply_delta(compact: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any
     return out
 
 
-async def serve_state_stream(scope: dict, receive: Any, send: Any, compact: Any) -> None:
+async def serve_state_stream(scope: dict, receive: Any, send: Any, compact: Any,
+                             serving: Any = None) -> None:
     """Answer ``GET /kvguard/state/stream[?interval_ms=N]`` on ASGI: ``compact()`` (the
     compact document of now) encoded as events every ``interval_ms`` until the client goes
-    away. A bad ``interval_ms`` is a 400."""
+    away or ``serving()`` (optional) turns false — a draining replica ends its streams, so
+    they do not hold its shutdown. A bad ``interval_ms`` is a 400."""
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     try:
         interval_s = stream_interval_s((query.get("interval_ms") or [None])[0])
@@ -194,7 +196,7 @@ async def serve_state_stream(scope: dict, receive: Any, send: Any, compact: Any)
     encoder = StateDeltas()
     loop = asyncio.get_running_loop()
     try:
-        while not gone.done():
+        while not gone.done() and (serving is None or serving()):
             started_s = loop.time()
             event = json.dumps(encoder.event(compact()), separators=(",", ":"))
             await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(),

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import random
+import time
 
 import httpx
 import pytest
@@ -314,3 +315,28 @@ def test_events_reach_the_guard_as_they_arrive_not_at_the_next_round():
             await fleet.stop()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.mark.slow
+def test_a_draining_engine_ends_its_streams():
+    """SIGTERM: the engine stops admitting and its state streams end, so an open stream does
+    not hold its shutdown (the guard's source then resyncs, and finds no replica)."""
+    with Topology(TopologySpec(num_replicas=1, num_proxies=0)) as fleet:
+        child = fleet.replicas[0]
+
+        async def main():
+            source = StreamStateSource(fleet.replica_urls[0], interval_ms=50)
+            try:
+                with contextlib.suppress(Exception):
+                    await source.fetch()
+                for _ in range(200):
+                    if source.num_events >= 3:
+                        break
+                    await asyncio.sleep(0.02)
+                start_s = time.monotonic()
+                child.terminate(timeout_s=20)
+                return time.monotonic() - start_s
+            finally:
+                await source.aclose()
+
+        assert asyncio.run(asyncio.wait_for(main(), 60)) < 5.0  # the graceful wait is 10 s
