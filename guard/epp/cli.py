@@ -65,7 +65,8 @@ async def _serve(args: argparse.Namespace) -> int:
 
     server = EppServer(config_with_upstreams(args.config, args.upstream,
                                              args.state_source, args.redis,
-                                             args.replicas_from))
+                                             args.replicas_from),
+                       state_source=args.state_source)
     port = await server.start(args.host, args.port)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

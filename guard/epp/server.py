@@ -65,7 +65,8 @@ class EppServer:
     """One ``kvguard epp``: build it, ``await start(host, port)`` (returns the port), then
     ``await wait_stopped()``; :meth:`drain` from a signal handler."""
 
-    def __init__(self, config: GuardConfig, *, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, config: GuardConfig, *, clock: Callable[[], float] | None = None,
+                 state_source: str = "kvguard") -> None:
         if not config.replicas or any(r.url is None for r in config.replicas):
             raise ValueError("replicas: the endpoint picker needs at least one replica with a "
                              "url (--upstream URL or [[replicas]])")
@@ -99,7 +100,7 @@ class EppServer:
         self.watcher: ReplicaWatcher | None = None
         if proxy.replicas_from is not None:  # the fleet is listed there, re-read while running
             self.watcher = ReplicaWatcher(
-                replica_source(proxy.replicas_from, config.replicas[0].state_source),
+                replica_source(proxy.replicas_from, state_source),
                 proxy.replicas_from_interval_s, self.membership.apply, config.replicas,
                 tick=self.membership.forget_drained)
         self.processor = ExternalProcessor(self.picker)

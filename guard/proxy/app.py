@@ -97,11 +97,14 @@ _GATED_PATHS = ADMIN_PATHS | {MODELS_PATH}
 class ProxyApp:
     """ASGI app of ``kvguard proxy``. ``transport``, ``registry`` and ``budget`` (a budget
     store; None: the controller builds what the config asks for) may be injected;
-    ``access_log``: one ``kvguard.access`` line per request (:mod:`guard.observe.access_log`)."""
+    ``access_log``: one ``kvguard.access`` line per request (:mod:`guard.observe.access_log`);
+    ``state_source``: how replicas listed by ``replicas_from`` without one publish load (the
+    CLI's ``--state-source``)."""
 
     def __init__(self, config: GuardConfig, *, registry: CollectorRegistry | None = None,
                  clock: Callable[[], float] | None = None, transport: Transport | None = None,
-                 budget: Any = None, access_log: bool = False) -> None:
+                 budget: Any = None, access_log: bool = False,
+                 state_source: str = "auto") -> None:
         if not config.replicas or any(r.url is None for r in config.replicas):
             raise ValueError("replicas: the proxy needs at least one replica with a url "
                              "(--upstream URL or [[replicas]])")
@@ -156,7 +159,7 @@ class ProxyApp:
         self.watcher: ReplicaWatcher | None = None
         if proxy.replicas_from is not None:  # the fleet is listed there, re-read while running
             self.watcher = ReplicaWatcher(
-                replica_source(proxy.replicas_from, config.replicas[0].state_source),
+                replica_source(proxy.replicas_from, state_source),
                 proxy.replicas_from_interval_s, self.apply_replicas, config.replicas,
                 tick=self.forget_drained)
 

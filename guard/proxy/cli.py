@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     app = ProxyApp(config_with_upstreams(args.config, args.upstream,
                                          args.state_source, args.redis,
                                          args.replicas_from),
-                   access_log=args.access_log)
+                   access_log=args.access_log, state_source=args.state_source)
     sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

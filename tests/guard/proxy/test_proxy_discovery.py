@@ -99,8 +99,9 @@ def test_a_joining_replica_becomes_routable_without_a_restart(replica_urls, tmp_
 
 
 def test_a_leaving_replica_drains_then_is_forgotten(replica_urls, tmp_path):
-    listing = tmp_path / "replicas.json"
-    listing.write_text(json.dumps([{"replica_id": "a", "url": replica_urls[0]},
+    listing = tmp_path / "replicas.json"  # a's state source given, b's the CLI's default
+    listing.write_text(json.dumps([{"replica_id": "a", "url": replica_urls[0],
+                                    "state_source": "stream"},
                                    {"replica_id": "b", "url": replica_urls[1]}]))
     with _proxy(tmp_path, f"file:{listing}") as proxy, httpx.Client(timeout=30,
                                                                      trust_env=False) as client:
@@ -126,7 +127,8 @@ def test_a_leaving_replica_drains_then_is_forgotten(replica_urls, tmp_path):
         worker = threading.Thread(target=stream, daemon=True)
         worker.start()
         assert started.wait(20), "no stream landed on b"
-        listing.write_text(json.dumps([{"replica_id": "a", "url": replica_urls[0]}]))
+        listing.write_text(json.dumps([{"replica_id": "a", "url": replica_urls[0],
+                                        "state_source": "stream"}]))
         leaving = _until(lambda: _fleet(client, proxy.url).get("b", {}).get("leaving")
                          and _fleet(client, proxy.url)["b"], what="b leaving")
         assert leaving["routable"] is False and leaving["num_inflight"] == 1
@@ -141,17 +143,19 @@ def test_a_leaving_replica_drains_then_is_forgotten(replica_urls, tmp_path):
         assert 'kvguard_proxy_replica_routable{replica="b"}' not in metrics
         assert 'kvguard_replica_concurrency_limit{replica="b"}' not in metrics
         # it may come back (same id, same URL) once forgotten
-        listing.write_text(json.dumps([{"replica_id": "a", "url": replica_urls[0]},
+        listing.write_text(json.dumps([{"replica_id": "a", "url": replica_urls[0],
+                                        "state_source": "stream"},
                                        {"replica_id": "b", "url": replica_urls[1]}]))
         _until(lambda: _fleet(client, proxy.url).get("b", {}).get("routable"),
                what="b back")
+        assert "update ignored" not in proxy.output()  # every list above was applied
 
 
 @pytest.mark.parametrize("bad, reason", [
     ("[[replicas]]\nurl = 'ftp://nope'\n", "must start with http"),
     ("not toml ==", "invalid TOML"),
     ("", "lists no replica"),
-    ("[[replicas]]\nreplica_id = 'a'\nurl = 'http://127.0.0.1:1'\n", "changed (url)"),
+    ("[[replicas]]\nreplica_id = 'a'\nurl = 'http://127.0.0.1:1'\n", "changed (url"),
 ])
 def test_an_invalid_list_changes_nothing_and_says_why(replica_urls, tmp_path, bad, reason):
     listing = tmp_path / "replicas.toml"
