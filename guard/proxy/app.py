@@ -488,6 +488,7 @@ class ProxyApp:
                 "concurrency_limit": None if snap is None else snap.concurrency_limit,
                 "leaving": rid in self.leaving,
                 **_source_choice(self._sources.get(rid)),
+                **_stream_counts(self._sources.get(rid)),
             })
         return {"admitting": not self.controller.draining, "policy": self.config.policy,
                 "num_in_flight": self.num_in_flight, "num_queued": len(self.controller.queue),
@@ -614,6 +615,14 @@ async def _send_json(send: Send, status: int, payload: dict) -> None:
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _stream_counts(source: Any) -> dict:
+    """A streamed replica's events, resyncs and lost deltas (nothing for the others)."""
+    if not hasattr(source, "num_resyncs"):
+        return {}
+    return {"stream_events": source.num_events, "stream_resyncs": source.num_resyncs,
+            "stream_gaps": source.num_gaps}
 
 
 def _source_choice(source: Any) -> dict:

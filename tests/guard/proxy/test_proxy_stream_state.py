@@ -43,6 +43,8 @@ def test_the_proxy_routes_on_streamed_state(tmp_path):
                 assert all(s["capacity_known"] and s["routable"] for s in seen.values())
                 assert all(s["state_age_s"] < 0.5 for s in seen.values())  # fresh
                 assert seen[replica]["num_free_blocks"] < seen[replica]["num_total_blocks"]
+                assert all(s["stream_events"] > 0 and s["stream_gaps"] == 0
+                           for s in seen.values())
                 answers = [client.post(proxy.url + "/v1/completions",
                                        json={**body, "stream": False, "max_tokens": 8})
                            for _ in range(4)]
