@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,7 @@ from chaos.topology import http_health
 __all__ = ["configure", "run", "ensure_venv", "smollm2_gguf", "llamacpp_server"]
 
 VENV = Path(".venv-llamacpp")
+LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python release the test and bench were run with
 PROXY_CONFIG = """
 policy = "slo"
 [classes.interactive]
@@ -55,16 +57,27 @@ stale_max_inflight_per_replica = {cap}
 
 
 def ensure_venv(path: Path, *, log=print) -> Path:
-    """The virtualenv's python with ``llama_cpp.server`` importable, installing it if missing."""
+    """The virtualenv's python with ``llama_cpp.server`` (``LLAMACPP_VERSION``) importable,
+    installing it if missing.
+
+    llama.cpp is compiled for x86-64 with AVX2 (``GGML_NATIVE=OFF``), not for the build
+    machine's own CPU: a native build on a CPU that reports AMX uses AMX tiles, and a VM that
+    does not enable them kills the server with a general protection fault at its first
+    request. ``--no-cache-dir``: a wheel pip cached from an earlier (native) build is not
+    reused."""
     python = path / "bin" / "python"
-    check = [str(python), "-c", "import llama_cpp.server"]
-    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+    check = [str(python), "-c", "import llama_cpp, llama_cpp.server; "
+             f"assert llama_cpp.__version__ == {LLAMACPP_VERSION!r}, llama_cpp.__version__"]
+    env = {**os.environ, "PYTHONPATH": ""}
+    if python.exists() and subprocess.run(check, capture_output=True, env=env).returncode == 0:
         return python
-    log(f"installing llama-cpp-python[server] into {path} (one time: compiles llama.cpp)")
+    log(f"installing llama-cpp-python[server]=={LLAMACPP_VERSION} into {path} (one time: "
+        "compiles llama.cpp, ~10-20 min on 2 cores)")
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
-    subprocess.run([str(path / "bin" / "pip"), "install", "-q", "llama-cpp-python[server]"],
-                   check=True)
-    subprocess.run(check, check=True)
+    subprocess.run([str(path / "bin" / "pip"), "install", "-q", "--no-cache-dir",
+                    f"llama-cpp-python[server]=={LLAMACPP_VERSION}"], check=True,
+                   env={**env, "CMAKE_ARGS": "-DGGML_NATIVE=OFF"})
+    subprocess.run(check, check=True, env=env)
     return python
 
 

@@ -13,6 +13,7 @@ The server lives in its own virtualenv, ``.venv-llamacpp/`` at the repository ro
 llama.cpp: ~20 min); without it these tests skip and say so.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -28,7 +29,7 @@ from chaos.bench.llamacpp import llamacpp_server, smollm2_gguf
 pytestmark = [pytest.mark.slow, pytest.mark.smollm2]
 
 ROOT = Path(__file__).resolve().parents[3]
-BUILD = "kvguard bench llamacpp --build-only"
+BUILD = ".venv/bin/kvguard bench llamacpp --build-only"  # run in the repository root
 MODEL = "smollm2"  # the server's --model_alias
 MAX_TOKENS = 24
 PRICED_MAX_TOKENS = 16  # the proxy's default_max_tokens: what a request without one is priced at
@@ -44,7 +45,7 @@ def _venv_python() -> Path:
                            env={**os.environ, "PYTHONPATH": ""}) if python.exists() else None
     if probe is None or probe.returncode != 0:
         pytest.skip(f"llama-cpp-python's server is not importable in {venv}: build it with "
-                    f"`{BUILD}` (~20 min) or name one in LLAMACPP_VENV")
+                    f"`{BUILD}` in the repository root (~20 min), or name one in LLAMACPP_VENV")
     return python
 
 
@@ -63,7 +64,24 @@ def servers(tmp_path_factory):
     server = llamacpp_server(python, model, threads=1, n_ctx=512, threads_batch=1)
     with running(server, 120.0), \
             running(proxy_child([server.url], str(config), state_source="auto")) as proxy:
+        _first_answer(server, python)
         yield server.url, proxy.url
+
+
+def _first_answer(server, python: Path) -> None:
+    """One direct request; a server that dies of it says which build to replace."""
+    try:
+        httpx.post(server.url + "/v1/chat/completions", json=_chat("Hi", max_tokens=1),
+                   timeout=60.0, trust_env=False).raise_for_status()
+    except httpx.HTTPError as exc:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a crash: its exit comes next
+            server.proc.wait(5.0)
+        if server.proc.poll() is None:
+            raise
+        pytest.fail(f"llama-cpp-python's server died at its first request (exit code "
+                    f"{server.proc.returncode}; {exc!r}): its llama.cpp build cannot run on this "
+                    f"CPU (a -march=native build that uses AMX in a VM does this); rebuild it: "
+                    f"remove {python.parents[1]} and run `{BUILD}`")
 
 
 def _chat(prompt: str, **extra) -> dict:
