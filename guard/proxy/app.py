@@ -460,7 +460,8 @@ class ProxyApp:
         self.health.start()
         if self.models.polled_urls and self._models_task is None:
             self._models_task = asyncio.ensure_future(self.models.run(
-                self.transport.get, config.refresh_interval_s, config.state_timeout_s))
+                self.transport.get, config.refresh_interval_s, config.state_timeout_s,
+                busy=self.load_state.num_inflight))  # a read can cut a stream: see the module
 
     def drain(self) -> None:
         """Stop admitting (new and queued requests: 503 ``shutting_down``, ``/health`` 503);

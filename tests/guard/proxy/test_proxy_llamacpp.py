@@ -51,7 +51,11 @@ def _venv_python() -> Path:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """(llama-cpp-python's URL, the proxy's URL): one server, one proxy in front of it."""
+    """(the direct server's URL, the URL of the proxy in front of the other server, that
+    server's URL): two servers, one build, one model, one thread each. Two, because one
+    server would not answer the same twice: llama-cpp-python cuts a running stream when any
+    other request arrives (the proxy's own ``/v1/models`` reads included), and it reuses the
+    KV of the previous prompt's common prefix, so an answer depends on the request before it."""
     python = _venv_python()
     try:
         model = smollm2_gguf()
@@ -61,11 +65,13 @@ def servers(tmp_path_factory):
     config = directory / "proxy.toml"
     config.write_text(f"default_max_tokens = {PRICED_MAX_TOKENS}\n"  # top-level keys first
                       + open(write_config(directory, read_timeout_s=60.0)).read())
-    server = llamacpp_server(python, model, threads=1, n_ctx=512, threads_batch=1)
-    with running(server, 120.0), \
-            running(proxy_child([server.url], str(config), state_source="auto")) as proxy:
-        _first_answer(server, python)
-        yield server.url, proxy.url
+    direct, behind = (llamacpp_server(python, model, threads=1, n_ctx=512, threads_batch=1)
+                      for _ in range(2))
+    with running(direct, 120.0), running(behind, 120.0), \
+            running(proxy_child([behind.url], str(config), state_source="auto")) as proxy:
+        for server in (direct, behind):
+            _first_answer(server, python)
+        yield direct.url, proxy.url, behind.url
 
 
 def _first_answer(server, python: Path) -> None:
@@ -82,6 +88,15 @@ def _first_answer(server, python: Path) -> None:
                     f"{server.proc.returncode}; {exc!r}): its llama.cpp build cannot run on this "
                     f"CPU (a -march=native build that uses AMX in a VM does this); rebuild it: "
                     f"remove {python.parents[1]} and run `{BUILD}`")
+
+
+def _same_start(client: httpx.Client, *urls: str) -> None:
+    """Each server's last prompt shares only the chat template's head with the next one: the
+    next evaluates its own message from the same point on both (``Hi``: no prompt below
+    starts with it)."""
+    for url in urls:
+        client.post(url + "/v1/chat/completions",
+                    json=_chat("Hi", max_tokens=1)).raise_for_status()
 
 
 def _chat(prompt: str, **extra) -> dict:
@@ -118,14 +133,15 @@ def _answer(client: httpx.Client, url: str, body: dict,
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_greedy_chat_through_the_proxy_is_the_direct_answer(servers, client, stream):
-    direct_url, proxy_url = servers
+    direct_url, proxy_url, behind_url = servers
     for i, prompt in enumerate(PROMPTS):
         body = _chat(prompt, max_tokens=MAX_TOKENS, stream=stream)
+        _same_start(client, direct_url, behind_url)
         _, direct, direct_finish, direct_usage = _answer(client, direct_url, body)
         client_id = f"client-{i}"  # not a UUID: this server would refuse it (see below)
         response, proxied, finish, usage = _answer(client, proxy_url, body,
                                                    {"x-request-id": client_id})
-        assert direct.strip(), prompt  # a real answer, not two empty ones
+        assert direct.strip() and direct_finish is not None, prompt  # a whole real answer
         assert (proxied, finish) == (direct, direct_finish), prompt
         assert usage == direct_usage  # the same tokens in and out (None when streamed)
         assert response.headers["x-request-id"] == client_id  # the client's id comes back
@@ -134,9 +150,9 @@ def test_greedy_chat_through_the_proxy_is_the_direct_answer(servers, client, str
 
 
 def test_the_server_refuses_a_request_id_that_is_no_uuid(servers, client):
-    """Why the proxy's own id must be a UUID: what the proxy kept for the client above would
-    have been refused had it been sent on."""
-    direct_url, _ = servers
+    """Why the id the proxy sends on must be a UUID: the client's own id, which the proxy
+    keeps and answers with above, would have been refused here."""
+    direct_url, _, _ = servers
     refused = client.post(direct_url + "/v1/chat/completions", json=_chat("Hi", max_tokens=2),
                           headers={"x-request-id": "client-0"})
     assert refused.status_code == 400
@@ -144,7 +160,8 @@ def test_the_server_refuses_a_request_id_that_is_no_uuid(servers, client):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_a_request_without_max_tokens_carries_the_priced_value(servers, client, stream):
-    direct_url, proxy_url = servers
+    direct_url, proxy_url, behind_url = servers
+    _same_start(client, direct_url, behind_url)
     response, proxied, finish, usage = _answer(client, proxy_url, _chat(LONG_PROMPT,
                                                                         stream=stream))
     assert response.headers["x-kvguard-max-tokens"] == str(PRICED_MAX_TOKENS)
@@ -152,7 +169,7 @@ def test_a_request_without_max_tokens_carries_the_priced_value(servers, client, 
     assert finish == "length"
     if usage is not None:
         assert usage["completion_tokens"] == PRICED_MAX_TOKENS
-    # ... and answered what it answers a direct request with that max_tokens
+    # ... and answered what it answers a request sent with that max_tokens
     _, direct, direct_finish, _ = _answer(client, direct_url, _chat(
         LONG_PROMPT, stream=stream, max_tokens=PRICED_MAX_TOKENS))
     assert (proxied, finish) == (direct, direct_finish)
