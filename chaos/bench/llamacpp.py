@@ -41,10 +41,12 @@ from chaos.child import ChildProcess
 from chaos.ports import free_port
 from chaos.topology import http_health
 
-__all__ = ["configure", "run", "ensure_venv", "smollm2_gguf", "llamacpp_server"]
+__all__ = ["configure", "run", "ensure_venv", "venv_ready", "smollm2_gguf", "llamacpp_server"]
 
 VENV = Path(".venv-llamacpp")
 LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python release the test and bench were run with
+CMAKE_ARGS = "-DGGML_NATIVE=OFF"  # a portable llama.cpp: see ensure_venv
+BUILD_MARK = "kvguard-build.txt"  # in the venv: how ensure_venv built it
 PROXY_CONFIG = """
 policy = "slo"
 [classes.interactive]
@@ -57,29 +59,50 @@ stale_max_inflight_per_replica = {cap}
 """
 
 
+def venv_ready(path: Path) -> bool:
+    """Whether ``path`` holds this build: :func:`ensure_venv` made it (its mark says how) and
+    ``llama_cpp.server`` of ``LLAMACPP_VERSION`` imports."""
+    python = path / "bin" / "python"
+    mark = path / BUILD_MARK
+    if not python.exists() or not mark.exists() or mark.read_text() != _build_line():
+        return False
+    check = [str(python), "-c", "import llama_cpp, llama_cpp.server; "
+             f"assert llama_cpp.__version__ == {LLAMACPP_VERSION!r}, llama_cpp.__version__"]
+    return subprocess.run(check, capture_output=True, env=_venv_env()).returncode == 0
+
+
 def ensure_venv(path: Path, *, log=print) -> Path:
-    """The virtualenv's python with ``llama_cpp.server`` (``LLAMACPP_VERSION``) importable,
-    installing it if missing.
+    """The virtualenv's python, with llama-cpp-python's server built into it unless
+    :func:`venv_ready` (a venv made otherwise, or with another version, is built again).
 
     llama.cpp is compiled for x86-64 with AVX2 (``GGML_NATIVE=OFF``), not for the build
     machine's own CPU: a native build on a CPU that reports AMX uses AMX tiles, and a VM that
     does not enable them kills the server with a general protection fault at its first
     request. ``--no-cache-dir``: a wheel pip cached from an earlier (native) build is not
-    reused."""
+    reused; ``--force-reinstall``: nor one already installed."""
     python = path / "bin" / "python"
-    check = [str(python), "-c", "import llama_cpp, llama_cpp.server; "
-             f"assert llama_cpp.__version__ == {LLAMACPP_VERSION!r}, llama_cpp.__version__"]
-    env = {**os.environ, "PYTHONPATH": ""}
-    if python.exists() and subprocess.run(check, capture_output=True, env=env).returncode == 0:
+    if venv_ready(path):
         return python
     log(f"installing llama-cpp-python[server]=={LLAMACPP_VERSION} into {path} (one time: "
-        "compiles llama.cpp, ~10-20 min on 2 cores)")
+        "compiles llama.cpp, ~20 min on 2 cores)")
+    (path / BUILD_MARK).unlink(missing_ok=True)
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
     subprocess.run([str(path / "bin" / "pip"), "install", "-q", "--no-cache-dir",
-                    f"llama-cpp-python[server]=={LLAMACPP_VERSION}"], check=True,
-                   env={**env, "CMAKE_ARGS": "-DGGML_NATIVE=OFF"})
-    subprocess.run(check, check=True, env=env)
+                    "--force-reinstall", f"llama-cpp-python[server]=={LLAMACPP_VERSION}"],
+                   check=True, env={**_venv_env(), "CMAKE_ARGS": CMAKE_ARGS})
+    (path / BUILD_MARK).write_text(_build_line())
+    if not venv_ready(path):
+        raise RuntimeError(f"llama-cpp-python was installed into {path} but its server does "
+                           "not import")
     return python
+
+
+def _build_line() -> str:
+    return f"llama-cpp-python[server]=={LLAMACPP_VERSION} CMAKE_ARGS={CMAKE_ARGS}\n"
+
+
+def _venv_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": ""}  # nothing of this repo's environment
 
 
 def smollm2_gguf() -> Path:

@@ -27,7 +27,7 @@ import httpx
 import pytest
 from proxy_helpers import proxy_child, running, write_config
 
-from chaos.bench.llamacpp import llamacpp_server, smollm2_gguf
+from chaos.bench.llamacpp import LLAMACPP_VERSION, llamacpp_server, smollm2_gguf, venv_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.smollm2]
 
@@ -43,13 +43,11 @@ LONG_PROMPT = "Tell me a long story about a dragon who learns to cook."
 
 def _venv_python() -> Path:
     venv = Path(os.environ.get("LLAMACPP_VENV") or ROOT / ".venv-llamacpp")
-    python = venv / "bin" / "python"
-    probe = subprocess.run([str(python), "-c", "import llama_cpp.server"], capture_output=True,
-                           env={**os.environ, "PYTHONPATH": ""}) if python.exists() else None
-    if probe is None or probe.returncode != 0:
-        pytest.skip(f"llama-cpp-python's server is not importable in {venv}: build it with "
-                    f"`{BUILD}` in the repository root (~20 min), or name one in LLAMACPP_VENV")
-    return python
+    if not venv_ready(venv):
+        pytest.skip(f"no llama-cpp-python {LLAMACPP_VERSION} server built by kvguard in {venv}: "
+                    f"build it with `{BUILD}` in the repository root (~20 min), or name one in "
+                    "LLAMACPP_VENV")
+    return venv / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
