@@ -15,6 +15,7 @@ The server lives in its own virtualenv, ``.venv-llamacpp/`` at the repository ro
 llama.cpp: ~20 min); without it these tests skip and say so.
 """
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -68,8 +69,13 @@ def servers(tmp_path_factory):
                       + open(write_config(directory, read_timeout_s=60.0)).read())
     direct, behind = (llamacpp_server(python, model, threads=1, n_ctx=512, threads_batch=1)
                       for _ in range(2))
-    with running(direct, 120.0), running(behind, 120.0), \
-            running(proxy_child([behind.url], str(config), state_source="auto")) as proxy:
+    with contextlib.ExitStack() as stack:
+        for server in (direct, behind):
+            stack.callback(server.terminate)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both load at once
+            list(pool.map(lambda server: server.start(120.0), (direct, behind)))
+        proxy = stack.enter_context(running(proxy_child([behind.url], str(config),
+                                                        state_source="auto")))
         for server in (direct, behind):
             _first_answer(server, python)
         yield direct.url, proxy.url, behind
