@@ -56,7 +56,8 @@ def servers(tmp_path_factory):
     """(the direct server's URL, the URL of the proxy in front of the other server, that
     server): two servers, one build, one model, one thread each. Two, because one
     server would not answer the same twice: llama-cpp-python cuts a running stream when any
-    other request arrives (the proxy's own ``/v1/models`` reads included), and it reuses the
+    other request arrives (the proxy's ``/v1/models`` reads, made while it has nothing in
+    flight there, included), and it reuses the
     KV of the previous prompt's common prefix, so an answer depends on the request before it."""
     python = _venv_python()
     try:
