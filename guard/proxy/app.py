@@ -221,9 +221,14 @@ class ProxyApp:
         self.metrics.ejected(replica_id)
 
     async def _probe(self, replica_id: str) -> bool:
+        """An ejected replica is back when its ``/health`` answers 2xx, or, where it has no
+        ``/health`` (404: llama-cpp-python's server), when its ``/v1/models`` does."""
+        url, timeout_s = self.urls[replica_id], self.config.state_timeout_s
         try:
-            status, _ = await self.transport.get(self.urls[replica_id] + "/health",
-                                                 self.config.state_timeout_s)
+            status, _ = await self.transport.get(url + "/health", timeout_s)
+            if status == 404:
+                status, _ = await self.transport.get(url + "/v1/models", timeout_s,
+                                                     self.models.headers_for(replica_id))
         except UpstreamError:
             return False
         return 200 <= status < 300
@@ -517,7 +522,8 @@ class ProxyApp:
             self.watcher.start()
         if (self.models.polled_urls or self.watcher is not None) and self._models_task is None:
             self._models_task = asyncio.ensure_future(self.models.run(
-                self.transport.get, config.refresh_interval_s, config.state_timeout_s))
+                self.transport.get, config.refresh_interval_s, config.state_timeout_s,
+                busy=self.load_state.num_inflight))  # a read can cut a stream: see the module
 
     def drain(self) -> None:
         """Stop admitting (new and queued requests: 503 ``shutting_down``, ``/health`` 503);

@@ -9,7 +9,8 @@ Two signals make a replica unroutable:
   (connect errors, timeouts, 5xx answers other than 503). An ejected replica is marked unhealthy in the load
   state at once, its state source is gated (every poll fails while it is ejected, so a good poll
   in flight cannot make it routable again), and from ``probe_interval_s`` after the ejection
-  its ``GET /health`` is probed every ``probe_interval_s``; the first 2xx re-admits it, and the
+  its ``GET /health`` is probed every ``probe_interval_s`` (a 404 there: its ``GET /v1/models``,
+  as llama-cpp-python's server has no ``/health``); the first 2xx re-admits it, and the
   next state poll makes it routable.
 
 Policies only pick healthy replicas, so no request is routed to an ejected one.

@@ -7,6 +7,12 @@ changes when a replica restarts, not between two load polls). A request is price
 serving its ``model`` (:attr:`policies.cost.RequestCost.replica_ids`); a model no replica
 serves is a 404 ``model_not_found`` at the proxy, and no replica sees it.
 
+A list once read is not read again from a replica this proxy has a request in flight to
+(``busy``): that read can cost the request. llama-cpp-python's server takes its model's lock
+for ``GET /v1/models`` as for a completion, and a stream that sees another request waiting
+for that lock ends there (``[DONE]`` without a ``finish_reason``): every stream longer than the
+refresh interval would be cut by the proxy's own read. The list read before stands meanwhile.
+
 A replica whose list was never read (it has not answered ``/v1/models`` yet) may serve any
 model: requests are not refused for a list the proxy has not seen. A list once read stays
 until a later read replaces it (a replica that stops answering is the poller's and the
@@ -31,6 +37,8 @@ _log = logging.getLogger(__name__)
 
 # (status, body) of GET url with headers, or raises (the proxy's transport.get)
 Get = Callable[[str, float, list], Awaitable[tuple[int, bytes]]]
+# busy(replica_id) -> the number of this proxy's requests in flight to the replica
+Busy = Callable[[str], int]
 
 
 class ModelCatalog:
@@ -95,9 +103,11 @@ class ModelCatalog:
         self._index()
         _log.info("replica %s serves %s", replica_id, ", ".join(sorted(models)) or "no model")
 
-    async def refresh(self, get: Get, timeout_s: float) -> None:
-        """Read every unconfigured replica's ``/v1/models`` once (failures keep the last list)."""
-        ids = list(self.polled_urls)
+    async def refresh(self, get: Get, timeout_s: float, busy: Busy | None = None) -> None:
+        """Read every unconfigured replica's ``/v1/models`` once (failures keep the last list);
+        a replica ``busy`` counts requests in flight to is left out once its list was read."""
+        ids = [rid for rid in self.polled_urls
+               if busy is None or self._models[rid] is None or not busy(rid)]
         answers = await asyncio.gather(
             *(get(self.polled_urls[rid] + "/v1/models", timeout_s, self.headers_for(rid))
               for rid in ids),
@@ -108,12 +118,13 @@ class ModelCatalog:
                 if models is not None:
                     self.update(rid, models)
 
-    async def run(self, get: Get, interval_s: float, timeout_s: float) -> None:
+    async def run(self, get: Get, interval_s: float, timeout_s: float,
+                  busy: Busy | None = None) -> None:
         """:meth:`refresh` every ``interval_s`` (at least ``MIN_LIST_INTERVAL_S``) until
         cancelled."""
         while True:
             await asyncio.sleep(max(interval_s, MIN_LIST_INTERVAL_S))
-            await self.refresh(get, timeout_s)
+            await self.refresh(get, timeout_s, busy)
 
     def _index(self) -> None:
         by_model: dict[str, set[str]] = {}

@@ -87,3 +87,28 @@ def test_config_models_key():
     for bad in (["a", ""], "a", [1]):
         with pytest.raises(ValueError, match=r"replicas\[.*\]\.models"):
             GuardConfig.from_dict({"replicas": [{"url": "http://x:1", "models": bad}]})
+
+
+def test_a_list_once_read_is_not_read_again_from_a_busy_replica():
+    """llama-cpp-python cuts a running stream when another request (``/v1/models`` too) waits
+    for its model: a replica with requests in flight keeps the list read before."""
+    catalog = ModelCatalog([ReplicaConfig("a", "http://a:1"), ReplicaConfig("b", "http://b:1")])
+    sent = []
+    lists = {"a": ["m1"], "b": ["m2"]}
+
+    async def get(url, timeout_s, headers):
+        sent.append(url)
+        rid = url.split("//")[1][0]
+        return 200, json.dumps({"data": [{"id": m} for m in lists[rid]]}).encode()
+
+    in_flight = {"a": 1, "b": 0}
+    asyncio.run(catalog.refresh(get, 1.0, in_flight.get))  # never read: read even when busy
+    assert sent == ["http://a:1/v1/models", "http://b:1/v1/models"]
+    lists.update(a=["m3"], b=["m4"])
+    sent.clear()
+    asyncio.run(catalog.refresh(get, 1.0, in_flight.get))
+    assert sent == ["http://b:1/v1/models"]
+    assert (catalog.models_of("a"), catalog.models_of("b")) == ({"m1"}, {"m4"})
+    in_flight["a"] = 0  # idle again: read
+    asyncio.run(catalog.refresh(get, 1.0, in_flight.get))
+    assert catalog.models_of("a") == {"m3"}

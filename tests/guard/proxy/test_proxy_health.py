@@ -1,4 +1,5 @@
-"""Ejection, probes and the gated state source (pure logic: injected clock and probe)."""
+"""Ejection, probes and the gated state source (pure logic: injected clock, probe and
+transport)."""
 
 import asyncio
 import time
@@ -6,6 +7,7 @@ import time
 import pytest
 
 from guard.config import GuardConfig
+from guard.proxy.app import ProxyApp
 from guard.proxy.config import ProxyConfig
 from guard.proxy.health import ReplicaEjected, ReplicaHealth
 from guard.replicas.poller import NoStateSource, StateUnavailable
@@ -145,3 +147,37 @@ def test_the_probe_loop_runs_only_while_a_replica_is_ejected_and_again_for_the_n
         assert health.record_failure("a") and not health.probing  # stopped: no new loop
 
     asyncio.run(main())
+
+
+class ProbedTransport:
+    """What the proxy's probe asks of a transport: a GET, answered from a table by path."""
+
+    def __init__(self, answers):
+        self.answers = answers
+        self.sent = []
+
+    async def get(self, url, timeout_s, headers=None):
+        path = "/" + url.split("/", 3)[3]
+        self.sent.append((path, list(headers or ())))
+        return self.answers[path], b"{}"
+
+    async def aclose(self):
+        pass
+
+
+@pytest.mark.parametrize(("answers", "back", "asked"), [
+    ({"/health": 200}, True, ["/health"]),
+    ({"/health": 503}, False, ["/health"]),
+    # no /health (llama-cpp-python's server): its model list, with the replica's own key
+    ({"/health": 404, "/v1/models": 200}, True, ["/health", "/v1/models"]),
+    ({"/health": 404, "/v1/models": 503}, False, ["/health", "/v1/models"]),
+])
+def test_an_ejected_replica_without_health_is_probed_at_its_model_list(answers, back, asked):
+    transport = ProbedTransport(answers)
+    app = ProxyApp(GuardConfig.from_dict({"replicas": [
+        {"replica_id": "r0", "url": "http://r0:1", "state_source": "none",
+         "api_key": "sk-r0"}]}), transport=transport)
+    assert asyncio.run(app._probe("r0")) is back
+    assert [path for path, _ in transport.sent] == asked
+    if "/v1/models" in asked:
+        assert transport.sent[1][1] == [(b"authorization", b"Bearer sk-r0")]
