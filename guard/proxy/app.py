@@ -3,7 +3,7 @@
 Routes:
 
 * ``POST`` to an admitted path (``admitted_paths``; by default any path ending in
-  ``/v1/completions`` or ``/v1/chat/completions``): admission (tenant → price → policy →
+  ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` or ``/v1/embeddings``): admission (tenant → price → policy →
   admit | queue | shed) and, once admitted, :class:`guard.proxy.upstream.Forwarder` relays the
   request to the replica the policy picked (``Admit(replica_id)``: for ``slo`` the lowest
   predicted TTFT where the request fits, least-loaded for the baselines). Bad input is answered

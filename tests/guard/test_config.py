@@ -79,9 +79,10 @@ def test_admitted_path_patterns():
     assert not c.is_admitted_path("/v1/chat/completions")
     default = GuardConfig()
     for path in ("/v1/completions", "/v1/chat/completions", "/api/v1/chat/completions",
-                 "/openai/deployments/x/v1/completions"):
+                 "/openai/deployments/x/v1/completions", "/v1/responses", "/v1/embeddings"):
         assert default.is_admitted_path(path)
-    for path in ("/v1/models", "/health", "/v1/completions/", "/v1/embeddings"):
+    for path in ("/v1/models", "/health", "/v1/completions/", "/v1/responses/resp_1",
+                 "/v1/responses/resp_1/cancel"):
         assert not default.is_admitted_path(path)
 
 
