@@ -142,6 +142,7 @@ class ProxyApp:
         self._is_admitted = config.is_admitted_path
         self.models = ModelCatalog(config.replicas)  # a request routes among its model's
         self.controller.replicas_for = self.models.replicas_for
+        self.controller.replica_limits.model_context = self.models.max_model_len
         self.passthrough = Passthrough(proxy.relayed_paths, self.transport, self.urls,
                                        self._relay_replica, self._relay_headers,
                                        self.controller.registry, proxy.read_timeout_s)

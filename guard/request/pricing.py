@@ -210,16 +210,21 @@ class Pricer:
     def price_request(self, body: dict | bytes, path: str, headers: Mapping[str, str],
                       tenant: TenantConfig, now_s: float, *, max_model_len: int | None = None,
                       block_size: int = 16, request_id: str | None = None,
-                      rules: ReplicaRules | None = None) -> PricedRequest:
+                      rules: ReplicaRules | None = None,
+                      model_rules: Callable[[object], ReplicaRules] | None = None
+                      ) -> PricedRequest:
         """Like :meth:`price`, with the parsed body and the counts the middleware learns from.
 
         ``headers`` has lower-case names (see :func:`guard.request.body.headers_from_scope`);
-        ``rules`` (when given) replaces ``max_model_len`` and ``block_size``.
+        ``rules`` (when given) replaces ``max_model_len`` and ``block_size``; ``model_rules``
+        (when given) replaces both by the rules for the body's ``model`` (its own context).
         """
-        if rules is None:
+        data = parse_body(body)
+        if model_rules is not None:
+            rules = model_rules(data.get("model"))
+        elif rules is None:
             rules = ReplicaRules(max_model_len, block_size)
         max_model_len, block_size = rules.max_model_len, rules.block_size
-        data = parse_body(body)
         n = check_common(data, rules)
         chars, tokens, overhead, exact = self._count_prompt(data, path, rules)
         responses = path.endswith(RESPONSES_PATH)

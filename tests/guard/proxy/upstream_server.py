@@ -1,8 +1,8 @@
 """A misbehaving OpenAI-shaped upstream for proxy tests (stdlib asyncio, raw HTTP/1.1).
 
-Run as ``python upstream_server.py MODE MODEL``; it prints ``upstream listening on
+Run as ``python upstream_server.py MODE MODEL [MAX_MODEL_LEN]``; it prints ``upstream listening on
 http://127.0.0.1:PORT``. ``GET /health`` is 200 and ``GET /v1/models`` lists MODEL in every
-mode; ``GET /count`` is the number of POSTs received; ``GET /connections`` lists, per accepted
+mode (with ``max_model_len`` when given, as vLLM lists it); ``GET /count`` is the number of POSTs received; ``GET /connections`` lists, per accepted
 connection, the ``METHOD PATH`` of every request it carried (``/connections`` itself left out);
 ``GET /version`` and ``GET /v1/models/MODEL`` answer as vLLM does, ``POST /tokenize`` with
 the prompt's characters as tokens and the headers it received;
@@ -37,6 +37,7 @@ import json
 import sys
 
 COUNT = {"posts": 0}
+MAX_MODEL_LEN: dict[str, int | None] = {"value": None}  # listed in /v1/models when given
 CONNECTIONS: list[list[str]] = []  # per accepted connection: "METHOD PATH" of each request
 BIG_EVENTS = 4000  # mode "big": ~16 MB of stream, more than loopback socket buffers hold
 SLOW_EVENTS, SLOW_GAP_S = 1200, 0.05  # mode "slow": a minute of stream
@@ -204,7 +205,10 @@ async def _serve(mode: str, model: str, reader: asyncio.StreamReader,
             if method == "POST":
                 keep = await _post(mode, model, body, writer, headers, path)
             elif path == "/v1/models":
-                models = {"object": "list", "data": [{"id": model, "object": "model"}]}
+                entry = {"id": model, "object": "model"}
+                if MAX_MODEL_LEN["value"] is not None:
+                    entry["max_model_len"] = MAX_MODEL_LEN["value"]
+                models = {"object": "list", "data": [entry]}
                 writer.write(_response("200 OK", json.dumps(models).encode()))
                 keep = True
             elif path == "/connections":
@@ -248,4 +252,6 @@ async def main(mode: str, model: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 3:
+        MAX_MODEL_LEN["value"] = int(sys.argv[3])
     asyncio.run(main(sys.argv[1], sys.argv[2]))
