@@ -97,6 +97,7 @@ from guard.admission.queue_wait import QueueWait
 from guard.admission.release import ReleaseListeners
 from guard.admission.replica_limits import ReplicaLimits
 from guard.admission.request import AdmissionRequest, bearer_token
+from guard.admission.retry_budgets import RetryBudgets
 from guard.admission.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
 from guard.admission.ticket import TicketBook
 from guard.admission.wait import BUDGET, CLIENT_LEFT, CONFIRMATION, QUEUE, STARTING, Wait
@@ -119,7 +120,6 @@ from policies import make_policy
 from policies.concurrency_limit import ConcurrencyLimit
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
-from guard.admission.retry_budgets import RetryBudgets
 from policies.snapshot import QueuedAhead
 
 __all__ = ["AdmissionController", "INVALID_KEY"]

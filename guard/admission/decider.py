@@ -18,13 +18,13 @@ from typing import Any
 
 from guard.admission.admitted import Admitted
 from guard.admission.queue import AdmissionQueue
+from guard.admission.retry_budgets import RetryBudgets
 from guard.admission.shedding import DrainRate
 from guard.observe.metrics import GuardMetrics
 from guard.replicas.load_state import LoadState
 from guard.replicas.shared_reservations import SharedReservations
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
-from guard.admission.retry_budgets import RetryBudgets
 from policies.shed_reasons import SHUTTING_DOWN
 from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead
 

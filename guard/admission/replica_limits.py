@@ -13,8 +13,8 @@ sizes the chunk budget).
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 
 from guard.replicas.documents import UNKNOWN_MAX_MODEL_LEN

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from guard.admission.queue import AdmissionQueue
+from guard.admission.retry_budgets import RetryBudgets
 from guard.admission.ticket import TicketBook
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import PricingError
@@ -39,7 +40,6 @@ from guard.observe.trace import TraceWriter, rejection_record
 from guard.request.deadline import client_timeout_s
 from policies.cost import RequestCost
 from policies.decision import Shed
-from guard.admission.retry_budgets import RetryBudgets
 from policies.shed_reasons import (
     CONCURRENCY_LIMIT,
     NEVER_RETRY,

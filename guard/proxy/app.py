@@ -370,11 +370,16 @@ class ProxyApp:
 
     # --- what every response says about its request --------------------------------------------
     def _annotate(self, admitted: Admitted, client_id: str | None) -> None:
-        """An admitted request's response: the client's id echoed, its tenant's rate limits."""
+        """An admitted request's response: the client's id echoed, its tenant's rate limits
+        and what is left of them (when the budget store knows)."""
         admitted.client_request_id = client_id
         if self._budgeted:
-            limits = self.config.budget_limits(admitted.ticket.cost.tenant)
-            admitted.response_headers = rate_limit_headers(limits)
+            tenant = admitted.ticket.cost.tenant
+            limits = self.config.budget_limits(tenant)
+            grants = self.controller.grants
+            remaining = getattr(grants.store, "remaining_now", None) if grants is not None else None
+            admitted.response_headers = rate_limit_headers(
+                limits, remaining=None if remaining is None else remaining(tenant))
 
     def _rejection_headers(self, rejection: Rejection, authorization: str | None,
                            client_id: str | None) -> RawHeaders:
