@@ -42,6 +42,7 @@ from guard.controller import AdmissionController
 from guard.epp.metrics_http import MetricsEndpoint
 from guard.epp.picker import EndpointPicker, endpoint_of_url
 from guard.epp.processor import ExternalProcessor
+from guard.observe.access_log import with_access_log
 from guard.proxy.health import ReplicaHealth
 from guard.replicas.poller import state_sources
 from guard.replicas.shared_reservations import SharedReservations
@@ -58,7 +59,8 @@ class EppServer:
     """One ``kvguard epp``: build it, ``await start(host, port)`` (returns the port), then
     ``await wait_stopped()``; :meth:`drain` from a signal handler."""
 
-    def __init__(self, config: GuardConfig, *, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, config: GuardConfig, *, clock: Callable[[], float] | None = None,
+                 access_log: bool = False) -> None:
         if not config.replicas or any(r.url is None for r in config.replicas):
             raise ValueError("replicas: the endpoint picker needs at least one replica with a "
                              "url (--upstream URL or [[replicas]])")
@@ -84,6 +86,8 @@ class EppServer:
                 sync_interval_s=config.refresh_interval_s)
         self.controller = AdmissionController(config, gated, clock=clock,
                                               shared_reservations=shared)
+        if access_log:  # one kvguard.access line per request, as the proxy's --access-log
+            self.controller.trace = with_access_log(self.controller.trace)
         self.picker = EndpointPicker(self.controller, endpoints, self.health)
         self.processor = ExternalProcessor(self.picker)
         self.grpc_health = health_aio.HealthServicer()

@@ -53,7 +53,7 @@ from guard.admission.wait import Wait
 from guard.config import GuardConfig
 from guard.controller import AdmissionController
 from guard.errors import BodyTooLarge, ClientDisconnected, PricingError
-from guard.observe.access_log import AccessLog, TraceTee
+from guard.observe.access_log import with_access_log
 from guard.operational_access import ADMIN_PATHS, MODELS_PATH, OperationalAccess
 from guard.proxy.h1_message import NOT_FORWARDED
 from guard.proxy.health import ReplicaHealth
@@ -127,8 +127,7 @@ class ProxyApp:
                                               budget=budget, shared_reservations=shared)
         self.load_state = self.controller.load_state
         if access_log:  # one line per request, from the records the trace file gets
-            trace = self.controller.trace
-            self.controller.trace = AccessLog() if trace is None else TraceTee(trace, AccessLog())
+            self.controller.trace = with_access_log(self.controller.trace)
         self.metrics = ProxyMetrics(self.controller.registry, list(self.urls), self.routable,
                                     self.controller.state_error)
         self.forwarder = Forwarder(self.urls, self.transport, self.health, self._redispatch,
