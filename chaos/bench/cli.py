@@ -28,6 +28,8 @@ TARGETS: dict[str, tuple[str, str]] = {
     "llamacpp": ("chaos.bench.llamacpp", "llama-cpp-python's server (SmolLM2) bare vs behind "
                  "kvguard proxy's defaults (a learned limit) at 0.5 / 1 / 4 x its capacity"),
     "scale": ("chaos.bench.scale", "decision and state-ingestion cost vs fleet size, in-process"),
+    "models": ("chaos.bench.models", "two models of different capacity behind one kvguard "
+               "proxy: per-model goodput / C and misroutes"),
 }
 
 
