@@ -103,3 +103,21 @@ def test_embeddings_admitted_by_default(tmp_path, client):
         assert httpx.get(upstream.url + "/count", trust_env=False).json() == {"posts": 1}
         counts = _counters(client, proxy.url, 1)
     assert (counts["offered"], counts["completed"]) == (2, 1)
+
+
+def test_the_openai_sdk_reads_responses_through_the_proxy(tmp_path):
+    """The official SDK's ``responses.create``, streamed and not, through the proxy."""
+    openai = pytest.importorskip("openai")
+    with running(upstream_child("ok", MODEL)) as upstream, \
+            running(_proxy(tmp_path, upstream)) as proxy:
+        sdk = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0,
+                            http_client=httpx.Client(trust_env=False))
+        answer = sdk.responses.create(model=MODEL, input="hello", max_output_tokens=8)
+        assert answer.output_text == "a b c" and answer.usage.output_tokens == 3
+        kinds, text = [], ""
+        for event in sdk.responses.create(model=MODEL, input="hello", max_output_tokens=8,
+                                          stream=True):
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                text += event.delta
+        assert text == "a b c" and kinds[-1] == "response.completed"
