@@ -14,7 +14,8 @@ nothing about models: it reads each replica's ``/v1/models``.
   one mixed open-loop stream: each model's arrivals at load × its own C (its own seeded
   sizes), merged in time, every request naming its model;
 * per model the row reports goodput (requests within the class TTFT and ITL, arrivals after
-  the warm-up) ÷ C and the misrouted requests: those the proxy's trace shows sent to a
+  the warm-up) ÷ C, the load generator's own warnings (off its schedule, waiting for a CPU:
+  the run then measures the machine, not the fleet) and the misrouted requests: those the proxy's trace shows sent to a
   replica that does not serve their model, plus any that a replica refused as an unknown
   model (404). The target is 0.
 
@@ -149,12 +150,17 @@ def _row(policy: str, load: float, scenarios: dict, caps: dict, fleets: dict,
         result = asyncio.run(run_load(specs, cfg, bodies=bodies))
     finally:
         proxy.terminate()
+    with open(out / "requests.jsonl", "w") as f:  # each client record, with its model
+        f.writelines(json.dumps({**json.loads(r.to_json()), "model": model_of[r.index]}) + "\n"
+                     for r in result.records)
     # replica ids as the proxy names them: r0.. in --upstream order, model A's first
     ids = {}
     for model, fleet in fleets.items():
         for _ in fleet.replica_urls:
             ids[f"r{len(ids)}"] = model
     misrouted = _misrouted(trace, ids)
+    for warning in result.warnings():  # the run may not measure the fleet: say so
+        _log(f"WARNING ({policy} at {load:g} x C): {warning}")
     window = Window(first.warmup_s, first.duration_s)
     classes = {c.name: c}
     rows = []
@@ -168,7 +174,8 @@ def _row(policy: str, load: float, scenarios: dict, caps: dict, fleets: dict,
             "offered_per_s": report["offered_per_s"],
             "goodput_per_s": report["goodput_per_s"]["strict"],
             "goodput_over_c": report["goodput_per_s"]["strict"] / caps[model],
-            "misrouted": misrouted.get(model, 0) + refused, "run_dir": str(out)})
+            "misrouted": misrouted.get(model, 0) + refused, "run_dir": str(out),
+            "load_generator_warnings": result.warnings()})
     return rows
 
 
