@@ -86,7 +86,9 @@ STATE_SOURCES = ("kvguard", "stream", "vllm", "sglang", "tgi", "llamacpp", "auto
                  "asgi")
 MISSING_MAX_TOKENS = ("fill", "forward")  # GuardConfig.missing_max_tokens
 # glob patterns (fnmatch) of the POST paths the guard admits; the rest pass straight through
-DEFAULT_ADMITTED_PATHS = ("*/v1/completions", "*/v1/chat/completions")
+DEFAULT_ADMITTED_PATHS = ("*/v1/completions", "*/v1/chat/completions", "*/v1/responses",
+                          "*/v1/embeddings")
+PRICED_SUFFIXES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
 DEFAULT_CLASSES = (
     RequestClass("interactive", ttft_s=1.0, itl_s=0.080, priority=0),
     RequestClass("batch", ttft_s=30.0, itl_s=1.0, priority=2),
@@ -331,11 +333,9 @@ class GuardConfig:
             if not isinstance(pattern, str) or not pattern.startswith(("/", "*")):
                 raise ValueError(f"admitted_paths: {pattern!r} must be a path pattern "
                                  "starting with / or *")
-            if not pattern.endswith(("/v1/completions", "/v1/chat/completions",
-                                     "/v1/embeddings")):
-                raise ValueError(f"admitted_paths: {pattern!r} must end in /v1/completions, "
-                                 "/v1/chat/completions or /v1/embeddings (the bodies the guard "
-                                 "prices)")
+            if not pattern.endswith(PRICED_SUFFIXES):
+                raise ValueError(f"admitted_paths: {pattern!r} must end in one of "
+                                 f"{', '.join(PRICED_SUFFIXES)} (the bodies the guard prices)")
         object.__setattr__(self, "admitted_paths", tuple(paths))
         literal = [p for p in paths if not any(c in p for c in "*?[")]
         suffixes = tuple(p[1:] for p in paths if p.startswith("*") and not any(

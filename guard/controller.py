@@ -49,7 +49,9 @@ ADAPTER CONTRACT (``guard.middleware`` is one adapter, the standalone proxy anot
 * ``replicas_for`` (the proxy sets it): ``model -> frozenset of replica ids | None``, or
   PricingError (404 ``model_not_found``); each priced request is then decided only among its
   model's replicas (``RequestCost.replica_ids``), the queue pump's and redispatch's decisions
-  included.
+  included, checked against that model's context length
+  (:meth:`~guard.admission.replica_limits.ReplicaLimits.rules_for`) and counted against that
+  model's retry budget (:mod:`guard.admission.retry_budgets`).
 * ``redispatch(admitted, replica_ids)`` (the proxy): the upstream failed before answering, so
   the policy re-decides among ``replica_ids``; returns the new replica id (reservation moved)
   or None.
@@ -95,6 +97,7 @@ from guard.admission.queue_wait import QueueWait
 from guard.admission.release import ReleaseListeners
 from guard.admission.replica_limits import ReplicaLimits
 from guard.admission.request import AdmissionRequest, bearer_token
+from guard.admission.retry_budgets import RetryBudgets
 from guard.admission.shedding import DrainRate, Rejecter, Rejection, RetryAdvisor
 from guard.admission.ticket import TicketBook
 from guard.admission.wait import BUDGET, CLIENT_LEFT, CONFIRMATION, QUEUE, STARTING, Wait
@@ -112,11 +115,11 @@ from guard.replicas.poller import StatePoller, StateSource
 from guard.replicas.prefix_cache_feed import PrefixCacheFeed
 from guard.replicas.shared_reservations import SharedReservations
 from guard.request.pricing import PricedRequest, Pricer, tokenizer_counter
+from guard.request.rules import ReplicaRules
 from policies import make_policy
 from policies.concurrency_limit import ConcurrencyLimit
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
-from policies.retry_budget import GLOBAL, RetryBudget
 from policies.snapshot import QueuedAhead
 
 __all__ = ["AdmissionController", "INVALID_KEY"]
@@ -166,8 +169,8 @@ class AdmissionController:
         self.load_state.on_preemptions = lambda _replica, num: self.pricer.observe_preemptions(num)
         self.queue = AdmissionQueue(config.max_queue_len, self.clock)
         self.drain_rate = DrainRate()
-        self.retry_budget = RetryBudget(config.retry_budget)
-        self.metrics.retry_counts = lambda: self.retry_budget.counts(GLOBAL, self.clock())
+        self.retry_budgets = RetryBudgets(config.retry_budget)  # one per model's replicas
+        self.metrics.retry_counts = lambda: self.retry_budgets.counts(self.clock())
         if hasattr(self.policy, "client_patience"):  # the slo policy's learned patience
             self.metrics.client_patience = lambda: self.policy.client_patience(self.clock())
         if trace is None and config.trace_path:
@@ -193,14 +196,15 @@ class AdmissionController:
         self.rejecter = Rejecter(config, self.clock, self.metrics, self.queue, self.tickets,
                                  self.drain_rate,
                                  RetryAdvisor(rng if rng is not None else random.Random()),
-                                 lambda: self.releases.service_s, trace, self.retry_budget)
+                                 lambda: self.releases.service_s, trace, self.retry_budgets)
         self._anonymous = config.anonymous_tenant
         # ids are UUIDs (this guard's random first 24 characters, then a 12-hex-digit count):
         # some engines (llama-cpp-python's server) refuse an x-request-id that is not one
         self._id_prefix = str(uuid.uuid4())[:24]
         self._next_id = itertools.count(1)
-        self.replica_limits = ReplicaLimits(self.load_state, self.clock,
-                                            min(c.itl_s for c in config.classes))
+        self.replica_limits = ReplicaLimits(
+            self.load_state, self.clock, min(c.itl_s for c in config.classes),
+            {r.replica_id: r.max_model_len for r in config.replicas if r.max_model_len})
         self.rules = self.replica_limits.rules  # what the replicas accept, from their latest state
         self._sources = dict(sources) if sources is not None else None
         # model -> the replica ids serving it (None: any; PricingError: none), set by the proxy
@@ -210,7 +214,7 @@ class AdmissionController:
             shared_reservations.bind(self.load_state, self.registry, self.clock)
             self.on_close.append(shared_reservations.aclose)
         self.decider = Decider(self.policy, self.load_state, self.queue, self.drain_rate,
-                               self.retry_budget, self.metrics, self.clock, shared_reservations)
+                               self.retry_budgets, self.metrics, self.clock, shared_reservations)
         self.waiting = QueueWait(self.queue, self.decider, self.metrics, self.clock, self.tickets,
                                  self.load_state, self.rejecter, config.max_queue_wait_s)
         self.background = Background(lambda: self.queue.run(self.decider.decide),
@@ -268,14 +272,16 @@ class AdmissionController:
         try:
             priced = self.pricer.price_request(request.body, request.path, request.headers,
                                                tenant, arrival_s, request_id=request_id,
-                                               rules=self.rules)
+                                               rules=self.rules, model_rules=(
+                                                   None if self.replicas_for is None
+                                                   else self._model_rules))
             cost = priced.cost
             if self.replicas_for is not None:  # only the replicas serving its model
                 cost.replica_ids = self.replicas_for(priced.body.get("model"))
         except PricingError as error:
             return self.rejecter.reject_early(request_id, tenant, arrival_s, error)
         self.metrics.counters(cost.request_class.name, cost.tenant).offered.value += 1
-        self.retry_budget.record(cost.tenant, cost.is_retry, arrival_s)
+        self.retry_budgets.of(cost).record(cost.tenant, cost.is_retry, arrival_s)
         grants = self.grants
         if grants is None:
             return self._decided(priced, request, None)
@@ -286,6 +292,16 @@ class AdmissionController:
         if isinstance(outcome, Denied):
             return self.rejecter.deny(cost, outcome.reason, outcome.retry_after_s)
         return self._decided(priced, request, outcome)
+
+    def _model_rules(self, model: object) -> ReplicaRules:
+        """What the replicas serving ``model`` accept (its context: the smallest among them).
+        A model none serves gets the fleet's rules: its 404 comes from the body checks or from
+        the routing after pricing, as without per-model rules."""
+        try:
+            replica_ids = self.replicas_for(model)
+        except PricingError:
+            return self.rules
+        return self.replica_limits.rules_for(replica_ids, model)
 
     async def wait(self, waiting: Wait) -> Admitted | Rejection | None:
         """The decision a :class:`Wait` stood for (None: the client left first)."""

@@ -2,7 +2,8 @@
 
 A thin adapter over :class:`guard.controller.AdmissionController` (the whole admission flow
 lives there). ``POST`` requests whose path matches ``admitted_paths`` (default: any path
-ending in ``/v1/completions`` or ``/v1/chat/completions``, so router prefixes are covered) are
+ending in ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` or
+``/v1/embeddings``, so router prefixes are covered) are
 admitted; everything else (``/health``, ``/v1/models``, ``/kvguard/state``, ``/metrics``) passes
 straight through, behind :class:`~guard.operational_access.OperationalAccess` when it is on
 (the admin key for ``/kvguard/*`` and ``/metrics``, a known key for ``/v1/models``; on by

@@ -1,4 +1,4 @@
-"""How a front end's log lines look (``kvguard proxy``, ``kvguard engine``): ``--log-format
+"""How a front end's log lines look (``kvguard proxy``, ``kvguard epp``, ``kvguard engine``): ``--log-format
 text|json``, always with a UTC timestamp.
 
 ``text``: ``2026-12-06T02:05:00.123Z WARNING guard.replicas.poller: replica r0: ...``.

@@ -30,6 +30,8 @@ TARGETS: dict[str, tuple[str, str]] = {
     "scale": ("chaos.bench.scale", "decision and state-ingestion cost vs fleet size, in-process"),
     "state-cpu": ("chaos.bench.state_cpu", "a real proxy's CPU and state age in front of N "
                   "state-only replicas, per --state-source (polled vs streamed)"),
+    "models": ("chaos.bench.models", "two models of different capacity behind one kvguard "
+               "proxy: per-model goodput / C and misroutes"),
 }
 
 

@@ -18,13 +18,13 @@ from typing import Any
 
 from guard.admission.admitted import Admitted
 from guard.admission.queue import AdmissionQueue
+from guard.admission.retry_budgets import RetryBudgets
 from guard.admission.shedding import DrainRate
 from guard.observe.metrics import GuardMetrics
 from guard.replicas.load_state import LoadState
 from guard.replicas.shared_reservations import SharedReservations
 from policies.cost import RequestCost
 from policies.decision import Admit, Queue, Shed
-from policies.retry_budget import RetryBudget
 from policies.shed_reasons import SHUTTING_DOWN
 from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead
 
@@ -38,13 +38,13 @@ class Decider:
     """Decisions for one guard, over its policy, load state, queue and (optional) shared view."""
 
     def __init__(self, policy: Any, load_state: LoadState, queue: AdmissionQueue,
-                 drain_rate: DrainRate, retry_budget: RetryBudget, metrics: GuardMetrics,
+                 drain_rate: DrainRate, retry_budgets: RetryBudgets, metrics: GuardMetrics,
                  clock: Callable[[], float], shared: SharedReservations | None) -> None:
         self.policy = policy
         self.load_state = load_state
         self.queue = queue
         self.drain_rate = drain_rate
-        self.retry_budget = retry_budget
+        self.retry_budgets = retry_budgets  # per model: a request sees its model's
         self.metrics = metrics
         self.clock = clock
         self.shared = shared  # other guards' pending reservations, via Redis
@@ -90,7 +90,7 @@ class Decider:
         if self.draining:
             return _DRAINING
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
-                                            self.retry_budget.view(now_s), ahead)
+                                            self.retry_budgets.of(cost).view(now_s), ahead)
         if cost.replica_ids is not None:  # only the replicas serving its model
             snapshot = _among(snapshot, cost.replica_ids)
         return self.policy.decide(cost, snapshot)
@@ -136,7 +136,7 @@ class Decider:
         cost = admission.ticket.cost
         now_s = self.clock()
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
-                                            self.retry_budget.view(now_s))
+                                            self.retry_budgets.of(cost).view(now_s))
         allowed = cost.replica_ids
         others = tuple(r for r in snapshot.replicas if r.replica_id in replica_ids
                        and (allowed is None or r.replica_id in allowed))

@@ -9,7 +9,8 @@ One place computes retry advice (:class:`Rejecter` with :class:`RetryAdvisor` an
 * 503 — overload: a wait from the measured drain rate with the queue ahead counted, jittered,
   and never past the queue's horizon (the latest deadline of a queued request: every one of
   them has left by then, admitted or timed out, so the queue a retry meets is empty) —
-  while the retry budget (:mod:`policies.retry_budget`, per tenant and guard-wide) has room;
+  while the retry budget (:mod:`policies.retry_budget`, per tenant and model-wide, one per
+  model: :mod:`guard.admission.retry_budgets`) has room;
   once retries would pass it, ``x-should-retry: false`` and no wait, so SDKs stop retrying
   into the overload (advice returns when load falls and the window slides past the retries);
 * ``Retry-After`` / ``retry-after-ms`` are sent only together with ``x-should-retry: true``.
@@ -30,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from guard.admission.queue import AdmissionQueue
+from guard.admission.retry_budgets import RetryBudgets
 from guard.admission.ticket import TicketBook
 from guard.config import GuardConfig, TenantConfig
 from guard.errors import PricingError
@@ -38,7 +40,6 @@ from guard.observe.trace import TraceWriter, rejection_record
 from guard.request.deadline import client_timeout_s
 from policies.cost import RequestCost
 from policies.decision import Shed
-from policies.retry_budget import RetryBudget
 from policies.shed_reasons import (
     CONCURRENCY_LIMIT,
     NEVER_RETRY,
@@ -267,7 +268,7 @@ class Rejecter:
     def __init__(self, config: GuardConfig, clock: Callable[[], float], metrics: GuardMetrics,
                  queue: AdmissionQueue, tickets: TicketBook, drain_rate: DrainRate,
                  retry_advisor: RetryAdvisor, service_s: Callable[[], float],
-                 trace: TraceWriter | None, retry_budget: RetryBudget | None = None) -> None:
+                 trace: TraceWriter | None, retry_budgets: RetryBudgets | None = None) -> None:
         self._config = config
         self._clock = clock
         self._metrics = metrics
@@ -277,7 +278,7 @@ class Rejecter:
         self._retry_advisor = retry_advisor
         self._service_s = service_s
         self.trace = trace
-        self._retry_budget = retry_budget
+        self._retry_budgets = retry_budgets
 
     def shed(self, cost: RequestCost, shed: Shed, headers: dict[str, str],
              enqueue_s: float | None) -> Rejection:
@@ -323,8 +324,8 @@ class Rejecter:
             remaining_s -= now_s - cost.arrival_s
         if not RetryAdvisor.should_retry(wait_s, remaining_s):
             return None, None
-        if shed.status == 503 and self._retry_budget is not None \
-                and not self._retry_budget.advise_retry(cost.tenant, now_s):
+        if shed.status == 503 and self._retry_budgets is not None \
+                and not self._retry_budgets.of(cost).advise_retry(cost.tenant, now_s):
             return None, RETRY_BUDGET  # retries would pass the budget: SDKs stop here
         return wait_s, None
 

@@ -38,6 +38,14 @@ _ABORTED = re.compile(rb'"finish_reason"\s*:\s*"(?:abort|error)"')
 _FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _OUTPUT_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# The Responses API (/v1/responses): typed events, no [DONE]. Text arrives in
+# response.output_text.delta events; the stream ends with response.completed,
+# response.incomplete (max_output_tokens reached: ran to its limit, like finish_reason
+# "length") or response.failed; an "error" event means the response did not finish.
+_RESPONSE_DELTA = re.compile(rb'"type"\s*:\s*"response\.output_text\.delta"')
+_RESPONSE_END = re.compile(rb'"type"\s*:\s*"(response\.(?:completed|incomplete|failed)|error)"')
+_INPUT_TOKENS = re.compile(rb'"input_tokens"\s*:\s*(\d+)')
+_RESPONSE_OUTPUT_TOKENS = re.compile(rb'"output_tokens"\s*:\s*(\d+)')
 
 
 class Ticket:
@@ -49,7 +57,7 @@ class Ticket:
         "done_seen", "body_complete", "client_disconnected", "outcome", "released_s", "_book",
         "enqueue_s", "priced", "grant", "num_usage_prompt_tokens", "num_usage_output_tokens",
         "ok", "slo_met", "aborted", "chunks_s", "finish_seen", "num_request_bytes",
-        "num_response_bytes",
+        "num_response_bytes", "responses",
     )
 
     def __init__(self, book: TicketBook, reservation: Reservation, dispatch_s: float,
@@ -84,6 +92,8 @@ class Ticket:
         self.ok = False  # set at release: completed and the whole response went out
         self.slo_met = False  # set at release: ok and within the class TTFT and ITL
         self.chunks_s: list[float] | None = None  # traced only: each content chunk forwarded
+        # a /v1/responses request: its stream is read as typed events (no [DONE])
+        self.responses = getattr(priced, "responses", False) is True
 
     @property
     def request_id(self) -> str:
@@ -112,6 +122,8 @@ class Ticket:
         if not chunk:
             return None
         self.num_response_bytes += len(chunk)
+        if self.responses:
+            return self._response_events(chunk, now_s)
         # bytes.find, not ``in``: ``sub in chunk`` first tries ``sub`` as an int and formats
         # the TypeError it then discards, several times the cost of the search itself
         if self.is_stream and chunk.find(_DONE) >= 0:
@@ -125,6 +137,29 @@ class Ticket:
                 and _ABORTED.search(chunk) is not None:
             self.aborted = True
         if self.is_stream and _CONTENT.search(chunk) is None:
+            return None
+        return self._content_chunk(now_s)
+
+    def _response_events(self, chunk: bytes, now_s: float) -> float | None:
+        """A /v1/responses body chunk: usage as input/output tokens; for a stream, the end
+        event (completed or incomplete: finished; failed or error: aborted) and the first
+        ``response.output_text.delta`` as the first token."""
+        if chunk.find(b'"usage"') >= 0:
+            prompt = _INPUT_TOKENS.search(chunk)
+            output = _RESPONSE_OUTPUT_TOKENS.search(chunk)
+            if prompt is not None:
+                self.num_usage_prompt_tokens = int(prompt.group(1))
+            if output is not None:
+                self.num_usage_output_tokens = int(output.group(1))
+        if not self.is_stream:
+            return self._content_chunk(now_s)
+        if chunk.find(b'"type"') < 0:
+            return None
+        for end in _RESPONSE_END.finditer(chunk):
+            self.done_seen = self.finish_seen = True
+            if end.group(1) in (b"response.failed", b"error"):
+                self.aborted = True
+        if _RESPONSE_DELTA.search(chunk) is None:
             return None
         return self._content_chunk(now_s)
 
@@ -162,7 +197,8 @@ class Ticket:
 
     def finished_ok(self) -> bool:
         """2xx, not aborted by the upstream, and the whole response went out: ``[DONE]`` for a
-        stream, the last body chunk otherwise."""
+        stream (a /v1/responses stream: its ``response.completed`` or ``response.incomplete``
+        event), the last body chunk otherwise."""
         if self.status is None or not 200 <= self.status < 300 or not self.body_complete:
             return False
         if self.aborted:

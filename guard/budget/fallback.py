@@ -224,6 +224,13 @@ class FallbackStore:
             await self.redis.aclose()
             self.redis = None
 
+    def remaining_now(self, tenant: str) -> tuple[float | None, float | None] | None:
+        """(tokens, requests) the tenant has left as the backend in use sees it (the local
+        share's own while Redis is unusable); None on an unlimited axis, or None: not known."""
+        if self.breaker.is_open or self.redis is None:
+            return self.local.remaining_now(tenant)
+        return self.redis.remaining_now(tenant)
+
     def remaining_tokens(self) -> dict[str, float]:
         """Tokens left per tenant as last seen by the backend in use (for the metrics)."""
         if self.breaker.is_open or self.redis is None:

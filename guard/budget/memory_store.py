@@ -152,6 +152,13 @@ class MemoryStore:
             return float(limits.tokens_per_minute)
         return self._levels(state, limits, self._clock())[0]
 
+    def remaining_now(self, tenant: str) -> tuple[float | None, float | None]:
+        """(tokens, requests) the tenant could reserve now; None on an unlimited axis."""
+        limits = self._limits_for(tenant)
+        tokens, requests = self.levels_now(tenant)
+        return (None if limits.tokens_per_minute is None else tokens,
+                None if limits.requests_per_minute is None else requests)
+
     def set_levels(self, tenant: str, tokens: float | None, requests: float | None) -> None:
         """Set the tenant's buckets to ``tokens`` / ``requests`` now, clamped to ±limit (None or
         an unlimited axis: left as it is). Leases are kept."""

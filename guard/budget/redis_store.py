@@ -34,7 +34,7 @@ from typing import Any
 
 from guard.budget.grant_pool import HOLD_S, GrantPool
 from guard.budget.keys import tenant_keys
-from guard.budget.memory_store import check_reserve_args
+from guard.budget.memory_store import REFILL_S, check_reserve_args
 from guard.budget.scripts import ScriptSet
 from guard.budget.store import BudgetLimits, Denied, Grant
 
@@ -265,6 +265,25 @@ class RedisStore:
         """What :meth:`charge` queued for the tenant and Redis has not taken yet."""
         tokens, requests = self._charges.get(tenant, (0.0, 0.0))
         return tokens, requests
+
+    def remaining_now(self, tenant: str) -> tuple[float | None, float | None] | None:
+        """(tokens, requests) left in the tenant's shared buckets as Redis last answered,
+        refilled since at the limits' rates, plus the grants held ahead (still this guard's
+        to give); None on an unlimited axis, or None when Redis has not answered for it yet."""
+        levels = self.levels.get(tenant)
+        if levels is None:
+            return None
+        limits = self._limits_for(tenant)
+        elapsed_s = time.monotonic() - self.seen_s.get(tenant, time.monotonic())
+        held = self.pool.held_amount(tenant)
+        out = []
+        for level, limit, extra in ((levels[0], limits.tokens_per_minute, held[0]),
+                                    (levels[1], limits.requests_per_minute, held[1])):
+            if level is None or limit is None:
+                out.append(None)
+            else:
+                out.append(min(float(limit), level + elapsed_s * limit / REFILL_S) + extra)
+        return out[0], out[1]
 
     def _saw_levels(self, tenant: str, limits: BudgetLimits, tokens: Any, requests: Any) -> None:
         if limits.tokens_per_minute is not None:

@@ -22,6 +22,10 @@ Two optional methods let a caller skip the awaiting where a store does not need 
     store.finish_soon(grant, used_tokens | None)  # settle (or release: None) without awaiting;
                                                    # queued where the backend is remote
 
+A third, ``store.remaining_now(tenant) -> (tokens, requests) | None``, says how much of each
+per-minute budget the tenant has left now (None on an unlimited axis; None for both: not known
+yet), for the ``x-ratelimit-remaining-*`` headers; every kvguard store has it.
+
 The in-memory store has both; the Redis and fallback stores have ``finish_soon``, and a
 ``reserve_now`` that answers only with a grant Redis reserved ahead (far from the tenant's
 limit: :mod:`guard.budget.grant_pool`) and returns None when Redis must decide (await

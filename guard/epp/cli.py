@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 
 from guard.config import config_with_upstreams
+from serving.log_format import LOG_FORMATS, configure_logging
 
 __all__ = ["configure", "run"]
 
@@ -50,11 +50,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="serve GET /metrics (Prometheus) over HTTP on this port of --host "
                              "(0 picks a free one; default: no metrics endpoint)")
     parser.add_argument("--log-level", default="warning",
-                        help="debug, info, warning or error")
+                        help="debug, info (lifecycle events), warning or error "
+                             "(default: warning)")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="log lines as text or one JSON object each, with a UTC timestamp "
+                             "(default: text)")
+    parser.add_argument("--access-log", action="store_true",
+                        help="one kvguard.access line per request: id, tenant, model, replica, "
+                             "decision, status, TTFT, tokens, duration (default: off)")
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     return asyncio.run(_serve(args))
 
 
@@ -66,7 +73,7 @@ async def _serve(args: argparse.Namespace) -> int:
     server = EppServer(config_with_upstreams(args.config, args.upstream,
                                              args.state_source, args.redis,
                                              args.replicas_from),
-                       state_source=args.state_source)
+                       state_source=args.state_source, access_log=args.access_log)
     port = await server.start(args.host, args.port)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

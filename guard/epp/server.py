@@ -47,6 +47,7 @@ from guard.controller import AdmissionController
 from guard.epp.metrics_http import MetricsEndpoint
 from guard.epp.picker import EndpointPicker, endpoint_of_url
 from guard.epp.processor import ExternalProcessor
+from guard.observe.access_log import with_access_log
 from guard.proxy.health import ReplicaHealth
 from guard.replicas.discovery import ReplicaWatcher, replica_source
 from guard.replicas.membership import FleetMembership
@@ -66,7 +67,7 @@ class EppServer:
     ``await wait_stopped()``; :meth:`drain` from a signal handler."""
 
     def __init__(self, config: GuardConfig, *, clock: Callable[[], float] | None = None,
-                 state_source: str = "kvguard") -> None:
+                 state_source: str = "kvguard", access_log: bool = False) -> None:
         if not config.replicas or any(r.url is None for r in config.replicas):
             raise ValueError("replicas: the endpoint picker needs at least one replica with a "
                              "url (--upstream URL or [[replicas]])")
@@ -93,6 +94,8 @@ class EppServer:
                 sync_interval_s=config.refresh_interval_s)
         self.controller = AdmissionController(config, gated, clock=clock,
                                               shared_reservations=shared)
+        if access_log:  # one kvguard.access line per request, as the proxy's --access-log
+            self.controller.trace = with_access_log(self.controller.trace)
         self.picker = EndpointPicker(self.controller, endpoints, self.health)
         self.membership = FleetMembership(
             config.replicas, self.controller, self.health, self._make_source, shared,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["ACCESS_LOGGER", "AccessLog", "TraceTee"]
+__all__ = ["ACCESS_LOGGER", "AccessLog", "TraceTee", "with_access_log"]
 
 ACCESS_LOGGER = "kvguard.access"
 
@@ -52,6 +52,12 @@ class AccessLog:
 
     def close(self) -> None:
         """Nothing is held open."""
+
+
+def with_access_log(trace: Any) -> Any:
+    """The trace sink to use with the access log on: the log alone, or both (``trace``: the
+    controller's trace file, or None)."""
+    return AccessLog() if trace is None else TraceTee(trace, AccessLog())
 
 
 class TraceTee:

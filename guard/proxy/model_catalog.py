@@ -13,6 +13,10 @@ for ``GET /v1/models`` as for a completion, and a stream that sees another reque
 for that lock ends there (``[DONE]`` without a ``finish_reason``): every stream longer than the
 refresh interval would be cut by the proxy's own read. The list read before stands meanwhile.
 
+A replica's ``/v1/models`` entry may give the model's context (``max_model_len``, as vLLM's
+does): :meth:`ModelCatalog.max_model_len` answers it, so a prompt is checked against the
+context of the model it asks for, not the smallest in the fleet.
+
 A replica whose list was never read (it has not answered ``/v1/models`` yet) may serve any
 model: requests are not refused for a list the proxy has not seen. A list once read stays
 until a later read replaces it (a replica that stops answering is the poller's and the
@@ -29,7 +33,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from guard.config import ReplicaConfig
 from guard.errors import PricingError
 
-__all__ = ["MIN_LIST_INTERVAL_S", "ModelCatalog", "parse_model_ids"]
+__all__ = ["MIN_LIST_INTERVAL_S", "ModelCatalog", "parse_model_ids", "parse_model_lengths"]
 
 MIN_LIST_INTERVAL_S = 2.0
 
@@ -51,6 +55,7 @@ class ModelCatalog:
         self._headers = {r.replica_id: [(b"authorization", b"Bearer " + r.api_key.encode())]
                          for r in replicas if r.api_key}  # the replica's own key
         self._by_model: dict[str, frozenset[str]] = {}
+        self._lengths: dict[tuple[str, str], int] = {}  # (replica, model) -> max_model_len
         self._unread: frozenset[str] = frozenset()
         self._index()
 
@@ -68,6 +73,7 @@ class ModelCatalog:
         """A replica left the fleet: requests for its models route among the others."""
         for table in (self._models, self.polled_urls, self._headers):
             table.pop(replica_id, None)
+        self._set_lengths(replica_id, {})
         self._index()
 
     def headers_for(self, replica_id: str) -> list[tuple[bytes, bytes]]:
@@ -77,6 +83,11 @@ class ModelCatalog:
     def models_of(self, replica_id: str) -> frozenset[str] | None:
         """The names ``replica_id`` serves (None: not read yet, or not in the fleet)."""
         return self._models.get(replica_id)
+
+    def max_model_len(self, replica_id: str, model: str) -> int | None:
+        """The context ``replica_id`` serves ``model`` with, as its ``/v1/models`` said (None:
+        it did not say)."""
+        return self._lengths.get((replica_id, model))
 
     def replicas_for(self, model: object) -> frozenset[str] | None:
         """The replica ids that may serve ``model`` (None: any, the request names no model);
@@ -113,10 +124,13 @@ class ModelCatalog:
               for rid in ids),
             return_exceptions=True)
         for rid, answer in zip(ids, answers, strict=True):
+            if rid not in self.polled_urls:  # left the fleet while its list was read
+                continue
             if isinstance(answer, tuple) and answer[0] == 200:
                 models = parse_model_ids(answer[1])
                 if models is not None:
                     self.update(rid, models)
+                    self._set_lengths(rid, parse_model_lengths(answer[1]))
 
     async def run(self, get: Get, interval_s: float, timeout_s: float,
                   busy: Busy | None = None) -> None:
@@ -125,6 +139,12 @@ class ModelCatalog:
         while True:
             await asyncio.sleep(max(interval_s, MIN_LIST_INTERVAL_S))
             await self.refresh(get, timeout_s, busy)
+
+    def _set_lengths(self, replica_id: str, lengths: dict[str, int]) -> None:
+        for key in [k for k in self._lengths if k[0] == replica_id]:
+            del self._lengths[key]
+        for model, length in lengths.items():
+            self._lengths[(replica_id, model)] = length
 
     def _index(self) -> None:
         by_model: dict[str, set[str]] = {}
@@ -142,3 +162,15 @@ def parse_model_ids(body: bytes) -> frozenset[str] | None:
         return frozenset(m["id"] for m in data if isinstance(m.get("id"), str))
     except (ValueError, TypeError, AttributeError, KeyError):
         return None
+
+
+def parse_model_lengths(body: bytes) -> dict[str, int]:
+    """``id -> max_model_len`` for each entry of an OpenAI ``/v1/models`` list that gives a
+    positive integer one (vLLM's do); the others are left out."""
+    try:
+        data = json.loads(body).get("data")
+        return {m["id"]: m["max_model_len"] for m in data
+                if isinstance(m.get("id"), str) and isinstance(m.get("max_model_len"), int)
+                and not isinstance(m["max_model_len"], bool) and m["max_model_len"] > 0}
+    except (ValueError, TypeError, AttributeError, KeyError):
+        return {}

@@ -84,8 +84,12 @@ Redispatch = Callable[[Admitted, str], "str | None"]
 yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
 
-def sse_error_event(code: str, message: str) -> bytes:
-    """The SSE event that ends a broken stream (OpenAI SDKs raise on it)."""
+def sse_error_event(code: str, message: str, responses: bool = False) -> bytes:
+    """The SSE event that ends a broken stream (OpenAI SDKs raise on it); a /v1/responses
+    stream gets the Responses API's typed ``error`` event."""
+    if responses:
+        event = {"type": "error", "code": code, "message": message, "param": None}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
     error = {"message": message, "type": "server_error", "param": None, "code": code}
     return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
@@ -281,7 +285,8 @@ class Forwarder:
             timeout = isinstance(exc, UpstreamTimeout)
             self._fail(replica_id, "timeout" if timeout else "broken", exc)
             code = "upstream_timeout" if timeout else "upstream_failed"
-            await client.body(sse_error_event(code, failure_message(replica_id, exc)), False)
+            await client.body(sse_error_event(code, failure_message(replica_id, exc),
+                                              client.admission.ticket.responses), False)
             return
         if not ended:
             await client.body(b"", False)
@@ -432,7 +437,7 @@ class _Client:
             if not self.started:
                 await self.reject(Rejection(503, SHUTTING_DOWN, message, should_retry=True))
             elif ticket.is_stream:
-                await self.body(sse_error_event(SHUTTING_DOWN, message), False)
+                await self.body(sse_error_event(SHUTTING_DOWN, message, ticket.responses), False)
 
     async def reject(self, rejection: Rejection) -> None:
         """A failure answer made here (502/504) before anything else was sent."""

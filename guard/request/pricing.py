@@ -30,6 +30,7 @@ from guard.request.rules import (
     completion_prompt,
     optional_int,
     parse_body,
+    response_input_texts,
 )
 from policies.client_patience import client_software
 from policies.cost import RequestClass, RequestCost
@@ -44,8 +45,9 @@ __all__ = [
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
-EMBEDDINGS_PATH = "/v1/embeddings"  # priced by its input tokens (admitted when configured)
-PRICED_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH, EMBEDDINGS_PATH})
+EMBEDDINGS_PATH = "/v1/embeddings"  # priced by its input tokens, nothing generated
+RESPONSES_PATH = "/v1/responses"  # OpenAI's Responses API: ``input`` items, ``max_output_tokens``
+PRICED_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH, EMBEDDINGS_PATH, RESPONSES_PATH})
 CHAT_TOKENS_PER_MESSAGE = 4  # role and template markers around each message (estimate)
 CHAT_TOKENS_PER_REPLY = 3  # the assistant header that primes the reply (estimate)
 ESTIMATE_TOLERANCE_RATIO = 0.10  # an estimated prompt is rejected only if 10 % over the context
@@ -92,6 +94,7 @@ class PricedRequest:
     max_tokens_defaulted: bool  # the client sent no max_tokens; cost.max_tokens is the guard's
     raw: bytes = b""  # the body as the client sent it
     cache_salt: str | None = None  # the tenant's salt the guard adds (prefix cache isolation)
+    responses: bool = False  # a /v1/responses request (its stream ends without [DONE])
 
     def forward_body(self) -> bytes:
         """The body to send upstream: as sent, or with the priced ``max_tokens`` filled in when
@@ -101,7 +104,7 @@ class PricedRequest:
             return self.raw
         body = dict(self.body)
         if self.max_tokens_defaulted:
-            body["max_tokens"] = self.cost.max_tokens
+            body["max_output_tokens" if self.responses else "max_tokens"] = self.cost.max_tokens
         if self.cache_salt is not None:
             body["cache_salt"] = self.cache_salt
         return json.dumps(body).encode()
@@ -207,27 +210,35 @@ class Pricer:
     def price_request(self, body: dict | bytes, path: str, headers: Mapping[str, str],
                       tenant: TenantConfig, now_s: float, *, max_model_len: int | None = None,
                       block_size: int = 16, request_id: str | None = None,
-                      rules: ReplicaRules | None = None) -> PricedRequest:
+                      rules: ReplicaRules | None = None,
+                      model_rules: Callable[[object], ReplicaRules] | None = None
+                      ) -> PricedRequest:
         """Like :meth:`price`, with the parsed body and the counts the middleware learns from.
 
         ``headers`` has lower-case names (see :func:`guard.request.body.headers_from_scope`);
-        ``rules`` (when given) replaces ``max_model_len`` and ``block_size``.
+        ``rules`` (when given) replaces ``max_model_len`` and ``block_size``; ``model_rules``
+        (when given) replaces both by the rules for the body's ``model`` (its own context).
         """
-        if rules is None:
+        data = parse_body(body)
+        if model_rules is not None:
+            rules = model_rules(data.get("model"))
+        elif rules is None:
             rules = ReplicaRules(max_model_len, block_size)
         max_model_len, block_size = rules.max_model_len, rules.block_size
-        data = parse_body(body)
         n = check_common(data, rules)
         chars, tokens, overhead, exact = self._count_prompt(data, path, rules)
-        if path.endswith(EMBEDDINGS_PATH):  # one forward pass, nothing generated: one step
+        responses = path.endswith(RESPONSES_PATH)
+        embeddings = not responses and path.endswith(EMBEDDINGS_PATH)
+        if embeddings:  # one forward pass, nothing generated: one step
             max_tokens, defaulted = 1, False
         else:
-            max_tokens, defaulted = self._max_tokens(data, tokens, exact, max_model_len)
+            max_tokens, defaulted = self._max_tokens(data, tokens, exact, max_model_len,
+                                                     responses)
         request_class = self._resolve_class(headers, tenant)
         engine_salt, added_salt = self._salter.salts(data, tenant.name)
         key = cached = None
         view = self.prefix_view
-        if view is not None and not path.endswith(EMBEDDINGS_PATH):  # no KV prefix to share
+        if view is not None and not embeddings and not responses:  # prompts it renders
             key = view.key(data, "messages" in data, tokens, self._chars_per_token, engine_salt,
                            headers.get("x-session-id"))
             cached = view.cached_tokens(key)
@@ -250,16 +261,21 @@ class Pricer:
         )
         raw = body if isinstance(body, bytes) else b""
         return PricedRequest(cost, data, bool(data.get("stream")), chars, overhead, exact, defaulted,
-                             raw, added_salt)
+                             raw, added_salt, responses)
 
     def _max_tokens(self, data: dict, num_prompt_tokens: int, exact: bool,
-                    max_model_len: int | None) -> tuple[int, bool]:
-        # max_completion_tokens is chat's (it wins there); completions read max_tokens only
-        name = "max_completion_tokens"
-        requested = optional_int(data, name, 1) if "messages" in data else None
-        if requested is None:
-            name = "max_tokens"
+                    max_model_len: int | None, responses: bool = False) -> tuple[int, bool]:
+        # max_completion_tokens is chat's (it wins there); completions read max_tokens only;
+        # the Responses API names its limit max_output_tokens
+        if responses:
+            name = "max_output_tokens"
             requested = optional_int(data, name, 1)
+        else:
+            name = "max_completion_tokens"
+            requested = optional_int(data, name, 1) if "messages" in data else None
+            if requested is None:
+                name = "max_tokens"
+                requested = optional_int(data, name, 1)
         lower = num_prompt_tokens if exact else math.floor(num_prompt_tokens * (1 - ESTIMATE_TOLERANCE_RATIO))
         if requested is None:
             default = self._config.default_max_tokens
@@ -295,6 +311,13 @@ class Pricer:
             return chars, self._estimate(chars) + overhead, overhead, False
         if path.endswith(EMBEDDINGS_PATH):
             return self._count_embedding_input(data)
+        if path.endswith(RESPONSES_PATH):
+            texts, num_items = response_input_texts(data)
+            overhead = CHAT_TOKENS_PER_MESSAGE * num_items + CHAT_TOKENS_PER_REPLY
+            chars = sum(len(t) for t in texts)
+            if self._tokenizer is not None:
+                return chars, sum(self._tokenizer(t) for t in texts) + overhead, overhead, True
+            return chars, self._estimate(chars) + overhead, overhead, False
         raise PricingError(404, "unknown_endpoint", f"{path} is not a priced endpoint")
 
     def _count_embedding_input(self, data: dict) -> tuple[int, int, int, bool]:

@@ -17,6 +17,7 @@ about its replicas from their state documents:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from serving.json_body import MAX_JSON_DEPTH, loads, nesting_depth_exceeds
 from serving.unsupported_params import UNSUPPORTED_PARAMS, first_unsupported
 
 __all__ = ["ROLES", "ReplicaRules", "chat_texts", "check_common", "optional_int", "parse_body",
-           "completion_prompt"]
+           "completion_prompt", "response_input_texts"]
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _UNSUPPORTED_NAMES = frozenset(UNSUPPORTED_PARAMS)
@@ -190,3 +191,53 @@ def _part_texts(parts: list, index: int, strict: bool) -> list[str]:
         if kind == "text":
             texts.append(part["text"])
     return texts
+
+
+def response_input_texts(body: dict) -> tuple[list[str], int]:
+    """A ``/v1/responses`` body's text (``instructions`` and every ``input`` item) and the
+    number of items: ``input`` is a string or a list of items — messages whose ``content`` is
+    a string or parts (``input_text``/``output_text`` carry ``text``), tool calls and their
+    outputs (``arguments``, ``output``); an item of another shape counts as its JSON text, so
+    it is never priced at nothing."""
+    texts: list[str] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _bad("'instructions' must be a string", "instructions", "invalid_type")
+        texts.append(instructions)
+    items = body.get("input")
+    if items is None:
+        raise _bad("you must provide 'input'", "input", "missing_required_parameter")
+    if isinstance(items, str):
+        if not items:
+            raise _bad("'input' must not be empty", "input")
+        texts.append(items)
+        return texts, 1
+    if not isinstance(items, list) or not items:
+        raise _bad("'input' must be a string or a non-empty list of items", "input",
+                   "invalid_type")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise _bad(f"input[{i}] must be an object", f"input[{i}]", "invalid_type")
+        texts.extend(_item_texts(item, i))
+    return texts, len(items)
+
+
+def _item_texts(item: dict, index: int) -> list[str]:
+    content = item.get("content")
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict):
+                raise _bad(f"input[{index}].content must be a string or a list of parts",
+                           f"input[{index}].content", "invalid_type")
+            text = part.get("text")
+            texts.append(text if isinstance(text, str) else json.dumps(part))
+        return texts
+    if content is not None:
+        raise _bad(f"input[{index}].content must be a string or a list of parts",
+                   f"input[{index}].content", "invalid_type")
+    known = [item[name] for name in ("arguments", "output") if isinstance(item.get(name), str)]
+    return known or [json.dumps(item)]

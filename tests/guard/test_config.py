@@ -9,6 +9,7 @@ import pytest
 from guard import config as config_module
 from guard.config import (
     ANONYMOUS_TENANT,
+    DEFAULT_ADMITTED_PATHS,
     GuardConfig,
     ReplicaConfig,
     TenantConfig,
@@ -40,7 +41,7 @@ def test_example_file_loads_and_a_middleware_accepts_it():
     from guard.middleware import AdmissionMiddleware
 
     c = load_config(EXAMPLE, env={})
-    assert c.in_process and c.admitted_paths == ("*/v1/completions", "*/v1/chat/completions")
+    assert c.in_process and c.admitted_paths == DEFAULT_ADMITTED_PATHS
     assert c.match_tenant("acme-secret-key").name == "acme"
     assert c.policy_params["ttft_safety_ratio"] == 1.2
     guard = AdmissionMiddleware(lambda *a: None, c)  # every policy param is one the policy takes
@@ -54,7 +55,7 @@ def test_retry_budget_keys_reach_the_budget_every_request_is_recorded_into():
 
     config = GuardConfig(retry_budget_ratio=0.3, retry_budget_window_s=4.0,
                          retry_budget_min_retries=7)
-    budget = AdmissionMiddleware(lambda *a: None, config).controller.retry_budget.config
+    budget = AdmissionMiddleware(lambda *a: None, config).controller.retry_budgets.config
     assert (budget.budget_ratio, budget.window_s, budget.min_retries) == (0.3, 4.0, 7)
 
 
@@ -79,9 +80,10 @@ def test_admitted_path_patterns():
     assert not c.is_admitted_path("/v1/chat/completions")
     default = GuardConfig()
     for path in ("/v1/completions", "/v1/chat/completions", "/api/v1/chat/completions",
-                 "/openai/deployments/x/v1/completions"):
+                 "/openai/deployments/x/v1/completions", "/v1/responses", "/v1/embeddings"):
         assert default.is_admitted_path(path)
-    for path in ("/v1/models", "/health", "/v1/completions/", "/v1/embeddings"):
+    for path in ("/v1/models", "/health", "/v1/completions/", "/v1/responses/resp_1",
+                 "/v1/responses/resp_1/cancel"):
         assert not default.is_admitted_path(path)
 
 

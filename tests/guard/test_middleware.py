@@ -480,3 +480,47 @@ def test_the_client_request_id_is_echoed_on_admits_and_sheds():
     assert shed["x-request-id"] == "client-2" and shed["x-kvguard-request-id"]
     insane = asyncio.run(one(make_guard(app), "clïent".encode()))
     assert insane["x-request-id"] == insane["x-kvguard-request-id"]  # replaced by the guard's
+
+
+def _response_event(kind, **fields):
+    return (f"event: {kind}\ndata: " + json.dumps({"type": kind, **fields}) + "\n\n").encode()
+
+
+class ResponsesApp:
+    """A /v1/responses stream: typed events, no [DONE]; ``end`` is its last event (None: the
+    body ends without one)."""
+
+    def __init__(self, end="response.completed"):
+        self.end = end
+
+    async def __call__(self, scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        events = [_response_event("response.created", response={"status": "in_progress"})]
+        events += [_response_event("response.output_text.delta", delta=t) for t in "abc"]
+        if self.end is not None:
+            events.append(_response_event(self.end, response={
+                "status": "completed", "usage": {"input_tokens": 4, "output_tokens": 3}}))
+        for event in events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+@pytest.mark.parametrize("end, outcome", [("response.completed", "completed"),
+                                          ("response.failed", "failed"), (None, "failed")])
+def test_responses_stream_is_admitted_by_default_and_judged_by_its_end_event(end, outcome):
+    async def main():
+        guard = make_guard(ResponsesApp(end))
+        body = json.dumps({"model": "tiny", "input": "hello", "max_output_tokens": 8,
+                           "stream": True}).encode()
+        client = Client(body)
+        await guard(http_scope("/v1/responses"), client.receive, client.send)
+        assert client.status == 200 and "x-kvguard-queue-ms" in client.headers
+        lab = {"class": "interactive", "tenant": "anonymous"}
+        assert sample(guard, f"kvguard_requests_{outcome}_total", **lab) == 1
+        assert sample(guard, "kvguard_goodput_total", **lab) == (outcome == "completed")
+        assert_at_rest(guard)
+        await guard.aclose()
+
+    run(main())

@@ -478,3 +478,43 @@ def test_an_embedding_body_is_forwarded_as_sent():
 @pytest.mark.parametrize("value", [None, [], 3, [1, "a"], [[1], "a", {}], [True]])
 def test_a_bad_embedding_input_is_a_400(value):
     raises(Pricer(GuardConfig()), {"model": "e", "input": value}, "invalid_value", path=EMB)
+
+
+# --- /v1/responses ----------------------------------------------------------------------------
+
+RESP = "/v1/responses"
+
+
+def test_responses_input_string_or_items_and_instructions_are_priced():
+    pricer = Pricer(GuardConfig(initial_chars_per_token=4.0))
+    priced = pricer.price_request({"input": "x" * 40, "instructions": "y" * 40,
+                                   "max_output_tokens": 9, "stream": True},
+                                  RESP, {}, ANON, 0.0, max_model_len=4096, block_size=16)
+    assert priced.num_prompt_chars == 80 and priced.num_overhead_tokens == 4 + 3
+    assert priced.cost.num_prompt_tokens == 20 + 7
+    assert priced.cost.max_tokens == 9 and priced.is_stream and priced.responses
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "a" * 40},
+                                          {"type": "input_image", "image_url": "u"}]},
+             {"type": "message", "role": "assistant", "content": "b" * 40},
+             {"type": "function_call_output", "call_id": "c", "output": "c" * 40}]
+    priced = pricer.price_request({"input": items, "max_output_tokens": 5}, RESP, {}, ANON, 0.0,
+                                  max_model_len=4096, block_size=16)
+    image_chars = len(json.dumps({"type": "input_image", "image_url": "u"}))
+    assert priced.num_prompt_chars == 120 + image_chars
+    assert priced.num_overhead_tokens == 3 * 4 + 3
+
+
+def test_responses_max_output_tokens_is_checked_filled_and_forwarded_under_its_name():
+    pricer = Pricer(GuardConfig(default_max_tokens=64))
+    err = raises(pricer, {"input": "hi", "max_output_tokens": 4096}, "context_length_exceeded",
+                 path=RESP)
+    assert err.param == "max_output_tokens"
+    raises(pricer, {"input": "hi", "max_output_tokens": 0}, "invalid_value", path=RESP)
+    raises(pricer, {"max_output_tokens": 3}, "missing_required_parameter", path=RESP)
+    raises(pricer, {"input": [3]}, "invalid_type", path=RESP)
+    raises(pricer, {"input": "hi", "instructions": 5}, "invalid_type", path=RESP)
+    priced = pricer.price_request({"input": "hi", "max_tokens": 2}, RESP, {}, ANON, 0.0,
+                                  max_model_len=4096, block_size=16)
+    assert priced.cost.max_tokens == 64 and priced.max_tokens_defaulted  # max_tokens: not its name
+    forwarded = json.loads(priced.forward_body())
+    assert forwarded["max_output_tokens"] == 64 and forwarded["max_tokens"] == 2

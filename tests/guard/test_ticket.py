@@ -143,3 +143,61 @@ def test_sample_says_who_canceled_and_after_how_long():
     done = book.issue(reserved(make_cost("done")), 0.0)
     done.release("completed")
     assert (done.sample().outcome, done.sample().client_left) == ("completed", False)
+
+
+def _responses_ticket(clock):
+    class Priced:  # what the ticket reads of the pricing record
+        responses = True
+
+    ticket = _book(clock, []).issue(reserved(make_cost(arrival_s=0.0)), 0.0, priced=Priced())
+    ticket.on_start(200, SSE)
+    return ticket
+
+
+def _event(kind, **fields):
+    import json
+    return (f"event: {kind}\ndata: " + json.dumps({"type": kind, **fields}) + "\n\n").encode()
+
+
+def test_responses_stream_ends_with_its_completed_event_not_done():
+    """A /v1/responses stream: the first token is the first output_text delta (not the
+    created/in-progress events), usage is input/output tokens, response.completed finishes."""
+    ticket = _responses_ticket(FakeClock())
+    created = {"response": {"status": "in_progress", "output": [], "usage": None}}
+    assert ticket.on_body(_event("response.created", **created), True, 0.1) is None
+    ticket.on_body(_event("response.content_part.added", part={"type": "output_text", "text": ""}),
+                   True, 0.2)
+    assert ticket.first_token_s is None
+    ticket.on_body(_event("response.output_text.delta", delta="hi"), True, 0.3)
+    gap = ticket.on_body(_event("response.output_text.delta", delta=" there"), True, 0.35)
+    assert abs(gap - 0.05) < 1e-9
+    ticket.on_body(_event("response.output_text.done", text="hi there"), True, 0.4)
+    assert ticket.num_content_chunks == 2 and not ticket.done_seen
+    done = {"response": {"status": "completed", "output": [{"content": [{"text": "hi there"}]}],
+                         "usage": {"input_tokens": 11, "input_tokens_details": {"cached_tokens": 0},
+                                   "output_tokens": 2, "total_tokens": 13}}}
+    ticket.on_body(_event("response.completed", **done), True, 0.45)
+    ticket.on_body(b"", False, 0.45)
+    assert ticket.ttft_s == 0.3 and ticket.done_seen and ticket.finish_seen
+    assert (ticket.num_usage_prompt_tokens, ticket.num_usage_output_tokens) == (11, 2)
+    assert ticket.natural_outcome() == "completed"
+
+
+def test_responses_stream_incomplete_counts_finished_failed_or_cut_does_not():
+    for last, outcome in ((_event("response.incomplete", response={"status": "incomplete"}),
+                           "completed"),
+                          (_event("response.failed", response={"status": "failed"}), "failed"),
+                          (_event("error", code="boom", message="m"), "failed"),
+                          (b"", "failed")):  # cut: the body ended with no end event
+        ticket = _responses_ticket(FakeClock())
+        ticket.on_body(_event("response.output_text.delta", delta="x"), True, 0.1)
+        ticket.on_body(last, False, 0.2)
+        assert ticket.natural_outcome() == outcome, last
+
+
+def test_responses_text_that_names_an_event_is_only_text():
+    ticket = _responses_ticket(FakeClock())
+    ticket.on_body(_event("response.output_text.delta",
+                          delta='"type": "response.completed"'), True, 0.1)
+    ticket.on_body(b"", False, 0.2)
+    assert not ticket.done_seen and ticket.natural_outcome() == "failed"

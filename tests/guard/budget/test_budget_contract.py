@@ -180,3 +180,24 @@ def test_simultaneous_reserves_never_over_admit(backend):
         assert {o.reason for o in outcomes if isinstance(o, Denied)} == {"rpm_limit"}
         await store.aclose()
     run(go())
+
+
+def test_remaining_is_what_the_grants_left(backend):
+    """What the x-ratelimit-remaining-* headers report: per axis, the budget left after the
+    grants (refilling at the limit's rate: Redis runs in real time, hence the margins); None
+    on an unlimited axis."""
+    async def go():
+        limits = BudgetLimits(tokens_per_minute=1000, requests_per_minute=10)
+        store, tenant = await backend.store(limits), backend.tenant()
+        assert isinstance(await store.reserve(tenant, 300, 30.0), Grant)
+        assert isinstance(await store.reserve(tenant, 200, 30.0), Grant)
+        tokens, requests = store.remaining_now(tenant)
+        assert 500.0 <= tokens <= 520.0 and 8.0 <= requests <= 8.2
+        other = backend.tenant()
+        store_tpm = await backend.store(BudgetLimits(tokens_per_minute=1000))
+        assert isinstance(await store_tpm.reserve(other, 100, 30.0), Grant)
+        tokens, requests = store_tpm.remaining_now(other)
+        assert 900.0 <= tokens <= 920.0 and requests is None
+        await store.aclose()
+        await store_tpm.aclose()
+    run(go())

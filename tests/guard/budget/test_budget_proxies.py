@@ -149,3 +149,56 @@ def test_proxies_started_without_redis_admit_one_budget_and_charge_it_when_redis
     finally:
         stop_all(children)
         server.kill()
+
+
+def _seconds(duration: str) -> float:
+    """OpenAI's duration text (``20ms``, ``1.5s``, ``6m0s``) in seconds."""
+    if duration.endswith("ms"):
+        return float(duration[:-2]) / 1000
+    minutes, _, seconds = duration.removesuffix("s").rpartition("m")
+    return 60 * float(minutes or 0) + float(seconds)
+
+
+@pytest.mark.parametrize("store", ["embedded", "redis"])
+def test_admitted_responses_say_what_is_left_of_the_budget(tmp_path, store):
+    """OpenAI's x-ratelimit-remaining-* and -reset-* on each admitted response of a budgeted
+    tenant, from the embedded store or from Redis: one request less each time (30 a minute
+    refill one every 2 s, hence "at most"), reset = until the bucket is full again."""
+    server = RedisServer().start() if store == "redis" else None
+    config = CONFIG.replace("requests_per_minute = 30",
+                            "requests_per_minute = 30\ntokens_per_minute = 100000")
+    children = []
+    try:
+        if server is not None:
+            children = start_all(tmp_path, server.url, num_proxies=1, config=config)
+            on_redis(children[1].url)
+        else:
+            children = start_all(tmp_path, "", num_proxies=0, config=config)
+            path = tmp_path / "guard.toml"
+            embedded = ChildProcess("proxy", lambda port: [
+                sys.executable, "-m", "guard.cli", "proxy", "--upstream", children[0].url,
+                "--state-source", "none", "--config", str(path), "--host", "127.0.0.1",
+                "--port", str(port)], http_health,
+                ready_pattern=r"kvguard proxy listening on (\S+)")
+            children.append(embedded.start())
+        remaining = []
+        for _ in range(3):
+            answer = httpx.post(children[1].url + "/v1/completions",
+                                headers={"authorization": "Bearer k-acme"},
+                                json={"model": "fake-model", "prompt": "hi", "max_tokens": 4},
+                                timeout=30.0, trust_env=False)
+            assert answer.status_code == 200, answer.text
+            headers = answer.headers
+            assert headers["x-ratelimit-limit-requests"] == "30"
+            remaining.append((int(headers["x-ratelimit-remaining-requests"]),
+                              int(headers["x-ratelimit-remaining-tokens"])))
+            assert 0 < _seconds(headers["x-ratelimit-reset-requests"]) <= 60.0
+            # a few tokens at 100,000 a minute come back within milliseconds
+            assert 0 <= _seconds(headers["x-ratelimit-reset-tokens"]) <= 60.0
+        assert remaining[0][0] == 29 and 99_900 <= remaining[0][1] <= 100_000
+        assert [r for r, _ in remaining] == sorted((r for r, _ in remaining), reverse=True)
+        assert remaining[2][0] <= 28
+    finally:
+        stop_all(children)
+        if server is not None:
+            server.kill()

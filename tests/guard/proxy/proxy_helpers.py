@@ -65,9 +65,12 @@ def proxy_child(upstreams: list[str], config: str, *, state_source: str = "kvgua
     return ChildProcess("proxy", argv, health, ready_pattern=r"kvguard proxy listening on (\S+)")
 
 
-def upstream_child(mode: str, model: str = "fake-model") -> ChildProcess:
+def upstream_child(mode: str, model: str = "fake-model",
+                   max_model_len: int | None = None) -> ChildProcess:
+    """``upstream_server.py`` in ``mode`` serving ``model`` (listed with ``max_model_len``)."""
+    extra = [] if max_model_len is None else [str(max_model_len)]
     return ChildProcess(f"upstream-{mode}", lambda port: [sys.executable, str(UPSTREAM), mode,
-                                                          model],
+                                                          model, *extra],
                         http_health, ready_pattern=r"upstream listening on (\S+)")
 
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from guard.proxy.app import _upstream_headers
+from guard.proxy.exchange import upstream_headers as _upstream_headers
 from guard.proxy.h1_message import (
     CHUNKED,
     LENGTH,

@@ -7,7 +7,7 @@ import pytest
 
 from guard.config import GuardConfig, ReplicaConfig
 from guard.errors import PricingError
-from guard.proxy.model_catalog import ModelCatalog, parse_model_ids
+from guard.proxy.model_catalog import ModelCatalog, parse_model_ids, parse_model_lengths
 
 
 def _catalog(**models):
@@ -112,3 +112,18 @@ def test_a_list_once_read_is_not_read_again_from_a_busy_replica():
     in_flight["a"] = 0  # idle again: read
     asyncio.run(catalog.refresh(get, 1.0, in_flight.get))
     assert catalog.models_of("a") == {"m3"}
+
+
+def test_a_models_context_is_read_from_its_list_entry():
+    listed = json.dumps({"data": [{"id": "a", "max_model_len": 2048}, {"id": "b"},
+                                  {"id": "c", "max_model_len": True},
+                                  {"id": "d", "max_model_len": 0}]}).encode()
+    assert parse_model_lengths(listed) == {"a": 2048}
+    assert parse_model_lengths(b"not json") == {}
+
+    async def get(url, timeout_s, headers):
+        return 200, listed
+
+    catalog = ModelCatalog([ReplicaConfig("r0", "http://r0")])
+    asyncio.run(catalog.refresh(get, 1.0))
+    assert catalog.max_model_len("r0", "a") == 2048 and catalog.max_model_len("r0", "b") is None

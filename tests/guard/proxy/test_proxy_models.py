@@ -83,3 +83,29 @@ def test_an_unknown_model_reaches_no_replica(tmp_path, client):
                                        json={"model": model, "prompt": "x", "max_tokens": 2})
                 assert answered.status_code == 200, answered.text
             assert httpx.get(upstream.url + "/count", trust_env=False).json() == {"posts": 2}
+
+
+def test_a_prompt_is_checked_against_its_own_models_context(tmp_path, client):
+    """Two vLLM-shaped replicas whose ``/v1/models`` give different ``max_model_len``: a
+    prompt over the small model's context is a 400 from the proxy that reaches no replica;
+    the same prompt to the bigger model is admitted."""
+    with running(upstream_child("ok", "small", max_model_len=512)) as small, \
+            running(upstream_child("ok", "big", max_model_len=8192)) as big:
+        config = tmp_path / "proxy.toml"
+        config.write_text(open(write_config(tmp_path)).read() + "".join(
+            f'[[replicas]]\nreplica_id = "{rid}"\nurl = "{u.url}"\nstate_source = "none"\n'
+            for rid, u in (("s0", small), ("b0", big))))
+        with running(proxy_child([], str(config))) as proxy:
+            prompt = "lorem ipsum " * 250  # about 750 tokens by the initial estimate
+            refused = client.post(proxy.url + "/v1/completions",
+                                  json={"model": "small", "prompt": prompt, "max_tokens": 16})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["code"] == "context_length_exceeded"
+            assert "512" in refused.json()["error"]["message"]
+            admitted = client.post(proxy.url + "/v1/completions",
+                                   json={"model": "big", "prompt": prompt, "max_tokens": 16})
+            assert admitted.status_code == 200, admitted.text
+            assert admitted.headers["x-kvguard-replica"] == "b0"
+            posts = [httpx.get(u.url + "/count", trust_env=False).json()["posts"]
+                     for u in (small, big)]
+    assert posts == [0, 1]

@@ -1,8 +1,8 @@
 """A misbehaving OpenAI-shaped upstream for proxy tests (stdlib asyncio, raw HTTP/1.1).
 
-Run as ``python upstream_server.py MODE MODEL``; it prints ``upstream listening on
+Run as ``python upstream_server.py MODE MODEL [MAX_MODEL_LEN]``; it prints ``upstream listening on
 http://127.0.0.1:PORT``. ``GET /health`` is 200 and ``GET /v1/models`` lists MODEL in every
-mode; ``GET /count`` is the number of POSTs received; ``GET /connections`` lists, per accepted
+mode (with ``max_model_len`` when given, as vLLM lists it); ``GET /count`` is the number of POSTs received; ``GET /connections`` lists, per accepted
 connection, the ``METHOD PATH`` of every request it carried (``/connections`` itself left out);
 ``GET /version`` and ``GET /v1/models/MODEL`` answer as vLLM does, ``POST /tokenize`` with
 the prompt's characters as tokens and the headers it received;
@@ -21,7 +21,15 @@ A POST gets, by MODE:
 * ``garbage``: bytes that are not HTTP, then the connection closes;
 * ``slow``: a stream of one event every ``SLOW_GAP_S`` for ``SLOW_EVENTS`` events, then
   ``[DONE]`` (a stream still running when a drain deadline passes);
-* ``hang``: reads the request and never answers (the connection stays open).
+* ``hang``: reads the request and never answers (the connection stays open);
+* ``cut``: a ``/v1/responses`` stream sends its text deltas and ends the body without its
+  ``response.completed`` event (other POSTs as ``ok``).
+
+``POST /v1/responses`` answers as vLLM's Responses API does (``ok``, ``echo``, ``cut``): a
+``response`` object with ``usage.input_tokens``/``output_tokens``, or with ``"stream": true``
+typed events (``event: TYPE`` + ``data: {"type": TYPE, ...}``) ending with
+``response.completed`` and no ``[DONE]``. ``POST /v1/embeddings`` answers an embedding list
+with ``usage.prompt_tokens``.
 """
 
 import asyncio
@@ -29,6 +37,7 @@ import json
 import sys
 
 COUNT = {"posts": 0}
+MAX_MODEL_LEN: dict[str, int | None] = {"value": None}  # listed in /v1/models when given
 CONNECTIONS: list[list[str]] = []  # per accepted connection: "METHOD PATH" of each request
 BIG_EVENTS = 4000  # mode "big": ~16 MB of stream, more than loopback socket buffers hold
 SLOW_EVENTS, SLOW_GAP_S = 1200, 0.05  # mode "slow": a minute of stream
@@ -79,6 +88,19 @@ async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter
         writer.write(b"\x00\x01 this is not HTTP at all \r\n\r\n")
         return False
     request = json.loads(body or b"{}")
+    if path == "/v1/responses" and mode in ("ok", "echo", "cut"):
+        return await _responses(mode, model, request, headers, writer)
+    if path == "/v1/embeddings" and mode in ("ok", "echo"):
+        inputs = request.get("input")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        payload = {"object": "list", "model": model,
+                   "data": [{"object": "embedding", "index": i, "embedding": [0.5, -0.5]}
+                            for i in range(len(inputs))],
+                   "usage": {"prompt_tokens": 7, "total_tokens": 7}}
+        if mode == "echo":
+            payload["received"] = {"body": request, "headers": headers}
+        writer.write(_response("200 OK", json.dumps(payload).encode()))
+        return True
     if mode == "big":  # a long stream, written as fast as the proxy takes it
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                      b"transfer-encoding: chunked\r\n\r\n")
@@ -119,6 +141,58 @@ async def _post(mode: str, model: str, body: bytes, writer: asyncio.StreamWriter
     return True
 
 
+RESPONSE_TEXT = ("a", " b", " c")
+
+
+def _response_object(model: str, status: str, text: str, usage: dict | None) -> dict:
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "status": status,
+               "content": [{"type": "output_text", "text": text, "annotations": []}]}
+    return {"id": "resp_1", "object": "response", "created_at": 0, "model": model,
+            "status": status, "output": [message] if text else [], "usage": usage,
+            "incomplete_details": None, "error": None}
+
+
+async def _responses(mode: str, model: str, request: dict, headers: dict,
+                     writer: asyncio.StreamWriter) -> bool:
+    usage = {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens": len(RESPONSE_TEXT), "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": 5 + len(RESPONSE_TEXT)}
+    text = "".join(RESPONSE_TEXT)
+    if not request.get("stream"):
+        payload = _response_object(model, "completed", text, usage)
+        if mode == "echo":
+            payload["received"] = {"body": request, "headers": headers}
+        writer.write(_response("200 OK", json.dumps(payload).encode()))
+        return True
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                 b"transfer-encoding: chunked\r\n\r\n")
+    item = {"id": "msg_1", "type": "message", "role": "assistant", "status": "in_progress",
+            "content": []}
+    part = {"type": "output_text", "text": "", "annotations": []}
+    at = {"item_id": "msg_1", "output_index": 0, "content_index": 0}
+    events = [("response.created", {"response": _response_object(model, "in_progress", "", None)}),
+              ("response.in_progress",
+               {"response": _response_object(model, "in_progress", "", None)}),
+              ("response.output_item.added", {"output_index": 0, "item": item}),
+              ("response.content_part.added", {**at, "part": part})]
+    events += [("response.output_text.delta", {**at, "delta": t}) for t in RESPONSE_TEXT]
+    if mode != "cut":
+        events += [("response.output_text.done", {**at, "text": text}),
+                   ("response.content_part.done", {**at, "part": {**part, "text": text}}),
+                   ("response.output_item.done", {"output_index": 0, "item": {
+                       **item, "status": "completed", "content": [{**part, "text": text}]}}),
+                   ("response.completed",
+                    {"response": _response_object(model, "completed", text, usage)})]
+    for number, (kind, fields) in enumerate(events):
+        data = f"event: {kind}\ndata: " + json.dumps(
+            {"type": kind, "sequence_number": number, **fields}) + "\n\n"
+        data = data.encode()
+        writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        await writer.drain()
+    writer.write(b"0\r\n\r\n")
+    return True
+
+
 async def _serve(mode: str, model: str, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter) -> None:
     carried: list[str] = []
@@ -131,7 +205,10 @@ async def _serve(mode: str, model: str, reader: asyncio.StreamReader,
             if method == "POST":
                 keep = await _post(mode, model, body, writer, headers, path)
             elif path == "/v1/models":
-                models = {"object": "list", "data": [{"id": model, "object": "model"}]}
+                entry = {"id": model, "object": "model"}
+                if MAX_MODEL_LEN["value"] is not None:
+                    entry["max_model_len"] = MAX_MODEL_LEN["value"]
+                models = {"object": "list", "data": [entry]}
                 writer.write(_response("200 OK", json.dumps(models).encode()))
                 keep = True
             elif path == "/connections":
@@ -175,4 +252,6 @@ async def main(mode: str, model: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 3:
+        MAX_MODEL_LEN["value"] = int(sys.argv[3])
     asyncio.run(main(sys.argv[1], sys.argv[2]))
