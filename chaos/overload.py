@@ -31,9 +31,11 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from chaos.admission_quality import forecast_error, gap_attribution
+from chaos.cost_report import block_section, has_cost, plot_cost
 from chaos.load_cli import configure as configure_load
 from chaos.load_cli import run_once
 from chaos.overload_fleet import Fleet
@@ -62,6 +64,7 @@ from chaos.replica import (
     write_guard_config,
 )
 from chaos.report import read_records
+from chaos.run_cost import unavailable
 from chaos.schedule import LengthDist
 from chaos.sdk_column import require_user_runner, sdk_row
 from chaos.sweep import SweepPoint, capacity, sweep_rates
@@ -101,11 +104,19 @@ class Scenario:
                 "--http", a.replica_http]
 
     def load_args(self, url: str, rate: float, out: Path, duration_s: float | None = None,
-                  warmup_s: float | None = None, shape: str | None = None) -> argparse.Namespace:
+                  warmup_s: float | None = None, shape: str | None = None,
+                  step_traces: Sequence[str | Path] = ()) -> argparse.Namespace:
+        """``kvguard load``'s arguments for one run; ``step_traces`` (the replicas' engine step
+        traces) add the cost of its goodput window, priced as GPU time."""
         p = argparse.ArgumentParser()
         configure_load(p)
         c = self.request_class
-        return p.parse_args([
+        a = self.args
+        cost = [arg for path in step_traces for arg in ("--step-trace", str(path))]
+        if cost:
+            cost += ["--engine-gpu", a.gpu, "--engine-model", a.model,
+                     "--time-scale", repr(self.scale)]
+        return p.parse_args([*cost,
             "--url", url, "--rate", repr(rate), "--shape", shape or self.args.shape,
             "--duration", repr(duration_s or self.duration_s),
             "--warmup", repr(self.warmup_s if warmup_s is None else warmup_s),
@@ -267,7 +278,9 @@ def run_policy(scenario: Scenario, policy: str | None, rate: float, cap_rps: flo
     open-loop run at ``rate``. Returns the table row."""
     out.mkdir(parents=True, exist_ok=True)
     engine_trace = out / "engine-trace.jsonl"
-    engine_args = [*scenario.engine_args(), "--trace", str(engine_trace)]
+    steps = out / "steps.jsonl"
+    engine_args = [*scenario.engine_args(), "--trace", str(engine_trace), "--step-trace",
+                   str(steps)]
     trace = out / "guard-trace.jsonl"
     if policy is not None and policy != BARE:
         c = scenario.request_class
@@ -276,8 +289,10 @@ def run_policy(scenario: Scenario, policy: str | None, rate: float, cap_rps: flo
                                     policy_params=policy_params(policy, scenario, cap_rps))
         engine_args += ["--guard", config]
     with ReplicaProcess.start(engine_args) as replica:
-        summary = run_once(scenario.load_args(replica.base_url, rate, out), rate, out, None)
+        summary = run_once(scenario.load_args(replica.base_url, rate, out, step_traces=[steps]),
+                           rate, out, None)
     row = row_from_run(summary, read_records(out / "requests.jsonl"), scenario, cap_rps)
+    row["cost"] = summary.get("cost")
     warmup_s = summary["goodput"]["window_s"][0]
     row["forecast"] = forecast_error(trace, (warmup_s, float("inf")))
     row["gaps"] = gap_attribution((trace, engine_trace, out / "requests.jsonl"),
@@ -306,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         sat, cap, sweep = measure_capacity(scenario, out, log)
     log(f"capacity C = {cap:.2f} req/s")
-    fleet = Fleet(scenario, args.fleet) if args.fleet else None
+    fleet = Fleet(scenario, args.fleet, out) if args.fleet else None
     if fleet is not None:
         cap *= args.fleet
         log(f"fleet: kvguard proxy in front of {args.fleet} replicas, C = {cap:.2f} req/s")
@@ -332,6 +347,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def row_costs(rows: Sequence[dict]) -> dict:
+    """One cost block over the rows: each row's goodput window, labelled policy @ load."""
+    windows, why = [], None
+    for r in rows:
+        block = r.get("cost")
+        if has_cost(block):
+            windows += [{**w, "label": f"{r['policy']} @ {r['load']:g} C"} for w in block["windows"]]
+        else:
+            why = why or (block or {}).get("unavailable", "no engine step trace")
+    if not windows:
+        return unavailable(why or "no rows")
+    first = next(r["cost"] for r in rows if has_cost(r.get("cost")))
+    return {**{k: v for k, v in first.items() if k != "windows"}, "windows": windows}
+
+
 def _report(args, out: Path, rows: list[dict], sat, cap: float, sweep, log) -> None:
     """The table (markdown and JSON) and the plot."""
     rows.sort(key=lambda r: r["load"])  # stable: each load's policies keep their run order
@@ -342,6 +372,9 @@ def _report(args, out: Path, rows: list[dict], sat, cap: float, sweep, log) -> N
     if cache_table is not None:
         table += "\n\nPrefix caches:\n\n" + cache_table
     plot_goodput(rows, out / "overload.png")
+    cost = row_costs(rows)
+    if has_cost(cost):
+        plot_cost(cost["windows"], out / "cost.png")
     result = {"command": " ".join(["kvguard", "bench", "overload", *sys.argv[3:]]),
               "scenario": {k: v for k, v in vars(args).items()},
               "saturation_rps": sat, "capacity_rps": cap, "sweep": sweep, "rows": rows}
@@ -349,6 +382,6 @@ def _report(args, out: Path, rows: list[dict], sat, cap: float, sweep, log) -> N
     fleet = f" ({args.fleet} replicas behind kvguard proxy)" if args.fleet else ""
     (out / "overload.md").write_text(
         f"# kvguard bench overload{fleet}\n\nS = {fmt_num(sat)} req/s, C = {cap:.2f} req/s\n\n"
-        f"{table}\n\n![goodput](overload.png)\n")
+        f"{table}\n\n![goodput](overload.png)\n\n" + "\n".join(block_section(cost)))
     log("\n" + table)
     log(f"\nreport: {out / 'overload.md'}  plot: {out / 'overload.png'}")
