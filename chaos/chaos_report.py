@@ -16,7 +16,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from chaos.cost_report import block_section, has_cost
+from chaos.cost_report import block_section, combine_blocks
 from chaos.faults import FaultEvent
 from chaos.user_record import UserRecord
 from chaos.verdict import THRESHOLDS, series, slo_vs_always_admit
@@ -147,20 +147,8 @@ def _check_lines(result: Mapping) -> list[str]:
 
 
 def policy_costs(verdicts: Mapping[str, Mapping]) -> dict:
-    """One cost block over the policies (each verdict's ``cost``): their windows, labelled
-    with the policy; a policy without numbers leaves the reason."""
-    windows, why = [], []
-    for policy, v in verdicts.items():
-        block = v.get("cost")
-        if has_cost(block):
-            windows += [{**w, "label": f"{policy}: {w.get('label', '')}".rstrip(": ")}
-                        for w in block["windows"]]
-        else:
-            why.append(f"{policy}: {(block or {}).get('unavailable', 'not recorded')}")
-    if not windows:
-        return {"windows": [], "unavailable": "; ".join(why) or "no policy ran"}
-    first = next(v["cost"] for v in verdicts.values() if has_cost(v.get("cost")))
-    return {**{k: v for k, v in first.items() if k != "windows"}, "windows": windows}
+    """One cost block over the policies (each verdict's ``cost``), labelled with the policy."""
+    return combine_blocks([(policy, v.get("cost")) for policy, v in verdicts.items()])
 
 
 def render_report(result: Mapping) -> str:

@@ -12,7 +12,8 @@ from pathlib import Path
 from chaos.cost import format_usd
 from guard.observe.cost_config import COMPONENTS
 
-__all__ = ["cost_rows", "cost_section", "block_section", "plot_cost", "has_cost"]
+__all__ = ["cost_rows", "cost_section", "block_section", "plot_cost", "has_cost",
+           "combine_blocks"]
 
 
 def _share(value: float | None) -> str:
@@ -68,6 +69,23 @@ def cost_section(windows: Sequence[Mapping], plot_name: str | None = "cost.png")
 def has_cost(block: Mapping | None) -> bool:
     """A cost block (``chaos.run_cost``) with priced windows."""
     return bool(block and block.get("windows"))
+
+
+def combine_blocks(runs: Sequence[tuple[str, Mapping | None]]) -> dict:
+    """One cost block over several runs' blocks (``(name, block)``; one row per run, say),
+    each window labelled ``name`` (``name: label`` where it had one). With no numbers at all,
+    the block says why, run by run."""
+    windows, why = [], []
+    for name, block in runs:
+        if has_cost(block):
+            windows += [{**w, "label": f"{name}: {w['label']}" if w.get("label") else name}
+                        for w in block["windows"]]
+        else:
+            why.append(f"{name}: {(block or {}).get('unavailable', 'no engine step trace')}")
+    if not windows:
+        return {"windows": [], "unavailable": "; ".join(why) or "no runs"}
+    first = next(b for _, b in runs if has_cost(b))
+    return {**{k: v for k, v in first.items() if k != "windows"}, "windows": windows}
 
 
 def block_section(block: Mapping, plot_name: str | None = "cost.png") -> list[str]:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from chaos.admission_quality import forecast_error, gap_attribution
-from chaos.cost_report import block_section, has_cost, plot_cost
+from chaos.cost_report import block_section, combine_blocks, has_cost, plot_cost
 from chaos.load_cli import configure as configure_load
 from chaos.load_cli import run_once
 from chaos.overload_fleet import Fleet
@@ -64,7 +64,6 @@ from chaos.replica import (
     write_guard_config,
 )
 from chaos.report import read_records
-from chaos.run_cost import unavailable
 from chaos.schedule import LengthDist
 from chaos.sdk_column import require_user_runner, sdk_row
 from chaos.sweep import SweepPoint, capacity, sweep_rates
@@ -349,17 +348,7 @@ def run(args: argparse.Namespace) -> int:
 
 def row_costs(rows: Sequence[dict]) -> dict:
     """One cost block over the rows: each row's goodput window, labelled policy @ load."""
-    windows, why = [], None
-    for r in rows:
-        block = r.get("cost")
-        if has_cost(block):
-            windows += [{**w, "label": f"{r['policy']} @ {r['load']:g} C"} for w in block["windows"]]
-        else:
-            why = why or (block or {}).get("unavailable", "no engine step trace")
-    if not windows:
-        return unavailable(why or "no rows")
-    first = next(r["cost"] for r in rows if has_cost(r.get("cost")))
-    return {**{k: v for k, v in first.items() if k != "windows"}, "windows": windows}
+    return combine_blocks([(f"{r['policy']} @ {r['load']:g} C", r.get("cost")) for r in rows])
 
 
 def _report(args, out: Path, rows: list[dict], sat, cap: float, sweep, log) -> None:

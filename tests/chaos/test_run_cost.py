@@ -154,4 +154,4 @@ def test_overload_rows_each_get_a_labelled_window():
     block = row_costs(rows)
     assert [w["label"] for w in block["windows"]] == ["slo @ 1.16 C", "always_admit @ 2 C"]
     assert row_costs([{"policy": "slo", "load": 1.0, "cost": None}])["unavailable"] == \
-        "no engine step trace"
+        "slo @ 1 C: no engine step trace"
