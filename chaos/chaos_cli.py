@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from chaos.chaos_report import checks, plot_timelines, render_report, render_table
+from chaos.chaos_report import checks, plot_timelines, policy_costs, render_report, render_table
+from chaos.cost_report import has_cost, plot_cost
 from chaos.overload import POLICIES
 from chaos.overload_plan import ROUTING_POLICIES
 from chaos.replica import exit_on_sigterm
@@ -111,6 +112,9 @@ def run_scenario(spec: ScenarioSpec, policies: list[str], settings: RunSettings,
                    settings.request_class, spec.duration_s * settings.time_scale + 2.0,
                    0.5 * settings.time_scale, out / "timeline.png",
                    f"kvguard chaos {spec.name}: {spec.summary}")
+    cost = policy_costs(verdicts)
+    if has_cost(cost):
+        plot_cost(cost["windows"], out / "cost.png")
     (out / "verdict.json").write_text(json.dumps(result, indent=1))
     (out / "report.md").write_text(render_report(result))
     return result

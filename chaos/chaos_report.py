@@ -16,12 +16,13 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from chaos.cost_report import block_section, combine_blocks
 from chaos.faults import FaultEvent
 from chaos.user_record import UserRecord
 from chaos.verdict import THRESHOLDS, series, slo_vs_always_admit
 from policies.cost import RequestClass
 
-__all__ = ["checks", "render_table", "render_report", "plot_timelines"]
+__all__ = ["checks", "render_table", "render_report", "plot_timelines", "policy_costs"]
 
 _SERIES_STYLE = (("offered_users", "offered users/s", "grey", ":"),
                  ("attempts", "upstream attempts/s", "tab:orange", "-"),
@@ -145,8 +146,14 @@ def _check_lines(result: Mapping) -> list[str]:
     return out
 
 
+def policy_costs(verdicts: Mapping[str, Mapping]) -> dict:
+    """One cost block over the policies (each verdict's ``cost``), labelled with the policy."""
+    return combine_blocks([(policy, v.get("cost")) for policy, v in verdicts.items()])
+
+
 def render_report(result: Mapping) -> str:
-    """``report.md``: the table, every check, and the load generator's own account."""
+    """``report.md``: the table, every check, the cost, and the load generator's own
+    account."""
     return "\n".join([
         f"# kvguard chaos {result['scenario']}{' (quick)' if result['quick'] else ''}", "",
         f"{result['summary']}. Capacity per replica {result['capacity_per_replica_rps']:.2f} "
@@ -154,7 +161,8 @@ def render_report(result: Mapping) -> str:
         f"time scale {result['time_scale']:g}, seed {result['seed']}.", "",
         f"Command: `{result['command']}`", "", render_table(result["policies"]), "",
         "## Checks", "", *_check_lines(result), "",
-        f"All checks passed: **{result['passed']}**", "", "## Load generator", "",
+        f"All checks passed: **{result['passed']}**", "",
+        *block_section(policy_costs(result["policies"])), "## Load generator", "",
         _generator_table(result["policies"]), "", "![timeline](timeline.png)", ""])
 
 

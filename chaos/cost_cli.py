@@ -7,8 +7,9 @@
 Fates (good / late / failed / canceled / rejected) come from the guard's trace (``met_slo``,
 ``outcome``); each replica's engine steps from its ``--step-trace`` (one file per replica, in
 replica order); output tokens from the engine request traces. Windows are seconds from the
-first request's arrival, like the goodput window of ``kvguard load``. Whole-run totals
-(``--network-bytes``, ``--energy-joules``) are spread over the windows by their length.
+first request's arrival, like the goodput window of ``kvguard load``. Each window's network is
+the bytes on the guard trace's lines of the requests that arrived in it; whole-run totals
+(``--network-bytes`` in its place, ``--energy-joules``) are spread over the windows by length.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from chaos.cost_report import cost_section, plot_cost
 from chaos.goodput import Window
 from guard.observe.cost_config import CostConfig
 
-__all__ = ["configure", "run", "read_cost_config", "roofline_weights", "split_windows"]
+__all__ = ["configure", "run", "read_cost_config", "roofline_weights", "split_windows",
+           "traced_bytes"]
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -46,7 +48,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-7b",
                    help="model preset whose roofline weighs prefill, decode and KV read")
     p.add_argument("--network-bytes", type=int, default=0,
-                   help="bytes in + out at the guard over the whole run")
+                   help="bytes in + out at the guard over the whole run, spread over the "
+                        "windows by length (default 0: each window's from the guard trace's "
+                        "per-request bytes, by arrival)")
     p.add_argument("--energy-joules", type=float, default=0.0,
                    help="the replicas' energy over the whole run (sum of their "
                         "kvguard_engine_energy_joules_total increases), priced at "
@@ -99,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     tokens: dict[str, int] = {}
     for path in args.engine_trace:
         tokens.update(output_tokens_from_engine_trace(read_jsonl(path)))
-    fates = [f for path in args.guard_trace for f in fates_from_guard_trace(read_jsonl(path), tokens)]
+    guard_lines = [line for path in args.guard_trace for line in read_jsonl(path)]
+    fates = fates_from_guard_trace(guard_lines, tokens)
     steps = [s for i, path in enumerate(args.step_trace)
              for s in steps_from_lines(read_jsonl(path), f"r{i}")]
     if not fates:
@@ -114,9 +119,13 @@ def run(args: argparse.Namespace) -> int:
                             args.interval)
     weights = roofline_weights(args.model, config.gpu)
     total_s = windows[-1].end_s - windows[0].start_s
+    def network_bytes(w: Window) -> int:
+        if args.network_bytes:
+            return round(args.network_bytes * w.duration_s / total_s)
+        return traced_bytes(guard_lines, w)
+
     results = [window_cost(w, steps, fates, config, Fleet(
-        replicas, len(args.guard_trace),
-        network_bytes=round(args.network_bytes * w.duration_s / total_s),
+        replicas, len(args.guard_trace), network_bytes=network_bytes(w),
         energy_j=args.energy_joules * w.duration_s / total_s), weights)
         for w in windows]
     dicts = [_relative(r.to_dict(), origin_s) for r in results]
@@ -130,6 +139,14 @@ def run(args: argparse.Namespace) -> int:
         (out / "cost.md").write_text("# kvguard cost\n\n" + "\n".join(cost_section(dicts)))
         plot_cost(dicts, out / "cost.png")
     return 0
+
+
+def traced_bytes(lines, window: Window) -> int:
+    """Bytes at the guard of the traced requests that arrived in ``window`` (request and
+    response bodies, ``guard.observe.trace``; lines from before they were traced count 0)."""
+    return sum((line.get("num_request_bytes") or 0) + (line.get("num_response_bytes") or 0)
+               for line in lines if line.get("source") == "guard"
+               and window.contains(float(line["arrival_s"])))
 
 
 def _relative(d: dict, origin_s: float) -> dict:

@@ -18,7 +18,7 @@ from chaos.records import RequestRecord
 from policies.cost import RequestClass
 
 __all__ = ["read_jsonl", "steps_from_lines", "fates_from_guard_trace", "fates_from_records",
-           "output_tokens_from_engine_trace"]
+           "fates_from_users", "output_tokens_from_engine_trace"]
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -102,4 +102,28 @@ def fates_from_records(records: Iterable[RequestRecord], classes: Mapping[str, R
         fates.append(RequestFate(request_id, t0_s + r.scheduled_s,
                                  _record_fate(r, classes[r.request_class]), r.request_class,
                                  r.tenant, tokens))
+    return fates
+
+
+def fates_from_users(users: Iterable, classes: Mapping[str, RequestClass],
+                     t0_s: float = 0.0) -> list[RequestFate]:
+    """Chaos users (``chaos.user_record.UserRecord``): one fate per attempt, all at the user's
+    arrival. The attempt that answered is good or late as the user was judged (from the
+    arrival, patience included); an attempt refused with an HTTP status is rejected; any other
+    attempt failed (what it cost an engine is wasted); a user the harness canceled, canceled."""
+    fates = []
+    for u in users:
+        outcome = u.outcome(classes[u.request_class])
+        answer = u.answer
+        for i, a in enumerate(u.attempts):
+            if a is answer and outcome in ("good", "late"):
+                fate, tokens = outcome, a.num_tokens_received
+            elif a is answer:
+                fate, tokens = "late", a.num_tokens_received  # answered after the user gave up
+            else:
+                fate = "canceled" if u.hung and i == len(u.attempts) - 1 else (
+                    "rejected" if a.status is not None and a.status >= 400 else "failed")
+                tokens = 0
+            fates.append(RequestFate(a.request_id or f"user-{u.index}-{i}", t0_s + u.scheduled_s,
+                                     fate, u.request_class, u.tenant, tokens))
     return fates

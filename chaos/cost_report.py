@@ -12,11 +12,17 @@ from pathlib import Path
 from chaos.cost import format_usd
 from guard.observe.cost_config import COMPONENTS
 
-__all__ = ["cost_rows", "cost_section", "plot_cost"]
+__all__ = ["cost_rows", "cost_section", "block_section", "plot_cost", "has_cost",
+           "combine_blocks"]
 
 
 def _share(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _where(w: Mapping) -> str:
+    span = f"[{w['window_s'][0]:g}, {w['window_s'][1]:g})"
+    return f"{w['label']} {span}" if w.get("label") else span
 
 
 def cost_rows(windows: Sequence[Mapping]) -> list[str]:
@@ -27,7 +33,7 @@ def cost_rows(windows: Sequence[Mapping]) -> list[str]:
     for w in windows:
         c = w["components_usd"]
         rows.append(
-            f"| [{w['window_s'][0]:g}, {w['window_s'][1]:g}) | {format_usd(w['total_usd'])} | "
+            f"| {_where(w)} | {format_usd(w['total_usd'])} | "
             f"{format_usd(c['accelerator'])} ({format_usd(w['accelerator_idle_usd'])}) | "
             f"{format_usd(c['host'])} | {format_usd(c['network'])} | "
             f"{format_usd(c['idle_reserve'])} | {format_usd(c['energy'])} | {w['num_good']} | "
@@ -44,7 +50,7 @@ def _wasted_lines(windows: Sequence[Mapping]) -> list[str]:
                  for axis, key in (("by class:", "wasted_by_class_usd"),
                                    ("by tenant:", "wasted_by_tenant_usd")) if w[key]]
         if parts:
-            lines.append(f"- wasted in [{w['window_s'][0]:g}, {w['window_s'][1]:g}): "
+            lines.append(f"- wasted in {_where(w)}: "
                          + "; ".join(parts))
     return lines
 
@@ -60,12 +66,48 @@ def cost_section(windows: Sequence[Mapping], plot_name: str | None = "cost.png")
     return lines + [""]
 
 
+def has_cost(block: Mapping | None) -> bool:
+    """A cost block (``chaos.run_cost``) with priced windows."""
+    return bool(block and block.get("windows"))
+
+
+def combine_blocks(runs: Sequence[tuple[str, Mapping | None]]) -> dict:
+    """One cost block over several runs' blocks (``(name, block)``; one row per run, say),
+    each window labelled ``name`` (``name: label`` where it had one). With no numbers at all,
+    the block says why, run by run."""
+    windows, why = [], []
+    for name, block in runs:
+        if has_cost(block):
+            windows += [{**w, "label": f"{name}: {w['label']}" if w.get("label") else name}
+                        for w in block["windows"]]
+        else:
+            why.append(f"{name}: {(block or {}).get('unavailable', 'no engine step trace')}")
+    if not windows:
+        return {"windows": [], "unavailable": "; ".join(why) or "no runs"}
+    first = next(b for _, b in runs if has_cost(b))
+    return {**{k: v for k, v in first.items() if k != "windows"}, "windows": windows}
+
+
+def block_section(block: Mapping, plot_name: str | None = "cost.png") -> list[str]:
+    """The cost section of a cost block: the table, or why there are no numbers."""
+    if not has_cost(block):
+        return ["## Cost", "", f"No cost for this run: {block.get('unavailable', 'no windows')}.",
+                ""]
+    lines = cost_section(block["windows"], plot_name)
+    if block.get("gpu"):
+        lines[2:2] = [f"Prices: {block['gpu']} at ${block['accelerator_usd_per_gpu_hour']:g} per "
+                      f"GPU-hour (nothing else priced unless a [cost] table says so); sim time "
+                      f"scale {block['time_scale']:g}: windows are wall seconds, priced as "
+                      "GPU time.", ""]
+    return lines
+
+
 def plot_cost(windows: Sequence[Mapping], path: Path) -> Path:
     """Stacked bars per window: accelerator busy (useful and wasted), idle, and the rest."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    labels = [f"{w['window_s'][0]:g}-{w['window_s'][1]:g}" for w in windows]
+    labels = [w.get("label") or f"{w['window_s'][0]:g}-{w['window_s'][1]:g}" for w in windows]
     wasted = [w["wasted_usd"] for w in windows]
     useful = [w["accelerator_busy_usd"] - w["wasted_usd"] for w in windows]
     idle = [w["accelerator_idle_usd"] for w in windows]
@@ -80,7 +122,9 @@ def plot_cost(windows: Sequence[Mapping], path: Path) -> Path:
             ax.bar(labels, values, bottom=bottom, label=name)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_ylabel("US dollars")
-    ax.set_xlabel("window (s)")
+    ax.set_xlabel("run" if any(w.get("label") for w in windows) else "window (s)")
+    if len(windows) > 4:
+        ax.tick_params(axis="x", labelrotation=30)
     ax.set_title("cost per window")
     ax.legend(fontsize="small")
     FigureCanvasAgg(fig)

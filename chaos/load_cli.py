@@ -78,7 +78,14 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="a replica's step trace (kvguard engine --step-trace; one per replica): "
                         "adds the cost of the goodput window to the report")
     p.add_argument("--cost-config", default=None, metavar="TOML",
-                   help="guard TOML whose [cost] table prices the run (default: built-in prices)")
+                   help="guard TOML whose [cost] table prices the run (default: the built-in "
+                        "prices of --engine-gpu)")
+    p.add_argument("--engine-gpu", default="h100-80g",
+                   help="the replicas' GPU kind: its default price and roofline for the cost "
+                        "(default h100-80g)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="wall seconds per GPU second of sim replicas (kvguard engine "
+                        "--time-scale): the cost prices GPU time (default 1: real GPUs)")
     p.add_argument("--replicas", type=int, default=None,
                    help="replicas provisioned for the cost (default: one per --step-trace)")
     p.add_argument("--engine-model", default="llama-7b",
@@ -218,20 +225,17 @@ def run_once(args, rate: float, out_dir: Path, model: str | None) -> dict:
 
 def _cost_block(args, records, classes, window: Window, t0_s: float) -> dict:
     """The goodput window's cost (``chaos.cost``), from the replicas' step traces."""
-    from chaos.cost import Fleet, window_cost
-    from chaos.cost_cli import read_cost_config, roofline_weights
-    from chaos.cost_inputs import fates_from_records, read_jsonl, steps_from_lines
+    from chaos.cost_cli import read_cost_config
+    from chaos.cost_inputs import fates_from_records
+    from chaos.run_cost import priced_windows
+    from guard.observe.cost_config import CostConfig
 
-    config = read_cost_config(args.cost_config)
-    steps = [s for i, path in enumerate(args.step_trace)
-             for s in steps_from_lines(read_jsonl(path), f"r{i}")]
-    replicas = args.replicas if args.replicas is not None else len(args.step_trace)
-    cost = window_cost(Window(t0_s + window.start_s, t0_s + window.end_s), steps,
-                       fates_from_records(records, classes, t0_s), config, Fleet(replicas),
-                       roofline_weights(args.engine_model, config.gpu))
-    doc = cost.to_dict()
-    doc["window_s"] = [window.start_s, window.end_s]
-    return {"windows": [doc]}
+    config = (read_cost_config(args.cost_config) if args.cost_config
+              else CostConfig(gpu=args.engine_gpu))
+    return priced_windows([(None, window)], t0_s, args.step_trace,
+                          fates_from_records(records, classes, t0_s), config,
+                          time_scale=args.time_scale, model=args.engine_model,
+                          num_replicas=args.replicas)
 
 
 def _print_summary(summary: dict, out_dir: Path) -> None:

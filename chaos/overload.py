@@ -31,9 +31,11 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from chaos.admission_quality import forecast_error, gap_attribution
+from chaos.cost_report import block_section, combine_blocks, has_cost, plot_cost
 from chaos.load_cli import configure as configure_load
 from chaos.load_cli import run_once
 from chaos.overload_fleet import Fleet
@@ -101,11 +103,19 @@ class Scenario:
                 "--http", a.replica_http]
 
     def load_args(self, url: str, rate: float, out: Path, duration_s: float | None = None,
-                  warmup_s: float | None = None, shape: str | None = None) -> argparse.Namespace:
+                  warmup_s: float | None = None, shape: str | None = None,
+                  step_traces: Sequence[str | Path] = ()) -> argparse.Namespace:
+        """``kvguard load``'s arguments for one run; ``step_traces`` (the replicas' engine step
+        traces) add the cost of its goodput window, priced as GPU time."""
         p = argparse.ArgumentParser()
         configure_load(p)
         c = self.request_class
-        return p.parse_args([
+        a = self.args
+        cost = [arg for path in step_traces for arg in ("--step-trace", str(path))]
+        if cost:
+            cost += ["--engine-gpu", a.gpu, "--engine-model", a.model,
+                     "--time-scale", repr(self.scale)]
+        return p.parse_args([*cost,
             "--url", url, "--rate", repr(rate), "--shape", shape or self.args.shape,
             "--duration", repr(duration_s or self.duration_s),
             "--warmup", repr(self.warmup_s if warmup_s is None else warmup_s),
@@ -267,7 +277,9 @@ def run_policy(scenario: Scenario, policy: str | None, rate: float, cap_rps: flo
     open-loop run at ``rate``. Returns the table row."""
     out.mkdir(parents=True, exist_ok=True)
     engine_trace = out / "engine-trace.jsonl"
-    engine_args = [*scenario.engine_args(), "--trace", str(engine_trace)]
+    steps = out / "steps.jsonl"
+    engine_args = [*scenario.engine_args(), "--trace", str(engine_trace), "--step-trace",
+                   str(steps)]
     trace = out / "guard-trace.jsonl"
     if policy is not None and policy != BARE:
         c = scenario.request_class
@@ -276,8 +288,10 @@ def run_policy(scenario: Scenario, policy: str | None, rate: float, cap_rps: flo
                                     policy_params=policy_params(policy, scenario, cap_rps))
         engine_args += ["--guard", config]
     with ReplicaProcess.start(engine_args) as replica:
-        summary = run_once(scenario.load_args(replica.base_url, rate, out), rate, out, None)
+        summary = run_once(scenario.load_args(replica.base_url, rate, out, step_traces=[steps]),
+                           rate, out, None)
     row = row_from_run(summary, read_records(out / "requests.jsonl"), scenario, cap_rps)
+    row["cost"] = summary.get("cost")
     warmup_s = summary["goodput"]["window_s"][0]
     row["forecast"] = forecast_error(trace, (warmup_s, float("inf")))
     row["gaps"] = gap_attribution((trace, engine_trace, out / "requests.jsonl"),
@@ -306,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         sat, cap, sweep = measure_capacity(scenario, out, log)
     log(f"capacity C = {cap:.2f} req/s")
-    fleet = Fleet(scenario, args.fleet) if args.fleet else None
+    fleet = Fleet(scenario, args.fleet, out) if args.fleet else None
     if fleet is not None:
         cap *= args.fleet
         log(f"fleet: kvguard proxy in front of {args.fleet} replicas, C = {cap:.2f} req/s")
@@ -332,6 +346,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def row_costs(rows: Sequence[dict]) -> dict:
+    """One cost block over the rows: each row's goodput window, labelled policy @ load."""
+    return combine_blocks([(f"{r['policy']} @ {r['load']:g} C", r.get("cost")) for r in rows])
+
+
 def _report(args, out: Path, rows: list[dict], sat, cap: float, sweep, log) -> None:
     """The table (markdown and JSON) and the plot."""
     rows.sort(key=lambda r: r["load"])  # stable: each load's policies keep their run order
@@ -342,6 +361,9 @@ def _report(args, out: Path, rows: list[dict], sat, cap: float, sweep, log) -> N
     if cache_table is not None:
         table += "\n\nPrefix caches:\n\n" + cache_table
     plot_goodput(rows, out / "overload.png")
+    cost = row_costs(rows)
+    if has_cost(cost):
+        plot_cost(cost["windows"], out / "cost.png")
     result = {"command": " ".join(["kvguard", "bench", "overload", *sys.argv[3:]]),
               "scenario": {k: v for k, v in vars(args).items()},
               "saturation_rps": sat, "capacity_rps": cap, "sweep": sweep, "rows": rows}
@@ -349,6 +371,6 @@ def _report(args, out: Path, rows: list[dict], sat, cap: float, sweep, log) -> N
     fleet = f" ({args.fleet} replicas behind kvguard proxy)" if args.fleet else ""
     (out / "overload.md").write_text(
         f"# kvguard bench overload{fleet}\n\nS = {fmt_num(sat)} req/s, C = {cap:.2f} req/s\n\n"
-        f"{table}\n\n![goodput](overload.png)\n")
+        f"{table}\n\n![goodput](overload.png)\n\n" + "\n".join(block_section(cost)))
     log("\n" + table)
     log(f"\nreport: {out / 'overload.md'}  plot: {out / 'overload.png'}")

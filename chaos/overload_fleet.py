@@ -20,6 +20,8 @@ scenario's engine, instead of one replica with the guard mounted in-process:
   ``envoy_adaptive_concurrency`` — Envoy's own adaptive concurrency filter (its gradient
   controller, as Envoy documents it) over a least-request cluster of the replicas, no kvguard
   at all — and ``envoy_epp_slo`` — Envoy with ``kvguard epp`` (``slo``) picking the replica.
+* every replica appends its engine steps to one step trace for the whole bench; each row's
+  cost is its goodput window's part of them (``chaos.run_cost``);
 * with a ``--workload`` whose prompts share tokens, every replica restarts before each row (cold
   prefix caches: no row inherits the previous one's), and each row reports the engines'
   measured prefix-cache hit ratio and the guard's predicted one over the row.
@@ -49,14 +51,19 @@ _PROXY_TOML = "[proxy]\ndrain_timeout_s = 1.0"
 class Fleet:
     """N sim replicas of ``scenario``'s engine, up for the whole bench (``with Fleet(...)``)."""
 
-    def __init__(self, scenario, num_replicas: int) -> None:
+    def __init__(self, scenario, num_replicas: int, out: Path | None = None) -> None:
+        """``out``: where each replica writes its engine step trace (``steps-<i>.jsonl``, for
+        each row's cost); None: no step traces, no cost."""
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) \
                 or num_replicas < 1:
             raise ValueError(f"--fleet: must be an integer >= 1, got {num_replicas!r}")
         self.scenario = scenario
         self.num_replicas = num_replicas
+        self.step_traces = [] if out is None else [out / f"steps-{i}.jsonl"
+                                                   for i in range(num_replicas)]
+        steps = () if out is None else ("--step-trace", str(out / "steps-{replica}.jsonl"))
         self.topology = Topology(TopologySpec(num_replicas=num_replicas,
-                                              replica_args=tuple(scenario.engine_args()),
+                                              replica_args=(*scenario.engine_args(), *steps),
                                               niceness=FLEET_NICENESS))
 
     def __enter__(self) -> Fleet:
@@ -88,8 +95,9 @@ class Fleet:
         try:
             for child in fronts:
                 child.start(self.topology.spec.start_timeout_s)
-            summary = run_once(self.scenario.load_args(fronts[-1].url, rate, out), rate, out,
-                               None)
+            summary = run_once(self.scenario.load_args(fronts[-1].url, rate, out,
+                                                       step_traces=self.step_traces),
+                               rate, out, None)
             # the guard's predicted hits: from a kvguard proxy's metrics (Envoy rows: none)
             guard_after = None if policy in ENVOY_ROWS else guard_counts(
                 fronts[0].url + "/kvguard/metrics")
@@ -104,6 +112,7 @@ class Fleet:
         row["forecast"] = forecast_error(trace, (summary["goodput"]["window_s"][0],
                                                  float("inf")))
         row["gaps"] = None
+        row["cost"] = summary.get("cost")
         return row
 
     def _fronts(self, policy: str, config: str, out: Path) -> list:

@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from chaos.cost_report import cost_section, plot_cost
+from chaos.cost_report import block_section, has_cost, plot_cost
 from chaos.goodput import VARIANTS, Window, meets_slo
 from chaos.plots import plot_latency_cdfs, plot_timeline
 from chaos.records import RequestRecord
@@ -105,7 +105,7 @@ def render_markdown(summary: Mapping) -> str:
               *_latency_rows(summary["latency"]), *_server_lines(summary.get("server")),
               "", "![timeline](timeline.png)", "", "![latency CDFs](latency_cdf.png)", ""]
     if summary.get("cost"):
-        lines += cost_section(summary["cost"]["windows"])
+        lines += block_section(summary["cost"])
     return "\n".join(lines)
 
 
@@ -123,6 +123,6 @@ def write_run(out_dir: Path, records: Sequence[RequestRecord], summary: Mapping,
     first = next(iter(classes.values()))
     plot_latency_cdfs(records, paths["latency_cdf.png"], first.ttft_s if len(classes) == 1
                       else None, first.itl_s if len(classes) == 1 else None)
-    if summary.get("cost"):
+    if has_cost(summary.get("cost")):
         paths["cost.png"] = plot_cost(summary["cost"]["windows"], out_dir / "cost.png")
     return paths

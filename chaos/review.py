@@ -20,9 +20,8 @@ from pathlib import Path
 from chaos.cost import format_usd
 from chaos.review_fleet import FleetSpec, load_fleet
 from chaos.review_run import run_cell
-from chaos.review_scenarios import scenario_matrix
+from chaos.review_scenarios import capacity_gpu_rps, scenario_matrix
 from chaos.review_verdict import ABSOLUTE_METRICS, METRICS, WORSE, combine, compare
-from chaos.scenario_run import NOMINAL_REPLICA_CAPACITY_GPU_RPS
 from policies.cost import RequestClass
 
 __all__ = ["configure", "run", "review", "judge", "render_markdown", "plot_review"]
@@ -61,10 +60,10 @@ def review(baseline: FleetSpec, candidate: FleetSpec, seeds: int, quick: bool, k
     if only and set(only) - known:
         raise ValueError(f"--scenario: unknown {sorted(set(only) - known)}; known: {sorted(known)}")
     matrix = [s for s in matrix if not only or s.name in only]
-    capacity_rps = baseline.replicas * NOMINAL_REPLICA_CAPACITY_GPU_RPS / k  # C, wall req/s
     cls = RequestClass("interactive", TTFT_SLO_S * k, ITL_SLO_S * k)
     scenarios = {}
     for scenario in matrix:
+        capacity_rps = capacity_gpu_rps(scenario, baseline) / k  # C, wall req/s
         cells: dict[str, list[dict]] = {"baseline": [], "candidate": []}
         for seed in range(seeds):
             for side, fleet in (("baseline", baseline), ("candidate", candidate)):
@@ -75,10 +74,11 @@ def review(baseline: FleetSpec, candidate: FleetSpec, seeds: int, quick: bool, k
                 log(f"{scenario.name} seed {seed} {side}: goodput/C {cell['goodput_ratio']:.3f}, "
                     f"$/good {format_usd(cell['cost_per_good_request_usd'])} "
                     f"({time.monotonic() - started:.0f} s)")
-        scenarios[scenario.name] = {"description": scenario.description, "cells": cells}
+        scenarios[scenario.name] = {"description": scenario.description, "cells": cells,
+                                    "prompt_tokens": scenario.prompt_tokens,
+                                    "capacity_gpu_rps": capacity_rps * k}
     return judge({"baseline": baseline.name, "candidate": candidate.name, "seeds": seeds,
-                  "quick": quick, "time_scale": k, "capacity_gpu_rps": capacity_rps * k,
-                  "scenarios": scenarios}, min_effect)
+                  "quick": quick, "time_scale": k, "scenarios": scenarios}, min_effect)
 
 
 def judge(report: dict, min_effect: float = 0.05) -> dict:
@@ -108,9 +108,12 @@ def _cell(metric: str, triple: list[float] | None) -> str:
 def render_markdown(report: dict) -> str:
     lines = [f"# kvguard review: {report['candidate']} vs {report['baseline']}", "",
              f"{report['seeds']} seed(s) per scenario and fleet, {'quick' if report['quick'] else 'full'} "
-             f"scenarios, time scale {report['time_scale']:g}, C = "
-             f"{report['capacity_gpu_rps']:g} req/s (GPU time). Intervals: 95 % bootstrap over "
-             "seeds. **Overall: " + report["verdict"] + "**", "",
+             f"scenarios, time scale {report['time_scale']:g}; C per scenario: the baseline's "
+             "saturation throughput on that traffic (GPU time; chaos/review_capacity.py): "
+             + ", ".join(f"{n} {s['capacity_gpu_rps']:.3g} req/s"
+                         for n, s in report["scenarios"].items() if "capacity_gpu_rps" in s)
+             + ". Intervals: 95 % bootstrap over seeds. **Overall: " + report["verdict"] + "**",
+             "",
              "| scenario | metric | baseline | candidate | change | verdict |",
              "|---|---|---|---|---|---|"]
     for name, s in report["scenarios"].items():

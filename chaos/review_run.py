@@ -15,26 +15,23 @@ the judged window, in GPU time (wall ÷ the time scale):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any
 
-from chaos.cost import Fleet, window_cost
-from chaos.cost_cli import roofline_weights
-from chaos.cost_inputs import fates_from_records, read_jsonl, steps_from_lines
+from chaos.cost_inputs import fates_from_records
 from chaos.faults import Fault, inject
 from chaos.goodput import Window, meets_slo
 from chaos.load import LoadConfig, run_load
 from chaos.review_fleet import FleetSpec
 from chaos.review_scenarios import ReviewScenario, traffic
+from chaos.run_cost import priced_windows
 from chaos.stats import percentile
 from chaos.topology import FLEET_NICENESS, Topology, TopologySpec
-from guard.observe.cost_config import CostConfig
 from policies.cost import RequestClass
 
-__all__ = ["run_cell", "guard_toml", "gpu_time_prices"]
+__all__ = ["run_cell", "guard_toml"]
 
 
 def _toml_value(value: Any) -> str:
@@ -61,13 +58,6 @@ def guard_toml(path: Path, guard: dict, cls: RequestClass) -> Path:
     lines += ["", "[classes.interactive]", f"ttft_s = {cls.ttft_s!r}", f"itl_s = {cls.itl_s!r}"]
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def gpu_time_prices(cost: CostConfig, k: float) -> CostConfig:
-    """Prices per wall second of a sim running ``k`` wall seconds per GPU second."""
-    return dataclasses.replace(
-        cost, accelerator_usd_per_hour=cost.accelerator_usd_per_s * 3600 / k,
-        host_usd_per_hour=cost.host_usd_per_hour / k)
 
 
 async def _drive(specs, bodies, url: str, scenario: ReviewScenario, topo: Topology, seed: int):
@@ -108,22 +98,22 @@ def run_cell(fleet: FleetSpec, scenario: ReviewScenario, seed: int, capacity_rps
     judged = [r for r in records if window.contains(r.scheduled_s)]
     good = [r for r in judged if meets_slo(r, cls)]
     ttft = [r.ttft_s for r in judged if r.successful and r.ttft_s is not None]
-    steps = [s for i in range(fleet.replicas) for s in steps_from_lines(
-        read_jsonl(out / f"steps-{i}.jsonl") if (out / f"steps-{i}.jsonl").exists() else [],
-        f"r{i}")]
     fates = fates_from_records(records, {cls.name: cls}, t0_s)
-    cost = window_cost(Window(t0_s + window.start_s, t0_s + window.end_s), steps, fates,
-                       gpu_time_prices(fleet.cost, k), Fleet(fleet.replicas, 1),
-                       roofline_weights(fleet.engine.model, fleet.engine.gpu))
+    block = priced_windows([(None, window)], t0_s,
+                           [out / f"steps-{i}.jsonl" for i in range(fleet.replicas)], fates,
+                           fleet.cost, time_scale=k, model=fleet.engine.model)
+    if not block["windows"]:
+        raise RuntimeError(f"{out}: {block['unavailable']}")
+    cost = block["windows"][0]
     p90 = percentile(ttft, 90.0)
     cell = {
         "goodput_ratio": len(good) / window.duration_s / capacity_rps,
         "ttft_p90_s": None if p90 is None else p90 / k,
         "good_tokens_per_s": sum(r.num_tokens_received for r in good) * k / window.duration_s,
-        "cost_per_good_request_usd": cost.cost_per_good_request_usd,
-        "wasted_share": cost.wasted_share,
+        "cost_per_good_request_usd": cost["cost_per_good_request_usd"],
+        "wasted_share": cost["wasted_share"],
         "num_offered": len(judged), "num_good": len(good),
-        "cost": cost.to_dict(),
+        "cost": cost,
     }
     (out / "cell.json").write_text(json.dumps(cell, indent=1) + "\n")
     return cell

@@ -17,15 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chaos.clients import ClientConfig
+from chaos.cost_inputs import fates_from_users
 from chaos.faults import KILL_KINDS, Fault, FaultEvent, inject, scaled
+from chaos.goodput import Window
 from chaos.hot_prefix import hot_replica_probe
 from chaos.replica import REPLICA_SERVERS, write_guard_config
+from chaos.run_cost import priced_windows
 from chaos.scenarios import ScenarioSpec
 from chaos.schedule import LengthDist, ScheduleConfig, build_schedule
 from chaos.topology import FLEET_NICENESS, Topology, TopologySpec
 from chaos.users import UserRunConfig, UserRunResult, assign_clients, run_users
 from chaos.verdict import Budget, FaultWindow, build_verdict
 from chaos.workloads import Workload
+from guard.observe.cost_config import CostConfig
 from policies.cost import RequestClass
 
 __all__ = ["RunSettings", "PolicyRun", "run_policy", "client_configs", "schedule_for",
@@ -162,11 +166,14 @@ def _guard_toml(path: Path, policy: str, settings: RunSettings, budget: Budget |
                               extra_toml=extra)
 
 
-def _topology(spec: ScenarioSpec, settings: RunSettings, toml: str) -> TopologySpec:
+def _topology(spec: ScenarioSpec, settings: RunSettings, toml: str,
+              steps: tuple[str, ...] = ()) -> TopologySpec:
     if spec.proxies == 0 and spec.epps == 0:
-        return TopologySpec(num_replicas=1, replica_args=(*settings.engine_args(), "--guard", toml),
+        return TopologySpec(num_replicas=1,
+                            replica_args=(*settings.engine_args(), "--guard", toml, *steps),
                             niceness=FLEET_NICENESS)
-    return TopologySpec(num_replicas=spec.replicas, replica_args=settings.engine_args(),
+    return TopologySpec(num_replicas=spec.replicas,
+                        replica_args=(*settings.engine_args(), *steps),
                         num_proxies=spec.proxies, proxy_args=("--config", toml),
                         redis=spec.redis, niceness=FLEET_NICENESS, num_epps=spec.epps)
 
@@ -205,9 +212,28 @@ async def _drive(specs, kinds, cfgs, run_cfg, plan: Sequence[Fault], topo: Topol
                  hot_replica=None):
     """Users and faults on one run clock (the faults start when the users' clock does)."""
     faults: list[asyncio.Task] = []
-    users = await run_users(specs, kinds, cfgs, run_cfg, on_start=lambda t0_s: faults.append(
-        asyncio.create_task(inject(plan, topo, t0_s, hot_replica=hot_replica))))
-    return users, await faults[0]
+    started: list[float] = []
+
+    def on_start(t0_s: float) -> None:
+        started.append(t0_s)
+        faults.append(asyncio.create_task(inject(plan, topo, t0_s, hot_replica=hot_replica)))
+
+    users = await run_users(specs, kinds, cfgs, run_cfg, on_start=on_start)
+    return users, await faults[0], started[0]
+
+
+def run_cost(spec: ScenarioSpec, settings: RunSettings, users, window: FaultWindow,
+             t0_s: float, out: Path, num_replicas: int, num_guards: int) -> dict:
+    """The cost of the judged period after warm-up and of the fault window (users by arrival),
+    at the default prices of the run's GPU kind, as GPU time."""
+    w = window
+    return priced_windows(
+        [("after warm-up", Window(w.warmup_s, w.run_end_s)),
+         ("fault window", Window(w.start_s, w.end_s))], t0_s,
+        [out / f"steps-{i}.jsonl" for i in range(num_replicas)],
+        fates_from_users(users, {settings.request_class.name: settings.request_class}, t0_s),
+        CostConfig(gpu=settings.gpu), time_scale=settings.time_scale, model=settings.model,
+        num_replicas=num_replicas, num_guards=num_guards)
 
 
 def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_rps: float,
@@ -226,7 +252,9 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
     trace = out / "guard-trace.jsonl" if spec.proxies + spec.epps <= 1 else None
     toml = _guard_toml(out / "guard.toml", policy, settings, budget, trace)
     patience_s = settings.patience_s * k
-    with Topology(_topology(spec, settings, toml)) as topo:
+    steps = ("--step-trace", str(out / "steps-{replica}.jsonl"))
+    with Topology(_topology(spec, settings, toml, steps)) as topo:
+        num_replicas = len(topo.replica_urls)
         entries = tuple(topo.entry_urls)
         killed = {topo.proxy_urls[f.target].rstrip("/") for f in spec.faults
                   if f.kind == "proxy_kill" and f.target < len(topo.proxy_urls)}
@@ -241,7 +269,7 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
             hot = hot_replica_probe(lambda: topo.replica_urls, settings.seed,
                                     getattr(settings.workload, "prefix_tokens", 1),
                                     settings.model)
-        result, events = asyncio.run(_drive(specs, kinds, cfgs, run_cfg, plan, topo, hot))
+        result, events, t0_s = asyncio.run(_drive(specs, kinds, cfgs, run_cfg, plan, topo, hot))
     if result.entries.get("failovers"):
         log(f"  {policy}: the entry balancer sent {result.entries['failovers']} refused "
             f"connect(s) on to another entry ({result.entries['connect_failures']})")
@@ -254,6 +282,8 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
                             killed_entries=killed, replica_kills_s=[
                                 e.t_s for e in events
                                 if e.kind in KILL_KINDS and e.action == "kill"])
+    verdict["cost"] = run_cost(spec, settings, result.users, window, t0_s, out, num_replicas,
+                               max(1, spec.proxies + spec.epps))
     verdict["generator"] = {"cpu_percent_of_one_core": result.load.cpu_percent,
                             "cpu_wait_s": result.load.cpu_wait_s,
                             "send_lag_s": result.load.lag_s(),

@@ -71,4 +71,6 @@ class ReleaseListeners:
         if self.trace is not None:
             decision = "admit" if ticket.enqueue_s is None else "queue"
             decision_s = ticket.enqueue_s if ticket.enqueue_s is not None else ticket.dispatch_s
-            self.trace.write(ticket_record(ticket, decision, decision_s, ticket.enqueue_s))
+            meter = self._metrics.cost
+            price = meter.config.network_usd_per_byte if meter is not None else 0.0
+            self.trace.write(ticket_record(ticket, decision, decision_s, ticket.enqueue_s, price))

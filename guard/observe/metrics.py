@@ -179,7 +179,8 @@ class GuardMetrics:
         """Ticket release listener: outcome counters, goodput and latency histograms."""
         cost = ticket.cost
         if self.cost is not None:
-            self.cost.add_bytes(ticket.num_request_bytes + ticket.num_response_bytes)
+            self.cost.add_bytes(ticket.num_request_bytes + ticket.num_response_bytes,
+                                cost.request_class.name, self.tenant_label(cost.tenant))
         counters = self.counters(cost.request_class.name, cost.tenant)
         outcome = ticket.outcome
         if outcome == "completed":

@@ -15,6 +15,15 @@ and compare only differences within one trace. One line looks like::
 the client returned), in order — ``kvguard timeline`` lines them up with the engine's per-token
 records; ``itl_limit_s``: the class's inter-token limit, the bar its gaps are judged against.
 
+Cost: an admitted request's line carries what the guard can attribute to it, the network at
+the guard: ``num_request_bytes`` (the body sent upstream), ``num_response_bytes`` (the body
+relayed back) and ``network_usd`` at ``[cost] network_usd_per_gb`` (0 without a price). Its
+accelerator cost is not on the line: the guard does not see the engine's steps, which several
+requests share; ``kvguard cost`` attributes them offline from the replicas' step traces,
+joined on ``upstream_request_id`` (and it takes each window's network from these lines).
+A shed request's line has no cost fields: it reached no replica, and the guard's network
+counter counts admitted bodies only.
+
 ``decision`` is ``admit``, ``queue`` (then admitted or shed from the queue) or ``shed``;
 ``outcome`` is ``completed``, ``canceled``, ``failed``, ``rejected_upstream`` or ``rejected``.
 Lines are buffered and written in batches: when ``max_buffered`` lines wait, when a write comes
@@ -84,8 +93,9 @@ class TraceWriter:
 
 
 def ticket_record(ticket: Ticket, decision: str, decision_s: float,
-                  enqueue_s: float | None) -> dict[str, Any]:
+                  enqueue_s: float | None, network_usd_per_byte: float = 0.0) -> dict[str, Any]:
     cost = ticket.cost
+    num_bytes = ticket.num_request_bytes + ticket.num_response_bytes
     return {
         "source": "guard", "request_id": cost.request_id, "tenant": cost.tenant,
         "class": cost.request_class.name, "replica": ticket.replica_id,
@@ -98,6 +108,9 @@ def ticket_record(ticket: Ticket, decision: str, decision_s: float,
         "num_prompt_tokens": cost.num_prompt_tokens, "num_content_chunks": ticket.num_content_chunks,
         "itl_limit_s": cost.request_class.itl_s, "chunks_s": ticket.chunks_s,
         "model": _model(ticket), "num_output_tokens": _num_output_tokens(ticket),
+        "num_request_bytes": ticket.num_request_bytes,
+        "num_response_bytes": ticket.num_response_bytes,
+        "network_usd": num_bytes * network_usd_per_byte,
     }
 
 

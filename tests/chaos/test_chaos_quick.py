@@ -52,6 +52,19 @@ def quick_run(request, tmp_path_factory):
 def test_every_user_is_accounted_for_and_no_bad_answer_counts(quick_run):
     result, users, out = quick_run
     assert (out / "timeline.png").stat().st_size > 0 and (out / "report.md").exists()
+    # the cost section: each policy's run after warm-up and its fault window, from the
+    # replicas' step traces; the windows add up
+    assert "## Cost" in (out / "report.md").read_text() and (out / "cost.png").stat().st_size > 0
+    for policy, verdict in result["policies"].items():
+        whole, fault = verdict["cost"]["windows"]
+        assert (whole["label"], fault["label"]) == ("after warm-up", "fault window")
+        for w in (whole, fault):
+            assert w["total_usd"] == pytest.approx(sum(w["components_usd"].values()))
+            assert 0 < w["accelerator_busy_usd"] <= w["components_usd"]["accelerator"]
+        cls = RunSettings().request_class
+        assert whole["num_good"] == sum(  # good users who arrived after the warm-up
+            1 for u in users[policy] if u.scheduled_s >= whole["window_s"][0]
+            and u.outcome(cls) == "good")
     if quick_variant(catalogue()[result["scenario"]]).proxies <= 1:   # one guard: its trace
         for policy in result["policies"]:
             first = json.loads(open(out / policy / "guard-trace.jsonl").readline())

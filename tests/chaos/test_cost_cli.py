@@ -23,7 +23,7 @@ def test_cost_from_a_guarded_replicas_traces(tmp_path):
     config = tmp_path / "guard.toml"
     config.write_text(f'policy = "always-admit"\ntrace_path = "{guard_trace}"\n'
                       '[cost]\naccelerator_usd_per_hour = 3.6\nhost_usd_per_hour = 0.36\n'
-                      'energy_usd_per_kwh = 0.25\n')
+                      'energy_usd_per_kwh = 0.25\nnetwork_usd_per_gb = 1e9\n')  # $1 a byte
     with start_engine(["--model", "llama-7b", "--backend", "sim", "--guard", str(config),
                        "--trace", str(engine_trace), "--step-trace", str(steps)]) as eng:
         for i in range(4):
@@ -42,6 +42,11 @@ def test_cost_from_a_guarded_replicas_traces(tmp_path):
     assert c["accelerator"] == pytest.approx(duration_s * 0.001, abs=1e-8)
     assert c["host"] == pytest.approx(2 * duration_s * 0.0001, abs=1e-8)  # 1 replica, 1 guard
     assert c["energy"] == pytest.approx(0.25)  # 1 kWh in the one window
+    # network: the bytes on the guard trace's lines, each priced there too
+    traced = [json.loads(x) for x in guard_trace.read_text().splitlines()]
+    num_bytes = sum(x["num_request_bytes"] + x["num_response_bytes"] for x in traced)
+    assert num_bytes > 0 and c["network"] == pytest.approx(num_bytes)
+    assert sum(x["network_usd"] for x in traced) == pytest.approx(num_bytes)
     assert 0 < window["accelerator_busy_usd"] < c["accelerator"]
     # good = what the guard judged met its SLO (on a loaded machine a gap may miss it)
     guard_lines = [json.loads(x) for x in guard_trace.read_text().splitlines()]

@@ -109,6 +109,9 @@ def test_demo_runs_end_to_end_and_writes_its_table(tmp_path, capsys):
         assert (out / folder / "timeline.png").stat().st_size > 0
     guarded = json.loads((out / "guard-slo" / "summary.json").read_text())
     assert guarded["server"]["outcomes"]["kind"] == "guard"
+    (w,) = guarded["cost"]["windows"]  # one replica's step trace priced the goodput window
+    assert w["total_usd"] == pytest.approx(sum(w["components_usd"].values()))
+    assert w["accelerator_busy_usd"] > 0 and "## Cost" in (out / "guard-slo" / "report.md").read_text()
 
 
 def test_plan_runs_puts_bare_next_to_slo_below_capacity_then_every_policy():
@@ -173,6 +176,18 @@ def test_fleet_variant_runs_both_proxies_side_by_side(tmp_path, capsys):
         assert summary["reconciles"] and summary["counts"]["offered"] > 0
         assert summary["server"]["outcomes"]["kind"] == "guard"  # the proxy's counters
     assert (out / "slo-1.50" / "guard-trace.jsonl").stat().st_size > 0  # the proxy's trace
+    # the cost section: each row's goodput window from the fleet's step traces, GPU time
+    report = (out / "overload.md").read_text()
+    assert "## Cost" in report and "| slo @ 1.5 C [" in report and "| always_admit @ 1.5 C [" in report
+    assert (out / "cost.png").stat().st_size > 0
+    for policy, row in rows.items():
+        (w,) = row["cost"]["windows"]
+        assert row["cost"]["gpu"] == "h100-80g" and row["cost"]["time_scale"] == 2.0
+        assert w["total_usd"] == pytest.approx(sum(w["components_usd"].values()))
+        assert 0 < w["accelerator_busy_usd"] <= w["components_usd"]["accelerator"]
+        # 2 replicas over the window [1, 4) wall s at time scale 2: 3 GPU-s at $3.24/h
+        assert w["window_s"] == [1.0, 4.0]
+        assert w["components_usd"]["accelerator"] == pytest.approx(2 * 3.0 / 2 * 3.24 / 3600)
 
 
 def test_goodput_over_bare_is_taken_at_the_same_load():
