@@ -45,6 +45,8 @@ _OUTPUT_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _RESPONSE_DELTA = re.compile(rb'"type"\s*:\s*"response\.output_text\.delta"')
 _RESPONSE_END = re.compile(rb'"type"\s*:\s*"(response\.(?:completed|incomplete|failed)|error)"')
 _INPUT_TOKENS = re.compile(rb'"input_tokens"\s*:\s*(\d+)')
+# A whole (non-streamed) Responses body that says it failed: a 200 that is no completion.
+_RESPONSE_FAILED = re.compile(rb'"status"\s*:\s*"failed"')
 _RESPONSE_OUTPUT_TOKENS = re.compile(rb'"output_tokens"\s*:\s*(\d+)')
 
 
@@ -141,7 +143,8 @@ class Ticket:
         return self._content_chunk(now_s)
 
     def _response_events(self, chunk: bytes, now_s: float) -> float | None:
-        """A /v1/responses body chunk: usage as input/output tokens; for a stream, the end
+        """A /v1/responses body chunk: usage as input/output tokens; a whole body whose
+        ``status`` is ``failed`` is aborted; for a stream, the end
         event (completed or incomplete: finished; failed or error: aborted) and the first
         ``response.output_text.delta`` as the first token."""
         if chunk.find(b'"usage"') >= 0:
@@ -152,6 +155,8 @@ class Ticket:
             if output is not None:
                 self.num_usage_output_tokens = int(output.group(1))
         if not self.is_stream:
+            if chunk.find(b'"failed"') >= 0 and _RESPONSE_FAILED.search(chunk) is not None:
+                self.aborted = True
             return self._content_chunk(now_s)
         if chunk.find(b'"type"') < 0:
             return None

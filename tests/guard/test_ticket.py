@@ -201,3 +201,18 @@ def test_responses_text_that_names_an_event_is_only_text():
                           delta='"type": "response.completed"'), True, 0.1)
     ticket.on_body(b"", False, 0.2)
     assert not ticket.done_seen and ticket.natural_outcome() == "failed"
+
+
+def test_a_whole_responses_body_that_says_failed_is_no_completion():
+    """A non-streamed /v1/responses answer is a 200 whatever happened: its ``status`` says."""
+    import json
+    for status, outcome in (("completed", "completed"), ("incomplete", "completed"),
+                            ("failed", "failed")):
+        ticket = _responses_ticket(FakeClock())
+        ticket.on_start(200, b"application/json")
+        body = {"object": "response", "status": status,
+                "output": [{"type": "message", "status": "completed",
+                            "content": [{"type": "output_text", "text": 'say "status": "failed"'}]}],
+                "usage": {"input_tokens": 5, "output_tokens": 3}}
+        ticket.on_body(json.dumps(body).encode(), False, 0.2)
+        assert ticket.natural_outcome() == outcome, status
