@@ -43,6 +43,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on")
     parser.add_argument("--port", type=int, default=9002, help="gRPC port; 0 picks a free one")
+    parser.add_argument("--fallbacks", type=int, default=0, metavar="N",
+                        help="name up to N other routable replicas after the chosen one in "
+                             "x-gateway-destination-endpoint (comma-separated), for an Envoy "
+                             "whose replicas cluster uses override-host load balancing with "
+                             "retries; Envoy's ORIGINAL_DST cluster takes one endpoint only "
+                             "(default: 0)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve GET /metrics (Prometheus) over HTTP on this port of --host "
                              "(0 picks a free one; default: no metrics endpoint)")
@@ -53,6 +59,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.fallbacks < 0:
+        raise ValueError(f"--fallbacks must be >= 0, got {args.fallbacks}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     from serving.h1server import event_loop_runner
 
@@ -63,7 +71,8 @@ async def _serve(args: argparse.Namespace) -> int:
     from guard.epp.server import EppServer
 
     server = EppServer(config_with_upstreams(args.config, args.upstream,
-                                             args.state_source, args.redis))
+                                             args.state_source, args.redis),
+                       num_fallbacks=args.fallbacks)
     port = await server.start(args.host, args.port)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

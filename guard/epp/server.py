@@ -56,9 +56,12 @@ SHARED_LEASE_REFRESHES = 10  # and this many state refreshes (as the proxy's)
 
 class EppServer:
     """One ``kvguard epp``: build it, ``await start(host, port)`` (returns the port), then
-    ``await wait_stopped()``; :meth:`drain` from a signal handler."""
+    ``await wait_stopped()``; :meth:`drain` from a signal handler. ``num_fallbacks``: other
+    endpoints each route names after the chosen one (see
+    :class:`~guard.epp.picker.EndpointPicker`)."""
 
-    def __init__(self, config: GuardConfig, *, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, config: GuardConfig, *, clock: Callable[[], float] | None = None,
+                 num_fallbacks: int = 0) -> None:
         if not config.replicas or any(r.url is None for r in config.replicas):
             raise ValueError("replicas: the endpoint picker needs at least one replica with a "
                              "url (--upstream URL or [[replicas]])")
@@ -84,7 +87,7 @@ class EppServer:
                 sync_interval_s=config.refresh_interval_s)
         self.controller = AdmissionController(config, gated, clock=clock,
                                               shared_reservations=shared)
-        self.picker = EndpointPicker(self.controller, endpoints, self.health)
+        self.picker = EndpointPicker(self.controller, endpoints, self.health, num_fallbacks)
         self.processor = ExternalProcessor(self.picker)
         self.grpc_health = health_aio.HealthServicer()
         self.metrics_endpoint = MetricsEndpoint(self.controller.metrics)

@@ -53,7 +53,11 @@ def gateway(fleet, config, tmp_path_factory):
 def test_the_deploy_config_and_what_the_tests_run_pass_envoy_validate(tmp_path):
     rendered = envoy_config(tmp_path, listener_port=free_port(), admin_port=free_port(),
                             epp_ports=[free_port(), free_port()], failure_mode_allow=True)
-    for path in (ENVOY_CONFIG, rendered):
+    # the override-host replicas cluster and retries of deploy/envoy/override-host.yaml
+    fallbacks = envoy_config(tmp_path, listener_port=free_port(), admin_port=free_port(),
+                             epp_ports=[free_port()],
+                             fallback_replicas=["127.0.0.1:8001", "127.0.0.1:8002"])
+    for path in (ENVOY_CONFIG, rendered, fallbacks):
         done = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path),
                                "--disable-hot-restart"], capture_output=True, text=True,
                               timeout=60)
