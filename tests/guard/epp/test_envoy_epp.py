@@ -240,3 +240,28 @@ def _saturated(replica_urls, config, client, tmp_path_factory):
         epp.close()
 
 
+
+
+def test_the_bench_floor_ext_proc_server_routes_and_passes_streams_through(fleet, client,
+                                                                           tmp_path_factory):
+    """``chaos.bench.ext_proc_floor`` (``kvguard bench gateway``'s baseline row) speaks the same
+    protocol: every request reaches its one replica and the response comes back whole."""
+    from chaos.bench.gateway import _floor
+
+    endpoint = endpoints(fleet)["r1"]
+    floor = _floor(endpoint).start(60)
+    try:
+        envoy = envoy_child([floor.port], tmp_path_factory.mktemp("envoy-floor")).start(60)
+        try:
+            body = BODIES["/v1/completions"]
+            answer = client.post(envoy.url + "/v1/completions", json=body)
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
+            assert answer.headers["x-envoy-upstream-host"] == endpoint
+            with client.stream("POST", envoy.url + "/v1/completions",
+                               json={**body, "stream": True}) as stream:
+                lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+            assert stream.status_code == 200 and lines[-1] == "data: [DONE]"
+        finally:
+            envoy.close()
+    finally:
+        floor.close()

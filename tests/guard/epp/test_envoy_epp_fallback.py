@@ -11,6 +11,7 @@ from epp_helpers import BODIES, endpoints, metric, until, write_config
 
 from chaos.envoy_front import envoy_child, epp_child, epp_metrics_url
 from chaos.ports import free_port
+from tests.support.fleet_cli import fleet_cli
 
 pytestmark = pytest.mark.slow
 
@@ -66,3 +67,33 @@ def test_a_refused_pick_is_served_by_its_fallback_and_the_epp_follows_it(
             envoy.close()
     finally:
         epp.close()
+
+
+# no state poll notices the killed replica in time, and one failure does not eject it: the EPP
+# keeps picking it, so only the fallback saves those requests
+BLIND = """
+policy = "slo"
+refresh_interval_s = 5.0
+[proxy]
+eject_after_failures = 1000
+"""
+
+
+def test_kvguard_fleet_with_fallbacks_serves_what_a_killed_replica_cannot(
+        client, tmp_path_factory):
+    import os
+    import signal
+
+    config = write_config(tmp_path_factory, BLIND, "blind.toml")
+    with fleet_cli("--replicas", "2", "--proxies", "1", "--front", "envoy", "--fallbacks", "1",
+                   "--proxy-config", config) as (proc, lines):
+        by_name = {fields[0]: fields for fields in lines}
+        url, live = by_name["envoy"][1], by_name["replica-1"][1].removeprefix("http://")
+        os.kill(int(by_name["replica-0"][3]), signal.SIGKILL)
+        answers = [client.post(url + "/v1/completions", json=BODIES["/v1/completions"])
+                   for _ in range(6)]
+        assert [a.status_code for a in answers] == [200] * 6, [a.text[:80] for a in answers]
+        assert all(a.headers["x-envoy-upstream-host"] == live for a in answers)
+        assert all(a.headers["x-kvguard-replica"] == "r1" for a in answers)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
