@@ -17,7 +17,6 @@ health (all SERVING) so that Envoy's health check of the EPP cluster passes.
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 __all__ = ["main"]
 
