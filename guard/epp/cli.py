@@ -12,7 +12,8 @@ reservations (active-active). Prints ``kvguard epp listening on grpc://HOST:PORT
 serves. ``--metrics-port`` serves its Prometheus series over HTTP. SIGTERM/SIGINT drains (503 ``shutting_down``, admitted requests run on up to
 ``proxy.drain_timeout_s``), then exits 0; a second signal exits at once. ``--loop auto`` runs
 it on uvloop when installed (grpc.aio hands every message between its own threads and the
-loop; uvloop's wake-ups make that cheaper).
+loop; uvloop's wake-ups make that cheaper). ``--fallbacks N`` names up to N other routable
+replicas after the pick (comma-separated), for an Envoy on ``deploy/envoy/override-host.yaml``.
 
 Needs the ``gateway`` extra (grpcio, grpcio-health-checking, protobuf, xds-protos).
 """
