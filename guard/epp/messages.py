@@ -87,8 +87,8 @@ def _mutation(headers: Iterable[tuple[str, str]]) -> ext_proc.HeaderMutation:
 
 def request_headers_answer(route: Route) -> ProcessingResponse:
     """The request-headers answer: the endpoint (with its fallbacks, comma-separated) as a
-    header (route cache cleared) and as ``envoy.lb`` dynamic metadata; the guard's ``x-request-id``; ``Content-Length`` when the
-    body changed."""
+    header (route cache cleared) and as ``envoy.lb`` dynamic metadata; the guard's
+    ``x-request-id``; ``Content-Length`` when the body changed."""
     destination = route.destination  # the endpoint, then any fallbacks: the same in both
     headers = [(DESTINATION_HEADER, destination)]
     if route.request_id is not None:

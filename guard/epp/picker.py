@@ -73,10 +73,9 @@ def endpoint_of_url(url: str) -> str:
 @dataclass(frozen=True)
 class Route:
     """Where Envoy sends the request: ``endpoint`` (``ip:port``; ``fallbacks`` after it), with
-    ``body`` re-emitted;
-    ``content_length`` is set when the body differs from the client's (a priced
-    ``max_tokens``), so Envoy's ``Content-Length`` is fixed; ``request_id`` (admitted requests)
-    replaces the request's ``x-request-id`` upstream, as the proxy sends it."""
+    ``body`` re-emitted; ``content_length`` is set when the body differs from the client's (a
+    priced ``max_tokens``), so Envoy's ``Content-Length`` is fixed; ``request_id`` (admitted
+    requests) replaces the request's ``x-request-id`` upstream, as the proxy sends it."""
 
     endpoint: str
     replica_id: str
