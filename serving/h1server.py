@@ -55,7 +55,7 @@ from serving.h1_connection import H1Connection
 from serving.heap import settle_heap
 from serving.limited_protocol import ConnectionTable
 
-__all__ = ["H1Server", "run"]
+__all__ = ["H1Server", "event_loop_runner", "run"]
 
 log = logging.getLogger("kvguard.http")
 
@@ -185,7 +185,7 @@ def run(server: H1Server, sockets: list[socket.socket], *,
         loop: str = "auto") -> bool:
     """Serve until SIGINT/SIGTERM (see the module docstring); False when startup failed.
     ``loop``: ``asyncio``, ``uvloop``, or ``auto`` (uvloop when installed)."""
-    return _event_loop_runner(loop)(_serve(server, sockets, drain, ready_line))
+    return event_loop_runner(loop)(_serve(server, sockets, drain, ready_line))
 
 
 async def _serve(server: H1Server, sockets: list[socket.socket],
@@ -228,7 +228,7 @@ async def _serve(server: H1Server, sockets: list[socket.socket],
     return True
 
 
-def _event_loop_runner(loop: str) -> Callable[[Awaitable[bool]], bool]:
+def event_loop_runner(loop: str) -> Callable[[Awaitable[bool]], bool]:
     if loop not in ("auto", "asyncio", "uvloop"):
         raise ValueError(f"loop must be auto, asyncio or uvloop, got {loop!r}")
     if loop != "asyncio":

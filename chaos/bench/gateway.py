@@ -8,7 +8,10 @@ p99, and each minus the direct figure; CPU per request is net of each process's 
 for Envoy + EPP it is the EPP's (Envoy's own is about Envoy alone's). Targets: Envoy alone (the same Envoy config without the
 ext_proc filter, a static cluster to the replica), Envoy + ``kvguard epp`` (``slo``), ``kvguard
 proxy`` (``slo``, its defaults), and LiteLLM proxy with ``--litellm`` (its own virtualenv, as
-in ``kvguard bench proxy``). The EPP's cost is its row minus Envoy alone's.
+in ``kvguard bench proxy``). The EPP's cost is its row minus Envoy alone's. Beside it, Envoy +
+``chaos.bench.ext_proc_floor``: an ext_proc server on grpc.aio in the same processing modes
+that decides nothing — what the protocol itself costs from Python; the EPP's own share is its
+row minus that one.
 
 **Decisions per second.** ``--rate-s`` seconds of ``--concurrency`` closed-loop clients sending
 non-streamed 1-token completions through Envoy + one EPP to an instant sim replica (time scale
@@ -33,13 +36,14 @@ import httpx
 from chaos.bench.litellm_proxy import ensure_venv, litellm_child
 from chaos.bench.proxy import _KEY, _cpu_s, _measure_all, _print_latency
 from chaos.child import ChildProcess
-from chaos.envoy_front import envoy_child, epp_child
+from chaos.envoy_front import accepts_connections, envoy_child, epp_child
 from chaos.replica import exit_on_sigterm
 from chaos.topology import Topology, TopologySpec, free_port, http_health
 
 __all__ = ["configure", "run"]
 
 MODEL = "llama-7b"
+FLOOR = "envoy + ext_proc floor"
 _CONFIG = 'policy = "slo"\n'
 
 
@@ -101,6 +105,16 @@ def _proxy(upstream: str, config: str) -> ChildProcess:
                         ready_pattern=r"kvguard proxy listening on (\S+)")
 
 
+def _floor(endpoint: str) -> ChildProcess:
+    import sys
+
+    def argv(port: int) -> list[str]:
+        return [sys.executable, "-m", "chaos.bench.ext_proc_floor", "--endpoint", endpoint,
+                "--port", str(port)]
+    return ChildProcess("ext_proc floor", argv, accepts_connections,
+                        ready_pattern=r"ext_proc floor listening on (grpc://\S+)")
+
+
 def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
     spec = TopologySpec(num_replicas=1, replica_args=("--model", MODEL, "--backend", "sim"))
     children: list[ChildProcess] = []
@@ -112,6 +126,12 @@ def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
             alone = envoy_child([], work, alone_upstreams=[endpoint])
             children.append(alone.start())
             urls["envoy alone"], pids["envoy alone"] = alone.url, alone.pid
+            # the protocol's own cost: a do-nothing ext_proc server on grpc.aio, same modes
+            floor = _floor(endpoint)
+            children.append(floor.start())
+            floor_envoy = envoy_child([floor.port], work)
+            children.append(floor_envoy.start())
+            urls[FLOOR], pids[FLOOR] = floor_envoy.url, floor.pid
             epp = epp_child([upstream], config=config)
             children.append(epp.start())
             envoy = envoy_child([epp.port], work)
@@ -132,14 +152,15 @@ def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
             for row in rows.values():
                 row["over_envoy_alone_ttft_p50_ms"] = row["ttft_p50_ms"] - alone_row["ttft_p50_ms"]
                 row["over_envoy_alone_e2e_p50_ms"] = row["e2e_p50_ms"] - alone_row["e2e_p50_ms"]
-            gap = rows["envoy + kvguard epp"]
-            ttft_ms = gap["over_envoy_alone_ttft_p50_ms"]
-            e2e_ms = gap["over_envoy_alone_e2e_p50_ms"]
-            per_gap_ms = (e2e_ms - ttft_ms) / max(1, args.max_tokens - 1)
-            gap["over_envoy_alone_per_token_gap_ms"] = per_gap_ms
-            print(f"Envoy + kvguard epp over Envoy alone: TTFT p50 {ttft_ms:+.2f} ms, "
-                  f"end-to-end p50 {e2e_ms:+.2f} ms ({per_gap_ms:+.3f} ms per token gap)",
-                  flush=True)
+            for name in (FLOOR, "envoy + kvguard epp"):
+                gap = rows[name]
+                ttft_ms = gap["over_envoy_alone_ttft_p50_ms"]
+                e2e_ms = gap["over_envoy_alone_e2e_p50_ms"]
+                per_gap_ms = (e2e_ms - ttft_ms) / max(1, args.max_tokens - 1)
+                gap["over_envoy_alone_per_token_gap_ms"] = per_gap_ms
+                print(f"{name} over Envoy alone: TTFT p50 {ttft_ms:+.2f} ms, "
+                      f"end-to-end p50 {e2e_ms:+.2f} ms ({per_gap_ms:+.3f} ms per token gap)",
+                      flush=True)
             return rows
     finally:
         for child in reversed(children):

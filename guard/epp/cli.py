@@ -10,7 +10,10 @@ URLs must name IP addresses. ``--upstream``, ``--state-source``, ``--config`` an
 mean what they mean for ``kvguard proxy``; with ``--redis`` several EPPs share budgets and KV
 reservations (active-active). Prints ``kvguard epp listening on grpc://HOST:PORT`` once it
 serves. ``--metrics-port`` serves its Prometheus series over HTTP. SIGTERM/SIGINT drains (503 ``shutting_down``, admitted requests run on up to
-``proxy.drain_timeout_s``), then exits 0; a second signal exits at once.
+``proxy.drain_timeout_s``), then exits 0; a second signal exits at once. ``--loop auto`` runs
+it on uvloop when installed (grpc.aio hands every message between its own threads and the
+loop; uvloop's wake-ups make that cheaper). ``--fallbacks N`` names up to N other routable
+replicas after the pick (comma-separated), for an Envoy on ``deploy/envoy/override-host.yaml``.
 
 Needs the ``gateway`` extra (grpcio, grpcio-health-checking, protobuf, xds-protos).
 """
@@ -46,9 +49,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on")
     parser.add_argument("--port", type=int, default=9002, help="gRPC port; 0 picks a free one")
+    parser.add_argument("--fallbacks", type=int, default=0, metavar="N",
+                        help="name up to N other routable replicas after the chosen one in "
+                             "x-gateway-destination-endpoint (comma-separated), for an Envoy "
+                             "whose replicas cluster uses override-host load balancing with "
+                             "retries; Envoy's ORIGINAL_DST cluster takes one endpoint only "
+                             "(default: 0)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve GET /metrics (Prometheus) over HTTP on this port of --host "
                              "(0 picks a free one; default: no metrics endpoint)")
+    parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                        help="event loop (default: auto, uvloop when installed)")
     parser.add_argument("--log-level", default="warning",
                         help="debug, info (lifecycle events), warning or error "
                              "(default: warning)")
@@ -61,10 +72,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.fallbacks < 0:
+        raise ValueError(f"--fallbacks must be >= 0, got {args.fallbacks}")
     configure_logging(args.log_level, args.log_format)
-    return asyncio.run(_serve(args))
+    from serving.h1server import event_loop_runner
 
-
+    return event_loop_runner(args.loop)(_serve(args))
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -73,7 +86,8 @@ async def _serve(args: argparse.Namespace) -> int:
     server = EppServer(config_with_upstreams(args.config, args.upstream,
                                              args.state_source, args.redis,
                                              args.replicas_from),
-                       state_source=args.state_source, access_log=args.access_log)
+                       state_source=args.state_source, access_log=args.access_log,
+                       num_fallbacks=args.fallbacks)
     port = await server.start(args.host, args.port)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

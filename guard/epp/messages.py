@@ -86,16 +86,17 @@ def _mutation(headers: Iterable[tuple[str, str]]) -> ext_proc.HeaderMutation:
 
 
 def request_headers_answer(route: Route) -> ProcessingResponse:
-    """The request-headers answer: the endpoint as a header (route cache cleared) and as
-    ``envoy.lb`` dynamic metadata; the guard's ``x-request-id``; ``Content-Length`` when the
-    body changed."""
-    headers = [(DESTINATION_HEADER, route.endpoint)]
+    """The request-headers answer: the endpoint (with its fallbacks, comma-separated) as a
+    header (route cache cleared) and as ``envoy.lb`` dynamic metadata; the guard's
+    ``x-request-id``; ``Content-Length`` when the body changed."""
+    destination = route.destination  # the endpoint, then any fallbacks: the same in both
+    headers = [(DESTINATION_HEADER, destination)]
     if route.request_id is not None:
         headers.append(("x-request-id", route.request_id))
     if route.content_length is not None:
         headers.append(("content-length", str(route.content_length)))
     metadata = struct_pb2.Struct()
-    metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: route.endpoint}})
+    metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: destination}})
     return ProcessingResponse(
         request_headers=ext_proc.HeadersResponse(response=ext_proc.CommonResponse(
             header_mutation=_mutation(headers), clear_route_cache=True)),

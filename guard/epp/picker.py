@@ -30,6 +30,7 @@ resets before the response ended is a client that left: the ticket is released `
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import itertools
 import urllib.parse
@@ -71,25 +72,38 @@ def endpoint_of_url(url: str) -> str:
 
 @dataclass(frozen=True)
 class Route:
-    """Where Envoy sends the request: ``endpoint`` (``ip:port``), with ``body`` re-emitted;
-    ``content_length`` is set when the body differs from the client's (a priced
-    ``max_tokens``), so Envoy's ``Content-Length`` is fixed; ``request_id`` (admitted requests)
-    replaces the request's ``x-request-id`` upstream, as the proxy sends it."""
+    """Where Envoy sends the request: ``endpoint`` (``ip:port``; ``fallbacks`` after it), with
+    ``body`` re-emitted; ``content_length`` is set when the body differs from the client's (a
+    priced ``max_tokens``), so Envoy's ``Content-Length`` is fixed; ``request_id`` (admitted
+    requests) replaces the request's ``x-request-id`` upstream, as the proxy sends it."""
 
     endpoint: str
     replica_id: str
     body: bytes
     content_length: int | None = None
     request_id: str | None = None  # the guard's id, sent upstream as x-request-id (admitted)
+    fallbacks: tuple[str, ...] = ()  # endpoints Envoy may try, in order, if ``endpoint`` fails
+
+    @property
+    def destination(self) -> str:
+        """What the protocol's header and ``envoy.lb`` metadata carry: the endpoint, then the
+        fallbacks, comma-separated."""
+        return ",".join((self.endpoint, *self.fallbacks))
 
 
 class EndpointPicker:
-    """The controller and the replicas' endpoints (``replica_id`` → ``ip:port``)."""
+    """The controller and the replicas' endpoints (``replica_id`` → ``ip:port``); with
+    ``num_fallbacks`` each route also names up to that many other routable replicas of the
+    subset, for Envoy to try in order when the chosen one fails (its override-host load
+    balancing; Envoy's ``ORIGINAL_DST`` cluster takes one endpoint only, so 0 there)."""
 
     def __init__(self, controller: AdmissionController, endpoints: Mapping[str, str],
-                 health: ReplicaHealth | None = None) -> None:
+                 health: ReplicaHealth | None = None, num_fallbacks: int = 0) -> None:
         if not endpoints:
             raise ValueError("replicas: the endpoint picker needs at least one replica")
+        if num_fallbacks < 0:
+            raise ValueError(f"fallbacks: must be >= 0, got {num_fallbacks}")
+        self.num_fallbacks = num_fallbacks
         self.controller = controller
         self.health = health  # passive ejection (None: the load state's health alone)
         self.endpoints = dict(endpoints)
@@ -138,6 +152,22 @@ class EndpointPicker:
         allowed = {self.replica_of[e] for e in subset if e in self.replica_of}
         return [rid for rid in self.endpoints if rid in allowed]
 
+    def fallbacks(self, replica_id: str, allowed: Sequence[str]) -> tuple[str, ...]:
+        """Up to ``num_fallbacks`` endpoints of routable replicas among ``allowed`` other than
+        ``replica_id``: the ones after it in configured order, wrapping around (so the
+        fallbacks of different picks spread)."""
+        if not self.num_fallbacks:
+            return ()
+        order = list(self.endpoints)
+        start = order.index(replica_id) + 1
+        found = []
+        for rid in order[start:] + order[:start - 1]:
+            if rid in allowed and self.routable(rid):
+                found.append(self.endpoints[rid])
+                if len(found) == self.num_fallbacks:
+                    break
+        return tuple(found)
+
     def any_routable(self, allowed: Sequence[str]) -> str | None:
         """A routable replica among ``allowed``, taking turns (None: there is none)."""
         for _ in range(len(self.endpoints)):
@@ -153,7 +183,7 @@ class PickerExchange:
     """One request through the picker: see the module docstring for the order of calls."""
 
     __slots__ = ("picker", "client_gone", "path", "method", "headers", "_chunks", "_num_bytes",
-                 "over_limit", "admitted", "route", "served_replica_id")
+                 "over_limit", "admitted", "route")
 
     def __init__(self, picker: EndpointPicker, client_gone: ClientGone | None) -> None:
         self.picker = picker
@@ -166,7 +196,6 @@ class PickerExchange:
         self.over_limit = False
         self.admitted: Admitted | None = None
         self.route: Route | None = None
-        self.served_replica_id: str | None = None  # Envoy's report of where it went, if sent
 
     # --- the request ------------------------------------------------------------------------
     def on_request_headers(self, headers: Mapping[str, str]) -> None:
@@ -202,7 +231,8 @@ class PickerExchange:
             if rid is None:
                 return Rejection(503, "no_replica", "no replica is routable", should_retry=True,
                                  retry_after_s=1.0)
-            self.route = Route(picker.endpoints[rid], rid, body)
+            self.route = Route(picker.endpoints[rid], rid, body,
+                               fallbacks=picker.fallbacks(rid, allowed))
             return self.route
         unread = BodyTooLarge(picker.max_body_bytes) if self.over_limit else None
         request = AdmissionRequest(self.path, _plain_headers(self.headers), body,
@@ -222,19 +252,23 @@ class PickerExchange:
                              "the policy admits this request on no replica of the subset")
         rid = result.replica_id
         length = len(result.body) if result.body_rewritten else None
-        self.route = Route(picker.endpoints[rid], rid, result.body, length, result.request_id)
+        self.route = Route(picker.endpoints[rid], rid, result.body, length, result.request_id,
+                           picker.fallbacks(rid, allowed))
         return self.route
 
     # --- the response -----------------------------------------------------------------------
     def on_response_headers(self, headers: Mapping[str, str],
                             served_endpoint: str | None = None) -> list[tuple[str, str]]:
-        """The upstream's response head (``:status``, ``content-type``); the headers the EPP
-        adds to it (which replica, the queue time, the guard's request id)."""
-        if served_endpoint is not None:
-            self.served_replica_id = self.picker.replica_of.get(served_endpoint.split(",")[0])
+        """The upstream's response head (``:status``, ``content-type``) and the endpoint Envoy
+        reports it served the request from (``x-gateway-destination-endpoint-served``, when
+        sent); the headers the EPP adds to it (which replica, the queue time, the guard's
+        request id). Served from a fallback: the chosen replica failed (a failure toward its
+        ejection) and the reservation moves to the one that served."""
         admitted, route = self.admitted, self.route
         if route is None:
             return []
+        if served_endpoint is not None and served_endpoint != route.endpoint:
+            route = self._served_from(route, served_endpoint)
         added = [(REPLICA_HEADER, route.replica_id)]
         if admitted is None:
             return added
@@ -248,6 +282,19 @@ class PickerExchange:
         if REQUEST_ID_HEADER not in headers:
             added.append((REQUEST_ID_HEADER, admitted.request_id))
         return added
+
+    def _served_from(self, route: Route, served_endpoint: str) -> Route:
+        picker = self.picker
+        served_id = picker.replica_of.get(served_endpoint)
+        if served_id is None:  # not one of this picker's replicas: nothing to move
+            return route
+        if picker.health is not None:
+            picker.health.record_failure(route.replica_id)
+        if self.admitted is not None:
+            picker.controller.served_by(self.admitted, served_id)
+        self.route = route = dataclasses.replace(route, endpoint=served_endpoint,
+                                                 replica_id=served_id, fallbacks=())
+        return route
 
     def on_response_body(self, chunk: bytes, end: bool) -> None:
         """One response chunk on its way to the client; ``end``: the response is whole."""

@@ -64,10 +64,13 @@ SHARED_LEASE_REFRESHES = 10  # and this many state refreshes (as the proxy's)
 
 class EppServer:
     """One ``kvguard epp``: build it, ``await start(host, port)`` (returns the port), then
-    ``await wait_stopped()``; :meth:`drain` from a signal handler."""
+    ``await wait_stopped()``; :meth:`drain` from a signal handler. ``num_fallbacks``: other
+    endpoints each route names after the chosen one (see
+    :class:`~guard.epp.picker.EndpointPicker`)."""
 
     def __init__(self, config: GuardConfig, *, clock: Callable[[], float] | None = None,
-                 state_source: str = "kvguard", access_log: bool = False) -> None:
+                 state_source: str = "kvguard", access_log: bool = False,
+                 num_fallbacks: int = 0) -> None:
         if not config.replicas or any(r.url is None for r in config.replicas):
             raise ValueError("replicas: the endpoint picker needs at least one replica with a "
                              "url (--upstream URL or [[replicas]])")
@@ -96,7 +99,7 @@ class EppServer:
                                               shared_reservations=shared)
         if access_log:  # one kvguard.access line per request, as the proxy's --access-log
             self.controller.trace = with_access_log(self.controller.trace)
-        self.picker = EndpointPicker(self.controller, endpoints, self.health)
+        self.picker = EndpointPicker(self.controller, endpoints, self.health, num_fallbacks)
         self.membership = FleetMembership(
             config.replicas, self.controller, self.health, self._make_source, shared,
             on_join=self._joined, on_forget=self._forgotten)

@@ -12,7 +12,8 @@ attempts, then the stream; ``chaos-tenant-4`` 429 + ``x-should-retry: false``;
 ``chaos-tenant-5`` 503 + ``retry-after: 200`` (past the SDK's 120 s cap); ``chaos-tenant-6``
 never answers (hangs 60 s); ``chaos-tenant-7`` a bare 503 (no retry headers);
 ``chaos-tenant-8`` an SSE error event after two tokens; ``chaos-tenant-9`` 503 +
-``retry-after: 100`` (the SDK waits it out). ``GET /attempts`` returns the counts
+``retry-after: 100`` (the SDK waits it out); ``chaos-tenant-20`` the whole stream, its end
+0.5 s after ``[DONE]``. ``GET /attempts`` returns the counts
 and the last ``x-stainless-retry-count`` seen per tenant.
 """
 
@@ -63,6 +64,7 @@ async def completions(request: Request):
     delay_s = 0.1 if request.headers.get("x-kvguard-class") == "slow" else 0.0
     cut = tenant.endswith("chaos-tenant-2")
     stream_error = tenant.endswith("chaos-tenant-8")
+    late_end = tenant.endswith("chaos-tenant-20")
 
     async def events():
         for i in range(n):
@@ -80,6 +82,8 @@ async def completions(request: Request):
                  "total_tokens": num_prompt + n}
         yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
+        if late_end:  # the response's end follows [DONE] later than the SDK drains for
+            await asyncio.sleep(0.5)
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"x-kvguard-queue-ms": "1.5"})

@@ -85,6 +85,16 @@ def test_sdk_stream_error_event_is_an_explicit_error_not_an_answer(echo_url):
     assert user.outcome(CLS) == "error"
 
 
+def test_sdk_answer_whose_end_lags_done_is_still_its_answer(echo_url):
+    """The SDK drains the body after ``[DONE]`` for 0.1 s, then cancels the read: the user
+    had the whole answer, and the attempt is not a cancellation."""
+    user = _serve(echo_url, 20, "sdk")
+    assert user.num_attempts == 1 and user.outcome(CLS) == "good"
+    (a,) = user.attempts
+    assert a.saw_done and a.num_tokens_received == 4 and a.error is None
+    assert a.outcome == "completed"
+
+
 @pytest.mark.parametrize("kind", ["sdk", "bad_citizen"])
 def test_truncated_stream_is_never_an_answer(echo_url, kind):
     user = _serve(echo_url, 2, kind, max_retries=1)

@@ -180,7 +180,7 @@ def test_fleet_variant_runs_both_proxies_side_by_side(tmp_path, capsys):
     report = (out / "overload.md").read_text()
     assert "## Cost" in report and "| slo @ 1.5 C [" in report and "| always_admit @ 1.5 C [" in report
     assert (out / "cost.png").stat().st_size > 0
-    for policy, row in rows.items():
+    for row in rows.values():
         (w,) = row["cost"]["windows"]
         assert row["cost"]["gpu"] == "h100-80g" and row["cost"]["time_scale"] == 2.0
         assert w["total_usd"] == pytest.approx(sum(w["components_usd"].values()))

@@ -10,8 +10,8 @@ import pytest
 from chaos.review import plot_review, render_markdown
 from chaos.review_fleet import FleetSpec, load_fleet
 from chaos.review_run import guard_toml, run_cell
-from chaos.run_cost import gpu_time_prices
 from chaos.review_scenarios import PREFIX_TOKENS, ReviewScenario, scenario_matrix, traffic
+from chaos.run_cost import gpu_time_prices
 from guard.config import load_config
 from guard.observe.cost_config import CostConfig
 from policies.cost import RequestClass

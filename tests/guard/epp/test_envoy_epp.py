@@ -53,7 +53,11 @@ def gateway(fleet, config, tmp_path_factory):
 def test_the_deploy_config_and_what_the_tests_run_pass_envoy_validate(tmp_path):
     rendered = envoy_config(tmp_path, listener_port=free_port(), admin_port=free_port(),
                             epp_ports=[free_port(), free_port()], failure_mode_allow=True)
-    for path in (ENVOY_CONFIG, rendered):
+    # the override-host replicas cluster and retries of deploy/envoy/override-host.yaml
+    fallbacks = envoy_config(tmp_path, listener_port=free_port(), admin_port=free_port(),
+                             epp_ports=[free_port()],
+                             fallback_replicas=["127.0.0.1:8001", "127.0.0.1:8002"])
+    for path in (ENVOY_CONFIG, rendered, fallbacks):
         done = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path),
                                "--disable-hot-restart"], capture_output=True, text=True,
                               timeout=60)
@@ -208,7 +212,8 @@ def test_an_overloaded_pool_gets_a_503_with_retry_after(client, tmp_path_factory
 
 
 def _saturated(replica_urls, config, client, tmp_path_factory):
-    epp = epp_child(replica_urls, config=config).start(60)
+    # the other tests run the EPP on its default loop (uvloop); this one on asyncio's own
+    epp = epp_child(replica_urls, config=config, extra_args=("--loop", "asyncio")).start(60)
     try:
         envoy = envoy_child([epp.port], tmp_path_factory.mktemp("envoy-sat")).start(60)
         try:
@@ -235,3 +240,28 @@ def _saturated(replica_urls, config, client, tmp_path_factory):
         epp.close()
 
 
+
+
+def test_the_bench_floor_ext_proc_server_routes_and_passes_streams_through(fleet, client,
+                                                                           tmp_path_factory):
+    """``chaos.bench.ext_proc_floor`` (``kvguard bench gateway``'s baseline row) speaks the same
+    protocol: every request reaches its one replica and the response comes back whole."""
+    from chaos.bench.gateway import _floor
+
+    endpoint = endpoints(fleet)["r1"]
+    floor = _floor(endpoint).start(60)
+    try:
+        envoy = envoy_child([floor.port], tmp_path_factory.mktemp("envoy-floor")).start(60)
+        try:
+            body = BODIES["/v1/completions"]
+            answer = client.post(envoy.url + "/v1/completions", json=body)
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
+            assert answer.headers["x-envoy-upstream-host"] == endpoint
+            with client.stream("POST", envoy.url + "/v1/completions",
+                               json={**body, "stream": True}) as stream:
+                lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+            assert stream.status_code == 200 and lines[-1] == "data: [DONE]"
+        finally:
+            envoy.close()
+    finally:
+        floor.close()

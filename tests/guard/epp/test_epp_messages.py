@@ -27,6 +27,16 @@ def test_the_request_headers_answer_names_the_endpoint_twice_and_fixes_content_l
         "x-gateway-destination-endpoint"}
 
 
+def test_fallback_endpoints_follow_the_endpoint_comma_separated_in_header_and_metadata():
+    route = Route("10.0.0.1:8000", "r0", b"{}", fallbacks=("10.0.0.2:8000", "10.0.0.3:8000"))
+    answer = messages.request_headers_answer(route)
+    listed = "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000"
+    headers = _set_headers(answer.request_headers.response.header_mutation)
+    assert headers["x-gateway-destination-endpoint"] == listed
+    lb = answer.dynamic_metadata.fields["envoy.lb"].struct_value
+    assert lb.fields["x-gateway-destination-endpoint"].string_value == listed
+
+
 def test_the_body_is_re_emitted_in_pieces_of_at_most_62000_bytes():
     body = bytes(range(256)) * 500  # 128,000 bytes
     pieces = list(messages.body_chunks(body))

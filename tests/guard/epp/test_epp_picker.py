@@ -12,6 +12,7 @@ from guard.admission.shedding import Rejection
 from guard.config import GuardConfig
 from guard.controller import AdmissionController
 from guard.epp.picker import EndpointPicker, Route, endpoint_of_url
+from guard.proxy.health import ReplicaHealth
 from guard.replicas.load_state import LoadState
 from tests.support.admission import FakeClock, SlotPolicy, state_doc
 
@@ -89,6 +90,65 @@ def test_an_admitted_request_routes_to_its_replica_and_the_response_feeds_its_ti
         assert picker.controller.tickets.num_held == 0
         await picker.controller.aclose()
     run(main())
+
+
+def test_fallbacks_name_the_next_routable_replicas_of_the_subset():
+    async def main():
+        picker = make_picker()
+        picker.num_fallbacks = 1
+        exchange, route = await decide(picker)
+        other = "r1" if route.replica_id == "r0" else "r0"
+        assert route.fallbacks == (ENDPOINTS[other],)
+        assert route.destination == f"{route.endpoint},{ENDPOINTS[other]}"
+        exchange.close(reset=True)
+        exchange, route = await decide(picker, subset=[ENDPOINTS["r1"]])
+        assert route.replica_id == "r1" and route.fallbacks == ()  # nothing else allowed
+        exchange.close(reset=True)
+        picker.controller.load_state.mark_unhealthy("r1", 1.0)
+        exchange, route = await decide(picker)
+        assert route.replica_id == "r0" and route.fallbacks == ()  # nothing else routable
+        exchange.close(reset=True)
+        await picker.controller.aclose()
+    run(main())
+
+
+def test_served_by_a_fallback_moves_the_reservation_and_counts_a_failure_of_the_pick():
+    async def main():
+        picker = make_picker()
+        health = ReplicaHealth({rid: f"http://{e}" for rid, e in ENDPOINTS.items()}, 2, 60.0,
+                               lambda rid: None, _never, picker.controller.clock)
+        picker.health = health
+        exchange, route = await decide(picker)
+        picked, other = route.replica_id, "r1" if route.replica_id == "r0" else "r0"
+        load_state = picker.controller.load_state
+        request_id = exchange.admitted.request_id
+        assert load_state.reservation(request_id).replica_id == picked
+        added = dict(exchange.on_response_headers(
+            {":status": "200", "content-type": "text/event-stream",
+             "x-envoy-upstream-service-time": "3"}, ENDPOINTS[other]))
+        assert load_state.reservation(request_id).replica_id == other
+        assert exchange.admitted.replica_id == other and added["x-kvguard-replica"] == other
+        assert health.consecutive_failures(picked) == 1  # Envoy could not use the pick
+        assert health.consecutive_failures(other) == 0
+        for chunk in SSE:
+            exchange.on_response_body(chunk, chunk is SSE[-1])
+        exchange.close(reset=False)
+        assert load_state.reservation(request_id) is None
+        assert picker.controller.tickets.num_held == 0
+        # served where it was sent, or somewhere this picker does not know: nothing moves
+        for served in ("same", "10.9.9.9:1"):
+            exchange, route = await decide(picker)
+            request_id = exchange.admitted.request_id
+            exchange.on_response_headers({":status": "200"},
+                                         route.endpoint if served == "same" else served)
+            assert load_state.reservation(request_id).replica_id == route.replica_id
+            exchange.close(reset=True)
+        await picker.controller.aclose()
+    run(main())
+
+
+async def _never(replica_id):
+    return False
 
 
 def test_a_reset_stream_releases_the_ticket_canceled():
