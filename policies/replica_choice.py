@@ -27,8 +27,8 @@ TTFT_TIE_S = 0.001
 
 
 def admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[Option],
-           safety_ratio: float, patience_s: Patience | None = None,
-           itl_ratio: float = 1.0, affinity_ratio: float = 0.0) -> Admit | None:
+          safety_ratio: float, patience_s: Patience | None = None,
+          itl_ratio: float = 1.0, affinity_ratio: float = 0.0) -> Admit | None:
     """The lowest predicted TTFT among the replicas that fit now; forecasts within
     ``TTFT_TIE_S`` of each other tie, and a tie goes to the first in least-loaded order
     (requests ÷ weight, then free KV, then the heavier, then the id) — so equal idle replicas
@@ -82,7 +82,7 @@ def _warmest(cost: RequestCost, snapshot: LoadSnapshot, options: list[Option], b
             continue
         ttft_s = f.ttft_s
         if ttft_s > bound_s or not fits_but_pacing(cost, snapshot, replica, f, ttft_s,
-                                                    safety_ratio, patience_s):
+                                                   safety_ratio, patience_s):
             continue
         if paced(cost, snapshot, replica, f, itl_ratio):
             best, best_ttft_s, most = (replica, f), ttft_s, cached

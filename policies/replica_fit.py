@@ -26,8 +26,8 @@ __all__ = ["first_token_by_s", "fits_but_pacing", "fits_now", "itl_attainable", 
 
 
 def fits_now(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
-              f: TtftForecast, ttft_s: float, safety_ratio: float,
-              patience_s: Patience | None, itl_ratio: float) -> bool:
+             f: TtftForecast, ttft_s: float, safety_ratio: float,
+             patience_s: Patience | None, itl_ratio: float) -> bool:
     """No wait for blocks or a slot, the first token by the deadline with the headroom, the
     joined decode step within the class ITL and every running stream's, and the next prefill
     step within the tightest running ITL (prefill pacing)."""
@@ -36,7 +36,7 @@ def fits_now(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot
 
 
 def paced(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
-           f: TtftForecast, itl_ratio: float) -> bool:
+          f: TtftForecast, itl_ratio: float) -> bool:
     """The next prefill step, this prompt in, within the tightest running ITL."""
     return not (replica.load.num_seqs and f.num_queued_prefill_tokens  # else nothing to pace
                 and not prefill_fits_gaps(cost, replica, snapshot.step_time, snapshot.now_s,
@@ -44,8 +44,8 @@ def paced(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
 
 
 def fits_but_pacing(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
-                     f: TtftForecast, ttft_s: float, safety_ratio: float,
-                     patience_s: Patience | None) -> bool:
+                    f: TtftForecast, ttft_s: float, safety_ratio: float,
+                    patience_s: Patience | None) -> bool:
     """Every check of :func:`_fits_now` but the prefill pacing."""
     if f.num_missing_blocks > 0 or f.num_missing_seqs > 0:
         return False
