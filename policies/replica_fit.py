@@ -46,7 +46,7 @@ def paced(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
 def fits_but_pacing(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
                     f: TtftForecast, ttft_s: float, safety_ratio: float,
                     patience_s: Patience | None) -> bool:
-    """Every check of :func:`_fits_now` but the prefill pacing."""
+    """Every check of :func:`fits_now` but the prefill pacing."""
     if f.num_missing_blocks > 0 or f.num_missing_seqs > 0:
         return False
     now_s = snapshot.now_s
