@@ -100,7 +100,20 @@ class Scenario:
                 "--time-scale", repr(self.scale), "--max-num-seqs", str(a.max_num_seqs),
                 "--max-num-batched-tokens", str(a.max_num_batched_tokens),
                 *(["--num-blocks", str(a.num_blocks)] if a.num_blocks is not None else []),
-                "--http", a.replica_http]
+                "--http", a.replica_http,
+                # the precise view subscribes to the replicas' KV-cache events
+                *(["--kv-events-endpoint", "tcp://127.0.0.1:*"]
+                  if getattr(a, "prefix_cache", "approximate") == "precise" else [])]
+
+    def guard_settings(self, out: Path) -> dict:
+        """Top-level guard keys of every row: the prefix-cache view (``--prefix-cache``).
+        The precise view needs a tokenizer key; the bench's prompts are token ids, which the
+        view hashes as sent, so a placeholder ``tokenizer.json`` (written to ``out``) is
+        enough: it never tokenizes a prompt here."""
+        mode = getattr(self.args, "prefix_cache", "approximate")
+        if mode != "precise":
+            return {}  # the guard's default view
+        return {"prefix_cache": mode, "tokenizer": placeholder_tokenizer(out)}
 
     def load_args(self, url: str, rate: float, out: Path, duration_s: float | None = None,
                   warmup_s: float | None = None, shape: str | None = None,
@@ -129,6 +142,20 @@ class Scenario:
         workload = workload_from_args(self.args)
         extra = getattr(workload, "prefix_tokens", 0) or getattr(workload, "system_tokens", 0)
         return _mean(self.prompt) + _mean(self.output) + extra
+
+
+def placeholder_tokenizer(out: Path) -> str:
+    """A one-word ``tokenizer.json`` in ``out`` (for configs that need a tokenizer key while
+    every prompt is sent as token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = out / "tokenizer.json"
+    if not path.exists():
+        tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        out.mkdir(parents=True, exist_ok=True)
+        tok.save(str(path))
+    return str(path)
 
 
 def _mean(dist: LengthDist) -> float:
@@ -194,6 +221,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", type=float, default=None,
                    help="skip the probe and sweep; use this C (req/s at this time scale; "
                         "per replica with --fleet)")
+    p.add_argument("--prefix-cache", choices=("approximate", "precise"), default="approximate",
+                   help="the guard's prefix-cache view in every row (default approximate; "
+                        "precise: fed by the replicas' KV-cache events)")
     p.add_argument("--fleet", type=int, default=0, metavar="N",
                    help="run every row through `kvguard proxy` in front of N sim replicas "
                         "(C = N x one replica's; the reference row is always_admit) instead "
@@ -285,7 +315,8 @@ def run_policy(scenario: Scenario, policy: str | None, rate: float, cap_rps: flo
         c = scenario.request_class
         config = write_guard_config(str(out / "guard.toml"), policy=policy, ttft_s=c.ttft_s,
                                     itl_s=c.itl_s, trace_path=str(trace),
-                                    policy_params=policy_params(policy, scenario, cap_rps))
+                                    policy_params=policy_params(policy, scenario, cap_rps),
+                                    settings=scenario.guard_settings(out.parent))
         engine_args += ["--guard", config]
     with ReplicaProcess.start(engine_args) as replica:
         summary = run_once(scenario.load_args(replica.base_url, rate, out, step_traces=[steps]),

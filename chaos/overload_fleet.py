@@ -90,7 +90,8 @@ class Fleet:
         guard_policy = "slo" if policy in ENVOY_ROWS else policy  # the EPP's (unused: Envoy's)
         config = write_guard_config(str(out / "guard.toml"), policy=guard_policy, ttft_s=c.ttft_s,
                                     itl_s=c.itl_s, trace_path=str(trace),
-                                    policy_params=policy_params, extra_toml=_PROXY_TOML)
+                                    policy_params=policy_params, extra_toml=_PROXY_TOML,
+                                    settings=self.scenario.guard_settings(out.parent))
         fronts = self._fronts(policy, config, out)
         try:
             for child in fronts:

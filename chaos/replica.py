@@ -116,11 +116,13 @@ def exit_on_sigterm() -> None:
 
 def write_guard_config(path: str, *, policy: str, ttft_s: float, itl_s: float,
                        policy_params: dict | None = None, trace_path: str | None = None,
-                       extra_toml: str = "") -> str:
+                       extra_toml: str = "", settings: dict | None = None) -> str:
     """A minimal guard TOML: one ``interactive`` class with the given SLO and one policy;
-    ``extra_toml`` (tables such as ``[[tenants]]``) is appended as given."""
+    ``settings`` are more top-level keys; ``extra_toml`` (tables such as ``[[tenants]]``) is
+    appended as given."""
     lines = [f'policy = "{policy}"', 'default_class = "interactive"',
              "anonymous_may_choose_class = true"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in (settings or {}).items()]
     if trace_path:
         lines.append(f'trace_path = "{trace_path}"')
     lines += ["", "[classes.interactive]", f"ttft_s = {ttft_s!r}", f"itl_s = {itl_s!r}",

@@ -262,7 +262,7 @@ class LLMEngine:
                 **self._prefix_cache_state(),
                 "now_s": self._clock(),
                 "running": [self._seq_state(s) for s in self.scheduler.running],
-                "waiting": [self._seq_state(s) for s in self.scheduler.waiting],
+                "waiting": [self._seq_state(s, waiting=True) for s in self.scheduler.waiting],
                 # vars(), not asdict(): no deep copies of plain numbers, on the engine thread
                 "iterations": [dict(vars(r)) for r in self._iterations],
                 "timing_model": getattr(self.runner, "timing_model", None),
@@ -280,8 +280,14 @@ class LLMEngine:
                 "kv_events_endpoint": self._kv_events_endpoint,
                 "kv_events_replay_endpoint": self._kv_events_replay_endpoint}
 
-    def _seq_state(self, seq: Sequence) -> dict:
+    def _seq_state(self, seq: Sequence, waiting: bool = False) -> dict:
         to_prefill = seq.num_uncomputed_tokens - (1 if seq.num_output_tokens else 0)
+        if waiting and not seq.num_computed_tokens:
+            # what it will prefill once scheduled: its cached prefix is found then, not prefilled
+            # (a lookup that changes nothing; an eviction meanwhile can still shorten the hit)
+            bm = self.block_manager
+            hits = bm.find_cached_blocks(seq.block_hashes, (seq.num_tokens - 1) // bm.block_size)
+            to_prefill -= len(hits) * bm.block_size
         return {"request_id": seq.request_id, "num_prompt_tokens": seq.num_prompt_tokens,
                 "num_output_tokens": seq.num_output_tokens, "max_tokens": seq.params.max_tokens,
                 "num_context_tokens": seq.num_tokens, "num_prefill_tokens_remaining": to_prefill,

@@ -82,6 +82,23 @@ class RequestCost:
         shares (taken off once, whatever ``n``: conservative for several choices)."""
         return self.num_blocks - self.num_cached_tokens_on(replica_id, block_size) // block_size
 
+    def footprint_at_best_hit(self) -> tuple[int, int]:
+        """Prompt tokens to prefill and KV blocks to allocate on the replica expected to hold
+        the most of the request's prefix (the whole prompt and ``num_blocks`` when none holds
+        any): what a request waiting in the guard's queue is counted as by the requests behind
+        it (:class:`policies.snapshot.QueuedAhead`), since the policy sends it where its
+        prefix is. The blocks it shares are its worst case's share of the cached tokens
+        (the pricer's block size is not kept on the cost), rounded down."""
+        cached = self.cached_prefix_tokens
+        if not cached:
+            return self.num_prompt_tokens, self.num_blocks
+        hit = min(max(cached.values()), self.num_prompt_tokens - 1)
+        if hit <= 0:
+            return self.num_prompt_tokens, self.num_blocks
+        num_tokens = self.num_prompt_tokens + self.max_tokens
+        return (self.num_prompt_tokens - hit,
+                self.num_blocks - self.num_blocks * hit // num_tokens if num_tokens else 0)
+
     @property
     def num_reserved_tokens(self) -> int:
         """Worst-case tokens this request may hold: prompt + max_tokens."""

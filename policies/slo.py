@@ -55,19 +55,9 @@ forecast alike) in least-loaded order, requests ÷ weight first. Without fresh s
 with ``state_source = "none"``) the stale rule below routes by requests ÷ weight, so there the
 traffic splits as the weights say.
 
-Stale rule: with no fresh state the policy cannot predict, so it admits to the least-loaded
-(requests ÷ weight) healthy replica only while the guard's in-flight count is below
-``stale_max_inflight_per_replica`` per healthy replica (a total: the weights split it). Where
-the guard has learned replicas' concurrency limits (``ReplicaSnapshot.concurrency_limit``,
-:mod:`policies.concurrency_limit`), each replica of unknown capacity is held to its own learned
-limit instead (never above the sequences it says it runs at once, ``max_num_seqs``: llama.cpp's
-slots) (the least-loaded replica still under its limit takes the request; the fixed cap
-remains for replicas whose capacity is known but stale), and only where the replica's learned
-dispatch-to-first-token time (``ReplicaSnapshot.first_token_s``) × ``ttft_safety_ratio`` still
-lands by the deadline (``use_learned_limits = false`` keeps the fixed cap for every replica).
-Beyond that it queues for at most ``stale_queue_s`` (state may refresh
-meanwhile; never past the last moment a dispatch could still make the deadline) and sheds 503
-``stale_state`` once even that would pass the deadline.
+Stale rule (:mod:`policies.stale_rule`): with no fresh state the policy cannot predict, so it
+admits by load alone up to a cap (``stale_max_inflight_per_replica``, or each replica's learned
+concurrency limit), queues for at most ``stale_queue_s``, then sheds 503 ``stale_state``.
 
 Client patience (:mod:`policies.client_patience`): a client that disconnects from an admitted
 request before its response ends shows how long it was willing to wait (arrival → release).
@@ -111,13 +101,12 @@ from collections.abc import Iterable, Mapping
 from policies.always_admit import NO_REPLICA
 from policies.candidates import RankedFleet, pick_candidates
 from policies.client_patience import ClientPatience, Patience
-from policies.concurrency_cap import num_inflight
 from policies.cost import RequestCost
-from policies.decision import Admit, CompletionSample, Decision, Queue, Shed
-from policies.least_loaded import least_loaded, load_order
+from policies.decision import CompletionSample, Decision, Queue, Shed
 from policies.param_check import check_int
 from policies.predictor import TtftForecast, forecast
-from policies.prefill_pacing import prefill_fits_gaps
+from policies.replica_choice import Option, admit
+from policies.replica_fit import first_token_by_s, itl_attainable
 from policies.shed_reasons import (
     CONTEXT_LENGTH_EXCEEDED,
     ITL_WAIT,
@@ -128,6 +117,7 @@ from policies.shed_reasons import (
     STALE_STATE,
 )
 from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, ReplicaSnapshot
+from policies.stale_rule import RETRY_OVER_BUDGET, decide_stale, is_retry_over_budget
 
 __all__ = [
     "SloPolicy",
@@ -142,8 +132,6 @@ __all__ = [
 ]
 
 
-_Option = tuple[ReplicaSnapshot, TtftForecast]
-RETRY_OVER_BUDGET = Shed(503, RETRY_SHED, should_retry=False)  # no wait: the client should stop
 
 
 def shed_order(costs: Iterable[RequestCost]) -> list[RequestCost]:
@@ -244,7 +232,7 @@ class SloPolicy:
         ratio = self.headroom_ratio(now_s)
         patience_s = self.patience.estimate(cost.request_class.name, now_s, cost.tenant,
                                             cost.client)
-        return (_admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio,
+        return (admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio,
                        self.cache_affinity_ratio)
                 or self._queue_or_shed(cost, snapshot, options, ratio, patience_s))
 
@@ -272,7 +260,9 @@ class SloPolicy:
         if now_s >= cost.deadline_s:
             return Shed(503, SLO_UNATTAINABLE)
         if not fresh:
-            return self._decide_stale(cost, snapshot, [r for r in replicas if r.healthy])
+            return decide_stale(cost, snapshot, [r for r in replicas if r.healthy],
+                                self.stale_max_inflight_per_replica, self.stale_queue_s,
+                                self.use_learned_limits, self.ttft_safety_ratio)
         step_time = snapshot.step_time
         options = []
         for r in fresh:
@@ -284,7 +274,7 @@ class SloPolicy:
                  and 0.0 <= now_s - last_s <= self.pressure_hold_s else 1.0)
         patience_s = self.patience.estimate(cost.request_class.name, now_s, cost.tenant,
                                             cost.client)
-        return (_admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio,
+        return (admit(cost, snapshot, options, ratio, patience_s, self.itl_safety_ratio,
                        self.cache_affinity_ratio)
                 or self._queue_or_shed(cost, snapshot, options, ratio, patience_s))
 
@@ -317,50 +307,12 @@ class SloPolicy:
         ``kvguard_client_patience_seconds`` gauge); a class without one is absent."""
         return self.patience.active(now_s)
 
-    def _decide_stale(
-        self, cost: RequestCost, snapshot: LoadSnapshot, healthy: list[ReplicaSnapshot]
-    ) -> Decision:
-        now_s = snapshot.now_s
-        latest_s = cost.deadline_s  # the last moment a dispatch can still make the deadline
-        if self.use_learned_limits and any(r.concurrency_limit is not None for r in healthy):
-            # learned limits: the least-loaded replica still under its own limit, where the
-            # replica's usual first-token time (with the TTFT headroom) lands by the deadline
-            open_ = [r for r in healthy if r.num_inflight < self._stale_limit(r)
-                     and now_s + self._first_token_wait_s(r, cost) <= cost.deadline_s]
-            if open_:
-                return Admit(least_loaded(open_).replica_id)
-            latest_s -= min(self._first_token_wait_s(r, cost) for r in healthy)
-        elif num_inflight(snapshot) < self.stale_max_inflight_per_replica * len(healthy):
-            return Admit(least_loaded(healthy).replica_id)
-        if _is_retry_over_budget(cost, snapshot):
-            return RETRY_OVER_BUDGET
-        until_s = min(latest_s, now_s + self.stale_queue_s)
-        if until_s > snapshot.now_s:
-            return Queue(until_s, STALE_STATE)
-        return Shed(503, STALE_STATE)
-
-    def _first_token_wait_s(self, replica: ReplicaSnapshot, cost: RequestCost) -> float:
-        """The replica's learned first-token time with the TTFT headroom; 0 when unknown, or
-        when even a request sent on arrival could not meet it: such an estimate cannot tell a
-        request that will make it from one that will not, and refusing everything on it would
-        stop the replica from ever being measured again."""
-        wait_s = (replica.first_token_s or 0.0) * self.ttft_safety_ratio
-        return wait_s if wait_s < cost.deadline_s - cost.arrival_s else 0.0
-
-    def _stale_limit(self, replica: ReplicaSnapshot) -> int:
-        """How many requests the stale rule lets run on ``replica``: its learned concurrency
-        limit for a replica of unknown capacity, else the fixed per-replica cap."""
-        if replica.concurrency_limit is not None and not replica.capacity_known:
-            # never past the sequences it runs at once, where it says (llama.cpp's slots)
-            return min(replica.concurrency_limit, replica.max_num_seqs)
-        return self.stale_max_inflight_per_replica
-
     def _queue_or_shed(
-        self, cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option], ratio: float,
+        self, cost: RequestCost, snapshot: LoadSnapshot, options: list[Option], ratio: float,
         patience_s: Patience | None = None,
     ) -> Decision:
         now_s = snapshot.now_s
-        if _is_retry_over_budget(cost, snapshot):
+        if is_retry_over_budget(cost, snapshot):
             return RETRY_OVER_BUDGET
         ahead = snapshot.queued_ahead
         if ahead.num_requests:  # the fast no: forecast the earliest start, behind the queue
@@ -376,17 +328,17 @@ class SloPolicy:
         later = [
             (r, f)
             for r, f in options
-            if now_s + f.ttft_s * ratio <= _first_token_by_s(cost, snapshot, f, patience_s)
-            and _itl_attainable(cost, snapshot, r)
+            if now_s + f.ttft_s * ratio <= first_token_by_s(cost, snapshot, f, patience_s)
+            and itl_attainable(cost, snapshot, r)
         ]
         if later:
             _, best = min(later, key=lambda o: o[1].ttft_s)
-            until_s = (_first_token_by_s(cost, snapshot, best, patience_s)
+            until_s = (first_token_by_s(cost, snapshot, best, patience_s)
                        - best.own_prefill_s * ratio)
             if until_s > now_s:
                 reason = KV_WAIT if best.is_blocked else ITL_WAIT
                 return Queue(until_s, reason, _since_arrival(cost, now_s, best))
-        if options and not any(_itl_attainable(cost, snapshot, r) for r, _ in options):
+        if options and not any(itl_attainable(cost, snapshot, r) for r, _ in options):
             # even alone on an idle replica one decode step exceeds the class ITL: never
             return Shed(503, SLO_UNATTAINABLE, should_retry=False)
         self._last_overload_shed_s = now_s
@@ -406,150 +358,11 @@ def _with_prefix_holders(chosen: list[ReplicaSnapshot], fleet: RankedFleet,
     position = fleet.position
     return sorted((*chosen, *extra), key=lambda r: position[r.replica_id])
 
-def _is_retry_over_budget(cost: RequestCost, snapshot: LoadSnapshot) -> bool:
-    return cost.is_retry and snapshot.retry_budget.is_over(cost.tenant)
-
-
 def _never_servable(cost: RequestCost, replicas: tuple[ReplicaSnapshot, ...]) -> Shed:
     """The 400 for a request no replica can ever run (``never_fits`` on every one)."""
     if any(cost.num_reserved_tokens <= r.max_model_len for r in replicas):
         return Shed(400, NO_KV_CAPACITY, should_retry=False)
     return Shed(400, CONTEXT_LENGTH_EXCEEDED, should_retry=False)
-
-
-# Forecasts closer than this are a tie: the TTFT model is not that precise, and the load a
-# request adds to (every stream on the replica waits on its steps) then matters more.
-TTFT_TIE_S = 0.001
-
-
-def _admit(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option],
-           safety_ratio: float, patience_s: Patience | None = None,
-           itl_ratio: float = 1.0, affinity_ratio: float = 0.0) -> Admit | None:
-    """The lowest predicted TTFT among the replicas that fit now; forecasts within
-    ``TTFT_TIE_S`` of each other tie, and a tie goes to the first in least-loaded order
-    (requests ÷ weight, then free KV, then the heavier, then the id) — so equal idle replicas
-    share a burst by weight, never all to whichever replica's state happened to arrive first.
-    The prediction times ``safety_ratio`` must land by the deadline (and, while a client
-    patience estimate is active, early enough for the whole response to end within it); the
-    next prefill step times ``itl_ratio`` must fit the tightest running ITL.
-
-    Cache affinity: when replicas hold different shares of the request's prefix, a replica
-    that fits now and holds more of it wins over the lowest forecast if its own forecast is
-    within ``affinity_ratio`` of that one (the forecast is no more precise than that): the
-    prefill it saves is compute the whole fleet keeps, and the prefix stays warm in one place
-    instead of being prefilled cold beside another replica's running streams."""
-    best: _Option | None = None
-    best_ttft_s = 0.0
-    now_s = snapshot.now_s
-    for replica, f in options:
-        ttft_s = f.wait_s + f.queued_prefill_s + f.own_prefill_s  # f.ttft_s, inlined
-        if best is not None:
-            if ttft_s > best_ttft_s + TTFT_TIE_S:
-                continue
-            if ttft_s >= best_ttft_s - TTFT_TIE_S and load_order(replica) >= load_order(best[0]):
-                continue
-        if _fits_now(cost, snapshot, replica, f, ttft_s, safety_ratio, patience_s, itl_ratio):
-            best, best_ttft_s = (replica, f), ttft_s
-    if best is None:
-        return None
-    if cost.cached_prefix_tokens and affinity_ratio > 0.0:
-        warm = _warmest(cost, snapshot, options, best, best_ttft_s, safety_ratio, patience_s,
-                        itl_ratio, affinity_ratio)
-        if warm is None:
-            return None  # wait a step or two for the warm replica's prefill to drain
-        best, best_ttft_s = warm
-    return Admit(best[0].replica_id, max(0.0, now_s - cost.arrival_s) + best_ttft_s)
-
-
-def _fits_now(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
-              f: TtftForecast, ttft_s: float, safety_ratio: float,
-              patience_s: Patience | None, itl_ratio: float) -> bool:
-    """No wait for blocks or a slot, the first token by the deadline with the headroom, the
-    joined decode step within the class ITL and every running stream's, and the next prefill
-    step within the tightest running ITL (prefill pacing)."""
-    return (_fits_but_pacing(cost, snapshot, replica, f, ttft_s, safety_ratio, patience_s)
-            and _paced(cost, snapshot, replica, f, itl_ratio))
-
-
-def _paced(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
-           f: TtftForecast, itl_ratio: float) -> bool:
-    """The next prefill step, this prompt in, within the tightest running ITL."""
-    return not (replica.load.num_seqs and f.num_queued_prefill_tokens  # else nothing to pace
-                and not prefill_fits_gaps(cost, replica, snapshot.step_time, snapshot.now_s,
-                                          f.num_queued_prefill_tokens, itl_ratio))
-
-
-def _fits_but_pacing(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot,
-                     f: TtftForecast, ttft_s: float, safety_ratio: float,
-                     patience_s: Patience | None) -> bool:
-    """Every check of :func:`_fits_now` but the prefill pacing."""
-    if f.num_missing_blocks > 0 or f.num_missing_seqs > 0:
-        return False
-    now_s = snapshot.now_s
-    if now_s + ttft_s * safety_ratio > cost.deadline_s:
-        return False
-    join_step_s = f.join_step_s
-    if join_step_s > cost.request_class.itl_s:
-        return False
-    load = replica.load
-    if load.min_itl_s is not None and join_step_s > load.min_itl_s:
-        return False
-    return patience_s is None or now_s + ttft_s * safety_ratio <= _first_token_by_s(
-        cost, snapshot, f, patience_s)
-
-
-def _warmest(cost: RequestCost, snapshot: LoadSnapshot, options: list[_Option], best: _Option,
-             best_ttft_s: float, safety_ratio: float, patience_s: Patience | None,
-             itl_ratio: float, affinity_ratio: float) -> tuple[_Option, float] | None:
-    """The replica holding the most of the prefix among those that fit now with a forecast
-    within ``affinity_ratio`` of the best one (``best`` itself when none holds more) — or
-    None (wait) when a replica holding more fits but for the prefill pacing: its pending
-    prefill drains in a step or two, while a colder replica would prefill the prefix again
-    beside its own streams."""
-    bound_s = best_ttft_s * (1.0 + affinity_ratio) + TTFT_TIE_S
-    most = cost.num_cached_tokens_on(best[0].replica_id, best[0].block_size)
-    paced_out = 0  # the most cached on a replica that fits but for the pacing
-    for replica, f in options:
-        cached = cost.num_cached_tokens_on(replica.replica_id, replica.block_size)
-        if cached <= most:
-            continue
-        ttft_s = f.ttft_s
-        if ttft_s > bound_s or not _fits_but_pacing(cost, snapshot, replica, f, ttft_s,
-                                                    safety_ratio, patience_s):
-            continue
-        if _paced(cost, snapshot, replica, f, itl_ratio):
-            best, best_ttft_s, most = (replica, f), ttft_s, cached
-        else:
-            paced_out = max(paced_out, cached)
-    if paced_out > most:
-        return None
-    return best, best_ttft_s
-
-
-def _first_token_by_s(cost: RequestCost, snapshot: LoadSnapshot, f: TtftForecast,
-                     patience: Patience | None) -> float:
-    """When the first token must land: the class deadline, and — while a client patience
-    estimate is active — early enough that the expected decode (expected output tokens × the
-    forecast join step, or × the decode time per token recent streams saw when that is
-    longer) ends within the patience from arrival. A request that could not end within the
-    patience even alone on an idle replica is held to its deadline only: shedding it would not
-    be the load's doing."""
-    if patience is None:
-        return cost.deadline_s
-    patience_s, step_s, runs_to_max_tokens = patience
-    # While recent answers ran to their max_tokens, a request's own max_tokens is its length.
-    # The guard's pricer already counts capped and abandoned endings as lower bounds
-    # (guard.request.output_lengths); a cost priced by anything else may hold a plain mean of the
-    # survivors (the short requests that finished before their clients left), and a long
-    # request priced at it is admitted only to be abandoned.
-    num_steps = max(0, (cost.max_tokens if runs_to_max_tokens
-                        else cost.num_expected_output_tokens) - 1)
-    alone_s = f.own_prefill_s + num_steps * snapshot.step_time.step_s(0, 1, cost.num_prompt_tokens)
-    if alone_s > patience_s:
-        return cost.deadline_s
-    if step_s is None or step_s < f.join_step_s:
-        step_s = f.join_step_s
-    return min(cost.deadline_s, cost.arrival_s + patience_s - num_steps * step_s)
 
 
 def _decode_step_s(sample: CompletionSample) -> float | None:
@@ -561,13 +374,7 @@ def _decode_step_s(sample: CompletionSample) -> float | None:
     return max(0.0, sample.elapsed_s - sample.ttft_s) / (sample.num_output_tokens - 1)
 
 
-def _itl_attainable(cost: RequestCost, snapshot: LoadSnapshot, replica: ReplicaSnapshot) -> bool:
-    """Alone on the replica, the request's decode step would meet its class ITL."""
-    alone_s = snapshot.step_time.step_s(0, 1, cost.num_prompt_tokens)
-    return alone_s <= cost.request_class.itl_s
-
-
-def _shed(options: list[_Option]) -> Shed:
+def _shed(options: list[Option]) -> Shed:
     waits = [f.wait_s for _, f in options if f.num_missing_blocks > 0]
     if not options or waits:
         retry_after_s = min(waits) if waits and min(waits) > 0 else None

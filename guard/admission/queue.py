@@ -104,9 +104,10 @@ class AdmissionQueue:
     def _count(self, cost: RequestCost, sign: int) -> None:
         rank = (cost.request_class.priority, cost.is_retry)
         totals = self._by_rank.setdefault(rank, [0, 0, 0])
+        num_tokens, num_blocks = cost.footprint_at_best_hit()
         totals[0] += sign
-        totals[1] += sign * cost.num_prompt_tokens
-        totals[2] += sign * cost.num_blocks
+        totals[1] += sign * num_tokens
+        totals[2] += sign * num_blocks
         if totals[0] == 0:
             del self._by_rank[rank]
 
@@ -124,7 +125,7 @@ class AdmissionQueue:
             result = _decide_one(waiter, decide, now_s, ahead)
             if result is None:
                 kept.append(waiter)
-                ahead = ahead.plus(waiter.cost.num_prompt_tokens, waiter.cost.num_blocks)
+                ahead = ahead.plus(*waiter.cost.footprint_at_best_hit())
                 continue
             _resolve(waiter, result)
             self._count(waiter.cost, -1)

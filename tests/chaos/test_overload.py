@@ -226,3 +226,22 @@ def test_sdk_users_are_summarized_per_user_from_their_arrival():
     row = summarize_users(users, RequestClass("interactive", 1.0, 0.1), (1.0, 5.0), cap_rps=2.0)
     assert row == {"num_users": 4, "attempts_per_user": 1.25, "goodput_rps": 0.5,
                    "goodput_over_c": 0.25}
+
+
+def test_prefix_cache_precise_subscribes_the_guard_to_the_replicas_kv_events(tmp_path):
+    from chaos.replica import write_guard_config
+    from guard.config import load_config
+
+    approximate = scenario("--workload", "shared-prefix")
+    assert approximate.guard_settings(tmp_path) == {}
+    assert "--kv-events-endpoint" not in approximate.engine_args()
+    precise = scenario("--workload", "shared-prefix", "--prefix-cache", "precise")
+    engine_args = precise.engine_args()
+    assert engine_args[engine_args.index("--kv-events-endpoint") + 1] == "tcp://127.0.0.1:*"
+    path = write_guard_config(str(tmp_path / "guard.toml"), policy="slo", ttft_s=4.0,
+                              itl_s=0.32, settings=precise.guard_settings(tmp_path))
+    config = load_config(path)  # a config the guard accepts: precise needs its tokenizer key
+    assert config.prefix_cache == "precise"
+    assert config.tokenizer == str(tmp_path / "tokenizer.json")
+    with pytest.raises(SystemExit):
+        scenario("--prefix-cache", "exact")

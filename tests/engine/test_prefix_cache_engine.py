@@ -168,3 +168,20 @@ def test_reset_prefix_cache_needs_an_idle_engine_and_tells_the_sink():
     engine.add_request("b", prompt, SamplingParams.greedy_params(1))
     out = [o for _ in range(5) for o in engine.step().outputs]
     assert out[0].num_cached_tokens == 0  # nothing left to hit
+
+
+def test_a_waiting_request_reports_only_its_uncached_prompt_as_prefill_left():
+    """The state of a request still waiting to be scheduled: the prefill it will do, its
+    cached prefix left out (the guard forecasts and paces by it)."""
+    engine = LLMEngine.from_preset("tiny", device="cpu", num_blocks=32, check_invariants=True)
+    prompt = list(range(300, 340))  # 40 tokens: 2 full blocks of 16, then 8
+    engine.add_request("a", prompt, SamplingParams.greedy_params(1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("warm", [*prompt[:32], 7, 8, 9], SamplingParams.greedy_params(1))
+    engine.add_request("cold", list(range(500, 535)), SamplingParams.greedy_params(1))
+    waiting = {s["request_id"]: s for s in engine.state()["waiting"]}
+    assert waiting["warm"]["num_prefill_tokens_remaining"] == 35 - 32
+    assert waiting["cold"]["num_prefill_tokens_remaining"] == 35
+    out = [o for _ in range(5) for o in engine.step().outputs]
+    assert {o.request_id: o.num_cached_tokens for o in out}["warm"] == 32

@@ -139,3 +139,27 @@ def test_a_full_queue_sheds_retries_before_first_attempts_of_the_same_class():
         assert q.push(make_cost("r2", deadline_s=0.5, is_retry=True), 9.0, 0.0) == \
             Shed(503, QUEUE_FULL)
     run(main())
+
+
+def test_a_waiter_whose_prefix_is_cached_counts_only_its_uncached_part_ahead():
+    """A queued request goes where its prefix is cached: the requests behind it wait for its
+    uncached prompt and new blocks there, not its whole prompt (2,000 of 2,100 tokens cached
+    on r2: 100 tokens and 11 of its 136 blocks — 125 of them hold 2,000 of its 2,164)."""
+    import dataclasses
+
+    async def main():
+        q = AdmissionQueue(8, FakeClock())
+        warm = dataclasses.replace(make_cost("warm", num_blocks=136), num_prompt_tokens=2100,
+                                   max_tokens=64, cached_prefix_tokens={"r1": 1000, "r2": 2000})
+        q.push(warm, 9.0, 0.0)
+        ahead = q.ahead_of(make_cost("new"))
+        assert (ahead.num_requests, ahead.num_prefill_tokens, ahead.num_blocks) == (1, 100, 11)
+        seen = []
+        q.pump(lambda c, t, behind: seen.append(behind) or None, 0.5)  # both stay queued
+        q.push(make_cost("next"), 9.0, 0.0)
+        q.pump(lambda c, t, behind: seen.append(behind) or None, 0.6)
+        assert (seen[-1].num_prefill_tokens, seen[-1].num_blocks) == (100, 11)
+        cold = dataclasses.replace(warm, request_id="cold", cached_prefix_tokens={})
+        q.push(cold, 9.0, 0.0)
+        assert q.ahead_of(make_cost("new")).num_prefill_tokens == 100 + 10 + 2100
+    run(main())
