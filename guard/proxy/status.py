@@ -140,6 +140,7 @@ class ProxyStatus:
 
 def _stream_counts(source: Any) -> dict:
     """A streamed replica's events, resyncs and lost deltas (nothing for the others)."""
+    source = getattr(source, "stream", source)  # ``auto``: the stream it chose, if any
     if not hasattr(source, "num_resyncs"):
         return {}
     return {"stream_events": source.num_events, "stream_resyncs": source.num_resyncs,
