@@ -98,8 +98,10 @@ class AutoStateSource:
             self._source.listen(listener)
 
     async def aclose(self) -> None:
-        source, self._source = self._source, None
+        """Close a chosen stream; a later fetch probes again."""
+        source = self._source
         if isinstance(source, StreamStateSource):
+            self._source, self._probed_s, self.kind = None, None, "none"
             await source.aclose()
 
     async def _probe(self) -> None:
