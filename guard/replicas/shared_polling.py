@@ -82,6 +82,8 @@ class PollingShards:
                                   ("shard_heartbeat", "shard_publish", "shard_read"))
         self._task: asyncio.Task | None = None
         self._failing = False
+        self._batch: list | None = None  # reads waiting for this iteration's call
+        self._reads: set[asyncio.Task] = set()
 
     def owner(self, url: str) -> str | None:
         """The live decider that polls ``url`` (None: no list, this one polls it)."""
@@ -136,7 +138,35 @@ class PollingShards:
                               round(self.ttl_s * 10_000)])
 
     async def read(self, url: str, version: str) -> list:
-        return await self._call("shard_read", [snapshot_key(url)], [version])
+        """``[Redis ms now, t, by, kind, version, error, snapshot]`` (``[now]`` when nothing
+        is published). The reads asked for in one event-loop iteration (a poller round's)
+        travel in one call."""
+        if self._batch is None:
+            self._batch = []
+            asyncio.get_running_loop().call_soon(self._flush)
+        future = asyncio.get_running_loop().create_future()
+        self._batch.append((url, version, future))
+        return await future
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch or [], None
+        task = asyncio.get_running_loop().create_task(self._read_many(batch))
+        self._reads.add(task)
+        task.add_done_callback(self._reads.discard)
+
+    async def _read_many(self, batch: list) -> None:
+        try:
+            result = await self._call("shard_read", [snapshot_key(url) for url, _, _ in batch],
+                                      [version for _, version, _ in batch])
+        except Exception as exc:
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        now_ms = result[0]
+        for (_, _, future), record in zip(batch, result[1:], strict=True):
+            if not future.done():
+                future.set_result([now_ms, *record])
 
     def start(self) -> None:
         if self._task is None or self._task.done():

@@ -145,3 +145,34 @@ def test_rendezvous_moves_only_the_leavers_share():
     shards.live = ("a", "b")
     two = {url: shards.owner(url) for url in urls}
     assert all(two[u] == three[u] for u in urls if three[u] != "c")
+
+
+def test_without_redis_each_proxy_polls_every_replica():
+    """Redis unreachable: the live list is empty and every replica is polled here."""
+    from redis_servers import free_port
+
+    from guard.replicas.load_state import LoadState
+    from guard.replicas.poller import HttpStateSource, StatePoller
+
+    async def main():
+        fleet = StateFleet(StateFleetConfig(tick_s=0.005))
+        await fleet.start(2)
+        shards = PollingShards(f"redis://127.0.0.1:{free_port()}/0", ttl_s=1.0, timeout_s=0.2)
+        load = LoadState()
+        import httpx
+        async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
+            sources = {rid: SharedStateSource(HttpStateSource(url, client=client), url, shards)
+                       for rid, url in fleet.urls.items()}
+            poller = StatePoller(load, sources, interval_s=60.0)
+            try:
+                assert await shards.heartbeat() == ()
+                await poller.refresh_now()
+            finally:
+                await poller.stop()
+                await shards.stop()
+                await fleet.stop()
+        return sources, load, shards
+
+    sources, load, shards = asyncio.run(asyncio.wait_for(main(), 30))
+    assert all(s.num_polls == 1 and s.polled_by == shards.decider_id for s in sources.values())
+    assert all(load.replica_snapshot(rid).capacity_known for rid in sources)
