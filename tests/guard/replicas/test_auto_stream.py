@@ -145,3 +145,54 @@ def test_the_proxy_shows_which_replica_streams_and_why():
     assert rows["streamed"]["stream_events"] >= 1 and "stream_events" not in rows["polled"]
     assert rows["polled"]["state_source_chosen"] == "kvguard", rows
     assert "no state stream" in rows["polled"]["state_source_reason"]
+
+
+def test_a_stream_route_that_goes_away_sends_auto_back_to_polling(caplog):
+    """The replica is replaced by one without the stream (its stream ends, a new one is
+    answered 404): auto drops the stream and probes again, and polls."""
+    from serving.state_delta import serve_state_stream
+
+    caplog.set_level(logging.INFO, logger="guard.replicas.auto_source")
+    replica = StateReplica(lambda p, d, c: 0.01, num_total_blocks=500, max_num_seqs=8,
+                           max_num_batched_tokens=512)
+    inner = _ReplicaApp(replica, lambda: 0.0)
+    offered = [True]
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/kvguard/state/stream":
+            if offered[0]:
+                return await serve_state_stream(scope, receive, send, inner._compact,
+                                                serving=lambda: offered[0])
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            return await send({"type": "http.response.body", "body": b"{}"})
+        await inner(scope, receive, send)
+
+    async def main(url):
+        load = LoadState()
+        async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
+            source = AutoStateSource(url, client=client, replica_id="r0", stream_interval_ms=20)
+            poller = StatePoller(load, {"r0": source}, interval_s=60.0)
+            try:
+                await poller.refresh_now()
+                first = source.choice
+                offered[0] = False  # the stream ends; the next one is answered 404
+                for _ in range(200):
+                    await asyncio.sleep(0.02)
+                    await poller.refresh_now()
+                    if source.choice == "kvguard":
+                        break
+                kind = type(source._source)
+                await poller.refresh_now()
+            finally:
+                await poller.stop()
+        return first, source, kind, load, poller
+
+    with LoopbackServer(app) as server:
+        first, source, kind, load, poller = asyncio.run(asyncio.wait_for(main(server.url), 30))
+    assert first == STREAM
+    assert (source.choice, kind) == ("kvguard", HttpStateSource), source.reason
+    assert "no state stream" in source.reason
+    assert load.replica_snapshot("r0").capacity_known
+    assert poller.consecutive_errors("r0") == 0
+    chosen = [r.getMessage().split(": ")[1] for r in caplog.records]
+    assert chosen == ["state_source auto chose stream", "state_source auto chose kvguard"]
