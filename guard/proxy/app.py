@@ -69,7 +69,7 @@ from guard.proxy.upstream import Forwarder
 from guard.replicas.discovery import ReplicaWatcher, replica_source
 from guard.replicas.membership import FleetMembership
 from guard.replicas.poller import state_sources
-from guard.replicas.shared_polling import PollingShards, SharedStateSource
+from guard.replicas.shared_polling import SharedStateSource, shards_for
 from guard.replicas.shared_reservations import SharedReservations
 from guard.request.body import content_length, headers_from_scope, read_body
 from guard.request.request_ids import client_request_id
@@ -122,12 +122,8 @@ class ProxyApp:
         sources = state_sources(config.replicas, self._state_client,
                                 timeout_s=config.state_timeout_s,
                                 stream_interval_s=config.refresh_interval_s)
-        self.shards: PollingShards | None = None
-        if proxy.shared_polling_ttl_s is not None:  # the proxies share the fleet's polling
-            if config.redis_url is None:
-                raise ValueError("proxy.shared_polling_ttl_s: needs redis_url (--redis)")
-            self.shards = PollingShards(config.redis_url, ttl_s=proxy.shared_polling_ttl_s,
-                                        timeout_s=config.state_timeout_s)
+        self.shards = shards_for(config)  # the proxies share the fleet's polling
+        if self.shards is not None:
             sources = {rid: self._shared(self.urls[rid], source) for rid, source in sources.items()}
         self._sources = sources  # what each replica's state source found (``auto``)
         gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}

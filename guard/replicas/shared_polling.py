@@ -1,4 +1,4 @@
-"""Several deciders (proxies) in front of one fleet share its polling through Redis.
+"""Several deciders (proxies, EPPs) in front of one fleet share its polling through Redis.
 
 With ``[proxy] shared_polling_ttl_s`` and a ``redis_url``, each decider registers in Redis
 (a zset ``kvguard:{poll}:deciders`` of id -> expiry, renewed every third of the TTL by
@@ -47,7 +47,7 @@ from guard.redact import redact_text
 from guard.replicas.engine_metrics import EngineLoad
 from guard.replicas.state_stream import UNCHANGED, StreamStateSource
 
-__all__ = ["DECIDERS_KEY", "PollingShards", "SharedStateSource", "snapshot_key"]
+__all__ = ["DECIDERS_KEY", "PollingShards", "SharedStateSource", "shards_for", "snapshot_key"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,17 @@ DECIDERS_KEY = f"{PREFIX}:{{poll}}:deciders"
 def snapshot_key(url: str) -> str:
     """The replica's shared snapshot (the same Cluster slot as the deciders' zset)."""
     return f"{PREFIX}:{{poll}}:snap:{hashlib.sha1(url.encode('utf-8')).hexdigest()[:16]}"
+
+
+def shards_for(config: Any) -> PollingShards | None:
+    """The shared polling a guard config asks for (``[proxy] shared_polling_ttl_s``, with its
+    ``redis_url``), or None; ValueError when it is asked for without Redis."""
+    ttl_s = config.proxy.shared_polling_ttl_s
+    if ttl_s is None:
+        return None
+    if config.redis_url is None:
+        raise ValueError("proxy.shared_polling_ttl_s: needs redis_url (--redis)")
+    return PollingShards(config.redis_url, ttl_s=ttl_s, timeout_s=config.state_timeout_s)
 
 
 def _rank(decider_id: str, url: str) -> bytes:

@@ -176,3 +176,43 @@ def test_without_redis_each_proxy_polls_every_replica():
     sources, load, shards = asyncio.run(asyncio.wait_for(main(), 30))
     assert all(s.num_polls == 1 and s.polled_by == shards.decider_id for s in sources.values())
     assert all(load.replica_snapshot(rid).capacity_known for rid in sources)
+
+
+def test_a_proxy_and_an_epp_share_the_polling(redis_server):
+    """``kvguard epp`` reads the same ``[proxy]`` table: an EPP and a proxy split the fleet."""
+    from guard.epp.server import EppServer
+
+    async def main():
+        fleet = StateFleet(StateFleetConfig(tick_s=0.005))
+        await fleet.start(NUM_REPLICAS)
+        proxy = _proxy(redis_server.url, fleet.urls)
+        epp = EppServer(GuardConfig.from_dict({
+            "refresh_interval_s": 0.05, "allow_anonymous": True,
+            "redis_url": redis_server.url, "proxy": {"shared_polling_ttl_s": TTL_S},
+            "replicas": [{"replica_id": rid, "url": url, "state_source": "kvguard"}
+                         for rid, url in sorted(fleet.urls.items())]}))
+        try:
+            await proxy.start()
+            await epp.start("127.0.0.1", 0)
+            await _until(lambda: len(proxy.shards.live) == 2 and len(epp.shards.live) == 2)
+            await asyncio.sleep(3 * 0.05 + TTL_S / 3)
+            def polls():
+                return _polls(proxy), {rid: s.num_polls for rid, s in epp.sources.items()}
+
+            before = polls()
+            await asyncio.sleep(1.0)
+            after = polls()
+            owners = {rid: proxy.shards.owner(url) for rid, url in fleet.urls.items()}
+            snaps = {rid: epp.controller.load_state.replica_snapshot(rid) for rid in fleet.urls}
+        finally:
+            await proxy.aclose()
+            await epp.aclose()
+            await fleet.stop()
+        return before, after, owners, snaps, proxy.shards.decider_id
+
+    before, after, owners, snaps, proxy_id = asyncio.run(asyncio.wait_for(main(), 60))
+    assert len(set(owners.values())) == 2
+    for rid, owner in owners.items():
+        by_proxy, by_epp = (after[i][rid] > before[i][rid] for i in (0, 1))
+        assert (by_proxy, by_epp) == (owner == proxy_id, owner != proxy_id), (rid, owner)
+    assert all(snap is not None and snap.capacity_known for snap in snaps.values())
