@@ -277,9 +277,13 @@ class StreamStateSource:
     async def aclose(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # cancelled again until it ends: asyncio.wait_for (Python 3.11) swallows a
+            # cancellation that meets a read just done, and the reader would read on
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.1)
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                task.result()
         if self._own_client and self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
