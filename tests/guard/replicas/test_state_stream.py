@@ -359,9 +359,13 @@ def test_aclose_ends_a_reader_that_swallowed_a_cancellation():
                         raise
                     swallowed.append(True)  # as wait_for does when the read won the race
 
-        source._task = asyncio.get_running_loop().create_task(reader())
+        task = source._task = asyncio.get_running_loop().create_task(reader())
         await asyncio.sleep(0)
-        await asyncio.wait_for(source.aclose(), 5)
-        return swallowed
+        closing = asyncio.get_running_loop().create_task(source.aclose())
+        done, _ = await asyncio.wait({closing}, timeout=5)
+        ended = task.done()
+        task.cancel()
+        closing.cancel()
+        return swallowed, bool(done), ended
 
-    assert asyncio.run(main()) == [True]
+    assert asyncio.run(main()) == ([True], True, True)
