@@ -7,6 +7,7 @@ proxy app and its poller."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
 
@@ -25,6 +26,21 @@ def _proxy(redis_url: str, urls: dict[str, str], state_source: str = "kvguard") 
         "proxy": {"shared_polling_ttl_s": TTL_S},
         "replicas": [{"replica_id": rid, "url": url, "state_source": state_source}
                      for rid, url in sorted(urls.items())]}))
+
+
+def _split(fleet_urls: dict[str, str], *deciders) -> None:
+    """Name the deciders so that rendezvous gives each some replicas (random ports and ids
+    would leave all six to one in ~3 % of runs)."""
+    probe = PollingShards("redis://127.0.0.1:9", ttl_s=1.0)
+    token = uuid.uuid4().hex[:8]  # not the id of a decider of an earlier test
+    for n in range(100):
+        ids = tuple(f"d{i}-{n}-{token}" for i in range(len(deciders)))
+        probe.live = ids
+        if len({probe.owner(url) for url in fleet_urls.values()}) == len(ids):
+            for decider, decider_id in zip(deciders, ids, strict=True):
+                decider.shards.decider_id = decider_id
+            return
+    raise AssertionError("no split found")
 
 
 def _polls(proxy: ProxyApp) -> dict[str, int]:
@@ -46,6 +62,7 @@ def test_two_proxies_split_the_polling_and_both_see_every_replica(redis_server, 
         await fleet.start(NUM_REPLICAS)
         a = _proxy(redis_server.url, fleet.urls, state_source)
         b = _proxy(redis_server.url, fleet.urls, state_source)
+        _split(fleet.urls, a, b)
         try:
             await a.start()
             await b.start()
@@ -86,6 +103,7 @@ def test_a_dead_proxys_shard_is_taken_over_within_the_ttl(redis_server):
         await fleet.start(NUM_REPLICAS)
         a = _proxy(redis_server.url, fleet.urls)
         b = _proxy(redis_server.url, fleet.urls)
+        _split(fleet.urls, a, b)
         try:
             await a.start()
             await b.start()
@@ -191,6 +209,7 @@ def test_a_proxy_and_an_epp_share_the_polling(redis_server):
             "redis_url": redis_server.url, "proxy": {"shared_polling_ttl_s": TTL_S},
             "replicas": [{"replica_id": rid, "url": url, "state_source": "kvguard"}
                          for rid, url in sorted(fleet.urls.items())]}))
+        _split(fleet.urls, proxy, epp)
         try:
             await proxy.start()
             await epp.start("127.0.0.1", 0)
