@@ -52,6 +52,7 @@ from guard.proxy.health import ReplicaHealth
 from guard.replicas.discovery import ReplicaWatcher, replica_source
 from guard.replicas.membership import FleetMembership
 from guard.replicas.poller import state_sources
+from guard.replicas.shared_polling import SharedStateSource, shards_for
 from guard.replicas.shared_reservations import SharedReservations
 
 __all__ = ["EXT_PROC_SERVICE", "EppServer"]
@@ -87,6 +88,12 @@ class EppServer:
                                     clock)
         sources = state_sources(config.replicas, self._client, timeout_s=config.state_timeout_s,
                                 stream_interval_s=config.refresh_interval_s)
+        self.shards = shards_for(config)  # the EPPs (and proxies) share the fleet's polling
+        if self.shards is not None:
+            sources = {rid: SharedStateSource(source, self.urls[rid], self.shards, clock=clock)
+                       for rid, source in sources.items()}
+        self._clock = clock
+        self.sources = sources  # each replica's state source (shared polling: its counts)
         gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
         shared = None
         if config.redis_url is not None:
@@ -127,6 +134,9 @@ class EppServer:
         if bound == 0:
             raise ValueError(f"cannot bind {address}")
         self._server = server
+        if self.shards is not None:  # the live deciders first: the first poll is a shard
+            await self.shards.heartbeat()
+            self.shards.start()
         await self.controller.start()
         self.health.start()
         if self.watcher is not None:
@@ -139,6 +149,9 @@ class EppServer:
     def _make_source(self, replica: ReplicaConfig) -> Any:
         source, = state_sources((replica,), self._client, timeout_s=self.config.state_timeout_s,
                                 stream_interval_s=self.config.refresh_interval_s).values()
+        if self.shards is not None:
+            source = SharedStateSource(source, replica.url, self.shards, clock=self._clock)
+        self.sources[replica.replica_id] = source
         return source
 
     def _joined(self, replica: ReplicaConfig) -> None:
@@ -195,6 +208,8 @@ class EppServer:
             self._server = None
         await self.metrics_endpoint.aclose()
         await self.health.stop()
+        if self.shards is not None:
+            await self.shards.stop()
         await self.controller.aclose()
         self.controller.close()
         await self._client.aclose()

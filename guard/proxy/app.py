@@ -69,6 +69,7 @@ from guard.proxy.upstream import Forwarder
 from guard.replicas.discovery import ReplicaWatcher, replica_source
 from guard.replicas.membership import FleetMembership
 from guard.replicas.poller import state_sources
+from guard.replicas.shared_polling import SharedStateSource, shards_for
 from guard.replicas.shared_reservations import SharedReservations
 from guard.request.body import content_length, headers_from_scope, read_body
 from guard.request.request_ids import client_request_id
@@ -121,6 +122,9 @@ class ProxyApp:
         sources = state_sources(config.replicas, self._state_client,
                                 timeout_s=config.state_timeout_s,
                                 stream_interval_s=config.refresh_interval_s)
+        self.shards = shards_for(config)  # the proxies share the fleet's polling
+        if self.shards is not None:
+            sources = {rid: self._shared(self.urls[rid], source) for rid, source in sources.items()}
         self._sources = sources  # what each replica's state source found (``auto``)
         gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
         shared = None
@@ -185,8 +189,14 @@ class ProxyApp:
         source, = state_sources((replica,), self._state_client,
                                 timeout_s=self.config.state_timeout_s,
                                 stream_interval_s=self.config.refresh_interval_s).values()
+        if self.shards is not None:
+            source = self._shared(replica.url, source)
         self._sources[replica.replica_id] = source
         return source
+
+    def _shared(self, url: str, source: Any) -> SharedStateSource:
+        assert self.shards is not None
+        return SharedStateSource(source, url, self.shards, clock=self.clock)
 
     def _joined(self, replica: ReplicaConfig) -> None:
         rid = replica.replica_id
@@ -358,6 +368,9 @@ class ProxyApp:
         the probes and the model lists' refresh."""
         config = self.config
         await self.models.refresh(self.transport.get, config.state_timeout_s)
+        if self.shards is not None:  # the live deciders first: the first poll is a shard
+            await self.shards.heartbeat()
+            self.shards.start()
         await self.controller.start()
         self.health.start()
         if self.watcher is not None:
@@ -387,6 +400,8 @@ class ProxyApp:
             await asyncio.gather(self._models_task, return_exceptions=True)
             self._models_task = None
         await self.health.stop()
+        if self.shards is not None:
+            await self.shards.stop()
         await self.controller.aclose()
         self.controller.close()
         await self.transport.aclose()

@@ -46,7 +46,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                  "none"),
                         default="auto",
                         help="how --upstream replicas publish load (default: auto: probe "
-                             "/kvguard/state, then the vLLM, SGLang, TGI and llama.cpp /metrics "
+                             "/kvguard/state (streamed when the replica offers /kvguard/state/stream), then the vLLM, SGLang, TGI and llama.cpp /metrics "
                              "formats, else learn each replica's concurrency limit; stream: a kvguard "
                              "replica's /kvguard/state/stream, one response of deltas)")
     parser.add_argument("--replicas-from", default=None, metavar="SPEC",

@@ -19,6 +19,9 @@
                                    # are listed there, re-read while running (instead of
                                    # [[replicas]]; guard.replicas.discovery)
     replicas_from_interval_s = 1.0 # how often that list is read again
+    shared_polling_ttl_s = 2.0     # with redis_url: the proxies in front of the fleet share
+                                   # its polling, each polls its shard and publishes it
+                                   # (guard.replicas.shared_polling); unset: each polls all
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class ProxyConfig:
     relayed_paths: tuple[str, ...] = DEFAULT_RELAYED_PATHS
     replicas_from: str | None = None
     replicas_from_interval_s: float = 1.0
+    shared_polling_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         paths = self.relayed_paths
@@ -72,6 +76,8 @@ class ProxyConfig:
         for name in ("connect_timeout_s", "read_timeout_s", "probe_interval_s",
                      "drain_timeout_s", "replicas_from_interval_s"):
             require_seconds(f"proxy.{name}", getattr(self, name))
+        if self.shared_polling_ttl_s is not None:
+            require_seconds("proxy.shared_polling_ttl_s", self.shared_polling_ttl_s)
         for name in ("eject_after_failures", "max_connections_per_replica"):
             require_count(f"proxy.{name}", getattr(self, name))
 
@@ -86,7 +92,7 @@ class ProxyConfig:
             raise ValueError(f"proxy.{unknown[0]}: unknown key")
         values = {}
         for name, value in data.items():
-            if known[name] == "float" and isinstance(value, int) and not isinstance(value, bool):
+            if known[name] in ("float", "float | None") and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             values[name] = value
         return cls(**values)

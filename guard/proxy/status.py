@@ -132,14 +132,25 @@ class ProxyStatus:
                 "leaving": rid in leaving,
                 **_source_choice(self._sources.get(rid)),
                 **_stream_counts(self._sources.get(rid)),
+                **_shared_polling(self._sources.get(rid)),
             })
         return {"admitting": not controller.draining, "policy": self.config.policy,
                 "num_in_flight": num_in_flight, "num_queued": len(controller.queue),
                 "replicas": replicas}
 
 
+def _shared_polling(source: Any) -> dict:
+    """Shared polling (``proxy.shared_polling_ttl_s``): which decider read the replica and how
+    old its snapshot was when this one read it."""
+    if not hasattr(source, "polled_by"):
+        return {}
+    return {"state_polled_by": source.polled_by,
+            "shared_snapshot_age_s": None if source.age_s is None else round(source.age_s, 4)}
+
+
 def _stream_counts(source: Any) -> dict:
     """A streamed replica's events, resyncs and lost deltas (nothing for the others)."""
+    source = getattr(source, "stream", source)  # ``auto``: the stream it chose, if any
     if not hasattr(source, "num_resyncs"):
         return {}
     return {"stream_events": source.num_events, "stream_resyncs": source.num_resyncs,

@@ -239,7 +239,8 @@ def state_sources(replicas: tuple[ReplicaConfig, ...], client: StateClient,
 
             sources[replica.replica_id] = AutoStateSource(
                 replica.url, client=client, timeout_s=timeout_s,
-                max_model_len=replica.max_model_len, replica_id=replica.replica_id)
+                max_model_len=replica.max_model_len, replica_id=replica.replica_id,
+                stream_interval_ms=max(10, min(5000, round(stream_interval_s * 1000))))
         elif replica.state_source == "stream":
             from guard.replicas.state_stream import StreamStateSource
 

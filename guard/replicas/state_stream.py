@@ -78,6 +78,7 @@ class StreamStateSource:
         self.fresh = False  # an event arrived since the last take
         self._changed = False  # and one of them changed more than the replica's clock
         self._listener: Any = None  # called with what take() gives, as each event arrives
+        self._settled = asyncio.Event()  # set at a full document, a 404 or a failure
         self.num_events = 0
         self.num_resyncs = 0  # new streams after the first
         self.num_gaps = 0  # events whose seq was not the next
@@ -93,6 +94,28 @@ class StreamStateSource:
                 raise self._error
             raise ConnectionError(f"{self.url}: no full document yet")
         return self.take()
+
+    async def opened(self, timeout_s: float) -> str | None:
+        """Start the stream and wait for its first full document: None once it came, else why
+        it did not (the replica has no stream route, the stream failed, or nothing came within
+        ``timeout_s``). :class:`guard.replicas.auto_source.AutoStateSource` asks this."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + timeout_s
+        while True:
+            if self._top is not None:
+                return None
+            if self._unavailable is not None:
+                return self._unavailable
+            if self._error is not None:
+                return f"{type(self._error).__name__}: {self._error}"
+            left_s = deadline_s - loop.time()
+            if left_s <= 0:
+                return f"no full document within {timeout_s:g} s"
+            self._settled.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._settled.wait(), left_s)
 
     def listen(self, listener: Any) -> None:
         """Hand every event over as it arrives: ``listener(self.take())`` (the poller's
@@ -146,6 +169,7 @@ class StreamStateSource:
             self._latest_iterations = self._iterations
             self._seq = 0
             self._changed = True
+            self._settled.set()
         elif "delta" in event:
             if self._top is None or seq != self._seq + 1:
                 self.num_gaps += 1
@@ -182,6 +206,7 @@ class StreamStateSource:
                 log.info("state stream %s: resync (%s)", self.url, exc)
             except Exception as exc:  # noqa: BLE001 - any failure: a new stream
                 self._error = exc
+                self._settled.set()
                 await asyncio.sleep(min(1.0, self._timeout_s))
 
     async def _read_stream(self) -> None:
@@ -206,6 +231,7 @@ class StreamStateSource:
 
     async def _no_stream(self) -> None:
         self._unavailable = f"{self.url} answered 404"
+        self._settled.set()
         await asyncio.sleep(30.0)  # asked again now and then
 
     async def _read_raw(self) -> None:
@@ -251,9 +277,13 @@ class StreamStateSource:
     async def aclose(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # cancelled again until it ends: asyncio.wait_for (Python 3.11) swallows a
+            # cancellation that meets a read just done, and the reader would read on
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.1)
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                task.result()
         if self._own_client and self._client is not None:
             client, self._client = self._client, None
             await client.aclose()

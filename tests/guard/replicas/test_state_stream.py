@@ -340,3 +340,32 @@ def test_a_draining_engine_ends_its_streams():
                 await source.aclose()
 
         assert asyncio.run(asyncio.wait_for(main(), 60)) < 5.0  # the graceful wait is 10 s
+
+
+def test_aclose_ends_a_reader_that_swallowed_a_cancellation():
+    """asyncio.wait_for (Python 3.11) can swallow a cancellation that meets a read just done;
+    the reader then reads on, and aclose must still end it."""
+
+    async def main():
+        source = StreamStateSource("http://127.0.0.1:9")
+        swallowed = []
+
+        async def reader():
+            while True:
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    if swallowed:
+                        raise
+                    swallowed.append(True)  # as wait_for does when the read won the race
+
+        task = source._task = asyncio.get_running_loop().create_task(reader())
+        await asyncio.sleep(0)
+        closing = asyncio.get_running_loop().create_task(source.aclose())
+        done, _ = await asyncio.wait({closing}, timeout=5)
+        ended = task.done()
+        task.cancel()
+        closing.cancel()
+        return swallowed, bool(done), ended
+
+    assert asyncio.run(main()) == ([True], True, True)
