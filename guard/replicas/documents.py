@@ -13,11 +13,11 @@ their stale-state rule).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 from guard.replicas.engine_metrics import EngineLoad
-from guard.replicas.stream_view import GroupCapture
+from guard.replicas.stream_view import GroupCapture, LazySeqLoads
 from guard.replicas.vllm_metrics import parse_vllm_metrics
 from policies.cost import RequestCost
 from policies.replica_load import SeqTotals
@@ -121,47 +121,23 @@ class _Listed:
         return any(request_id in g for g in self._groups)
 
 
-class SeqColumns(Sequence):
+class SeqColumns(LazySeqLoads):
     """One group of a compact document as a sequence of :class:`SeqLoad`, made on first
     use; equal to the tuple of those (either way round)."""
 
-    __slots__ = ("_rows", "_costs", "_seqs", "_n")
+    __slots__ = ("_rows", "_costs")
 
     def __init__(self, rows: list, costs: dict[int, RequestCost]) -> None:
+        super().__init__(len(rows))
         self._rows = rows  # (request id, output, max_tokens, context, prefill) per sequence
         self._costs = costs  # row index -> the guard's cost of it, as of the document
-        self._seqs: tuple[SeqLoad, ...] | None = None
-        self._n = len(rows)  # len() is on every least-loaded comparison: one frame
 
-    def _loads(self) -> tuple[SeqLoad, ...]:
-        seqs = self._seqs
-        if seqs is None:
-            cost_of = self._costs.get
-            seqs = self._seqs = tuple(
-                seq_fields(int(out), max_tokens, int(ctx), int(pre), cost_of(i))
-                for i, (_, out, max_tokens, ctx, pre) in enumerate(self._rows))
-            self._rows = None
+    def _make(self) -> tuple[SeqLoad, ...]:
+        cost_of = self._costs.get
+        seqs = tuple(seq_fields(int(out), max_tokens, int(ctx), int(pre), cost_of(i))
+                     for i, (_, out, max_tokens, ctx, pre) in enumerate(self._rows))
+        self._rows = None  # the records replace the rows
         return seqs
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, index):  # noqa: ANN001 - int or slice, as a tuple's
-        return self._loads()[index]
-
-    def __iter__(self) -> Iterator[SeqLoad]:
-        return iter(self._loads())
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (tuple, SeqColumns)):
-            return self._loads() == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self._loads())
-
-    def __repr__(self) -> str:
-        return repr(self._loads())
 
 
 def _column_group(columns: Mapping[str, list], our_cost: Callable[[str], RequestCost | None],

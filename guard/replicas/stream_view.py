@@ -206,24 +206,23 @@ class GroupCapture:
                          num_committed, min_itl_s)
 
 
-class CapturedSeqs(Sequence):
-    """A captured group as a sequence of :class:`SeqLoad` (made on first use); equal to the
-    tuple of those."""
+class LazySeqLoads(Sequence):
+    """A group's sequences as :class:`SeqLoad` records, made by :meth:`_make` on first use
+    (most decisions read only a group's totals); equal to the tuple of those, either way
+    round. ``len()`` needs no records: it is on every least-loaded comparison."""
 
-    __slots__ = ("_capture", "_costs", "_seqs", "_n")
+    __slots__ = ("_seqs", "_n")
 
-    def __init__(self, capture: GroupCapture, costs: dict[str, RequestCost]) -> None:
-        self._capture, self._costs = capture, costs
+    def __init__(self, n: int) -> None:
         self._seqs: tuple[SeqLoad, ...] | None = None
-        self._n = len(capture)  # len() is on every least-loaded comparison: one frame
+        self._n = n
+
+    def _make(self) -> tuple[SeqLoad, ...]:
+        raise NotImplementedError
 
     def _loads(self) -> tuple[SeqLoad, ...]:
         if self._seqs is None:
-            from guard.replicas.documents import seq_fields
-
-            cost_of = self._costs.get
-            self._seqs = tuple(seq_fields(o, m, c, p, cost_of(rid))
-                               for rid, o, m, c, p in self._capture.rows())
+            self._seqs = self._make()
         return self._seqs
 
     def __len__(self) -> int:
@@ -236,7 +235,7 @@ class CapturedSeqs(Sequence):
         return iter(self._loads())
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, (tuple, Sequence)) and not isinstance(other, (str, bytes)):
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
             return self._loads() == tuple(other)
         return NotImplemented
 
@@ -245,3 +244,20 @@ class CapturedSeqs(Sequence):
 
     def __repr__(self) -> str:
         return repr(self._loads())
+
+
+class CapturedSeqs(LazySeqLoads):
+    """A captured group as a sequence of :class:`SeqLoad` (made on first use)."""
+
+    __slots__ = ("_capture", "_costs")
+
+    def __init__(self, capture: GroupCapture, costs: dict[str, RequestCost]) -> None:
+        super().__init__(len(capture))
+        self._capture, self._costs = capture, costs
+
+    def _make(self) -> tuple[SeqLoad, ...]:
+        from guard.replicas.documents import seq_fields
+
+        cost_of = self._costs.get
+        return tuple(seq_fields(o, m, c, p, cost_of(rid))
+                     for rid, o, m, c, p in self._capture.rows())
