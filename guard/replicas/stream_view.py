@@ -19,6 +19,7 @@ way from the columns (exact, O(sequences)) until no such row is left.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -217,8 +218,9 @@ class LazySeqLoads(Sequence):
         self._seqs: tuple[SeqLoad, ...] | None = None
         self._n = n
 
+    @abstractmethod
     def _make(self) -> tuple[SeqLoad, ...]:
-        raise NotImplementedError
+        """The records, once (the subclass's rows as :class:`SeqLoad`)."""
 
     def _loads(self) -> tuple[SeqLoad, ...]:
         if self._seqs is None:
