@@ -50,7 +50,7 @@ from guard.epp.processor import ExternalProcessor
 from guard.observe.access_log import with_access_log
 from guard.proxy.health import ReplicaHealth
 from guard.replicas.discovery import ReplicaWatcher, replica_source
-from guard.replicas.membership import FleetMembership
+from guard.replicas.membership import FleetMembership, start_fleet, stop_fleet
 from guard.replicas.poller import state_sources
 from guard.replicas.shared_polling import SharedStateSource, shards_for
 from guard.replicas.shared_reservations import SharedReservations
@@ -134,13 +134,7 @@ class EppServer:
         if bound == 0:
             raise ValueError(f"cannot bind {address}")
         self._server = server
-        if self.shards is not None:  # the live deciders first: the first poll is a shard
-            await self.shards.heartbeat()
-            self.shards.start()
-        await self.controller.start()
-        self.health.start()
-        if self.watcher is not None:
-            self.watcher.start()
+        await start_fleet(self.controller, self.health, self.shards, self.watcher)
         await server.start()
         for service in _SERVICES:
             await self.grpc_health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -201,15 +195,9 @@ class EppServer:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self.watcher is not None:
-            await self.watcher.stop()
         if self._server is not None:
             await self._server.stop(grace=1.0)
             self._server = None
         await self.metrics_endpoint.aclose()
-        await self.health.stop()
-        if self.shards is not None:
-            await self.shards.stop()
-        await self.controller.aclose()
-        self.controller.close()
+        await stop_fleet(self.controller, self.health, self.shards, self.watcher)
         await self._client.aclose()

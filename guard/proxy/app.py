@@ -67,7 +67,7 @@ from guard.proxy.status import LIVEZ_PATH, PROBE_PATHS, READYZ_PATH, ProxyStatus
 from guard.proxy.transports import Transport, UpstreamError, make_transport
 from guard.proxy.upstream import Forwarder
 from guard.replicas.discovery import ReplicaWatcher, replica_source
-from guard.replicas.membership import FleetMembership
+from guard.replicas.membership import FleetMembership, start_fleet, stop_fleet
 from guard.replicas.poller import state_sources
 from guard.replicas.shared_polling import SharedStateSource, shards_for
 from guard.replicas.shared_reservations import SharedReservations
@@ -368,13 +368,7 @@ class ProxyApp:
         the probes and the model lists' refresh."""
         config = self.config
         await self.models.refresh(self.transport.get, config.state_timeout_s)
-        if self.shards is not None:  # the live deciders first: the first poll is a shard
-            await self.shards.heartbeat()
-            self.shards.start()
-        await self.controller.start()
-        self.health.start()
-        if self.watcher is not None:
-            self.watcher.start()
+        await start_fleet(self.controller, self.health, self.shards, self.watcher)
         if (self.models.polled_urls or self.watcher is not None) and self._models_task is None:
             self._models_task = asyncio.ensure_future(self.models.run(
                 self.transport.get, config.refresh_interval_s, config.state_timeout_s,
@@ -393,15 +387,9 @@ class ProxyApp:
         return self.controller.tickets.num_held
 
     async def aclose(self) -> None:
-        if self.watcher is not None:
-            await self.watcher.stop()
         if self._models_task is not None:
             self._models_task.cancel()
             await asyncio.gather(self._models_task, return_exceptions=True)
             self._models_task = None
-        await self.health.stop()
-        if self.shards is not None:
-            await self.shards.stop()
-        await self.controller.aclose()
-        self.controller.close()
+        await stop_fleet(self.controller, self.health, self.shards, self.watcher)
         await self.transport.aclose()

@@ -21,7 +21,7 @@ from typing import Any
 from guard.config import ReplicaConfig
 from guard.redact import redact_url
 
-__all__ = ["FleetMembership"]
+__all__ = ["FleetMembership", "start_fleet", "stop_fleet"]
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +100,27 @@ class FleetMembership:
             if self._on_forget is not None:
                 self._on_forget(rid)
             log.info("replica %s drained and forgotten", rid)
+
+
+async def start_fleet(controller: Any, health: Any, shards: Any, watcher: Any) -> None:
+    """Start what follows the fleet, as every front end does: the shared-polling heartbeat
+    first (the first poll is then already a shard), the controller's poller and queue, the
+    health probes, then the ``replicas_from`` watcher. ``shards``/``watcher``: None when off."""
+    if shards is not None:
+        await shards.heartbeat()
+        shards.start()
+    await controller.start()
+    health.start()
+    if watcher is not None:
+        watcher.start()
+
+
+async def stop_fleet(controller: Any, health: Any, shards: Any, watcher: Any) -> None:
+    """Stop what :func:`start_fleet` started and close the controller."""
+    if watcher is not None:
+        await watcher.stop()
+    await health.stop()
+    if shards is not None:
+        await shards.stop()
+    await controller.aclose()
+    controller.close()
