@@ -64,7 +64,8 @@ def _list() -> int:
 
     for name, spec in catalogue().items():
         missing = missing_dependencies(spec, SUBCOMMANDS)
-        front = (f"{spec.proxies} proxy(ies)" if spec.proxies else
+        front = (f"{spec.proxies} proxy(ies)" + (" behind Envoy" if spec.entry_balancer == "envoy"
+                                                  else "") if spec.proxies else
                  f"Envoy + {spec.epps} kvguard epp" if spec.epps else "in-process guard")
         topo = (f"{spec.replicas} replica(s), " + front
                 + (", redis" if spec.redis else ""))

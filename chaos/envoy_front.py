@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from chaos.child import ChildProcess
+from chaos.envoy_breaker import CircuitBreaker
 from chaos.ports import free_port
 from chaos.topology import http_health
 
@@ -116,11 +117,14 @@ ADAPTIVE_CONCURRENCY = {
 
 
 def envoy_alone_config(directory: Path, *, listener_port: int, admin_port: int,
-                       upstreams: Sequence[str], adaptive_concurrency: bool = False) -> Path:
+                       upstreams: Sequence[str], adaptive_concurrency: bool = False,
+                       circuit_breaker: CircuitBreaker | None = None) -> Path:
     """The same Envoy with no endpoint picker: the ext_proc and header filters left out and
     requests spread over ``upstreams`` (``ip:port`` each; least request) by a STATIC cluster.
     The baseline ``kvguard bench gateway`` measures the EPP against; with
-    ``adaptive_concurrency``, Envoy's own overload protection in front (a bake-off row)."""
+    ``adaptive_concurrency`` or a ``circuit_breaker`` (its thresholds and retry budget on the
+    cluster, its retries on the route), Envoy's own overload protection in front (bake-off
+    rows)."""
     path = envoy_config(directory, listener_port=listener_port, admin_port=admin_port,
                         epp_ports=[1])
     config = json.loads(path.read_text())
@@ -142,6 +146,11 @@ def envoy_alone_config(directory: Path, *, listener_port: int, admin_port: int,
                                                    "max_requests": 40000}]},
               "load_assignment": {"cluster_name": "replicas",
                                   "endpoints": [{"lb_endpoints": endpoints}]}}
+    if circuit_breaker is not None:
+        direct["circuit_breakers"] = circuit_breaker.circuit_breakers()
+        for host in manager["route_config"]["virtual_hosts"]:
+            for route in host["routes"]:
+                route["route"]["retry_policy"] = circuit_breaker.retry_policy()
     config["static_resources"]["clusters"] = [direct]
     path = directory / f"envoy-alone-{listener_port}.json"
     path.write_text(json.dumps(config, indent=1))
@@ -151,11 +160,12 @@ def envoy_alone_config(directory: Path, *, listener_port: int, admin_port: int,
 def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow: bool = False,
                 port: int = 0, alone_upstreams: Sequence[str] = (),
                 adaptive_concurrency: bool = False, niceness: int = 0,
-                fallback_replicas: Sequence[str] = ()) -> ChildProcess:
+                fallback_replicas: Sequence[str] = (),
+                circuit_breaker: CircuitBreaker | None = None) -> ChildProcess:
     """Envoy on a loopback port (``port`` 0: a free one) in front of the EPPs; healthy once a
     ``GET /health`` through it (EPP, then a replica) answers 200. ``alone_upstreams``
     (``ip:port`` each): no EPP at all, requests spread over those replicas, with Envoy's
-    adaptive concurrency filter when asked (:func:`envoy_alone_config`).
+    adaptive concurrency filter or ``circuit_breaker`` when asked (:func:`envoy_alone_config`).
     ``fallback_replicas`` (``ip:port`` each): override-host load balancing over them, for an
     EPP that names fallback endpoints (:func:`envoy_config`)."""
     listener_port = port or free_port()
@@ -163,7 +173,8 @@ def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow
     if alone_upstreams:
         path = envoy_alone_config(directory, listener_port=listener_port,
                                   admin_port=admin_port, upstreams=alone_upstreams,
-                                  adaptive_concurrency=adaptive_concurrency)
+                                  adaptive_concurrency=adaptive_concurrency,
+                                  circuit_breaker=circuit_breaker)
     else:
         path = envoy_config(directory, listener_port=listener_port, admin_port=admin_port,
                             epp_ports=epp_ports, failure_mode_allow=failure_mode_allow,

@@ -16,10 +16,14 @@ scenario's engine, instead of one replica with the guard mounted in-process:
   cut off rather than drained into the next;
 * OpenAI-SDK rows and the engine-step gap attribution are single-replica only; the TTFT
   forecast column comes from the proxy's trace;
-* two rows put Envoy in front instead (``deploy/envoy/envoy.yaml``, :mod:`chaos.envoy_front`):
+* three rows put Envoy in front instead (``deploy/envoy/envoy.yaml``, :mod:`chaos.envoy_front`):
   ``envoy_adaptive_concurrency`` — Envoy's own adaptive concurrency filter (its gradient
   controller, as Envoy documents it) over a least-request cluster of the replicas, no kvguard
-  at all — and ``envoy_epp_slo`` — Envoy with ``kvguard epp`` (``slo``) picking the replica.
+  at all —, ``envoy_circuit_breaker`` — the same cluster with Envoy's circuit breakers, retry
+  budget and route retries (:mod:`chaos.envoy_breaker`; its ``max_requests`` from
+  ``--envoy-max-requests`` or a calibration run at 1.0 C made before its first row, in
+  ``envoy_circuit_breaker-calibration/``) — and ``envoy_epp_slo`` — Envoy with
+  ``kvguard epp`` (``slo``) picking the replica.
 * every replica appends its engine steps to one step trace for the whole bench; each row's
   cost is its goodput window's part of them (``chaos.run_cost``);
 * with a ``--workload`` whose prompts share tokens, every replica restarts before each row (cold
@@ -34,6 +38,7 @@ from pathlib import Path
 
 from chaos.admission_quality import forecast_error
 from chaos.cache_hits import engine_counts, guard_counts, hit_ratio
+from chaos.envoy_breaker import CircuitBreaker, concurrency_at
 from chaos.envoy_front import envoy_child, epp_child
 from chaos.load_cli import run_once
 from chaos.overload_plan import ENVOY_ROWS
@@ -62,6 +67,7 @@ class Fleet:
         self.step_traces = [] if out is None else [out / f"steps-{i}.jsonl"
                                                    for i in range(num_replicas)]
         steps = () if out is None else ("--step-trace", str(out / "steps-{replica}.jsonl"))
+        self._breaker: CircuitBreaker | None = None  # the envoy_circuit_breaker rows' one
         self.topology = Topology(TopologySpec(num_replicas=num_replicas,
                                               replica_args=(*scenario.engine_args(), *steps),
                                               niceness=FLEET_NICENESS))
@@ -92,7 +98,9 @@ class Fleet:
                                     itl_s=c.itl_s, trace_path=str(trace),
                                     policy_params=policy_params, extra_toml=_PROXY_TOML,
                                     settings=self.scenario.guard_settings(out.parent))
-        fronts = self._fronts(policy, config, out)
+        breaker = self.circuit_breaker(cap_rps, out.parent) \
+            if policy == "envoy_circuit_breaker" else None
+        fronts = self._fronts(policy, config, out, breaker)
         try:
             for child in fronts:
                 child.start(self.topology.spec.start_timeout_s)
@@ -114,16 +122,59 @@ class Fleet:
                                                  float("inf")))
         row["gaps"] = None
         row["cost"] = summary.get("cost")
+        if breaker is not None:
+            row["envoy_circuit_breaker"] = breaker.to_dict()
         return row
 
-    def _fronts(self, policy: str, config: str, out: Path) -> list:
+    def circuit_breaker(self, cap_rps: float, out: Path) -> CircuitBreaker:
+        """The ``envoy_circuit_breaker`` rows' thresholds (the same for every load): M from
+        ``--envoy-max-requests``, else measured once, in ``out/envoy_circuit_breaker-
+        calibration/``: requests in flight (90th percentile over the goodput window) in a run
+        at ``cap_rps`` through Envoy with its breakers open."""
+        if self._breaker is None:
+            max_requests = getattr(self.scenario.args, "envoy_max_requests", None)
+            if max_requests is None:
+                max_requests = self._calibrate(cap_rps, out / "envoy_circuit_breaker-calibration")
+            self._breaker = CircuitBreaker.at_capacity(max_requests, cap_rps,
+                                                       self.scenario.request_class.ttft_s)
+            print(f"  envoy_circuit_breaker: {self._breaker.to_dict()}", flush=True)
+        return self._breaker
+
+    def _calibrate(self, cap_rps: float, out: Path) -> int:
+        out.mkdir(parents=True, exist_ok=True)
+        for url in self.topology.replica_urls:
+            wait_idle(url)
+        envoy = envoy_child([], out, niceness=self.topology.spec.niceness,
+                            alone_upstreams=[url.removeprefix("http://")
+                                             for url in self.topology.replica_urls])
+        envoy.start(self.topology.spec.start_timeout_s)
+        try:
+            summary = run_once(self.scenario.load_args(envoy.url, cap_rps, out), cap_rps, out,
+                               None)
+        finally:
+            envoy.terminate()
+        served = [(r.sent_s, r.sent_s + r.e2e_s) for r in read_records(out / "requests.jsonl")
+                  if r.sent_s is not None and r.e2e_s is not None and r.status is not None
+                  and 200 <= r.status < 300]
+        max_requests = concurrency_at(served, tuple(summary["goodput"]["window_s"]))
+        if max_requests < 1:
+            raise RuntimeError(f"envoy_circuit_breaker calibration: nothing in flight at "
+                               f"{cap_rps:.2f} req/s; see {out}")
+        return max_requests
+
+    def _fronts(self, policy: str, config: str, out: Path,
+                breaker: CircuitBreaker | None = None) -> list:
         """What this row puts in front of the replicas, in start order (the clients' entry
-        last): a kvguard proxy, Envoy alone with its adaptive concurrency filter, or a kvguard
-        epp and Envoy."""
+        last): a kvguard proxy, Envoy alone with its adaptive concurrency filter or with
+        ``breaker``, or a kvguard epp and Envoy."""
         topology = self.topology
         nice = topology.spec.niceness
         if policy == "envoy_adaptive_concurrency":
             return [envoy_child([], out, adaptive_concurrency=True, niceness=nice,
+                                alone_upstreams=[url.removeprefix("http://")
+                                                 for url in topology.replica_urls])]
+        if policy == "envoy_circuit_breaker":
+            return [envoy_child([], out, circuit_breaker=breaker, niceness=nice,
                                 alone_upstreams=[url.removeprefix("http://")
                                                  for url in topology.replica_urls])]
         if policy == "envoy_epp_slo":

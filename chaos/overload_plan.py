@@ -19,8 +19,10 @@ ROUTING_POLICIES: tuple[str, ...] = ("round_robin", "prefix_affinity")
 # is the proxy that routes (least-loaded) and admits everything.
 FLEET_REFERENCE = "always_admit"
 # Fleet rows with Envoy in front instead of kvguard proxy (``--fleet`` only): Envoy's own
-# adaptive concurrency filter (no kvguard), and Envoy with kvguard epp deciding (slo)
-ENVOY_ROWS: tuple[str, ...] = ("envoy_adaptive_concurrency", "envoy_epp_slo")
+# adaptive concurrency filter, or its circuit breakers and retry budget (no kvguard in
+# either), and Envoy with kvguard epp deciding (slo)
+ENVOY_ROWS: tuple[str, ...] = ("envoy_adaptive_concurrency", "envoy_circuit_breaker",
+                               "envoy_epp_slo")
 
 
 def reference_policy(args: argparse.Namespace) -> str:
@@ -67,6 +69,15 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[float, str]]:
     ref_policies = _names(ref_text, "--reference-policies", allowed)
     runs = [(load, p) for load in ref_loads for p in ref_policies]
     runs += [(load, p) for load in loads for p in policies]
+    max_requests = getattr(args, "envoy_max_requests", None)
+    if max_requests is not None:
+        if isinstance(max_requests, bool) or not isinstance(max_requests, int) \
+                or max_requests < 1:
+            raise ValueError(f"--envoy-max-requests: must be an integer >= 1, got "
+                             f"{max_requests!r}")
+        if all(p != "envoy_circuit_breaker" for _, p in runs):
+            raise ValueError("--envoy-max-requests: only the envoy_circuit_breaker row uses it "
+                             "(--fleet, and name it in --policies)")
     return list(dict.fromkeys(runs))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from chaos.clients import ClientConfig
 from chaos.cost_inputs import fates_from_users
+from chaos.envoy_entry import entry_stats
 from chaos.faults import KILL_KINDS, Fault, FaultEvent, inject, scaled
 from chaos.goodput import Window
 from chaos.hot_prefix import hot_replica_probe
@@ -175,7 +176,8 @@ def _topology(spec: ScenarioSpec, settings: RunSettings, toml: str,
     return TopologySpec(num_replicas=spec.replicas,
                         replica_args=(*settings.engine_args(), *steps),
                         num_proxies=spec.proxies, proxy_args=("--config", toml),
-                        redis=spec.redis, niceness=FLEET_NICENESS, num_epps=spec.epps)
+                        redis=spec.redis, niceness=FLEET_NICENESS, num_epps=spec.epps,
+                        entry_envoy=spec.entry_balancer == "envoy")
 
 
 def fault_window(spec: ScenarioSpec, settings: RunSettings,
@@ -256,8 +258,11 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
     with Topology(_topology(spec, settings, toml, steps)) as topo:
         num_replicas = len(topo.replica_urls)
         entries = tuple(topo.entry_urls)
+        # the killed proxies the clients reach directly (behind an entry Envoy: none; the
+        # streams it cut are judged by time)
         killed = {topo.proxy_urls[f.target].rstrip("/") for f in spec.faults
-                  if f.kind == "proxy_kill" and f.target < len(topo.proxy_urls)}
+                  if f.kind == "proxy_kill" and f.target < len(topo.proxy_urls)
+                  } & {e.rstrip("/") for e in entries}
         log(f"  {policy}: {len(specs)} users over {sched.duration_s:g} s into {len(entries)} "
             f"entry point(s)")
         run_cfg = UserRunConfig(entry_urls=entries, duration_s=sched.duration_s,
@@ -270,6 +275,8 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
                                     getattr(settings.workload, "prefix_tokens", 1),
                                     settings.model)
         result, events, t0_s = asyncio.run(_drive(specs, kinds, cfgs, run_cfg, plan, topo, hot))
+        envoy_entry = None if not spec.entry_balancer == "envoy" else entry_stats(
+            topo.envoy_admin_url, out / "envoy-entry-stats.txt")
     if result.entries.get("failovers"):
         log(f"  {policy}: the entry balancer sent {result.entries['failovers']} refused "
             f"connect(s) on to another entry ({result.entries['connect_failures']})")
@@ -282,6 +289,9 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
                             killed_entries=killed, replica_kills_s=[
                                 e.t_s for e in events
                                 if e.kind in KILL_KINDS and e.action == "kill"])
+    if envoy_entry is not None:
+        verdict["envoy_entry"] = envoy_entry
+        log(f"  {policy}: the entry Envoy: {envoy_entry}")
     verdict["cost"] = run_cost(spec, settings, result.users, window, t0_s, out, num_replicas,
                                max(1, spec.proxies + spec.epps))
     verdict["generator"] = {"cpu_percent_of_one_core": result.load.cpu_percent,

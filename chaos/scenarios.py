@@ -7,7 +7,8 @@ speed. Loads are multiples of the fleet capacity C (capacity per replica × repl
 Topologies: ``replicas`` sim replicas of the 7 B reference model; with ``proxies`` = 0 the
 guard runs in-process on the single replica (``kvguard engine --guard``); otherwise
 ``proxies`` ``kvguard proxy`` processes front all replicas and the clients spread their
-attempts over the proxies round-robin; with ``epps`` > 0 one Envoy fronts the replicas instead,
+attempts over the proxies round-robin (with ``entry_balancer = "envoy"``, one Envoy in front of
+the proxies does: :mod:`chaos.envoy_entry`); with ``epps`` > 0 one Envoy fronts the replicas instead,
 with that many ``kvguard epp`` as its endpoint pickers. ``redis`` adds a redis-server for the
 proxies' (or EPPs') budgets and shared KV reservations.
 """
@@ -25,6 +26,7 @@ from chaos.workloads import SharedPrefix, Workload
 __all__ = ["ScenarioSpec", "catalogue", "missing_dependencies", "quick_variant", "settings_for"]
 
 SDK_ONLY: Mapping[str, float] = {"sdk": 1.0}
+ENTRY_BALANCERS: tuple[str, ...] = ("clients", "envoy")
 RETRYING: Mapping[str, float] = {"sdk": 0.4, "tenacity": 0.2, "timeout_retry": 0.3,
                                  "bad_citizen": 0.1}
 
@@ -49,6 +51,8 @@ class ScenarioSpec:
     workload: Workload | None = None   # how prompts share tokens (chaos.workloads); None: unique
     prompt_tokens: str | None = None   # the prompt (question) lengths; None: the run's settings
     num_blocks: int | None = None      # KV blocks per replica; None: the run's settings
+    # who spreads the clients over the proxies: their own round-robin ("clients") or one Envoy
+    entry_balancer: str = "clients"
 
     def __post_init__(self) -> None:
         lo, hi = self.fault_window_s
@@ -61,6 +65,10 @@ class ScenarioSpec:
             raise ValueError(f"scenario {self.name}: one rate_step at most, with burst_load")
         if self.epps < 0 or (self.epps and self.proxies):
             raise ValueError(f"scenario {self.name}: Envoy + EPPs replace the proxies")
+        if self.entry_balancer not in ENTRY_BALANCERS or (
+                self.entry_balancer == "envoy" and not self.proxies):
+            raise ValueError(f"scenario {self.name}: entry_balancer must be one of "
+                             f"{ENTRY_BALANCERS} (envoy: in front of proxies)")
         if self.proxies == 0 and self.epps == 0 and self.replicas != 1:
             raise ValueError(f"scenario {self.name}: an in-process guard fronts one replica")
 
@@ -74,6 +82,8 @@ class ScenarioSpec:
             out.append("proxy")
         if self.epps:
             out.append("epp")
+        if self.epps or self.entry_balancer == "envoy":
+            out.append("envoy")
         if self.redis:
             out.append("budgets")
         return tuple(out)
@@ -105,6 +115,11 @@ def catalogue() -> dict[str, ScenarioSpec]:
                      "balancer (round-robin; a refused connect goes on to the other), "
                      "restart it 6 s later", 2, 2, 24.0, 4.0, 0.74,
                      (Fault("proxy_kill", 8.0, 6.0, 0),), (8.0, 14.0), 2),
+        ScenarioSpec("proxy-kill-envoy", "proxy-kill with one Envoy as the clients' load "
+                     "balancer (health checks and outlier detection take the killed proxy "
+                     "out, connect failures retried on the other)", 2, 2, 24.0, 4.0, 0.74,
+                     (Fault("proxy_kill", 8.0, 6.0, 0),), (8.0, 14.0), 2,
+                     entry_balancer="envoy"),
         ScenarioSpec("redis-kill", "SIGKILL the budgets' Redis for 6 s under 2 proxies; one "
                      "user in 4 is a tenant asking 1.25 × what its requests-per-minute budget allows", 2, 2,
                      24.0, 4.0, 0.74, (Fault("redis_kill", 8.0, 6.0),), (8.0, 14.0), 2,
@@ -179,6 +194,7 @@ def missing_dependencies(spec: ScenarioSpec, subcommands: Mapping[str, object]) 
             missing.append("the endpoint picker (`kvguard epp`, issue 36) is not in this build")
         if importlib.util.find_spec("grpc") is None:
             missing.append("the gateway extra (grpcio, xds-protos) is not installed")
+    if "envoy" in spec.needs():
         try:
             from chaos.envoy_front import envoy_binary
             envoy_binary()

@@ -68,6 +68,8 @@ class TopologySpec:
     # > 0: one Envoy in front (deploy/envoy/envoy.yaml) with this many `kvguard epp` as its
     # endpoint pickers (proxy_args go to them: `kvguard epp` flags), in place of proxies
     num_epps: int = 0
+    # one Envoy as the clients' entry balancer in front of the proxies (chaos.envoy_entry)
+    entry_envoy: bool = False
     redis: bool = False
     start_timeout_s: float = 90.0
     env: Mapping[str, str] = field(default_factory=dict)
@@ -83,6 +85,9 @@ class TopologySpec:
         if self.num_epps and (self.num_proxies or not self.num_replicas):
             raise ValueError("num_epps: Envoy + EPPs front the replicas in place of proxies "
                              "(num_proxies = 0, num_replicas >= 1)")
+        if self.entry_envoy and not self.num_proxies:
+            raise ValueError("entry_envoy: the entry Envoy balances kvguard proxies "
+                             "(num_proxies >= 1)")
         if not self.start_timeout_s > 0:
             raise ValueError(f"start_timeout_s: must be > 0, got {self.start_timeout_s!r}")
         for name in ("--host", "--port", "--upstream"):
@@ -126,7 +131,8 @@ def redis_health(url: str) -> bool:
 class Topology:
     """The running fleet: ``replicas``, ``proxies``, ``epps`` and ``redis`` (a
     :class:`ChildProcess` each, ``redis`` None unless requested), ``envoy`` in front of the
-    EPPs when there are any. ``with Topology(spec) as fleet:`` starts it."""
+    EPPs when there are any, or of the proxies with ``spec.entry_envoy`` (its admin page at
+    ``envoy_admin_url``). ``with Topology(spec) as fleet:`` starts it."""
 
     def __init__(self, spec: TopologySpec | None = None) -> None:
         self.spec = spec or TopologySpec()
@@ -134,6 +140,7 @@ class Topology:
         self.proxies: list[ChildProcess] = []
         self.epps: list[ChildProcess] = []
         self.envoy: ChildProcess | None = None
+        self.envoy_admin_url: str | None = None
         self.redis: ChildProcess | None = None
         self._envoy_dir: tempfile.TemporaryDirectory | None = None
 
@@ -167,6 +174,19 @@ class Topology:
         _at_once(lambda child: child.start(spec.start_timeout_s), self.proxies)
         if spec.num_epps:
             self._start_envoy_front()
+        if spec.entry_envoy:
+            self._start_entry_envoy()
+
+    def _start_entry_envoy(self) -> None:
+        """One Envoy in front of the (started) proxies, the clients' only entry."""
+        from chaos.envoy_entry import entry_child
+
+        admin_port = free_port()
+        self._envoy_dir = tempfile.TemporaryDirectory(prefix="kvguard-envoy-")
+        self.envoy = entry_child(self.proxy_urls, Path(self._envoy_dir.name), admin_port,
+                                 niceness=self.spec.niceness)
+        self.envoy_admin_url = f"http://127.0.0.1:{admin_port}"
+        self.envoy.start(self.spec.start_timeout_s)
 
     def _start_envoy_front(self) -> None:
         """The EPPs (they need the replicas' URLs and redis's), then Envoy in front of them."""
@@ -239,7 +259,8 @@ class Topology:
 
     @property
     def entry_urls(self) -> list[str]:
-        """Where clients connect: Envoy, else the proxies, else the replicas."""
+        """Where clients connect: Envoy (in front of the EPPs or the proxies), else the
+        proxies, else the replicas."""
         if self.envoy is not None:
             return [self.envoy.url]
         return self.proxy_urls or self.replica_urls
