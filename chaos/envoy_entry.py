@@ -59,7 +59,7 @@ def _cluster(proxy_urls: Sequence[str]) -> dict:
         "name": "proxies", "type": "STATIC", "lb_policy": "ROUND_ROBIN", "connect_timeout": "1s",
         "circuit_breakers": {"thresholds": [dict(_OPEN)]},
         "health_checks": [{
-            "timeout": "0.4s", "interval": f"{HEALTH_INTERVAL_S}s",
+            "timeout": "1s", "interval": f"{HEALTH_INTERVAL_S}s",
             # Envoy checks a cluster that has had no traffic yet every 60 s by default, and
             # the first check comes before any: without this, the second comes a minute on
             "no_traffic_interval": f"{HEALTH_INTERVAL_S}s",

@@ -143,6 +143,15 @@ def test_a_fleet_has_no_bare_row_its_reference_is_the_always_admit_proxy():
     assert plan_runs(envoy.args) == [(2.0, "envoy_adaptive_concurrency"), (2.0, "envoy_epp_slo")]
     with pytest.raises(ValueError, match="unknown"):  # Envoy rows need a fleet
         plan_runs(scenario("--loads", "2", "--policies", "envoy_epp_slo").args)
+    breaker = ("--fleet", "2", "--loads", "2", "--reference-loads", "")
+    assert plan_runs(scenario(*breaker, "--policies", "envoy_circuit_breaker",
+                              "--envoy-max-requests", "40").args) == [
+        (2.0, "envoy_circuit_breaker")]
+    # the breaker's threshold does nothing without its row, and must be a count
+    for bad in (["--policies", "slo", "--envoy-max-requests", "40"],
+                ["--policies", "envoy_circuit_breaker", "--envoy-max-requests", "0"]):
+        with pytest.raises(ValueError, match="--envoy-max-requests"):
+            plan_runs(scenario(*breaker, *bad).args)
     rows = [{"load": 2.0, "policy": "always_admit", "goodput_rps": 4.0},
             {"load": 2.0, "policy": "slo", "goodput_rps": 10.0}]
     add_bare_ratios(rows, "always_admit")

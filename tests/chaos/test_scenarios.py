@@ -11,7 +11,7 @@ from guard.cli import main as kvguard
 
 NAMES = ["burst", "retry-storm", "redis-kill", "redis-hang", "proxy-kill", "metastable",
          "replica-kill", "seed", "recovery", "seed-envoy", "epp-kill", "cache-loss",
-         "warm-up"]
+         "warm-up", "proxy-kill-envoy"]
 
 
 def test_every_scenario_the_issue_names_is_there():
@@ -78,14 +78,35 @@ def test_bad_scenarios_are_refused():
     with pytest.raises(ValueError, match="rate_step"):
         dataclasses.replace(spec, faults=(Fault("rate_step", 8.0, 1.0),
                                           Fault("rate_step", 9.0, 1.0)))
+    with pytest.raises(ValueError, match="entry_balancer"):  # Envoy balances proxies only
+        dataclasses.replace(spec, entry_balancer="envoy")
+    with pytest.raises(ValueError, match="entry_balancer"):
+        dataclasses.replace(catalogue()["proxy-kill"], entry_balancer="nginx")
 
 
-def test_missing_dependencies_name_what_is_missing():
+def test_proxy_kill_envoy_is_proxy_kill_with_envoy_in_front_of_the_proxies(tmp_path):
+    from chaos.scenario_run import _topology
+
+    plain, envoy = catalogue()["proxy-kill"], catalogue()["proxy-kill-envoy"]
+    assert dataclasses.replace(envoy, name=plain.name, summary=plain.summary,
+                               entry_balancer="clients") == plain
+    assert "envoy" in envoy.needs() and "envoy" not in plain.needs()
+    spec = _topology(envoy, RunSettings(), str(tmp_path / "guard.toml"))
+    assert spec.entry_envoy and spec.num_proxies == 2 and spec.num_epps == 0
+    assert not _topology(plain, RunSettings(), str(tmp_path / "guard.toml")).entry_envoy
+
+
+def test_missing_dependencies_name_what_is_missing(monkeypatch):
     spec = catalogue()["replica-kill"]
     assert missing_dependencies(spec, {"proxy": 1}) == []
     (why,) = missing_dependencies(spec, {})
     assert "kvguard proxy" in why
     assert missing_dependencies(catalogue()["burst"], {}) == []
+    import chaos.envoy_front
+    monkeypatch.setattr(chaos.envoy_front, "envoy_binary",
+                        lambda: (_ for _ in ()).throw(ValueError("envoy: not installed")))
+    assert missing_dependencies(catalogue()["proxy-kill-envoy"], {"proxy": 1}) == [
+        "envoy: not installed"]
     assert isinstance(catalogue()["seed"], ScenarioSpec)
 
 
