@@ -37,6 +37,9 @@ def test_the_entry_config_validates_and_never_counts_a_shed_against_a_proxy(tmp_
     route = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
     assert "5xx" not in route["retry_policy"]["retry_on"]  # a shed is an answer
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    assert manager["delayed_close_timeout"] == "0s"  # a cut stream reaches the client at once
     with pytest.raises(ValueError):
         entry_config(tmp_path, listener_port=1, admin_port=2, proxy_urls=[])
 
