@@ -8,7 +8,7 @@ What an operator who protects an upstream with Envoy alone configures (Envoy's c
   holds at its capacity C; a request past them waits in Envoy's pending queue;
 * ``max_pending_requests`` at P = C × half the TTFT limit: a queue the fleet drains within
   half the first-token budget (the other half is the replica's own prefill); past it Envoy
-  answers 503 at once (``x-envoy-overloaded``);
+  answers 503 at once ("reset reason: overflow");
 * a ``retry_budget`` (Envoy's documented defaults, 20 % of the active and pending requests,
   at least 3) and route retries on ``5xx,reset,connect-failure`` to another replica
   (``previous_hosts``), once (Envoy's default count). Envoy never retries its own overflow.
