@@ -13,20 +13,26 @@ What an operator who protects an upstream with Envoy alone configures (Envoy's c
   at least 3) and route retries on ``5xx,reset,connect-failure`` to another replica
   (``previous_hosts``), once (Envoy's default count). Envoy never retries its own overflow.
 
-M is what an operator reads off a load test at capacity: :func:`concurrency_at` over a run at
-1.0 C through Envoy with the breakers open (``kvguard bench overload --fleet`` makes that run
-when ``--envoy-max-requests`` is not given), the 90th percentile of the requests in flight.
-Envoy's default (1,024 for each threshold) never trips in front of a few replicas.
+M is what an operator derives from a load test by Little's law: the concurrency the fleet
+needs to carry its capacity C at the latency it has when nothing queues,
+M = C × the mean time a request spends in the fleet at 0.5 C (:func:`little_concurrency`;
+``kvguard bench overload --fleet`` makes that run through Envoy with its breakers open when
+``--envoy-max-requests`` is not given). Envoy's default (1,024 for each threshold) never trips
+in front of a few replicas, and a replica's sequence slots or KV-limited sequences (``kvguard
+plan``) are far above what a prefill-bound workload can serve in time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["CircuitBreaker", "concurrency_at"]
+__all__ = ["CALIBRATION_LOAD", "CircuitBreaker", "little_concurrency"]
 
+# the load (x C) of the calibration run whose latency sets M: below the knee, where nothing
+# queues for long
+CALIBRATION_LOAD = 0.5
 # Envoy's defaults for a retry budget (its proto docs): budget_percent, min_retry_concurrency
 RETRY_BUDGET_PERCENT = 20.0
 MIN_RETRY_CONCURRENCY = 3
@@ -89,31 +95,11 @@ class CircuitBreaker:
                 "num_retries": self.num_retries}
 
 
-def concurrency_at(intervals_s: Iterable[tuple[float, float]], window_s: tuple[float, float],
-                   quantile: float = 0.9) -> int:
-    """The ``quantile`` of the number of requests in flight over ``window_s``, time-weighted:
-    ``intervals_s`` are (start, end) of each request. 0 when nothing was in flight."""
-    lo, hi = window_s
-    if not hi > lo or not 0 <= quantile <= 1:
-        raise ValueError(f"need a window with end > start and 0 <= quantile <= 1, got "
-                         f"{window_s!r}, {quantile!r}")
-    events = []
-    for start, end in intervals_s:
-        if end < start:
-            raise ValueError(f"a request ends before it starts: {(start, end)!r}")
-        start, end = max(start, lo), min(end, hi)
-        if end > start:
-            events += [(start, 1), (end, -1)]
-    events.sort()
-    level, at = 0, lo
-    time_at_level: dict[int, float] = {}
-    for t, step in events:
-        time_at_level[level] = time_at_level.get(level, 0.0) + t - at
-        level, at = level + step, t
-    time_at_level[level] = time_at_level.get(level, 0.0) + hi - at
-    need, seen = quantile * (hi - lo), 0.0
-    for n in sorted(time_at_level):
-        seen += time_at_level[n]
-        if seen >= need - 1e-12:
-            return n
-    return max(time_at_level)
+def little_concurrency(capacity_rps: float, latencies_s: Sequence[float]) -> int:
+    """Little's law: C × the mean of ``latencies_s`` (each served request's time in the fleet),
+    rounded up; ValueError without a latency or a capacity."""
+    if not capacity_rps > 0:
+        raise ValueError(f"capacity_rps must be > 0, got {capacity_rps!r}")
+    if not latencies_s or any(not x >= 0 for x in latencies_s):
+        raise ValueError("need at least one latency, each >= 0")
+    return max(1, math.ceil(capacity_rps * sum(latencies_s) / len(latencies_s)))

@@ -21,7 +21,8 @@ scenario's engine, instead of one replica with the guard mounted in-process:
   controller, as Envoy documents it) over a least-request cluster of the replicas, no kvguard
   at all —, ``envoy_circuit_breaker`` — the same cluster with Envoy's circuit breakers, retry
   budget and route retries (:mod:`chaos.envoy_breaker`; its ``max_requests`` from
-  ``--envoy-max-requests`` or a calibration run at 1.0 C made before its first row, in
+  ``--envoy-max-requests`` or, by Little's law, C × the mean latency of a calibration run at
+  0.5 C made before its first row, in
   ``envoy_circuit_breaker-calibration/``) — and ``envoy_epp_slo`` — Envoy with
   ``kvguard epp`` (``slo``) picking the replica.
 * every replica appends its engine steps to one step trace for the whole bench; each row's
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from chaos.admission_quality import forecast_error
 from chaos.cache_hits import engine_counts, guard_counts, hit_ratio
-from chaos.envoy_breaker import CircuitBreaker, concurrency_at
+from chaos.envoy_breaker import CALIBRATION_LOAD, CircuitBreaker, little_concurrency
 from chaos.envoy_front import envoy_child, epp_child
 from chaos.load_cli import run_once
 from chaos.overload_plan import ENVOY_ROWS
@@ -129,8 +130,8 @@ class Fleet:
     def circuit_breaker(self, cap_rps: float, out: Path) -> CircuitBreaker:
         """The ``envoy_circuit_breaker`` rows' thresholds (the same for every load): M from
         ``--envoy-max-requests``, else measured once, in ``out/envoy_circuit_breaker-
-        calibration/``: requests in flight (90th percentile over the goodput window) in a run
-        at ``cap_rps`` through Envoy with its breakers open."""
+        calibration/``: C × the mean time in the fleet of the requests served in a run at
+        ``CALIBRATION_LOAD`` × C through Envoy with its breakers open (Little's law)."""
         if self._breaker is None:
             max_requests = getattr(self.scenario.args, "envoy_max_requests", None)
             if max_requests is None:
@@ -148,18 +149,21 @@ class Fleet:
                             alone_upstreams=[url.removeprefix("http://")
                                              for url in self.topology.replica_urls])
         envoy.start(self.topology.spec.start_timeout_s)
+        rate = CALIBRATION_LOAD * cap_rps
         try:
-            summary = run_once(self.scenario.load_args(envoy.url, cap_rps, out), cap_rps, out,
-                               None)
+            summary = run_once(self.scenario.load_args(envoy.url, rate, out), rate, out, None)
         finally:
             envoy.terminate()
-        served = [(r.sent_s, r.sent_s + r.e2e_s) for r in read_records(out / "requests.jsonl")
-                  if r.sent_s is not None and r.e2e_s is not None and r.status is not None
-                  and 200 <= r.status < 300]
-        max_requests = concurrency_at(served, tuple(summary["goodput"]["window_s"]))
-        if max_requests < 1:
-            raise RuntimeError(f"envoy_circuit_breaker calibration: nothing in flight at "
-                               f"{cap_rps:.2f} req/s; see {out}")
+        lo, hi = summary["goodput"]["window_s"]
+        served = [r.e2e_s for r in read_records(out / "requests.jsonl")
+                  if r.successful and r.e2e_s is not None and lo <= r.scheduled_s < hi]
+        if not served:
+            raise RuntimeError(f"envoy_circuit_breaker calibration: nothing served at "
+                               f"{rate:.2f} req/s; see {out}")
+        max_requests = little_concurrency(cap_rps, served)
+        print(f"  envoy_circuit_breaker calibration: {len(served)} served at {rate:.2f} req/s, "
+              f"mean {sum(served) / len(served):.2f} s in the fleet -> max_requests "
+              f"{max_requests}", flush=True)
         return max_requests
 
     def _fronts(self, policy: str, config: str, out: Path,

@@ -1,13 +1,13 @@
 """Envoy's circuit breakers and retry budget as a bake-off row: the thresholds an operator would
-derive, the config Envoy 1.40 accepts (``envoy --mode validate``), and the in-flight
-percentile the calibration reads off a run."""
+derive, the config Envoy 1.40 accepts (``envoy --mode validate``), and Little's law as the
+calibration applies it."""
 
 import json
 import subprocess
 
 import pytest
 
-from chaos.envoy_breaker import CircuitBreaker, concurrency_at
+from chaos.envoy_breaker import CircuitBreaker, little_concurrency
 from chaos.envoy_front import envoy_alone_config, envoy_binary
 
 
@@ -54,19 +54,10 @@ def test_the_config_envoy_runs_has_the_breakers_retry_budget_and_retries(tmp_pat
     assert refused.returncode != 0 and "retry_budgett" in refused.stdout + refused.stderr
 
 
-def test_concurrency_at_is_the_time_weighted_in_flight_percentile():
-    # 0-10 s: one request throughout, a second over 2-4 s, a third over 3-4 s
-    intervals = [(0.0, 10.0), (2.0, 4.0), (3.0, 4.0)]
-    # in flight: 1 for 8 s, 2 for 1 s, 3 for 1 s
-    assert concurrency_at(intervals, (0.0, 10.0), 0.5) == 1
-    assert concurrency_at(intervals, (0.0, 10.0), 0.8) == 1
-    assert concurrency_at(intervals, (0.0, 10.0), 0.85) == 2
-    assert concurrency_at(intervals, (0.0, 10.0), 0.95) == 3
-    assert concurrency_at(intervals, (2.0, 4.0), 0.9) == 3  # clipped to the window
-    assert concurrency_at([], (0.0, 1.0)) == 0
-    assert concurrency_at([(5.0, 6.0)], (0.0, 10.0), 0.9) == 0  # idle 90 % of the window
-    for bad in (((0.0, 0.0), 0.9), ((0.0, 1.0), 1.5)):
+def test_max_requests_is_the_capacity_times_the_unloaded_latency():
+    # 24 req/s at a mean 1.85 s in the fleet: 44.4 requests in flight, rounded up
+    assert little_concurrency(24.0, [1.5, 2.0, 2.05]) == 45
+    assert little_concurrency(0.1, [0.5]) == 1  # never below one
+    for bad in ((0.0, [1.0]), (24.0, []), (24.0, [1.0, -0.1])):
         with pytest.raises(ValueError):
-            concurrency_at(intervals, *bad)
-    with pytest.raises(ValueError):
-        concurrency_at([(2.0, 1.0)], (0.0, 10.0))
+            little_concurrency(*bad)
