@@ -13,26 +13,21 @@ What an operator who protects an upstream with Envoy alone configures (Envoy's c
   at least 3) and route retries on ``5xx,reset,connect-failure`` to another replica
   (``previous_hosts``), once (Envoy's default count). Envoy never retries its own overflow.
 
-M is what an operator derives from a load test by Little's law: the concurrency the fleet
-needs to carry its capacity C at the latency it has when nothing queues,
-M = C × the mean time a request spends in the fleet at 0.5 C (:func:`little_concurrency`;
-``kvguard bench overload --fleet`` makes that run through Envoy with its breakers open when
-``--envoy-max-requests`` is not given). Envoy's default (1,024 for each threshold) never trips
-in front of a few replicas, and a replica's sequence slots or KV-limited sequences (``kvguard
-plan``) are far above what a prefill-bound workload can serve in time.
+M has no default: ``kvguard bench overload --fleet ... --envoy-max-requests M``. Envoy's own
+(1,024 for each threshold) never trips in front of a few replicas; a replica's sequence slots
+or KV-limited sequences (``kvguard plan``) are far above what a prefill-bound workload serves
+in time; and the rules of thumb we tried (the p90 in flight at C; Little's law at the
+latency of 0.5 C) missed the best M by half either way. An operator finds it with a short
+sweep of M at the load it must hold (docs/benchmarks.md §15 shows ours).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["CALIBRATION_LOAD", "CircuitBreaker", "little_concurrency"]
+__all__ = ["CircuitBreaker"]
 
-# the load (x C) of the calibration run whose latency sets M: below the knee, where nothing
-# queues for long
-CALIBRATION_LOAD = 0.5
 # Envoy's defaults for a retry budget (its proto docs): budget_percent, min_retry_concurrency
 RETRY_BUDGET_PERCENT = 20.0
 MIN_RETRY_CONCURRENCY = 3
@@ -93,13 +88,3 @@ class CircuitBreaker:
                 "retry_budget_percent": self.retry_budget_percent,
                 "min_retry_concurrency": self.min_retry_concurrency,
                 "num_retries": self.num_retries}
-
-
-def little_concurrency(capacity_rps: float, latencies_s: Sequence[float]) -> int:
-    """Little's law: C × the mean of ``latencies_s`` (each served request's time in the fleet),
-    rounded up; ValueError without a latency or a capacity."""
-    if not capacity_rps > 0:
-        raise ValueError(f"capacity_rps must be > 0, got {capacity_rps!r}")
-    if not latencies_s or any(not x >= 0 for x in latencies_s):
-        raise ValueError("need at least one latency, each >= 0")
-    return max(1, math.ceil(capacity_rps * sum(latencies_s) / len(latencies_s)))

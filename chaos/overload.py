@@ -230,8 +230,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "of one replica with the guard in-process")
     p.add_argument("--envoy-max-requests", type=int, default=None, metavar="M",
                    help="the envoy_circuit_breaker row's max_requests (and max_connections) "
-                        "over the fleet (default: Little's law, C x the mean latency of a run "
-                        "at 0.5 C through Envoy with its breakers open, made first)")
+                        "over the fleet; that row needs it (find it with a short sweep of M "
+                        "at the bench's load)")
 
 
 def probe_saturation(scenario: Scenario, url: str, out: Path, num_requests: int = 48) -> float:

@@ -20,10 +20,8 @@ scenario's engine, instead of one replica with the guard mounted in-process:
   ``envoy_adaptive_concurrency`` — Envoy's own adaptive concurrency filter (its gradient
   controller, as Envoy documents it) over a least-request cluster of the replicas, no kvguard
   at all —, ``envoy_circuit_breaker`` — the same cluster with Envoy's circuit breakers, retry
-  budget and route retries (:mod:`chaos.envoy_breaker`; its ``max_requests`` from
-  ``--envoy-max-requests`` or, by Little's law, C × the mean latency of a calibration run at
-  0.5 C made before its first row, in
-  ``envoy_circuit_breaker-calibration/``) — and ``envoy_epp_slo`` — Envoy with
+  budget and route retries (:mod:`chaos.envoy_breaker`; its ``max_requests`` is
+  ``--envoy-max-requests``) — and ``envoy_epp_slo`` — Envoy with
   ``kvguard epp`` (``slo``) picking the replica.
 * every replica appends its engine steps to one step trace for the whole bench; each row's
   cost is its goodput window's part of them (``chaos.run_cost``);
@@ -39,7 +37,7 @@ from pathlib import Path
 
 from chaos.admission_quality import forecast_error
 from chaos.cache_hits import engine_counts, guard_counts, hit_ratio
-from chaos.envoy_breaker import CALIBRATION_LOAD, CircuitBreaker, little_concurrency
+from chaos.envoy_breaker import CircuitBreaker
 from chaos.envoy_front import envoy_child, epp_child
 from chaos.load_cli import run_once
 from chaos.overload_plan import ENVOY_ROWS
@@ -68,7 +66,6 @@ class Fleet:
         self.step_traces = [] if out is None else [out / f"steps-{i}.jsonl"
                                                    for i in range(num_replicas)]
         steps = () if out is None else ("--step-trace", str(out / "steps-{replica}.jsonl"))
-        self._breaker: CircuitBreaker | None = None  # the envoy_circuit_breaker rows' one
         self.topology = Topology(TopologySpec(num_replicas=num_replicas,
                                               replica_args=(*scenario.engine_args(), *steps),
                                               niceness=FLEET_NICENESS))
@@ -99,8 +96,7 @@ class Fleet:
                                     itl_s=c.itl_s, trace_path=str(trace),
                                     policy_params=policy_params, extra_toml=_PROXY_TOML,
                                     settings=self.scenario.guard_settings(out.parent))
-        breaker = self.circuit_breaker(cap_rps, out.parent) \
-            if policy == "envoy_circuit_breaker" else None
+        breaker = self.circuit_breaker(cap_rps) if policy == "envoy_circuit_breaker" else None
         fronts = self._fronts(policy, config, out, breaker)
         try:
             for child in fronts:
@@ -127,44 +123,11 @@ class Fleet:
             row["envoy_circuit_breaker"] = breaker.to_dict()
         return row
 
-    def circuit_breaker(self, cap_rps: float, out: Path) -> CircuitBreaker:
-        """The ``envoy_circuit_breaker`` rows' thresholds (the same for every load): M from
-        ``--envoy-max-requests``, else measured once, in ``out/envoy_circuit_breaker-
-        calibration/``: C × the mean time in the fleet of the requests served in a run at
-        ``CALIBRATION_LOAD`` × C through Envoy with its breakers open (Little's law)."""
-        if self._breaker is None:
-            max_requests = getattr(self.scenario.args, "envoy_max_requests", None)
-            if max_requests is None:
-                max_requests = self._calibrate(cap_rps, out / "envoy_circuit_breaker-calibration")
-            self._breaker = CircuitBreaker.at_capacity(max_requests, cap_rps,
-                                                       self.scenario.request_class.ttft_s)
-            print(f"  envoy_circuit_breaker: {self._breaker.to_dict()}", flush=True)
-        return self._breaker
-
-    def _calibrate(self, cap_rps: float, out: Path) -> int:
-        out.mkdir(parents=True, exist_ok=True)
-        for url in self.topology.replica_urls:
-            wait_idle(url)
-        envoy = envoy_child([], out, niceness=self.topology.spec.niceness,
-                            alone_upstreams=[url.removeprefix("http://")
-                                             for url in self.topology.replica_urls])
-        envoy.start(self.topology.spec.start_timeout_s)
-        rate = CALIBRATION_LOAD * cap_rps
-        try:
-            summary = run_once(self.scenario.load_args(envoy.url, rate, out), rate, out, None)
-        finally:
-            envoy.terminate()
-        lo, hi = summary["goodput"]["window_s"]
-        served = [r.e2e_s for r in read_records(out / "requests.jsonl")
-                  if r.successful and r.e2e_s is not None and lo <= r.scheduled_s < hi]
-        if not served:
-            raise RuntimeError(f"envoy_circuit_breaker calibration: nothing served at "
-                               f"{rate:.2f} req/s; see {out}")
-        max_requests = little_concurrency(cap_rps, served)
-        print(f"  envoy_circuit_breaker calibration: {len(served)} served at {rate:.2f} req/s, "
-              f"mean {sum(served) / len(served):.2f} s in the fleet -> max_requests "
-              f"{max_requests}", flush=True)
-        return max_requests
+    def circuit_breaker(self, cap_rps: float) -> CircuitBreaker:
+        """The ``envoy_circuit_breaker`` rows' thresholds: M from ``--envoy-max-requests``,
+        P from C and the TTFT limit (:meth:`CircuitBreaker.at_capacity`)."""
+        return CircuitBreaker.at_capacity(self.scenario.args.envoy_max_requests, cap_rps,
+                                          self.scenario.request_class.ttft_s)
 
     def _fronts(self, policy: str, config: str, out: Path,
                 breaker: CircuitBreaker | None = None) -> list:

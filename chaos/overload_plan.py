@@ -69,16 +69,26 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[float, str]]:
     ref_policies = _names(ref_text, "--reference-policies", allowed)
     runs = [(load, p) for load in ref_loads for p in ref_policies]
     runs += [(load, p) for load in loads for p in policies]
-    max_requests = getattr(args, "envoy_max_requests", None)
-    if max_requests is not None:
-        if isinstance(max_requests, bool) or not isinstance(max_requests, int) \
-                or max_requests < 1:
-            raise ValueError(f"--envoy-max-requests: must be an integer >= 1, got "
-                             f"{max_requests!r}")
-        if all(p != "envoy_circuit_breaker" for _, p in runs):
-            raise ValueError("--envoy-max-requests: only the envoy_circuit_breaker row uses it "
-                             "(--fleet, and name it in --policies)")
+    _check_envoy_max_requests(getattr(args, "envoy_max_requests", None),
+                              any(p == "envoy_circuit_breaker" for _, p in runs))
     return list(dict.fromkeys(runs))
+
+
+def _check_envoy_max_requests(max_requests, planned: bool) -> None:
+    """The circuit-breaker row needs its M, and M needs the row. No default: the M that serves
+    best depends on the request mix and the fleet, and the rules of thumb we tried missed it
+    by half either way (docs/benchmarks.md §15); an operator finds it with a short sweep."""
+    if max_requests is None:
+        if planned:
+            raise ValueError("envoy_circuit_breaker: needs --envoy-max-requests M (Envoy's "
+                             "max_requests over the fleet; find it with a short sweep of M at "
+                             "the bench's load)")
+        return
+    if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
+        raise ValueError(f"--envoy-max-requests: must be an integer >= 1, got {max_requests!r}")
+    if not planned:
+        raise ValueError("--envoy-max-requests: only the envoy_circuit_breaker row uses it "
+                         "(--fleet, and name it in --policies)")
 
 
 def plan_sdk_runs(args: argparse.Namespace) -> list[tuple[float, str]]:

@@ -147,9 +147,10 @@ def test_a_fleet_has_no_bare_row_its_reference_is_the_always_admit_proxy():
     assert plan_runs(scenario(*breaker, "--policies", "envoy_circuit_breaker",
                               "--envoy-max-requests", "40").args) == [
         (2.0, "envoy_circuit_breaker")]
-    # the breaker's threshold does nothing without its row, and must be a count
+    # the breaker's threshold does nothing without its row, must be a count, and has no default
     for bad in (["--policies", "slo", "--envoy-max-requests", "40"],
-                ["--policies", "envoy_circuit_breaker", "--envoy-max-requests", "0"]):
+                ["--policies", "envoy_circuit_breaker", "--envoy-max-requests", "0"],
+                ["--policies", "envoy_circuit_breaker"]):
         with pytest.raises(ValueError, match="--envoy-max-requests"):
             plan_runs(scenario(*breaker, *bad).args)
     rows = [{"load": 2.0, "policy": "always_admit", "goodput_rps": 4.0},
