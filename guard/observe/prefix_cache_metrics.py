@@ -8,6 +8,8 @@
 * ``kvguard_prefix_cache_predicted_tokens_total{replica}`` and
   ``kvguard_prefix_cache_routed_prompt_tokens_total{replica}`` — the sums behind the predicted
   ratio, over the guard's life (so a bench can take the ratio over its own window);
+* ``kvguard_prefix_cache_unrendered_chats_total`` — chat requests the precise view priced as
+  uncached because the ``chat_template`` could not render them as the replica would;
 * ``kvguard_kv_events_dropped_total`` — KV event batches dropped as malformed or from an
   unknown replica.
 """
@@ -64,6 +66,12 @@ class PrefixCacheCollector(Collector):
             routed.add_metric([replica_id], num_routed)
         yield cached
         yield routed
+        if view.mode == "precise":
+            unrendered = CounterMetricFamily(
+                "kvguard_prefix_cache_unrendered_chats",
+                "Chat requests priced uncached: the chat template could not render them")
+            unrendered.add_metric([], view.num_unrendered_chats)
+            yield unrendered
         if self.num_dropped is not None:
             dropped = CounterMetricFamily("kvguard_kv_events_dropped",
                                           "KV event batches dropped (malformed or unknown replica)")

@@ -15,8 +15,11 @@ Modes (the guard's ``prefix_cache`` key):
   request's blocks are hashed from its token ids exactly as a kvguard engine hashes them
   (:func:`guard.replicas.block_hashes.token_block_hashes`), which needs the engine's tokenizer
   (the guard's ``tokenizer`` key) and its ``block_size``. Completions prompts (text or token
-  ids) are hashed; a chat request would need the engine's chat template, which the guard does
-  not have, so it is priced as uncached in this mode.
+  ids) are hashed; a chat request is rendered first with the replicas' chat template (the
+  guard's ``chat_template`` key, :mod:`guard.request.chat_template`), as the engine renders
+  it. Without that key, or for a request the template cannot render as the replica would
+  (counted in ``num_unrendered_chats``, the first one logged), a chat request is priced as
+  uncached.
 
 Either way a replica's view is bounded by its capacity (its ``num_total_blocks`` from its
 state, capped by ``max_blocks_per_replica``) and emptied when the replica restarts: its state
@@ -36,6 +39,7 @@ same period (its ``prefix_cache_hits`` ÷ ``prefix_cache_queries`` in ``/kvguard
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -46,6 +50,8 @@ from guard.replicas.prefix_index import PrefixIndex
 from policies.cost import RequestCost
 
 __all__ = ["MODES", "PrefixCacheView", "PrefixKey", "build_prefix_view", "render_prompt"]
+
+log = logging.getLogger("kvguard.prefix_cache")
 
 MODES = ("off", "approximate", "precise")
 _TOKEN_BLOCK = 16  # block size until a replica's state says otherwise
@@ -98,7 +104,8 @@ class PrefixCacheView:
 
     def __init__(self, mode: str = "approximate", *, chunk_chars: int = 256,
                  max_blocks_per_replica: int = 1 << 18, max_sessions: int = 100_000,
-                 token_ids: object = None, model: str = "") -> None:
+                 token_ids: object = None, model: str = "", chat_template: object = None
+                 ) -> None:
         if mode not in MODES[1:]:
             raise ValueError(f"prefix_cache: must be one of {MODES[1:]} here, got {mode!r}")
         if isinstance(chunk_chars, bool) or not isinstance(chunk_chars, int) or chunk_chars < 1:
@@ -115,6 +122,9 @@ class PrefixCacheView:
         self.max_sessions = max_sessions
         self._token_ids = token_ids  # text -> token ids (precise mode)
         self._model = model  # the model name the engine hashes with, when the body names none
+        # precise mode: a guard.request.chat_template.ChatTemplate (None: chat priced uncached)
+        self._chat_template = chat_template
+        self.num_unrendered_chats = 0  # chat requests the template could not render
         self._block_sizes: dict[str, int] = {}
         self._sessions: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._counts: dict[str, _Counts] = {}
@@ -135,7 +145,9 @@ class PrefixCacheView:
         block_size = self._block_size()
         if self.mode == "precise":
             if is_chat:
-                hashes: tuple[int, ...] = ()  # the engine's chat template is not known here
+                prompt = self._chat_prompt(body)
+            if prompt is None:
+                hashes: tuple[int, ...] = ()  # priced as uncached
             else:
                 ids = prompt if isinstance(prompt, list) else self._token_ids(prompt)
                 hashes = token_block_hashes(ids, block_size, model, cache_salt)
@@ -146,6 +158,20 @@ class PrefixCacheView:
             return PrefixKey(hashes, float(chunk_ids), num_prompt_tokens, session_id)
         hashes = text_chunk_hashes(prompt, self.chunk_chars, model, cache_salt)
         return PrefixKey(hashes, self.chunk_chars / chars_per_token, num_prompt_tokens, session_id)
+
+    def _chat_prompt(self, body: Mapping) -> str | None:
+        """A chat request's prompt as the replicas' template renders it (None: no template,
+        or one that cannot render this request: counted, the first one logged)."""
+        if self._chat_template is None:
+            return None
+        text, why = self._chat_template.render(body)
+        if text is None:
+            self.num_unrendered_chats += 1
+            if self.num_unrendered_chats == 1:
+                log.warning("a chat request the chat template cannot render is priced as "
+                            "uncached (%s); later ones are only counted "
+                            "(kvguard_prefix_cache_unrendered_chats_total)", why)
+        return text
 
     def cached_tokens(self, key: PrefixKey) -> dict[str, int] | None:
         """Replica id -> prompt tokens its cache is expected to hold for ``key`` (only the
@@ -304,4 +330,5 @@ def build_prefix_view(config: object, token_ids: Callable[[str], list[int]] | No
         return None
     return PrefixCacheView(config.prefix_cache, chunk_chars=config.prefix_cache_chunk_chars,
                            max_blocks_per_replica=config.prefix_cache_max_blocks,
-                           max_sessions=config.prefix_cache_max_sessions, token_ids=token_ids)
+                           max_sessions=config.prefix_cache_max_sessions, token_ids=token_ids,
+                           chat_template=config.loaded_chat_template)
