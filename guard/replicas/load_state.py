@@ -56,7 +56,7 @@ from guard.replicas.mean_step_time import MeanStepTime
 from guard.replicas.prefix_cache import PrefixCacheView
 from guard.replicas.reservations import ReplicaReservations, Reservation
 from guard.replicas.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
-from guard.replicas.vllm_metrics import parse_vllm_metrics
+from guard.replicas.vllm_metrics import parse_vllm_metrics, served_model_name
 from policies.candidates import MIN_RANKED_REPLICAS
 from policies.cost import RequestCost
 from policies.retry_budget import NO_RETRY_OVER_BUDGET, RetryBudgetView
@@ -284,7 +284,8 @@ class LoadState:
                              assumed_output_tokens=assumed_output_tokens,
                              assumed_prompt_tokens=assumed_prompt_tokens)
         if self.cache_view is not None:
-            self.cache_view.replica_metrics(replica_id, parse_vllm_metrics(text))
+            self.cache_view.replica_metrics(replica_id, parse_vllm_metrics(text),
+                                            served_model_name(text))
         return self._set_counted_base(replica_id, base, now_s)
 
     def update_from_engine_metrics(self, replica_id: str, load: EngineLoad, now_s: float, *,

@@ -134,6 +134,13 @@ class PrefixCacheView:
         # precise mode: called with (replica id, endpoint) when a replica advertises where its
         # KV-cache events are published (``kv_events_endpoint`` in its state document)
         self.on_events_endpoint: Callable[[str, str], None] | None = None
+        # precise mode: called with the replica id for each kvguard state document (the
+        # replica is a kvguard engine: its events carry kvguard's own hashes), and by forget
+        self.on_kvguard_state: Callable[[str], None] | None = None
+        self.on_forget: Callable[[str], None] | None = None
+        # replica id -> the model it serves, as its state or metrics name it (the root of the
+        # chains translated from its events)
+        self.replica_models: dict[str, str] = {}
 
     # --- a request ---------------------------------------------------------------------------
 
@@ -222,6 +229,9 @@ class PrefixCacheView:
         model = state.get("model")
         if isinstance(model, str) and model:  # what the engine hashes with, when bodies omit it
             self._model = model
+            self.replica_models[replica_id] = model
+        if self.on_kvguard_state is not None:
+            self.on_kvguard_state(replica_id)
         total, block_size = state.get("num_total_blocks"), state.get("block_size")
         if _count(block_size) and block_size > 0:
             self._block_sizes[replica_id] = block_size
@@ -240,8 +250,12 @@ class PrefixCacheView:
         if isinstance(endpoint, str) and endpoint and self.on_events_endpoint is not None:
             self.on_events_endpoint(replica_id, endpoint)
 
-    def replica_metrics(self, replica_id: str, metrics: Mapping[str, float]) -> None:
-        """A vLLM ``/metrics`` scrape (``guard.replicas.vllm_metrics.parse_vllm_metrics``)."""
+    def replica_metrics(self, replica_id: str, metrics: Mapping[str, float],
+                        model: str | None = None) -> None:
+        """A vLLM ``/metrics`` scrape (``guard.replicas.vllm_metrics.parse_vllm_metrics``), and
+        the model its metrics are labelled with (``served_model_name``)."""
+        if model:
+            self.replica_models[replica_id] = model
         block_size = metrics.get("block_size")
         if block_size:
             self._block_sizes[replica_id] = int(block_size)
@@ -258,6 +272,8 @@ class PrefixCacheView:
         """Empty the replica's view and start its tallies over (its sessions lose their pin:
         their entries point at a cache that no longer exists, and are dropped lazily)."""
         self.index.clear(replica_id)
+        if self.on_forget is not None:
+            self.on_forget(replica_id)
         self._counts.pop(replica_id, None)
         for session_id in [s for s, (r, _) in self._sessions.items() if r == replica_id]:
             del self._sessions[session_id]
