@@ -257,7 +257,8 @@ class GuardConfig:
     # the replicas' prefix caches (guard.replicas.prefix_cache): "off" | "approximate" | "precise"
     prefix_cache: str = "approximate"
     prefix_cache_chunk_chars: int = 256  # approximate view: characters per hashed chunk
-    prefix_cache_max_blocks: int = 1 << 18  # tracked blocks per replica, at most (~130 B each)
+    prefix_cache_max_blocks: int = 1 << 18  # tracked blocks per replica, at most (~130 B each;
+    # ~280 B for a replica whose vLLM events are translated: guard.replicas.kv_event_translation)
     prefix_cache_max_sessions: int = 100_000  # x-session-id pins remembered, at most
     # "shared" | "tenant" (guard.request.cache_salt): a per-tenant cache_salt, keyed by the secret
     prefix_cache_isolation: str = "shared"

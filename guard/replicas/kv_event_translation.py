@@ -20,7 +20,8 @@ publish neither make a salted block look unsalted (docs/architecture.md says wha
 Memory: the map is one ``OrderedDict`` per replica, bounded like the index (the replica's
 capacity in blocks), least recently stored evicted first; an entry holds the vLLM hash (an
 int; vLLM's 32-byte hashes as a 256-bit int) and shares its kvguard int with the index. About
-160 bytes per tracked block on top of the index's ~130 (``docs/benchmarks.md`` §16).
+150 bytes per tracked block on top of the index's ~127: ~280 in all with vLLM's 32-byte
+hashes, ~255 with its 64-bit ones (``scripts/prefix_view_cost.py``, ``docs/benchmarks.md`` §16).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ Modes (the guard's ``prefix_cache`` key):
   chunks, means the same for both. The replica a request is routed to is assumed to hold its chunks
   from then on. A chunk stands for ``chunk_chars ÷ chars-per-token`` tokens (the pricer's
   calibrated ratio).
-* ``precise`` — fed by the replicas' KV-cache events (:mod:`guard.replicas.kv_events`): a
-  request's blocks are hashed from its token ids exactly as a kvguard engine hashes them
+* ``precise`` — fed by the replicas' KV-cache events (:mod:`guard.replicas.kv_events`; a
+  vLLM replica's translated into kvguard's chain, :mod:`guard.replicas.kv_event_translation`):
+  a request's blocks are hashed from its token ids exactly as a kvguard engine hashes them
   (:func:`guard.replicas.block_hashes.token_block_hashes`), which needs the engine's tokenizer
   (the guard's ``tokenizer`` key) and its ``block_size``. Completions prompts (text or token
   ids) are hashed; a chat request is rendered first with the replicas' chat template (the
