@@ -149,17 +149,17 @@ class PrefixCacheView:
             cache_salt: str | None, session_id: str | None = None) -> PrefixKey:
         """The request's prefix key (priced bodies only: the pricer validated them)."""
         model = body.get("model") if isinstance(body.get("model"), str) else self._model
-        prompt = render_prompt(body, is_chat)
-        block_size = self._block_size()
         if self.mode == "precise":
-            if is_chat:
-                prompt = self._chat_prompt(body)
+            block_size = self._block_size()
+            # a chat request: the prompt the replicas' template renders (not the view's own)
+            prompt = self._chat_prompt(body) if is_chat else render_prompt(body, False)
             if prompt is None:
                 hashes: tuple[int, ...] = ()  # priced as uncached
             else:
                 ids = prompt if isinstance(prompt, list) else self._token_ids(prompt)
                 hashes = token_block_hashes(ids, block_size, model, cache_salt)
             return PrefixKey(hashes, float(block_size), num_prompt_tokens, session_id)
+        prompt = render_prompt(body, is_chat)
         if isinstance(prompt, list):  # chunks of as many ids as a text chunk holds tokens
             chunk_ids = self._chunk_ids
             hashes = id_chunk_hashes(prompt, chunk_ids, model, cache_salt)
