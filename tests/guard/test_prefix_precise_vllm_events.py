@@ -7,7 +7,6 @@ there — and one that diverges is predicted cached up to where it diverges."""
 
 import asyncio
 import hashlib
-import sys
 from pathlib import Path
 
 import msgpack
@@ -16,9 +15,6 @@ from prometheus_client import CollectorRegistry
 
 from guard.config import GuardConfig
 from guard.controller import AdmissionController
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_prefix_precise_e2e import _tokenizer  # noqa: E402
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PROMPT = list(range(3000, 3640))  # 640 tokens: 40 blocks of 16
@@ -31,6 +27,17 @@ vllm:kv_cache_usage_perc{{engine="0",model_name="{MODEL}"}} 0.1
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="4096"}} 1.0
 """
+
+
+def _tokenizer(tmp_path: Path) -> str:
+    """A tokenizer.json for the ``tokenizer`` key (these requests send token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
 
 
 def vllm_hash(parent: bytes, tokens: list[int]) -> bytes:
