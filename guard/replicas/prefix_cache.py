@@ -56,6 +56,7 @@ log = logging.getLogger("kvguard.prefix_cache")
 
 MODES = ("off", "approximate", "precise")
 _TOKEN_BLOCK = 16  # block size until a replica's state says otherwise
+_RENDER = object()  # PrefixCacheView.key: the caller has not rendered the chat request
 _NOMINAL_CHARS_PER_TOKEN = 4
 
 
@@ -146,18 +147,21 @@ class PrefixCacheView:
     # --- a request ---------------------------------------------------------------------------
 
     def key(self, body: Mapping, is_chat: bool, num_prompt_tokens: int, chars_per_token: float,
-            cache_salt: str | None, session_id: str | None = None) -> PrefixKey:
-        """The request's prefix key (priced bodies only: the pricer validated them)."""
+            cache_salt: str | None, session_id: str | None = None,
+            chat_ids: object = _RENDER) -> PrefixKey:
+        """The request's prefix key (priced bodies only: the pricer validated them).
+        ``chat_ids``: a chat request's ids as :meth:`chat_token_ids` gave them (None: it
+        cannot be rendered), when the caller has them already; rendered here otherwise."""
         model = body.get("model") if isinstance(body.get("model"), str) else self._model
         if self.mode == "precise":
             block_size = self._block_size()
-            # a chat request: the prompt the replicas' template renders (not the view's own)
-            prompt = self._chat_prompt(body) if is_chat else render_prompt(body, False)
-            if prompt is None:
-                hashes: tuple[int, ...] = ()  # priced as uncached
+            if is_chat:  # the prompt the replicas' template renders (not the view's own)
+                ids = self.chat_token_ids(body) if chat_ids is _RENDER else chat_ids
             else:
+                prompt = render_prompt(body, False)
                 ids = prompt if isinstance(prompt, list) else self._token_ids(prompt)
-                hashes = token_block_hashes(ids, block_size, model, cache_salt)
+            hashes: tuple[int, ...] = () if ids is None else token_block_hashes(
+                ids, block_size, model, cache_salt)  # () : priced as uncached
             return PrefixKey(hashes, float(block_size), num_prompt_tokens, session_id)
         prompt = render_prompt(body, is_chat)
         if isinstance(prompt, list):  # chunks of as many ids as a text chunk holds tokens
@@ -167,9 +171,10 @@ class PrefixCacheView:
         hashes = text_chunk_hashes(prompt, self.chunk_chars, model, cache_salt)
         return PrefixKey(hashes, self.chunk_chars / chars_per_token, num_prompt_tokens, session_id)
 
-    def _chat_prompt(self, body: Mapping) -> str | None:
-        """A chat request's prompt as the replicas' template renders it (None: no template,
-        or one that cannot render this request: counted, the first one logged)."""
+    def chat_token_ids(self, body: Mapping) -> list[int] | None:
+        """A chat request's prompt ids as the replicas' template renders it (precise mode;
+        None: no template, or one that cannot render this request: counted, the first one
+        logged). The pricer counts the prompt with them too."""
         if self._chat_template is None:
             return None
         text, why = self._chat_template.render(body)
@@ -179,7 +184,8 @@ class PrefixCacheView:
                 log.warning("a chat request the chat template cannot render is priced as "
                             "uncached (%s); later ones are only counted "
                             "(kvguard_prefix_cache_unrendered_chats_total)", why)
-        return text
+            return None
+        return self._token_ids(text)
 
     def cached_tokens(self, key: PrefixKey) -> dict[str, int] | None:
         """Replica id -> prompt tokens its cache is expected to hold for ``key`` (only the

@@ -141,3 +141,26 @@ def test_the_precise_view_hashes_the_rendered_chat_and_counts_what_it_cannot(tmp
     plain = PrefixCacheView("precise", token_ids=ids)
     assert plain.key({"model": "m", "messages": SYSTEM}, True, 40, 4.0, None).hashes == ()
     assert plain.num_unrendered_chats == 0
+
+
+def test_the_pricer_counts_a_rendered_chat_prompt_exactly(tmp_path):
+    from guard.request.pricing import Pricer
+
+    config = precise(tmp_path, tokenizer_config(tmp_path))
+    ids = lambda text: [ord(c) for c in text]  # noqa: E731 - a tokenizer of code points
+    view = PrefixCacheView("precise", token_ids=ids, chat_template=config.loaded_chat_template)
+    pricer = Pricer(config, tokenizer=lambda text: len(text) // 4, prefix_view=view)
+
+    def price(body):
+        return pricer.price_request(body, "/v1/chat/completions", {}, config.anonymous_tenant,
+                                    0.0, max_model_len=4096, block_size=16)
+
+    rendered = "<s><|system|>Be brief.</s>\n<|user|>Hi</s>\n<|assistant|>"
+    priced = price({"model": "m", "messages": SYSTEM, "max_tokens": 4})
+    assert priced.cost.num_prompt_tokens == len(rendered) and priced.num_overhead_tokens == 0
+    assert priced.is_exact and view.num_unrendered_chats == 0
+    # unrenderable: the estimate as before (texts' tokens plus the overhead), counted once
+    priced = price({"model": "m", "messages": SYSTEM, "max_tokens": 4,
+                    "chat_template_kwargs": {"x": 1}})
+    assert priced.num_overhead_tokens > 0 and priced.cost.prefix_key.hashes == ()
+    assert view.num_unrendered_chats == 1

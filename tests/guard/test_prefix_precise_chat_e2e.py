@@ -1,8 +1,9 @@
 """Chat requests priced by the precise prefix-cache view: a real kvguard engine serving
 SmolLM2-135M (its GGUF carries the chat template) with the guard mounted in precise mode and
 the model's ``tokenizer.json`` and ``tokenizer_config.json`` as its ``tokenizer`` and
-``chat_template``. A second chat with the same long system prompt is predicted cached, and the
-prediction matches the engine's measured ``cached_tokens`` within one block."""
+``chat_template``. A second chat with the same long system prompt is predicted cached, the
+prediction matches the engine's measured ``cached_tokens`` within one block, and the guard
+counts each chat prompt as the engine does."""
 
 import json
 import sys
@@ -79,3 +80,6 @@ def test_a_second_chat_with_the_same_system_prompt_is_predicted_as_the_engine_ca
         assert cached >= 20 * BLOCK_SIZE  # the system prompt's blocks were reused
         assert abs(predicted - cached) <= BLOCK_SIZE, (predicted, cached)
         assert _metric(client, "kvguard_prefix_cache_unrendered_chats_total") == 0
+        # the guard counted both prompts exactly as the engine did: the same rendering
+        routed = _metric(client, "kvguard_prefix_cache_routed_prompt_tokens_total")
+        assert routed == first["usage"]["prompt_tokens"] + second["usage"]["prompt_tokens"]
