@@ -6,9 +6,13 @@ per replica, ``running`` sequences each, loads varied across the fleet so replic
 measures:
 
 * ``ingest_us``: one replica's document parsed from JSON bytes and applied
-  (``json.loads`` + ``LoadState.update_from_kvguard_state``), median over the fleet;
-  ``state_cpu_share`` = ``ingest_us`` × replicas × ``--refresh-hz`` ÷ 10⁶: the cores a decider
-  spends keeping every replica's full document fresh (the HTTP round trip not counted);
+  (``serving.json_body.loads``, as the poller parses it, + ``LoadState.update_from_kvguard_state``),
+  median over the fleet
+  (``ingest_mean_us`` the mean); ``state_cpu_share`` = ``ingest_mean_us`` × replicas ×
+  ``--refresh-hz`` ÷ 10⁶: the cores a decider spends keeping every replica's full document
+  fresh (the HTTP round trip not counted). Cores come from the mean, not the median: in the
+  streamed deltas a step-time refit lands in about one refresh in six, which the median
+  never sees;
   ``compact_*`` the same for the compact document the guard's poller asks for
   (``?compact=1&since_batch=N``: sequences as columns, no iteration sample seen before);
   ``stream_*`` the same for ``state_source = "stream"``: one delta of
@@ -27,8 +31,10 @@ set and with its full scan side by side (:mod:`chaos.bench.candidate_gap`): how 
 bounded choice is.
 
 ``--json`` prints one JSON object with ``decide_p50_us`` (per policy) and ``state_cpu_share``
-(the compact document's, what the poller reads; ``full_state_cpu_share`` the full one's) keyed
-by replica count (the largest ``--running`` for the per-replica-count keys) and every row.
+(the stream of deltas', what the proxy's default ``state_source = "auto"`` reads from a kvguard
+replica; ``compact_state_cpu_share`` the polled compact document's, ``full_state_cpu_share``
+the full one's) keyed by replica count (the largest ``--running`` for the per-replica-count
+keys) and every row.
 Results and their commands go to docs/benchmarks.md.
 """
 
@@ -147,6 +153,10 @@ def _cost(i: int, now_s: float) -> RequestCost:
                        deadline_s=now_s + 1.0)
 
 
+def _mean_us(times_ns: list[int]) -> float:
+    return sum(times_ns) / len(times_ns) / 1000.0
+
+
 def _quantile_us(times_ns: list[int], q: float) -> float:
     ordered = sorted(times_ns)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000.0
@@ -196,7 +206,7 @@ def measure(num_replicas: int, num_running: int, num_calls: int, refresh_hz: flo
     ingest_ns = []
     for k, raw in enumerate(documents):
         start = time.perf_counter_ns()
-        load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
+        load_state.update_from_kvguard_state(f"r{k}", loads(raw), 0.0)
         ingest_ns.append(time.perf_counter_ns() - start)
     ingest_us = _quantile_us(ingest_ns, 0.5)
     compacts = [json.dumps(compact_state(json.loads(raw), since_batch=3)).encode()
@@ -204,21 +214,26 @@ def measure(num_replicas: int, num_running: int, num_calls: int, refresh_hz: flo
     compact_ns = []
     for k, raw in enumerate(compacts):
         start = time.perf_counter_ns()
-        load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
+        load_state.update_from_kvguard_state(f"r{k}", loads(raw), 0.0)
         compact_ns.append(time.perf_counter_ns() - start)
     compact_us = _quantile_us(compact_ns, 0.5)
     stream_ns, delta_bytes = _stream_ingest_ns(load_state, num_replicas, num_running)
     stream_us = _quantile_us(stream_ns, 0.5)
     for k, raw in enumerate(compacts):  # the policies decide on the same fleet as before
         load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
+    cores = {name: round(_mean_us(times) * num_replicas * refresh_hz / 1e6, 4)
+             for name, times in (("full", ingest_ns), ("compact", compact_ns),
+                                 ("stream", stream_ns))}
     row = {
         "replicas": num_replicas, "running": num_running,
         "document_bytes": len(documents[0]), "ingest_us": round(ingest_us, 1),
-        "state_cpu_share": round(ingest_us * num_replicas * refresh_hz / 1e6, 4),
+        "ingest_mean_us": round(_mean_us(ingest_ns), 1), "state_cpu_share": cores["full"],
         "compact_bytes": len(compacts[0]), "compact_ingest_us": round(compact_us, 1),
-        "compact_state_cpu_share": round(compact_us * num_replicas * refresh_hz / 1e6, 4),
+        "compact_ingest_mean_us": round(_mean_us(compact_ns), 1),
+        "compact_state_cpu_share": cores["compact"],
         "delta_bytes": delta_bytes, "stream_ingest_us": round(stream_us, 1),
-        "stream_state_cpu_share": round(stream_us * num_replicas * refresh_hz / 1e6, 4),
+        "stream_ingest_mean_us": round(_mean_us(stream_ns), 1),
+        "stream_state_cpu_share": cores["stream"],
         "policies": {},
     }
     for name in policies:
@@ -321,24 +336,27 @@ def run(args: argparse.Namespace) -> int:
             "running": top,
             "decide_p50_us": {n: {p: v["decide_p50_us"] for p, v in row["policies"].items()}
                               for n, row in by_count.items()},
-            # the compact document is what the guard's poller asks a kvguard replica for
-            "state_cpu_share": {n: row["compact_state_cpu_share"] for n, row in by_count.items()},
-            "full_state_cpu_share": {n: row["state_cpu_share"] for n, row in by_count.items()},
-            # state_source = "stream": one long-lived response of deltas per replica
+            # the proxy's default state_source ("auto") streams a kvguard replica's deltas
+            "state_cpu_share": {n: row["stream_state_cpu_share"] for n, row in by_count.items()},
             "stream_state_cpu_share": {n: row["stream_state_cpu_share"]
                                        for n, row in by_count.items()},
+            # polled: the compact document (state_source = "kvguard"), and the full one
+            "compact_state_cpu_share": {n: row["compact_state_cpu_share"]
+                                        for n, row in by_count.items()},
+            "full_state_cpu_share": {n: row["state_cpu_share"] for n, row in by_count.items()},
             "rows": rows,
         }, indent=1))
         return 0
     print(f"{'replicas':>8} {'running':>7} {'doc_B':>7} {'ingest_us':>9} {'state_cpu':>9} "
           f"{'cdoc_B':>7} {'c_ingest':>8} {'c_cpu':>7} {'delta_B':>7} {'s_ingest':>8} "
-          f"{'s_cpu':>7}  {'policy':<16} {'p50_us':>8} {'p99_us':>8} {'snap_us':>8} {'path_us':>8}")
+          f"{'s_mean':>7} {'s_cpu':>7}  {'policy':<16} {'p50_us':>8} {'p99_us':>8} {'snap_us':>8} {'path_us':>8}")
     for row in rows:
         for name, v in row["policies"].items():
             print(f"{row['replicas']:>8} {row['running']:>7} {row['document_bytes']:>7} "
                   f"{row['ingest_us']:>9} {row['state_cpu_share']:>9} {row['compact_bytes']:>7} "
                   f"{row['compact_ingest_us']:>8} {row['compact_state_cpu_share']:>7} "
                   f"{row['delta_bytes']:>7} {row['stream_ingest_us']:>8} "
+                  f"{row['stream_ingest_mean_us']:>7} "
                   f"{row['stream_state_cpu_share']:>7}  {name:<16} "
                   f"{v['decide_p50_us']:>8} {v['decide_p99_us']:>8} {v['snapshot_p50_us']:>8} "
                   f"{v['path_p50_us']:>8}")
