@@ -26,13 +26,13 @@ def test_scale_json_keys_by_replica_count(capsys):
     assert set(out["stream_state_cpu_share"]) == {"2", "33"}
     assert 0 < rows[33]["delta_bytes"] and rows[33]["stream_ingest_us"] > 0
     # the proxy's default source streams a kvguard replica: the headline share is the
-    # stream's, and cores come from the mean refresh (refits included), not the median
+    # stream's, and cores come from the mean CPU time of a refresh (refits included)
     assert out["state_cpu_share"] == out["stream_state_cpu_share"]
     assert set(out["compact_state_cpu_share"]) == {"2", "33"}
     for row in rows.values():
         for prefix, share in (("", "state_cpu_share"), ("compact_", "compact_state_cpu_share"),
                               ("stream_", "stream_state_cpu_share")):
-            mean_us = row[f"{prefix}ingest_mean_us"]
+            mean_us = row[f"{prefix}ingest_cpu_us"]
             assert row[share] == pytest.approx(mean_us * row["replicas"] * 10 / 1e6, abs=1e-4)
 
 
