@@ -36,7 +36,7 @@ with such a fit at every query).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +153,20 @@ class StepTimeFitter:
         if len(new) >= self._window:  # never more than a window waits (model() not asked)
             self._join()
         return True
+
+    def add_many(self, records: Iterable[tuple[int, int, int, float]]) -> int:
+        """Add iteration records ``(num_prefill_tokens, num_decode_seqs, num_context_tokens,
+        duration_s)`` whose batch ids the caller has already checked (a state refresh's new
+        ones); as :meth:`add` each, unusable ones skipped. Returns how many were added."""
+        rows = [(float(p), float(d), float(c), float(duration_s))  # all converted, or none
+                for p, d, c, duration_s in records
+                if not (duration_s <= 0 or (p <= 0 and d <= 0))]  # add()'s test, exactly
+        self._new += rows
+        self._num_added += len(rows)
+        self._adds_since_fit += len(rows)
+        if len(self._new) >= self._window:
+            self._join()
+        return len(rows)
 
     def forget_batch_ids(self) -> None:
         """The replica restarted: its batch ids start over."""

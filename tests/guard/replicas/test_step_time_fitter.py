@@ -297,13 +297,17 @@ def state_refreshes(seed, n):
 def test_deferred_records_answer_exactly_as_an_eager_fit_at_every_query(prior, seed):
     """Records joined to the window only when the model is next asked for, scored then, and
     fitted on kept arrays: the same model and the same error, to the last bit, wherever
-    they are asked for — after every refresh, and with refreshes skipped."""
+    they are asked for — after every refresh, and with refreshes skipped; added one by one or
+    a refresh's at once."""
     lazy, eager = StepTimeFitter(prior), EagerFitter(prior)
     rng = np.random.default_rng(100 + seed)
     num_queries = num_refits = 0
     for batch in state_refreshes(seed, 400):
-        for record in batch:
-            assert lazy.add(*record) == eager.add(*record)
+        if rng.random() < 0.5:  # a refresh's records in one call, as LoadState adds them
+            assert lazy.add_many(batch) == sum(eager.add(*record) for record in batch)
+        else:
+            for record in batch:
+                assert lazy.add(*record) == eager.add(*record)
         if rng.random() < 0.8:  # a refresh that reads the model (most; some only add)
             before = eager.current
             assert lazy.model() == eager.model()
@@ -325,3 +329,11 @@ def test_records_wait_for_at_most_a_window():
     assert len(fitter._new) < 16 and len(fitter._data) == 16
     assert fitter.num_samples == 16
     assert fitter.prediction_error().num_samples == 16
+
+
+def test_add_many_takes_all_records_or_none():
+    fitter = StepTimeFitter(PRIOR)
+    assert fitter.add_many([(0, 4, 100, 0.01), (0, 0, 0, 0.01), (8, 0, 0, 0.002)]) == 2
+    with pytest.raises(OverflowError):
+        fitter.add_many([(0, 4, 100, 0.01), (0, 4, 10**400, 0.01)])
+    assert fitter.num_samples == 2 and len(fitter._new) == 2
