@@ -204,8 +204,10 @@ class LoadState:
     def update_from_kvguard_state(self, replica_id: str, state: Mapping[str, Any],
                                   now_s: float) -> ReplicaSnapshot:
         """Apply one ``/kvguard/state`` document received at ``now_s`` (guard clock)."""
-        prior = prior_from_timing_model(state.get("timing_model"), state.get("time_scale", 1.0))
-        replica = self._replica(replica_id, prior)
+        replica = self._replicas.get(replica_id)
+        if replica is None:  # the document's prior seeds the fitter of a replica new to it
+            replica = self._replica(replica_id, prior_from_timing_model(
+                state.get("timing_model"), state.get("time_scale", 1.0)))
         model = state.get("model")
         replica.served_model = model if isinstance(model, str) else None
         listed = listed_request_ids(state)
