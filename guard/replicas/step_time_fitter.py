@@ -20,7 +20,7 @@ The fitter also measures itself: each new record is predicted by the model in us
 moment (the one :meth:`StepTimeFitter.model` last returned, before the record is fitted on), and
 the relative errors are kept for export.
 
-What a record costs is what changes: :meth:`StepTimeFitter.add` checks it and appends one
+Adding a record is cheap: :meth:`StepTimeFitter.add` checks it and appends one
 tuple. The window is kept as the arrays a fit reads, and the records added since the last
 fit join them — and are scored against the model in use, which cannot have changed since
 they came — in one vectorised step when the model is next refitted, or when the error is
