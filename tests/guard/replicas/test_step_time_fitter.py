@@ -1,5 +1,6 @@
 """guard.replicas.step_time_fitter: prior, online fit, non-negativity, self-measured error."""
 
+import warnings
 from collections import deque
 
 import numpy as np
@@ -337,3 +338,17 @@ def test_add_many_takes_all_records_or_none():
     with pytest.raises(OverflowError):
         fitter.add_many([(0, 4, 100, 0.01), (0, 4, 10**400, 0.01)])
     assert fitter.num_samples == 2 and len(fitter._new) == 2
+
+
+def test_the_small_solve_answers_as_numpy_and_refuses_a_singular_system():
+    from guard.replicas.step_time_fitter import _solve
+
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        a = rng.standard_normal((4, 4))
+        gram, b = a.T @ a + 1e-3 * np.eye(4), rng.standard_normal(4)
+        assert (_solve(gram, b) == np.linalg.solve(gram, b)).all()
+    with warnings.catch_warnings():  # numpy's own warning on the way, if any
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(np.linalg.LinAlgError):
+            _solve(np.zeros((4, 4)), np.ones(4))
