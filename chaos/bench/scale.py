@@ -6,8 +6,8 @@ per replica, ``running`` sequences each, loads varied across the fleet so replic
 measures:
 
 * ``ingest_us``: one replica's document parsed from JSON bytes and applied
-  (``serving.json_body.loads``, as the poller parses it, + ``LoadState.update_from_kvguard_state``),
-  median wall time over the fleet; ``ingest_cpu_us`` the mean CPU time of one (the thread's
+  (``serving.json_body.loads``, as the poller parses it, +
+  ``LoadState.update_from_kvguard_state``), median wall time over the fleet; ``ingest_cpu_us`` the mean CPU time of one (the thread's
   CPU time over them all ÷ their count); ``state_cpu_share`` = ``ingest_cpu_us`` × replicas ×
   ``--refresh-hz`` ÷ 10⁶: the cores a decider spends keeping every replica's full document
   fresh (the HTTP round trip not counted). Cores come from the mean CPU time, not the median
@@ -224,8 +224,9 @@ def measure(num_replicas: int, num_running: int, num_calls: int, refresh_hz: flo
                                                                  num_running)
     for k, raw in enumerate(compacts):  # the policies decide on the same fleet as before
         load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
-    row = {"replicas": num_replicas, "running": num_running, "document_bytes": len(documents[0]),
-           "compact_bytes": len(compacts[0]), "delta_bytes": delta_bytes, "policies": {}}
+    row = {"replicas": num_replicas, "running": num_running,
+           "document_bytes": len(documents[0]), "compact_bytes": len(compacts[0]),
+           "delta_bytes": delta_bytes, "policies": {}}
     for prefix, times_ns, cpu_us in (("", ingest_ns, ingest_cpu_us),
                                      ("compact_", compact_ns, compact_cpu_us),
                                      ("stream_", stream_ns, stream_cpu_us)):
@@ -333,7 +334,8 @@ def run(args: argparse.Namespace) -> int:
             "decide_p50_us": {n: {p: v["decide_p50_us"] for p, v in row["policies"].items()}
                               for n, row in by_count.items()},
             # the proxy's default state_source ("auto") streams a kvguard replica's deltas
-            "state_cpu_share": {n: row["stream_state_cpu_share"] for n, row in by_count.items()},
+            "state_cpu_share": {n: row["stream_state_cpu_share"]
+                                for n, row in by_count.items()},
             "stream_state_cpu_share": {n: row["stream_state_cpu_share"]
                                        for n, row in by_count.items()},
             # polled: the compact document (state_source = "kvguard"), and the full one
@@ -345,7 +347,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{'replicas':>8} {'running':>7} {'doc_B':>7} {'ingest_us':>9} {'state_cpu':>9} "
           f"{'cdoc_B':>7} {'c_ingest':>8} {'c_cpu':>7} {'delta_B':>7} {'s_ingest':>8} "
-          f"{'s_cpu_us':>8} {'s_cpu':>7}  {'policy':<16} {'p50_us':>8} {'p99_us':>8} {'snap_us':>8} {'path_us':>8}")
+          f"{'s_cpu_us':>8} {'s_cpu':>7}  {'policy':<16} {'p50_us':>8} {'p99_us':>8} "
+          f"{'snap_us':>8} {'path_us':>8}")
     for row in rows:
         for name, v in row["policies"].items():
             print(f"{row['replicas']:>8} {row['running']:>7} {row['document_bytes']:>7} "
