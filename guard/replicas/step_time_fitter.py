@@ -35,6 +35,7 @@ with such a fit at every query).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -140,8 +141,10 @@ class StepTimeFitter:
 
     def add(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int,
             duration_s: float, batch_id: int | None = None) -> bool:
-        """Add one iteration record; False when it was a duplicate batch id or unusable."""
-        if duration_s <= 0 or (num_prefill_tokens <= 0 and num_decode_seqs <= 0):
+        """Add one iteration record; False when it was a duplicate batch id or unusable (an
+        empty step, or a duration that is not a finite number > 0: one NaN or infinity in the
+        window would zero every coefficient of the fit)."""
+        if not _usable(num_prefill_tokens, num_decode_seqs, duration_s):
             return False
         if batch_id is not None and not self._remember(batch_id):
             return False
@@ -160,7 +163,7 @@ class StepTimeFitter:
         ones); as :meth:`add` each, unusable ones skipped. Returns how many were added."""
         rows = [(float(p), float(d), float(c), float(duration_s))  # all converted, or none
                 for p, d, c, duration_s in records
-                if not (duration_s <= 0 or (p <= 0 and d <= 0))]  # add()'s test, exactly
+                if _usable(p, d, duration_s)]
         self._new += rows
         self._num_added += len(rows)
         self._adds_since_fit += len(rows)
@@ -239,6 +242,10 @@ class StepTimeFitter:
                            for zero, used in zip(no_prior.tolist(), excited, strict=True)])
         weights = _nonneg_ridge(x * unit, y, target, self._ridge * float(y @ y))
         return StepTimeModel(*(weights * unit).tolist())
+
+
+def _usable(num_prefill_tokens: int, num_decode_seqs: int, duration_s: float) -> bool:
+    return 0 < duration_s < math.inf and (num_prefill_tokens > 0 or num_decode_seqs > 0)
 
 
 def _median(values: np.ndarray) -> float:

@@ -135,6 +135,10 @@ def test_batch_id_dedupe_and_unusable_samples():
     assert fitter.num_samples == 1
     assert not fitter.add(0, 0, 0, 0.01)  # an empty step
     assert not fitter.add(0, 4, 100, 0.0)
+    assert not fitter.add(0, 4, 100, float("nan"))  # JSON as Python reads it: NaN, Infinity
+    assert not fitter.add(0, 4, 100, float("inf"))
+    assert fitter.add_many([(0, 4, 100, float("nan")), (0, 4, 100, float("inf"))]) == 0
+    assert fitter.num_samples == 1
     fitter.forget_batch_ids()  # replica restart
     assert fitter.add(0, 4, 100, 0.01, batch_id=7)
 
@@ -352,3 +356,14 @@ def test_the_small_solve_answers_as_numpy_and_refuses_a_singular_system():
         warnings.simplefilter("ignore", RuntimeWarning)
         with pytest.raises(np.linalg.LinAlgError):
             _solve(np.zeros((4, 4)), np.ones(4))
+
+
+def test_a_non_finite_duration_leaves_the_fit_as_it_would_be_without_it():
+    """One NaN or infinite duration in the window used to zero every coefficient."""
+    clean, dirty = StepTimeFitter(PRIOR), StepTimeFitter(PRIOR)
+    for i, s in enumerate(mixed_samples(64, seed=8)):
+        clean.add(*s)
+        dirty.add(*s)
+        if i in (10, 40):
+            dirty.add(s[0], s[1], s[2], float("nan") if i == 10 else float("inf"))
+    assert dirty.model() == clean.model() and clean.model().base_s > 0
