@@ -3,6 +3,7 @@
     kvguard fleet --replicas 4 --proxies 1
     kvguard fleet --replicas 2 --proxies 2 --redis --proxy-config guard.toml
     kvguard fleet --replicas 2 --proxies 2 --redis --front envoy   # Envoy + 2 kvguard epp
+    kvguard fleet --replicas 2 --proxies 1 --front envoy --observe split
     kvguard fleet --replicas 256 --state-only --proxies 1
 
 ``--state-only`` serves every replica from this one process instead (state-only replicas of
@@ -16,7 +17,9 @@ Prints one line per process (``replica-0 http://127.0.0.1:PORT pid N``, ``proxy-
 ``--proxies`` ``kvguard epp`` processes as its endpoint pickers (``epp-0 grpc://...``,
 ``envoy http://...``); with ``--redis`` they share budgets and KV reservations; with
 ``--fallbacks N`` each EPP names N fallback endpoints and Envoy's replicas cluster is
-``deploy/envoy/override-host.yaml``'s. SIGINT or SIGTERM stops every process
+``deploy/envoy/override-host.yaml``'s; with ``--observe split`` Envoy runs
+``deploy/envoy/envoy-split.yaml`` (the response reported to the one EPP by an observer filter,
+off the first token's path). SIGINT or SIGTERM stops every process
 it started, by pid (:mod:`chaos.topology`).
 """
 
@@ -56,6 +59,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="with --front envoy: each EPP names up to N fallback endpoints and "
                              "Envoy balances the replicas by override host "
                              "(deploy/envoy/override-host.yaml) (default: 0, ORIGINAL_DST)")
+    parser.add_argument("--observe", choices=("stream", "split"), default="stream",
+                        help="with --front envoy: how the EPP sees responses: through the "
+                             "decision's own ext_proc stream (deploy/envoy/envoy.yaml), or "
+                             "through an observer filter off the first token's path "
+                             "(deploy/envoy/envoy-split.yaml; one EPP) (default: stream)")
     parser.add_argument("--start-timeout-s", type=float, default=90.0,
                         help="how long each replica and proxy may take to start")
     parser.add_argument("--state-only", action="store_true",
@@ -75,6 +83,9 @@ def spec_from(args: argparse.Namespace) -> TopologySpec:
     fallbacks = getattr(args, "fallbacks", 0)
     if fallbacks < 0 or (fallbacks and not envoy):
         raise ValueError("--fallbacks N: N >= 0, and only with --front envoy")
+    if getattr(args, "observe", "stream") == "split" and not (envoy and args.proxies == 1):
+        raise ValueError("--observe split: only with --front envoy and --proxies 1 (a "
+                         "request's observer stream must reach the EPP that decided it)")
     return TopologySpec(num_replicas=args.replicas, replica_args=tuple(
         shlex.split(args.replica_args)), num_proxies=0 if envoy else args.proxies,
         proxy_args=proxy_args, redis=args.redis, start_timeout_s=args.start_timeout_s)
@@ -94,7 +105,8 @@ def _envoy_front(fleet: Topology, args: argparse.Namespace, stack: contextlib.Ex
         epps.append(epp.start(args.start_timeout_s))
     fallback_replicas = ([url.removeprefix("http://") for url in fleet.replica_urls]
                          if args.fallbacks else ())
-    envoy = envoy_child([e.port for e in epps], directory, fallback_replicas=fallback_replicas)
+    envoy = envoy_child([e.port for e in epps], directory, fallback_replicas=fallback_replicas,
+                        split=args.observe == "split")
     stack.callback(envoy.close)
     envoy.start(args.start_timeout_s)
     return [*epps, envoy]
