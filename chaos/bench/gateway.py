@@ -4,7 +4,9 @@
 completion of ``--max-tokens`` tokens at a time, the targets interleaved request by request in
 a seeded shuffled order with a ``--gap-ms`` pause before each (as ``kvguard bench proxy``
 measures, with its code): TTFT (first content token at the client) and end-to-end, median and
-p99, and each minus the direct figure; CPU per request is net of each process's idle CPU, and
+p99, and each minus the direct figure (and, for the ext_proc rows, the median over rounds of
+each request's figure minus Envoy alone's in the same round: paired, steadier on a busy
+machine); CPU per request is net of each process's idle CPU, and
 for Envoy + EPP it is the EPP's (Envoy's own is about Envoy alone's). Targets: Envoy alone (the same Envoy config without the
 ext_proc filter, a static cluster to the replica), Envoy + ``kvguard epp`` (``slo``), ``kvguard
 proxy`` (``slo``, its defaults), and LiteLLM proxy with ``--litellm`` (its own virtualenv, as
@@ -157,7 +159,7 @@ def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
                 child = litellm_child(exe, upstream, MODEL, free_port(), work, _KEY)
                 children.append(child.start(timeout_s=180))
                 urls["litellm"], pids["litellm"] = child.url, child.pid
-            rows = _measure_all(urls, pids, args)
+            rows = _measure_all(urls, pids, args, baseline="envoy alone")
             # what each EPP's tickets saw: every measured stream completed (the split one's
             # through its observer), or the row's ticket view is not what the stream one has
             for name, child in (("envoy + kvguard epp", epp), (SPLIT, split_epp)):
@@ -173,8 +175,9 @@ def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
                 per_gap_ms = (e2e_ms - ttft_ms) / max(1, args.max_tokens - 1)
                 gap["over_envoy_alone_per_token_gap_ms"] = per_gap_ms
                 print(f"{name} over Envoy alone: TTFT p50 {ttft_ms:+.2f} ms, "
-                      f"end-to-end p50 {e2e_ms:+.2f} ms ({per_gap_ms:+.3f} ms per token gap)",
-                      flush=True)
+                      f"end-to-end p50 {e2e_ms:+.2f} ms ({per_gap_ms:+.3f} ms per token gap); "
+                      f"paired by round: TTFT {gap['paired_ttft_p50_ms']:+.2f} ms, end-to-end "
+                      f"{gap['paired_e2e_p50_ms']:+.2f} ms", flush=True)
             expected = args.warmup + args.requests
             for name in ("envoy + kvguard epp", SPLIT):
                 print(f"{name}: {rows[name]['epp_completed']:.0f} of {expected} streams "
