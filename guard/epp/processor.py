@@ -31,6 +31,7 @@ token ends at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
@@ -59,36 +60,40 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.num_streams += 1
         incoming = request_iterator.__aiter__()
         try:
-            try:
-                first = await incoming.__anext__()
-            except StopAsyncIteration:
+            first = await anext(incoming, None)
+            if first is None:
                 return
             if first.observability_mode:
                 await self._observe(first, incoming)
                 return
-            gone = asyncio.get_running_loop().create_future()
-            context.add_done_callback(lambda _: gone.done() or gone.set_result(None))
-            stream = _Stream(self.picker.exchange(lambda: gone), self.handoffs)
-            reset = True
-            try:
-                message = first
-                while True:
-                    for response in await stream.answer(message):
-                        yield response
-                    if stream.ended:
-                        break
-                    try:
-                        message = await incoming.__anext__()
-                    except StopAsyncIteration:
-                        break
-                # Envoy closes the stream cleanly when the client goes away mid-response: a
-                # response that never ended is a client that left (handed off: the response
-                # is the observer's, and a clean end is this stream's normal one)
-                reset = not (stream.ended or stream.response_ended or stream.token)
-            finally:
-                stream.close(reset)
+            # closed with this generator, whenever gRPC closes it (the ticket's release runs
+            # in the decision's finally)
+            async with contextlib.aclosing(self._decision(first, incoming, context)) as answers:
+                async for response in answers:
+                    yield response
         finally:
             self.num_streams -= 1
+
+    async def _decision(self, first, incoming: AsyncIterator, context) -> AsyncIterator:
+        """A request's own stream: decided, answered, and its response when it carries it."""
+        gone = asyncio.get_running_loop().create_future()
+        context.add_done_callback(lambda _: gone.done() or gone.set_result(None))
+        stream = _Stream(self.picker.exchange(lambda: gone), self.handoffs)
+        reset = True
+        try:
+            message = first
+            while message is not None:
+                for response in await stream.answer(message):
+                    yield response
+                if stream.ended:
+                    break
+                message = await anext(incoming, None)
+            # Envoy closes the stream cleanly when the client goes away mid-response: a
+            # response that never ended is a client that left (handed off: the response is
+            # the observer's, and a clean end is this stream's normal one)
+            reset = not (stream.ended or stream.response_ended or stream.token)
+        finally:
+            stream.close(reset)
 
     async def _observe(self, first, incoming: AsyncIterator) -> None:
         """An observer stream: the response of the request whose token it carries."""

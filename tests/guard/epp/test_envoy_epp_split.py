@@ -131,6 +131,17 @@ def test_json_answers_and_unadmitted_requests_pass(split, client):
     assert "x-kvguard-queue-ms" not in models.headers
 
 
+def test_a_shed_is_envoys_local_reply_and_leaves_no_ticket(split, client):
+    envoy, epp = split
+    headers = {"authorization": "Bearer k-acme"}  # 2 requests per minute
+    answers = [client.post(envoy.url + "/v1/completions", headers=headers,
+                           json=BODIES["/v1/completions"]) for _ in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    assert answers[2].headers["x-kvguard-reason"] == "rpm_limit"
+    assert "x-kvguard-replica" not in answers[2].headers  # no decision metadata: no route
+    assert until(lambda: metric(client, epp_metrics_url(epp), "kvguard_held_tickets") == 0)
+
+
 def test_client_disconnect_mid_stream_releases_the_ticket_and_the_replicas_kv(fleet, split,
                                                                               client):
     envoy, epp = split
