@@ -26,8 +26,9 @@ Drain (:meth:`EppServer.drain`, SIGTERM in :mod:`guard.epp.cli`): new decisions 
 ``shutting_down`` with retry advice, admitted requests run on (their streams are still
 served) until they end or ``proxy.drain_timeout_s`` passes; then the server stops.
 
-Its Prometheus series (the proxy's ``kvguard_*``) are served over HTTP when asked
-(:meth:`EppServer.serve_metrics`, ``--metrics-port``).
+Its Prometheus series (the proxy's ``kvguard_*``, and for the split config
+``kvguard_epp_awaiting_observer`` and ``kvguard_epp_unobserved_total``) are served over HTTP
+when asked (:meth:`EppServer.serve_metrics`, ``--metrics-port``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from guard.config import GuardConfig, ReplicaConfig
 from guard.controller import AdmissionController
@@ -121,6 +123,7 @@ class EppServer:
                 proxy.replicas_from_interval_s, self.membership.apply, config.replicas,
                 tick=self.membership.forget_drained)
         self.handoffs = Handoffs(observer_wait_s)
+        self.controller.metrics.registry.register(_HandoffCollector(self.handoffs))
         self.processor = ExternalProcessor(self.picker, self.handoffs)
         self.grpc_health = health_aio.HealthServicer()
         self.metrics_endpoint = MetricsEndpoint(self.controller.metrics)
@@ -207,3 +210,20 @@ class EppServer:
         await self.metrics_endpoint.aclose()
         await stop_fleet(self.controller, self.health, self.shards, self.watcher)
         await self._client.aclose()
+
+
+class _HandoffCollector:
+    """The split config's observer hand-offs as Prometheus series: admitted requests waiting
+    for their observer stream, and those released because none came (a missing or lost
+    observer filter shows here)."""
+
+    def __init__(self, handoffs: Handoffs) -> None:
+        self.handoffs = handoffs
+
+    def collect(self):
+        yield GaugeMetricFamily("kvguard_epp_awaiting_observer",
+                                "Admitted requests waiting for their observer stream",
+                                value=len(self.handoffs))
+        yield CounterMetricFamily("kvguard_epp_unobserved",
+                                  "Admitted requests released because no observer stream "
+                                  "claimed them in time", value=self.handoffs.num_unobserved)

@@ -213,6 +213,8 @@ def test_a_ticket_no_observer_claims_is_released_after_the_wait(fleet, config, c
             assert answer.status_code == 200
             assert until(lambda: metric(client, metrics, "kvguard_held_tickets") == 0)
             assert _count(client, metrics, FAILED) == failed + 1  # no response was seen
+            assert metric(client, metrics, "kvguard_epp_unobserved_total") == 1
+            assert metric(client, metrics, "kvguard_epp_awaiting_observer") == 0
         finally:
             envoy.close()
     finally:
