@@ -7,7 +7,9 @@ without waiting for answers (so the first token never waits on the EPP). The dec
 the request's :class:`~guard.epp.picker.PickerExchange` (its ticket) over here under a fresh
 random token, which Envoy carries to the observer stream as dynamic metadata
 (``kvguard``/``ticket``): no client header can set it. The observer stream claims the exchange
-with that token, once, and feeds the ticket as the single-stream path does.
+with that token, once, and feeds the ticket as the single-stream path does. With several EPPs
+behind one Envoy the decision also names its EPP (``kvguard``/``epp``), and Envoy's routes
+send the observer stream to that EPP (``chaos.envoy_front.envoy_config``).
 
 A token nobody claims within ``wait_s`` (the observer filter is missing, or its stream was lost
 before it started) is released then, with the outcome the ticket has (``failed``: no response
@@ -35,12 +37,18 @@ Schedule = Callable[[float, Callable[[], None]], Any]
 
 class Handoffs:
     """Exchanges waiting for their observer stream, by token; ``wait_s``: how long a token may
-    wait to be claimed before its ticket is released unobserved."""
+    wait to be claimed before its ticket is released unobserved. ``epp_id``: this EPP's name
+    for Envoy's routes, sent beside each token (``kvguard``/``epp``) so that, with several
+    EPPs, the route matching it sends the observer stream back here (None: one EPP)."""
 
-    def __init__(self, wait_s: float = DEFAULT_WAIT_S, schedule: Schedule | None = None) -> None:
+    def __init__(self, wait_s: float = DEFAULT_WAIT_S, schedule: Schedule | None = None,
+                 epp_id: str | None = None) -> None:
         if not wait_s > 0:
             raise ValueError(f"observer wait: must be > 0 s, got {wait_s}")
+        if epp_id is not None and not epp_id:
+            raise ValueError("epp id: must not be empty")
         self.wait_s = wait_s
+        self.epp_id = epp_id
         self._schedule = schedule
         self._waiting: dict[str, tuple[PickerExchange, Any]] = {}
         self.num_unobserved = 0  # tokens released because no observer claimed them in time

@@ -36,8 +36,9 @@ SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-# the split config's dynamic metadata: the observer's token (``ticket``), and the response
-# headers the route adds from it (``replica``, ``queue-ms``, ``request-id``)
+# the split config's dynamic metadata: the observer's token (``ticket``), the deciding EPP
+# (``epp``, with several), and the response headers the route adds from it (``replica``,
+# ``queue-ms``, ``request-id``)
 OBSERVER_NAMESPACE = "kvguard"
 TOKEN_KEY = "ticket"
 _NO_BODY = ext_proc_mode_pb2.ProcessingMode.NONE
@@ -110,12 +111,13 @@ def _mutation(headers: Iterable[tuple[str, str]]) -> ext_proc.HeaderMutation:
         for name, value in headers])
 
 
-def request_headers_answer(route: Route, token: str | None = None) -> ProcessingResponse:
+def request_headers_answer(route: Route, token: str | None = None,
+                           epp_id: str | None = None) -> ProcessingResponse:
     """The request-headers answer: the endpoint (with its fallbacks, comma-separated) as a
     header (route cache cleared) and as ``envoy.lb`` dynamic metadata; the guard's
     ``x-request-id``; ``Content-Length`` when the body changed. ``token``: the observer's
     (:class:`~guard.epp.handoff.Handoffs`), as ``kvguard`` metadata with the response headers'
-    values beside it."""
+    values beside it, and ``epp_id`` (when set) for Envoy's routes to send the observer back."""
     destination = route.destination  # the endpoint, then any fallbacks: the same in both
     headers = [(DESTINATION_HEADER, destination)]
     if route.request_id is not None:
@@ -130,6 +132,8 @@ def request_headers_answer(route: Route, token: str | None = None) -> Processing
             ours["queue-ms"] = f"{route.queue_ms:.1f}"
         if route.request_id is not None:
             ours["request-id"] = route.request_id
+        if epp_id is not None:
+            ours["epp"] = epp_id
         metadata.update({OBSERVER_NAMESPACE: ours})
     return ProcessingResponse(
         request_headers=ext_proc.HeadersResponse(response=ext_proc.CommonResponse(

@@ -208,7 +208,8 @@ class _Stream:
         if isinstance(answer, Route):
             if self.handoffs is not None and self.exchange.admitted is not None:
                 self.token = self.handoffs.hand_off(self.exchange)
-            answers = [messages.request_headers_answer(answer, self.token)]
+            epp_id = None if self.token is None else self.handoffs.epp_id
+            answers = [messages.request_headers_answer(answer, self.token, epp_id)]
             if body != "none":
                 answers.extend(messages.body_chunks(answer.body, body == "whole"))
             return answers

@@ -73,11 +73,13 @@ class EppServer:
     endpoints each route names after the chosen one (see
     :class:`~guard.epp.picker.EndpointPicker`). ``observer_wait_s``: how long an admitted
     request whose response an observer stream reports (the split Envoy config) waits for it
-    before its ticket is released unobserved (:class:`~guard.epp.handoff.Handoffs`)."""
+    before its ticket is released unobserved; ``epp_id``: its name for the split config's
+    routes when several EPPs share an Envoy (:class:`~guard.epp.handoff.Handoffs`)."""
 
     def __init__(self, config: GuardConfig, *, clock: Callable[[], float] | None = None,
                  state_source: str = "kvguard", access_log: bool = False,
-                 num_fallbacks: int = 0, observer_wait_s: float = DEFAULT_WAIT_S) -> None:
+                 num_fallbacks: int = 0, observer_wait_s: float = DEFAULT_WAIT_S,
+                 epp_id: str | None = None) -> None:
         if not config.replicas or any(r.url is None for r in config.replicas):
             raise ValueError("replicas: the endpoint picker needs at least one replica with a "
                              "url (--upstream URL or [[replicas]])")
@@ -122,7 +124,7 @@ class EppServer:
                 replica_source(proxy.replicas_from, state_source),
                 proxy.replicas_from_interval_s, self.membership.apply, config.replicas,
                 tick=self.membership.forget_drained)
-        self.handoffs = Handoffs(observer_wait_s)
+        self.handoffs = Handoffs(observer_wait_s, epp_id=epp_id)
         self.controller.metrics.registry.register(_HandoffCollector(self.handoffs))
         self.processor = ExternalProcessor(self.picker, self.handoffs)
         self.grpc_health = health_aio.HealthServicer()

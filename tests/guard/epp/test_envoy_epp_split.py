@@ -20,6 +20,7 @@ from chaos.envoy_front import (
     envoy_child,
     envoy_config,
     epp_child,
+    epp_id,
     epp_metrics_url,
 )
 from chaos.ports import free_port
@@ -88,9 +89,12 @@ def test_the_split_config_passes_envoy_validate(tmp_path):
                                "--disable-hot-restart"], capture_output=True, text=True,
                               timeout=60)
         assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
-    with pytest.raises(ValueError, match="one EPP"):
-        envoy_config(tmp_path, listener_port=free_port(), admin_port=free_port(),
-                     epp_ports=[free_port(), free_port()], split=True)
+    # several EPPs: a route and an observer cluster per EPP
+    several = envoy_config(tmp_path, listener_port=free_port(), admin_port=free_port(),
+                           epp_ports=[free_port(), free_port()], split=True)
+    done = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(several),
+                           "--disable-hot-restart"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("path", list(BODIES))
@@ -223,7 +227,7 @@ def test_a_ticket_no_observer_claims_is_released_after_the_wait(fleet, config, c
 
 
 def test_kvguard_fleet_observe_split_runs_envoy_on_the_split_config(config, client):
-    with fleet_cli("--replicas", "1", "--proxies", "1", "--front", "envoy", "--observe",
+    with fleet_cli("--replicas", "1", "--proxies", "2", "--front", "envoy", "--observe",
                    "split", "--proxy-config", config) as (proc, lines):
         by_name = {fields[0]: fields for fields in lines}
         url, pid = by_name["envoy"][1], int(by_name["envoy"][3])
@@ -233,18 +237,54 @@ def test_kvguard_fleet_observe_split_runs_envoy_on_the_split_config(config, clie
             0]["typed_config"]
         observer = [f for f in manager["http_filters"] if f["name"] == "kvguard.observer"]
         assert observer and observer[0]["typed_config"]["observability_mode"] is True
-        with client.stream("POST", url + "/v1/completions",
-                           json={**BODIES["/v1/completions"], "stream": True}) as stream:
-            lines_out = [line for line in stream.iter_lines() if line.startswith("data: ")]
-        assert stream.status_code == 200 and lines_out[-1] == "data: [DONE]"
-        assert stream.headers["x-kvguard-replica"] == "r0"
+        # two EPPs: each started with its --epp-id, a route back to each for its observers
+        routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+        assert [r["match"].get("dynamic_metadata", [{}])[0].get("value") for r in routes] == [
+            {"string_match": {"exact": epp_id(i)}} for i in range(2)] + [None]
+        for index in range(2):
+            argv = open(f"/proc/{by_name[f'epp-{index}'][3]}/cmdline", "rb").read().split(b"\0")
+            assert argv[argv.index(b"--epp-id") + 1] == epp_id(index).encode()
+        for _ in range(2):  # one decided by each EPP (round robin)
+            with client.stream("POST", url + "/v1/completions",
+                               json={**BODIES["/v1/completions"], "stream": True}) as stream:
+                lines_out = [line for line in stream.iter_lines() if line.startswith("data: ")]
+            assert stream.status_code == 200 and lines_out[-1] == "data: [DONE]"
+            assert stream.headers["x-kvguard-replica"] == "r0"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
 
 
-@pytest.mark.parametrize("args", [("--observe", "split"),
-                                  ("--front", "envoy", "--proxies", "2", "--observe", "split")])
-def test_kvguard_fleet_refuses_split_without_envoy_or_with_several_epps(args):
-    done = subprocess.run([sys.executable, "-m", "guard.cli", "fleet", *args],
+def test_kvguard_fleet_refuses_split_without_envoy():
+    done = subprocess.run([sys.executable, "-m", "guard.cli", "fleet", "--observe", "split"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "--observe split" in done.stderr
+
+
+def test_with_two_epps_each_observer_stream_reaches_the_epp_that_decided(fleet, config, client,
+                                                                          tmp_path_factory):
+    """Envoy balances decision streams over both EPPs; each request's observer stream goes
+    back to the EPP that decided it (a route per EPP on its ``kvguard``/``epp`` metadata)."""
+    epps = [epp_child(fleet.replica_urls, config=config, name=f"epp-{i}",
+                      extra_args=("--epp-id", epp_id(i))) for i in range(2)]
+    try:
+        for epp in epps:
+            epp.start(60)
+        envoy = envoy_child([e.port for e in epps], tmp_path_factory.mktemp("envoy-two"),
+                            split=True).start(60)
+        try:
+            urls = [epp_metrics_url(e) for e in epps]
+            for _ in range(8):
+                with client.stream("POST", envoy.url + "/v1/completions",
+                                   json={**BODIES["/v1/completions"], "stream": True}) as stream:
+                    assert stream.status_code == 200
+                    assert [line for line in stream.iter_lines()][-2] == "data: [DONE]"
+            assert until(lambda: all(metric(client, u, "kvguard_held_tickets") == 0
+                                     for u in urls))
+            completed = [_count(client, u, COMPLETED) for u in urls]
+            assert sum(completed) == 8 and all(n > 0 for n in completed), completed
+            assert [metric(client, u, "kvguard_epp_unobserved_total") for u in urls] == [0, 0]
+        finally:
+            envoy.close()
+    finally:
+        for epp in epps:
+            epp.close()

@@ -185,3 +185,23 @@ def test_observer_messages_read_and_built():
     assert messages.response_elsewhere(_decision_stream()[0])
     assert not messages.response_elsewhere(_decision_stream(Mode.FULL_DUPLEX_STREAMED)[0])
     assert not messages.response_elsewhere(_decision_stream()[1])  # no protocol_config
+
+
+def test_a_named_epp_puts_its_id_beside_the_token_for_envoys_routes():
+    async def main():
+        picker = make_picker()
+        await picker.controller.start()
+        processor = ExternalProcessor(picker, Handoffs(30.0, epp_id="epp-1"))
+        answers = await _process(processor, _decision_stream())
+        ours = answers[0].dynamic_metadata.fields["kvguard"].struct_value.fields
+        assert ours["epp"].string_value == "epp-1" and ours["ticket"].string_value
+        unnamed = ExternalProcessor(picker, Handoffs(30.0))
+        ours = (await _process(unnamed, _decision_stream()))[0].dynamic_metadata.fields[
+            "kvguard"].struct_value.fields
+        assert "epp" not in ours
+        processor.handoffs.close()
+        unnamed.handoffs.close()
+        await picker.controller.aclose()
+    asyncio.run(asyncio.wait_for(main(), 10))
+    with pytest.raises(ValueError, match="epp id"):
+        Handoffs(1.0, epp_id="")
