@@ -103,10 +103,14 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
             return
         stream = _Stream(exchange, None)
         try:
-            async for message in incoming:
+            # the first message is the request headers in deploy/envoy/envoy-split.yaml; a
+            # config that skips them opens the stream with the response headers
+            message = first
+            while message is not None:
                 stream.observe(message)
-                if stream.response_ended:
+                if stream.response_ended:  # done: end the stream, Envoy sends no more
                     break
+                message = await anext(incoming, None)
         finally:
             exchange.close(not stream.response_ended)
 

@@ -205,3 +205,18 @@ def test_a_named_epp_puts_its_id_beside_the_token_for_envoys_routes():
     asyncio.run(asyncio.wait_for(main(), 10))
     with pytest.raises(ValueError, match="epp id"):
         Handoffs(1.0, epp_id="")
+
+
+def test_an_observer_stream_may_open_with_the_response_headers():
+    """A config whose observer skips the request headers: the token comes with the response
+    headers, which count (the status)."""
+    async def main():
+        picker = make_picker()
+        await picker.controller.start()
+        processor = ExternalProcessor(picker, Handoffs(30.0))
+        token = _token(await _process(processor, _decision_stream()))
+        held = next(iter(processor.handoffs._waiting.values()))[0].admitted.ticket
+        await _process(processor, _observer_stream(token)[1:])
+        assert (held.outcome, held.status) == ("completed", 200)
+        await picker.controller.aclose()
+    asyncio.run(asyncio.wait_for(main(), 10))
