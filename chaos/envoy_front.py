@@ -1,6 +1,7 @@
 """A real Envoy in front of the replicas with ``kvguard epp`` as its endpoint picker.
 
-The config is ``deploy/envoy/envoy.yaml`` itself; :func:`envoy_config` fills in this run's
+The config is ``deploy/envoy/envoy.yaml`` itself (``deploy/envoy/envoy-split.yaml`` with
+``split``); :func:`envoy_config` fills in this run's
 ports (the clients' listener, the admin port, the EPPs' gRPC ports) and its choices
 (``failure_mode_allow``) and writes it where Envoy reads it. :func:`envoy_child` and
 :func:`epp_child` are the :class:`~chaos.child.ChildProcess` for each: Envoy from the
@@ -26,14 +27,17 @@ from chaos.envoy_breaker import CircuitBreaker
 from chaos.ports import free_port
 from chaos.topology import http_health
 
-__all__ = ["ADAPTIVE_CONCURRENCY", "ENVOY_CONFIG", "OVERRIDE_HOST_CONFIG", "accepts_connections",
-           "envoy_alone_config", "envoy_binary", "envoy_child", "envoy_config", "epp_child",
-           "epp_metrics_url"]
+__all__ = ["ADAPTIVE_CONCURRENCY", "ENVOY_CONFIG", "OVERRIDE_HOST_CONFIG", "SPLIT_CONFIG",
+           "accepts_connections", "envoy_alone_config", "envoy_binary", "envoy_child",
+           "envoy_config", "epp_child", "epp_id", "epp_metrics_url"]
 
 ENVOY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml"
+# the response path off the first token: a decision filter and an observer filter
+SPLIT_CONFIG = ENVOY_CONFIG.with_name("envoy-split.yaml")
 # the replicas cluster and route retries for fallback endpoints (`kvguard epp --fallbacks N`)
 OVERRIDE_HOST_CONFIG = ENVOY_CONFIG.with_name("override-host.yaml")
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+OBSERVER_FILTER = "kvguard.observer"  # the split config's observer
 
 
 def envoy_binary() -> str:
@@ -55,14 +59,18 @@ def _load(path: Path) -> dict:
 
 def envoy_config(directory: Path, *, listener_port: int, admin_port: int,
                  epp_ports: Sequence[int], failure_mode_allow: bool = False,
-                 fallback_replicas: Sequence[str] = ()) -> Path:
+                 fallback_replicas: Sequence[str] = (), split: bool = False) -> Path:
     """``deploy/envoy/envoy.yaml`` with these ports and choices, written (as JSON, which Envoy
     reads as YAML) into ``directory``; the path. ``fallback_replicas`` (``ip:port`` each): the
     replicas cluster of ``deploy/envoy/override-host.yaml`` over them instead of
-    ``ORIGINAL_DST``, with its retry policy, for an EPP that names fallback endpoints."""
+    ``ORIGINAL_DST``, with its retry policy, for an EPP that names fallback endpoints.
+    ``split``: ``deploy/envoy/envoy-split.yaml`` instead (the response reported by an observer
+    filter; ``failure_mode_allow`` is the decision filter's there); with several EPPs, EPP
+    ``i`` must run with ``--epp-id`` :func:`epp_id` ``(i)``: a route per EPP sends a request's
+    observer stream to the EPP whose id its decision set (:func:`_observer_routes`)."""
     if not epp_ports:
         raise ValueError("epp_ports: Envoy needs at least one kvguard epp")
-    config = _load(ENVOY_CONFIG)
+    config = _load(SPLIT_CONFIG if split else ENVOY_CONFIG)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = config["static_resources"]["listeners"][0]
     listener["address"]["socket_address"]["port_value"] = listener_port
@@ -78,9 +86,48 @@ def envoy_config(directory: Path, *, listener_port: int, admin_port: int,
                 for port in epp_ports]
     if fallback_replicas:
         _override_host(config, manager, fallback_replicas)
+    if split and len(epp_ports) > 1:
+        _observer_routes(config, manager, epp_ports)
     path = directory / f"envoy-{listener_port}.json"
     path.write_text(json.dumps(config, indent=1))
     return path
+
+
+def epp_id(index: int) -> str:
+    """The ``--epp-id`` of the EPP at ``epp_ports[index]`` in a several-EPP split config."""
+    return f"epp-{index}"
+
+
+def _observer_routes(config: dict, manager: dict, epp_ports: Sequence[int]) -> None:
+    """Several EPPs on the split config: a cluster per EPP for observer streams, and before the
+    route every request takes, one route per EPP that matches the decision's ``kvguard``/``epp``
+    dynamic metadata (set by that EPP; no client can set metadata) and points the observer
+    filter at that EPP's cluster. The decision's ``clear_route_cache`` makes Envoy pick the
+    route again once the metadata is there, before the observer filter runs."""
+    clusters = config["static_resources"]["clusters"]
+    shared = next(c for c in clusters if c["name"] == "kvguard_epp")
+    host = manager["route_config"]["virtual_hosts"][0]
+    default = host["routes"][-1]
+    routes = []
+    for index, port in enumerate(epp_ports):
+        name = f"kvguard_observer_{index}"
+        cluster = json.loads(json.dumps(shared))
+        cluster["name"] = cluster["load_assignment"]["cluster_name"] = name
+        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                         "port_value": port}}}}]
+        clusters.append(cluster)
+        route = json.loads(json.dumps(default))
+        route["match"]["dynamic_metadata"] = [{
+            "filter": "kvguard", "path": [{"key": "epp"}],
+            "value": {"string_match": {"exact": epp_id(index)}}}]
+        route["typed_per_filter_config"] = {OBSERVER_FILTER: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3."
+                     "ExtProcPerRoute",
+            "overrides": {"grpc_service": {"envoy_grpc": {"cluster_name": name},
+                                           "timeout": "30s"}}}}
+        routes.append(route)
+    host["routes"] = [*routes, *host["routes"]]
 
 
 def _override_host(config: dict, manager: dict, replicas: Sequence[str]) -> None:
@@ -160,14 +207,14 @@ def envoy_alone_config(directory: Path, *, listener_port: int, admin_port: int,
 def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow: bool = False,
                 port: int = 0, alone_upstreams: Sequence[str] = (),
                 adaptive_concurrency: bool = False, niceness: int = 0,
-                fallback_replicas: Sequence[str] = (),
+                fallback_replicas: Sequence[str] = (), split: bool = False,
                 circuit_breaker: CircuitBreaker | None = None) -> ChildProcess:
     """Envoy on a loopback port (``port`` 0: a free one) in front of the EPPs; healthy once a
     ``GET /health`` through it (EPP, then a replica) answers 200. ``alone_upstreams``
     (``ip:port`` each): no EPP at all, requests spread over those replicas, with Envoy's
     adaptive concurrency filter or ``circuit_breaker`` when asked (:func:`envoy_alone_config`).
     ``fallback_replicas`` (``ip:port`` each): override-host load balancing over them, for an
-    EPP that names fallback endpoints (:func:`envoy_config`)."""
+    EPP that names fallback endpoints; ``split``: the split config (:func:`envoy_config`)."""
     listener_port = port or free_port()
     admin_port = free_port()
     if alone_upstreams:
@@ -178,7 +225,7 @@ def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow
     else:
         path = envoy_config(directory, listener_port=listener_port, admin_port=admin_port,
                             epp_ports=epp_ports, failure_mode_allow=failure_mode_allow,
-                            fallback_replicas=fallback_replicas)
+                            fallback_replicas=fallback_replicas, split=split)
     binary = envoy_binary()
 
     def argv(_port: int) -> list[str]:

@@ -3,6 +3,7 @@
     kvguard fleet --replicas 4 --proxies 1
     kvguard fleet --replicas 2 --proxies 2 --redis --proxy-config guard.toml
     kvguard fleet --replicas 2 --proxies 2 --redis --front envoy   # Envoy + 2 kvguard epp
+    kvguard fleet --replicas 2 --proxies 1 --front envoy --observe split
     kvguard fleet --replicas 256 --state-only --proxies 1
 
 ``--state-only`` serves every replica from this one process instead (state-only replicas of
@@ -16,7 +17,9 @@ Prints one line per process (``replica-0 http://127.0.0.1:PORT pid N``, ``proxy-
 ``--proxies`` ``kvguard epp`` processes as its endpoint pickers (``epp-0 grpc://...``,
 ``envoy http://...``); with ``--redis`` they share budgets and KV reservations; with
 ``--fallbacks N`` each EPP names N fallback endpoints and Envoy's replicas cluster is
-``deploy/envoy/override-host.yaml``'s. SIGINT or SIGTERM stops every process
+``deploy/envoy/override-host.yaml``'s; with ``--observe split`` Envoy runs
+``deploy/envoy/envoy-split.yaml`` (the response reported to the EPP that decided by an observer
+filter, off the first token's path; with several EPPs each gets ``--epp-id`` and a route). SIGINT or SIGTERM stops every process
 it started, by pid (:mod:`chaos.topology`).
 """
 
@@ -56,6 +59,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="with --front envoy: each EPP names up to N fallback endpoints and "
                              "Envoy balances the replicas by override host "
                              "(deploy/envoy/override-host.yaml) (default: 0, ORIGINAL_DST)")
+    parser.add_argument("--observe", choices=("stream", "split"), default="stream",
+                        help="with --front envoy: how the EPP sees responses: through the "
+                             "decision's own ext_proc stream (deploy/envoy/envoy.yaml), or "
+                             "through an observer filter off the first token's path "
+                             "(deploy/envoy/envoy-split.yaml; with several EPPs, a route per "
+                             "EPP sends each observer stream to the EPP that decided) "
+                             "(default: stream)")
     parser.add_argument("--start-timeout-s", type=float, default=90.0,
                         help="how long each replica and proxy may take to start")
     parser.add_argument("--state-only", action="store_true",
@@ -75,6 +85,8 @@ def spec_from(args: argparse.Namespace) -> TopologySpec:
     fallbacks = getattr(args, "fallbacks", 0)
     if fallbacks < 0 or (fallbacks and not envoy):
         raise ValueError("--fallbacks N: N >= 0, and only with --front envoy")
+    if getattr(args, "observe", "stream") == "split" and not envoy:
+        raise ValueError("--observe split: only with --front envoy")
     return TopologySpec(num_replicas=args.replicas, replica_args=tuple(
         shlex.split(args.replica_args)), num_proxies=0 if envoy else args.proxies,
         proxy_args=proxy_args, redis=args.redis, start_timeout_s=args.start_timeout_s)
@@ -83,18 +95,22 @@ def spec_from(args: argparse.Namespace) -> TopologySpec:
 def _envoy_front(fleet: Topology, args: argparse.Namespace, stack: contextlib.ExitStack,
                  directory: Path) -> list:
     """``--proxies`` EPPs and one Envoy in front of the fleet, stopped by ``stack``."""
-    from chaos.envoy_front import envoy_child, epp_child
+    from chaos.envoy_front import envoy_child, epp_child, epp_id
 
+    split = args.observe == "split"
     epps = []
     for i in range(args.proxies):
+        # split: each EPP names itself so that Envoy sends its observer streams back to it
+        named = ("--epp-id", epp_id(i)) if split and args.proxies > 1 else ()
         epp = epp_child(fleet.replica_urls, config=args.proxy_config,
                         redis_url=fleet.redis_url, name=f"epp-{i}",
-                        extra_args=("--fallbacks", str(args.fallbacks)))
+                        extra_args=("--fallbacks", str(args.fallbacks), *named))
         stack.callback(epp.close)
         epps.append(epp.start(args.start_timeout_s))
     fallback_replicas = ([url.removeprefix("http://") for url in fleet.replica_urls]
                          if args.fallbacks else ())
-    envoy = envoy_child([e.port for e in epps], directory, fallback_replicas=fallback_replicas)
+    envoy = envoy_child([e.port for e in epps], directory, fallback_replicas=fallback_replicas,
+                        split=split)
     stack.callback(envoy.close)
     envoy.start(args.start_timeout_s)
     return [*epps, envoy]

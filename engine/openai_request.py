@@ -19,13 +19,14 @@ import json
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
+from serving.chat_template import CHAT_ROLES, message_text
 from serving.json_body import JsonBodyError, decode_json_object
 from serving.unsupported_params import first_unsupported
 
 __all__ = ["ApiError", "GenerationRequest", "parse_generation_request"]
 
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_ROLES = CHAT_ROLES
 _MISSING = object()
 
 
@@ -119,11 +120,9 @@ def _prompt_ids(body: dict, tokenizer) -> tuple[int, ...]:
 
 
 def _message_text(content, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            return "".join(p["text"] for p in content)
+    text = message_text(content)
+    if text is not None:
+        return text
     raise _bad(f"messages[{index}].content must be a string or a list of text parts",
                f"messages[{index}].content", "invalid_type")
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import codecs
 import functools
-import json
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from serving.chat_template import compile_chat_template, render_chat_template
 
 __all__ = [
     "IncrementalDetokenizer",
@@ -42,10 +43,6 @@ def byte_to_unicode_map() -> dict[int, str]:
             table[b] = chr(256 + shifted)
             shifted += 1
     return table
-
-
-def _raise_exception(message: str) -> None:
-    raise ValueError(f"chat template: {message}")
 
 
 def _build_backend(tokens: Sequence[str], merges: Sequence[str], special: Sequence[str],
@@ -91,7 +88,7 @@ class Tokenizer:
         self._token_bytes = self._byte_table(tokens, token_types)
         special = [tokens[i] for i in sorted(self.special_token_ids)]
         self._backend = _build_backend(tokens, merges, special, _SUPPORTED_PRE[pre_tokenizer])
-        self._template = self._compile(chat_template) if chat_template else None
+        self._template = compile_chat_template(chat_template) if chat_template else None
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
@@ -123,6 +120,11 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def to_json(self) -> str:
+        """The encoder as a Hugging Face ``tokenizer.json`` (special tokens included): what a
+        guard's ``tokenizer`` key reads to hash prompts as this engine does."""
+        return self._backend.to_str()
+
     def token_bytes(self, token_id: int) -> bytes:
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} outside the vocabulary (0..{self.vocab_size - 1})")
@@ -141,28 +143,17 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The model's chat template rendered (sandboxed jinja2), as Hugging Face renders it."""
+        """The model's chat template rendered as Hugging Face renders it
+        (:mod:`serving.chat_template`, shared with the guard's precise prefix view)."""
         if self._template is None:
             raise ValueError("this model has no chat template")
-        special = {"bos_token": self._token_or_empty(self.bos_token_id),
-                   "eos_token": self._token_or_empty(self.eos_token_id)}
-        return self._template.render(messages=list(messages),
-                                     add_generation_prompt=add_generation_prompt,
-                                     **{**special, **kwargs})
+        return render_chat_template(self._template, messages,
+                                    bos_token=self._token_or_empty(self.bos_token_id),
+                                    eos_token=self._token_or_empty(self.eos_token_id),
+                                    add_generation_prompt=add_generation_prompt, **kwargs)
 
     def _token_or_empty(self, token_id: int | None) -> str:
         return "" if token_id is None else self._tokens[token_id]
-
-    @staticmethod
-    def _compile(source: str) -> Any:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(
-            value, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = _raise_exception
-        return env.from_string(source)
 
     @staticmethod
     def _byte_table(tokens: Sequence[str], token_types: Sequence[int]) -> list[bytes]:

@@ -10,6 +10,7 @@ TOML layout (see ``docs/guard-config.example.toml``)::
     admin_api_key = "..."      # /kvguard/state, /kvguard/metrics, /metrics (or admin_key_sha256)
     prefix_cache = "approximate"   # "off" | "approximate" | "precise" (needs tokenizer)
     prefix_cache_isolation = "shared"  # "tenant": a per-tenant cache_salt (prefix_cache_secret)
+    chat_template = "tokenizer_config.json"  # precise: chat priced with the replicas' template
     [policy_params]            # passed to the policy as-is
     [classes.interactive]      # merged over the built-in class of the same name
     ttft_s = 1.0
@@ -256,11 +257,15 @@ class GuardConfig:
     # the replicas' prefix caches (guard.replicas.prefix_cache): "off" | "approximate" | "precise"
     prefix_cache: str = "approximate"
     prefix_cache_chunk_chars: int = 256  # approximate view: characters per hashed chunk
-    prefix_cache_max_blocks: int = 1 << 18  # tracked blocks per replica, at most (~130 B each)
+    prefix_cache_max_blocks: int = 1 << 18  # tracked blocks per replica, at most (~130 B each;
+    # ~280 B for a replica whose vLLM events are translated: guard.replicas.kv_event_translation)
     prefix_cache_max_sessions: int = 100_000  # x-session-id pins remembered, at most
     # "shared" | "tenant" (guard.request.cache_salt): a per-tenant cache_salt, keyed by the secret
     prefix_cache_isolation: str = "shared"
     prefix_cache_secret: str | None = field(default=None, repr=False)  # None: random per process
+    # the replicas' chat template (guard.request.chat_template): a tokenizer_config.json or a
+    # raw jinja file; the precise view renders chat requests with it (read and compiled here)
+    chat_template: str | None = None
     initial_chars_per_token: float = 4.0
     retry_budget_ratio: float = 0.10  # retries allowed per first attempt while shedding
     retry_budget_window_s: float = 10.0
@@ -282,6 +287,7 @@ class GuardConfig:
         init=False, repr=False, compare=False, default_factory=dict
     )
     _path_patterns: tuple = field(init=False, repr=False, compare=False, default=())
+    _chat_template: Any = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         self._check_classes()
@@ -324,6 +330,18 @@ class GuardConfig:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
         if self.prefix_cache_secret is not None and len(self.prefix_cache_secret) < 16:
             raise ValueError("prefix_cache_secret: must be at least 16 characters")
+        if self.chat_template is not None:
+            if self.prefix_cache != "precise":
+                raise ValueError("chat_template: only the precise prefix view renders chat "
+                                 "requests with it (set prefix_cache = 'precise')")
+            from guard.request.chat_template import load_chat_template
+
+            object.__setattr__(self, "_chat_template", load_chat_template(self.chat_template))
+
+    @property
+    def loaded_chat_template(self) -> Any:
+        """The ``chat_template`` file as read and compiled at construction (None: no key)."""
+        return self._chat_template
 
     def _check_paths(self) -> None:
         paths = self.admitted_paths
@@ -628,6 +646,7 @@ _SCALAR_FIELDS: dict[str, tuple[type, bool]] = {
     "prefix_cache": (str, False), "prefix_cache_chunk_chars": (int, False),
     "prefix_cache_max_blocks": (int, False), "prefix_cache_max_sessions": (int, False),
     "prefix_cache_isolation": (str, False), "prefix_cache_secret": (str, True),
+    "chat_template": (str, True),
 }
 
 _TRUE = {"1", "true", "yes", "on"}

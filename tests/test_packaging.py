@@ -89,3 +89,19 @@ def test_the_kv_events_extra_is_what_the_precise_view_imports_beyond_the_core():
                  if isinstance(node, ast.Import) for a in node.names}
     assert not top_level & set(KV_EVENTS_DIST_NAMES)
 
+
+
+def test_chat_templates_need_jinja2_from_the_kv_events_extra_imported_only_when_compiled():
+    """The guard's ``chat_template`` compiles through serving/chat_template.py, which imports
+    jinja2 only inside the function that compiles: a guard-only install imports it fine and
+    is told which extra to install when the key is set (tests/guard/test_chat_template.py)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "jinja2" in _requirement_names(project["optional-dependencies"]["kv-events"])
+    assert "jinja2" not in _requirement_names(project["dependencies"])
+    module = ROOT / "serving" / "chat_template.py"
+    top_level = {a.name.split(".")[0] for node in ast.parse(module.read_text()).body
+                 if isinstance(node, ast.Import) for a in node.names}
+    top_level |= {node.module.split(".")[0] for node in ast.parse(module.read_text()).body
+                  if isinstance(node, ast.ImportFrom) and node.module}
+    assert "jinja2" not in top_level
+    assert "jinja2" in _third_party_imports("serving", only=module)

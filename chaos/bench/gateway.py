@@ -4,14 +4,19 @@
 completion of ``--max-tokens`` tokens at a time, the targets interleaved request by request in
 a seeded shuffled order with a ``--gap-ms`` pause before each (as ``kvguard bench proxy``
 measures, with its code): TTFT (first content token at the client) and end-to-end, median and
-p99, and each minus the direct figure; CPU per request is net of each process's idle CPU, and
+p99, and each minus the direct figure (and, for the ext_proc rows, the median over rounds of
+each request's figure minus Envoy alone's in the same round: paired, steadier on a busy
+machine); CPU per request is net of each process's idle CPU, and
 for Envoy + EPP it is the EPP's (Envoy's own is about Envoy alone's). Targets: Envoy alone (the same Envoy config without the
 ext_proc filter, a static cluster to the replica), Envoy + ``kvguard epp`` (``slo``), ``kvguard
 proxy`` (``slo``, its defaults), and LiteLLM proxy with ``--litellm`` (its own virtualenv, as
 in ``kvguard bench proxy``). The EPP's cost is its row minus Envoy alone's. Beside it, Envoy +
 ``chaos.bench.ext_proc_floor``: an ext_proc server on grpc.aio in the same processing modes
 that decides nothing — what the protocol itself costs from Python; the EPP's own share is its
-row minus that one.
+row minus that one. And Envoy + ``kvguard epp`` on ``deploy/envoy/envoy-split.yaml`` (its own
+EPP): the decision filter for the request, the response sent to an observer filter in
+observability mode, off the first token's path. For both EPP rows it prints how many of the
+streams the EPP's tickets saw completed (the split one's through its observer).
 
 **Decisions per second.** ``--rate-s`` seconds of ``--concurrency`` closed-loop clients sending
 non-streamed 1-token completions through Envoy + one EPP to an instant sim replica (time scale
@@ -36,7 +41,7 @@ import httpx
 from chaos.bench.litellm_proxy import ensure_venv, litellm_child
 from chaos.bench.proxy import _KEY, _cpu_s, _measure_all, _print_latency
 from chaos.child import ChildProcess
-from chaos.envoy_front import accepts_connections, envoy_child, epp_child
+from chaos.envoy_front import accepts_connections, envoy_child, epp_child, epp_metrics_url
 from chaos.replica import exit_on_sigterm
 from chaos.topology import Topology, TopologySpec, free_port, http_health
 
@@ -44,6 +49,7 @@ __all__ = ["configure", "run"]
 
 MODEL = "llama-7b"
 FLOOR = "envoy + ext_proc floor"
+SPLIT = "envoy + kvguard epp (split observer)"
 _CONFIG = 'policy = "slo"\n'
 
 
@@ -139,6 +145,12 @@ def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
             urls["envoy + kvguard epp"] = envoy.url
             # its CPU column is the EPP's (Envoy's own is about Envoy alone's)
             pids["envoy + kvguard epp"] = epp.pid
+            # the response path off the first token: decision + observer filters, own EPP
+            split_epp = epp_child([upstream], config=config)
+            children.append(split_epp.start())
+            split_envoy = envoy_child([split_epp.port], work, split=True)
+            children.append(split_envoy.start())
+            urls[SPLIT], pids[SPLIT] = split_envoy.url, split_epp.pid
             proxy = _proxy(upstream, config)
             children.append(proxy.start())
             urls["kvguard proxy slo"], pids["kvguard proxy slo"] = proxy.url, proxy.pid
@@ -147,24 +159,40 @@ def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
                 child = litellm_child(exe, upstream, MODEL, free_port(), work, _KEY)
                 children.append(child.start(timeout_s=180))
                 urls["litellm"], pids["litellm"] = child.url, child.pid
-            rows = _measure_all(urls, pids, args)
+            rows = _measure_all(urls, pids, args, baseline="envoy alone")
+            # what each EPP's tickets saw: every measured stream completed (the split one's
+            # through its observer), or the row's ticket view is not what the stream one has
+            for name, child in (("envoy + kvguard epp", epp), (SPLIT, split_epp)):
+                rows[name]["epp_completed"] = _completed(epp_metrics_url(child))
             alone_row = rows["envoy alone"]
             for row in rows.values():
                 row["over_envoy_alone_ttft_p50_ms"] = row["ttft_p50_ms"] - alone_row["ttft_p50_ms"]
                 row["over_envoy_alone_e2e_p50_ms"] = row["e2e_p50_ms"] - alone_row["e2e_p50_ms"]
-            for name in (FLOOR, "envoy + kvguard epp"):
+            for name in (FLOOR, "envoy + kvguard epp", SPLIT):
                 gap = rows[name]
                 ttft_ms = gap["over_envoy_alone_ttft_p50_ms"]
                 e2e_ms = gap["over_envoy_alone_e2e_p50_ms"]
                 per_gap_ms = (e2e_ms - ttft_ms) / max(1, args.max_tokens - 1)
                 gap["over_envoy_alone_per_token_gap_ms"] = per_gap_ms
                 print(f"{name} over Envoy alone: TTFT p50 {ttft_ms:+.2f} ms, "
-                      f"end-to-end p50 {e2e_ms:+.2f} ms ({per_gap_ms:+.3f} ms per token gap)",
-                      flush=True)
+                      f"end-to-end p50 {e2e_ms:+.2f} ms ({per_gap_ms:+.3f} ms per token gap); "
+                      f"paired by round: TTFT {gap['paired_ttft_p50_ms']:+.2f} ms, end-to-end "
+                      f"{gap['paired_e2e_p50_ms']:+.2f} ms", flush=True)
+            expected = args.warmup + args.requests
+            for name in ("envoy + kvguard epp", SPLIT):
+                print(f"{name}: {rows[name]['epp_completed']:.0f} of {expected} streams "
+                      "completed in its EPP's tickets", flush=True)
             return rows
     finally:
         for child in reversed(children):
             child.terminate()
+
+
+def _completed(metrics_url: str) -> float:
+    """The EPP's completed requests, all classes and tenants (its ``/metrics``)."""
+    text = httpx.get(metrics_url, timeout=10.0, trust_env=False).text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("kvguard_requests_completed_total{"))
 
 
 def _decisions(args: argparse.Namespace, work: Path, config: str) -> dict:

@@ -298,7 +298,12 @@ def _cpu_s(pid: int) -> float:
     return total
 
 
-def _measure_all(urls: dict[str, str], pids: dict[str, int], args: argparse.Namespace) -> dict:
+def _measure_all(urls: dict[str, str], pids: dict[str, int], args: argparse.Namespace,
+                 baseline: str | None = None) -> dict:
+    """Each target's latency and CPU rows; with ``baseline`` (a target's name) each row also
+    has the median over rounds of its TTFT and end-to-end minus the baseline's in the same
+    round (``paired_*``): every round sends one request to each target, so a slow spell of
+    the machine falls on both sides of each difference."""
     body = json.dumps({"model": MODEL, "prompt": "The proxy bench says hello",
                        "max_tokens": args.max_tokens, "stream": True}).encode()
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in urls}
@@ -325,6 +330,13 @@ def _measure_all(urls: dict[str, str], pids: dict[str, int], args: argparse.Name
         for client in clients.values():
             client.close()
     rows = _summarise(samples)
+    if baseline is not None:
+        base = samples[baseline]
+        for name, row in rows.items():  # samples[name][i] is round i's, for every target
+            for index, key in ((0, "paired_ttft_p50_ms"), (1, "paired_e2e_p50_ms")):
+                differences = [pair[index] - base_pair[index]
+                               for pair, base_pair in zip(samples[name], base, strict=True)]
+                row[key] = 1000 * statistics.median(differences)
     for name, row in rows.items():  # CPU time is what contention inflates least
         net_s = cpu_s[name] - idle_rate[name] * busy_s
         row["cpu_ms_per_request"] = 1000 * net_s / args.requests

@@ -6,9 +6,13 @@ per replica, ``running`` sequences each, loads varied across the fleet so replic
 measures:
 
 * ``ingest_us``: one replica's document parsed from JSON bytes and applied
-  (``json.loads`` + ``LoadState.update_from_kvguard_state``), median over the fleet;
-  ``state_cpu_share`` = ``ingest_us`` × replicas × ``--refresh-hz`` ÷ 10⁶: the cores a decider
-  spends keeping every replica's full document fresh (the HTTP round trip not counted);
+  (``serving.json_body.loads``, as the poller parses it, +
+  ``LoadState.update_from_kvguard_state``), median wall time over the fleet; ``ingest_cpu_us`` the mean CPU time of one (the thread's
+  CPU time over them all ÷ their count); ``state_cpu_share`` = ``ingest_cpu_us`` × replicas ×
+  ``--refresh-hz`` ÷ 10⁶: the cores a decider spends keeping every replica's full document
+  fresh (the HTTP round trip not counted). Cores come from the mean CPU time, not the median
+  wall time: in the streamed deltas a step-time refit lands in about one refresh in six, which
+  the median never sees, and a mean of wall times counts the waits of a preempted process;
   ``compact_*`` the same for the compact document the guard's poller asks for
   (``?compact=1&since_batch=N``: sequences as columns, no iteration sample seen before);
   ``stream_*`` the same for ``state_source = "stream"``: one delta of
@@ -27,8 +31,10 @@ set and with its full scan side by side (:mod:`chaos.bench.candidate_gap`): how 
 bounded choice is.
 
 ``--json`` prints one JSON object with ``decide_p50_us`` (per policy) and ``state_cpu_share``
-(the compact document's, what the poller reads; ``full_state_cpu_share`` the full one's) keyed
-by replica count (the largest ``--running`` for the per-replica-count keys) and every row.
+(the stream of deltas', what the proxy's default ``state_source = "auto"`` reads from a kvguard
+replica; ``compact_state_cpu_share`` the polled compact document's, ``full_state_cpu_share``
+the full one's) keyed by replica count (the largest ``--running`` for the per-replica-count
+keys) and every row.
 Results and their commands go to docs/benchmarks.md.
 """
 
@@ -38,6 +44,8 @@ import argparse
 import gc
 import json
 import time
+from collections.abc import Callable
+from typing import Any
 
 from chaos.bench.candidate_gap import candidate_gap
 from engine.compact_state import compact_state
@@ -120,9 +128,10 @@ def stream_events(index: int, num_running: int, num_events: int,
 
 
 def _stream_ingest_ns(load_state: LoadState, num_replicas: int, num_running: int,
-                      num_events: int = 6) -> tuple[list[int], int]:
-    """Each streamed delta's ns at the guard: parsed, applied to the replica's groups, handed
-    over and ingested (``LoadState.update_from_kvguard_state``); and a delta's bytes."""
+                      num_events: int = 6) -> tuple[tuple[list[int], float], int]:
+    """Each streamed delta's ns at the guard (and the mean CPU µs of one: :func:`_timed`):
+    parsed, applied to the replica's groups, handed over and ingested
+    (``LoadState.update_from_kvguard_state``); and a delta's bytes."""
     sources, streams = [], []
     for k in range(num_replicas):
         events = stream_events(k, num_running, num_events)
@@ -131,15 +140,27 @@ def _stream_ingest_ns(load_state: LoadState, num_replicas: int, num_running: int
         load_state.update_from_kvguard_state(f"r{k}", source.take(), 0.0)
         sources.append(source)
         streams.append(events[1:])
+
+    def apply(e_k: tuple[int, int]) -> None:
+        e, k = e_k
+        sources[k].feed(loads(streams[k][e]))
+        load_state.update_from_kvguard_state(f"r{k}", sources[k].take(), 0.0)
+
+    timed = _timed([(e, k) for e in range(num_events) for k in range(num_replicas)], apply)
+    return timed, len(streams[0][-1])
+
+
+def _timed(items: list, apply: Callable[[Any], None]) -> tuple[list[int], float]:
+    """``apply`` on each item: each one's wall ns, and the mean CPU µs of one (the thread's
+    CPU time over them all ÷ their count: a preempted call does not count the time it
+    waited, as its wall time does on a busy machine)."""
     times_ns = []
-    for e in range(num_events):
-        for k, source in enumerate(sources):
-            raw = streams[k][e]
-            start = time.perf_counter_ns()
-            source.feed(loads(raw))
-            load_state.update_from_kvguard_state(f"r{k}", source.take(), 0.0)
-            times_ns.append(time.perf_counter_ns() - start)
-    return times_ns, len(streams[0][-1])
+    cpu_start = time.thread_time_ns()
+    for item in items:
+        start = time.perf_counter_ns()
+        apply(item)
+        times_ns.append(time.perf_counter_ns() - start)
+    return times_ns, (time.thread_time_ns() - cpu_start) / len(items) / 1000.0
 
 
 def _cost(i: int, now_s: float) -> RequestCost:
@@ -193,34 +214,25 @@ def measure(num_replicas: int, num_running: int, num_calls: int, refresh_hz: flo
     """One row: ingestion and per-policy decision times for this fleet shape."""
     load_state, documents, _ = _fleet(num_replicas, num_running)
     # ingestion again, warm (the first pass also registered each replica)
-    ingest_ns = []
-    for k, raw in enumerate(documents):
-        start = time.perf_counter_ns()
-        load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
-        ingest_ns.append(time.perf_counter_ns() - start)
-    ingest_us = _quantile_us(ingest_ns, 0.5)
+    ingest_ns, ingest_cpu_us = _timed(list(enumerate(documents)), lambda k_raw: (
+        load_state.update_from_kvguard_state(f"r{k_raw[0]}", loads(k_raw[1]), 0.0)))
     compacts = [json.dumps(compact_state(json.loads(raw), since_batch=3)).encode()
                 for raw in documents]
-    compact_ns = []
-    for k, raw in enumerate(compacts):
-        start = time.perf_counter_ns()
-        load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
-        compact_ns.append(time.perf_counter_ns() - start)
-    compact_us = _quantile_us(compact_ns, 0.5)
-    stream_ns, delta_bytes = _stream_ingest_ns(load_state, num_replicas, num_running)
-    stream_us = _quantile_us(stream_ns, 0.5)
+    compact_ns, compact_cpu_us = _timed(list(enumerate(compacts)), lambda k_raw: (
+        load_state.update_from_kvguard_state(f"r{k_raw[0]}", loads(k_raw[1]), 0.0)))
+    (stream_ns, stream_cpu_us), delta_bytes = _stream_ingest_ns(load_state, num_replicas,
+                                                                 num_running)
     for k, raw in enumerate(compacts):  # the policies decide on the same fleet as before
         load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
-    row = {
-        "replicas": num_replicas, "running": num_running,
-        "document_bytes": len(documents[0]), "ingest_us": round(ingest_us, 1),
-        "state_cpu_share": round(ingest_us * num_replicas * refresh_hz / 1e6, 4),
-        "compact_bytes": len(compacts[0]), "compact_ingest_us": round(compact_us, 1),
-        "compact_state_cpu_share": round(compact_us * num_replicas * refresh_hz / 1e6, 4),
-        "delta_bytes": delta_bytes, "stream_ingest_us": round(stream_us, 1),
-        "stream_state_cpu_share": round(stream_us * num_replicas * refresh_hz / 1e6, 4),
-        "policies": {},
-    }
+    row = {"replicas": num_replicas, "running": num_running,
+           "document_bytes": len(documents[0]), "compact_bytes": len(compacts[0]),
+           "delta_bytes": delta_bytes, "policies": {}}
+    for prefix, times_ns, cpu_us in (("", ingest_ns, ingest_cpu_us),
+                                     ("compact_", compact_ns, compact_cpu_us),
+                                     ("stream_", stream_ns, stream_cpu_us)):
+        row[f"{prefix}ingest_us"] = round(_quantile_us(times_ns, 0.5), 1)
+        row[f"{prefix}ingest_cpu_us"] = round(cpu_us, 1)
+        row[f"{prefix}state_cpu_share"] = round(cpu_us * num_replicas * refresh_hz / 1e6, 4)
     for name in policies:
         gc.collect()
         gc.disable()  # a collection pause is the process's, not the decision's
@@ -321,24 +333,29 @@ def run(args: argparse.Namespace) -> int:
             "running": top,
             "decide_p50_us": {n: {p: v["decide_p50_us"] for p, v in row["policies"].items()}
                               for n, row in by_count.items()},
-            # the compact document is what the guard's poller asks a kvguard replica for
-            "state_cpu_share": {n: row["compact_state_cpu_share"] for n, row in by_count.items()},
-            "full_state_cpu_share": {n: row["state_cpu_share"] for n, row in by_count.items()},
-            # state_source = "stream": one long-lived response of deltas per replica
+            # the proxy's default state_source ("auto") streams a kvguard replica's deltas
+            "state_cpu_share": {n: row["stream_state_cpu_share"]
+                                for n, row in by_count.items()},
             "stream_state_cpu_share": {n: row["stream_state_cpu_share"]
                                        for n, row in by_count.items()},
+            # polled: the compact document (state_source = "kvguard"), and the full one
+            "compact_state_cpu_share": {n: row["compact_state_cpu_share"]
+                                        for n, row in by_count.items()},
+            "full_state_cpu_share": {n: row["state_cpu_share"] for n, row in by_count.items()},
             "rows": rows,
         }, indent=1))
         return 0
     print(f"{'replicas':>8} {'running':>7} {'doc_B':>7} {'ingest_us':>9} {'state_cpu':>9} "
           f"{'cdoc_B':>7} {'c_ingest':>8} {'c_cpu':>7} {'delta_B':>7} {'s_ingest':>8} "
-          f"{'s_cpu':>7}  {'policy':<16} {'p50_us':>8} {'p99_us':>8} {'snap_us':>8} {'path_us':>8}")
+          f"{'s_cpu_us':>8} {'s_cpu':>7}  {'policy':<16} {'p50_us':>8} {'p99_us':>8} "
+          f"{'snap_us':>8} {'path_us':>8}")
     for row in rows:
         for name, v in row["policies"].items():
             print(f"{row['replicas']:>8} {row['running']:>7} {row['document_bytes']:>7} "
                   f"{row['ingest_us']:>9} {row['state_cpu_share']:>9} {row['compact_bytes']:>7} "
                   f"{row['compact_ingest_us']:>8} {row['compact_state_cpu_share']:>7} "
                   f"{row['delta_bytes']:>7} {row['stream_ingest_us']:>8} "
+                  f"{row['stream_ingest_cpu_us']:>8} "
                   f"{row['stream_state_cpu_share']:>7}  {name:<16} "
                   f"{v['decide_p50_us']:>8} {v['decide_p99_us']:>8} {v['snapshot_p50_us']:>8} "
                   f"{v['path_p50_us']:>8}")

@@ -14,6 +14,10 @@ serves. ``--metrics-port`` serves its Prometheus series over HTTP. SIGTERM/SIGIN
 it on uvloop when installed (grpc.aio hands every message between its own threads and the
 loop; uvloop's wake-ups make that cheaper). ``--fallbacks N`` names up to N other routable
 replicas after the pick (comma-separated), for an Envoy on ``deploy/envoy/override-host.yaml``.
+The same EPP serves Envoy's split config (``deploy/envoy/envoy-split.yaml``: the response
+reported by an observer filter off the first token's path); ``--observer-wait-s`` bounds how
+long an admitted request waits there for its observer stream, and ``--epp-id`` names this EPP
+for the routes that send observer streams back to it when several EPPs share one Envoy.
 
 Needs the ``gateway`` extra (grpcio, grpcio-health-checking, protobuf, xds-protos).
 """
@@ -55,6 +59,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "whose replicas cluster uses override-host load balancing with "
                              "retries; Envoy's ORIGINAL_DST cluster takes one endpoint only "
                              "(default: 0)")
+    parser.add_argument("--observer-wait-s", type=float, default=5.0, metavar="S",
+                        help="with Envoy's split config (deploy/envoy/envoy-split.yaml): how "
+                             "long an admitted request waits for its observer stream before "
+                             "its ticket is released unobserved (default: 5.0)")
+    parser.add_argument("--epp-id", default=None, metavar="ID",
+                        help="with the split config and several EPPs behind one Envoy: this "
+                             "EPP's name, which Envoy's per-EPP routes match to send a "
+                             "request's observer stream back to the EPP that decided it "
+                             "(default: none, one EPP)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve GET /metrics (Prometheus) over HTTP on this port of --host "
                              "(0 picks a free one; default: no metrics endpoint)")
@@ -74,6 +87,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.fallbacks < 0:
         raise ValueError(f"--fallbacks must be >= 0, got {args.fallbacks}")
+    if not args.observer_wait_s > 0:
+        raise ValueError(f"--observer-wait-s must be > 0, got {args.observer_wait_s}")
     configure_logging(args.log_level, args.log_format)
     from serving.h1server import event_loop_runner
 
@@ -87,7 +102,8 @@ async def _serve(args: argparse.Namespace) -> int:
                                              args.state_source, args.redis,
                                              args.replicas_from),
                        state_source=args.state_source, access_log=args.access_log,
-                       num_fallbacks=args.fallbacks)
+                       num_fallbacks=args.fallbacks, observer_wait_s=args.observer_wait_s,
+                       epp_id=args.epp_id)
     port = await server.start(args.host, args.port)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -7,7 +7,8 @@ endpoint come from the request's ``metadata_context`` (``envoy.lb.subset_hint`` 
 
 Building: the answers of the endpoint picker protocol (the Gateway API inference
 extension's): the request-headers answer that names the endpoint (a header mutation with
-``clear_route_cache``, and the same endpoint in ``envoy.lb`` dynamic metadata), the body
+``clear_route_cache``, and the same endpoint in ``envoy.lb`` dynamic metadata; with an observer
+token, the ``kvguard`` metadata the split config's observer filter and route read), the body
 re-emitted as streamed body responses of at most :data:`MAX_CHUNK_BYTES` each, the response
 path passed through, and a rejection as an ``ImmediateResponse``.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as ext_proc_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
@@ -24,15 +26,22 @@ from google.protobuf import struct_pb2
 from guard.admission.shedding import Rejection
 from guard.epp.picker import Route
 
-__all__ = ["DESTINATION_HEADER", "MAX_CHUNK_BYTES", "SUBSET_HEADER", "body_chunks",
-           "headers_of", "immediate", "request_headers_answer", "response_body_answer",
-           "response_headers_answer", "served_endpoint", "subset_of", "trailers_answer"]
+__all__ = ["DESTINATION_HEADER", "MAX_CHUNK_BYTES", "OBSERVER_NAMESPACE", "SUBSET_HEADER",
+           "body_chunks", "headers_of", "immediate", "observer_token", "request_headers_answer",
+           "response_body_answer", "response_elsewhere", "response_headers_answer",
+           "served_endpoint", "subset_of", "trailers_answer"]
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+# the split config's dynamic metadata: the observer's token (``ticket``), the deciding EPP
+# (``epp``, with several), and the response headers the route adds from it (``replica``,
+# ``queue-ms``, ``request-id``)
+OBSERVER_NAMESPACE = "kvguard"
+TOKEN_KEY = "ticket"
+_NO_BODY = ext_proc_mode_pb2.ProcessingMode.NONE
 # a streamed body response carries at most this much (the protocol's bound, under gRPC's and
 # Envoy's per-message buffers)
 MAX_CHUNK_BYTES = 62_000
@@ -73,6 +82,23 @@ def served_endpoint(message) -> str | None:
     return lb.fields[SERVED_KEY].string_value or None
 
 
+def observer_token(message) -> str | None:
+    """The token an observer stream's messages carry (``kvguard``/``ticket`` metadata, set by
+    the decision and forwarded by Envoy); None when absent."""
+    ours = message.metadata_context.filter_metadata.get(OBSERVER_NAMESPACE)
+    if ours is None or TOKEN_KEY not in ours.fields:
+        return None
+    return ours.fields[TOKEN_KEY].string_value or None
+
+
+def response_elsewhere(message) -> bool:
+    """Whether the stream that ``message`` opens will not carry the response body: Envoy's
+    ``protocol_config`` (on a stream's first message) says the response body is not sent
+    (the split config's decision filter), so an observer stream reports the response."""
+    return (message.HasField("protocol_config")
+            and message.protocol_config.response_body_mode == _NO_BODY)
+
+
 def _comma_list(value: str) -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
@@ -85,10 +111,13 @@ def _mutation(headers: Iterable[tuple[str, str]]) -> ext_proc.HeaderMutation:
         for name, value in headers])
 
 
-def request_headers_answer(route: Route) -> ProcessingResponse:
+def request_headers_answer(route: Route, token: str | None = None,
+                           epp_id: str | None = None) -> ProcessingResponse:
     """The request-headers answer: the endpoint (with its fallbacks, comma-separated) as a
     header (route cache cleared) and as ``envoy.lb`` dynamic metadata; the guard's
-    ``x-request-id``; ``Content-Length`` when the body changed."""
+    ``x-request-id``; ``Content-Length`` when the body changed. ``token``: the observer's
+    (:class:`~guard.epp.handoff.Handoffs`), as ``kvguard`` metadata with the response headers'
+    values beside it, and ``epp_id`` (when set) for Envoy's routes to send the observer back."""
     destination = route.destination  # the endpoint, then any fallbacks: the same in both
     headers = [(DESTINATION_HEADER, destination)]
     if route.request_id is not None:
@@ -97,6 +126,15 @@ def request_headers_answer(route: Route) -> ProcessingResponse:
         headers.append(("content-length", str(route.content_length)))
     metadata = struct_pb2.Struct()
     metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: destination}})
+    if token is not None:
+        ours = {TOKEN_KEY: token, "replica": route.replica_id}
+        if route.queue_ms is not None:
+            ours["queue-ms"] = f"{route.queue_ms:.1f}"
+        if route.request_id is not None:
+            ours["request-id"] = route.request_id
+        if epp_id is not None:
+            ours["epp"] = epp_id
+        metadata.update({OBSERVER_NAMESPACE: ours})
     return ProcessingResponse(
         request_headers=ext_proc.HeadersResponse(response=ext_proc.CommonResponse(
             header_mutation=_mutation(headers), clear_route_cache=True)),

@@ -83,6 +83,8 @@ class Route:
     content_length: int | None = None
     request_id: str | None = None  # the guard's id, sent upstream as x-request-id (admitted)
     fallbacks: tuple[str, ...] = ()  # endpoints Envoy may try, in order, if ``endpoint`` fails
+    # admitted requests: arrival to dispatch (the x-kvguard-queue-ms response header)
+    queue_ms: float | None = None
 
     @property
     def destination(self) -> str:
@@ -253,8 +255,13 @@ class PickerExchange:
         rid = result.replica_id
         length = len(result.body) if result.body_rewritten else None
         self.route = Route(picker.endpoints[rid], rid, result.body, length, result.request_id,
-                           picker.fallbacks(rid, allowed))
+                           picker.fallbacks(rid, allowed), result.queue_ms)
         return self.route
+
+    @property
+    def request_id(self) -> str | None:
+        """The guard's id of the admitted request (None: nothing admitted, or released)."""
+        return None if self.admitted is None else self.admitted.request_id
 
     # --- the response -----------------------------------------------------------------------
     def on_response_headers(self, headers: Mapping[str, str],

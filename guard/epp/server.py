@@ -5,7 +5,8 @@ It serves, on one port:
 * ``envoy.service.ext_proc.v3.ExternalProcessor`` (:class:`~guard.epp.processor.ExternalProcessor`
   over an :class:`~guard.epp.picker.EndpointPicker` over an
   :class:`~guard.controller.AdmissionController` for the configured replicas, polled for load
-  as ``kvguard proxy`` polls them);
+  as ``kvguard proxy`` polls them), for the single-filter config and for the split one (a
+  decision stream and an observer stream per request, :mod:`guard.epp.handoff`);
 * replica health as the proxy keeps it (:class:`~guard.proxy.health.ReplicaHealth`): state
   polls, and passive ejection after ``proxy.eject_after_failures`` requests Envoy could not
   get answered by the replica (its own 5xx), probed back every ``proxy.probe_interval_s``;
@@ -25,8 +26,9 @@ Drain (:meth:`EppServer.drain`, SIGTERM in :mod:`guard.epp.cli`): new decisions 
 ``shutting_down`` with retry advice, admitted requests run on (their streams are still
 served) until they end or ``proxy.drain_timeout_s`` passes; then the server stops.
 
-Its Prometheus series (the proxy's ``kvguard_*``) are served over HTTP when asked
-(:meth:`EppServer.serve_metrics`, ``--metrics-port``).
+Its Prometheus series (the proxy's ``kvguard_*``, and for the split config
+``kvguard_epp_awaiting_observer`` and ``kvguard_epp_unobserved_total``) are served over HTTP
+when asked (:meth:`EppServer.serve_metrics`, ``--metrics-port``).
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from guard.config import GuardConfig, ReplicaConfig
 from guard.controller import AdmissionController
+from guard.epp.handoff import DEFAULT_WAIT_S, Handoffs
 from guard.epp.metrics_http import MetricsEndpoint
 from guard.epp.picker import EndpointPicker, endpoint_of_url
 from guard.epp.processor import ExternalProcessor
@@ -67,11 +71,15 @@ class EppServer:
     """One ``kvguard epp``: build it, ``await start(host, port)`` (returns the port), then
     ``await wait_stopped()``; :meth:`drain` from a signal handler. ``num_fallbacks``: other
     endpoints each route names after the chosen one (see
-    :class:`~guard.epp.picker.EndpointPicker`)."""
+    :class:`~guard.epp.picker.EndpointPicker`). ``observer_wait_s``: how long an admitted
+    request whose response an observer stream reports (the split Envoy config) waits for it
+    before its ticket is released unobserved; ``epp_id``: its name for the split config's
+    routes when several EPPs share an Envoy (:class:`~guard.epp.handoff.Handoffs`)."""
 
     def __init__(self, config: GuardConfig, *, clock: Callable[[], float] | None = None,
                  state_source: str = "kvguard", access_log: bool = False,
-                 num_fallbacks: int = 0) -> None:
+                 num_fallbacks: int = 0, observer_wait_s: float = DEFAULT_WAIT_S,
+                 epp_id: str | None = None) -> None:
         if not config.replicas or any(r.url is None for r in config.replicas):
             raise ValueError("replicas: the endpoint picker needs at least one replica with a "
                              "url (--upstream URL or [[replicas]])")
@@ -116,7 +124,9 @@ class EppServer:
                 replica_source(proxy.replicas_from, state_source),
                 proxy.replicas_from_interval_s, self.membership.apply, config.replicas,
                 tick=self.membership.forget_drained)
-        self.processor = ExternalProcessor(self.picker)
+        self.handoffs = Handoffs(observer_wait_s, epp_id=epp_id)
+        self.controller.metrics.registry.register(_HandoffCollector(self.handoffs))
+        self.processor = ExternalProcessor(self.picker, self.handoffs)
         self.grpc_health = health_aio.HealthServicer()
         self.metrics_endpoint = MetricsEndpoint(self.controller.metrics)
         self._server: grpc.aio.Server | None = None
@@ -198,6 +208,24 @@ class EppServer:
         if self._server is not None:
             await self._server.stop(grace=1.0)
             self._server = None
+        self.handoffs.close()
         await self.metrics_endpoint.aclose()
         await stop_fleet(self.controller, self.health, self.shards, self.watcher)
         await self._client.aclose()
+
+
+class _HandoffCollector:
+    """The split config's observer hand-offs as Prometheus series: admitted requests waiting
+    for their observer stream, and those released because none came (a missing or lost
+    observer filter shows here)."""
+
+    def __init__(self, handoffs: Handoffs) -> None:
+        self.handoffs = handoffs
+
+    def collect(self):
+        yield GaugeMetricFamily("kvguard_epp_awaiting_observer",
+                                "Admitted requests waiting for their observer stream",
+                                value=len(self.handoffs))
+        yield CounterMetricFamily("kvguard_epp_unobserved",
+                                  "Admitted requests released because no observer stream "
+                                  "claimed them in time", value=self.handoffs.num_unobserved)

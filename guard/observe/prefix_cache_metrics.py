@@ -8,8 +8,13 @@
 * ``kvguard_prefix_cache_predicted_tokens_total{replica}`` and
   ``kvguard_prefix_cache_routed_prompt_tokens_total{replica}`` — the sums behind the predicted
   ratio, over the guard's life (so a bench can take the ratio over its own window);
+* ``kvguard_prefix_cache_unrendered_chats_total`` — chat requests the precise view priced as
+  uncached because the ``chat_template`` could not render them as the replica would;
 * ``kvguard_kv_events_dropped_total`` — KV event batches dropped as malformed or from an
-  unknown replica.
+  unknown replica;
+* ``kvguard_kv_events_untranslated_total`` — stored-block events of replicas that are not
+  kvguard engines (vLLM) the view could not translate into kvguard's chain
+  (:mod:`guard.replicas.kv_event_translation`).
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ __all__ = ["PrefixCacheCollector"]
 
 
 class PrefixCacheCollector(Collector):
-    def __init__(self, view: PrefixCacheView, num_dropped: Callable[[], int] | None = None):
+    def __init__(self, view: PrefixCacheView, num_dropped: Callable[[], int] | None = None,
+                 num_untranslated: Callable[[], int] | None = None):
         self.view = view
         self.num_dropped = num_dropped
+        self.num_untranslated = num_untranslated
 
     def collect(self) -> Iterator:
         view = self.view
@@ -64,8 +71,21 @@ class PrefixCacheCollector(Collector):
             routed.add_metric([replica_id], num_routed)
         yield cached
         yield routed
+        if view.mode == "precise":
+            unrendered = CounterMetricFamily(
+                "kvguard_prefix_cache_unrendered_chats",
+                "Chat requests priced uncached: the chat template could not render them")
+            unrendered.add_metric([], view.num_unrendered_chats)
+            yield unrendered
         if self.num_dropped is not None:
             dropped = CounterMetricFamily("kvguard_kv_events_dropped",
                                           "KV event batches dropped (malformed or unknown replica)")
             dropped.add_metric([], self.num_dropped())
             yield dropped
+        if self.num_untranslated is not None:
+            untranslated = CounterMetricFamily(
+                "kvguard_kv_events_untranslated",
+                "Stored-block events of non-kvguard replicas not tracked (unknown parent, "
+                "unknown model, LoRA or extra-keyed blocks)")
+            untranslated.add_metric([], self.num_untranslated())
+            yield untranslated

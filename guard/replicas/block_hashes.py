@@ -22,7 +22,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-__all__ = ["id_chunk_hashes", "root_hash", "text_chunk_hashes", "token_block_hashes"]
+__all__ = ["chained_block_hashes", "id_chunk_hashes", "root_hash", "text_chunk_hashes", "token_block_hashes"]
 
 _ROOT_TAG = b"kvguard-block-hash-v1\0"
 _TEXT_TAG = b"kvguard-text-chunk-v1\0"
@@ -51,13 +51,24 @@ def token_block_hashes(token_ids: Sequence[int], block_size: int, model: str,
     num_blocks = len(token_ids) // block_size
     if max_blocks is not None:
         num_blocks = min(num_blocks, max_blocks)
-    parent = root_hash(model, cache_salt)
+    return chained_block_hashes(root_hash(model, cache_salt), token_ids[:num_blocks * block_size],
+                                block_size)
+
+
+def chained_block_hashes(parent: int, token_ids: Sequence[int], block_size: int
+                         ) -> tuple[int, ...]:
+    """The engine's hashes of the full blocks of ``token_ids`` chained from ``parent`` (a root,
+    or the hash of the block before them): how the precise view translates another engine's
+    stored blocks into kvguard's chain (:mod:`guard.replicas.kv_event_translation`)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     hashes = []
-    for start in range(0, num_blocks * block_size, block_size):
+    fmt = f"<{block_size}I"
+    for start in range(0, len(token_ids) // block_size * block_size, block_size):
         block = token_ids[start:start + block_size]
         if any(not 0 <= t <= _MAX_TOKEN_ID for t in block):
             raise ValueError("token ids must be in [0, 2**32)")
-        parent = _h(parent.to_bytes(8, "little") + struct.pack(f"<{block_size}I", *block))
+        parent = _h(parent.to_bytes(8, "little") + struct.pack(fmt, *block))
         hashes.append(parent)
     return tuple(hashes)
 

@@ -2,21 +2,30 @@
 
 A replica publishes its cache's changes over ZMQ (PUB); each message is ``[topic, seq,
 payload]`` with ``seq`` an 8-byte big-endian counter and ``payload`` one msgpack
-``KVEventBatch``, as vLLM's ``kv_events`` module encodes it (msgspec structs with
-``array_like=True``, each event tagged with its class name)::
+``KVEventBatch``, as vLLM's ``kv_events`` module encodes it: msgspec structs, each event
+tagged with its class name. vLLM releases encode them as arrays (``array_like=True``, the
+tag first; kvguard engines publish this form) or, the newest, as maps (the tag in ``type``);
+both are read::
 
-    [ts, [event, ...], data_parallel_rank]
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
-    ["BlockRemoved", block_hashes, medium]
+    [ts, [event, ...], data_parallel_rank]            {"ts": ..., "events": [...], ...}
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+     lora_name, extra_keys, ...]                       {"type": "BlockStored", ...}
+    ["BlockRemoved", block_hashes, medium, ...]
     ["AllBlocksCleared"]
 
-kvguard engines publish the same. Block hashes are ints in ``[0, 2**64)`` (kvguard, older
-vLLM) or bytes (newer vLLM; read as a big-endian int, so they are tracked, though the guard
-computes only kvguard's hashes for requests: see :mod:`guard.replicas.block_hashes`).
+Trailing fields a release adds (``group_idx``, cache-spec kinds, ...) are ignored. Block
+hashes are ints in ``[0, 2**64)`` (kvguard, vLLM with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)
+or bytes (vLLM's default; read as a big-endian int, at most 64 bytes).
+
+Whose hashes they are decides how they are applied (``KvEvents(translated=...)``): a kvguard
+engine's are kvguard's own chain, inserted as they are; any other engine's (vLLM) are
+translated into kvguard's chain from the stored blocks' token ids
+(:mod:`guard.replicas.kv_event_translation`).
 
 Bad input never reaches the index: a batch from a replica the guard does not know, or one
 that does not decode as a whole (not msgpack, a wrong shape, an unknown event, a hash out of
-range), is dropped and logged, and counted in ``num_dropped``.
+range; for a translated replica also token ids that are not the stored blocks'), is dropped
+and logged, and counted in ``num_dropped``.
 """
 
 from __future__ import annotations
@@ -24,13 +33,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from guard.replicas.prefix_index import PrefixIndex
 
-__all__ = ["BlockRemoved", "BlockStored", "AllBlocksCleared", "KvEventSubscriber",
+if TYPE_CHECKING:
+    from guard.replicas.kv_event_translation import BlockTranslator
+
+__all__ = ["BlockRemoved", "BlockStored", "AllBlocksCleared", "KvEvent", "KvEventSubscriber",
            "KvEvents", "decode_batch", "resolve_endpoint"]
 
 log = logging.getLogger("kvguard.kv_events")
@@ -41,6 +54,11 @@ _MAX_HASH = 1 << 64
 class BlockStored:
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
+    token_ids: Sequence[int] = ()  # the stored blocks' tokens, concatenated (not checked here)
+    block_size: int = 0
+    # a LoRA id or name, or extra keys (cache salt, multimodal inputs) on a block: part of the
+    # engine's hash that kvguard's chain of token ids cannot say
+    keyed: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,6 +72,9 @@ class AllBlocksCleared:
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                  "medium", "lora_name", "extra_keys")
+_MAX_HASH_BYTES = 64
 
 
 def decode_batch(payload: bytes) -> list[KvEvent]:
@@ -64,6 +85,10 @@ def decode_batch(payload: bytes) -> list[KvEvent]:
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
         raise ValueError(f"not msgpack: {exc}") from None
+    if isinstance(batch, dict):  # newer vLLM: structs as maps
+        if "ts" not in batch or "events" not in batch:
+            raise ValueError("a batch map has ts and events")
+        batch = [batch["ts"], batch["events"]]
     if not isinstance(batch, (list, tuple)) or len(batch) < 2:
         raise ValueError("a batch is [ts, events, ...]")
     if isinstance(batch[0], bool) or not isinstance(batch[0], (int, float)):
@@ -74,17 +99,49 @@ def decode_batch(payload: bytes) -> list[KvEvent]:
 
 
 def _event(raw: object) -> KvEvent:
+    if isinstance(raw, dict):  # newer vLLM: {"type": tag, field: value, ...}
+        raw = _from_map(raw)
     if not isinstance(raw, (list, tuple)) or not raw:
         raise ValueError(f"an event is a tagged array, got {raw!r:.80}")
     tag = raw[0]
     if tag == "BlockStored" and len(raw) >= 5:
-        parent = raw[2]
-        return BlockStored(_hashes(raw[1]), None if parent is None else _hash(parent))
+        return _stored(raw)
     if tag == "BlockRemoved" and len(raw) >= 2:
         return BlockRemoved(_hashes(raw[1]))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ValueError(f"unknown or short event {tag!r:.40}")
+
+
+def _from_map(raw: dict) -> list:
+    """A map-encoded event as the array form (its fields in vLLM's declared order)."""
+    tag = raw.get("type")
+    if tag == "BlockStored":
+        names, num_required = _STORED_FIELDS, 4
+    elif tag == "BlockRemoved":
+        names, num_required = ("block_hashes",), 1
+    else:
+        names, num_required = (), 0
+    missing = [n for n in names[:num_required] if n not in raw]
+    if missing:
+        raise ValueError(f"a {tag} event lacks {missing[0]}")
+    return [tag, *(raw.get(n) for n in names)]
+
+
+def _stored(raw: list | tuple) -> BlockStored:
+    parent, token_ids, block_size = raw[2], raw[3], raw[4]
+    if not isinstance(token_ids, (list, tuple)):
+        raise ValueError("token_ids must be an array")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r:.40}")
+    extras = raw[5:9]  # lora_id, medium, lora_name, extra_keys (those present)
+    lora_id = extras[0] if extras else None
+    lora_name = extras[2] if len(extras) > 2 else None
+    extra_keys = extras[3] if len(extras) > 3 else None
+    keyed = lora_id is not None or lora_name is not None or (
+        isinstance(extra_keys, (list, tuple)) and any(k is not None for k in extra_keys))
+    return BlockStored(_hashes(raw[1]), None if parent is None else _hash(parent), token_ids,
+                       block_size, keyed)
 
 
 def _hashes(value: object) -> tuple[int, ...]:
@@ -94,20 +151,27 @@ def _hashes(value: object) -> tuple[int, ...]:
 
 
 def _hash(value: object) -> int:
-    if isinstance(value, bytes):
+    if isinstance(value, bytes) and len(value) <= _MAX_HASH_BYTES:
         return int.from_bytes(value, "big")
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MAX_HASH:
-        raise ValueError(f"a block hash must be an int in [0, 2**64) or bytes, got {value!r:.40}")
+        raise ValueError(f"a block hash must be an int in [0, 2**64) or at most "
+                         f"{_MAX_HASH_BYTES} bytes, got {value!r:.40}")
     return value
 
 
 class KvEvents:
     """Applies decoded batches to ``index`` for the replicas in ``known`` (a live view: the
-    guard's configured replica ids)."""
+    guard's configured replica ids). A replica for which ``translated(replica_id)`` is true
+    publishes another engine's hashes: its events go through ``translator`` (a
+    :class:`~guard.replicas.kv_event_translation.BlockTranslator` on the same index)."""
 
-    def __init__(self, index: PrefixIndex, known: Collection[str]) -> None:
+    def __init__(self, index: PrefixIndex, known: Collection[str], *,
+                 translated: Callable[[str], bool] | None = None,
+                 translator: BlockTranslator | None = None) -> None:
         self.index = index
         self.known = known
+        self.translated = translated
+        self.translator = translator
         self.num_applied = 0  # batches
         self.num_dropped = 0
 
@@ -117,8 +181,22 @@ class KvEvents:
             return self.drop(replica_id, "unknown replica")
         try:
             events = decode_batch(payload)
+            translator = self.translator
+            if translator is not None and self.translated is not None \
+                    and self.translated(replica_id):
+                translator.check(events)
+            else:
+                translator = None
         except ValueError as exc:
             return self.drop(replica_id, str(exc))
+        if translator is not None:
+            translator.apply(replica_id, events)
+        else:
+            self._apply_native(replica_id, events)
+        self.num_applied += 1
+        return True
+
+    def _apply_native(self, replica_id: str, events: list[KvEvent]) -> None:
         index = self.index
         for event in events:
             if isinstance(event, BlockStored):
@@ -127,8 +205,6 @@ class KvEvents:
                 index.remove(replica_id, event.block_hashes)
             else:
                 index.clear(replica_id)
-        self.num_applied += 1
-        return True
 
     def drop(self, replica_id: str, why: str) -> bool:
         """Count and log a batch (or message) that is not applied."""

@@ -56,7 +56,7 @@ from guard.replicas.mean_step_time import MeanStepTime
 from guard.replicas.prefix_cache import PrefixCacheView
 from guard.replicas.reservations import ReplicaReservations, Reservation
 from guard.replicas.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
-from guard.replicas.vllm_metrics import parse_vllm_metrics
+from guard.replicas.vllm_metrics import parse_vllm_metrics, served_model_name
 from policies.candidates import MIN_RANKED_REPLICAS
 from policies.cost import RequestCost
 from policies.retry_budget import NO_RETRY_OVER_BUDGET, RetryBudgetView
@@ -204,8 +204,10 @@ class LoadState:
     def update_from_kvguard_state(self, replica_id: str, state: Mapping[str, Any],
                                   now_s: float) -> ReplicaSnapshot:
         """Apply one ``/kvguard/state`` document received at ``now_s`` (guard clock)."""
-        prior = prior_from_timing_model(state.get("timing_model"), state.get("time_scale", 1.0))
-        replica = self._replica(replica_id, prior)
+        replica = self._replicas.get(replica_id)
+        if replica is None:  # the document's prior seeds the fitter of a replica new to it
+            replica = self._replica(replica_id, prior_from_timing_model(
+                state.get("timing_model"), state.get("time_scale", 1.0)))
         model = state.get("model")
         replica.served_model = model if isinstance(model, str) else None
         listed = listed_request_ids(state)
@@ -252,18 +254,22 @@ class LoadState:
             self.on_preemptions(replica_id, counter - previous)
 
     def _feed_iterations(self, replica: _Replica, state: Mapping[str, Any]) -> None:
+        """The document's iteration records the replica had not reported before (batch ids
+        rise; a restart starts them over) to its fitter, all or none; then its model."""
         step_count = int(state.get("step_count", -1))
+        last_batch_id = replica.last_batch_id
         if 0 <= step_count < replica.last_step_count:  # the engine restarted: ids start over
-            replica.last_batch_id = -1
-            replica.fitter.forget_batch_ids()
-        replica.last_step_count = step_count
+            last_batch_id = -1
+        records = []
         for it in state.get("iterations") or ():
             batch_id = int(it["batch_id"])
-            if batch_id <= replica.last_batch_id:
+            if batch_id <= last_batch_id:
                 continue
-            replica.last_batch_id = batch_id
-            replica.fitter.add(int(it["num_prefill_tokens"]), int(it["num_decode_seqs"]),
-                               int(it["num_context_tokens"]), float(it["duration_s"]), batch_id)
+            last_batch_id = batch_id
+            records.append((int(it["num_prefill_tokens"]), int(it["num_decode_seqs"]),
+                            int(it["num_context_tokens"]), float(it["duration_s"])))
+        replica.last_step_count, replica.last_batch_id = step_count, last_batch_id
+        replica.fitter.add_many(records)
         replica.model = replica.fitter.model()
 
     def update_from_vllm_metrics(self, replica_id: str, text: str, now_s: float, *,
@@ -284,7 +290,8 @@ class LoadState:
                              assumed_output_tokens=assumed_output_tokens,
                              assumed_prompt_tokens=assumed_prompt_tokens)
         if self.cache_view is not None:
-            self.cache_view.replica_metrics(replica_id, parse_vllm_metrics(text))
+            self.cache_view.replica_metrics(replica_id, parse_vllm_metrics(text),
+                                            served_model_name(text))
         return self._set_counted_base(replica_id, base, now_s)
 
     def update_from_engine_metrics(self, replica_id: str, load: EngineLoad, now_s: float, *,

@@ -11,12 +11,16 @@ Modes (the guard's ``prefix_cache`` key):
   chunks, means the same for both. The replica a request is routed to is assumed to hold its chunks
   from then on. A chunk stands for ``chunk_chars ÷ chars-per-token`` tokens (the pricer's
   calibrated ratio).
-* ``precise`` — fed by the replicas' KV-cache events (:mod:`guard.replicas.kv_events`): a
-  request's blocks are hashed from its token ids exactly as a kvguard engine hashes them
+* ``precise`` — fed by the replicas' KV-cache events (:mod:`guard.replicas.kv_events`; a
+  vLLM replica's translated into kvguard's chain, :mod:`guard.replicas.kv_event_translation`):
+  a request's blocks are hashed from its token ids exactly as a kvguard engine hashes them
   (:func:`guard.replicas.block_hashes.token_block_hashes`), which needs the engine's tokenizer
   (the guard's ``tokenizer`` key) and its ``block_size``. Completions prompts (text or token
-  ids) are hashed; a chat request would need the engine's chat template, which the guard does
-  not have, so it is priced as uncached in this mode.
+  ids) are hashed; a chat request is rendered first with the replicas' chat template (the
+  guard's ``chat_template`` key, :mod:`guard.request.chat_template`), as the engine renders
+  it. Without that key, or for a request the template cannot render as the replica would
+  (counted in ``num_unrendered_chats``, the first one logged), a chat request is priced as
+  uncached.
 
 Either way a replica's view is bounded by its capacity (its ``num_total_blocks`` from its
 state, capped by ``max_blocks_per_replica``) and emptied when the replica restarts: its state
@@ -36,6 +40,7 @@ same period (its ``prefix_cache_hits`` ÷ ``prefix_cache_queries`` in ``/kvguard
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -47,8 +52,11 @@ from policies.cost import RequestCost
 
 __all__ = ["MODES", "PrefixCacheView", "PrefixKey", "build_prefix_view", "render_prompt"]
 
+log = logging.getLogger("kvguard.prefix_cache")
+
 MODES = ("off", "approximate", "precise")
 _TOKEN_BLOCK = 16  # block size until a replica's state says otherwise
+_RENDER = object()  # PrefixCacheView.key: the caller has not rendered the chat request
 _NOMINAL_CHARS_PER_TOKEN = 4
 
 
@@ -98,7 +106,8 @@ class PrefixCacheView:
 
     def __init__(self, mode: str = "approximate", *, chunk_chars: int = 256,
                  max_blocks_per_replica: int = 1 << 18, max_sessions: int = 100_000,
-                 token_ids: object = None, model: str = "") -> None:
+                 token_ids: object = None, model: str = "", chat_template: object = None
+                 ) -> None:
         if mode not in MODES[1:]:
             raise ValueError(f"prefix_cache: must be one of {MODES[1:]} here, got {mode!r}")
         if isinstance(chunk_chars, bool) or not isinstance(chunk_chars, int) or chunk_chars < 1:
@@ -115,6 +124,9 @@ class PrefixCacheView:
         self.max_sessions = max_sessions
         self._token_ids = token_ids  # text -> token ids (precise mode)
         self._model = model  # the model name the engine hashes with, when the body names none
+        # precise mode: a guard.request.chat_template.ChatTemplate (None: chat priced uncached)
+        self._chat_template = chat_template
+        self.num_unrendered_chats = 0  # chat requests the template could not render
         self._block_sizes: dict[str, int] = {}
         self._sessions: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._counts: dict[str, _Counts] = {}
@@ -124,28 +136,56 @@ class PrefixCacheView:
         # precise mode: called with (replica id, endpoint) when a replica advertises where its
         # KV-cache events are published (``kv_events_endpoint`` in its state document)
         self.on_events_endpoint: Callable[[str, str], None] | None = None
+        # precise mode: called with the replica id for each kvguard state document (the
+        # replica is a kvguard engine: its events carry kvguard's own hashes), and by forget
+        self.on_kvguard_state: Callable[[str], None] | None = None
+        self.on_forget: Callable[[str], None] | None = None
+        # replica id -> the model it serves, as its state or metrics name it (the root of the
+        # chains translated from its events)
+        self.replica_models: dict[str, str] = {}
 
     # --- a request ---------------------------------------------------------------------------
 
     def key(self, body: Mapping, is_chat: bool, num_prompt_tokens: int, chars_per_token: float,
-            cache_salt: str | None, session_id: str | None = None) -> PrefixKey:
-        """The request's prefix key (priced bodies only: the pricer validated them)."""
+            cache_salt: str | None, session_id: str | None = None,
+            chat_ids: object = _RENDER) -> PrefixKey:
+        """The request's prefix key (priced bodies only: the pricer validated them).
+        ``chat_ids``: a chat request's ids as :meth:`chat_token_ids` gave them (None: it
+        cannot be rendered), when the caller has them already; rendered here otherwise."""
         model = body.get("model") if isinstance(body.get("model"), str) else self._model
-        prompt = render_prompt(body, is_chat)
-        block_size = self._block_size()
         if self.mode == "precise":
-            if is_chat:
-                hashes: tuple[int, ...] = ()  # the engine's chat template is not known here
+            block_size = self._block_size()
+            if is_chat:  # the prompt the replicas' template renders (not the view's own)
+                ids = self.chat_token_ids(body) if chat_ids is _RENDER else chat_ids
             else:
+                prompt = render_prompt(body, False)
                 ids = prompt if isinstance(prompt, list) else self._token_ids(prompt)
-                hashes = token_block_hashes(ids, block_size, model, cache_salt)
+            hashes: tuple[int, ...] = () if ids is None else token_block_hashes(
+                ids, block_size, model, cache_salt)  # () : priced as uncached
             return PrefixKey(hashes, float(block_size), num_prompt_tokens, session_id)
+        prompt = render_prompt(body, is_chat)
         if isinstance(prompt, list):  # chunks of as many ids as a text chunk holds tokens
             chunk_ids = self._chunk_ids
             hashes = id_chunk_hashes(prompt, chunk_ids, model, cache_salt)
             return PrefixKey(hashes, float(chunk_ids), num_prompt_tokens, session_id)
         hashes = text_chunk_hashes(prompt, self.chunk_chars, model, cache_salt)
         return PrefixKey(hashes, self.chunk_chars / chars_per_token, num_prompt_tokens, session_id)
+
+    def chat_token_ids(self, body: Mapping) -> list[int] | None:
+        """A chat request's prompt ids as the replicas' template renders it (precise mode;
+        None: no template, or one that cannot render this request: counted, the first one
+        logged). The pricer counts the prompt with them too."""
+        if self._chat_template is None:
+            return None
+        text, why = self._chat_template.render(body)
+        if text is None:
+            self.num_unrendered_chats += 1
+            if self.num_unrendered_chats == 1:
+                log.warning("a chat request the chat template cannot render is priced as "
+                            "uncached (%s); later ones are only counted "
+                            "(kvguard_prefix_cache_unrendered_chats_total)", why)
+            return None
+        return self._token_ids(text)
 
     def cached_tokens(self, key: PrefixKey) -> dict[str, int] | None:
         """Replica id -> prompt tokens its cache is expected to hold for ``key`` (only the
@@ -196,6 +236,9 @@ class PrefixCacheView:
         model = state.get("model")
         if isinstance(model, str) and model:  # what the engine hashes with, when bodies omit it
             self._model = model
+            self.replica_models[replica_id] = model
+        if self.on_kvguard_state is not None:
+            self.on_kvguard_state(replica_id)
         total, block_size = state.get("num_total_blocks"), state.get("block_size")
         if _count(block_size) and block_size > 0:
             self._block_sizes[replica_id] = block_size
@@ -214,8 +257,12 @@ class PrefixCacheView:
         if isinstance(endpoint, str) and endpoint and self.on_events_endpoint is not None:
             self.on_events_endpoint(replica_id, endpoint)
 
-    def replica_metrics(self, replica_id: str, metrics: Mapping[str, float]) -> None:
-        """A vLLM ``/metrics`` scrape (``guard.replicas.vllm_metrics.parse_vllm_metrics``)."""
+    def replica_metrics(self, replica_id: str, metrics: Mapping[str, float],
+                        model: str | None = None) -> None:
+        """A vLLM ``/metrics`` scrape (``guard.replicas.vllm_metrics.parse_vllm_metrics``), and
+        the model its metrics are labelled with (``served_model_name``)."""
+        if model:
+            self.replica_models[replica_id] = model
         block_size = metrics.get("block_size")
         if block_size:
             self._block_sizes[replica_id] = int(block_size)
@@ -232,6 +279,8 @@ class PrefixCacheView:
         """Empty the replica's view and start its tallies over (its sessions lose their pin:
         their entries point at a cache that no longer exists, and are dropped lazily)."""
         self.index.clear(replica_id)
+        if self.on_forget is not None:
+            self.on_forget(replica_id)
         self._counts.pop(replica_id, None)
         for session_id in [s for s, (r, _) in self._sessions.items() if r == replica_id]:
             del self._sessions[session_id]
@@ -304,4 +353,5 @@ def build_prefix_view(config: object, token_ids: Callable[[str], list[int]] | No
         return None
     return PrefixCacheView(config.prefix_cache, chunk_chars=config.prefix_cache_chunk_chars,
                            max_blocks_per_replica=config.prefix_cache_max_blocks,
-                           max_sessions=config.prefix_cache_max_sessions, token_ids=token_ids)
+                           max_sessions=config.prefix_cache_max_sessions, token_ids=token_ids,
+                           chat_template=config.loaded_chat_template)

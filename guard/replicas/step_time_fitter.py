@@ -16,23 +16,29 @@ and, once it holds ``min_samples`` iteration records, refits the four coefficien
 * coefficients are kept non-negative with a small active-set loop (fix a negative one at zero,
   refit the rest).
 
-The fitter also measures itself: each new record is first predicted by the model in use at that
+The fitter also measures itself: each new record is predicted by the model in use at that
 moment (the one :meth:`StepTimeFitter.model` last returned, before the record is fitted on), and
 the relative errors are kept for export.
 
-Refits happen in :meth:`StepTimeFitter.model` only, so a batch of records (one state poll's
-iterations: ~25 of them for a 100 ms poll of a replica stepping every 4 ms) costs at most one
-fit, not one every ``refit_every`` records while they are added; and only once ``refit_every``
-(32) new records are in, an eighth of the window: a fit is ~10 numpy calls run on the event
-loop the requests wait on, and the model moves slowly.
+Adding a record is cheap: :meth:`StepTimeFitter.add` checks it and appends one
+tuple. The window is kept as the arrays a fit reads, and the records added since the last
+fit join them — and are scored against the model in use, which cannot have changed since
+they came — in one vectorised step when the model is next refitted, or when the error is
+read. A refit happens in :meth:`StepTimeFitter.model` only, once ``refit_every`` (32) new
+records are in, an eighth of the window: a fit is a dozen numpy calls run on the event loop
+the requests wait on, and the model moves slowly. A batch of records (one state refresh's
+iterations) therefore costs at most one fit. The fit computes on the same arrays, in the same
+order, with the same operations as one made from the whole window at once, so its estimates
+are the same to the last bit (``tests/guard/replicas/test_step_time_fitter.py`` compares it
+with such a fit at every query).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -111,7 +117,15 @@ class StepTimeFitter:
         if refit_every < 1 or ridge <= 0:
             raise ValueError("StepTimeFitter: refit_every must be >= 1 and ridge > 0")
         self.prior = prior
-        self._rows: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self._window = window
+        # the window as a fit reads it, oldest first: rows (prefill, decode, context,
+        # duration_s), and x = (1, prefill, decode, context)
+        self._data = np.empty((0, 4))
+        self._x = np.empty((0, 4))
+        self._prior = np.asarray(prior.as_tuple(), dtype=float)
+        # records added since they were last joined to the arrays (and not yet scored)
+        self._new: list[tuple[float, float, float, float]] = []
+        self._num_added = 0
         self._min_samples = min_samples
         self._refit_every = refit_every
         self._ridge = ridge
@@ -123,22 +137,39 @@ class StepTimeFitter:
 
     @property
     def num_samples(self) -> int:
-        return len(self._rows)
+        return min(self._num_added, self._window)
 
     def add(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int,
             duration_s: float, batch_id: int | None = None) -> bool:
-        """Add one iteration record; False when it was a duplicate batch id or unusable."""
-        if duration_s <= 0 or (num_prefill_tokens <= 0 and num_decode_seqs <= 0):
+        """Add one iteration record; False when it was a duplicate batch id or unusable (an
+        empty step, or a duration that is not a finite number > 0: one NaN or infinity in the
+        window would zero every coefficient of the fit)."""
+        if not _usable(num_prefill_tokens, num_decode_seqs, duration_s):
             return False
         if batch_id is not None and not self._remember(batch_id):
             return False
-        # the model in use (no refit here: model() does that, once per batch of records)
-        predicted_s = self._model.step_s(num_prefill_tokens, num_decode_seqs, num_context_tokens)
-        self._errors.append(abs(predicted_s - duration_s) / duration_s)
-        self._rows.append((float(num_prefill_tokens), float(num_decode_seqs),
-                           float(num_context_tokens), float(duration_s)))
+        new = self._new
+        new.append((float(num_prefill_tokens), float(num_decode_seqs),
+                    float(num_context_tokens), float(duration_s)))
+        self._num_added += 1
         self._adds_since_fit += 1
+        if len(new) >= self._window:  # never more than a window waits (model() not asked)
+            self._join()
         return True
+
+    def add_many(self, records: Iterable[tuple[int, int, int, float]]) -> int:
+        """Add iteration records ``(num_prefill_tokens, num_decode_seqs, num_context_tokens,
+        duration_s)`` whose batch ids the caller has already checked (a state refresh's new
+        ones); as :meth:`add` each, unusable ones skipped. Returns how many were added."""
+        rows = [(float(p), float(d), float(c), float(duration_s))  # all converted, or none
+                for p, d, c, duration_s in records
+                if _usable(p, d, duration_s)]
+        self._new += rows
+        self._num_added += len(rows)
+        self._adds_since_fit += len(rows)
+        if len(self._new) >= self._window:
+            self._join()
+        return len(rows)
 
     def forget_batch_ids(self) -> None:
         """The replica restarted: its batch ids start over."""
@@ -154,16 +185,35 @@ class StepTimeFitter:
         self._batch_id_set.add(batch_id)
         return True
 
+    def _join(self) -> None:
+        """The new records into the window's arrays, each scored by the model in use (the
+        model changes only in :meth:`model`, which joins them first)."""
+        new, self._new = self._new, []
+        if not new:
+            return
+        block = np.array(new, dtype=float)
+        p, d, c, y = block.T
+        m = self._model  # the same expression, in the same order, as StepTimeModel.step_s
+        predicted = m.base_s + m.per_prefill_token_s * p + m.per_decode_seq_s * d \
+            + m.per_context_token_s * c
+        self._errors.extend((np.abs(predicted - y) / y).tolist())
+        window = self._window
+        self._data = np.concatenate((self._data, block))[-window:]
+        x_new = np.column_stack([np.ones(len(block)), block[:, :3]])
+        self._x = np.concatenate((self._x, x_new))[-window:]
+
     def model(self) -> StepTimeModel:
         """The prior until ``min_samples`` records, then the fit (refreshed every few adds)."""
-        if len(self._rows) >= self._min_samples and (
+        if self._num_added >= self._min_samples and (
             self._adds_since_fit >= self._refit_every or self._model is self.prior
         ):
+            self._join()
             self._model = self._fit()
             self._adds_since_fit = 0
         return self._model
 
     def prediction_error(self) -> PredictionError | None:
+        self._join()
         if not self._errors:
             return None
         errors = np.fromiter(self._errors, dtype=float)
@@ -171,12 +221,10 @@ class StepTimeFitter:
                                float(np.quantile(errors, 0.9)))
 
     def _fit(self) -> StepTimeModel:
-        rows = self._rows  # fromiter over the flat values: half the time of asarray's discovery
-        data = np.fromiter(chain.from_iterable(rows), dtype=float, count=4 * len(rows))
-        data = data.reshape(len(rows), 4)
-        x = np.column_stack([np.ones(len(data)), data[:, :3]])
-        y = data[:, 3]
-        prior = np.asarray(self.prior.as_tuple(), dtype=float)
+        x = self._x
+        y = self._data[:, 3]  # a column of the rows, as the fit has always read it: the BLAS
+        # calls below round a strided vector's sums differently from a contiguous one's
+        prior = self._prior
         # each coefficient in units of its prior: the ridge then weighs how far a term moves
         # from the prior against how much of the window's durations that term explains
         unit = prior.copy()
@@ -188,11 +236,31 @@ class StepTimeFitter:
         # the ridge's target: the prior scaled by how the window's steps compare with it (an
         # engine uniformly slower than its prior); an unexcited column stays at the prior
         prior_s = x @ prior
-        ratio = float(np.median(y / prior_s)) if (prior_s > 0).all() else 1.0
-        excited = np.any(x != 0, axis=0)
-        target = np.where(no_prior, 0.0, np.where(excited, ratio, 1.0))
+        ratio = _median(y / prior_s) if (prior_s > 0).all() else 1.0
+        excited = x.any(axis=0).tolist()
+        target = np.array([0.0 if zero else (ratio if used else 1.0)
+                           for zero, used in zip(no_prior.tolist(), excited, strict=True)])
         weights = _nonneg_ridge(x * unit, y, target, self._ridge * float(y @ y))
-        return StepTimeModel(*(float(c) for c in weights * unit))
+        return StepTimeModel(*(weights * unit).tolist())
+
+
+def _usable(num_prefill_tokens: int, num_decode_seqs: int, duration_s: float) -> bool:
+    return 0 < duration_s < math.inf and (num_prefill_tokens > 0 or num_decode_seqs > 0)
+
+
+def _median(values: np.ndarray) -> float:
+    """``float(np.median(values))`` of a 1-d array it may reorder, without np.median's
+    general-purpose overhead: the same partition and the same arithmetic (the mean of the two
+    middle values, NaN when any value is NaN)."""
+    n = len(values)
+    half = n // 2
+    kth = [half - 1, half, n - 1] if n % 2 == 0 else [half, n - 1]
+    values.partition(kth)
+    if np.isnan(values[-1]):
+        return float("nan")
+    if n % 2:
+        return float(values[half])
+    return float((values[half - 1] + values[half]) / 2)
 
 
 def _nonneg_ridge(x: np.ndarray, y: np.ndarray, target: np.ndarray, lam: float) -> np.ndarray:
@@ -202,9 +270,27 @@ def _nonneg_ridge(x: np.ndarray, y: np.ndarray, target: np.ndarray, lam: float) 
     for _ in range(x.shape[1] + 1):
         w = np.zeros(x.shape[1])
         xf = x[:, free]
-        gram = xf.T @ xf + lam * np.eye(xf.shape[1])
-        w[free] = np.linalg.solve(gram, xf.T @ y + lam * target[free])
+        gram = xf.T @ xf
+        gram.flat[::gram.shape[0] + 1] += lam  # + lam × identity
+        w[free] = _solve(gram, xf.T @ y + lam * target[free])
         if (w >= 0).all():
             return w
         free &= w > 0
     return np.maximum(w, 0.0)
+
+
+def _solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``np.linalg.solve(a, b)`` for a small float64 system: the same LAPACK call without the
+    wrapper's checks, which cost many times the 4x4 solve itself; a singular ``a`` (a
+    non-finite answer, with numpy's warning) goes to ``np.linalg.solve``, which raises
+    ``LinAlgError`` for it. The ridge keeps the fit's systems regular."""
+    if _SOLVE1 is not None:
+        w = _SOLVE1(a, b, signature="dd->d")
+        if np.isfinite(w).all():
+            return w
+    return np.linalg.solve(a, b)
+
+
+# the gufunc np.linalg.solve calls for one right-hand side (numpy's private module: looked up
+# once, np.linalg.solve itself where it is missing)
+_SOLVE1 = getattr(getattr(np.linalg, "_umath_linalg", None), "solve1", None)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-__all__ = ["parse_vllm_metrics"]
+import re
+
+__all__ = ["parse_vllm_metrics", "served_model_name"]
+
+_MODEL_LABEL = re.compile(r'\bmodel_name="((?:[^"\\]|\\.)*)"')
 
 _VLLM_GAUGES = {
     "vllm:num_requests_running": "num_requests_running",
@@ -45,3 +49,10 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     if missing:
         raise ValueError(f"vLLM metrics lack {', '.join(missing)}")
     return out
+
+
+def served_model_name(text: str) -> str | None:
+    """The ``model_name`` label vLLM puts on its metrics (its first served model name), or
+    None: the precise prefix view roots the blocks translated from its events there."""
+    match = _MODEL_LABEL.search(text)
+    return match.group(1) if match and match.group(1) else None

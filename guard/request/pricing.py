@@ -4,7 +4,10 @@ A request that can never be served as sent raises :class:`guard.errors.PricingEr
 
 Prompt tokens are counted exactly for token-id prompts, with the injected tokenizer (a callable
 ``text -> int``) when there is one, else estimated as ``ceil(chars / chars_per_token)`` where
-chars-per-token calibrates itself from the upstream's reported ``usage.prompt_tokens``.
+chars-per-token calibrates itself from the upstream's reported ``usage.prompt_tokens``. A chat
+prompt adds an estimated template overhead per message, except where the precise prefix view
+renders it with the replicas' chat template (``chat_template``): then it is counted exactly,
+as the ids the view hashes.
 """
 
 from __future__ import annotations
@@ -227,6 +230,13 @@ class Pricer:
         max_model_len, block_size = rules.max_model_len, rules.block_size
         n = check_common(data, rules)
         chars, tokens, overhead, exact = self._count_prompt(data, path, rules)
+        view = self.prefix_view
+        chat_ids = None
+        if view is not None and view.mode == "precise" and path.endswith(CHAT_PATH):
+            # the prompt the replicas' chat template renders: its exact count when it renders
+            chat_ids = view.chat_token_ids(data)
+            if chat_ids:
+                tokens, overhead, exact = len(chat_ids), 0, True
         responses = path.endswith(RESPONSES_PATH)
         embeddings = not responses and path.endswith(EMBEDDINGS_PATH)
         if embeddings:  # one forward pass, nothing generated: one step
@@ -237,10 +247,9 @@ class Pricer:
         request_class = self._resolve_class(headers, tenant)
         engine_salt, added_salt = self._salter.salts(data, tenant.name)
         key = cached = None
-        view = self.prefix_view
         if view is not None and not embeddings and not responses:  # prompts it renders
             key = view.key(data, "messages" in data, tokens, self._chars_per_token, engine_salt,
-                           headers.get("x-session-id"))
+                           headers.get("x-session-id"), chat_ids)
             cached = view.cached_tokens(key)
         cost = RequestCost(  # one per request, positional in field order
             request_id or uuid.uuid4().hex,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from chaos.bench import scale
 from chaos.bench.candidate_gap import candidate_gap
 
@@ -23,6 +25,15 @@ def test_scale_json_keys_by_replica_count(capsys):
     assert rows[33]["compact_bytes"] < rows[33]["document_bytes"]
     assert set(out["stream_state_cpu_share"]) == {"2", "33"}
     assert 0 < rows[33]["delta_bytes"] and rows[33]["stream_ingest_us"] > 0
+    # the proxy's default source streams a kvguard replica: the headline share is the
+    # stream's, and cores come from the mean CPU time of a refresh (refits included)
+    assert out["state_cpu_share"] == out["stream_state_cpu_share"]
+    assert set(out["compact_state_cpu_share"]) == {"2", "33"}
+    for row in rows.values():
+        for prefix, share in (("", "state_cpu_share"), ("compact_", "compact_state_cpu_share"),
+                              ("stream_", "stream_state_cpu_share")):
+            mean_us = row[f"{prefix}ingest_cpu_us"]
+            assert row[share] == pytest.approx(mean_us * row["replicas"] * 10 / 1e6, abs=1e-4)
 
 
 def test_the_streamed_events_rebuild_the_documents_they_were_made_from():

@@ -1,8 +1,10 @@
 """The depth-limited JSON body decoder (pure)."""
 
+import json
+
 import pytest
 
-from serving.json_body import JsonBodyError, decode_json_object, nesting_depth_exceeds
+from serving.json_body import JsonBodyError, decode_json_object, loads, nesting_depth_exceeds
 
 
 @pytest.mark.parametrize(("raw", "max_depth", "exceeds"), [
@@ -32,3 +34,26 @@ def test_bad_bodies_raise_one_error_type(raw):
 def test_a_plain_object_decodes():
     assert decode_json_object(b'{"prompt": [1, 2], "x": {"y": "[["}}') == {
         "prompt": [1, 2], "x": {"y": "[["}}
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"n": 123456789012345678, "x": 0.020000999999999998}',  # 18 digits: fits 64 bits
+    b'{"n": 1234567890123456789012, "m": -98765432109876543210}',  # past 64 bits
+    b'{"x": 0.00012345678901234567, "s": "12345678901234567890"}',  # long runs, not ints
+    b'[1e400, NaN, -Infinity]',  # the stdlib's extensions
+    "{\"\u00e9\": [1, 2.5, true, null]}".encode(),
+])
+def test_loads_parses_as_the_stdlib_does(raw):
+    """orjson where it parses exactly as ``json.loads``; the stdlib wherever a run of 19 or more
+    digits may be an integer past 64 bits (orjson would make it a float) or orjson refuses."""
+    got, want = loads(raw), json.loads(raw)
+    assert repr(got) == repr(want)
+    assert [type(v) for v in _leaves(got)] == [type(v) for v in _leaves(want)]
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, list):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]

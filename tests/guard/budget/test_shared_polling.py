@@ -55,13 +55,19 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
     raise AssertionError("timed out")
 
 
-@pytest.mark.parametrize("state_source", ["kvguard", "auto"])
-def test_two_proxies_split_the_polling_and_both_see_every_replica(redis_server, state_source):
+@pytest.mark.parametrize(("state_source", "redis_kind"), [
+    ("kvguard", "redis_server"), ("auto", "redis_server"),
+    ("kvguard", "redis_cluster"),  # every key shares the {poll} slot: one node answers all
+])
+def test_two_proxies_split_the_polling_and_both_see_every_replica(request, state_source,
+                                                                  redis_kind):
+    redis_url = request.getfixturevalue(redis_kind).url
+
     async def main():
         fleet = StateFleet(StateFleetConfig(tick_s=0.005))
         await fleet.start(NUM_REPLICAS)
-        a = _proxy(redis_server.url, fleet.urls, state_source)
-        b = _proxy(redis_server.url, fleet.urls, state_source)
+        a = _proxy(redis_url, fleet.urls, state_source)
+        b = _proxy(redis_url, fleet.urls, state_source)
         _split(fleet.urls, a, b)
         try:
             await a.start()

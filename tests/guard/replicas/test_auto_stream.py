@@ -194,5 +194,8 @@ def test_a_stream_route_that_goes_away_sends_auto_back_to_polling(caplog):
     assert "no state stream" in source.reason
     assert load.replica_snapshot("r0").capacity_known
     assert poller.consecutive_errors("r0") == 0
-    chosen = [r.getMessage().split(": ")[1] for r in caplog.records]
+    # auto's own lines only: on a loaded machine a round can fall between the stream's end and
+    # the new probe, and the poller then warns once that the replica's state was unreadable
+    chosen = [r.getMessage().split(": ")[1] for r in caplog.records
+              if r.name == "guard.replicas.auto_source"]
     assert chosen == ["state_source auto chose stream", "state_source auto chose kvguard"]

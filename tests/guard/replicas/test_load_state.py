@@ -181,6 +181,19 @@ def test_iterations_fed_once_by_batch_id_and_restart_detected():
     assert ls.fitter("r0").num_samples == 7  # the engine restarted: batch 1 is a new step
 
 
+def test_a_malformed_iteration_feeds_the_fitter_none_of_its_document():
+    ls = make_state()
+    ls.update_from_kvguard_state("r0", state(iterations=[iteration(1)], step_count=1), 1.0)
+    broken = {k: v for k, v in iteration(3).items() if k != "duration_s"}
+    with pytest.raises(KeyError):
+        ls.update_from_kvguard_state("r0", state(iterations=[iteration(2), broken],
+                                                 step_count=3), 2.0)
+    assert ls.fitter("r0").num_samples == 1
+    ls.update_from_kvguard_state("r0", state(iterations=[iteration(2), iteration(3)],
+                                             step_count=3), 3.0)
+    assert ls.fitter("r0").num_samples == 3  # batch 2 was not taken as seen
+
+
 def test_fitted_model_reaches_the_snapshot_and_timing_model_prior():
     ls = make_state()
     tm = {"base_s": 0.002, "per_prefill_token_s": 1e-5, "per_decode_seq_s": 1e-4,
