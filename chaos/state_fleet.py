@@ -7,7 +7,9 @@ advances every replica every ``tick_s`` on the monotonic clock. Each answers wha
 replica answers a guard or a load generator: ``GET /health``, ``GET /v1/models``,
 ``GET /kvguard/state`` (``?compact=1[&since_batch=N]`` too), and ``POST /v1/completions`` /
 ``/v1/chat/completions``, streamed (SSE, one event per token, ``[DONE]`` last) or not, with
-``usage``; ``x-request-id`` names the sequence (so a guard's reservations retire). Prompt
+``usage``; ``x-request-id`` names the sequence (so a guard's reservations retire). With
+``time_scale`` K every step lasts K times the roofline's time (a GPU K times slower, as
+``kvguard engine --time-scale K``), so K times the offered rate is what the fleet models. Prompt
 tokens are the prompt's token ids when it is a list, else a quarter of its characters. Tokens
 reach the client up to one ``tick_s`` after the step that made them ended.
 
@@ -50,10 +52,15 @@ class StateFleetConfig:
     max_model_len: int = 4096
     tick_s: float = 0.005
     host: str = "127.0.0.1"
+    time_scale: float = 1.0  # wall seconds per GPU second (chaos.state_replica)
 
     def __post_init__(self) -> None:
         if not 0 < self.tick_s <= 1.0:
             raise ValueError(f"tick_s must be in (0, 1], got {self.tick_s!r}")
+        scale = self.time_scale
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not (
+                0 < scale < float("inf")):
+            raise ValueError(f"time_scale must be a number > 0, got {scale!r}")
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -102,7 +109,7 @@ class StateFleet:
                                max_num_seqs=cfg.max_num_seqs,
                                max_num_batched_tokens=cfg.max_num_batched_tokens,
                                max_model_len=cfg.max_model_len, model=cfg.model,
-                               timing_model=self._timing_dict)
+                               timing_model=self._timing_dict, time_scale=cfg.time_scale)
         replica.now_s = self._clock()
         server = H1Server(_ReplicaApp(replica, self._clock), ConnectionTable(ServerLimits()),
                           lifespan=False, graceful_timeout_s=1.0)
