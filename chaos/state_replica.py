@@ -104,6 +104,11 @@ class StateReplica:
                     seq.num_blocks = 0
                     return
 
+    @property
+    def step_end_s(self) -> float | None:
+        """When the step in flight ends (its effects are applied then); None when idle."""
+        return None if self._in_flight is None else self._in_flight[0]
+
     def advance_to(self, now_s: float) -> None:
         """Apply every step that has ended by ``now_s`` and start the next ones."""
         while True:
