@@ -29,7 +29,11 @@ MAX_JSON_DEPTH = 64  # OpenAI bodies nest ~5 levels; JSON schemas in tools rarel
 
 # a JSON string (skipped whole), or one structural bracket
 _TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")  # 18 digits always fit in 64 bits
+# 18 digits always fit in 64 bits; 19 in a row are found as 19 zeros once every digit is a
+# zero (two C passes over the bytes: a regex tries a match at every digit, ~40x slower on
+# a prompt of token ids)
+_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_NINETEEN_ZEROS = b"0" * 19
 _OPENERS = frozenset(b"[{")
 _CLOSERS = frozenset(b"]}")
 
@@ -47,7 +51,7 @@ class JsonBodyError(ValueError):
 def loads(raw: bytes) -> object:
     """``raw`` parsed as JSON: orjson where it parses exactly as the stdlib would, else the
     stdlib (see the module docstring)."""
-    if _LONG_DIGITS.search(raw) is None:
+    if raw.translate(_DIGITS_TO_ZERO).find(_NINETEEN_ZEROS) < 0:
         try:
             return orjson.loads(raw)
         except ValueError:

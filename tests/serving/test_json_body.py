@@ -2,7 +2,7 @@
 
 import pytest
 
-from serving.json_body import JsonBodyError, decode_json_object, nesting_depth_exceeds
+from serving.json_body import JsonBodyError, decode_json_object, loads, nesting_depth_exceeds
 
 
 @pytest.mark.parametrize(("raw", "max_depth", "exceeds"), [
@@ -32,3 +32,14 @@ def test_bad_bodies_raise_one_error_type(raw):
 def test_a_plain_object_decodes():
     assert decode_json_object(b'{"prompt": [1, 2], "x": {"y": "[["}}') == {
         "prompt": [1, 2], "x": {"y": "[["}}
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (b'{"prompt": [12, 345678], "n": 9223372036854775807}', 9223372036854775807),
+    (b'{"prompt": [1, 2], "n": 123456789012345678901234567890}',
+     123456789012345678901234567890),  # past 64 bits: the stdlib keeps it exact
+    (b'{"n": -10000000000000000000, "prompt": [0]}', -10000000000000000000),
+])
+def test_loads_keeps_integers_of_any_length_exact(raw, expected):
+    parsed = loads(raw)
+    assert parsed["n"] == expected and isinstance(parsed["n"], int)
