@@ -9,7 +9,8 @@
 ``--state-only`` serves every replica from this one process instead (state-only replicas of
 the sim backend, :mod:`chaos.state_fleet`: one port each, advanced on one event loop), which is
 how 256 of them fit on two cores; proxies and Redis are still processes. ``--replica-args`` does
-not apply to them (``--state-model``, ``--state-gpu`` and ``--state-tick-s`` do).
+not apply to them (``--state-model``, ``--state-gpu``, ``--state-tick-s`` and
+``--state-time-scale`` do).
 
 Prints one line per process (``replica-0 http://127.0.0.1:PORT pid N``, ``proxy-0 ...``,
 ``redis redis://...``), then ``fleet ready``, and waits. ``--front envoy`` puts one Envoy (the
@@ -74,6 +75,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-gpu", default="h100-80g", help="state-only replicas' GPU")
     parser.add_argument("--state-tick-s", type=float, default=0.005,
                         help="how often state-only replicas advance (and tokens go out)")
+    parser.add_argument("--state-time-scale", type=float, default=1.0,
+                        help="state-only replicas' wall seconds per GPU second (every step "
+                             "that many times the roofline's, as kvguard engine --time-scale)")
 
 
 def spec_from(args: argparse.Namespace) -> TopologySpec:
@@ -147,7 +151,7 @@ def _run_state_only(args: argparse.Namespace) -> int:
     if args.replicas < 1 and args.proxies:
         raise ValueError("--proxies: a proxy needs at least one replica (--replicas >= 1)")
     config = StateFleetConfig(model=args.state_model, gpu=args.state_gpu,
-                              tick_s=args.state_tick_s)
+                              tick_s=args.state_tick_s, time_scale=args.state_time_scale)
     return asyncio.run(_state_only(args, config))
 
 

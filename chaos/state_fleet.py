@@ -7,7 +7,9 @@ advances every replica every ``tick_s`` on the monotonic clock. Each answers wha
 replica answers a guard or a load generator: ``GET /health``, ``GET /v1/models``,
 ``GET /kvguard/state`` (``?compact=1[&since_batch=N]`` too), and ``POST /v1/completions`` /
 ``/v1/chat/completions``, streamed (SSE, one event per token, ``[DONE]`` last) or not, with
-``usage``; ``x-request-id`` names the sequence (so a guard's reservations retire). Prompt
+``usage``; ``x-request-id`` names the sequence (so a guard's reservations retire). With
+``time_scale`` K every step lasts K times the roofline's time (a GPU K times slower, as
+``kvguard engine --time-scale K``), so K times the offered rate is what the fleet models. Prompt
 tokens are the prompt's token ids when it is a list, else a quarter of its characters. Tokens
 reach the client up to one ``tick_s`` after the step that made them ended.
 
@@ -18,6 +20,7 @@ Replicas join and leave while it runs (:meth:`StateFleet.add_replica`,
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import json
 import time
@@ -32,6 +35,7 @@ from engine.planner import num_kv_blocks
 from engine.timing_model import TimingModel
 from serving.draining_server import listening_socket
 from serving.h1server import H1Server
+from serving.json_body import loads
 from serving.limited_protocol import ConnectionTable
 from serving.server_limits import ServerLimits
 from serving.state_delta import serve_state_stream
@@ -50,10 +54,15 @@ class StateFleetConfig:
     max_model_len: int = 4096
     tick_s: float = 0.005
     host: str = "127.0.0.1"
+    time_scale: float = 1.0  # wall seconds per GPU second (chaos.state_replica)
 
     def __post_init__(self) -> None:
         if not 0 < self.tick_s <= 1.0:
             raise ValueError(f"tick_s must be in (0, 1], got {self.tick_s!r}")
+        scale = self.time_scale
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not (
+                0 < scale < float("inf")):
+            raise ValueError(f"time_scale must be a number > 0, got {scale!r}")
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -84,6 +93,11 @@ class StateFleet:
         self._served: dict[str, _Served] = {}
         self._ids = itertools.count()
         self._ticker: asyncio.Task | None = None
+        # (when a replica's step in flight ends, tie-breaker, replica id): the tick advances
+        # only the replicas due and the ones given work since the tick before
+        self._due: list[tuple[float, int, str]] = []
+        self._woken: set[str] = set()
+        self._pushes = itertools.count()
 
     @property
     def urls(self) -> dict[str, str]:
@@ -102,14 +116,16 @@ class StateFleet:
                                max_num_seqs=cfg.max_num_seqs,
                                max_num_batched_tokens=cfg.max_num_batched_tokens,
                                max_model_len=cfg.max_model_len, model=cfg.model,
-                               timing_model=self._timing_dict)
+                               timing_model=self._timing_dict, time_scale=cfg.time_scale)
         replica.now_s = self._clock()
-        server = H1Server(_ReplicaApp(replica, self._clock), ConnectionTable(ServerLimits()),
-                          lifespan=False, graceful_timeout_s=1.0)
+        replica_id = f"replica-{next(self._ids)}"
+        server = H1Server(_ReplicaApp(replica, self._clock,
+                                      lambda: self._woken.add(replica_id)),
+                          ConnectionTable(ServerLimits()), lifespan=False,
+                          graceful_timeout_s=1.0)
         sock = listening_socket(cfg.host, 0)
         port = sock.getsockname()[1]
         await server.start([sock])
-        replica_id = f"replica-{next(self._ids)}"
         self._served[replica_id] = _Served(replica, server, f"http://{cfg.host}:{port}")
         return replica_id
 
@@ -129,18 +145,33 @@ class StateFleet:
 
     async def _tick(self) -> None:
         while True:
-            now_s = self._clock()
-            for served in list(self._served.values()):
-                served.replica.advance_to(now_s)
+            self.advance(self._clock())
             await asyncio.sleep(self.config.tick_s)
+
+    def advance(self, now_s: float) -> None:
+        """Advance, to ``now_s``, every replica whose step in flight has ended and every one
+        given a request since the last call (the others have nothing to apply)."""
+        due, self._woken = self._woken, set()
+        while self._due and self._due[0][0] <= now_s:
+            due.add(heapq.heappop(self._due)[2])
+        for replica_id in due:
+            served = self._served.get(replica_id)
+            if served is None:  # removed meanwhile
+                continue
+            served.replica.advance_to(now_s)
+            end_s = served.replica.step_end_s
+            if end_s is not None:
+                heapq.heappush(self._due, (end_s, next(self._pushes), replica_id))
 
 
 class _ReplicaApp:
     """The ASGI face of one state-only replica."""
 
-    def __init__(self, replica: StateReplica, clock: Callable[[], float]) -> None:
+    def __init__(self, replica: StateReplica, clock: Callable[[], float],
+                 wake: Callable[[], None]) -> None:
         self.replica = replica
         self.clock = clock
+        self._wake = wake  # the fleet advances this replica at its next tick
         self.created_s = int(time.time())
         self._ids = itertools.count()
 
@@ -192,7 +223,7 @@ class _ReplicaApp:
             if not message.get("more_body"):
                 break
         try:
-            request = json.loads(body)
+            request = loads(body)  # orjson: a 4,000-token prompt is a 28 KB list
             num_prompt = _num_prompt_tokens(request, chat)
             max_tokens = int(request.get("max_tokens") or 16)
             stream = bool(request.get("stream"))
@@ -208,6 +239,7 @@ class _ReplicaApp:
         except ValueError as exc:
             await _send_json(send, {"error": {"message": str(exc)}}, 400)
             return
+        self._wake()
         watcher = asyncio.ensure_future(_until_disconnect(receive))
         watcher.add_done_callback(lambda _: (self.replica.abort(request_id),
                                              tokens.put_nowait((0, True))))
@@ -232,15 +264,13 @@ class _ReplicaApp:
                     "headers": [(b"content-type", b"text/event-stream"),
                                 (b"x-request-id", request_id.encode())]})
         done = False
+        chunk = _chunk(request_id, chat, None)  # every token's event is the same bytes
         while not done:
             n, done = await tokens.get()
             if not n:  # the client left: the sequence is aborted, nothing more to send
                 return
-            events = [_chunk(request_id, chat, None) for _ in range(n)]
-            if done:
-                events[-1] = _chunk(request_id, chat, "length")
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": b"".join(events)})
+            body = chunk * (n - 1) + (_chunk(request_id, chat, "length") if done else chunk)
+            await send({"type": "http.response.body", "more_body": True, "body": body})
         tail = b""
         if options.get("include_usage"):
             tail += b"data: " + json.dumps({"id": request_id, "choices": [], "usage": _usage(

@@ -3,7 +3,10 @@
 One :class:`StateReplica` keeps what a kvguard engine replica's ``/kvguard/state`` reports —
 running and waiting sequences, KV blocks, iteration records — and advances it step by step on
 an injected clock (:meth:`StateReplica.advance_to`), each step taking as long as ``step_s``
-(the sim backend's roofline, :meth:`engine.timing_model.TimingModel.predict_s`) says. Many fit
+(the sim backend's roofline, :meth:`engine.timing_model.TimingModel.predict_s`) says, times
+``time_scale`` (wall seconds per GPU second, as ``kvguard engine --time-scale``: the steps, and
+so every duration the state reports, are ``time_scale`` times longer, and the document says
+``time_scale`` so a guard scales its roofline prior to match). Many fit
 in one process on one event loop (:mod:`chaos.state_fleet`), where one engine process per
 replica would not.
 
@@ -49,7 +52,7 @@ class StateReplica:
                  block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
                  model: str = "llama-7b", timing_model: dict | None = None,
-                 num_iteration_records: int = 64) -> None:
+                 num_iteration_records: int = 64, time_scale: float = 1.0) -> None:
         for key, value in (("num_total_blocks", num_total_blocks), ("block_size", block_size),
                            ("max_num_seqs", max_num_seqs),
                            ("max_num_batched_tokens", max_num_batched_tokens),
@@ -57,7 +60,11 @@ class StateReplica:
                            ("num_iteration_records", num_iteration_records)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be an int >= 1, got {value!r}")
+        if isinstance(time_scale, bool) or not isinstance(time_scale, int | float) or not (
+                0 < time_scale < float("inf")):
+            raise ValueError(f"time_scale must be a number > 0, got {time_scale!r}")
         self._step_s = step_s
+        self.time_scale = float(time_scale)
         self.num_total_blocks = num_total_blocks
         self.num_free_blocks = num_total_blocks
         self.block_size = block_size
@@ -96,6 +103,11 @@ class StateReplica:
                     self.num_free_blocks += seq.num_blocks
                     seq.num_blocks = 0
                     return
+
+    @property
+    def step_end_s(self) -> float | None:
+        """When the step in flight ends (its effects are applied then); None when idle."""
+        return None if self._in_flight is None else self._in_flight[0]
 
     def advance_to(self, now_s: float) -> None:
         """Apply every step that has ended by ``now_s`` and start the next ones."""
@@ -139,10 +151,10 @@ class StateReplica:
             num_prefill += chunk
             budget -= chunk
         if not effects:  # every sequence waits on a block no step can free: idle a little
-            self._in_flight = (self.now_s + 0.001, None, [])
+            self._in_flight = (self.now_s + 0.001 * self.time_scale, None, [])
             return
         self.step_count += 1
-        duration_s = self._step_s(num_prefill, num_decode, num_context)
+        duration_s = self._step_s(num_prefill, num_decode, num_context) * self.time_scale
         record = {"batch_id": self.step_count, "num_prefill_tokens": num_prefill,
                   "num_decode_seqs": num_decode, "num_context_tokens": num_context,
                   "duration_s": duration_s, "end_s": self.now_s + duration_s}
@@ -191,7 +203,7 @@ class StateReplica:
             "running": [self._seq_state(s) for s in self.running],
             "waiting": [self._seq_state(s) for s in self.waiting],
             "iterations": list(self.iterations),
-            "timing_model": self._timing_model, "time_scale": 1.0,
+            "timing_model": self._timing_model, "time_scale": self.time_scale,
         }
 
     def _seq_state(self, seq: _Seq) -> dict:

@@ -31,10 +31,18 @@ set and with its full scan side by side (:mod:`chaos.bench.candidate_gap`): how 
 bounded choice is.
 
 ``--json`` prints one JSON object with ``decide_p50_us`` (per policy) and ``state_cpu_share``
+<<<<<<< HEAD
 (the stream of deltas', what the proxy's default ``state_source = "auto"`` reads from a kvguard
 replica; ``compact_state_cpu_share`` the polled compact document's, ``full_state_cpu_share``
 the full one's) keyed by replica count (the largest ``--running`` for the per-replica-count
 keys) and every row.
+=======
+(the compact document's, what the poller reads; ``full_state_cpu_share`` the full one's) keyed
+by replica count (the largest ``--running`` for the per-replica-count keys) and every row.
+``--e2e-rate R`` runs end to end instead (:mod:`chaos.bench.scale_e2e`): R req/s through one
+proxy in front of the largest ``--e2e-replicas`` state-only fleet at ``--time-scale``, and each
+smaller fleet at the same offered ÷ C, with ``--json`` keys per fleet (``fleets``).
+>>>>>>> rate2k
 Results and their commands go to docs/benchmarks.md.
 """
 
@@ -47,6 +55,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from chaos.bench import scale_e2e
 from chaos.bench.candidate_gap import candidate_gap
 from engine.compact_state import compact_state
 from guard.replicas.load_state import LoadState
@@ -268,6 +277,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="also draw decision µs and state cores against the replica count "
                              "(the largest --running) into this PNG (default: none)")
+    scale_e2e.add_arguments(parser)
 
 
 def plot_scale(rows: list[dict], running: int, path: str) -> None:
@@ -316,7 +326,16 @@ def _int_list(text: str, key: str) -> list[int]:
     return values
 
 
+def _run_e2e(args: argparse.Namespace) -> int:
+    report = scale_e2e.run_e2e(args)
+    print(json.dumps(report, indent=1) if args.json else scale_e2e.render(report))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.e2e_rate is not None:
+        return _run_e2e(args)
+    scale_e2e.refuse_without_rate(args)
     replica_counts = _int_list(args.replicas, "replicas")
     running_counts = _int_list(args.running, "running")
     if args.calls < 1 or not args.refresh_hz > 0 or args.gap_decisions < 0:

@@ -22,14 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import httpx
 
 from chaos.child import ChildProcess
 from chaos.topology import http_health
 
-__all__ = ["configure", "run"]
+__all__ = ["configure", "run", "state_only_fleet", "cpu_s"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _cpu_s(pid: int) -> float:
+def cpu_s(pid: int) -> float:
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -63,9 +63,9 @@ def _measure(urls: list[str], source: str, config: str, fleet_pid: int,
     proxy.start(300)
     try:
         time.sleep(args.settle_s)
-        proxy_0, fleet_0, start_s = _cpu_s(proxy.pid), _cpu_s(fleet_pid), time.monotonic()
+        proxy_0, fleet_0, start_s = cpu_s(proxy.pid), cpu_s(fleet_pid), time.monotonic()
         time.sleep(args.window_s)
-        proxy_1, fleet_1, end_s = _cpu_s(proxy.pid), _cpu_s(fleet_pid), time.monotonic()
+        proxy_1, fleet_1, end_s = cpu_s(proxy.pid), cpu_s(fleet_pid), time.monotonic()
         replicas = httpx.get(proxy.url + "/kvguard/state", timeout=30,
                              trust_env=False).json()["replicas"]
     finally:
@@ -80,11 +80,12 @@ def _measure(urls: list[str], source: str, config: str, fleet_pid: int,
 
 
 @contextlib.contextmanager
-def _state_only_fleet(num_replicas: int) -> Iterator[tuple[subprocess.Popen, list[str]]]:
-    """``kvguard fleet --state-only`` as a child: its process and replica URLs; killed by its
-    pid on the way out."""
+def state_only_fleet(num_replicas: int, extra_args: Sequence[str] = (),
+                     ) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    """``kvguard fleet --state-only`` (with ``extra_args``) as a child: its process and replica
+    URLs; killed by its pid on the way out."""
     proc = subprocess.Popen([sys.executable, "-m", "guard.cli", "fleet", "--replicas",
-                             str(num_replicas), "--state-only", "--proxies", "0"],
+                             str(num_replicas), "--state-only", "--proxies", "0", *extra_args],
                             stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                          "--window-s and --refresh-s > 0, --settle-s >= 0")
     rows = []
     with tempfile.TemporaryDirectory() as directory, \
-            _state_only_fleet(args.replicas) as (fleet, urls):
+            state_only_fleet(args.replicas) as (fleet, urls):
         config = os.path.join(directory, "proxy.toml")
         with open(config, "w") as fh:
             fh.write(f"refresh_interval_s = {args.refresh_s}\n")

@@ -49,6 +49,10 @@ class Decider:
         self.clock = clock
         self.shared = shared  # other guards' pending reservations, via Redis
         self.draining = False  # every decision sheds shutting_down
+        # the last model group found to hold every replica of the snapshot, and how many
+        # replicas that snapshot had: a request of a model every replica serves is decided on
+        # the whole snapshot (its ranked fleet kept), checked again only when either changes
+        self._whole_group: tuple[frozenset[str] | None, int] = (None, -1)
         self._decided_versions: dict[str, int] = {}  # request id -> shared view it was admitted on
 
     def decide(self, cost: RequestCost, now_s: float,
@@ -91,9 +95,22 @@ class Decider:
             return _DRAINING
         snapshot = self.load_state.snapshot(now_s, len(self.queue), self.drain_rate.rate_rps(now_s),
                                             self.retry_budgets.of(cost).view(now_s), ahead)
-        if cost.replica_ids is not None:  # only the replicas serving its model
-            snapshot = _among(snapshot, cost.replica_ids)
+        group = cost.replica_ids
+        if group is not None and not self._is_whole(group, snapshot):
+            snapshot = _among(snapshot, group)  # only the replicas serving its model
         return self.policy.decide(cost, snapshot)
+
+    def _is_whole(self, group: frozenset[str], snapshot: LoadSnapshot) -> bool:
+        """Whether ``group`` holds every replica of ``snapshot``: then narrowing to it would
+        only drop the ranked fleet, and send the policy to scan every replica."""
+        replicas = snapshot.replicas
+        whole, num_replicas = self._whole_group
+        if group is whole and len(replicas) == num_replicas:
+            return True
+        if len(group) < len(replicas) or any(r.replica_id not in group for r in replicas):
+            return False
+        self._whole_group = (group, len(replicas))
+        return True
 
     def _count_admitted(self, cost: RequestCost, admit: Admit, now_s: float) -> None:
         """An admit that stands: the policy told, the admitted counter counted."""

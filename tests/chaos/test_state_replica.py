@@ -6,6 +6,7 @@ import pytest
 
 from chaos.state_replica import StateReplica
 from guard.replicas.load_state import LoadState
+from guard.replicas.step_time_fitter import prior_from_timing_model
 
 
 def step_s(num_prefill: int, num_decode: int, num_context: int) -> float:
@@ -70,3 +71,22 @@ def test_the_guard_reads_its_state_document():
     snapshot = LoadState().update_from_kvguard_state("r0", replica.state(), 0.025)
     assert snapshot.num_free_blocks == replica.num_free_blocks
     assert len(snapshot.running) == 1 and snapshot.running[0].num_context_tokens == 11
+
+
+def test_a_time_scale_stretches_every_step_and_the_document_says_so():
+    plain, slow, got = make(), make(time_scale=3.0), []
+    for replica in (plain, slow):
+        replica.submit("a", 10, 3, lambda n, done, r=replica: got.append((r, n, done)),
+                       now_s=0.0)
+        replica.advance_to(100.0)
+    assert [it["duration_s"] for it in slow.iterations] == pytest.approx(
+        [3 * it["duration_s"] for it in plain.iterations])
+    assert slow.iterations[-1]["end_s"] == pytest.approx(3 * plain.iterations[-1]["end_s"])
+    assert (plain.state()["time_scale"], slow.state()["time_scale"]) == (1.0, 3.0)
+    prior = {"base_s": 0.01, "per_prefill_token_s": 1e-4, "per_decode_seq_s": 1e-3,
+             "per_context_token_s": 0.0}
+    plain_prior, slow_prior = (prior_from_timing_model(prior, r.state()["time_scale"])
+                               for r in (plain, slow))
+    assert slow_prior.base_s == pytest.approx(3 * plain_prior.base_s)
+    with pytest.raises(ValueError, match="time_scale"):
+        make(time_scale=0)

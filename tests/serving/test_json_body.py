@@ -57,3 +57,14 @@ def _leaves(value):
     if isinstance(value, list):
         return [leaf for v in value for leaf in _leaves(v)]
     return [value]
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (b'{"prompt": [12, 345678], "n": 9223372036854775807}', 9223372036854775807),
+    (b'{"prompt": [1, 2], "n": 123456789012345678901234567890}',
+     123456789012345678901234567890),  # past 64 bits: the stdlib keeps it exact
+    (b'{"n": -10000000000000000000, "prompt": [0]}', -10000000000000000000),
+])
+def test_loads_keeps_integers_of_any_length_exact(raw, expected):
+    parsed = loads(raw)
+    assert parsed["n"] == expected and isinstance(parsed["n"], int)
