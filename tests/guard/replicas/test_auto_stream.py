@@ -27,7 +27,7 @@ def _no_stream_app():
     ``/kvguard/state/stream`` (404, as any unknown route)."""
     replica = StateReplica(lambda p, d, c: 0.01, num_total_blocks=500, max_num_seqs=8,
                            max_num_batched_tokens=512)
-    inner = _ReplicaApp(replica, lambda: 0.0)
+    inner = _ReplicaApp(replica, lambda: 0.0, lambda: None)  # no fleet ticks it
     asked: list[str] = []
 
     async def app(scope, receive, send):
@@ -155,7 +155,7 @@ def test_a_stream_route_that_goes_away_sends_auto_back_to_polling(caplog):
     caplog.set_level(logging.INFO, logger="guard.replicas.auto_source")
     replica = StateReplica(lambda p, d, c: 0.01, num_total_blocks=500, max_num_seqs=8,
                            max_num_batched_tokens=512)
-    inner = _ReplicaApp(replica, lambda: 0.0)
+    inner = _ReplicaApp(replica, lambda: 0.0, lambda: None)  # no fleet ticks it
     offered = [True]
 
     async def app(scope, receive, send):
