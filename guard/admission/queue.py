@@ -22,6 +22,7 @@ import bisect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from policies.cost import RequestCost
@@ -97,12 +98,22 @@ class AdmissionQueue:
         if not self._waiters:
             return NOTHING_AHEAD
         rank = (cost.request_class.priority, cost.is_retry)
-        ahead = NOTHING_AHEAD
+        total = [0, 0, 0]
+        held_total = [0, 0, 0]
+        held: dict[str, tuple[int, int, int]] = {}
         for r, groups in self._by_rank.items():
-            if r <= rank:
-                for replica_ids, (n, tokens, blocks) in groups.items():
-                    ahead = ahead.plus(tokens, blocks, replica_ids, n)
-        return ahead
+            if r > rank:
+                continue
+            for replica_ids, group in groups.items():
+                total = [a + b for a, b in zip(total, group, strict=True)]
+                if replica_ids:
+                    held_total = [a + b for a, b in zip(held_total, group, strict=True)]
+                for rid in replica_ids:
+                    n, tokens, blocks = held.get(rid, (0, 0, 0))
+                    held[rid] = (n + group[0], tokens + group[1], blocks + group[2])
+        if not total[0]:
+            return NOTHING_AHEAD
+        return QueuedAhead(*total, MappingProxyType(held), tuple(held_total))
 
     def _count(self, cost: RequestCost, sign: int) -> None:
         rank = (cost.request_class.priority, cost.is_retry)
