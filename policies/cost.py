@@ -99,6 +99,18 @@ class RequestCost:
         return (self.num_prompt_tokens - hit,
                 self.num_blocks - self.num_blocks * hit // num_tokens if num_tokens else 0)
 
+    def best_hit_replicas(self) -> tuple[str, ...]:
+        """The replicas expected to hold the most of the request's prefix (those
+        :meth:`footprint_at_best_hit` prices it at), in id order; empty when none holds any:
+        where a request waiting in the guard's queue is expected to go."""
+        cached = self.cached_prefix_tokens
+        if not cached:
+            return ()
+        most = max(cached.values())
+        if min(most, self.num_prompt_tokens - 1) <= 0:
+            return ()
+        return tuple(sorted(rid for rid, n in cached.items() if n == most))
+
     @property
     def num_reserved_tokens(self) -> int:
         """Worst-case tokens this request may hold: prompt + max_tokens."""

@@ -29,7 +29,9 @@ So ``ttft_s = wait_s + queued_prefill_s + own_prefill_s``, counted from dispatch
 adds the time already spent since arrival). ``ahead`` (the requests in the guard's own queue
 that will be admitted before this one) adds their blocks, slots and prompt tokens to what this
 request waits for: without it every queued request forecasts as if it were first in line, and
-a flood queues until its deadlines instead of being told no at once. Given ``now_s``, the
+a flood queues until its deadlines instead of being told no at once. On a replica, the waiters
+expected elsewhere (their prefix held there, :class:`~policies.snapshot.QueuedAhead`) are left
+out. Given ``now_s``, the
 prefill queued on the replica is what is still pending *now*: the backlog it reported, drained
 since it was observed, plus the guard's admissions since (:func:`policies.prefill_pacing.
 pending_prefill_tokens`); the state is up to one refresh old, and counting all of it again
@@ -125,10 +127,15 @@ def forecast(
     max_num_seqs = replica.max_num_seqs
     # step_s(0, decode batch, running context)
     decode_s = base_s + per_seq_s * num_decode_seqs + per_context_s * load.num_running_context_tokens
+    if ahead.held_total[0]:  # some waiters are expected on given replicas only
+        num_ahead, num_ahead_tokens, num_ahead_blocks = ahead.on(replica.replica_id)
+    else:
+        num_ahead, num_ahead_tokens, num_ahead_blocks = (
+            ahead.num_requests, ahead.num_prefill_tokens, ahead.num_blocks)
     available = replica.num_free_blocks - replica.num_reserved_blocks  # num_available_blocks
-    missing_blocks = (num_blocks + ahead.num_blocks
+    missing_blocks = (num_blocks + num_ahead_blocks
                       - ((available if available > 0 else 0) - load.num_committed_blocks))
-    missing_seqs = num_seqs + 1 + ahead.num_requests - max_num_seqs
+    missing_seqs = num_seqs + 1 + num_ahead - max_num_seqs
     chunk = replica.max_num_batched_tokens - num_decode_seqs
     if chunk < 1:
         chunk = 1
@@ -151,7 +158,7 @@ def forecast(
             pending = 0  # nothing reported pending, nothing admitted since: nothing to drain
         else:
             pending = pending_prefill_tokens(replica, step_time, now_s)
-    num_queued = pending + ahead.num_prefill_tokens
+    num_queued = pending + num_ahead_tokens
     # _prefill_s() twice, inlined: each chunk step costs the decode step plus its tokens
     queued_s = (-(-num_queued // chunk) * decode_s + per_prefill_s * num_queued
                 if num_queued > 0 else 0.0)

@@ -35,7 +35,8 @@ prefill and the decode step of the batch once it joins. Then, in order:
    its retry budget (:mod:`policies.retry_budget`) is shed first, told not to retry
    (503 ``retry_shed``, ``should_retry=False``). Then the fast no: the forecast is made for
    the earliest start the request can have — behind the requests already in the guard's queue
-   ahead of it (``snapshot.queued_ahead``) — and only if some replica still predicts a first
+   ahead of it (``snapshot.queued_ahead``; on each replica, those expected there: a waiter
+   whose prefix a replica holds counts only where the most of it is) — and only if some replica still predicts a first
    token by the deadline (blocks free up, the batch shrinks, the prefill backlog drains) is it
    queued, until ``deadline - own prefill`` (``kv_wait`` or ``itl_wait``); the guard re-decides
    it on every completion and state refresh and sheds queued requests in :func:`shed_order`;

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from policies.replica_load import ReplicaLoad, SeqTotals
@@ -15,6 +17,9 @@ if TYPE_CHECKING:  # policies.candidates forecasts on snapshots: imported for th
     from policies.candidates import RankedFleet
 
 __all__ = ["SeqLoad", "ReplicaSnapshot", "LoadSnapshot", "QueuedAhead", "NOTHING_AHEAD"]
+
+# no waiter expected on any one replica
+_NOTHING_HELD: Mapping[str, tuple[int, int, int]] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -116,15 +121,49 @@ class ReplicaSnapshot:
 @dataclass(frozen=True)
 class QueuedAhead:
     """The requests waiting in the guard's admission queue ahead of the one being decided:
-    they will take their blocks, slots and prefill before it does."""
+    they will take their blocks, slots and prefill before it does.
+
+    ``num_requests``, ``num_prefill_tokens`` and ``num_blocks`` total every waiter. A waiter
+    whose prefix some replica holds is expected where the most of it is (the SLO policy's
+    cache affinity sends it there), so it delays only the requests forecast on those
+    replicas: ``held`` gives, per replica, the (requests, prefill tokens, blocks) of the
+    waiters expected there, and ``held_total`` sums those waiters once each. A waiter no
+    replica holds any of may go anywhere and counts on every replica. (Counting every waiter
+    on every replica forecast a fleet's whole queue on each replica: at 4 replicas it shed
+    warm requests whose queue-mates were served within a third of the deadline.)"""
 
     num_requests: int = 0
     num_prefill_tokens: int = 0
     num_blocks: int = 0
+    held: Mapping[str, tuple[int, int, int]] = field(default_factory=lambda: _NOTHING_HELD)
+    held_total: tuple[int, int, int] = (0, 0, 0)
 
-    def plus(self, num_prefill_tokens: int, num_blocks: int) -> QueuedAhead:
-        return QueuedAhead(self.num_requests + 1, self.num_prefill_tokens + num_prefill_tokens,
-                           self.num_blocks + num_blocks)
+    def on(self, replica_id: str) -> tuple[int, int, int]:
+        """(requests, prefill tokens, blocks) ahead of a request forecast on ``replica_id``:
+        the waiters that may go anywhere and those expected there."""
+        n, tokens, blocks = self.held_total
+        at = self.held.get(replica_id, (0, 0, 0))
+        return (self.num_requests - n + at[0], self.num_prefill_tokens - tokens + at[1],
+                self.num_blocks - blocks + at[2])
+
+    def plus(self, num_prefill_tokens: int, num_blocks: int,
+             replica_ids: Iterable[str] = (), num_requests: int = 1) -> QueuedAhead:
+        """This queue plus ``num_requests`` waiters totalling ``num_prefill_tokens`` and
+        ``num_blocks``, expected on ``replica_ids`` (empty: anywhere)."""
+        ids = tuple(replica_ids)
+        held, held_total = self.held, self.held_total
+        if ids:
+            grown = dict(held)
+            for rid in ids:
+                n, tokens, blocks = grown.get(rid, (0, 0, 0))
+                grown[rid] = (n + num_requests, tokens + num_prefill_tokens,
+                              blocks + num_blocks)
+            held = MappingProxyType(grown)
+            n, tokens, blocks = held_total
+            held_total = (n + num_requests, tokens + num_prefill_tokens, blocks + num_blocks)
+        return QueuedAhead(self.num_requests + num_requests,
+                           self.num_prefill_tokens + num_prefill_tokens,
+                           self.num_blocks + num_blocks, held, held_total)
 
 
 NOTHING_AHEAD = QueuedAhead()

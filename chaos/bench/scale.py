@@ -31,18 +31,13 @@ set and with its full scan side by side (:mod:`chaos.bench.candidate_gap`): how 
 bounded choice is.
 
 ``--json`` prints one JSON object with ``decide_p50_us`` (per policy) and ``state_cpu_share``
-<<<<<<< HEAD
 (the stream of deltas', what the proxy's default ``state_source = "auto"`` reads from a kvguard
 replica; ``compact_state_cpu_share`` the polled compact document's, ``full_state_cpu_share``
 the full one's) keyed by replica count (the largest ``--running`` for the per-replica-count
 keys) and every row.
-=======
-(the compact document's, what the poller reads; ``full_state_cpu_share`` the full one's) keyed
-by replica count (the largest ``--running`` for the per-replica-count keys) and every row.
 ``--e2e-rate R`` runs end to end instead (:mod:`chaos.bench.scale_e2e`): R req/s through one
 proxy in front of the largest ``--e2e-replicas`` state-only fleet at ``--time-scale``, and each
 smaller fleet at the same offered ÷ C, with ``--json`` keys per fleet (``fleets``).
->>>>>>> rate2k
 Results and their commands go to docs/benchmarks.md.
 """
 

@@ -7,7 +7,8 @@ the reservation itself, synchronously, so two waiters can never be admitted into
 blocks); it resolves admitted and shed waiters and evicts those past their deadline with a
 503 ``queue_timeout``. Every decision is told what waits ahead of it (:class:`QueuedAhead`:
 the waiters still queued before it in the pump; for a newcomer, :meth:`AdmissionQueue.ahead_of`,
-every waiter of its class priority or a more important one), so the policy forecasts the
+every waiter of its class priority or a more important one; each waiter expected on the
+replicas holding the most of its prefix, where it has one), so the policy forecasts the
 earliest start it can really have and says no at once when even that is too late.
 :meth:`AdmissionQueue.run` pumps on every :meth:`wake` (a completion or a state refresh) and at
 least every ``interval_s``. A full queue sheds its worst entry (lowest priority, a retry, latest
@@ -21,6 +22,7 @@ import bisect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from policies.cost import RequestCost
@@ -54,8 +56,9 @@ class AdmissionQueue:
         self.interval_s = interval_s
         self._clock = clock
         self._waiters: list[Waiter] = []  # kept sorted
-        # (priority, is_retry) -> [requests, prompt tokens, blocks]
-        self._by_rank: dict[tuple[int, bool], list[int]] = {}
+        # (priority, is_retry) -> the replicas its waiters are expected on (empty: anywhere)
+        # -> [requests, prompt tokens, blocks]
+        self._by_rank: dict[tuple[int, bool], dict[tuple[str, ...], list[int]]] = {}
         self._seq = itertools.count()
         self._wake: asyncio.Event | None = None
 
@@ -91,25 +94,40 @@ class AdmissionQueue:
 
     def ahead_of(self, cost: RequestCost) -> QueuedAhead:
         """What a newcomer would wait behind: every waiter of its rank (class priority, then
-        first attempts before retries) or a better one."""
+        first attempts before retries) or a better one, each expected where its prefix is."""
         if not self._waiters:
             return NOTHING_AHEAD
         rank = (cost.request_class.priority, cost.is_retry)
-        num = tokens = blocks = 0
-        for r, (n, t, b) in self._by_rank.items():
-            if r <= rank:
-                num, tokens, blocks = num + n, tokens + t, blocks + b
-        return QueuedAhead(num, tokens, blocks) if num else NOTHING_AHEAD
+        total = [0, 0, 0]
+        held_total = [0, 0, 0]
+        held: dict[str, tuple[int, int, int]] = {}
+        for r, groups in self._by_rank.items():
+            if r > rank:
+                continue
+            for replica_ids, group in groups.items():
+                total = [a + b for a, b in zip(total, group, strict=True)]
+                if replica_ids:
+                    held_total = [a + b for a, b in zip(held_total, group, strict=True)]
+                for rid in replica_ids:
+                    n, tokens, blocks = held.get(rid, (0, 0, 0))
+                    held[rid] = (n + group[0], tokens + group[1], blocks + group[2])
+        if not total[0]:
+            return NOTHING_AHEAD
+        return QueuedAhead(*total, MappingProxyType(held), tuple(held_total))
 
     def _count(self, cost: RequestCost, sign: int) -> None:
         rank = (cost.request_class.priority, cost.is_retry)
-        totals = self._by_rank.setdefault(rank, [0, 0, 0])
+        groups = self._by_rank.setdefault(rank, {})
+        replica_ids = cost.best_hit_replicas()
+        totals = groups.setdefault(replica_ids, [0, 0, 0])
         num_tokens, num_blocks = cost.footprint_at_best_hit()
         totals[0] += sign
         totals[1] += sign * num_tokens
         totals[2] += sign * num_blocks
         if totals[0] == 0:
-            del self._by_rank[rank]
+            del groups[replica_ids]
+            if not groups:
+                del self._by_rank[rank]
 
     def pump(self, decide: Decide, now_s: float) -> int:
         """Re-decide every waiter in order, each behind the ones still queued before it;
@@ -125,7 +143,8 @@ class AdmissionQueue:
             result = _decide_one(waiter, decide, now_s, ahead)
             if result is None:
                 kept.append(waiter)
-                ahead = ahead.plus(*waiter.cost.footprint_at_best_hit())
+                ahead = ahead.plus(*waiter.cost.footprint_at_best_hit(),
+                                   waiter.cost.best_hit_replicas())
                 continue
             _resolve(waiter, result)
             self._count(waiter.cost, -1)

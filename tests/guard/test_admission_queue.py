@@ -163,3 +163,29 @@ def test_a_waiter_whose_prefix_is_cached_counts_only_its_uncached_part_ahead():
         q.push(cold, 9.0, 0.0)
         assert q.ahead_of(make_cost("new")).num_prefill_tokens == 100 + 10 + 2100
     run(main())
+
+
+def test_a_waiter_counts_ahead_only_on_the_replicas_holding_the_most_of_its_prefix():
+    """The warm waiter (2,000 tokens cached on r2, 1,000 on r1) will go to r2: a request
+    forecast on r1 or r3 does not wait for it there; a waiter no replica holds counts on every
+    replica. The pump tells each waiter the same about the ones before it."""
+    import dataclasses
+
+    async def main():
+        q = AdmissionQueue(8, FakeClock())
+        warm = dataclasses.replace(make_cost("warm", num_blocks=136), num_prompt_tokens=2100,
+                                   max_tokens=64, cached_prefix_tokens={"r1": 1000, "r2": 2000})
+        q.push(warm, 9.0, 0.0)
+        q.push(make_cost("cold"), 9.0, 0.0)  # a 10-token prompt, 2 blocks, cached nowhere
+        ahead = q.ahead_of(make_cost("new"))
+        assert (ahead.num_requests, ahead.num_prefill_tokens, ahead.num_blocks) == (2, 110, 13)
+        assert ahead.on("r2") == (2, 110, 13)
+        assert ahead.on("r1") == ahead.on("r3") == (1, 10, 2)
+        seen = []
+        q.push(make_cost("last", deadline_s=50.0), 9.0, 0.0)
+        q.pump(lambda c, t, behind: seen.append((c.request_id, behind)) or None, 0.5)
+        last = dict(seen)["last"]
+        assert (last.on("r1"), last.on("r2")) == ((1, 10, 2), (2, 110, 13))
+        q.pump(lambda c, t, behind: Shed(503, "gone") if c.request_id == "warm" else None, 0.6)
+        assert q.ahead_of(make_cost("new")).on("r2") == (2, 20, 4)  # cold and last, anywhere
+    run(main())

@@ -165,9 +165,10 @@ def _reference_forecast(cost, replica, step_time, ahead, now_s):
     load = replica.load
     chunk = max(1, replica.max_num_batched_tokens - load.num_decode_seqs)
     decode_s = step_time.step_s(0, load.num_decode_seqs, load.num_running_context_tokens)
-    missing_blocks = (cost.num_blocks + ahead.num_blocks
+    num_ahead, num_ahead_tokens, num_ahead_blocks = ahead.on(replica.replica_id)
+    missing_blocks = (cost.num_blocks + num_ahead_blocks
                       - (replica.num_available_blocks - load.num_committed_blocks))
-    missing_seqs = load.num_seqs + 1 + ahead.num_requests - replica.max_num_seqs
+    missing_seqs = load.num_seqs + 1 + num_ahead - replica.max_num_seqs
     wait_s = 0.0
     if missing_blocks > 0 or missing_seqs > 0:
         run_steps = -(-cost.num_prompt_tokens // chunk) + max(1, cost.num_expected_output_tokens)
@@ -177,7 +178,7 @@ def _reference_forecast(cost, replica, step_time, ahead, now_s):
                                                load.num_context_tokens)
     pending = (load.num_queued_prefill_tokens if now_s is None
                else pending_prefill_tokens(replica, step_time, now_s))
-    num_queued = pending + ahead.num_prefill_tokens
+    num_queued = pending + num_ahead_tokens
 
     def prefill(n):
         return 0.0 if n <= 0 else -(-n // chunk) * decode_s + step_time.per_prefill_token_s * n
@@ -201,7 +202,11 @@ _seqs = st.lists(st.builds(SeqLoad, st.integers(0, 600), st.integers(0, 300), st
     _seqs, _seqs, _seqs, st.integers(0, 60), st.sampled_from([1, 4, 8, 64]),
     st.sampled_from([1, 16, 64, 512]), st.floats(0.0, 3.0),
     st.one_of(st.none(), st.builds(QueuedAhead, st.integers(1, 6), st.integers(0, 2000),
-                                   st.integers(0, 100))),
+                                   st.integers(0, 100)),
+              # waiters expected on this replica ("a") or on another one
+              st.builds(lambda n, t, b, at: QueuedAhead().plus(t, b, (at,), n),
+                        st.integers(1, 6), st.integers(0, 2000), st.integers(0, 100),
+                        st.sampled_from(["a", "b"]))),
     st.sampled_from([STEP, StepTimeModel(0.004, 2e-6, 3e-5, 2e-8),
                      StepTimeModel(0.02, 0.0, 0.001, 1e-6)]),
     st.sampled_from([None, 10.0]),

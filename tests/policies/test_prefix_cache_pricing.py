@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 from policy_builders import STEP, decoding, make_cost, make_replica, make_snapshot
 
-from policies.decision import Admit, Queue
+from policies.decision import Admit, Queue, Shed
 from policies.predictor import forecast
 from policies.prefill_pacing import prefill_fits_gaps
 from policies.slo import SloPolicy
+from policies.snapshot import QueuedAhead
 
 # a 2,000-token prompt with 64 output tokens: 129 blocks of 16 cold
 PROMPT, MAX_TOKENS = 2000, 64
@@ -150,3 +151,38 @@ def test_on_a_ranked_fleet_the_replica_holding_the_prefix_is_a_candidate_whereve
     policy = SloPolicy(ttft_safety_ratio=1.0)
     assert policy.decide(cost, full).replica_id == "warm"
     assert policy.decide(cost, bounded).replica_id == "warm"
+
+
+def test_a_waiter_ahead_counts_only_on_the_replicas_expected_to_take_it():
+    """``QueuedAhead``: a waiter expected on given replicas (where its prefix is) is ahead of a
+    request forecast there only; one expected anywhere is ahead of it everywhere."""
+    ahead = QueuedAhead().plus(100, 11, ("a", "b")).plus(2100, 136)
+    assert (ahead.num_requests, ahead.num_prefill_tokens, ahead.num_blocks) == (2, 2200, 147)
+    assert ahead.on("a") == ahead.on("b") == (2, 2200, 147)
+    assert ahead.on("c") == (1, 2100, 136)
+    assert QueuedAhead(3, 30, 6).on("c") == (3, 30, 6)  # no waiter held anywhere
+    assert QueuedAhead().plus(50, 5, ("a",), num_requests=2).on("a") == (2, 50, 5)
+
+
+def test_the_forecast_leaves_out_the_waiters_expected_on_other_replicas():
+    cost = shared_prefix_cost({"a": 1900})
+    on_b = QueuedAhead().plus(4000, 40, ("b",), num_requests=2)
+    anywhere = QueuedAhead(2, 4000, 40)
+    assert forecast(cost, roomy("a"), STEP, on_b) == forecast(cost, roomy("a"), STEP)
+    assert forecast(cost, roomy("b"), STEP, on_b) == forecast(cost, roomy("b"), STEP, anywhere)
+
+
+@pytest.mark.parametrize(("ahead", "expected"), [
+    (QueuedAhead().plus(20000, 10, ("b",), num_requests=10), Queue),  # all bound for b
+    (QueuedAhead().plus(20000, 10, ("a",), num_requests=10), Shed),  # all bound for a
+    (QueuedAhead(10, 20000, 10), Shed),  # cached nowhere: they may go to a
+])
+def test_the_fast_no_counts_the_queue_where_its_waiters_will_go(ahead, expected):
+    """Not admissible on a now (the join step is over a running stream's ITL). Behind 20,000
+    prompt tokens of waiters that will prefill on a, its earliest first token is past the
+    deadline: shed now. Behind the same waiters bound for b (their prefix is there), a's
+    prefill backlog is its own: queued (b, whose state is stale, is not forecast at all)."""
+    strict = make_replica("a", running=[decoding(itl_s=0.0115)])
+    stale_b = make_replica("b", observed_s=-10.0)
+    d = SloPolicy().decide(make_cost(), make_snapshot(strict, stale_b, queued_ahead=ahead))
+    assert isinstance(d, expected)
