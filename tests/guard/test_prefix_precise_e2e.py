@@ -14,6 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from server_helpers import start_engine  # noqa: E402
 
+from tests.support.tokenizer_file import word_level_tokenizer  # noqa: E402
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 ENGINE_ARGS = ["--model", "llama-7b", "--backend", "sim", "--gpu", "h100-80g",
@@ -22,14 +24,6 @@ ENGINE_ARGS = ["--model", "llama-7b", "--backend", "sim", "--gpu", "h100-80g",
 PROMPT = list(range(3000, 3640))  # 640 tokens: 40 full blocks of 16
 
 
-def _tokenizer(tmp_path: Path) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    return str(path)
 
 
 def _metric(client: httpx.Client, name: str) -> float | None:
@@ -45,7 +39,7 @@ def _metric(client: httpx.Client, name: str) -> float | None:
 
 def test_the_guard_predicts_the_engines_hits_from_its_kv_events(tmp_path):
     config = tmp_path / "guard.toml"
-    config.write_text(f'prefix_cache = "precise"\ntokenizer = "{_tokenizer(tmp_path)}"\n'
+    config.write_text(f'prefix_cache = "precise"\ntokenizer = "{word_level_tokenizer(tmp_path)}"\n'
                       'refresh_interval_s = 0.05\n')
     with start_engine([*ENGINE_ARGS, "--guard", str(config)]) as engine, \
             httpx.Client(base_url=engine.base_url, timeout=30.0, trust_env=False) as client:

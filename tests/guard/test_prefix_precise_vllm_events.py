@@ -7,7 +7,6 @@ there — and one that diverges is predicted cached up to where it diverges."""
 
 import asyncio
 import hashlib
-from pathlib import Path
 
 import msgpack
 import zmq
@@ -15,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from guard.config import GuardConfig
 from guard.controller import AdmissionController
+from tests.support.tokenizer_file import word_level_tokenizer
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PROMPT = list(range(3000, 3640))  # 640 tokens: 40 blocks of 16
@@ -29,15 +29,6 @@ vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="4096"}} 1.0
 """
 
 
-def _tokenizer(tmp_path: Path) -> str:
-    """A tokenizer.json for the ``tokenizer`` key (these requests send token ids)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    return str(path)
 
 
 def vllm_hash(parent: bytes, tokens: list[int]) -> bytes:
@@ -68,7 +59,7 @@ def test_vllm_events_over_zmq_make_the_guard_predict_the_hit(tmp_path):
         pub.setsockopt(zmq.LINGER, 0)
         port = pub.bind_to_random_port("tcp://127.0.0.1")
         config = GuardConfig.from_dict({
-            "prefix_cache": "precise", "tokenizer": _tokenizer(tmp_path),
+            "prefix_cache": "precise", "tokenizer": word_level_tokenizer(tmp_path),
             "replicas": [{"replica_id": "v0", "url": "http://127.0.0.1:9",
                           "state_source": "vllm",
                           "kv_events_endpoint": f"tcp://127.0.0.1:{port}"}]})
@@ -115,7 +106,7 @@ def test_which_replicas_are_translated_and_from_which_root(tmp_path):
     from guard.replicas.block_hashes import root_hash
 
     config = GuardConfig.from_dict({
-        "prefix_cache": "precise", "tokenizer": _tokenizer(tmp_path),
+        "prefix_cache": "precise", "tokenizer": word_level_tokenizer(tmp_path),
         "replicas": [
             {"replica_id": "k", "url": "http://127.0.0.1:9", "state_source": "kvguard"},
             {"replica_id": "s", "url": "http://127.0.0.1:9", "state_source": "stream"},
