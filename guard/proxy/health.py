@@ -19,11 +19,11 @@ Policies only pick healthy replicas, so no request is routed to an ejected one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from guard.background import cancel_and_wait
 from guard.replicas.poller import StateSource
 
 __all__ = ["ReplicaHealth", "GatedSource", "ReplicaEjected"]
@@ -187,7 +187,4 @@ class ReplicaHealth:
     async def stop(self) -> None:
         self._loop = None
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)

@@ -21,7 +21,6 @@ changes nothing. :class:`ReplicaWatcher` runs the loop; what a list change does 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import json
 import logging
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import tomllib
+
+from guard.background import cancel_and_wait
 
 if TYPE_CHECKING:
     from guard.config import ReplicaConfig
@@ -239,7 +240,4 @@ class ReplicaWatcher:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)

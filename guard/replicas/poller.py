@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from guard.background import cancel_and_wait
 from guard.config import ReplicaConfig
 from guard.errors import StateUnavailable, StateUnparseable
 from guard.redact import redact_text
@@ -449,10 +450,7 @@ class StatePoller:
         """Cancel the polling task and wait for it to end; close the sources that hold a
         connection of their own (streams)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         for source in self._sources.values():
             close = getattr(source, "aclose", None)
             if close is not None:

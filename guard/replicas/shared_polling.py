@@ -39,6 +39,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from guard.background import cancel_and_wait
 from guard.budget.connection import connect
 from guard.budget.keys import PREFIX
 from guard.budget.scripts import ScriptSet
@@ -191,10 +192,7 @@ class PollingShards:
     async def stop(self) -> None:
         """Stop the heartbeat and leave the list (the others take this shard at once)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         if self._client is not None:
             with contextlib.suppress(Exception):
                 await self._call("shard_heartbeat", [DECIDERS_KEY], [self.decider_id, 0])
