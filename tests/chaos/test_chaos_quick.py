@@ -15,13 +15,12 @@ import json
 
 import pytest
 
-from chaos.chaos_cli import measure_capacity_rps, run_scenario
 from chaos.clients import DEFAULT_RETRIES
 from chaos.scenario_run import RunSettings
-from chaos.scenarios import catalogue, missing_dependencies, quick_variant
-from chaos.user_record import USER_OUTCOMES, UserRecord
+from chaos.scenarios import catalogue, quick_variant
+from chaos.user_record import USER_OUTCOMES
 from chaos.verdict import THRESHOLDS, slo_vs_always_admit
-from guard.cli import SUBCOMMANDS
+from tests.support.chaos_quick import quick_scenario_run
 from tests.support.invalid_runs import invalid_run_reason
 
 # One scenario run (two fleets) happens inside the first test that needs it: ~1 min on an idle
@@ -34,19 +33,7 @@ QUICK = ["burst", "retry-storm", "replica-kill", "redis-kill"]
 @pytest.fixture(scope="module", params=QUICK)
 def quick_run(request, tmp_path_factory):
     """One quick run of a scenario (always_admit and slo), shared by the tests below."""
-    name = request.param
-    spec = quick_variant(catalogue()[name])
-    missing = missing_dependencies(spec, SUBCOMMANDS)
-    if missing:
-        pytest.skip(f"{name} cannot run in this build: {'; '.join(missing)}")
-    out = tmp_path_factory.mktemp(f"chaos-{name}")
-    settings = RunSettings()
-    capacity = measure_capacity_rps(settings, True, None, out, print)
-    result = run_scenario(spec, ["always_admit", "slo"], settings, out,
-                          lambda m: print(m, flush=True), quick=True, capacity=capacity)
-    users = {p: [UserRecord.from_dict(json.loads(line))
-                 for line in open(out / p / "users.jsonl")] for p in result["policies"]}
-    return result, users, out
+    return quick_scenario_run(request.param, ["always_admit", "slo"], tmp_path_factory)
 
 
 def test_every_user_is_accounted_for_and_no_bad_answer_counts(quick_run):

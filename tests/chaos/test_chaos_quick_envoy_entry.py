@@ -10,15 +10,11 @@ its reason). That nobody was lost but the streams the kill cut is judged on a va
 (``needs_valid_run``), like the other chaos quick tests (tests/chaos/test_chaos_quick.py).
 """
 
-import json
 
 import pytest
 
-from chaos.chaos_cli import measure_capacity_rps, run_scenario
-from chaos.scenario_run import RunSettings
-from chaos.scenarios import catalogue, missing_dependencies, quick_variant
-from chaos.user_record import USER_OUTCOMES, UserRecord
-from guard.cli import SUBCOMMANDS
+from chaos.user_record import USER_OUTCOMES
+from tests.support.chaos_quick import quick_scenario_run
 from tests.support.invalid_runs import invalid_run_reason
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_heavy, pytest.mark.exclusive,
@@ -27,18 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.cpu_heavy, pytest.mark.exclusive,
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    spec = quick_variant(catalogue()["proxy-kill-envoy"])
-    missing = missing_dependencies(spec, SUBCOMMANDS)
-    if missing:
-        pytest.skip(f"proxy-kill-envoy cannot run in this build: {'; '.join(missing)}")
-    out = tmp_path_factory.mktemp("chaos-proxy-kill-envoy")
-    settings = RunSettings()
-    capacity = measure_capacity_rps(settings, True, None, out, print)
-    result = run_scenario(spec, ["slo"], settings, out,
-                          lambda m: print(m, flush=True), quick=True, capacity=capacity)
-    users = {p: [UserRecord.from_dict(json.loads(line))
-                 for line in open(out / p / "users.jsonl")] for p in result["policies"]}
-    return result, users, out
+    return quick_scenario_run("proxy-kill-envoy", ["slo"], tmp_path_factory)
 
 
 def test_envoy_takes_the_killed_proxy_out_and_answers_nothing_itself(quick_run):
