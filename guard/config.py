@@ -670,7 +670,8 @@ def _parse_env(var: str, text: str, wanted: type, nullable: bool) -> Any:
 # Variables read here besides ``KVGUARD_<FIELD>``; ``KVGUARD_ABLATE`` belongs to the
 # measurement script scripts/guard_instructions.py, whose children load this config.
 _OTHER_ENV = ("KVGUARD_CONFIG", "KVGUARD_ADMIN_API_KEY", "KVGUARD_POLICY_PARAMS",
-              "KVGUARD_UPSTREAMS", "KVGUARD_UPSTREAM_STATE_SOURCE", "KVGUARD_ABLATE")
+              "KVGUARD_UPSTREAMS", "KVGUARD_UPSTREAM_STATE_SOURCE", "KVGUARD_ABLATE",
+              "KVGUARD_K8S_SERVICEACCOUNT_DIR")  # guard.replicas.inference_pool
 
 
 def _check_env_names(env: Mapping[str, str]) -> None:

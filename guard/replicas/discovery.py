@@ -1,6 +1,6 @@
 """Where a running proxy learns its replicas: ``[proxy] replicas_from`` (``--replicas-from``).
 
-Two sources, each read at start-up and then again every ``replicas_from_interval_s``:
+Three sources, each read at start-up; the first two again every ``replicas_from_interval_s``:
 
 * ``file:PATH``: a file listing the replicas, the way a mounted Kubernetes ConfigMap (or any
   config-management tool) updates them. ``*.json``: a JSON array whose items are base URLs or
@@ -11,6 +11,9 @@ Two sources, each read at start-up and then again every ``replicas_from_interval
 * ``dns:NAME:PORT``: the A/AAAA records of ``NAME`` (a Kubernetes headless Service lists one
   per ready pod), each ``http://ADDRESS:PORT`` with the id ``ADDRESS:PORT``. A name that does
   not resolve keeps the replicas last known (a DNS outage is not a fleet leaving).
+* ``inferencepool:[NAMESPACE/]POOL``: the Ready pods of a Gateway API inference extension
+  ``InferencePool``, listed and then watched through the Kubernetes API
+  (:mod:`guard.replicas.inference_pool`); a change is applied as soon as it is seen.
 
 A list that cannot be read or is invalid (bad TOML or JSON, an unknown key, a bad URL, a
 duplicate id, no replica at all) is logged as a warning, once per distinct reason, and
@@ -27,25 +30,28 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 import tomllib
 
 from guard.background import cancel_and_wait
+from guard.replicas.inference_pool import InferencePoolReplicas, parse_pool_ref
 
 if TYPE_CHECKING:
     from guard.config import ReplicaConfig
 
-__all__ = ["DnsReplicas", "FileReplicas", "ReplicaWatcher", "check_replicas_from",
-           "replica_source"]
+__all__ = ["DnsReplicas", "FileReplicas", "ReplicaSource", "ReplicaWatcher", "build_replicas",
+           "check_replicas_from", "replica_source"]
 
 log = logging.getLogger(__name__)
 
 Resolve = Callable[[str, int], list[str]]  # host, port -> the addresses it resolves to
+ReplicaSource = Union["FileReplicas", "DnsReplicas", InferencePoolReplicas]
 
 
 def check_replicas_from(spec: Any) -> None:
-    """ValueError unless ``spec`` is ``file:PATH`` or ``dns:NAME:PORT``."""
+    """ValueError unless ``spec`` is ``file:PATH``, ``dns:NAME:PORT`` or
+    ``inferencepool:[NAMESPACE/]POOL``."""
     _parse(spec)
 
 
@@ -59,16 +65,26 @@ def _parse(spec: Any) -> tuple[str, str, int]:
         name, _, port = rest.rpartition(":")
         if name and port.isdigit() and 0 < int(port) < 65536:
             return "dns", name, int(port)
-    raise ValueError(f"proxy.replicas_from: must be 'file:PATH' or 'dns:NAME:PORT', got {spec!r}")
+    if kind == "inferencepool":
+        try:
+            parse_pool_ref(rest)
+        except ValueError as exc:
+            raise ValueError(f"proxy.replicas_from: {exc}") from None
+        return "inferencepool", rest, 0
+    raise ValueError("proxy.replicas_from: must be 'file:PATH', 'dns:NAME:PORT' or "
+                     f"'inferencepool:[NAMESPACE/]POOL', got {spec!r}")
 
 
 def replica_source(spec: str, state_source: str = "auto",
-                   resolve: Resolve | None = None) -> FileReplicas | DnsReplicas:
+                   resolve: Resolve | None = None) -> ReplicaSource:
     """The source ``spec`` names; ``state_source``: how its replicas publish load (a file's
     entries may say otherwise)."""
     kind, where, port = _parse(spec)
     if kind == "file":
         return FileReplicas(Path(where), state_source)
+    if kind == "inferencepool":
+        namespace, pool = parse_pool_ref(where)
+        return InferencePoolReplicas(namespace, pool, state_source)
     return DnsReplicas(where, port, state_source, resolve)
 
 
@@ -113,7 +129,7 @@ class FileReplicas:
             items = table.get("replicas", [])
         if not isinstance(items, list):
             raise ValueError(f"{self.path}: must list the replicas (an array)")
-        return _replicas(items, self._state_source, str(self.path))
+        return build_replicas(items, self._state_source, str(self.path))
 
 
 class DnsReplicas:
@@ -139,7 +155,7 @@ class DnsReplicas:
             host = f"[{address}]" if ":" in address else address
             items.append({"replica_id": f"{host}:{self.port}",
                           "url": f"http://{host}:{self.port}"})
-        return _replicas(items, self._state_source, self.spec)
+        return build_replicas(items, self._state_source, self.spec)
 
 
 def _getaddrinfo(name: str, port: int) -> list[str]:
@@ -154,7 +170,7 @@ def _address_key(address: str) -> tuple:
         return (9, address)
 
 
-def _replicas(items: list, state_source: str, where: str) -> tuple[ReplicaConfig, ...]:
+def build_replicas(items: list, state_source: str, where: str) -> tuple[ReplicaConfig, ...]:
     from guard.config import GuardConfig, replica_from
 
     replicas = []
@@ -182,9 +198,10 @@ class ReplicaWatcher:
     """Reads ``source`` every ``interval_s`` and calls ``apply(replicas)`` when its list
     changed; ``tick()`` (optional) runs every round as well. An unreadable or invalid list,
     or one ``apply`` refuses (ValueError), is a warning — once per reason — and changes
-    nothing."""
+    nothing. An ``inferencepool:`` source is followed (its watch runs beside the loop) and a
+    change it sees starts the next round at once."""
 
-    def __init__(self, source: FileReplicas | DnsReplicas, interval_s: float,
+    def __init__(self, source: ReplicaSource, interval_s: float,
                  apply: Callable[[tuple[ReplicaConfig, ...]], None],
                  current: tuple[ReplicaConfig, ...],
                  tick: Callable[[], Awaitable[None] | None] | None = None) -> None:
@@ -231,12 +248,30 @@ class ReplicaWatcher:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        while True:
+        following = None
+        if isinstance(self.source, InferencePoolReplicas):  # it watches the API server
+            following = asyncio.ensure_future(self.source.follow())
+        try:
+            while True:
+                await self._pause()
+                try:
+                    await self.check()
+                except Exception:  # the loop outlives any one round
+                    log.exception("replicas_from %s: round failed", self.source.spec)
+        finally:
+            await cancel_and_wait(following)
+
+    async def _pause(self) -> None:
+        """Until the next round: ``interval_s``, or less when a followed source saw a change."""
+        if not isinstance(self.source, InferencePoolReplicas):
             await asyncio.sleep(self._interval_s)
-            try:
-                await self.check()
-            except Exception:  # the loop outlives any one round
-                log.exception("replicas_from %s: round failed", self.source.spec)
+            return
+        updated = self.source.updated
+        try:
+            await asyncio.wait_for(updated.wait(), self._interval_s)
+        except asyncio.TimeoutError:
+            pass
+        updated.clear()
 
     async def stop(self) -> None:
         task, self._task = self._task, None

@@ -23,13 +23,15 @@ from policies.cost import RequestClass, RequestCost
 
 
 @pytest.mark.parametrize("spec", ["file:/x.toml", "dns:kvguard-replicas.ns.svc:8000",
-                                  "dns:[::1]:80"])
+                                  "dns:[::1]:80", "inferencepool:llm-pool",
+                                  "inferencepool:team-a/llm-pool"])
 def test_valid_specs(spec):
     check_replicas_from(spec)
 
 
 @pytest.mark.parametrize("spec", ["", "file:", "dns:name", "dns:name:0", "dns:name:x",
-                                  "http://a", 3])
+                                  "http://a", 3, "inferencepool:", "inferencepool:/pool",
+                                  "inferencepool:a/b/c", "inferencepool:Pool", "k8s:ns/pool"])
 def test_bad_specs_are_refused_by_the_config(spec):
     with pytest.raises(ValueError, match="replicas_from"):
         ProxyConfig(replicas_from=spec)
