@@ -40,8 +40,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "[[replicas]]")
     parser.add_argument("--replicas-from", default=None, metavar="SPEC",
                         help="where the replicas are listed, re-read while running: "
-                             "file:PATH or dns:NAME:PORT, as kvguard proxy's; replaces "
-                             "[proxy] replicas_from (default: none, the replicas are fixed)")
+                             "file:PATH, dns:NAME:PORT or inferencepool:[NAMESPACE/]POOL (the "
+                             "pool's Ready pods, watched through the Kubernetes API with the "
+                             "pod's service account, as the reference EPP finds them), as "
+                             "kvguard proxy's; replaces [proxy] replicas_from (default: none, "
+                             "the replicas are fixed)")
     parser.add_argument("--state-source", choices=("kvguard", "stream", "vllm", "none"),
                         default="kvguard",
                         help="how --upstream replicas publish load (default: kvguard)")

@@ -52,8 +52,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas-from", default=None, metavar="SPEC",
                         help="where the replicas are listed, re-read while running: "
                              "file:PATH (TOML [[replicas]] or a JSON list, as a mounted "
-                             "ConfigMap) or dns:NAME:PORT (a headless Service); replaces "
-                             "[proxy] replicas_from (default: none, the replicas are fixed)")
+                             "ConfigMap), dns:NAME:PORT (a headless Service) or "
+                             "inferencepool:[NAMESPACE/]POOL (the Ready pods of a Gateway API "
+                             "InferencePool, watched through the Kubernetes API with the pod's "
+                             "service account); replaces [proxy] replicas_from (default: none, "
+                             "the replicas are fixed)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="guard TOML (default: $KVGUARD_CONFIG, else built-in defaults)")
     parser.add_argument("--redis", default=None, metavar="URL",

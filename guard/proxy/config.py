@@ -15,8 +15,9 @@
                                    # upstream only when true; a replica's own api_key wins
     relayed_paths = ["/tokenize", "/detokenize", "/version", "/ping", "/v1/models/*"]
                                    # relayed to a replica unpriced but counted (fnmatch)
-    replicas_from = "file:/etc/kvguard/replicas.toml"  # or "dns:NAME:PORT": the replicas
-                                   # are listed there, re-read while running (instead of
+    replicas_from = "file:/etc/kvguard/replicas.toml"  # or "dns:NAME:PORT", or
+                                   # "inferencepool:[NAMESPACE/]POOL": the replicas are
+                                   # listed there, re-read while running (instead of
                                    # [[replicas]]; guard.replicas.discovery)
     replicas_from_interval_s = 1.0 # how often that list is read again
     shared_polling_ttl_s = 2.0     # with redis_url: the proxies in front of the fleet share
