@@ -77,28 +77,42 @@ def test_a_guard_only_install_has_no_torch_and_names_the_extra_a_subcommand_need
 
 def test_the_kubernetes_example_runs_kvguard_epp_with_flags_and_config_it_accepts(tmp_path):
     """deploy/kubernetes/ is not run here (no cluster): what can be checked is that the EPP's
-    arguments are ones `kvguard epp` has, its probes name the EPP's gRPC health services, and
-    the ConfigMap's guard.toml loads."""
+    arguments are ones `kvguard epp` has, its probes name the EPP's gRPC health services, it
+    follows the manifest's own InferencePool with a service account whose Role grants what
+    that reads, and the ConfigMap's guard.toml loads."""
     import yaml
 
     from guard.config import load_config
     from guard.epp import cli as epp_cli
+    from guard.replicas.inference_pool import POOL_APIS
 
     docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/kvguard-epp.yaml").read_text()))
     kinds = {doc["kind"]: doc for doc in docs}
-    assert set(kinds) == {"InferencePool", "ConfigMap", "Deployment", "Service"}
+    assert set(kinds) == {"InferencePool", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
+                          "Deployment", "Service"}
     assert kinds["InferencePool"]["spec"]["endpointPickerRef"]["name"] == "kvguard-epp"
     container = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     parser = argparse.ArgumentParser(prog="kvguard epp", exit_on_error=False)
     epp_cli.configure(parser)
     parsed = parser.parse_args(container["args"])
     assert parsed.port == kinds["InferencePool"]["spec"]["endpointPickerRef"]["port"]["number"]
+    assert parsed.replicas_from == f"inferencepool:{kinds['InferencePool']['metadata']['name']}"
+    account = kinds["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"]
+    binding = kinds["RoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    assert binding["roleRef"]["name"] == kinds["Role"]["metadata"]["name"]
+    granted = {(group, resource, verb) for rule in kinds["Role"]["rules"]
+               for group in rule["apiGroups"] for resource in rule["resources"]
+               for verb in rule["verbs"]}
+    needed = {(api.split("/")[0], "inferencepools", verb) for api in POOL_APIS
+              for verb in ("get", "watch")} | {("", "pods", "list"), ("", "pods", "watch")}
+    assert granted == needed
     assert {container["livenessProbe"]["grpc"]["service"],
             container["readinessProbe"]["grpc"]["service"]} == {"liveness", "readiness"}
     config_path = tmp_path / "guard.toml"
     config_path.write_text(kinds["ConfigMap"]["data"]["guard.toml"])
     config = load_config(str(config_path))
-    assert len(config.replicas) == 2 and config.redis_url is not None
+    assert config.replicas == () and config.redis_url is not None
 
 
 PROXY_MANIFESTS = ROOT / "deploy" / "kubernetes" / "kvguard-proxy.yaml"
