@@ -228,6 +228,7 @@ class InferencePoolReplicas:
         self._read_version = 0  # nothing new until follow() lists
         self.updated = asyncio.Event()  # set on a change (the watcher wakes for it)
         self.num_lists = 0
+        self._failures = 0  # in a row, since a watch was last accepted
         self._last_problem: str | None = None
 
     # --- what the ReplicaWatcher asks -----------------------------------------------------
@@ -317,29 +318,31 @@ class InferencePoolReplicas:
     # --- following the pool ---------------------------------------------------------------
     async def follow(self) -> None:
         """Keep the pool's Ready pods current until cancelled (module docstring)."""
-        api = self._server()
-        failures = 0
-        async with httpx.AsyncClient(**api.client_options()) as client:
-            while True:
-                try:
-                    selection = await self._get_pool(client)
-                    self._select(selection)
-                    failures = 0
-                    pods = asyncio.ensure_future(self._follow_pods(client, selection))
-                    pool = asyncio.ensure_future(self._watch_pool(client, selection))
-                    try:
-                        done, _ = await asyncio.wait((pods, pool),
-                                                     return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        for task in (pods, pool):
-                            task.cancel()
-                        await asyncio.gather(pods, pool, return_exceptions=True)
-                    for task in done:
-                        task.result()  # a watch's failure is this round's
-                except (ApiError, ValueError, httpx.HTTPError, OSError) as exc:
-                    failures += 1
-                    self._problem(f"{type(exc).__name__}: {exc}")
-                    await asyncio.sleep(_backoff_s(failures))
+        while True:
+            try:
+                async with httpx.AsyncClient(**self._server().client_options()) as client:
+                    while True:  # one round per selection of the pool
+                        await self._follow_selection(client, await self._get_pool(client))
+            except (ApiError, ValueError, KeyError, TypeError, httpx.HTTPError,
+                    OSError) as exc:
+                await self._back_off(f"{type(exc).__name__}: {exc}")
+
+    async def _follow_selection(self, client: httpx.AsyncClient, selection: PoolSpec) -> None:
+        """Follow the pods ``selection`` selects until the pool selects differently (return)
+        or a watch fails (raise)."""
+        if self._selection is not None and not self._selection.same_selection(selection):
+            log.info("%s: the pool now selects %s on ports %s", self.spec,
+                     selection.label_selector(), ",".join(map(str, selection.ports)))
+        pods = asyncio.ensure_future(self._follow_pods(client, selection))
+        pool = asyncio.ensure_future(self._watch_pool(client, selection))
+        try:
+            done, _ = await asyncio.wait((pods, pool), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pods, pool):
+                task.cancel()
+            await asyncio.gather(pods, pool, return_exceptions=True)
+        for task in done:
+            task.result()  # a watch's failure is this round's
 
     async def _get_pool(self, client: httpx.AsyncClient) -> PoolSpec:
         api = self._server()
@@ -352,61 +355,49 @@ class InferencePoolReplicas:
             return pool_spec(response.json(), version, self.spec)
         raise self._not_found()
 
-    def _select(self, selection: PoolSpec) -> None:
-        if self._selection is not None and not self._selection.same_selection(selection):
-            log.info("%s: the pool now selects %s on ports %s", self.spec,
-                     selection.label_selector(), ",".join(map(str, selection.ports)))
-            self._version += 1  # the same pods on other ports are other replicas
-            self.updated.set()
-        self._selection = selection
-
     async def _follow_pods(self, client: httpx.AsyncClient, selection: PoolSpec) -> None:
         """List the pool's pods, then watch them; relist on 410, resume after a drop."""
-        selector = selection.label_selector()
         version: str | None = None
-        failures = 0
         while True:
             try:
                 if version is None:
-                    version = await self._list_pods(client, selector)
+                    version = await self._list_pods(client, selection)
                 async for event in self._watch(client, self._pods_path(),
-                                               {"labelSelector": selector}, version):
+                                               {"labelSelector": selection.label_selector()},
+                                               version):
                     version = event["object"]["metadata"].get("resourceVersion") or version
-                    failures = 0
                     if event["type"] != "BOOKMARK":
                         self._pod_event(event["type"], event["object"])
-                failures = 0  # the server ended the watch (its timeout): resume
             except Gone:
                 log.info("%s: pods resourceVersion %s expired (410): listing again", self.spec,
                          version)
                 version = None
             except httpx.TransportError as exc:
-                failures += 1
-                self._problem(f"pod watch dropped ({type(exc).__name__}): resuming")
-                await asyncio.sleep(_backoff_s(failures))
+                await self._back_off(f"pod watch dropped ({type(exc).__name__}): resuming")
 
-    async def _list_pods(self, client: httpx.AsyncClient, selector: str) -> str:
+    async def _list_pods(self, client: httpx.AsyncClient, selection: PoolSpec) -> str:
+        """List the pods ``selection`` selects: they, on its ports, are the replicas now."""
         response = await client.get(self._pods_path(), headers=self._server().headers(),
-                                    params={"labelSelector": selector})
+                                    params={"labelSelector": selection.label_selector()})
         if response.status_code != 200:
             raise _error_of(response, response.content)
         listing = response.json()
         self.num_lists += 1
-        self._set_pods(listing.get("items") or [])
+        reselected = self._selection is None or not self._selection.same_selection(selection)
+        self._selection = selection  # with its pods, at once: never old pods on new ports
+        self._set_pods(listing.get("items") or [], force=reselected)
         return str(listing.get("metadata", {}).get("resourceVersion", ""))
 
     async def _watch_pool(self, client: httpx.AsyncClient, selection: PoolSpec) -> None:
         """Return once the pool selects differently; ValueError once it is deleted."""
         path = self._pool_path(selection.api).rsplit("/", 1)[0]
         version = selection.resource_version
-        failures = 0
         while True:
             try:
                 async for event in self._watch(client, path,
                                                {"fieldSelector": f"metadata.name={self.pool}"},
                                                version):
                     version = event["object"]["metadata"].get("resourceVersion") or version
-                    failures = 0
                     if event["type"] == "DELETED":
                         raise ValueError(f"{self.spec}: the InferencePool was deleted; the "
                                          "replicas stay as they were")
@@ -419,9 +410,18 @@ class InferencePoolReplicas:
                 if not new.same_selection(selection):
                     return
                 version = new.resource_version
-            except httpx.TransportError:
-                failures += 1
-                await asyncio.sleep(_backoff_s(failures))
+            except httpx.TransportError as exc:
+                await self._back_off(f"pool watch dropped ({type(exc).__name__}): resuming")
+
+    async def _back_off(self, reason: str) -> None:
+        """Log ``reason`` (once while it repeats) and wait: 0.1 s after the first failure since
+        a watch was last accepted, doubling up to MAX_BACKOFF_S."""
+        self._failures += 1
+        if reason != self._last_problem:
+            self._last_problem = reason
+            log.warning("replicas_from %s: %s (the replicas stay as they were; retrying)",
+                        self.spec, reason)
+        await asyncio.sleep(min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (self._failures - 1)))
 
     async def _watch(self, client: httpx.AsyncClient, path: str, params: dict[str, str],
                      version: str) -> AsyncIterator[dict[str, Any]]:
@@ -434,6 +434,7 @@ class InferencePoolReplicas:
                                  timeout=timeout) as response:
             if response.status_code != 200:
                 raise _error_of(response, await response.aread())
+            self._failures = 0  # accepted: the next failure starts the backoff anew
             async for line in response.aiter_lines():
                 if not line.strip():
                     continue
@@ -445,9 +446,9 @@ class InferencePoolReplicas:
                 yield event
 
     # --- the pod set ----------------------------------------------------------------------
-    def _set_pods(self, pods: list[dict[str, Any]]) -> None:
+    def _set_pods(self, pods: list[dict[str, Any]], force: bool = False) -> None:
         self._pods = {pod["metadata"]["name"]: ready_ip(pod) for pod in pods}
-        self._pods_changed()
+        self._pods_changed(force)
 
     def _pod_event(self, kind: str, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]
@@ -457,20 +458,10 @@ class InferencePoolReplicas:
             self._pods[name] = ready_ip(pod)
         self._pods_changed()
 
-    def _pods_changed(self) -> None:
+    def _pods_changed(self, force: bool = False) -> None:
         ips = tuple(sorted({ip for ip in self._pods.values() if ip}, key=_ip_key))
-        if ips != self._ips:
+        if ips != self._ips or force:
             self._ips = ips
             self._version += 1
             self.updated.set()
         self._last_problem = None
-
-    def _problem(self, reason: str) -> None:
-        if reason != self._last_problem:
-            self._last_problem = reason
-            log.warning("replicas_from %s: %s (the replicas stay as they were; retrying)",
-                        self.spec, reason)
-
-
-def _backoff_s(failures: int) -> float:
-    return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** max(0, failures - 1))
