@@ -160,16 +160,16 @@ def pool_spec(obj: Any, api: str, where: str) -> PoolSpec:
     """The pool object's selector and ports; ValueError naming what is missing."""
     spec = obj.get("spec") if isinstance(obj, dict) else None
     if not isinstance(spec, dict):
-        raise ValueError(f"{where}: has no spec")
+        raise ValueError(f"{where} has no spec")
     selector = spec.get("selector")
     if api.endswith("/v1") and isinstance(selector, dict):
         if selector.get("matchExpressions"):
-            raise ValueError(f"{where}: selector.matchExpressions is not supported "
+            raise ValueError(f"{where}: spec.selector.matchExpressions is not supported "
                              "(matchLabels only)")
         selector = selector.get("matchLabels")
     if not isinstance(selector, dict) or not selector or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in selector.items()):
-        raise ValueError(f"{where}: has no pod selector (spec.selector"
+        raise ValueError(f"{where} has no pod selector (spec.selector"
                          f"{'.matchLabels' if api.endswith('/v1') else ''} names no label)")
     if api.endswith("/v1"):
         ports = [p.get("number") if isinstance(p, dict) else None
@@ -178,7 +178,7 @@ def pool_spec(obj: Any, api: str, where: str) -> PoolSpec:
         ports = [spec.get("targetPortNumber")]
     if not ports or not all(isinstance(p, int) and 0 < p < 65536 for p in ports):
         field = "targetPorts[].number" if api.endswith("/v1") else "targetPortNumber"
-        raise ValueError(f"{where}: has no target port (spec.{field})")
+        raise ValueError(f"{where} has no target port (spec.{field})")
     version = str(obj.get("metadata", {}).get("resourceVersion", ""))
     return PoolSpec(api, tuple(sorted(selector.items())), tuple(ports), version)
 
@@ -260,10 +260,7 @@ class InferencePoolReplicas:
     # --- the requests ---------------------------------------------------------------------
     def _server(self) -> ApiServer:
         if self._api is None:
-            try:
-                self._api = ApiServer.from_env()
-            except ValueError as exc:
-                raise ValueError(f"{self.spec}: {exc}") from None
+            self._api = ApiServer.from_env()
         if self._namespace is None:
             self._namespace = self._api.namespace()
         return self._api
@@ -274,9 +271,11 @@ class InferencePoolReplicas:
     def _pods_path(self) -> str:
         return f"/api/v1/namespaces/{self._namespace}/pods"
 
+    def _described(self) -> str:
+        return f"{self.spec}: InferencePool {self._namespace}/{self.pool}"
+
     def _not_found(self) -> ValueError:
-        return ValueError(f"{self.spec}: InferencePool {self._namespace}/{self.pool} not found "
-                          f"(looked in {' and '.join(POOL_APIS)})")
+        return ValueError(f"{self._described()} not found (looked in {' and '.join(POOL_APIS)})")
 
     def _refused(self, what: str, exc: ApiError) -> ValueError:
         hint = (" (the service account needs get/watch on inferencepools and list/watch on "
@@ -284,27 +283,32 @@ class InferencePoolReplicas:
                 if exc.status in (401, 403) else "")
         return ValueError(f"{self.spec}: {what}: {exc}{hint}")
 
+    def _pool_answer(self, response: httpx.Response, api: str) -> PoolSpec | None:
+        """The pool from a GET of it under ``api``; None: not there (404)."""
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise _error_of(response, response.content)
+        return pool_spec(response.json(), api, self._described())
+
     def _read_once(self) -> None:
-        api = self._server()
+        """One GET of the pool and one list of its pods, blocking (start-up, before the
+        event loop serves anything); every failure a ValueError that names this source."""
         try:
-            options = api.client_options()
-        except ValueError as exc:
-            raise ValueError(f"{self.spec}: {exc}") from None
-        try:
-            with httpx.Client(**options) as client:
+            server = self._server()
+            with httpx.Client(**server.client_options()) as client:
                 selection = None
-                for version in POOL_APIS:
-                    response = client.get(self._pool_path(version), headers=api.headers())
-                    if response.status_code == 404:
-                        continue
-                    if response.status_code != 200:
-                        raise self._refused("cannot read the InferencePool",
-                                            _error_of(response, response.content))
-                    selection = pool_spec(response.json(), version, self.spec)
-                    break
+                for api in POOL_APIS:
+                    try:
+                        selection = self._pool_answer(
+                            client.get(self._pool_path(api), headers=server.headers()), api)
+                    except ApiError as exc:
+                        raise self._refused("cannot read the InferencePool", exc) from None
+                    if selection is not None:
+                        break
                 if selection is None:
                     raise self._not_found()
-                response = client.get(self._pods_path(), headers=api.headers(),
+                response = client.get(self._pods_path(), headers=server.headers(),
                                       params={"labelSelector": selection.label_selector()})
                 if response.status_code != 200:
                     raise self._refused("cannot list the pool's pods",
@@ -312,8 +316,12 @@ class InferencePoolReplicas:
                 self._selection = selection
                 self._set_pods(response.json().get("items") or [])
         except httpx.HTTPError as exc:
-            raise ValueError(f"{self.spec}: cannot reach the Kubernetes API at {api.url}: "
-                             f"{exc}") from None
+            raise ValueError(f"{self.spec}: cannot reach the Kubernetes API at "
+                             f"{self._api.url if self._api else '?'}: {exc}") from None
+        except ValueError as exc:
+            if str(exc).startswith(self.spec):
+                raise
+            raise ValueError(f"{self.spec}: {exc}") from None
 
     # --- following the pool ---------------------------------------------------------------
     async def follow(self) -> None:
@@ -345,14 +353,11 @@ class InferencePoolReplicas:
             task.result()  # a watch's failure is this round's
 
     async def _get_pool(self, client: httpx.AsyncClient) -> PoolSpec:
-        api = self._server()
-        for version in POOL_APIS:
-            response = await client.get(self._pool_path(version), headers=api.headers())
-            if response.status_code == 404:
-                continue
-            if response.status_code != 200:
-                raise _error_of(response, response.content)
-            return pool_spec(response.json(), version, self.spec)
+        for api in POOL_APIS:
+            response = await client.get(self._pool_path(api), headers=self._server().headers())
+            selection = self._pool_answer(response, api)
+            if selection is not None:
+                return selection
         raise self._not_found()
 
     async def _follow_pods(self, client: httpx.AsyncClient, selection: PoolSpec) -> None:
@@ -402,7 +407,7 @@ class InferencePoolReplicas:
                         raise ValueError(f"{self.spec}: the InferencePool was deleted; the "
                                          "replicas stay as they were")
                     if event["type"] in ("ADDED", "MODIFIED"):
-                        new = pool_spec(event["object"], selection.api, self.spec)
+                        new = pool_spec(event["object"], selection.api, self._described())
                         if not new.same_selection(selection):
                             return
             except Gone:

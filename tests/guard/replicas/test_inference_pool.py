@@ -228,6 +228,10 @@ def test_an_older_v1alpha2_pool_is_read_as_well(kube):
     (pool_v1("llm-pool", None, [8000]), "has no pod selector"),
     (pool_v1("llm-pool", {}, [8000]), "has no pod selector"),
     (pool_v1("llm-pool", APP, []), "has no target port"),
+    ({**pool_v1("llm-pool", APP, [8000]), "spec": {
+        "selector": {"matchLabels": APP, "matchExpressions": [
+            {"key": "tier", "operator": "In", "values": ["gpu"]}]},
+        "targetPorts": [{"number": 8000}]}}, "matchExpressions is not supported"),
     (pool_v1("llm-pool", {"app": "nothing-runs-this"}, [8000]), "no Ready pod"),
 ])
 def test_a_bad_pool_is_a_clear_error_at_start(kube, pool, reason):
@@ -271,3 +275,26 @@ def test_in_a_pod_it_finds_the_api_server_and_namespace_from_the_environment(kub
     (kube.account / "ca.crt").write_bytes((other / "ca.crt").read_bytes())
     with pytest.raises(ValueError, match="inferencepool:llm-pool: cannot reach.*CERTIFICATE_VERIFY"):
         config_with_upstreams(None, [], "vllm", None, "inferencepool:llm-pool")
+
+
+@pytest.mark.parametrize("pool, line", [
+    (None, "kvguard epp: error: inferencepool:llm-pool: InferencePool default/llm-pool not found "
+           "(looked in inference.networking.k8s.io/v1 and inference.networking.x-k8s.io/v1alpha2)"),
+    (pool_v1("llm-pool", None, [8000]),
+     "kvguard epp: error: inferencepool:llm-pool: InferencePool default/llm-pool has no pod "
+     "selector (spec.selector.matchLabels names no label)"),
+])
+def test_kvguard_epp_refuses_to_start_on_a_bad_pool_with_one_clear_line(kube, monkeypatch,
+                                                                         capsys, pool, line):
+    if not kube.url.startswith("https"):
+        pytest.skip("needs the openssl command for the API server's certificate")
+    from guard.cli import main
+
+    if pool is not None:
+        kube.put_pool(pool)
+    kube.put_pod(pod("a", "127.0.1.1"))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(kube.port))
+    monkeypatch.setenv("KVGUARD_K8S_SERVICEACCOUNT_DIR", str(kube.account))
+    assert main(["epp", "--replicas-from", "inferencepool:llm-pool", "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == line
