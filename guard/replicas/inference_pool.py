@@ -227,7 +227,6 @@ class InferencePoolReplicas:
         self._version = 0  # bumped whenever the pool's endpoints change
         self._read_version = 0  # nothing new until follow() lists
         self.updated = asyncio.Event()  # set on a change (the watcher wakes for it)
-        self.num_lists = 0
         self._failures = 0  # in a row, since a watch was last accepted
         self._last_problem: str | None = None
 
@@ -387,7 +386,6 @@ class InferencePoolReplicas:
         if response.status_code != 200:
             raise _error_of(response, response.content)
         listing = response.json()
-        self.num_lists += 1
         reselected = self._selection is None or not self._selection.same_selection(selection)
         self._selection = selection  # with its pods, at once: never old pods on new ports
         self._set_pods(listing.get("items") or [], force=reselected)
