@@ -163,7 +163,8 @@ def test_the_token_is_read_again_once_rotated(kube):
 
     async def main():
         async with Following(_source(kube)) as f:
-            await _until(lambda: kube.watches("/pods"))
+            # both watches open (the pool's too), so no request read the old token after this
+            await _until(lambda: kube.watches("/pods") and kube.watches("/inferencepools"))
             (kube.account / "token").write_text("token-2\n")  # the kubelet rotates it
             kube.tokens = {"token-2"}  # and the old one expires
             seen = len(kube.requests)
