@@ -177,7 +177,7 @@ def _topology(spec: ScenarioSpec, settings: RunSettings, toml: str,
                         replica_args=(*settings.engine_args(), *steps),
                         num_proxies=spec.proxies, proxy_args=("--config", toml),
                         redis=spec.redis, niceness=FLEET_NICENESS, num_epps=spec.epps,
-                        entry_envoy=spec.entry_balancer == "envoy")
+                        entry_envoy=spec.entry_balancer == "envoy", split=spec.epp_split)
 
 
 def fault_window(spec: ScenarioSpec, settings: RunSettings,
@@ -288,7 +288,8 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
                                 if e.kind == "proxy_kill" and e.action == "kill"],
                             killed_entries=killed, replica_kills_s=[
                                 e.t_s for e in events
-                                if e.kind in KILL_KINDS and e.action == "kill"])
+                                if e.kind in KILL_KINDS and e.action == "kill"],
+                            behind_gateway=spec.epps > 0)
     if envoy_entry is not None:
         verdict["envoy_entry"] = envoy_entry
         log(f"  {policy}: the entry Envoy: {envoy_entry}")
