@@ -19,6 +19,7 @@ from pathlib import Path
 from chaos.clients import ClientConfig
 from chaos.cost_inputs import fates_from_users
 from chaos.envoy_entry import entry_stats
+from chaos.envoy_front import front_stats
 from chaos.faults import KILL_KINDS, Fault, FaultEvent, inject, scaled
 from chaos.goodput import Window
 from chaos.hot_prefix import hot_replica_probe
@@ -277,6 +278,8 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
         result, events, t0_s = asyncio.run(_drive(specs, kinds, cfgs, run_cfg, plan, topo, hot))
         envoy_entry = None if not spec.entry_balancer == "envoy" else entry_stats(
             topo.envoy_admin_url, out / "envoy-entry-stats.txt")
+        envoy_front = None if not spec.epps else front_stats(
+            topo.envoy_admin_url, out / "envoy-front-stats.txt")
     if result.entries.get("failovers"):
         log(f"  {policy}: the entry balancer sent {result.entries['failovers']} refused "
             f"connect(s) on to another entry ({result.entries['connect_failures']})")
@@ -293,6 +296,9 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
     if envoy_entry is not None:
         verdict["envoy_entry"] = envoy_entry
         log(f"  {policy}: the entry Envoy: {envoy_entry}")
+    if envoy_front is not None:
+        verdict["envoy_front"] = envoy_front
+        log(f"  {policy}: Envoy's EPP cluster: {envoy_front}")
     verdict["cost"] = run_cost(spec, settings, result.users, window, t0_s, out, num_replicas,
                                max(1, spec.proxies + spec.epps))
     verdict["generator"] = {"cpu_percent_of_one_core": result.load.cpu_percent,

@@ -137,7 +137,7 @@ class Topology:
     """The running fleet: ``replicas``, ``proxies``, ``epps`` and ``redis`` (a
     :class:`ChildProcess` each, ``redis`` None unless requested), ``envoy`` in front of the
     EPPs when there are any, or of the proxies with ``spec.entry_envoy`` (its admin page at
-    ``envoy_admin_url``). ``with Topology(spec) as fleet:`` starts it."""
+    ``envoy_admin_url`` either way). ``with Topology(spec) as fleet:`` starts it."""
 
     def __init__(self, spec: TopologySpec | None = None) -> None:
         self.spec = spec or TopologySpec()
@@ -209,8 +209,11 @@ class Topology:
                      for index in range(spec.num_epps)]
         _at_once(lambda child: child.start(spec.start_timeout_s), self.epps)
         self._envoy_dir = tempfile.TemporaryDirectory(prefix="kvguard-envoy-")
+        admin_port = free_port()
         self.envoy = envoy_child([e.port for e in self.epps], Path(self._envoy_dir.name),
-                                 niceness=spec.niceness, split=spec.split)
+                                 niceness=spec.niceness, split=spec.split,
+                                 admin_port=admin_port)
+        self.envoy_admin_url = f"http://127.0.0.1:{admin_port}"
         self.envoy.start(spec.start_timeout_s)
 
     def _replica_child(self, index: int) -> ChildProcess:

@@ -12,7 +12,7 @@ import pytest
 import redis
 from epp_helpers import MODEL, REPLICA_ARGS, metric, until, write_config
 
-from chaos.envoy_front import epp_metrics_url
+from chaos.envoy_front import epp_metrics_url, front_stats
 from chaos.topology import Topology, TopologySpec
 
 pytestmark = pytest.mark.slow
@@ -98,6 +98,9 @@ def test_killing_the_epp_that_decided_a_running_stream(client, tmp_path_factory,
         time.sleep(EJECTION_OVER_S)  # the dead EPP's outlier ejection is over
         later = [client.post(url + "/v1/completions", json=SHORT).status_code for _ in range(8)]
         assert later == [200] * 8, later
+        # what kept it out: Envoy's health checks, which kept running and found it down
+        stats = front_stats(fleet.envoy_admin_url, tmp_path_factory.mktemp("stats") / "s.txt")
+        assert stats["health_check.network_failure"] > 0, stats
 
         assert until(lambda: metric(client, survivor, "kvguard_held_tickets") == 0)
         if split:
