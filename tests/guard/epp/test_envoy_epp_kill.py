@@ -118,7 +118,6 @@ def test_killing_the_epp_that_decided_a_running_stream(client, tmp_path_factory,
             store.close()
 
 
-
 @pytest.mark.parametrize("split", [False, True], ids=["one filter", "split"])
 def test_a_stream_cut_at_a_replica_kill_is_closed_to_the_client_without_delay(tmp_path, split):
     """When a replica dies mid-body Envoy resets the client's stream (no filter can write an
