@@ -5,6 +5,7 @@ observability mode). Real sim replicas, Redis, Envoy and EPPs on loopback."""
 
 import json
 import re
+import signal
 import socket
 import time
 
@@ -12,7 +13,7 @@ import pytest
 import redis
 from epp_helpers import MODEL, REPLICA_ARGS, metric, until, write_config
 
-from chaos.envoy_front import envoy_config, epp_metrics_url, front_stats
+from chaos.envoy_front import envoy_child, envoy_config, epp_child, epp_metrics_url, front_stats
 from chaos.ports import free_port
 from chaos.topology import Topology, TopologySpec
 
@@ -116,6 +117,42 @@ def test_killing_the_epp_that_decided_a_running_stream(client, tmp_path_factory,
             assert until(lambda: _shared_entries(store) == 0, timeout_s=LEASE_S + 5.0)
         finally:
             store.close()
+
+
+STALL_S = 1.5  # an EPP kept off the CPU this long misses one or two health checks (0.5 s each)
+
+
+def test_a_stalled_survivor_keeps_the_dead_epp_out(fleet, config, client, tmp_path_factory):
+    """With one EPP dead, the survivor misses its health checks for a while (stopped: as a
+    process kept off the CPU on a loaded machine). Had that marked it unhealthy, Envoy would
+    have had no healthy EPP and sent streams to both in panic mode, the dead one's each a 500.
+    Timeouts and refused connects count toward ``unhealthy_threshold`` (3): the survivor stays
+    in, the dead EPP stays out (an EPP that answers NOT_SERVING, draining, is out at once)."""
+    epps = [epp_child(fleet.replica_urls, config=config, name=f"epp-{i}").start(60)
+            for i in range(2)]
+    try:
+        admin_port = free_port()
+        envoy = envoy_child([e.port for e in epps], tmp_path_factory.mktemp("envoy-stall"),
+                            admin_port=admin_port).start(60)
+        try:
+            epps[0].kill()
+            first = [client.post(envoy.url + "/v1/completions", json=SHORT).status_code
+                     for _ in range(4)]
+            assert first.count(500) <= 1, first  # the stream that ejected it
+            epps[1].proc.send_signal(signal.SIGSTOP)
+            time.sleep(STALL_S)
+            epps[1].proc.send_signal(signal.SIGCONT)
+            after = [client.post(envoy.url + "/v1/completions", json=SHORT).status_code
+                     for _ in range(8)]
+            assert after == [200] * 8, after
+            stats = front_stats(f"http://127.0.0.1:{admin_port}",
+                                tmp_path_factory.mktemp("stats") / "s.txt")
+            assert stats["lb_healthy_panic"] == 0, stats
+        finally:
+            envoy.close()
+    finally:
+        for epp in epps:
+            epp.close()
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one filter", "split"])
