@@ -66,7 +66,8 @@ def _list() -> int:
         missing = missing_dependencies(spec, SUBCOMMANDS)
         front = (f"{spec.proxies} proxy(ies)" + (" behind Envoy" if spec.entry_balancer == "envoy"
                                                   else "") if spec.proxies else
-                 f"Envoy + {spec.epps} kvguard epp" if spec.epps else "in-process guard")
+                 f"Envoy{' (split)' if spec.epp_split else ''} + {spec.epps} kvguard epp"
+                 if spec.epps else "in-process guard")
         topo = (f"{spec.replicas} replica(s), " + front
                 + (", redis" if spec.redis else ""))
         state = "ready" if not missing else "UNAVAILABLE: " + "; ".join(missing)

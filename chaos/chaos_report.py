@@ -53,9 +53,14 @@ def _policy_checks(policy: str, v: Mapping, time_scale: float, redis_down: bool)
     if a is not None:
         out["attempts_per_sdk_user"] = _check(a, a <= 1.10, "<= 1.10")
     cut = v.get("num_cut_by_proxy_kill") or 0
-    out["num_lost"] = _check(v["num_lost"], v["num_lost"] - cut == 0,
-                             f"0 besides the {cut} stream(s) cut by the proxy kill" if cut
-                             else "0")
+    at_gateway = v.get("num_cut_by_replica_kill_at_gateway") or 0
+    besides = [f"the {cut} stream(s) cut by the proxy kill"] if cut else []
+    if at_gateway:
+        besides.append(f"the {at_gateway} stream(s) Envoy cut mid-body when their replica was "
+                       "killed (no gateway policy can save them: nothing can write an error "
+                       "event first)")
+    out["num_lost"] = _check(v["num_lost"], v["num_lost"] - cut - at_gateway == 0,
+                             f"0 besides {' and '.join(besides)}" if besides else "0")
     return out
 
 
@@ -84,8 +89,11 @@ def _fmt(x, digits: int = 2) -> str:
 
 def _lost(v: Mapping) -> str:
     cut = v.get("num_cut_by_proxy_kill") or 0
+    at_gateway = v.get("num_cut_by_replica_kill_at_gateway") or 0
+    parts = ([f"{cut} cut by the proxy kill"] if cut else []) + (
+        [f"{at_gateway} cut by Envoy at the replica kill"] if at_gateway else [])
     n = v["outcomes"]["lost"]
-    return f"{n} ({cut} cut by the proxy kill)" if cut else str(n)
+    return f"{n} ({', '.join(parts)})" if parts else str(n)
 
 
 def _error(v: Mapping) -> str:

@@ -23,14 +23,11 @@ The admission decisions stay the proxies': Envoy's thresholds are set out of the
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
 from chaos.child import ChildProcess
-from chaos.envoy_front import envoy_binary
+from chaos.envoy_front import cluster_stats, envoy_binary
 from chaos.ports import free_port
 from chaos.topology import http_health
 
@@ -42,7 +39,6 @@ ENTRY_STATS: tuple[str, ...] = (
     "health_check.failure", "health_check.network_failure", "outlier_detection.ejections_enforced_total",
     "upstream_cx_connect_fail", "upstream_rq_retry", "upstream_rq_retry_success",
     "upstream_cx_destroy_remote_with_active_rq")
-_STATS_FILTER = r"^cluster\.proxies\."
 _OPEN = {"max_connections": 40000, "max_pending_requests": 40000, "max_requests": 40000,
          "max_retries": 40000}
 
@@ -141,17 +137,4 @@ def entry_child(proxy_urls: Sequence[str], directory: Path, admin_port: int, *,
 def entry_stats(admin_url: str, path: Path) -> dict:
     """The entry Envoy's ``cluster.proxies.*`` stats: all of them written to ``path``,
     :data:`ENTRY_STATS` returned (``{"error": ...}`` when the admin page did not answer)."""
-    url = f"{admin_url}/stats?filter={urllib.parse.quote(_STATS_FILTER)}"
-    try:
-        with urllib.request.urlopen(url, timeout=5.0) as response:
-            text = response.read().decode()
-    except (OSError, urllib.error.URLError) as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
-    path.write_text(text)
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(": ")
-        key = name.removeprefix("cluster.proxies.")
-        if key in ENTRY_STATS and value.strip().isdigit():
-            values[key] = int(value)
-    return values
+    return cluster_stats(admin_url, "proxies", ENTRY_STATS, path)

@@ -19,6 +19,9 @@ import re
 import shutil
 import socket
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,9 +30,10 @@ from chaos.envoy_breaker import CircuitBreaker
 from chaos.ports import free_port
 from chaos.topology import http_health
 
-__all__ = ["ADAPTIVE_CONCURRENCY", "ENVOY_CONFIG", "OVERRIDE_HOST_CONFIG", "SPLIT_CONFIG",
-           "accepts_connections", "envoy_alone_config", "envoy_binary", "envoy_child",
-           "envoy_config", "epp_child", "epp_id", "epp_metrics_url"]
+__all__ = ["ADAPTIVE_CONCURRENCY", "ENVOY_CONFIG", "FRONT_STATS", "OVERRIDE_HOST_CONFIG",
+           "SPLIT_CONFIG", "accepts_connections", "cluster_stats", "envoy_alone_config",
+           "envoy_binary", "envoy_child", "envoy_config", "epp_child", "epp_id",
+           "epp_metrics_url", "front_stats"]
 
 ENVOY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml"
 # the response path off the first token: a decision filter and an observer filter
@@ -37,6 +41,13 @@ SPLIT_CONFIG = ENVOY_CONFIG.with_name("envoy-split.yaml")
 # the replicas cluster and route retries for fallback endpoints (`kvguard epp --fallbacks N`)
 OVERRIDE_HOST_CONFIG = ENVOY_CONFIG.with_name("override-host.yaml")
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+# what a chaos run keeps of the EPP cluster's counters (all of them go to a file beside it):
+# how often Envoy found an EPP down, ejected one, or sent streams to all of them at once
+# because too few were healthy (panic), and how many streams to an EPP failed to connect
+FRONT_STATS: tuple[str, ...] = (
+    "health_check.attempt", "health_check.failure", "health_check.network_failure",
+    "lb_healthy_panic", "outlier_detection.ejections_enforced_total",
+    "upstream_cx_connect_fail", "upstream_rq_total")
 OBSERVER_FILTER = "kvguard.observer"  # the split config's observer
 
 
@@ -205,7 +216,7 @@ def envoy_alone_config(directory: Path, *, listener_port: int, admin_port: int,
 
 
 def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow: bool = False,
-                port: int = 0, alone_upstreams: Sequence[str] = (),
+                port: int = 0, admin_port: int = 0, alone_upstreams: Sequence[str] = (),
                 adaptive_concurrency: bool = False, niceness: int = 0,
                 fallback_replicas: Sequence[str] = (), split: bool = False,
                 circuit_breaker: CircuitBreaker | None = None) -> ChildProcess:
@@ -214,9 +225,10 @@ def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow
     (``ip:port`` each): no EPP at all, requests spread over those replicas, with Envoy's
     adaptive concurrency filter or ``circuit_breaker`` when asked (:func:`envoy_alone_config`).
     ``fallback_replicas`` (``ip:port`` each): override-host load balancing over them, for an
-    EPP that names fallback endpoints; ``split``: the split config (:func:`envoy_config`)."""
+    EPP that names fallback endpoints; ``split``: the split config (:func:`envoy_config`).
+    ``admin_port``: its admin page's (0: a free one)."""
     listener_port = port or free_port()
-    admin_port = free_port()
+    admin_port = admin_port or free_port()
     if alone_upstreams:
         path = envoy_alone_config(directory, listener_port=listener_port,
                                   admin_port=admin_port, upstreams=alone_upstreams,
@@ -264,6 +276,32 @@ def epp_metrics_url(epp: ChildProcess) -> str:
     if match is None:
         raise RuntimeError(f"{epp.name} printed no metrics URL:\n{epp.output()[-2000:]}")
     return match.group(1)
+
+
+def cluster_stats(admin_url: str, cluster: str, keys: Sequence[str], path: Path) -> dict:
+    """An Envoy cluster's ``cluster.<cluster>.*`` stats: all of them written to ``path``, those
+    named in ``keys`` returned (``{"error": ...}`` when the admin page did not answer)."""
+    prefix = f"cluster.{cluster}."
+    url = f"{admin_url}/stats?filter={urllib.parse.quote('^' + re.escape(prefix))}"
+    try:
+        with urllib.request.urlopen(url, timeout=5.0) as response:
+            text = response.read().decode()
+    except (OSError, urllib.error.URLError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    path.write_text(text)
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        key = name.removeprefix(prefix)
+        if key in keys and value.strip().isdigit():
+            values[key] = int(value)
+    return values
+
+
+def front_stats(admin_url: str, path: Path) -> dict:
+    """The EPP cluster's counters of Envoy in front of the EPPs (:data:`FRONT_STATS`), all of
+    them written to ``path``."""
+    return cluster_stats(admin_url, "kvguard_epp", FRONT_STATS, path)
 
 
 def accepts_connections(url: str) -> bool:

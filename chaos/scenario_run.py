@@ -19,6 +19,7 @@ from pathlib import Path
 from chaos.clients import ClientConfig
 from chaos.cost_inputs import fates_from_users
 from chaos.envoy_entry import entry_stats
+from chaos.envoy_front import front_stats
 from chaos.faults import KILL_KINDS, Fault, FaultEvent, inject, scaled
 from chaos.goodput import Window
 from chaos.hot_prefix import hot_replica_probe
@@ -177,7 +178,7 @@ def _topology(spec: ScenarioSpec, settings: RunSettings, toml: str,
                         replica_args=(*settings.engine_args(), *steps),
                         num_proxies=spec.proxies, proxy_args=("--config", toml),
                         redis=spec.redis, niceness=FLEET_NICENESS, num_epps=spec.epps,
-                        entry_envoy=spec.entry_balancer == "envoy")
+                        entry_envoy=spec.entry_balancer == "envoy", split=spec.epp_split)
 
 
 def fault_window(spec: ScenarioSpec, settings: RunSettings,
@@ -277,6 +278,8 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
         result, events, t0_s = asyncio.run(_drive(specs, kinds, cfgs, run_cfg, plan, topo, hot))
         envoy_entry = None if not spec.entry_balancer == "envoy" else entry_stats(
             topo.envoy_admin_url, out / "envoy-entry-stats.txt")
+        envoy_front = None if not spec.epps else front_stats(
+            topo.envoy_admin_url, out / "envoy-front-stats.txt")
     if result.entries.get("failovers"):
         log(f"  {policy}: the entry balancer sent {result.entries['failovers']} refused "
             f"connect(s) on to another entry ({result.entries['connect_failures']})")
@@ -288,10 +291,14 @@ def run_policy(spec: ScenarioSpec, settings: RunSettings, policy: str, capacity_
                                 if e.kind == "proxy_kill" and e.action == "kill"],
                             killed_entries=killed, replica_kills_s=[
                                 e.t_s for e in events
-                                if e.kind in KILL_KINDS and e.action == "kill"])
+                                if e.kind in KILL_KINDS and e.action == "kill"],
+                            behind_gateway=spec.epps > 0)
     if envoy_entry is not None:
         verdict["envoy_entry"] = envoy_entry
         log(f"  {policy}: the entry Envoy: {envoy_entry}")
+    if envoy_front is not None:
+        verdict["envoy_front"] = envoy_front
+        log(f"  {policy}: Envoy's EPP cluster: {envoy_front}")
     verdict["cost"] = run_cost(spec, settings, result.users, window, t0_s, out, num_replicas,
                                max(1, spec.proxies + spec.epps))
     verdict["generator"] = {"cpu_percent_of_one_core": result.load.cpu_percent,

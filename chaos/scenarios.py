@@ -9,7 +9,8 @@ guard runs in-process on the single replica (``kvguard engine --guard``); otherw
 ``proxies`` ``kvguard proxy`` processes front all replicas and the clients spread their
 attempts over the proxies round-robin (with ``entry_balancer = "envoy"``, one Envoy in front of
 the proxies does: :mod:`chaos.envoy_entry`); with ``epps`` > 0 one Envoy fronts the replicas instead,
-with that many ``kvguard epp`` as its endpoint pickers. ``redis`` adds a redis-server for the
+with that many ``kvguard epp`` as its endpoint pickers (``epp_split``: on the split config,
+``deploy/envoy/envoy-split.yaml``). ``redis`` adds a redis-server for the
 proxies' (or EPPs') budgets and shared KV reservations.
 """
 
@@ -53,6 +54,9 @@ class ScenarioSpec:
     num_blocks: int | None = None      # KV blocks per replica; None: the run's settings
     # who spreads the clients over the proxies: their own round-robin ("clients") or one Envoy
     entry_balancer: str = "clients"
+    # with epps: Envoy on deploy/envoy/envoy-split.yaml (a decision filter and an observer
+    # filter, the response off the EPP's path) instead of envoy.yaml
+    epp_split: bool = False
 
     def __post_init__(self) -> None:
         lo, hi = self.fault_window_s
@@ -65,6 +69,8 @@ class ScenarioSpec:
             raise ValueError(f"scenario {self.name}: one rate_step at most, with burst_load")
         if self.epps < 0 or (self.epps and self.proxies):
             raise ValueError(f"scenario {self.name}: Envoy + EPPs replace the proxies")
+        if self.epp_split and not self.epps:
+            raise ValueError(f"scenario {self.name}: epp_split is Envoy's config for EPPs")
         if self.entry_balancer not in ENTRY_BALANCERS or (
                 self.entry_balancer == "envoy" and not self.proxies):
             raise ValueError(f"scenario {self.name}: entry_balancer must be one of "
@@ -151,6 +157,11 @@ def catalogue() -> dict[str, ScenarioSpec]:
         ScenarioSpec("epp-kill", "SIGKILL one of 2 kvguard epp behind one Envoy (sharing "
                      "Redis) at 0.74 C, restart it 6 s later", 2, 0, 24.0, 4.0, 0.74,
                      (Fault("epp_kill", 8.0, 6.0, 0),), (8.0, 14.0), 2, redis=True, epps=2),
+        ScenarioSpec("epp-kill-split", "epp-kill with Envoy's split config (a decision filter, "
+                     "the response reported by an observer filter to the EPP that decided): "
+                     "the killed EPP's streams should run on", 2, 0, 24.0, 4.0, 0.74,
+                     (Fault("epp_kill", 8.0, 6.0, 0),), (8.0, 14.0), 2, redis=True, epps=2,
+                     epp_split=True),
     ]
     return {s.name: s for s in specs}
 

@@ -68,6 +68,9 @@ class TopologySpec:
     # > 0: one Envoy in front (deploy/envoy/envoy.yaml) with this many `kvguard epp` as its
     # endpoint pickers (proxy_args go to them: `kvguard epp` flags), in place of proxies
     num_epps: int = 0
+    # with num_epps: Envoy on deploy/envoy/envoy-split.yaml (the response reported by an
+    # observer filter; each EPP gets --epp-id and a route back to it) instead of envoy.yaml
+    split: bool = False
     # one Envoy as the clients' entry balancer in front of the proxies (chaos.envoy_entry)
     entry_envoy: bool = False
     redis: bool = False
@@ -85,6 +88,8 @@ class TopologySpec:
         if self.num_epps and (self.num_proxies or not self.num_replicas):
             raise ValueError("num_epps: Envoy + EPPs front the replicas in place of proxies "
                              "(num_proxies = 0, num_replicas >= 1)")
+        if self.split and not self.num_epps:
+            raise ValueError("split: the split Envoy config fronts kvguard epp (num_epps >= 1)")
         if self.entry_envoy and not self.num_proxies:
             raise ValueError("entry_envoy: the entry Envoy balances kvguard proxies "
                              "(num_proxies >= 1)")
@@ -132,7 +137,7 @@ class Topology:
     """The running fleet: ``replicas``, ``proxies``, ``epps`` and ``redis`` (a
     :class:`ChildProcess` each, ``redis`` None unless requested), ``envoy`` in front of the
     EPPs when there are any, or of the proxies with ``spec.entry_envoy`` (its admin page at
-    ``envoy_admin_url``). ``with Topology(spec) as fleet:`` starts it."""
+    ``envoy_admin_url`` either way). ``with Topology(spec) as fleet:`` starts it."""
 
     def __init__(self, spec: TopologySpec | None = None) -> None:
         self.spec = spec or TopologySpec()
@@ -190,17 +195,25 @@ class Topology:
 
     def _start_envoy_front(self) -> None:
         """The EPPs (they need the replicas' URLs and redis's), then Envoy in front of them."""
-        from chaos.envoy_front import envoy_child, epp_child
+        from chaos.envoy_front import envoy_child, epp_child, epp_id
 
         spec = self.spec
+
+        def named(index: int) -> tuple[str, ...]:
+            # split with several EPPs: each names itself, and Envoy routes each request's
+            # observer stream back to the EPP whose name its decision set
+            return ("--epp-id", epp_id(index)) if spec.split and spec.num_epps > 1 else ()
         self.epps = [epp_child(self.replica_urls, redis_url=self.redis_url,
-                               extra_args=spec.proxy_args, name=f"epp-{index}",
-                               niceness=spec.niceness)
+                               extra_args=(*spec.proxy_args, *named(index)),
+                               name=f"epp-{index}", niceness=spec.niceness)
                      for index in range(spec.num_epps)]
         _at_once(lambda child: child.start(spec.start_timeout_s), self.epps)
         self._envoy_dir = tempfile.TemporaryDirectory(prefix="kvguard-envoy-")
+        admin_port = free_port()
         self.envoy = envoy_child([e.port for e in self.epps], Path(self._envoy_dir.name),
-                                 niceness=spec.niceness)
+                                 niceness=spec.niceness, split=spec.split,
+                                 admin_port=admin_port)
+        self.envoy_admin_url = f"http://127.0.0.1:{admin_port}"
         self.envoy.start(spec.start_timeout_s)
 
     def _replica_child(self, index: int) -> ChildProcess:

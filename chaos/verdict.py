@@ -25,6 +25,17 @@ Figures, each with the threshold it is held to (``THRESHOLDS``):
   SIGKILL. Bytes had reached the client, so no proxy may re-send it elsewhere, and no policy can
   save it; how many streams were on the killed replica at that instant is the routing's draw.
   They stay in ``error`` and in every table.
+- ``num_cut_by_replica_kill_at_gateway``: the same streams when the replicas sit behind Envoy
+  with ``kvguard epp`` as its endpoint picker: there they end *lost*, not in an error event.
+  When a replica dies mid-body Envoy resets the client's stream at once (HTTP/1.1: the
+  connection closes before the last chunk; HTTP/2: ``RST_STREAM``), and no Envoy mechanism
+  writes bytes first — not ext_proc (the EPP gets no message after the reset), not a
+  ``local_reply_config`` (only for replies Envoy sends itself, before the headers), not a Lua
+  filter (its response coroutine is not resumed after a reset): tried against Envoy 1.40
+  (docs/benchmarks.md §15). So no gateway policy can save them; they are the lost users
+  whose last attempt was a begun (2xx) stream that broke off, with neither ``[DONE]`` nor an
+  error event, within ``CUT_SLACK_S`` after a replica's SIGKILL it had been sent before. They
+  stay in ``num_lost`` and in every table; the ``lost`` check counts the others.
 - ``judged_good_share_uncut``: good users ÷ users of the tenants without a budget, leaving out
   those cut by a kill (either kind) — what the ``slo_vs_always_admit`` comparison compares, so
   that it measures admission, not how many streams each run happened to have on the victim.
@@ -48,7 +59,8 @@ from policies.cost import RequestClass
 
 __all__ = ["THRESHOLDS", "FaultWindow", "Budget", "good_fraction", "recovery_s", "build_verdict",
            "over_admission_ratio", "per_second", "series", "budget_denied",
-           "BUDGET_REASONS", "cut_by_kill", "cut_by_replica_kill", "slo_vs_always_admit"]
+           "BUDGET_REASONS", "cut_by_kill", "cut_by_replica_kill", "cut_by_replica_kill_at_gateway",
+           "slo_vs_always_admit"]
 
 THRESHOLDS: dict[str, dict] = {
     "goodput_over_surviving_capacity": {"min": 0.9, "policy": "slo"},
@@ -100,6 +112,15 @@ def cut_by_replica_kill(user: UserRecord, cls: RequestClass, kills_s: Sequence[f
     if a.saw_done or not (a.error or "").startswith("stream error"):
         return False
     return _begun_stream_ended_by_kill(a, kills_s)
+
+
+def cut_by_replica_kill_at_gateway(user: UserRecord, cls: RequestClass,
+                                   kills_s: Sequence[float]) -> bool:
+    """``user`` is lost, and their last attempt was a begun (2xx) stream that broke off, with
+    neither ``[DONE]`` nor an error event, within ``CUT_SLACK_S`` after a replica kill in
+    ``kills_s`` (run seconds) it had been sent before: Envoy resetting a client's stream whose
+    replica died, with nothing the endpoint picker could write first."""
+    return cut_by_kill(user, cls, kills_s)
 
 
 def _begun_stream_ended_by_kill(a: RequestRecord, kills_s: Sequence[float]) -> bool:
@@ -206,10 +227,12 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
                   generator_warnings: Sequence[str] = (), budget: Budget | None = None,
                   proxy_kills_s: Sequence[float] = (),
                   killed_entries: Collection[str] = (),
-                  replica_kills_s: Sequence[float] = ()) -> dict:
+                  replica_kills_s: Sequence[float] = (), behind_gateway: bool = False) -> dict:
     """Every figure of the verdict for one policy's run; ``proxy_kills_s``: the run seconds at
     which a proxy the clients connect to was SIGKILLed; ``killed_entries``: those proxies'
-    entry URLs; ``replica_kills_s``: the run seconds at which a replica was SIGKILLed."""
+    entry URLs; ``replica_kills_s``: the run seconds at which a replica was SIGKILLed;
+    ``behind_gateway``: the replicas sit behind Envoy with ``kvguard epp`` (a stream a replica
+    kill cuts is lost there, not an error: ``num_cut_by_replica_kill_at_gateway``)."""
     if capacity_per_replica_rps <= 0:
         raise ValueError("capacity_per_replica_rps must be > 0")
     measured = [u for u in users if u.scheduled_s >= w.warmup_s]
@@ -222,11 +245,16 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
     judged_measured = [u for u in judged if u.scheduled_s >= w.warmup_s]
     judged_good = sum(u.outcome(cls) == "good" for u in judged_measured)
     # each measured user judged once per kind of cut (a proxy's cut is lost, a replica's an
-    # error: no user is both)
+    # error, or lost behind a gateway: a user is counted under one kind at most)
     proxy_cut = [u for u in measured if cut_by_kill(u, cls, proxy_kills_s, killed_entries)]
     replica_cut = [u for u in measured if cut_by_replica_kill(u, cls, replica_kills_s)]
+    counted = {id(u) for u in proxy_cut}
+    gateway_cut = [] if not behind_gateway else [
+        u for u in measured if id(u) not in counted
+        and cut_by_replica_kill_at_gateway(u, cls, replica_kills_s)]
     num_judged_uncut = len(judged_measured) - sum(
-        budget is None or u.tenant != budget.tenant for u in (*proxy_cut, *replica_cut))
+        budget is None or u.tenant != budget.tenant
+        for u in (*proxy_cut, *replica_cut, *gateway_cut))
     in_fault = [u for u in measured if w.start_s <= u.scheduled_s < w.end_s]
     fault_s = w.end_s - w.start_s
     offered_rps = len(in_fault) / fault_s
@@ -256,6 +284,7 @@ def build_verdict(users: Sequence[UserRecord], cls: RequestClass, w: FaultWindow
         "num_lost": outcomes.count("lost"),
         "num_cut_by_proxy_kill": len(proxy_cut),
         "num_cut_by_replica_kill": len(replica_cut),
+        "num_cut_by_replica_kill_at_gateway": len(gateway_cut),
         "num_hung": outcomes.count("hung"),
         "over_admission_ratio": None if budget is None else over_admission_ratio(users, budget),
     }

@@ -76,3 +76,16 @@ def test_table_counts_streams_a_replica_kill_cut_within_the_errors():
     cut = {**base, "outcomes": {**base["outcomes"], "error": 5}, "num_cut_by_replica_kill": 4}
     assert "| 5 (4 cut by the replica kill) |" in render_table({"slo": cut})
     assert "cut by the replica kill" not in render_table({"slo": base})
+
+
+def test_lost_check_names_streams_envoy_cut_at_a_replica_kill_and_keeps_them_in_the_table():
+    base = _verdict(6.0)
+    cut = {**base, "outcomes": {**base["outcomes"], "lost": 5}, "num_lost": 5,
+           "num_cut_by_replica_kill_at_gateway": 5}
+    c = checks({"slo": cut}, time_scale=2.0, redis_down=False)["slo"]["num_lost"]
+    assert c["pass"] and c["value"] == 5
+    assert "5 stream(s) Envoy cut mid-body" in c["threshold"]
+    assert "no gateway policy can save them" in c["threshold"]
+    assert "| 5 (5 cut by Envoy at the replica kill) |" in render_table({"slo": cut})
+    more = {**cut, "outcomes": {**cut["outcomes"], "lost": 6}, "num_lost": 6}
+    assert not checks({"slo": more}, 2.0, False)["slo"]["num_lost"]["pass"]

@@ -10,8 +10,8 @@ from chaos.scenarios import ScenarioSpec, catalogue, missing_dependencies, quick
 from guard.cli import main as kvguard
 
 NAMES = ["burst", "retry-storm", "redis-kill", "redis-hang", "proxy-kill", "metastable",
-         "replica-kill", "seed", "recovery", "seed-envoy", "epp-kill", "cache-loss",
-         "warm-up", "proxy-kill-envoy"]
+         "replica-kill", "seed", "recovery", "seed-envoy", "epp-kill", "epp-kill-split",
+         "cache-loss", "warm-up", "proxy-kill-envoy"]
 
 
 def test_every_scenario_the_issue_names_is_there():
@@ -94,6 +94,19 @@ def test_proxy_kill_envoy_is_proxy_kill_with_envoy_in_front_of_the_proxies(tmp_p
     spec = _topology(envoy, RunSettings(), str(tmp_path / "guard.toml"))
     assert spec.entry_envoy and spec.num_proxies == 2 and spec.num_epps == 0
     assert not _topology(plain, RunSettings(), str(tmp_path / "guard.toml")).entry_envoy
+
+
+def test_epp_kill_split_is_epp_kill_on_envoys_split_config(tmp_path):
+    from chaos.scenario_run import _topology
+
+    plain, split = catalogue()["epp-kill"], catalogue()["epp-kill-split"]
+    assert dataclasses.replace(split, name=plain.name, summary=plain.summary,
+                               epp_split=False) == plain
+    spec = _topology(quick_variant(split), RunSettings(), str(tmp_path / "guard.toml"))
+    assert spec.split and spec.num_epps == 2 and spec.redis
+    assert not _topology(plain, RunSettings(), str(tmp_path / "guard.toml")).split
+    with pytest.raises(ValueError, match="epp_split"):       # the split config fronts EPPs
+        dataclasses.replace(catalogue()["replica-kill"], epp_split=True)
 
 
 def test_missing_dependencies_name_what_is_missing(monkeypatch):

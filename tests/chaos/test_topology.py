@@ -18,6 +18,7 @@ from tests.support.fleet_cli import fleet_cli
     ({"replica_args": ("--model", "llama-7b", "--port", "9")}, "--port"),
     ({"proxy_args": ("--upstream", "http://x")}, "--upstream"),
     ({"start_timeout_s": 0}, "start_timeout_s"),
+    ({"num_proxies": 1, "split": True}, "split"),   # the split config is Envoy's, for EPPs
 ])
 def test_spec_rejects_what_it_cannot_start(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -12,6 +12,7 @@ from chaos.verdict import (
     build_verdict,
     cut_by_kill,
     cut_by_replica_kill,
+    cut_by_replica_kill_at_gateway,
     good_fraction,
     recovery_s,
     series,
@@ -282,3 +283,31 @@ def test_slo_vs_always_admit_compares_good_shares_of_the_users_no_kill_cut():
                                {"judged_good_share_uncut": None})[2]
     assert not slo_vs_always_admit({"judged_good_share_uncut": None},
                                    {"judged_good_share_uncut": 1.0})[2]
+
+
+def test_streams_envoy_cut_at_a_replica_kill_stay_lost_and_are_counted_apart_behind_a_gateway():
+    """Behind Envoy + kvguard epp a stream whose replica is SIGKILLed breaks off with neither
+    [DONE] nor an error event (Envoy resets the client's stream; nothing writes one first): it
+    stays lost, counted apart only when the run is behind a gateway, and leaves the share."""
+    kill_s = 10.0
+    cut = user(9.0, _cut(9.0, 10.02), index=1)                  # in flight at the kill
+    later = user(9.0, _cut(9.0, 12.0), index=2)                 # broke off 2 s after it
+    before = user(8.0, _cut(8.0, 9.5), index=3)                 # broke off before it
+    explicit = user(9.0, _error_event(9.0, 10.3), index=4)      # an error event: an error
+    users = [cut, later, before, explicit]
+    assert [cut_by_replica_kill_at_gateway(u, CLS, [kill_s]) for u in users] == [
+        True, False, False, False]
+    fine = [good(9.0 + i / 10, index=10 + i) for i in range(3)]
+    window = _window(end_s=11.0)
+    v = build_verdict([*users, *fine], CLS, window, 4.0, slide_s=2.0, replica_kills_s=[kill_s],
+                      behind_gateway=True)
+    assert v["num_lost"] == 3 and v["num_cut_by_replica_kill_at_gateway"] == 1  # lost: unchanged
+    assert v["num_cut_by_replica_kill"] == 1                    # the error event's user
+    assert v["judged_good_share_uncut"] == pytest.approx(3 / 5)  # 7 judged, 2 cut
+    plain = build_verdict([*users, *fine], CLS, window, 4.0, slide_s=2.0,
+                          replica_kills_s=[kill_s])           # through kvguard proxy
+    assert plain["num_lost"] == 3 and plain["num_cut_by_replica_kill_at_gateway"] == 0
+    # a user a proxy kill cut is not counted again
+    both = build_verdict([cut, *fine], CLS, window, 4.0, slide_s=2.0, proxy_kills_s=[kill_s],
+                         replica_kills_s=[kill_s], behind_gateway=True)
+    assert (both["num_cut_by_proxy_kill"], both["num_cut_by_replica_kill_at_gateway"]) == (1, 0)
