@@ -48,3 +48,20 @@ def test_the_bench_runs_its_ext_proc_servers_on_their_cpu_and_the_rest_elsewhere
         assert rows[name]["cpus"] == [epp_cpu], name
     for name in ("direct", "envoy alone", "kvguard proxy slo"):
         assert rows[name]["cpus"] == rest, name
+
+
+@pytest.mark.slow
+def test_each_ext_proc_variant_serves_every_stream_through_its_own_envoy(tmp_path):
+    """``python -m chaos.bench.ext_proc_variants``: the floor on grpc's thread-pool server, and
+    on grpc.aio behind Envoy's Google gRPC client over a Unix socket, each route every
+    measured stream to the replica and back whole (a bad stream fails the run)."""
+    from chaos.bench import ext_proc_variants
+
+    out = tmp_path / "variants.json"
+    assert ext_proc_variants.main(["--variants", "sync,aio-google-unix", "--requests", "3",
+                                   "--warmup", "1", "--idle-s", "0.1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert list(rows) == ["direct", "envoy alone", "sync", "aio-google-unix"]
+    assert all(row["n"] == 3 for row in rows.values())
+    with pytest.raises(SystemExit):
+        ext_proc_variants.main(["--variants", "no-such-variant"])
