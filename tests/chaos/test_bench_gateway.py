@@ -59,9 +59,18 @@ def test_each_ext_proc_variant_serves_every_stream_through_its_own_envoy(tmp_pat
 
     out = tmp_path / "variants.json"
     assert ext_proc_variants.main(["--variants", "sync,aio-google-unix", "--requests", "3",
-                                   "--warmup", "1", "--idle-s", "0.1", "--out", str(out)]) == 0
+                                   "--warmup", "1", "--idle-s", "0.1", "--envoy-stages",
+                                   "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert list(rows) == ["direct", "envoy alone", "sync", "aio-google-unix"]
     assert all(row["n"] == 3 for row in rows.values())
+    # Envoy's own timestamps, for each Envoy: behind ext_proc the request goes upstream only
+    # after the whole of it arrived and the server answered it
+    assert "envoy_stages_ms" not in rows["direct"]
+    assert rows["envoy alone"]["envoy_stages_ms"]["DS_RX_BEG:US_TX_BEG"] > 0
+    for name in ("sync", "aio-google-unix"):
+        stages = rows[name]["envoy_stages_ms"]
+        assert stages["DS_RX_END:US_TX_BEG"] > 0
+        assert stages["DS_RX_BEG:US_TX_BEG"] > stages["DS_RX_BEG:DS_RX_END"]
     with pytest.raises(SystemExit):
         ext_proc_variants.main(["--variants", "no-such-variant"])
