@@ -42,14 +42,19 @@ class ChildProcess:
     def __init__(self, name: str, argv_for: Callable[[int], Sequence[str]], health: HealthCheck,
                  *, ready_pattern: str | None = None, port: int = 0,
                  env: dict[str, str] | None = None, max_output_lines: int = 400,
-                 niceness: int = 0) -> None:
+                 niceness: int = 0, cpus: Sequence[int] = ()) -> None:
         if port == 0 and ready_pattern is None:
             raise ValueError(f"{name}: port 0 needs a ready_pattern that captures the URL")
         if isinstance(niceness, bool) or not isinstance(niceness, int) or not 0 <= niceness <= 19:
             raise ValueError(f"{name}: niceness must be an integer in [0, 19], got {niceness!r}")
+        if any(isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0 for cpu in cpus):
+            raise ValueError(f"{name}: cpus must be CPU numbers (integers >= 0), got {cpus!r}")
         self.name = name
         self._argv_for = argv_for
         self.niceness = niceness  # > 0: started under `nice -n` (the same pid after its exec)
+        # non-empty: started under `taskset -c` (the same pid after its exec), so that every
+        # thread it ever starts runs on these CPUs only
+        self.cpus = tuple(sorted(set(cpus)))
         self._health = health
         self._ready = re.compile(ready_pattern) if ready_pattern else None
         self.port = port
@@ -73,6 +78,8 @@ class ChildProcess:
             argv = list(self._argv_for(self.port))
             if self.niceness:
                 argv = ["nice", "-n", str(self.niceness), *argv]
+            if self.cpus:
+                argv = ["taskset", "-c", ",".join(map(str, self.cpus)), *argv]
             self.proc = subprocess.Popen(argv,
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          text=True, env=self._env)

@@ -249,11 +249,13 @@ def envoy_child(epp_ports: Sequence[int], directory: Path, *, failure_mode_allow
 
 def epp_child(upstreams: Sequence[str], *, config: str | None = None, redis_url: str | None = None,
               port: int = 0, name: str = "epp", niceness: int = 0,
-              extra_args: Sequence[str] = ()) -> ChildProcess:
+              extra_args: Sequence[str] = (), cpus: Sequence[int] = (),
+              env: dict[str, str] | None = None) -> ChildProcess:
     """``kvguard epp`` for these replica URLs on a loopback port (0: a free one, below the
     ephemeral range so that a killed EPP can come back on it), its metrics on another
     (:func:`epp_metrics_url`); healthy once it accepts connections (it prints its readiness
-    line after its first state poll)."""
+    line after its first state poll). ``cpus``: run it on these CPUs only (``taskset``);
+    ``env``: added to its environment."""
     port = port or free_port()
     args = [a for url in upstreams for a in ("--upstream", url)] + ["--metrics-port", "0"]
     if config is not None:
@@ -267,6 +269,7 @@ def epp_child(upstreams: Sequence[str], *, config: str | None = None, redis_url:
                 "--port", str(port_)]
 
     return ChildProcess(name, argv, accepts_connections, port=port, niceness=niceness,
+                        cpus=cpus, env=env,
                         ready_pattern=r"kvguard epp listening on (grpc://\S+)")
 
 

@@ -23,17 +23,27 @@ non-streamed 1-token completions through Envoy + one EPP to an instant sim repli
 0): the requests per second that came back 200 (every one decided by the EPP), and the EPP's
 CPU per decision.
 
+**The EPP on a CPU of its own** (``--pin-epp-cpu N``): every ext_proc server (the floor and
+each ``kvguard epp``) runs on CPU ``N`` only, and everything else the bench runs — Envoy, the
+replica, ``kvguard proxy``, LiteLLM and the bench's own client — on the other CPUs, for every
+row alike (Envoy alone included): what a deployment with the EPP in a pod of its own sees,
+on one machine.
+
     kvguard bench gateway --requests 300 --rate-s 10 --out gateway.json
+    kvguard bench gateway --requests 300 --rate-s 10 --pin-epp-cpu 1
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -45,7 +55,7 @@ from chaos.envoy_front import accepts_connections, envoy_child, epp_child, epp_m
 from chaos.replica import exit_on_sigterm
 from chaos.topology import Topology, TopologySpec, free_port, http_health
 
-__all__ = ["configure", "run"]
+__all__ = ["CpuPinning", "configure", "cpu_pinning", "run"]
 
 MODEL = "llama-7b"
 FLOOR = "envoy + ext_proc floor"
@@ -71,6 +81,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seconds of the decisions-per-second run (0: skip it)")
     parser.add_argument("--concurrency", type=int, default=16,
                         help="closed-loop clients in the decisions-per-second run")
+    parser.add_argument("--pin-epp-cpu", type=int, default=None, metavar="N",
+                        help="run the ext_proc servers (floor, EPPs) on CPU N only and "
+                             "everything else on the other CPUs (needs >= 2 CPUs)")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
 
 
@@ -84,21 +97,66 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None and out.is_dir():
         raise ValueError(f"--out {out} is a folder: name the JSON file to write")
+    pinning = cpu_pinning(args.pin_epp_cpu)
     exit_on_sigterm()
     results: dict = {"machine": os.uname().nodename, "cpus": os.cpu_count()}
-    with tempfile.TemporaryDirectory(prefix="kvguard-bench-gateway-") as work:
-        config = Path(work) / "guard.toml"
-        config.write_text(_CONFIG)
-        if args.requests > 0:
-            results["latency"] = _latency(args, Path(work), str(config))
-            _print_latency(results["latency"])
-        if args.rate_s > 0:
-            results["decisions"] = _decisions(args, Path(work), str(config))
-            print(json.dumps({"decisions": results["decisions"]}, indent=2), flush=True)
+    if pinning is not None:
+        results["pinning"] = {"epp_cpus": list(pinning.epp_cpus),
+                              "other_cpus": list(pinning.other_cpus)}
+    own_cpus = os.sched_getaffinity(0)
+    try:
+        if pinning is not None:  # every child started from here on inherits the other CPUs
+            _set_process_affinity(pinning.other_cpus)
+        with tempfile.TemporaryDirectory(prefix="kvguard-bench-gateway-") as work:
+            config = Path(work) / "guard.toml"
+            config.write_text(_CONFIG)
+            epp_cpus = pinning.epp_cpus if pinning is not None else ()
+            if args.requests > 0:
+                results["latency"] = _latency(args, Path(work), str(config), epp_cpus)
+                _print_latency(results["latency"])
+            if args.rate_s > 0:
+                results["decisions"] = _decisions(args, Path(work), str(config), epp_cpus)
+                print(json.dumps({"decisions": results["decisions"]}, indent=2), flush=True)
+    finally:
+        if pinning is not None:
+            _set_process_affinity(own_cpus)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2))
     return 0
+
+
+@dataclass(frozen=True)
+class CpuPinning:
+    """Which CPUs the ext_proc servers run on, and which everything else does."""
+
+    epp_cpus: tuple[int, ...]
+    other_cpus: tuple[int, ...]
+
+
+def cpu_pinning(epp_cpu: int | None, available: set[int] | None = None) -> CpuPinning | None:
+    """``--pin-epp-cpu``: CPU ``epp_cpu`` for the ext_proc servers, the rest of ``available``
+    (default: the CPUs this process may run on) for everything else; None without a CPU.
+    Refuses (ValueError) a CPU not available, or fewer than 2 CPUs: the EPP would share its
+    CPU with the rest, which is the unpinned run."""
+    if epp_cpu is None:
+        return None
+    cpus = set(os.sched_getaffinity(0) if available is None else available)
+    if len(cpus) < 2:
+        raise ValueError(f"--pin-epp-cpu needs at least 2 CPUs (the EPP's and one for the "
+                         f"rest); this process may run on {len(cpus)}: {sorted(cpus)}")
+    if epp_cpu not in cpus:
+        raise ValueError(f"--pin-epp-cpu {epp_cpu}: not a CPU this process may run on "
+                         f"({sorted(cpus)})")
+    return CpuPinning((epp_cpu,), tuple(sorted(cpus - {epp_cpu})))
+
+
+def _set_process_affinity(cpus: Iterable[int]) -> None:
+    """Every thread of this process on ``cpus`` (a thread's affinity is its own; threads and
+    children started later inherit their starter's)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def _proxy(upstream: str, config: str) -> ChildProcess:
@@ -111,17 +169,18 @@ def _proxy(upstream: str, config: str) -> ChildProcess:
                         ready_pattern=r"kvguard proxy listening on (\S+)")
 
 
-def _floor(endpoint: str) -> ChildProcess:
+def _floor(endpoint: str, cpus: Sequence[int] = ()) -> ChildProcess:
     import sys
 
     def argv(port: int) -> list[str]:
         return [sys.executable, "-m", "chaos.bench.ext_proc_floor", "--endpoint", endpoint,
                 "--port", str(port)]
-    return ChildProcess("ext_proc floor", argv, accepts_connections,
+    return ChildProcess("ext_proc floor", argv, accepts_connections, cpus=cpus,
                         ready_pattern=r"ext_proc floor listening on (grpc://\S+)")
 
 
-def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
+def _latency(args: argparse.Namespace, work: Path, config: str,
+             epp_cpus: Sequence[int] = ()) -> dict:
     spec = TopologySpec(num_replicas=1, replica_args=("--model", MODEL, "--backend", "sim"))
     children: list[ChildProcess] = []
     try:
@@ -133,12 +192,12 @@ def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
             children.append(alone.start())
             urls["envoy alone"], pids["envoy alone"] = alone.url, alone.pid
             # the protocol's own cost: a do-nothing ext_proc server on grpc.aio, same modes
-            floor = _floor(endpoint)
+            floor = _floor(endpoint, epp_cpus)
             children.append(floor.start())
             floor_envoy = envoy_child([floor.port], work)
             children.append(floor_envoy.start())
             urls[FLOOR], pids[FLOOR] = floor_envoy.url, floor.pid
-            epp = epp_child([upstream], config=config)
+            epp = epp_child([upstream], config=config, cpus=epp_cpus)
             children.append(epp.start())
             envoy = envoy_child([epp.port], work)
             children.append(envoy.start())
@@ -146,7 +205,7 @@ def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
             # its CPU column is the EPP's (Envoy's own is about Envoy alone's)
             pids["envoy + kvguard epp"] = epp.pid
             # the response path off the first token: decision + observer filters, own EPP
-            split_epp = epp_child([upstream], config=config)
+            split_epp = epp_child([upstream], config=config, cpus=epp_cpus)
             children.append(split_epp.start())
             split_envoy = envoy_child([split_epp.port], work, split=True)
             children.append(split_envoy.start())
@@ -160,6 +219,8 @@ def _latency(args: argparse.Namespace, work: Path, config: str) -> dict:
                 children.append(child.start(timeout_s=180))
                 urls["litellm"], pids["litellm"] = child.url, child.pid
             rows = _measure_all(urls, pids, args, baseline="envoy alone")
+            for name, pid in pids.items():  # where the row's process ran (its CPU column's)
+                rows[name]["cpus"] = sorted(os.sched_getaffinity(pid))
             # what each EPP's tickets saw: every measured stream completed (the split one's
             # through its observer), or the row's ticket view is not what the stream one has
             for name, child in (("envoy + kvguard epp", epp), (SPLIT, split_epp)):
@@ -195,11 +256,12 @@ def _completed(metrics_url: str) -> float:
                if line.startswith("kvguard_requests_completed_total{"))
 
 
-def _decisions(args: argparse.Namespace, work: Path, config: str) -> dict:
+def _decisions(args: argparse.Namespace, work: Path, config: str,
+               epp_cpus: Sequence[int] = ()) -> dict:
     spec = TopologySpec(num_replicas=1, replica_args=("--model", MODEL, "--backend", "sim",
                                                       "--time-scale", "0"))
     with Topology(spec) as fleet:
-        epp = epp_child(fleet.replica_urls, config=config).start()
+        epp = epp_child(fleet.replica_urls, config=config, cpus=epp_cpus).start()
         try:
             envoy = envoy_child([epp.port], work).start()
             try:

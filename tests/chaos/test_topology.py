@@ -190,3 +190,26 @@ def test_a_child_started_nicer_runs_at_that_niceness_under_its_own_pid():
     assert not child.alive
     with pytest.raises(ValueError, match="niceness"):
         ChildProcess("x", lambda port: ["true"], health, port=1, niceness=-1)
+
+
+def test_a_child_started_on_cpus_runs_only_there_under_its_own_pid():
+    """``cpus``: the command runs on those CPUs only (``taskset`` execs it, so the pid is the
+    command's and every thread it starts inherits them), whatever this process runs on."""
+    import psutil
+
+    cpu = max(os.sched_getaffinity(0))
+    child = ChildProcess("pinned", lambda port: ["sleep", "60"], lambda url: True, port=1,
+                         cpus=[cpu])
+    try:
+        child.start(timeout_s=10)
+        proc = psutil.Process(child.pid)
+        for _ in range(100):             # `taskset` execs `sleep` right after the fork
+            if proc.name() == "sleep":
+                break
+            threading.Event().wait(0.01)
+        assert proc.name() == "sleep"
+        assert os.sched_getaffinity(child.pid) == {cpu}
+    finally:
+        child.close()
+    with pytest.raises(ValueError, match="cpus"):
+        ChildProcess("x", lambda port: ["true"], lambda url: True, port=1, cpus=[-1])
