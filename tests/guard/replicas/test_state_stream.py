@@ -138,6 +138,26 @@ def test_the_streamed_view_decides_as_the_full_documents_do():
     assert num_admitted >= 6 and reported  # some of its own requests were listed, priced as its
 
 
+def test_rows_decoded_past_their_max_tokens_are_summed_as_the_documents_sum_them():
+    """A decoding row that the advance carries past its ``max_tokens`` (an engine stops it
+    there; the bench's synthetic fleet does not) has no output left: the streamed group's
+    sums are the documents' then too (they kept counting its output as still to come)."""
+    from chaos.bench.scale import stream_events
+
+    source, streamed = StreamStateSource("http://r"), LoadState()
+    num_past = 0
+    for event in stream_events(1, 40, 36):
+        source.feed(json.loads(event))
+        base = streamed.update_from_kvguard_state("r0", source.take(), 1.0)
+        doc = source.document()
+        polled = LoadState().update_from_kvguard_state("r0", doc, 1.0)
+        assert base.load == polled.load
+        columns = doc["running_columns"]
+        num_past += sum(o > m for o, m in zip(columns["num_output_tokens"],
+                                              columns["max_tokens"], strict=True))
+    assert num_past >= 20
+
+
 def test_an_event_out_of_sequence_is_a_gap():
     docs = _trace(num_steps=5)
     encoder = StateDeltas()
