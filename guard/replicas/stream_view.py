@@ -93,8 +93,22 @@ class StreamGroup:
         self.rows[request_id] = row
         self._count(row, 1)
         if self.advances and not pre and max_tokens is not None and max_tokens >= out:
-            heapq.heappush(self._past_max,
-                           (self.advance + max_tokens - out + 1, request_id, row))
+            past_max = self._past_max
+            heapq.heappush(past_max, (self.advance + max_tokens - out + 1, request_id, row))
+            if len(past_max) > 2 * len(self.rows) + 32:  # mostly rows gone before their max
+                self._rebuild_past_max()
+
+    def _rebuild_past_max(self) -> None:
+        """The heap of :meth:`step` anew from the rows there are (a row removed or changed
+        leaves its entry behind until it comes up: this bounds them to the rows' number)."""
+        entries = []
+        for rid, row in self.rows.items():
+            out, max_tokens, _, pre, at = row
+            # a regular decoding row not yet past its max_tokens (those are irregular now)
+            if not pre and max_tokens is not None and at + max_tokens - out >= self.advance:
+                entries.append((at + max_tokens - out + 1, rid, row))
+        heapq.heapify(entries)
+        self._past_max = entries
 
     def remove(self, request_id: str) -> None:
         self._count(self.rows.pop(request_id), -1)
