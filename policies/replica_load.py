@@ -68,6 +68,17 @@ class SeqTotals:
             seqs, block_size, chunk_tokens, num_context, num_prefill, -num_committed, min_itl_s
         )
 
+    @classmethod
+    def empty(cls, block_size: int, chunk_tokens: int) -> SeqTotals:
+        """The sums over no sequence (equal to ``SeqTotals.of((), ...)``), one shared instance
+        per block size and chunk: every state refresh's engine-only snapshot has an empty
+        reserved group."""
+        key = (block_size, chunk_tokens)
+        empty = _EMPTY.get(key)
+        if empty is None:
+            empty = _EMPTY[key] = cls.of((), block_size, chunk_tokens)
+        return empty
+
     @cached_property
     def ends(self) -> list[tuple[int, int]]:
         """``(steps until finished, final blocks)`` per sequence, sorted."""
@@ -87,6 +98,9 @@ class SeqTotals:
             )
             for s in self.seqs
         )
+
+
+_EMPTY: dict[tuple[int, int], SeqTotals] = {}  # SeqTotals.empty's, per (block size, chunk)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from functools import cached_property
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -16,10 +16,16 @@ from policies.step_time import StepTimeModel
 if TYPE_CHECKING:  # policies.candidates forecasts on snapshots: imported for the annotation only
     from policies.candidates import RankedFleet
 
-__all__ = ["SeqLoad", "ReplicaSnapshot", "LoadSnapshot", "QueuedAhead", "NOTHING_AHEAD"]
+__all__ = ["SeqLoad", "ReplicaSnapshot", "LoadSnapshot", "QueuedAhead", "NOTHING_AHEAD",
+           "RESTAMPED_FIELDS"]
 
 # no waiter expected on any one replica
 _NOTHING_HELD: Mapping[str, tuple[int, int, int]] = MappingProxyType({})
+
+
+# the ReplicaSnapshot fields that no sum cached on it reads (ReplicaSnapshot.restamped)
+RESTAMPED_FIELDS = frozenset(
+    ("observed_s", "healthy", "weight", "concurrency_limit", "first_token_s"))
 
 
 @dataclass(frozen=True)
@@ -89,8 +95,40 @@ class ReplicaSnapshot:
     @cached_property
     def load(self) -> ReplicaLoad:
         """Sums over this replica's sequences, computed on first use and kept (frozen state)."""
-        reserved = SeqTotals.of(self.reserved, self.block_size, self.max_num_batched_tokens)
+        if self.reserved:
+            reserved = SeqTotals.of(self.reserved, self.block_size, self.max_num_batched_tokens)
+        else:  # the engine-only snapshot of every state refresh: one shared empty group
+            reserved = SeqTotals.empty(self.block_size, self.max_num_batched_tokens)
         return ReplicaLoad.of(self.running_totals, self.waiting_totals, reserved)
+
+    @classmethod
+    def assembled(cls, **values: object) -> ReplicaSnapshot:
+        """``ReplicaSnapshot(**fields)``, for what builds one on every state refresh of every
+        replica: the instance dict filled at once rather than through the frozen
+        ``__init__``, one ``object.__setattr__`` per field (more than half of building one).
+        Checks what ``__init__`` checks: every field without a default given, no other name."""
+        names = values.keys()
+        if not _REQUIRED_FIELDS <= names or not names <= _FIELD_DEFAULTS.keys():
+            raise TypeError(f"assembled: missing {sorted(_REQUIRED_FIELDS - names)}, "
+                            f"unknown {sorted(names - _FIELD_DEFAULTS.keys())}")
+        new = object.__new__(cls)
+        new.__dict__.update(_FIELD_DEFAULTS)
+        new.__dict__.update(values)
+        return new
+
+    def restamped(self, **changes: object) -> ReplicaSnapshot:
+        """This snapshot with new values for fields that none of its sums reads
+        (:data:`RESTAMPED_FIELDS`: when it was observed, its health, weight and learned
+        limits), keeping the sums already made — equal to ``dataclasses.replace(self,
+        **changes)``, which would build the snapshot anew and drop them (a replica with a
+        learned limit re-summed every sequence on every state refresh that way)."""
+        unknown = changes.keys() - RESTAMPED_FIELDS
+        if unknown:
+            raise TypeError(f"restamped: not a field the sums ignore: {sorted(unknown)}")
+        new = object.__new__(ReplicaSnapshot)  # as with_reservations: every value validated
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
 
     def with_reservations(
         self,
@@ -116,6 +154,13 @@ class ReplicaSnapshot:
         if reserved_totals is not None and not self.reserved:
             fields["load"] = self.load.with_reserved(reserved_totals)
         return new
+
+
+# ReplicaSnapshot.assembled's: every field in order, its default (None: required, all of
+# which come first and have no default)
+_FIELD_DEFAULTS = {f.name: None if f.default is MISSING else f.default
+                   for f in fields(ReplicaSnapshot)}
+_REQUIRED_FIELDS = frozenset(f.name for f in fields(ReplicaSnapshot) if f.default is MISSING)
 
 
 @dataclass(frozen=True)

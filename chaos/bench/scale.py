@@ -26,6 +26,10 @@ measures:
   (it re-ranks the replicas whose reservations changed), ``path_p50_us`` the two together.
   The garbage collector is off while a policy is timed (its pauses belong to the process).
 
+``--learned-limit N`` stamps a learned concurrency limit of N (and a first-token time) on every
+replica before anything is timed, as a proxy that has served requests has on each (its
+``LearnedLimits``): the state refreshes then carry it (default 0: none, as a cold proxy).
+
 ``--gap-decisions N`` also decides N requests on each fleet with ``slo``'s bounded candidate
 set and with its full scan side by side (:mod:`chaos.bench.candidate_gap`): how much worse the
 bounded choice is.
@@ -214,9 +218,13 @@ def _decide_times(policy_name: str, load_state: LoadState, num_calls: int,
 
 
 def measure(num_replicas: int, num_running: int, num_calls: int, refresh_hz: float,
-            policies: tuple[str, ...] = POLICIES, num_gap_decisions: int = 0) -> dict:
+            policies: tuple[str, ...] = POLICIES, num_gap_decisions: int = 0,
+            learned_limit: int = 0) -> dict:
     """One row: ingestion and per-policy decision times for this fleet shape."""
     load_state, documents, _ = _fleet(num_replicas, num_running)
+    if learned_limit:  # what LearnedLimits stamps on a replica once it has served requests
+        for k in range(num_replicas):
+            load_state.set_concurrency_limit(f"r{k}", learned_limit, 0.3)
     # ingestion again, warm (the first pass also registered each replica)
     ingest_ns, ingest_cpu_us = _timed(list(enumerate(documents)), lambda k_raw: (
         load_state.update_from_kvguard_state(f"r{k_raw[0]}", loads(k_raw[1]), 0.0)))
@@ -230,7 +238,7 @@ def measure(num_replicas: int, num_running: int, num_calls: int, refresh_hz: flo
         load_state.update_from_kvguard_state(f"r{k}", json.loads(raw), 0.0)
     row = {"replicas": num_replicas, "running": num_running,
            "document_bytes": len(documents[0]), "compact_bytes": len(compacts[0]),
-           "delta_bytes": delta_bytes, "policies": {}}
+           "delta_bytes": delta_bytes, "learned_limit": learned_limit, "policies": {}}
     for prefix, times_ns, cpu_us in (("", ingest_ns, ingest_cpu_us),
                                      ("compact_", compact_ns, compact_cpu_us),
                                      ("stream_", stream_ns, stream_cpu_us)):
@@ -266,6 +274,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="state refreshes per replica per second, for state_cpu_share")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="policies to run (comma-separated)")
+    parser.add_argument("--learned-limit", type=int, default=0,
+                        help="stamp this learned concurrency limit on every replica, as a "
+                             "proxy that has served requests has (default 0: none)")
     parser.add_argument("--gap-decisions", type=int, default=0,
                         help="also compare slo's candidate set with its full scan on N requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -333,10 +344,13 @@ def run(args: argparse.Namespace) -> int:
     scale_e2e.refuse_without_rate(args)
     replica_counts = _int_list(args.replicas, "replicas")
     running_counts = _int_list(args.running, "running")
-    if args.calls < 1 or not args.refresh_hz > 0 or args.gap_decisions < 0:
-        raise ValueError("--calls must be >= 1, --refresh-hz > 0, --gap-decisions >= 0")
+    if args.calls < 1 or not args.refresh_hz > 0 or args.gap_decisions < 0 \
+            or args.learned_limit < 0:
+        raise ValueError("--calls must be >= 1, --refresh-hz > 0, --gap-decisions >= 0, "
+                         "--learned-limit >= 0")
     policies = tuple(p for p in args.policies.split(",") if p)
-    rows = [measure(n, r, args.calls, args.refresh_hz, policies, args.gap_decisions)
+    rows = [measure(n, r, args.calls, args.refresh_hz, policies, args.gap_decisions,
+                    args.learned_limit)
             for r in running_counts for n in replica_counts]
     if args.plot:
         plot_scale(rows, max(running_counts), args.plot)

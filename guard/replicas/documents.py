@@ -20,7 +20,7 @@ from guard.replicas.engine_metrics import EngineLoad
 from guard.replicas.stream_view import GroupCapture, LazySeqLoads
 from guard.replicas.vllm_metrics import parse_vllm_metrics
 from policies.cost import RequestCost
-from policies.replica_load import SeqTotals
+from policies.replica_load import ReplicaLoad, SeqTotals
 from policies.snapshot import ReplicaSnapshot, SeqLoad
 
 __all__ = [
@@ -63,15 +63,16 @@ def kvguard_snapshot(replica_id: str, state: Mapping[str, Any], now_s: float,
         else:
             running, waiting = (_column_group(g, our_cost, block_size, chunk, ours)
                                 for g in groups)
-        snapshot = ReplicaSnapshot(
+        snapshot = ReplicaSnapshot.assembled(  # built on every refresh: no frozen __init__
             replica_id=replica_id, observed_s=now_s, block_size=block_size,
             num_total_blocks=int(state["num_total_blocks"]),
             num_free_blocks=int(state["num_free_blocks"]),
             max_num_seqs=int(state["max_num_seqs"]), max_num_batched_tokens=chunk,
             max_model_len=int(state["max_model_len"]), running=running.seqs,
             waiting=waiting.seqs)
-        snapshot.__dict__["running_totals"] = running  # the cached properties, filled
-        snapshot.__dict__["waiting_totals"] = waiting
+        cached = snapshot.__dict__  # the cached properties, filled (no reservation here)
+        cached["running_totals"], cached["waiting_totals"] = running, waiting
+        cached["load"] = ReplicaLoad.of(running, waiting, SeqTotals.empty(block_size, chunk))
         return snapshot
     return ReplicaSnapshot(
         replica_id=replica_id,

@@ -39,16 +39,26 @@ class MeanStepTime:
         if sums is None or self._num_changes % self._resync_every == 0:
             self._sums = None  # summed again at the next mean()
             return
-        if old is not None:
-            self._sums = sums = [s - x for s, x in zip(sums, old, strict=True)]
-        if new is not None:
+        if old is not None and new is not None:  # a refresh: one pass, (s - old) + new
+            self._sums = [s - x + y for s, x, y in zip(sums, old, new, strict=True)]
+        elif old is not None:
+            self._sums = [s - x for s, x in zip(sums, old, strict=True)]
+        elif new is not None:
             self._sums = [s + x for s, x in zip(sums, new, strict=True)]
+
+    def sum_up(self) -> None:
+        """Sum the coefficients again from the models where the running sums were let go (at
+        the start, after every ``resync_every`` changes); :meth:`count` then moves them. When
+        this runs decides the sums' rounding: a caller that wants the same mean from the same
+        changes calls it at the same points (the load state: after every refresh at scale,
+        and at :meth:`mean`)."""
+        if self._sums is None and self._models:
+            self._sums = [sum(c) for c in zip(*self._models.values(), strict=True)]
 
     def mean(self, default: StepTimeModel) -> StepTimeModel:
         """The mean model; ``default`` when no replica is counted."""
         num = len(self._models)
         if not num:
             return default
-        if self._sums is None:
-            self._sums = [sum(c) for c in zip(*self._models.values(), strict=True)]
+        self.sum_up()
         return StepTimeModel(*(s / num for s in self._sums))

@@ -14,11 +14,14 @@ compact document (the tests compare them).
 
 A row whose remaining output is not ``max_tokens - output`` for a foreign request — no
 ``max_tokens``, or past it — makes the group *irregular*: its sums are then taken the plain
-way from the columns (exact, O(sequences)) until no such row is left.
+way from the columns (exact, O(sequences)) until no such row is left. A decoding row that
+decode steps carry past its ``max_tokens`` (an engine stops it there; a synthetic one may
+not) turns irregular at that step: each is found by when it will, kept in a heap.
 """
 
 from __future__ import annotations
 
+import heapq
 from abc import abstractmethod
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any
@@ -53,32 +56,33 @@ class StreamGroup:
         self.num_prefill = 0
         self._final_blocks = 0  # sum of ceil(final / block size), final = ctx + pre + max - out
         self.num_irregular = 0
+        # (the advance at which it passes its max_tokens, request id, row) per regular
+        # decoding row; entries of rows changed or removed since are skipped when they come up
+        self._past_max: list[tuple[int, str, tuple]] = []
 
     # --- one row in or out ---------------------------------------------------------------
-    def _decoding(self, row: tuple) -> bool:
-        return self.advances and not row[_PRE]
-
-    def _now(self, row: tuple) -> tuple[int, int, int, int]:
-        """(output, max_tokens, context, prefill) of a stored row at the current advance."""
-        k = self.advance - row[_AT] if self._decoding(row) else 0
-        return row[_OUT] + k, row[_MAX], row[_CTX] + k, row[_PRE]
-
     def _count(self, row: tuple, sign: int) -> None:
+        """Add (``sign`` 1) or take out (-1) one row's part of the sums (every row goes in
+        and out through here: a plain function body, it runs on every changed row)."""
         bs = self.block_size
-        out, max_tokens, ctx, pre = self._now(row)
+        out, max_tokens, ctx, pre, at = row
+        decoding = self.advances and not pre
+        if decoding:  # its values now: the decode steps since it was set added
+            out += self.advance - at
+            ctx += self.advance - at
         self.num_prefill += sign * pre
         if max_tokens is None or max_tokens < out:
             self.num_irregular += sign
         else:
-            self._final_blocks += sign * _blocks(ctx + pre + max_tokens - out, bs)
-        if self._decoding(row):
+            self._final_blocks += sign * -(-(ctx + pre + max_tokens - out) // bs)
+        if decoding:
             self._num_dec += sign
-            self._dec_ctx_base += sign * (row[_CTX] - row[_AT])
-            self._dec_ctx_blocks += sign * _blocks(ctx, bs)
-            self._hist[(row[_CTX] - row[_AT] - 1) % bs] += sign
+            self._dec_ctx_base += sign * (row[_CTX] - at)
+            self._dec_ctx_blocks += sign * -(-ctx // bs)
+            self._hist[(row[_CTX] - at - 1) % bs] += sign
         else:
             self._static_ctx += sign * ctx
-            self._static_ctx_blocks += sign * _blocks(ctx, bs)
+            self._static_ctx_blocks += sign * -(-ctx // bs)
 
     def set(self, request_id: str, out: int, max_tokens: int | None, ctx: int, pre: int) -> None:
         """A row new to the group, or changed: its values now."""
@@ -88,6 +92,23 @@ class StreamGroup:
         row = (out, max_tokens, ctx, pre, self.advance)
         self.rows[request_id] = row
         self._count(row, 1)
+        if self.advances and not pre and max_tokens is not None and max_tokens >= out:
+            past_max = self._past_max
+            heapq.heappush(past_max, (self.advance + max_tokens - out + 1, request_id, row))
+            if len(past_max) > 2 * len(self.rows) + 32:  # mostly rows gone before their max
+                self._rebuild_past_max()
+
+    def _rebuild_past_max(self) -> None:
+        """The heap of :meth:`step` anew from the rows there are (a row removed or changed
+        leaves its entry behind until it comes up: this bounds them to the rows' number)."""
+        entries = []
+        for rid, row in self.rows.items():
+            out, max_tokens, _, pre, at = row
+            # a regular decoding row not yet past its max_tokens (those are irregular now)
+            if not pre and max_tokens is not None and at + max_tokens - out >= self.advance:
+                entries.append((at + max_tokens - out + 1, rid, row))
+        heapq.heapify(entries)
+        self._past_max = entries
 
     def remove(self, request_id: str) -> None:
         self._count(self.rows.pop(request_id), -1)
@@ -96,13 +117,26 @@ class StreamGroup:
         """``k`` decode steps for every decoding row (those set since are set after it)."""
         if not k or not self.advances:
             return
-        bs, a = self.block_size, self.advance
-        crossed = 0
-        for key, count in enumerate(self._hist):
-            if count:
-                crossed += count * (((key + a) % bs + k) // bs)
+        # A row in histogram bucket ``key`` sits at (key + advance) mod bs: k steps take it
+        # across k // bs block boundaries, and one more when it is among the last k % bs
+        # places of its block — a cyclic run of k % bs buckets, summed as slices.
+        bs, a, hist = self.block_size, self.advance, self._hist
+        r = k % bs
+        crossed = (k // bs) * self._num_dec
+        if r:
+            start = (bs - r - a) % bs
+            end = start + r
+            crossed += sum(hist[start:end]) if end <= bs else \
+                sum(hist[start:]) + sum(hist[:end - bs])
         self._dec_ctx_blocks += crossed
         self.advance = a + k
+        past_max = self._past_max
+        while past_max and past_max[0][0] <= self.advance:  # output now past max_tokens
+            _, rid, row = heapq.heappop(past_max)
+            if self.rows.get(rid) is row:  # still the row set then: irregular from now on
+                out, max_tokens, ctx, pre, _ = row  # (its final is the same at any advance)
+                self._final_blocks -= -(-(ctx + pre + max_tokens - out) // bs)
+                self.num_irregular += 1
 
     def reorder(self, order: list[str]) -> None:
         self.rows = {rid: self.rows[rid] for rid in order}

@@ -36,6 +36,23 @@ def test_scale_json_keys_by_replica_count(capsys):
             assert row[share] == pytest.approx(mean_us * row["replicas"] * 10 / 1e6, abs=1e-4)
 
 
+def test_a_learned_limit_is_on_every_replica_the_bench_refreshes(monkeypatch):
+    """``--learned-limit``: the refreshes timed are those of replicas carrying a learned
+    limit, as behind a proxy that has served requests."""
+    seen = []
+    real = scale.LoadState.update_from_kvguard_state
+
+    def update(self, replica_id, state, now_s):  # noqa: ANN001, ANN202
+        base = real(self, replica_id, state, now_s)
+        seen.append(base.concurrency_limit)
+        return base
+
+    monkeypatch.setattr(scale.LoadState, "update_from_kvguard_state", update)
+    row = scale.measure(33, 8, 3, 10.0, ("slo",), learned_limit=17)
+    assert row["learned_limit"] == 17 and len(seen) > 4 * 33
+    assert seen[33:] == [17] * len(seen[33:])  # every refresh after the fleet was built
+
+
 def test_the_streamed_events_rebuild_the_documents_they_were_made_from():
     from guard.replicas.state_stream import StreamStateSource
 

@@ -138,6 +138,52 @@ def test_the_streamed_view_decides_as_the_full_documents_do():
     assert num_admitted >= 6 and reported  # some of its own requests were listed, priced as its
 
 
+def test_rows_decoded_past_their_max_tokens_are_summed_as_the_documents_sum_them():
+    """A decoding row that the advance carries past its ``max_tokens`` (an engine stops it
+    there; the bench's synthetic fleet does not) has no output left: the streamed group's
+    sums are the documents' then too (they kept counting its output as still to come)."""
+    from chaos.bench.scale import stream_events
+
+    source, streamed = StreamStateSource("http://r"), LoadState()
+    num_past = 0
+    for event in stream_events(1, 40, 36):
+        source.feed(json.loads(event))
+        base = streamed.update_from_kvguard_state("r0", source.take(), 1.0)
+        doc = source.document()
+        polled = LoadState().update_from_kvguard_state("r0", doc, 1.0)
+        assert base.load == polled.load
+        columns = doc["running_columns"]
+        num_past += sum(o > m for o, m in zip(columns["num_output_tokens"],
+                                              columns["max_tokens"], strict=True))
+    assert num_past >= 20
+
+
+def test_a_group_that_churns_keeps_its_sums_and_a_bounded_heap():
+    """Rows come and go, most before their max_tokens, some carried past it: the sums stay
+    the documents' and the entries rows leave behind are bounded by the rows there are."""
+    from guard.replicas.documents import _column_group
+    from guard.replicas.stream_view import StreamGroup
+    from policies.replica_load import SeqTotals
+
+    rng = random.Random(5)
+    group = StreamGroup(16, advances=True)
+    for i in range(3000):
+        group.set(f"q{i}", rng.randint(0, 20), rng.choice((24, 60, 400)),
+                  rng.randint(1, 900), rng.choice((0, 0, 0, 64)))
+        if i >= 40:
+            group.remove(f"q{i - 40}")
+        group.step(rng.randint(0, 3))
+        if i % 97 == 0:
+            captured = group.capture()
+            totals = captured.totals(lambda rid: None, set(), 512, _column_group)
+            expected = SeqTotals.of(tuple(totals.seqs), 16, 512)
+            assert (totals.num_context_tokens, totals.num_prefill_tokens,
+                    totals.num_committed_blocks) == (expected.num_context_tokens,
+                                                     expected.num_prefill_tokens,
+                                                     expected.num_committed_blocks)
+        assert len(group._past_max) <= 2 * len(group.rows) + 33
+
+
 def test_an_event_out_of_sequence_is_a_gap():
     docs = _trace(num_steps=5)
     encoder = StateDeltas()
