@@ -50,7 +50,8 @@ from chaos.schedule import LengthDist
 from chaos.stats import percentile
 from chaos.topology import http_health
 
-__all__ = ["add_arguments", "plan", "run_e2e", "fleet_row", "render", "refuse_without_rate"]
+__all__ = ["add_arguments", "plan", "run_e2e", "fleet_row", "render", "refuse_without_rate",
+           "proxy_child", "wait_routable"]
 
 _BATCHED_TOKENS, _NUM_SEQS = 2048, 256  # chaos.state_fleet.StateFleetConfig's defaults
 
@@ -175,7 +176,8 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1000 * seconds, 3)
 
 
-def _proxy(urls: list[str], config: str) -> ChildProcess:
+def proxy_child(urls: list[str], config: str) -> ChildProcess:
+    """``kvguard proxy`` (``config``) in front of ``urls``, as a child not yet started."""
     upstreams = [a for url in urls for a in ("--upstream", url)]
     return ChildProcess("proxy", lambda port: [
         sys.executable, "-m", "guard.cli", "proxy", *upstreams, "--config", config,
@@ -187,7 +189,9 @@ def _proxy(urls: list[str], config: str) -> ChildProcess:
         http_health, ready_pattern=r"kvguard proxy listening on (\S+)")
 
 
-def _wait_routable(url: str, num_replicas: int, timeout_s: float = 120.0) -> None:
+def wait_routable(url: str, num_replicas: int, timeout_s: float = 120.0) -> None:
+    """Until the proxy at ``url`` routes to ``num_replicas`` replicas; RuntimeError past
+    ``timeout_s``."""
     deadline_s = time.monotonic() + timeout_s
     while True:
         replicas = httpx.get(url + "/kvguard/state", timeout=30, trust_env=False
@@ -226,10 +230,10 @@ def _run_fleet(fleet: dict, args: argparse.Namespace, directory: Path, c_gpu_rps
     fleet_args = ("--state-time-scale", repr(k), "--state-model", args.e2e_model,
                   "--state-gpu", args.e2e_gpu)
     with state_only_fleet(n, fleet_args) as (fleet_proc, urls), contextlib.ExitStack() as stack:
-        proxy = _proxy(urls, config)
+        proxy = proxy_child(urls, config)
         stack.callback(proxy.terminate)
         proxy.start(300)
-        _wait_routable(proxy.url, n)
+        wait_routable(proxy.url, n)
         out = directory / f"load-{n}"
         proxy_0, fleet_0, t0 = cpu_s(proxy.pid), cpu_s(fleet_proc.pid), time.monotonic()
         summary = flood(_load_args(proxy.url, fleet, args, out), fleet["wall_rate_rps"], out)
