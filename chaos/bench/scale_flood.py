@@ -10,18 +10,29 @@ is another client's sequence, seen only in the replica's state): ``--hold-prompt
 ``--hold-output-tokens`` tokens, non-streamed, so the replica sends nothing until it ends and
 the held load costs no relayed tokens. Its blocks are committed from its first step (the
 guard counts what a running sequence will still grow into), so a flood request finds no room
-on any replica, and the forecast wait for blocks (the held sequence's remaining decode steps,
-seconds) is far past the class TTFT: ``slo`` sheds it at once (503 ``no_kv_capacity``), over
-its bounded candidate set as any overload shed.
+on any replica, and the forecast wait for blocks (the held sequence's remaining decode steps)
+is far past the class TTFT: ``slo`` sheds it at once (503 ``no_kv_capacity``), over its
+bounded candidate set as any overload shed.
+
+The replicas run at ``--flood-time-scale`` K (default 50), and the class SLO is K times
+``--flood-ttft`` and ``--flood-itl`` (as in the end-to-end run), only so that holding them
+costs the fleet process little: at K = 1 it must apply 256 × ~210 decode steps a second on one
+event loop, fell behind on two shared cores, and the proxy then saw stale state and answered
+``no_replica`` and ``queue_timeout`` after seconds (measured once, 2026-12-06 10:06 UTC). The
+shed path does not depend on K — the flood is offered at ``--flood-rate`` wall req/s and each
+shed is timed in wall time — and the proxy's state refresh is its default, 10 Hz wall, so it
+keeps 256 replicas' state as it would unscaled (at K = 50 most events are heartbeats, as for
+an idle fleet, so this is the state cost of ``kvguard bench state-cpu``, not of busy replicas).
 
 One ``kvguard proxy`` (``slo``, the state refreshed at the default 10 Hz over the replicas'
 streams, the connection caps lifted as in the end-to-end run) is then offered
 ``--flood-rate`` req/s (open loop, Poisson) for ``--flood-duration`` seconds of short prompts
 by ``kvguard load``'s generator in this process. Reported: requests offered and answered,
 admitted, shed, refused and unanswered, the shed latency at the client (p50/p99/max, wall),
-the proxy's and the fleet process's cores over the flood, the generator's CPU and whether it
-flagged itself (kept waiting for a CPU, behind its schedule). The generator, the proxy and the
-fleet share the machine's cores.
+the proxy's and the fleet process's cores over the flood (and the proxy's over 2 s before it,
+with only the state to keep), the proxy's CPU per offered request, the generator's CPU and
+whether it flagged itself (kept waiting for a CPU, behind its schedule). The generator, the
+proxy and the fleet share the machine's cores.
 """
 
 from __future__ import annotations
@@ -71,11 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "4,000 tokens, 250 blocks, ~18 s of decode steps at time scale 1)")
     g.add_argument("--flood-kv-blocks", type=int, default=None,
                    help="KV blocks per replica (default: exactly the held request's)")
-    g.add_argument("--flood-time-scale", type=float, default=1.0,
-                   help="the replicas' time scale (default 1: the held request decodes at "
-                        "the roofline's speed; a larger one makes it last longer)")
-    g.add_argument("--flood-ttft", type=float, default=1.0, help="class TTFT limit, seconds")
-    g.add_argument("--flood-itl", type=float, default=0.08, help="class gap limit, seconds")
+    g.add_argument("--flood-time-scale", type=float, default=50.0,
+                   help="the replicas' time scale; the class SLO is scaled by it too "
+                        "(default 50: cheap to hold, see the module docstring)")
+    g.add_argument("--flood-ttft", type=float, default=1.0,
+                   help="class TTFT limit, GPU seconds (x the time scale)")
+    g.add_argument("--flood-itl", type=float, default=0.08,
+                   help="class gap limit, GPU seconds (x the time scale)")
     g.add_argument("--flood-client", choices=("raw", "aiohttp"), default="raw",
                    help="the load generator's client (default raw: least CPU per request)")
     g.add_argument("--flood-seed", type=int, default=0, help="arrival seed")
@@ -162,8 +175,10 @@ def _load_args(url: str, args: argparse.Namespace, out: Path) -> argparse.Namesp
     return p.parse_args([
         "--url", url, "--rate", repr(args.flood_rate), "--duration", repr(args.flood_duration),
         "--prompt-tokens", args.flood_prompt_tokens,
-        "--output-tokens", args.flood_output_tokens, "--ttft", repr(args.flood_ttft),
-        "--itl", repr(args.flood_itl), "--seed", str(args.flood_seed), "--timeout", "30",
+        "--output-tokens", args.flood_output_tokens,
+        "--ttft", repr(args.flood_ttft * args.flood_time_scale),
+        "--itl", repr(args.flood_itl * args.flood_time_scale),
+        "--seed", str(args.flood_seed), "--timeout", "30",
         "--drain-timeout", "30", "--max-connections", "4096", "--client", args.flood_client,
         "--metrics-url", "none", "--out", str(out), "--quiet"])
 
@@ -204,19 +219,28 @@ def run_flood(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as scratch, \
             state_only_fleet(args.flood_replicas, fleet_args) as (fleet_proc, urls), \
             contextlib.ExitStack() as stack:
+        k = args.flood_time_scale
         config = write_guard_config(str(Path(scratch) / "guard.toml"), policy="slo",
-                                    ttft_s=args.flood_ttft, itl_s=args.flood_itl)
+                                    ttft_s=args.flood_ttft * k, itl_s=args.flood_itl * k)
         proxy = proxy_child(urls, config)
         stack.callback(proxy.terminate)
         proxy.start(300)
         wait_routable(proxy.url, args.flood_replicas)
         stack.enter_context(_held(urls, args))
         full_after_s = _wait_full(proxy.url, args.flood_replicas)
+        idle_0, t_idle = cpu_s(proxy.pid), time.monotonic()
+        time.sleep(2.0)  # the proxy with only the state to keep
+        proxy_idle_cores = (cpu_s(proxy.pid) - idle_0) / (time.monotonic() - t_idle)
         proxy_0, fleet_0, t0 = cpu_s(proxy.pid), cpu_s(fleet_proc.pid), time.monotonic()
         summary = flood(_load_args(proxy.url, args, out), args.flood_rate, out)
         elapsed_s = time.monotonic() - t0
         row = flood_row(read_records(out / "requests.jsonl"), summary, args)
-        row["proxy_cores"] = round((cpu_s(proxy.pid) - proxy_0) / elapsed_s, 3)
+        proxy_s = cpu_s(proxy.pid) - proxy_0
+        row["proxy_cores"] = round(proxy_s / elapsed_s, 3)
+        row["proxy_idle_cores"] = round(proxy_idle_cores, 3)
+        # the flood's share: the proxy's CPU less what keeping the state cost it before
+        row["proxy_cpu_us_per_request"] = round(
+            1e6 * max(0.0, proxy_s - proxy_idle_cores * elapsed_s) / max(1, row["offered"]), 1)
         row["fleet_cores"] = round((cpu_s(fleet_proc.pid) - fleet_0) / elapsed_s, 3)
         row["load_wall_s"] = round(elapsed_s, 2)
         row["full_after_s"] = round(full_after_s, 2)
@@ -235,10 +259,12 @@ def render(row: dict) -> str:
         f"{row['offered_rps']:g} req/s for a saturated fleet of {row['replicas']} state-only "
         f"replicas ({row['kv_blocks_per_replica']} KV blocks each, one held request)", "",
         "| offered | answered | admitted | shed | refused | no answer | shed p50 / p99 / max ms "
-        "| proxy cores | fleet cores | loadgen % core | loadgen flagged |",
-        "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
+        "| proxy cores (idle) | proxy µs / request | fleet cores | loadgen % core "
+        "| loadgen flagged |",
+        "|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---|",
         f"| {row['offered']} | {row['answered']} | {row['admitted']} | {row['shed']} | "
         f"{row['refused']} | {row['no_answer']} | {f(row['shed_p50_ms'])} / "
-        f"{f(row['shed_p99_ms'])} / {f(row['shed_max_ms'])} | {row['proxy_cores']:.2f} | "
+        f"{f(row['shed_p99_ms'])} / {f(row['shed_max_ms'])} | {row['proxy_cores']:.2f} "
+        f"({row['proxy_idle_cores']:.2f}) | {row['proxy_cpu_us_per_request']:.0f} | "
         f"{row['fleet_cores']:.2f} | {f(row['loadgen_cpu_percent'], '.0f')} | "
         f"{'yes: ' + '; '.join(flagged) if flagged else 'no'} |"])

@@ -53,5 +53,5 @@ def test_a_small_flood_is_shed_whole_and_every_request_answered(tmp_path, capsys
     assert row["reasons"] == {"no_kv_capacity": row["offered"]}
     assert row["shed_p50_ms"] is not None and row["shed_p99_ms"] >= row["shed_p50_ms"]
     for key in ("proxy_cores", "fleet_cores", "loadgen_cpu_percent", "loadgen_warnings",
-                "full_after_s"):
+                "full_after_s", "proxy_idle_cores", "proxy_cpu_us_per_request"):
         assert key in row
