@@ -9,12 +9,19 @@ of them, and drives it open loop (Poisson) with ``kvguard load``'s generator in 
 What is scaled by K, so that the run models the unscaled fleet at ``--e2e-rate`` on a machine
 that cannot offer that rate: the wall rate offered (R ÷ K for the largest fleet), the replicas'
 step times, the class SLO the proxy enforces and the client judges (TTFT and inter-token limits
-× K), the run's duration and warm-up, and the client's patience. What is not: the proxy's own
+× K), the guard's other durations of engine time (:func:`guard_config`), the run's duration
+and warm-up, and the client's patience. What is not: the proxy's own
 work per request and per relayed chunk (so the proxy does 1 ÷ K of the unscaled work per wall
 second, and its state refresh, ``--e2e-refresh-s`` GPU seconds, is K times rarer in wall time:
 the state-keeping cost at 10 Hz of real time is the in-process ``state_cpu_share``), the
-number of requests in flight (Little's law: rate ÷ K × lifetime × K), and the shed latency,
-which is wall time at the lower wall rate — it says how fast a no is at R ÷ K req/s, not at R.
+number of requests in flight (Little's law: rate ÷ K × lifetime × K), the shed latency,
+which is wall time at the lower wall rate — it says how fast a no is at R ÷ K req/s, not at R
+(``--shed-flood`` measures it in wall time) — and the proxy's connection constants: an upstream
+connection idle for 4 s wall is closed (``KEEPALIVE_S``), so at K ≥ 40, where a replica gets a
+request every few wall seconds, most requests open a new one (a connect costs wall
+milliseconds, nothing in GPU time, but on a starved machine a connect past its 5 s timeout
+counts as a replica failure). A replica's state stream sends at most every 5 s wall, so at
+K = 60 the refresh is 0.083 GPU s rather than 0.1.
 
 C per replica is the sim's saturation throughput on this traffic from its roofline
 (:func:`chaos.review_capacity.replica_capacity_gpu_rps`, GPU seconds), the same for every
@@ -49,9 +56,11 @@ from chaos.review_fleet import EngineFlags
 from chaos.schedule import LengthDist
 from chaos.stats import percentile
 from chaos.topology import http_health
+from guard.config import GuardConfig
+from policies.slo import SloPolicy
 
 __all__ = ["add_arguments", "plan", "run_e2e", "fleet_row", "render", "refuse_without_rate",
-           "proxy_child", "wait_routable"]
+           "proxy_child", "wait_routable", "guard_config"]
 
 _BATCHED_TOKENS, _NUM_SEQS = 2048, 256  # chaos.state_fleet.StateFleetConfig's defaults
 
@@ -219,14 +228,28 @@ def _load_args(url: str, fleet: dict, args: argparse.Namespace, out: Path) -> ar
         "--client", args.e2e_client, "--metrics-url", "none", "--out", str(out), "--quiet"])
 
 
+def guard_config(path: str, args: argparse.Namespace) -> str:
+    """The proxy's guard TOML at ``path``: ``slo`` with the class SLO, the state refresh and
+    the guard's other durations of engine time times the time scale K — the queue's longest
+    wait (``max_queue_wait_s``), how long the TTFT headroom holds after an overload shed
+    (``pressure_hold_s``) and the stale rule's queue (``stale_queue_s``): left at their wall
+    defaults, at K = 60 a queued request was cut after 0.5 GPU s and the headroom lasted
+    0.08 GPU s after a shed, where the unscaled guard gives 30 and 5."""
+    k = args.time_scale
+    refresh_s = args.e2e_refresh_s * k
+    slo = SloPolicy()
+    return write_guard_config(
+        path, policy="slo", ttft_s=args.e2e_ttft * k, itl_s=args.e2e_itl * k,
+        settings={"refresh_interval_s": refresh_s, "max_staleness_s": 20 * refresh_s,
+                  "max_queue_wait_s": GuardConfig.max_queue_wait_s * k},
+        policy_params={"pressure_hold_s": slo.pressure_hold_s * k,
+                       "stale_queue_s": slo.stale_queue_s * k},
+        extra_toml=f"[proxy]\nread_timeout_s = {max(60.0, 6.0 * k)!r}\n")
+
+
 def _run_fleet(fleet: dict, args: argparse.Namespace, directory: Path, c_gpu_rps: float) -> dict:
     k, n = args.time_scale, fleet["replicas"]
-    refresh_s = args.e2e_refresh_s * k
-    config = write_guard_config(
-        str(directory / f"guard-{n}.toml"), policy="slo", ttft_s=args.e2e_ttft * k,
-        itl_s=args.e2e_itl * k, settings={"refresh_interval_s": refresh_s,
-                                          "max_staleness_s": 20 * refresh_s},
-        extra_toml=f"[proxy]\nread_timeout_s = {max(60.0, 6.0 * k)!r}\n")
+    config = guard_config(str(directory / f"guard-{n}.toml"), args)
     fleet_args = ("--state-time-scale", repr(k), "--state-model", args.e2e_model,
                   "--state-gpu", args.e2e_gpu)
     with state_only_fleet(n, fleet_args) as (fleet_proc, urls), contextlib.ExitStack() as stack:

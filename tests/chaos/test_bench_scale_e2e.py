@@ -72,3 +72,17 @@ def test_a_small_run_answers_every_request_and_reports_each_fleet(tmp_path, caps
                     "loadgen_warnings"):
             assert key in fleet
     assert report["fleets"][0]["goodput_over_c_vs_first"] == 1.0
+
+
+def test_the_guards_durations_of_engine_time_are_scaled_with_the_replicas(tmp_path):
+    from guard.config import GuardConfig, load_config
+    from policies.slo import SloPolicy
+
+    args = parse("--e2e-rate", "10", "--time-scale", "60")
+    config = load_config(scale_e2e.guard_config(str(tmp_path / "guard.toml"), args))
+    slo = SloPolicy()
+    interactive = next(c for c in config.classes if c.name == "interactive")
+    assert interactive.ttft_s == 60 and config.refresh_interval_s == 6
+    assert config.max_queue_wait_s == GuardConfig.max_queue_wait_s * 60  # 30 GPU s, not 0.5
+    assert config.policy_params["pressure_hold_s"] == slo.pressure_hold_s * 60
+    assert config.policy_params["stale_queue_s"] == slo.stale_queue_s * 60
