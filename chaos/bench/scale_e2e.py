@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import tempfile
 import time
@@ -60,7 +61,8 @@ from guard.config import GuardConfig
 from policies.slo import SloPolicy
 
 __all__ = ["add_arguments", "plan", "run_e2e", "fleet_row", "render", "refuse_without_rate",
-           "proxy_child", "wait_routable", "guard_config"]
+           "proxy_child", "wait_routable", "guard_config", "client_connections",
+           "max_in_flight"]
 
 _BATCHED_TOKENS, _NUM_SEQS = 2048, 256  # chaos.state_fleet.StateFleetConfig's defaults
 
@@ -213,6 +215,32 @@ def wait_routable(url: str, num_replicas: int, timeout_s: float = 120.0) -> None
         time.sleep(0.5)
 
 
+def client_connections(rate_gpu_rps: float, args: argparse.Namespace) -> int:
+    """How many requests the load generator may have open at once: Little's law at the
+    offered rate, every request as long as its SLO allows (the TTFT limit, then each of its
+    most output tokens at the gap limit: a bound while the SLO is kept, sheds being short), and
+    never fewer than 4,096 (the number in flight does not depend on the time scale: wall rate
+    ÷ K × lifetime × K; the proxy holds two sockets per request, so 3,000 req/s of 32-token
+    streams — 10,680 — fits a 20,000-descriptor limit only as the bound it is). Past its cap the
+    generator holds a request back until one ends — the open-loop arrivals become a closed
+    loop, the guard never sees the load offered, and the wait counts in the client's TTFT: at
+    3,000 req/s through 256 replicas a fixed 4,096 held back up to ~2,300 requests, so `slo`
+    shed nothing while 22 % of the clients' first tokens were late."""
+    lifetime_s = args.e2e_ttft + LengthDist.parse(args.e2e_output_tokens).high * args.e2e_itl
+    return max(4096, math.ceil(rate_gpu_rps * lifetime_s))
+
+
+def max_in_flight(records: list) -> int:
+    """The most requests the generator had sent and not yet seen end, at any instant."""
+    events = sorted(e for r in records if r.sent_s is not None and r.e2e_s is not None
+                    for e in ((r.sent_s, 1), (r.sent_s + r.e2e_s, -1)))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
 def _load_args(url: str, fleet: dict, args: argparse.Namespace, out: Path) -> argparse.Namespace:
     k = args.time_scale
     p = argparse.ArgumentParser()
@@ -224,7 +252,8 @@ def _load_args(url: str, fleet: dict, args: argparse.Namespace, out: Path) -> ar
         "--prompt-tokens", args.e2e_prompt_tokens, "--output-tokens", args.e2e_output_tokens,
         "--ttft", repr(args.e2e_ttft * k), "--itl", repr(args.e2e_itl * k),
         "--seed", str(args.e2e_seed), "--timeout", repr(max(60.0, 6.0 * k)),
-        "--drain-timeout", repr(max(30.0, 6.0 * k)), "--max-connections", "4096",
+        "--drain-timeout", repr(max(30.0, 6.0 * k)),
+        "--max-connections", str(client_connections(fleet["offered_gpu_rps"], args)),
         "--client", args.e2e_client, "--metrics-url", "none", "--out", str(out), "--quiet"])
 
 
@@ -261,7 +290,15 @@ def _run_fleet(fleet: dict, args: argparse.Namespace, directory: Path, c_gpu_rps
         proxy_0, fleet_0, t0 = cpu_s(proxy.pid), cpu_s(fleet_proc.pid), time.monotonic()
         summary = flood(_load_args(proxy.url, fleet, args, out), fleet["wall_rate_rps"], out)
         elapsed_s = time.monotonic() - t0
-        row = fleet_row(read_records(out / "requests.jsonl"), summary, fleet, k, c_gpu_rps)
+        records = read_records(out / "requests.jsonl")
+        row = fleet_row(records, summary, fleet, k, c_gpu_rps)
+        row["client_connections"] = client_connections(fleet["offered_gpu_rps"], args)
+        row["client_max_in_flight"] = max_in_flight(records)
+        if row["client_max_in_flight"] > row["client_connections"]:
+            row["loadgen_warnings"].append(
+                f"up to {row['client_max_in_flight']} requests in flight for the generator's "
+                f"{row['client_connections']} connections: requests waited for one before "
+                f"they were sent, and their TTFT counts that wait")
         row["proxy_cores"] = round((cpu_s(proxy.pid) - proxy_0) / elapsed_s, 3)
         row["fleet_cores"] = round((cpu_s(fleet_proc.pid) - fleet_0) / elapsed_s, 3)
         row["load_wall_s"] = round(elapsed_s, 1)
