@@ -24,8 +24,9 @@ shed is timed in wall time — and the proxy's state refresh is its default, 10 
 keeps 256 replicas' state as it would unscaled (at K = 50 most events are heartbeats, as for
 an idle fleet, so this is the state cost of ``kvguard bench state-cpu``, not of busy replicas).
 
-One ``kvguard proxy`` (``slo``, the state refreshed at the default 10 Hz over the replicas'
-streams, the connection caps lifted as in the end-to-end run) is then offered
+One ``kvguard proxy`` (``slo``, the state refreshed every ``--flood-refresh-s`` — default
+0.1 s, the proxy's own — over the replicas' streams, the connection caps lifted as in the
+end-to-end run) is then offered
 ``--flood-rate`` req/s (open loop, Poisson) for ``--flood-duration`` seconds of short prompts
 by ``kvguard load``'s generator in this process. Reported: requests offered and answered,
 admitted, shed, refused and unanswered, the shed latency at the client (p50/p99/max, wall),
@@ -89,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="class TTFT limit, GPU seconds (x the time scale)")
     g.add_argument("--flood-itl", type=float, default=0.08,
                    help="class gap limit, GPU seconds (x the time scale)")
+    g.add_argument("--flood-refresh-s", type=float, default=0.1,
+                   help="the proxy's state refresh interval, wall seconds (default 0.1, the "
+                        "proxy's own; its max_staleness_s is 20 x that)")
     g.add_argument("--flood-client", choices=("raw", "aiohttp"), default="raw",
                    help="the load generator's client (default raw: least CPU per request)")
     g.add_argument("--flood-seed", type=int, default=0, help="arrival seed")
@@ -118,9 +122,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--flood-replicas, --hold-prompt-tokens and --hold-output-tokens "
                          "must be >= 1")
     if not (args.flood_rate > 0 and args.flood_duration > 0 and args.flood_time_scale > 0
-            and args.flood_ttft > 0 and args.flood_itl > 0):
-        raise ValueError("--flood-rate, --flood-duration, --flood-time-scale, --flood-ttft "
-                         "and --flood-itl must be > 0")
+            and args.flood_ttft > 0 and args.flood_itl > 0 and args.flood_refresh_s > 0):
+        raise ValueError("--flood-rate, --flood-duration, --flood-time-scale, --flood-ttft, "
+                         "--flood-itl and --flood-refresh-s must be > 0")
     if args.flood_kv_blocks is not None and args.flood_kv_blocks < 1:
         raise ValueError("--flood-kv-blocks must be >= 1")
 
@@ -220,8 +224,11 @@ def run_flood(args: argparse.Namespace) -> dict:
             state_only_fleet(args.flood_replicas, fleet_args) as (fleet_proc, urls), \
             contextlib.ExitStack() as stack:
         k = args.flood_time_scale
+        refresh_s = args.flood_refresh_s
         config = write_guard_config(str(Path(scratch) / "guard.toml"), policy="slo",
-                                    ttft_s=args.flood_ttft * k, itl_s=args.flood_itl * k)
+                                    ttft_s=args.flood_ttft * k, itl_s=args.flood_itl * k,
+                                    settings={"refresh_interval_s": refresh_s,
+                                              "max_staleness_s": max(2.0, 20 * refresh_s)})
         proxy = proxy_child(urls, config)
         stack.callback(proxy.terminate)
         proxy.start(300)
@@ -245,6 +252,7 @@ def run_flood(args: argparse.Namespace) -> dict:
         row["load_wall_s"] = round(elapsed_s, 2)
         row["full_after_s"] = round(full_after_s, 2)
     row["kv_blocks_per_replica"] = num_blocks
+    row["refresh_s"] = args.flood_refresh_s
     row["command"] = " ".join(["kvguard", "bench", "scale", *sys.argv[3:]])
     (out / "flood.json").write_text(json.dumps(row, indent=1) + "\n")
     return row

@@ -29,6 +29,8 @@ def test_bad_flood_flags_are_refused_before_anything_starts():
         scale_flood.run_flood(parse("--shed-flood", "--flood-rate", "0"))
     with pytest.raises(ValueError, match="--flood-kv-blocks"):
         scale_flood.run_flood(parse("--shed-flood", "--flood-kv-blocks", "0"))
+    with pytest.raises(ValueError, match="--flood-refresh-s"):
+        scale_flood.run_flood(parse("--shed-flood", "--flood-refresh-s", "0"))
 
 
 def test_the_held_request_is_one_http_request_of_the_given_length():
@@ -48,6 +50,7 @@ def test_a_small_flood_is_shed_whole_and_every_request_answered(tmp_path, capsys
     row = json.loads(capsys.readouterr().out)
     assert row == json.loads((tmp_path / "flood.json").read_text())
     assert row["replicas"] == 2 and row["kv_blocks_per_replica"] == 250  # 96 + 3,904 tokens
+    assert row["refresh_s"] == 0.1
     assert row["offered"] > 50 and row["answered"] == row["offered"]
     assert row["admitted"] == 0 and row["shed"] == row["offered"]  # the fleet is full
     assert row["reasons"] == {"no_kv_capacity": row["offered"]}
