@@ -9,8 +9,8 @@
 ``--state-only`` serves every replica from this one process instead (state-only replicas of
 the sim backend, :mod:`chaos.state_fleet`: one port each, advanced on one event loop), which is
 how 256 of them fit on two cores; proxies and Redis are still processes. ``--replica-args`` does
-not apply to them (``--state-model``, ``--state-gpu``, ``--state-tick-s`` and
-``--state-time-scale`` do).
+not apply to them (``--state-model``, ``--state-gpu``, ``--state-tick-s``,
+``--state-time-scale`` and ``--state-kv-blocks`` do).
 
 Prints one line per process (``replica-0 http://127.0.0.1:PORT pid N``, ``proxy-0 ...``,
 ``redis redis://...``), then ``fleet ready``, and waits. ``--front envoy`` puts one Envoy (the
@@ -78,6 +78,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-time-scale", type=float, default=1.0,
                         help="state-only replicas' wall seconds per GPU second (every step "
                              "that many times the roofline's, as kvguard engine --time-scale)")
+    parser.add_argument("--state-kv-blocks", type=int, default=None, metavar="N",
+                        help="state-only replicas' KV blocks of 16 tokens each (default: what "
+                             "the GPU's memory holds); a few hundred fill a replica with one "
+                             "long request")
 
 
 def spec_from(args: argparse.Namespace) -> TopologySpec:
@@ -151,7 +155,8 @@ def _run_state_only(args: argparse.Namespace) -> int:
     if args.replicas < 1 and args.proxies:
         raise ValueError("--proxies: a proxy needs at least one replica (--replicas >= 1)")
     config = StateFleetConfig(model=args.state_model, gpu=args.state_gpu,
-                              tick_s=args.state_tick_s, time_scale=args.state_time_scale)
+                              tick_s=args.state_tick_s, time_scale=args.state_time_scale,
+                              num_kv_blocks=args.state_kv_blocks)
     return asyncio.run(_state_only(args, config))
 
 

@@ -55,6 +55,10 @@ class StateFleetConfig:
     tick_s: float = 0.005
     host: str = "127.0.0.1"
     time_scale: float = 1.0  # wall seconds per GPU second (chaos.state_replica)
+    # KV blocks per replica; None: what the GPU's memory holds (the planner's figure). A small
+    # number fills a replica with a request or two, so a fleet can be held saturated without
+    # thousands of open streams (``kvguard bench scale --shed-flood``)
+    num_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.tick_s <= 1.0:
@@ -63,7 +67,8 @@ class StateFleetConfig:
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not (
                 0 < scale < float("inf")):
             raise ValueError(f"time_scale must be a number > 0, got {scale!r}")
-        for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        keys = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        for key in keys + (("num_kv_blocks",) if self.num_kv_blocks is not None else ()):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be an int >= 1, got {value!r}")
@@ -84,8 +89,9 @@ class StateFleet:
         model, gpu = model_preset(config.model), get_gpu(config.gpu)
         self._timing = TimingModel(model, gpu)
         self._timing_dict = self._timing.as_dict()
-        self._num_blocks = num_kv_blocks(model, gpu, 0.9, self._timing.dtype_bytes, 16,
-                                         config.max_num_batched_tokens, config.max_num_seqs)
+        self._num_blocks = config.num_kv_blocks or num_kv_blocks(
+            model, gpu, 0.9, self._timing.dtype_bytes, 16, config.max_num_batched_tokens,
+            config.max_num_seqs)
         if self._num_blocks < 1:
             raise ValueError(f"model {config.model!r} does not fit on gpu {config.gpu!r}")
         self.config = config

@@ -42,6 +42,8 @@ keys) and every row.
 ``--e2e-rate R`` runs end to end instead (:mod:`chaos.bench.scale_e2e`): R req/s through one
 proxy in front of the largest ``--e2e-replicas`` state-only fleet at ``--time-scale``, and each
 smaller fleet at the same offered ÷ C, with ``--json`` keys per fleet (``fleets``).
+``--shed-flood`` floods one proxy in front of a saturated state-only fleet in wall time instead
+(:mod:`chaos.bench.scale_flood`): the shed latency at ``--flood-rate`` req/s.
 Results and their commands go to docs/benchmarks.md.
 """
 
@@ -54,7 +56,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from chaos.bench import scale_e2e
+from chaos.bench import scale_e2e, scale_flood
 from chaos.bench.candidate_gap import candidate_gap
 from engine.compact_state import compact_state
 from guard.replicas.load_state import LoadState
@@ -284,6 +286,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="also draw decision µs and state cores against the replica count "
                              "(the largest --running) into this PNG (default: none)")
     scale_e2e.add_arguments(parser)
+    scale_flood.add_arguments(parser)
 
 
 def plot_scale(rows: list[dict], running: int, path: str) -> None:
@@ -338,7 +341,18 @@ def _run_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_flood(args: argparse.Namespace) -> int:
+    row = scale_flood.run_flood(args)
+    print(json.dumps(row, indent=1) if args.json else scale_flood.render(row))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.shed_flood:
+        if args.e2e_rate is not None:
+            raise ValueError("--shed-flood and --e2e-rate: one at a time")
+        return _run_flood(args)
+    scale_flood.refuse_without_flood(args)
     if args.e2e_rate is not None:
         return _run_e2e(args)
     scale_e2e.refuse_without_rate(args)

@@ -9,12 +9,19 @@ of them, and drives it open loop (Poisson) with ``kvguard load``'s generator in 
 What is scaled by K, so that the run models the unscaled fleet at ``--e2e-rate`` on a machine
 that cannot offer that rate: the wall rate offered (R ÷ K for the largest fleet), the replicas'
 step times, the class SLO the proxy enforces and the client judges (TTFT and inter-token limits
-× K), the run's duration and warm-up, and the client's patience. What is not: the proxy's own
+× K), the guard's other durations of engine time (:func:`guard_config`), the run's duration
+and warm-up, and the client's patience. What is not: the proxy's own
 work per request and per relayed chunk (so the proxy does 1 ÷ K of the unscaled work per wall
 second, and its state refresh, ``--e2e-refresh-s`` GPU seconds, is K times rarer in wall time:
 the state-keeping cost at 10 Hz of real time is the in-process ``state_cpu_share``), the
-number of requests in flight (Little's law: rate ÷ K × lifetime × K), and the shed latency,
-which is wall time at the lower wall rate — it says how fast a no is at R ÷ K req/s, not at R.
+number of requests in flight (Little's law: rate ÷ K × lifetime × K), the shed latency,
+which is wall time at the lower wall rate — it says how fast a no is at R ÷ K req/s, not at R
+(``--shed-flood`` measures it in wall time) — and the proxy's connection constants: an upstream
+connection idle for 4 s wall is closed (``KEEPALIVE_S``), so at K ≥ 40, where a replica gets a
+request every few wall seconds, most requests open a new one (a connect costs wall
+milliseconds, nothing in GPU time, but on a starved machine a connect past its 5 s timeout
+counts as a replica failure). A replica's state stream sends at most every 5 s wall, so at
+K = 60 the refresh is 0.083 GPU s rather than 0.1.
 
 C per replica is the sim's saturation throughput on this traffic from its roofline
 (:func:`chaos.review_capacity.replica_capacity_gpu_rps`, GPU seconds), the same for every
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import tempfile
 import time
@@ -49,8 +57,12 @@ from chaos.review_fleet import EngineFlags
 from chaos.schedule import LengthDist
 from chaos.stats import percentile
 from chaos.topology import http_health
+from guard.config import GuardConfig
+from policies.slo import SloPolicy
 
-__all__ = ["add_arguments", "plan", "run_e2e", "fleet_row", "render", "refuse_without_rate"]
+__all__ = ["add_arguments", "plan", "run_e2e", "fleet_row", "render", "refuse_without_rate",
+           "proxy_child", "wait_routable", "guard_config", "client_connections",
+           "max_in_flight"]
 
 _BATCHED_TOKENS, _NUM_SEQS = 2048, 256  # chaos.state_fleet.StateFleetConfig's defaults
 
@@ -175,7 +187,8 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1000 * seconds, 3)
 
 
-def _proxy(urls: list[str], config: str) -> ChildProcess:
+def proxy_child(urls: list[str], config: str) -> ChildProcess:
+    """``kvguard proxy`` (``config``) in front of ``urls``, as a child not yet started."""
     upstreams = [a for url in urls for a in ("--upstream", url)]
     return ChildProcess("proxy", lambda port: [
         sys.executable, "-m", "guard.cli", "proxy", *upstreams, "--config", config,
@@ -187,7 +200,9 @@ def _proxy(urls: list[str], config: str) -> ChildProcess:
         http_health, ready_pattern=r"kvguard proxy listening on (\S+)")
 
 
-def _wait_routable(url: str, num_replicas: int, timeout_s: float = 120.0) -> None:
+def wait_routable(url: str, num_replicas: int, timeout_s: float = 120.0) -> None:
+    """Until the proxy at ``url`` routes to ``num_replicas`` replicas; RuntimeError past
+    ``timeout_s``."""
     deadline_s = time.monotonic() + timeout_s
     while True:
         replicas = httpx.get(url + "/kvguard/state", timeout=30, trust_env=False
@@ -198,6 +213,32 @@ def _wait_routable(url: str, num_replicas: int, timeout_s: float = 120.0) -> Non
             raise RuntimeError(f"the proxy routes to {sum(r['routable'] for r in replicas)} "
                                f"of {num_replicas} replicas after {timeout_s:g} s")
         time.sleep(0.5)
+
+
+def client_connections(rate_gpu_rps: float, args: argparse.Namespace) -> int:
+    """How many requests the load generator may have open at once: Little's law at the
+    offered rate, every request as long as its SLO allows (the TTFT limit, then each of its
+    most output tokens at the gap limit: a bound while the SLO is kept, sheds being short), and
+    never fewer than 4,096 (the number in flight does not depend on the time scale: wall rate
+    ÷ K × lifetime × K; the proxy holds two sockets per request, so 3,000 req/s of 32-token
+    streams — 10,680 — fits a 20,000-descriptor limit only as the bound it is). Past its cap the
+    generator holds a request back until one ends — the open-loop arrivals become a closed
+    loop, the guard never sees the load offered, and the wait counts in the client's TTFT: at
+    3,000 req/s through 256 replicas a fixed 4,096 held back up to ~2,300 requests, so `slo`
+    shed nothing while 22 % of the clients' first tokens were late."""
+    lifetime_s = args.e2e_ttft + LengthDist.parse(args.e2e_output_tokens).high * args.e2e_itl
+    return max(4096, math.ceil(rate_gpu_rps * lifetime_s))
+
+
+def max_in_flight(records: list) -> int:
+    """The most requests the generator had sent and not yet seen end, at any instant."""
+    events = sorted(e for r in records if r.sent_s is not None and r.e2e_s is not None
+                    for e in ((r.sent_s, 1), (r.sent_s + r.e2e_s, -1)))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
 
 
 def _load_args(url: str, fleet: dict, args: argparse.Namespace, out: Path) -> argparse.Namespace:
@@ -211,30 +252,53 @@ def _load_args(url: str, fleet: dict, args: argparse.Namespace, out: Path) -> ar
         "--prompt-tokens", args.e2e_prompt_tokens, "--output-tokens", args.e2e_output_tokens,
         "--ttft", repr(args.e2e_ttft * k), "--itl", repr(args.e2e_itl * k),
         "--seed", str(args.e2e_seed), "--timeout", repr(max(60.0, 6.0 * k)),
-        "--drain-timeout", repr(max(30.0, 6.0 * k)), "--max-connections", "4096",
+        "--drain-timeout", repr(max(30.0, 6.0 * k)),
+        "--max-connections", str(client_connections(fleet["offered_gpu_rps"], args)),
         "--client", args.e2e_client, "--metrics-url", "none", "--out", str(out), "--quiet"])
+
+
+def guard_config(path: str, args: argparse.Namespace) -> str:
+    """The proxy's guard TOML at ``path``: ``slo`` with the class SLO, the state refresh and
+    the guard's other durations of engine time times the time scale K — the queue's longest
+    wait (``max_queue_wait_s``), how long the TTFT headroom holds after an overload shed
+    (``pressure_hold_s``) and the stale rule's queue (``stale_queue_s``): left at their wall
+    defaults, at K = 60 a queued request was cut after 0.5 GPU s and the headroom lasted
+    0.08 GPU s after a shed, where the unscaled guard gives 30 and 5."""
+    k = args.time_scale
+    refresh_s = args.e2e_refresh_s * k
+    slo = SloPolicy()
+    return write_guard_config(
+        path, policy="slo", ttft_s=args.e2e_ttft * k, itl_s=args.e2e_itl * k,
+        settings={"refresh_interval_s": refresh_s, "max_staleness_s": 20 * refresh_s,
+                  "max_queue_wait_s": GuardConfig.max_queue_wait_s * k},
+        policy_params={"pressure_hold_s": slo.pressure_hold_s * k,
+                       "stale_queue_s": slo.stale_queue_s * k},
+        extra_toml=f"[proxy]\nread_timeout_s = {max(60.0, 6.0 * k)!r}\n")
 
 
 def _run_fleet(fleet: dict, args: argparse.Namespace, directory: Path, c_gpu_rps: float) -> dict:
     k, n = args.time_scale, fleet["replicas"]
-    refresh_s = args.e2e_refresh_s * k
-    config = write_guard_config(
-        str(directory / f"guard-{n}.toml"), policy="slo", ttft_s=args.e2e_ttft * k,
-        itl_s=args.e2e_itl * k, settings={"refresh_interval_s": refresh_s,
-                                          "max_staleness_s": 20 * refresh_s},
-        extra_toml=f"[proxy]\nread_timeout_s = {max(60.0, 6.0 * k)!r}\n")
+    config = guard_config(str(directory / f"guard-{n}.toml"), args)
     fleet_args = ("--state-time-scale", repr(k), "--state-model", args.e2e_model,
                   "--state-gpu", args.e2e_gpu)
     with state_only_fleet(n, fleet_args) as (fleet_proc, urls), contextlib.ExitStack() as stack:
-        proxy = _proxy(urls, config)
+        proxy = proxy_child(urls, config)
         stack.callback(proxy.terminate)
         proxy.start(300)
-        _wait_routable(proxy.url, n)
+        wait_routable(proxy.url, n)
         out = directory / f"load-{n}"
         proxy_0, fleet_0, t0 = cpu_s(proxy.pid), cpu_s(fleet_proc.pid), time.monotonic()
         summary = flood(_load_args(proxy.url, fleet, args, out), fleet["wall_rate_rps"], out)
         elapsed_s = time.monotonic() - t0
-        row = fleet_row(read_records(out / "requests.jsonl"), summary, fleet, k, c_gpu_rps)
+        records = read_records(out / "requests.jsonl")
+        row = fleet_row(records, summary, fleet, k, c_gpu_rps)
+        row["client_connections"] = client_connections(fleet["offered_gpu_rps"], args)
+        row["client_max_in_flight"] = max_in_flight(records)
+        if row["client_max_in_flight"] > row["client_connections"]:
+            row["loadgen_warnings"].append(
+                f"up to {row['client_max_in_flight']} requests in flight for the generator's "
+                f"{row['client_connections']} connections: requests waited for one before "
+                f"they were sent, and their TTFT counts that wait")
         row["proxy_cores"] = round((cpu_s(proxy.pid) - proxy_0) / elapsed_s, 3)
         row["fleet_cores"] = round((cpu_s(fleet_proc.pid) - fleet_0) / elapsed_s, 3)
         row["load_wall_s"] = round(elapsed_s, 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import pytest
 
@@ -72,3 +73,37 @@ def test_a_small_run_answers_every_request_and_reports_each_fleet(tmp_path, caps
                     "loadgen_warnings"):
             assert key in fleet
     assert report["fleets"][0]["goodput_over_c_vs_first"] == 1.0
+
+
+def test_the_guards_durations_of_engine_time_are_scaled_with_the_replicas(tmp_path):
+    from guard.config import GuardConfig, load_config
+    from policies.slo import SloPolicy
+
+    args = parse("--e2e-rate", "10", "--time-scale", "60")
+    config = load_config(scale_e2e.guard_config(str(tmp_path / "guard.toml"), args))
+    slo = SloPolicy()
+    interactive = next(c for c in config.classes if c.name == "interactive")
+    assert interactive.ttft_s == 60 and config.refresh_interval_s == 6
+    assert config.max_queue_wait_s == GuardConfig.max_queue_wait_s * 60  # 30 GPU s, not 0.5
+    assert config.policy_params["pressure_hold_s"] == slo.pressure_hold_s * 60
+    assert config.policy_params["stale_queue_s"] == slo.stale_queue_s * 60
+
+
+def test_the_generator_may_hold_every_request_the_offered_rate_keeps_in_flight():
+    # Little's law, whatever the time scale: 3,000 req/s of requests that live up to 1 s +
+    # 32 x 80 ms is ~10,700 in flight; a fixed cap of 4,096 held requests back unsent
+    args = parse("--e2e-rate", "3000", "--time-scale", "60")
+    assert scale_e2e.client_connections(3000, args) == math.ceil(3000 * (1 + 32 * 0.08))
+    assert scale_e2e.client_connections(3000, parse("--e2e-rate", "3000")) == \
+        scale_e2e.client_connections(3000, args)
+    assert scale_e2e.client_connections(10, args) == 4096  # never below the old floor
+
+
+def test_max_in_flight_counts_requests_sent_and_not_yet_ended():
+    from chaos.records import RequestRecord
+
+    def rec(i, sent_s, e2e_s):
+        return RequestRecord(i, "interactive", "t", 8, 4, sent_s, sent_s, "completed",
+                             status=200, e2e_s=e2e_s)
+    records = [rec(0, 0.0, 10.0), rec(1, 1.0, 2.0), rec(2, 2.5, 1.0), rec(3, 20.0, 1.0)]
+    assert scale_e2e.max_in_flight(records) == 3

@@ -144,3 +144,24 @@ def test_a_client_that_leaves_mid_stream_frees_its_sequence():
         finally:
             await fleet.stop()
     run(main())
+
+
+def test_a_fleet_with_few_kv_blocks_is_full_with_one_long_request():
+    async def main():
+        fleet = StateFleet(StateFleetConfig(tick_s=0.002, num_kv_blocks=20))
+        await fleet.start(1)
+        try:
+            url = fleet.urls["replica-0"]
+            async with httpx.AsyncClient(trust_env=False) as client:
+                state = (await client.get(url + "/kvguard/state")).json()
+                assert state["num_total_blocks"] == state["num_free_blocks"] == 20
+                body = {"model": "llama-7b", "prompt": list(range(300)), "max_tokens": 4}
+                answer = await client.post(url + "/v1/completions", json=body)
+                assert answer.json()["usage"]["completion_tokens"] == 4
+                state = (await client.get(url + "/kvguard/state")).json()
+                assert state["iterations"][0]["num_prefill_tokens"] == 300  # 19 blocks fit
+        finally:
+            await fleet.stop()
+    run(main())
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        StateFleetConfig(num_kv_blocks=0)

@@ -1,0 +1,60 @@
+"""``kvguard bench scale --shed-flood``: a saturated state-only fleet behind a real proxy is
+flooded in wall time and sheds every request at once; its flags are refused without it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from chaos.bench import scale, scale_flood
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    scale.configure(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flood_flags_without_shed_flood_are_refused():
+    with pytest.raises(ValueError, match="--flood-rate applies only with --shed-flood"):
+        scale.run(parse("--replicas", "2", "--flood-rate", "100"))
+    with pytest.raises(ValueError, match="one at a time"):
+        scale.run(parse("--shed-flood", "--e2e-rate", "10"))
+
+
+def test_bad_flood_flags_are_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="--flood-rate"):
+        scale_flood.run_flood(parse("--shed-flood", "--flood-rate", "0"))
+    with pytest.raises(ValueError, match="--flood-kv-blocks"):
+        scale_flood.run_flood(parse("--shed-flood", "--flood-kv-blocks", "0"))
+    with pytest.raises(ValueError, match="--flood-refresh-s"):
+        scale_flood.run_flood(parse("--shed-flood", "--flood-refresh-s", "0"))
+
+
+def test_the_held_request_is_one_http_request_of_the_given_length():
+    raw = scale_flood.hold_request("llama-7b", 5, 100, "hold-3")
+    head, body = raw.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+    assert f"content-length: {len(body)}".encode() in head and b"x-request-id: hold-3" in head
+    assert json.loads(body) == {"model": "llama-7b", "prompt": [7] * 5, "max_tokens": 100,
+                                "stream": False}
+
+
+@pytest.mark.slow
+def test_a_small_flood_is_shed_whole_and_every_request_answered(tmp_path, capsys):
+    args = parse("--shed-flood", "--flood-replicas", "2", "--flood-rate", "100",
+                 "--flood-duration", "1", "--flood-out", str(tmp_path), "--json")
+    assert scale.run(args) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row == json.loads((tmp_path / "flood.json").read_text())
+    assert row["replicas"] == 2 and row["kv_blocks_per_replica"] == 250  # 96 + 3,904 tokens
+    assert row["refresh_s"] == 0.1
+    assert row["offered"] > 50 and row["answered"] == row["offered"]
+    assert row["admitted"] == 0 and row["shed"] == row["offered"]  # the fleet is full
+    assert row["reasons"] == {"no_kv_capacity": row["offered"]}
+    assert row["shed_p50_ms"] is not None and row["shed_p99_ms"] >= row["shed_p50_ms"]
+    for key in ("proxy_cores", "fleet_cores", "loadgen_cpu_percent", "loadgen_warnings",
+                "full_after_s", "proxy_idle_cores", "proxy_cpu_us_per_request"):
+        assert key in row
