@@ -27,13 +27,20 @@ from tests.support.invalid_runs import invalid_run_reason
 # 2-core machine, several under heavy contention; the suite's 300 s per-test guard is too short.
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_heavy, pytest.mark.exclusive,
               pytest.mark.timeout(900)]
-QUICK = ["burst", "retry-storm", "replica-kill", "redis-kill"]
+# Each scenario's policies. always_admit runs where the comparison with slo is the point (an
+# overload: the burst, the retry storm); under a replica or Redis kill these tests check slo's
+# own guarantees (nobody lost, no over-admission, no hung client), and the comparison there
+# is the full suite's (`kvguard chaos run replica-kill`), not CI's: each policy's quick run is
+# ~27 s of a suite in which nothing else may run beside it.
+QUICK = {"burst": ["always_admit", "slo"], "retry-storm": ["always_admit", "slo"],
+         "replica-kill": ["slo"], "redis-kill": ["slo"]}
+COMPARED = [name for name, policies in QUICK.items() if "always_admit" in policies]
 
 
-@pytest.fixture(scope="module", params=QUICK)
+@pytest.fixture(scope="module", params=list(QUICK))
 def quick_run(request, tmp_path_factory):
-    """One quick run of a scenario (always_admit and slo), shared by the tests below."""
-    return quick_scenario_run(request.param, ["always_admit", "slo"], tmp_path_factory)
+    """One quick run of a scenario (its policies in ``QUICK``), shared by the tests below."""
+    return quick_scenario_run(request.param, QUICK[request.param], tmp_path_factory)
 
 
 def test_every_user_is_accounted_for_and_no_bad_answer_counts(quick_run):
@@ -107,6 +114,7 @@ def test_slo_loses_nobody(quick_run):
 
 
 @pytest.mark.needs_valid_run
+@pytest.mark.parametrize("quick_run", COMPARED, indirect=True)
 def test_slo_beats_always_admit(quick_run):
     """A comparison: both runs must be valid (a stalled generator makes either one look worse
     than its policy is)."""
