@@ -29,7 +29,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["FakeKubeApiServer", "Request", "self_signed_tls", "pod", "pool_v1", "pool_v1alpha2"]
+import pytest
+
+__all__ = ["FakeKubeApiServer", "Request", "self_signed_tls", "service_account", "pod", "pool_v1",
+           "pool_v1alpha2"]
 
 V1 = "inference.networking.k8s.io/v1"
 V1ALPHA2 = "inference.networking.x-k8s.io/v1alpha2"
@@ -76,6 +79,20 @@ def self_signed_tls(folder: Path) -> tuple[ssl.SSLContext, Path] | None:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     return context, cert
+
+
+def service_account(tmp_path: Path) -> tuple[Path, tuple[ssl.SSLContext, Path]]:
+    """A pod's service-account folder under ``tmp_path`` (token ``token-1``, namespace
+    ``default``, the API server's ca.crt) and the server's TLS; the test is skipped without
+    the openssl command."""
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    tls = self_signed_tls(account)
+    if tls is None:
+        pytest.skip("needs the openssl command for the API server's certificate")
+    (account / "token").write_text("token-1")
+    (account / "namespace").write_text("default")
+    return account, tls
 
 
 class Request:

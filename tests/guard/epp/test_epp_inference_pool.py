@@ -9,23 +9,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import pytest
-
 from chaos.state_fleet import StateFleet, StateFleetConfig
 from guard.config import config_with_upstreams
 from guard.epp.server import EppServer
 from tests.guard.epp.test_epp_discovery import _decide, _until
-from tests.support.fake_kube_apiserver import FakeKubeApiServer, pod, pool_v1, self_signed_tls
+from tests.support.fake_kube_apiserver import FakeKubeApiServer, pod, pool_v1, service_account
 
 
 def test_the_epp_follows_the_inference_pools_ready_pods(tmp_path, monkeypatch):
-    account = tmp_path / "serviceaccount"
-    account.mkdir()
-    tls = self_signed_tls(account)
-    if tls is None:
-        pytest.skip("needs the openssl command for the API server's certificate")
-    (account / "token").write_text("token-1")
-    (account / "namespace").write_text("default")
+    account, tls = service_account(tmp_path)
 
     async def main(kube: FakeKubeApiServer):
         fleet = StateFleet(StateFleetConfig(tick_s=0.002))

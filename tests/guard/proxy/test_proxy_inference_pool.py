@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.guard.proxy.test_proxy_discovery import BODY, _fleet, _proxy, _until, replica_urls
-from tests.support.fake_kube_apiserver import FakeKubeApiServer, pod, pool_v1, self_signed_tls
+from tests.support.fake_kube_apiserver import FakeKubeApiServer, pod, pool_v1, service_account
 
 pytestmark = pytest.mark.slow
 
@@ -18,13 +18,7 @@ __all__ = ["replica_urls"]  # the module's fleet fixture, shared
 
 
 def test_the_proxy_follows_an_inference_pools_ready_pods(replica_urls, tmp_path, monkeypatch):
-    account = tmp_path / "serviceaccount"
-    account.mkdir()
-    tls = self_signed_tls(account)
-    if tls is None:
-        pytest.skip("needs the openssl command for the API server's certificate")
-    (account / "token").write_text("token-1")
-    (account / "namespace").write_text("default")
+    account, tls = service_account(tmp_path)
     ports = [int(url.rsplit(":", 1)[1]) for url in replica_urls[:2]]
     local = sorted(f"127.0.0.1:{port}" for port in ports)
     elsewhere = sorted(f"127.0.0.2:{port}" for port in ports)  # nothing listens there
