@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from chaos.bench.gateway import MODEL, _set_process_affinity, cpu_pinning
+from chaos.bench.gateway import _set_process_affinity, cpu_pinning, one_sim_replica
 from chaos.bench.proxy import _measure_all
 from chaos.child import ChildProcess
 from chaos.envoy_front import (
@@ -45,7 +45,7 @@ from chaos.envoy_front import (
 )
 from chaos.ports import free_port
 from chaos.replica import exit_on_sigterm
-from chaos.topology import Topology, TopologySpec, http_health
+from chaos.topology import http_health
 
 __all__ = ["NODE_FLOOR", "VARIANTS", "Variant", "main"]
 
@@ -158,41 +158,34 @@ def _run(args: argparse.Namespace, names: Sequence[str], work: Path,
          epp_cpus: Sequence[int], node_modules: Path | None = None) -> dict:
     config = work / "guard.toml"
     config.write_text('policy = "slo"\n')
-    spec = TopologySpec(num_replicas=1, replica_args=("--model", MODEL, "--backend", "sim"))
-    children: list[ChildProcess] = []
-    try:
-        with Topology(spec) as fleet:
-            upstream = fleet.replica_urls[0]
-            endpoint = upstream.removeprefix("http://")
-            urls, pids = {"direct": upstream}, {"direct": fleet.replicas[0].pid}
-            logs = {}  # each Envoy's access log of its own timestamps (--envoy-stages)
-            listener_port, admin_port = free_port(), free_port()
-            path = envoy_alone_config(work, listener_port=listener_port, admin_port=admin_port,
-                                      upstreams=[endpoint])
+    with one_sim_replica() as (upstream, replica_pid, children):
+        endpoint = upstream.removeprefix("http://")
+        urls, pids = {"direct": upstream}, {"direct": replica_pid}
+        logs = {}  # each Envoy's access log of its own timestamps (--envoy-stages)
+        listener_port, admin_port = free_port(), free_port()
+        path = envoy_alone_config(work, listener_port=listener_port, admin_port=admin_port,
+                                  upstreams=[endpoint])
+        if args.envoy_stages:
+            logs["envoy alone"] = _with_stage_log(path, work / "envoy-alone.log")
+        alone = _envoy_child(path, listener_port)
+        children.append(alone.start())
+        urls["envoy alone"], pids["envoy alone"] = alone.url, alone.pid
+        for name in names:
+            variant = VARIANTS[name]
+            socket_path = work / f"{name}.sock" if variant.unix else None
+            server = _server(variant, endpoint, upstream, str(config), socket_path,
+                             epp_cpus, node_modules)
+            children.append(server.start())
+            path, listener_port = _envoy_config(variant, work, server.port, socket_path)
             if args.envoy_stages:
-                logs["envoy alone"] = _with_stage_log(path, work / "envoy-alone.log")
-            alone = _envoy_child(path, listener_port)
-            children.append(alone.start())
-            urls["envoy alone"], pids["envoy alone"] = alone.url, alone.pid
-            for name in names:
-                variant = VARIANTS[name]
-                socket_path = work / f"{name}.sock" if variant.unix else None
-                server = _server(variant, endpoint, upstream, str(config), socket_path,
-                                 epp_cpus, node_modules)
-                children.append(server.start())
-                path, listener_port = _envoy_config(variant, work, server.port, socket_path)
-                if args.envoy_stages:
-                    logs[name] = _with_stage_log(path, work / f"envoy-{name}.log")
-                envoy = _envoy_child(path, listener_port)
-                children.append(envoy.start())
-                urls[name], pids[name] = envoy.url, server.pid
-            rows = _measure_all(urls, pids, args, baseline="envoy alone")
-            for name, log in logs.items():
-                rows[name]["envoy_stages_ms"] = _stage_medians(log, args.requests)
-            return rows
-    finally:
-        for child in reversed(children):
-            child.terminate()
+                logs[name] = _with_stage_log(path, work / f"envoy-{name}.log")
+            envoy = _envoy_child(path, listener_port)
+            children.append(envoy.start())
+            urls[name], pids[name] = envoy.url, server.pid
+        rows = _measure_all(urls, pids, args, baseline="envoy alone")
+        for name, log in logs.items():
+            rows[name]["envoy_stages_ms"] = _stage_medians(log, args.requests)
+        return rows
 
 
 def _server(variant: Variant, endpoint: str, upstream: str, config: str,

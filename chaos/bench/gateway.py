@@ -42,7 +42,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,74 +179,82 @@ def _floor(endpoint: str, cpus: Sequence[int] = ()) -> ChildProcess:
                         ready_pattern=r"ext_proc floor listening on (grpc://\S+)")
 
 
-def _latency(args: argparse.Namespace, work: Path, config: str,
-             epp_cpus: Sequence[int] = ()) -> dict:
+@contextlib.contextmanager
+def one_sim_replica() -> Iterator[tuple[str, int, list[ChildProcess]]]:
+    """One sim replica of :data:`MODEL`: its URL, its pid, and a list for what the caller
+    starts in front of it (Envoys, ext_proc servers, proxies), terminated last first when the
+    block ends, before the replica."""
     spec = TopologySpec(num_replicas=1, replica_args=("--model", MODEL, "--backend", "sim"))
     children: list[ChildProcess] = []
-    try:
-        with Topology(spec) as fleet:
-            upstream = fleet.replica_urls[0]
-            endpoint = upstream.removeprefix("http://")
-            urls, pids = {"direct": upstream}, {"direct": fleet.replicas[0].pid}
-            alone = envoy_child([], work, alone_upstreams=[endpoint])
-            children.append(alone.start())
-            urls["envoy alone"], pids["envoy alone"] = alone.url, alone.pid
-            # the protocol's own cost: a do-nothing ext_proc server on grpc.aio, same modes
-            floor = _floor(endpoint, epp_cpus)
-            children.append(floor.start())
-            floor_envoy = envoy_child([floor.port], work)
-            children.append(floor_envoy.start())
-            urls[FLOOR], pids[FLOOR] = floor_envoy.url, floor.pid
-            epp = epp_child([upstream], config=config, cpus=epp_cpus)
-            children.append(epp.start())
-            envoy = envoy_child([epp.port], work)
-            children.append(envoy.start())
-            urls["envoy + kvguard epp"] = envoy.url
-            # its CPU column is the EPP's (Envoy's own is about Envoy alone's)
-            pids["envoy + kvguard epp"] = epp.pid
-            # the response path off the first token: decision + observer filters, own EPP
-            split_epp = epp_child([upstream], config=config, cpus=epp_cpus)
-            children.append(split_epp.start())
-            split_envoy = envoy_child([split_epp.port], work, split=True)
-            children.append(split_envoy.start())
-            urls[SPLIT], pids[SPLIT] = split_envoy.url, split_epp.pid
-            proxy = _proxy(upstream, config)
-            children.append(proxy.start())
-            urls["kvguard proxy slo"], pids["kvguard proxy slo"] = proxy.url, proxy.pid
-            if args.litellm:
-                exe = ensure_venv(args.litellm_venv.resolve())
-                child = litellm_child(exe, upstream, MODEL, free_port(), work, _KEY)
-                children.append(child.start(timeout_s=180))
-                urls["litellm"], pids["litellm"] = child.url, child.pid
-            rows = _measure_all(urls, pids, args, baseline="envoy alone")
-            for name, pid in pids.items():  # where the row's process ran (its CPU column's)
-                rows[name]["cpus"] = sorted(os.sched_getaffinity(pid))
-            # what each EPP's tickets saw: every measured stream completed (the split one's
-            # through its observer), or the row's ticket view is not what the stream one has
-            for name, child in (("envoy + kvguard epp", epp), (SPLIT, split_epp)):
-                rows[name]["epp_completed"] = _completed(epp_metrics_url(child))
-            alone_row = rows["envoy alone"]
-            for row in rows.values():
-                row["over_envoy_alone_ttft_p50_ms"] = row["ttft_p50_ms"] - alone_row["ttft_p50_ms"]
-                row["over_envoy_alone_e2e_p50_ms"] = row["e2e_p50_ms"] - alone_row["e2e_p50_ms"]
-            for name in (FLOOR, "envoy + kvguard epp", SPLIT):
-                gap = rows[name]
-                ttft_ms = gap["over_envoy_alone_ttft_p50_ms"]
-                e2e_ms = gap["over_envoy_alone_e2e_p50_ms"]
-                per_gap_ms = (e2e_ms - ttft_ms) / max(1, args.max_tokens - 1)
-                gap["over_envoy_alone_per_token_gap_ms"] = per_gap_ms
-                print(f"{name} over Envoy alone: TTFT p50 {ttft_ms:+.2f} ms, "
-                      f"end-to-end p50 {e2e_ms:+.2f} ms ({per_gap_ms:+.3f} ms per token gap); "
-                      f"paired by round: TTFT {gap['paired_ttft_p50_ms']:+.2f} ms, end-to-end "
-                      f"{gap['paired_e2e_p50_ms']:+.2f} ms", flush=True)
-            expected = args.warmup + args.requests
-            for name in ("envoy + kvguard epp", SPLIT):
-                print(f"{name}: {rows[name]['epp_completed']:.0f} of {expected} streams "
-                      "completed in its EPP's tickets", flush=True)
-            return rows
-    finally:
-        for child in reversed(children):
-            child.terminate()
+    with Topology(spec) as fleet:
+        try:
+            yield fleet.replica_urls[0], fleet.replicas[0].pid, children
+        finally:
+            for child in reversed(children):
+                child.terminate()
+
+
+def _latency(args: argparse.Namespace, work: Path, config: str,
+             epp_cpus: Sequence[int] = ()) -> dict:
+    with one_sim_replica() as (upstream, replica_pid, children):
+        endpoint = upstream.removeprefix("http://")
+        urls, pids = {"direct": upstream}, {"direct": replica_pid}
+        alone = envoy_child([], work, alone_upstreams=[endpoint])
+        children.append(alone.start())
+        urls["envoy alone"], pids["envoy alone"] = alone.url, alone.pid
+        # the protocol's own cost: a do-nothing ext_proc server on grpc.aio, same modes
+        floor = _floor(endpoint, epp_cpus)
+        children.append(floor.start())
+        floor_envoy = envoy_child([floor.port], work)
+        children.append(floor_envoy.start())
+        urls[FLOOR], pids[FLOOR] = floor_envoy.url, floor.pid
+        epp = epp_child([upstream], config=config, cpus=epp_cpus)
+        children.append(epp.start())
+        envoy = envoy_child([epp.port], work)
+        children.append(envoy.start())
+        urls["envoy + kvguard epp"] = envoy.url
+        # its CPU column is the EPP's (Envoy's own is about Envoy alone's)
+        pids["envoy + kvguard epp"] = epp.pid
+        # the response path off the first token: decision + observer filters, own EPP
+        split_epp = epp_child([upstream], config=config, cpus=epp_cpus)
+        children.append(split_epp.start())
+        split_envoy = envoy_child([split_epp.port], work, split=True)
+        children.append(split_envoy.start())
+        urls[SPLIT], pids[SPLIT] = split_envoy.url, split_epp.pid
+        proxy = _proxy(upstream, config)
+        children.append(proxy.start())
+        urls["kvguard proxy slo"], pids["kvguard proxy slo"] = proxy.url, proxy.pid
+        if args.litellm:
+            exe = ensure_venv(args.litellm_venv.resolve())
+            child = litellm_child(exe, upstream, MODEL, free_port(), work, _KEY)
+            children.append(child.start(timeout_s=180))
+            urls["litellm"], pids["litellm"] = child.url, child.pid
+        rows = _measure_all(urls, pids, args, baseline="envoy alone")
+        for name, pid in pids.items():  # where the row's process ran (its CPU column's)
+            rows[name]["cpus"] = sorted(os.sched_getaffinity(pid))
+        # what each EPP's tickets saw: every measured stream completed (the split one's
+        # through its observer), or the row's ticket view is not what the stream one has
+        for name, child in (("envoy + kvguard epp", epp), (SPLIT, split_epp)):
+            rows[name]["epp_completed"] = _completed(epp_metrics_url(child))
+        alone_row = rows["envoy alone"]
+        for row in rows.values():
+            row["over_envoy_alone_ttft_p50_ms"] = row["ttft_p50_ms"] - alone_row["ttft_p50_ms"]
+            row["over_envoy_alone_e2e_p50_ms"] = row["e2e_p50_ms"] - alone_row["e2e_p50_ms"]
+        for name in (FLOOR, "envoy + kvguard epp", SPLIT):
+            gap = rows[name]
+            ttft_ms = gap["over_envoy_alone_ttft_p50_ms"]
+            e2e_ms = gap["over_envoy_alone_e2e_p50_ms"]
+            per_gap_ms = (e2e_ms - ttft_ms) / max(1, args.max_tokens - 1)
+            gap["over_envoy_alone_per_token_gap_ms"] = per_gap_ms
+            print(f"{name} over Envoy alone: TTFT p50 {ttft_ms:+.2f} ms, "
+                  f"end-to-end p50 {e2e_ms:+.2f} ms ({per_gap_ms:+.3f} ms per token gap); "
+                  f"paired by round: TTFT {gap['paired_ttft_p50_ms']:+.2f} ms, end-to-end "
+                  f"{gap['paired_e2e_p50_ms']:+.2f} ms", flush=True)
+        expected = args.warmup + args.requests
+        for name in ("envoy + kvguard epp", SPLIT):
+            print(f"{name}: {rows[name]['epp_completed']:.0f} of {expected} streams "
+                  "completed in its EPP's tickets", flush=True)
+        return rows
 
 
 def _completed(metrics_url: str) -> float:
