@@ -60,7 +60,7 @@ from chaos.topology import http_health
 from guard.config import GuardConfig
 from policies.slo import SloPolicy
 
-__all__ = ["add_arguments", "plan", "run_e2e", "fleet_row", "render", "refuse_without_rate",
+__all__ = ["add_arguments", "plan", "run_e2e", "fleet_row", "cell", "render", "refuse_without_rate",
            "proxy_child", "wait_routable", "guard_config", "client_connections",
            "max_in_flight"]
 
@@ -323,10 +323,14 @@ def run_e2e(args: argparse.Namespace) -> dict:
     return report
 
 
+def cell(x: float | None, spec: str = ".1f") -> str:
+    """A table cell: ``x`` formatted by ``spec``, a dash when there is none."""
+    return "—" if x is None else format(x, spec)
+
+
 def render(report: dict) -> str:
     """The report as a Markdown table, one row per fleet."""
-    def f(x, spec=".1f"):
-        return "—" if x is None else format(x, spec)
+    f = cell
     lines = [f"{report['rate_gpu_rps']:g} req/s at time scale {report['time_scale']:g} "
              f"(offered / C = {report['offered_over_c']:.3f}; C = "
              f"{report['c_per_replica_gpu_rps']:.2f} req/s per replica)", "",

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import httpx
 
-from chaos.bench.scale_e2e import proxy_child, wait_routable
+from chaos.bench.scale_e2e import cell, proxy_child, wait_routable
 from chaos.bench.sheds import flood, shed_row
 from chaos.bench.state_cpu import cpu_s, state_only_fleet
 from chaos.load_cli import configure as configure_load
@@ -260,8 +260,7 @@ def run_flood(args: argparse.Namespace) -> dict:
 
 def render(row: dict) -> str:
     """The report as a one-row Markdown table."""
-    def f(x, spec=".1f"):
-        return "—" if x is None else format(x, spec)
+    f = cell
     flagged = row["loadgen_warnings"]
     return "\n".join([
         f"{row['offered_rps']:g} req/s for a saturated fleet of {row['replicas']} state-only "
