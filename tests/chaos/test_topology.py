@@ -164,11 +164,23 @@ def test_kvguard_fleet_prints_urls_and_stops_everything_on_sigint():
                 os.kill(int(fields[3]), 0)
 
 
+def _exec_done(pid: int, name: str):
+    """The process ``pid`` once a wrapper (``nice``, ``taskset``) has exec'd ``name`` in it
+    (polled up to ~1 s; asserted)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    for _ in range(100):
+        if proc.name() == name:
+            break
+        threading.Event().wait(0.01)
+    assert proc.name() == name
+    return proc
+
+
 def test_a_child_started_nicer_runs_at_that_niceness_under_its_own_pid():
     """The fleet runs below the load generator that times it (``niceness``): the process the
     pid names is the command itself (``nice`` execs it), so kills by pid still reach it."""
-    import psutil
-
     health_seen = []
 
     def health(url):
@@ -178,12 +190,7 @@ def test_a_child_started_nicer_runs_at_that_niceness_under_its_own_pid():
     child = ChildProcess("nice", lambda port: ["sleep", "60"], health, port=1, niceness=5)
     try:
         child.start(timeout_s=10)
-        proc = psutil.Process(child.pid)
-        for _ in range(100):             # `nice` execs `sleep` right after the fork
-            if proc.name() == "sleep":
-                break
-            threading.Event().wait(0.01)
-        assert proc.name() == "sleep"
+        proc = _exec_done(child.pid, "sleep")  # `nice` execs `sleep` right after the fork
         assert proc.nice() == min(19, os.nice(0) + 5)
     finally:
         child.close()
@@ -195,19 +202,12 @@ def test_a_child_started_nicer_runs_at_that_niceness_under_its_own_pid():
 def test_a_child_started_on_cpus_runs_only_there_under_its_own_pid():
     """``cpus``: the command runs on those CPUs only (``taskset`` execs it, so the pid is the
     command's and every thread it starts inherits them), whatever this process runs on."""
-    import psutil
-
     cpu = max(os.sched_getaffinity(0))
     child = ChildProcess("pinned", lambda port: ["sleep", "60"], lambda url: True, port=1,
                          cpus=[cpu])
     try:
         child.start(timeout_s=10)
-        proc = psutil.Process(child.pid)
-        for _ in range(100):             # `taskset` execs `sleep` right after the fork
-            if proc.name() == "sleep":
-                break
-            threading.Event().wait(0.01)
-        assert proc.name() == "sleep"
+        _exec_done(child.pid, "sleep")  # `taskset` execs `sleep` right after the fork
         assert os.sched_getaffinity(child.pid) == {cpu}
     finally:
         child.close()
