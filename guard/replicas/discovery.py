@@ -206,6 +206,9 @@ class ReplicaWatcher:
                  current: tuple[ReplicaConfig, ...],
                  tick: Callable[[], Awaitable[None] | None] | None = None) -> None:
         self.source = source
+        # a source that follows its list itself (``follow()``, setting ``updated`` on a
+        # change: an InferencePool's watch) rather than being read every round
+        self._follows = callable(getattr(source, "follow", None))
         self._interval_s = interval_s
         self._apply = apply
         self._current = current
@@ -249,7 +252,7 @@ class ReplicaWatcher:
 
     async def _run(self) -> None:
         following = None
-        if isinstance(self.source, InferencePoolReplicas):  # it watches the API server
+        if self._follows:  # e.g. it watches the Kubernetes API server
             following = asyncio.ensure_future(self.source.follow())
         try:
             while True:
@@ -263,7 +266,7 @@ class ReplicaWatcher:
 
     async def _pause(self) -> None:
         """Until the next round: ``interval_s``, or less when a followed source saw a change."""
-        if not isinstance(self.source, InferencePoolReplicas):
+        if not self._follows:
             await asyncio.sleep(self._interval_s)
             return
         updated = self.source.updated
