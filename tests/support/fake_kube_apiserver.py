@@ -121,6 +121,7 @@ class FakeKubeApiServer:
         self._compacted_rv = 0
         self._drops = 0
         self._compactions = 0
+        self._open_watches: list[str] = []  # the paths of the watches a drop or compaction reaches
         self._stopping = False
         self._objects: dict[tuple[str, str], dict[str, Any]] = {}  # (collection, name) -> obj
         self._events: list[tuple[int, str, str, dict[str, Any]]] = []  # rv, collection, type, obj
@@ -177,6 +178,12 @@ class FakeKubeApiServer:
 
     def watches(self, path_part: str) -> list[Request]:
         return [r for r in self.requests if r.is_watch and path_part in r.path]
+
+    def open_watches(self, path_part: str) -> list[str]:
+        """The watches under way: past their first look at the history, so a drop or a
+        compaction from now on reaches them (one merely asked for may not have looked yet)."""
+        with self._cond:
+            return [p for p in self._open_watches if path_part in p]
 
     def lists(self, path_part: str) -> list[Request]:
         return [r for r in self.requests if not r.is_watch and path_part in r.path]
@@ -252,15 +259,15 @@ class FakeKubeApiServer:
                 return self._status(handler, 404, f"inferencepools {name!r} not found")
             return self._json(handler, 200, obj)
         if query.get("watch") in ("1", "true"):
-            return self._watch(handler, collection, int(query.get("resourceVersion") or 0),
-                               matches)
+            return self._watch(handler, url.path, collection,
+                               int(query.get("resourceVersion") or 0), matches)
         with self._cond:
             items = [o for (c, _), o in self._objects.items() if c == collection and matches(o)]
             rv = str(self._rv)
         return self._json(handler, 200, {"kind": "List", "apiVersion": "v1",
                                          "metadata": {"resourceVersion": rv}, "items": items})
 
-    def _watch(self, handler: BaseHTTPRequestHandler, collection: str, since: int,
+    def _watch(self, handler: BaseHTTPRequestHandler, path: str, collection: str, since: int,
                matches: Any) -> None:
         handler.send_response(200)
         handler.send_header("Content-Type", "application/json")
@@ -287,31 +294,36 @@ class FakeKubeApiServer:
                 pending = [(rv, kind, obj) for rv, c, kind, obj in self._events
                            if rv > since and c == collection and matches(obj)]
                 since = self._rv
+                self._open_watches.append(path)
         if pending is None:
             gone()
             return
         try:
-            while True:
-                for _, kind, obj in pending:
-                    send({"type": kind, "object": obj})
-                with self._cond:
-                    while (self._rv == since and self._drops == drops
-                           and self._compactions == compactions and not self._stopping):
-                        self._cond.wait()
-                    if self._compactions != compactions:
-                        return gone()
-                    if self._drops != drops or self._stopping:
-                        break
-                    pending = [(rv, kind, obj) for rv, c, kind, obj in self._events
-                               if rv > since and c == collection and matches(obj)]
-                    since = self._rv
-        except OSError:
-            return
-        handler.close_connection = True
-        try:  # cut: no final chunk, the client sees the body end early
-            handler.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+            try:
+                while True:
+                    for _, kind, obj in pending:
+                        send({"type": kind, "object": obj})
+                    with self._cond:
+                        while (self._rv == since and self._drops == drops
+                               and self._compactions == compactions and not self._stopping):
+                            self._cond.wait()
+                        if self._compactions != compactions:
+                            return gone()
+                        if self._drops != drops or self._stopping:
+                            break
+                        pending = [(rv, kind, obj) for rv, c, kind, obj in self._events
+                                   if rv > since and c == collection and matches(obj)]
+                        since = self._rv
+            except OSError:
+                return
+            handler.close_connection = True
+            try:  # cut: no final chunk, the client sees the body end early
+                handler.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        finally:
+            with self._cond:
+                self._open_watches.remove(path)
 
     def _json(self, handler: BaseHTTPRequestHandler, code: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()

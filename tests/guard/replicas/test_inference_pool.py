@@ -102,7 +102,7 @@ def test_ready_pods_joining_leaving_and_deleted_change_the_replicas_while_runnin
     async def main():
         async with Following(_source(kube)) as f:
             assert f.start_ids == ["127.0.1.1:8000"]
-            await _until(lambda: kube.watches("/pods"))
+            await _until(lambda: kube.open_watches("/pods"))
             kube.put_pod(pod("b", "127.0.1.2"))  # becomes Ready: joins
             await _until(lambda: f.now == ["127.0.1.1:8000", "127.0.1.2:8000"])
             kube.put_pod(pod("a", "127.0.1.1", ready=False))  # NotReady: leaves
@@ -124,7 +124,7 @@ def test_a_410_gone_watch_lists_the_pods_again(kube):
 
     async def main():
         async with Following(_source(kube)) as f:
-            await _until(lambda: kube.watches("/pods"))
+            await _until(lambda: kube.open_watches("/pods"))
             lists = len(kube.lists("/pods"))
             kube.compact()  # the watch ends with 410 Gone: its version is no longer kept
             kube.put_pod(pod("b", "127.0.1.2"))
@@ -142,7 +142,7 @@ def test_a_dropped_watch_resumes_from_the_last_version_seen(kube):
 
     async def main():
         async with Following(_source(kube)) as f:
-            await _until(lambda: kube.watches("/pods"))
+            await _until(lambda: kube.open_watches("/pods"))
             kube.put_pod(pod("b", "127.0.1.2"))
             await _until(lambda: len(f.now) == 2)
             seen = kube._objects[("pods", "b")]["metadata"]["resourceVersion"]
@@ -163,8 +163,8 @@ def test_the_token_is_read_again_once_rotated(kube):
 
     async def main():
         async with Following(_source(kube)) as f:
-            # both watches open (the pool's too), so no request read the old token after this
-            await _until(lambda: kube.watches("/pods") and kube.watches("/inferencepools"))
+            # both watches under way (the pool's too), so no request reads the old token after this
+            await _until(lambda: kube.open_watches("/pods") and kube.open_watches("/inferencepools"))
             (kube.account / "token").write_text("token-2\n")  # the kubelet rotates it
             kube.tokens = {"token-2"}  # and the old one expires
             seen = len(kube.requests)
@@ -182,7 +182,7 @@ def test_a_refused_token_is_retried_and_read_again(kube, caplog):
 
     async def main():
         async with Following(_source(kube)) as f:
-            await _until(lambda: kube.watches("/pods"))
+            await _until(lambda: kube.open_watches("/pods"))
             kube.tokens = {"token-2"}  # expired before the file was rotated
             kube.drop_watches()
             await _until(lambda: "HTTP 401" in caplog.text)
