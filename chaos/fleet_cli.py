@@ -38,7 +38,7 @@ from pathlib import Path
 from chaos.child import ChildProcess
 from chaos.ports import free_port
 from chaos.replica import exit_on_sigterm
-from chaos.state_fleet import StateFleet, StateFleetConfig
+from chaos.state_fleet import STREAM_PHASES, StateFleet, StateFleetConfig
 from chaos.topology import SIM_REPLICA_ARGS, Topology, TopologySpec, http_health
 
 __all__ = ["configure", "run"]
@@ -82,7 +82,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="state-only replicas' KV blocks of 16 tokens each (default: what "
                              "the GPU's memory holds); a few hundred fill a replica with one "
                              "long request")
-    parser.add_argument("--state-stream-phase", choices=("spread", "aligned"),
+    parser.add_argument("--state-stream-phase", choices=STREAM_PHASES,
                         default="spread",
                         help="state-only replicas' state streams: each at its own phase of "
                              "the interval (spread: as separate replicas drift apart), or all "

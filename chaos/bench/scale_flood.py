@@ -62,6 +62,7 @@ from chaos.bench.state_cpu import cpu_s, state_only_fleet
 from chaos.load_cli import configure as configure_load
 from chaos.replica import write_guard_config
 from chaos.report import read_records
+from chaos.state_fleet import STREAM_PHASES
 
 __all__ = ["add_arguments", "refuse_without_flood", "run_flood", "flood_row", "render",
            "hold_request"]
@@ -100,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--flood-refresh-s", type=float, default=0.1,
                    help="the proxy's state refresh interval, wall seconds (default 0.1, the "
                         "proxy's own; its max_staleness_s is 20 x that)")
-    g.add_argument("--flood-stream-phase", choices=("spread", "aligned"), default="spread",
+    g.add_argument("--flood-stream-phase", choices=STREAM_PHASES, default="spread",
                    help="the replicas' state streams: each at its own phase of the interval "
                         "(default spread, as separate replicas drift apart) or all in step "
                         "(aligned: every refresh brings the proxy every replica's event at "
