@@ -10,7 +10,7 @@
 the sim backend, :mod:`chaos.state_fleet`: one port each, advanced on one event loop), which is
 how 256 of them fit on two cores; proxies and Redis are still processes. ``--replica-args`` does
 not apply to them (``--state-model``, ``--state-gpu``, ``--state-tick-s``,
-``--state-time-scale`` and ``--state-kv-blocks`` do).
+``--state-time-scale``, ``--state-kv-blocks`` and ``--state-stream-phase`` do).
 
 Prints one line per process (``replica-0 http://127.0.0.1:PORT pid N``, ``proxy-0 ...``,
 ``redis redis://...``), then ``fleet ready``, and waits. ``--front envoy`` puts one Envoy (the
@@ -38,7 +38,7 @@ from pathlib import Path
 from chaos.child import ChildProcess
 from chaos.ports import free_port
 from chaos.replica import exit_on_sigterm
-from chaos.state_fleet import StateFleet, StateFleetConfig
+from chaos.state_fleet import STREAM_PHASES, StateFleet, StateFleetConfig
 from chaos.topology import SIM_REPLICA_ARGS, Topology, TopologySpec, http_health
 
 __all__ = ["configure", "run"]
@@ -82,6 +82,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="state-only replicas' KV blocks of 16 tokens each (default: what "
                              "the GPU's memory holds); a few hundred fill a replica with one "
                              "long request")
+    parser.add_argument("--state-stream-phase", choices=STREAM_PHASES,
+                        default="spread",
+                        help="state-only replicas' state streams: each at its own phase of "
+                             "the interval (spread: as separate replicas drift apart), or all "
+                             "in step (aligned: every interval the guard gets every replica's "
+                             "event at once) (default: spread)")
 
 
 def spec_from(args: argparse.Namespace) -> TopologySpec:
@@ -156,7 +162,8 @@ def _run_state_only(args: argparse.Namespace) -> int:
         raise ValueError("--proxies: a proxy needs at least one replica (--replicas >= 1)")
     config = StateFleetConfig(model=args.state_model, gpu=args.state_gpu,
                               tick_s=args.state_tick_s, time_scale=args.state_time_scale,
-                              num_kv_blocks=args.state_kv_blocks)
+                              num_kv_blocks=args.state_kv_blocks,
+                              stream_phase=args.state_stream_phase)
     return asyncio.run(_state_only(args, config))
 
 

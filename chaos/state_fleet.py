@@ -40,7 +40,18 @@ from serving.limited_protocol import ConnectionTable
 from serving.server_limits import ServerLimits
 from serving.state_delta import serve_state_stream
 
-__all__ = ["StateFleet", "StateFleetConfig"]
+__all__ = ["STREAM_PHASES", "StateFleet", "StateFleetConfig", "stream_phase_of"]
+
+STREAM_PHASES = ("spread", "aligned")
+_GOLDEN = (5 ** 0.5 - 1) / 2  # successive multiples, mod 1, fill [0, 1) evenly for any count
+
+
+def stream_phase_of(index: int, how: str) -> float:
+    """The state stream phase (a fraction of its interval) of the fleet's ``index``-th
+    replica: 0 when ``aligned``; ``spread``: ``index`` times the golden ratio's fraction, mod
+    1, so any number of replicas spread their events evenly over the interval, the same in
+    every run."""
+    return (index * _GOLDEN) % 1.0 if how == "spread" else 0.0
 
 
 @dataclass(frozen=True)
@@ -59,8 +70,17 @@ class StateFleetConfig:
     # number fills a replica with a request or two, so a fleet can be held saturated without
     # thousands of open streams (``kvguard bench scale --shed-flood``)
     num_kv_blocks: int | None = None
+    # where in the interval each replica's state stream sends: "spread" gives every replica
+    # its own phase (see ``stream_phase_of``), "aligned" none. One event loop serves every
+    # replica here, so streams a guard opened at once would stay in step for good — every
+    # interval the guard would get all of the fleet's events together — where separate
+    # replica processes drift apart
+    stream_phase: str = "spread"
 
     def __post_init__(self) -> None:
+        if self.stream_phase not in STREAM_PHASES:
+            raise ValueError(f"stream_phase must be one of {', '.join(STREAM_PHASES)}, "
+                             f"got {self.stream_phase!r}")
         if not 0 < self.tick_s <= 1.0:
             raise ValueError(f"tick_s must be in (0, 1], got {self.tick_s!r}")
         scale = self.time_scale
@@ -124,9 +144,11 @@ class StateFleet:
                                max_model_len=cfg.max_model_len, model=cfg.model,
                                timing_model=self._timing_dict, time_scale=cfg.time_scale)
         replica.now_s = self._clock()
-        replica_id = f"replica-{next(self._ids)}"
+        index = next(self._ids)
+        replica_id = f"replica-{index}"
         server = H1Server(_ReplicaApp(replica, self._clock,
-                                      lambda: self._woken.add(replica_id)),
+                                      lambda: self._woken.add(replica_id),
+                                      stream_phase_of(index, cfg.stream_phase)),
                           ConnectionTable(ServerLimits()), lifespan=False,
                           graceful_timeout_s=1.0)
         sock = listening_socket(cfg.host, 0)
@@ -174,8 +196,9 @@ class _ReplicaApp:
     """The ASGI face of one state-only replica."""
 
     def __init__(self, replica: StateReplica, clock: Callable[[], float],
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], stream_phase: float = 0.0) -> None:
         self.replica = replica
+        self.stream_phase = stream_phase  # serving.state_delta.serve_state_stream's phase
         self.clock = clock
         self._wake = wake  # the fleet advances this replica at its next tick
         self.created_s = int(time.time())
@@ -192,7 +215,8 @@ class _ReplicaApp:
                 {"id": self.replica.model, "object": "model", "created": self.created_s,
                  "owned_by": "kvguard", "max_model_len": self.replica.max_model_len}]})
         elif method == "GET" and path == "/kvguard/state/stream":
-            await serve_state_stream(scope, receive, send, self._compact)
+            await serve_state_stream(scope, receive, send, self._compact,
+                                     phase=self.stream_phase)
         elif method == "GET" and path == "/kvguard/state":
             await self._state(scope, send)
         elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):

@@ -173,11 +173,18 @@ def apply_delta(compact: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any
 
 
 async def serve_state_stream(scope: dict, receive: Any, send: Any, compact: Any,
-                             serving: Any = None) -> None:
+                             serving: Any = None, phase: float = 0.0) -> None:
     """Answer ``GET /kvguard/state/stream[?interval_ms=N]`` on ASGI: ``compact()`` (the
     compact document of now) encoded as events every ``interval_ms`` until the client goes
     away or ``serving()`` (optional) turns false — a draining replica ends its streams, so
-    they do not hold its shutdown. A bad ``interval_ms`` is a 400."""
+    they do not hold its shutdown. A bad ``interval_ms`` is a 400.
+
+    ``phase`` (a fraction of the interval, in [0, 1)) moves the events after the first that
+    much later: the first at once, the second ``1 + phase`` intervals after it, then one every
+    interval. Streams a guard opens at once keep in step otherwise; replicas served from one
+    event loop (``chaos.state_fleet``) never drift apart, so they pass each its own phase."""
+    if not 0.0 <= phase < 1.0:
+        raise ValueError(f"phase must be in [0, 1), got {phase!r}")
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     try:
         interval_s = stream_interval_s((query.get("interval_ms") or [None])[0])
@@ -195,13 +202,15 @@ async def serve_state_stream(scope: dict, receive: Any, send: Any, compact: Any,
                             (b"cache-control", b"no-cache")]})
     encoder = StateDeltas()
     loop = asyncio.get_running_loop()
+    gap_s = interval_s * (1.0 + phase)  # after the first event; then every interval
     try:
         while not gone.done() and (serving is None or serving()):
             started_s = loop.time()
             event = json.dumps(encoder.event(compact()), separators=(",", ":"))
             await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(),
                         "more_body": True})
-            await asyncio.wait({gone}, timeout=max(0.0, interval_s - (loop.time() - started_s)))
+            await asyncio.wait({gone}, timeout=max(0.0, gap_s - (loop.time() - started_s)))
+            gap_s = interval_s
     except OSError:  # the client went away mid-write
         pass
     finally:

@@ -24,6 +24,13 @@ shed is timed in wall time — and the proxy's state refresh is its default, 10 
 keeps 256 replicas' state as it would unscaled (at K = 50 most events are heartbeats, as for
 an idle fleet, so this is the state cost of ``kvguard bench state-cpu``, not of busy replicas).
 
+The fleet serves every replica from one event loop, so the state streams a proxy opens at
+once would stay in step for good and each refresh would bring the proxy all of the fleet's
+events together (and the fleet process would encode them together); separate replica processes
+drift apart. By default each replica's stream sends at its own phase of the interval
+(``--flood-stream-phase spread``, ``kvguard fleet --state-stream-phase``); ``aligned`` keeps
+them in step (what this bench did before; measured in docs/benchmarks.md §17).
+
 One ``kvguard proxy`` (``slo``, the state refreshed every ``--flood-refresh-s`` — default
 0.1 s, the proxy's own — over the replicas' streams, the connection caps lifted as in the
 end-to-end run) is then offered
@@ -55,6 +62,7 @@ from chaos.bench.state_cpu import cpu_s, state_only_fleet
 from chaos.load_cli import configure as configure_load
 from chaos.replica import write_guard_config
 from chaos.report import read_records
+from chaos.state_fleet import STREAM_PHASES
 
 __all__ = ["add_arguments", "refuse_without_flood", "run_flood", "flood_row", "render",
            "hold_request"]
@@ -93,6 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--flood-refresh-s", type=float, default=0.1,
                    help="the proxy's state refresh interval, wall seconds (default 0.1, the "
                         "proxy's own; its max_staleness_s is 20 x that)")
+    g.add_argument("--flood-stream-phase", choices=STREAM_PHASES, default="spread",
+                   help="the replicas' state streams: each at its own phase of the interval "
+                        "(default spread, as separate replicas drift apart) or all in step "
+                        "(aligned: every refresh brings the proxy every replica's event at "
+                        "once); kvguard fleet --state-stream-phase")
     g.add_argument("--flood-client", choices=("raw", "aiohttp"), default="raw",
                    help="the load generator's client (default raw: least CPU per request)")
     g.add_argument("--flood-seed", type=int, default=0, help="arrival seed")
@@ -219,7 +232,8 @@ def run_flood(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     num_blocks = _num_kv_blocks(args)
     fleet_args = ("--state-time-scale", repr(args.flood_time_scale),
-                  "--state-kv-blocks", str(num_blocks))
+                  "--state-kv-blocks", str(num_blocks),
+                  "--state-stream-phase", args.flood_stream_phase)
     with tempfile.TemporaryDirectory() as scratch, \
             state_only_fleet(args.flood_replicas, fleet_args) as (fleet_proc, urls), \
             contextlib.ExitStack() as stack:
@@ -253,6 +267,7 @@ def run_flood(args: argparse.Namespace) -> dict:
         row["full_after_s"] = round(full_after_s, 2)
     row["kv_blocks_per_replica"] = num_blocks
     row["refresh_s"] = args.flood_refresh_s
+    row["stream_phase"] = args.flood_stream_phase
     row["command"] = " ".join(["kvguard", "bench", "scale", *sys.argv[3:]])
     (out / "flood.json").write_text(json.dumps(row, indent=1) + "\n")
     return row

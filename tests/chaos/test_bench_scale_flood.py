@@ -20,6 +20,8 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_flood_flags_without_shed_flood_are_refused():
     with pytest.raises(ValueError, match="--flood-rate applies only with --shed-flood"):
         scale.run(parse("--replicas", "2", "--flood-rate", "100"))
+    with pytest.raises(ValueError, match="--flood-stream-phase applies only with --shed-flood"):
+        scale.run(parse("--replicas", "2", "--flood-stream-phase", "aligned"))
     with pytest.raises(ValueError, match="one at a time"):
         scale.run(parse("--shed-flood", "--e2e-rate", "10"))
 
@@ -50,7 +52,7 @@ def test_a_small_flood_is_shed_whole_and_every_request_answered(tmp_path, capsys
     row = json.loads(capsys.readouterr().out)
     assert row == json.loads((tmp_path / "flood.json").read_text())
     assert row["replicas"] == 2 and row["kv_blocks_per_replica"] == 250  # 96 + 3,904 tokens
-    assert row["refresh_s"] == 0.1
+    assert row["refresh_s"] == 0.1 and row["stream_phase"] == "spread"
     assert row["offered"] > 50 and row["answered"] == row["offered"]
     assert row["admitted"] == 0 and row["shed"] == row["offered"]  # the fleet is full
     assert row["reasons"] == {"no_kv_capacity": row["offered"]}

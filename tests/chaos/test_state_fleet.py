@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from chaos.state_fleet import StateFleet, StateFleetConfig
+from chaos.state_fleet import StateFleet, StateFleetConfig, stream_phase_of
 from guard.replicas.load_state import LoadState
 
 
@@ -79,6 +79,46 @@ def test_config_is_validated_by_key():
         StateFleetConfig(tick_s=0)
     with pytest.raises(ValueError, match="max_num_seqs"):
         StateFleetConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="stream_phase must be one of spread, aligned"):
+        StateFleetConfig(stream_phase="random")
+
+
+def test_spread_replicas_stream_each_at_its_own_phase_and_aligned_ones_in_step():
+    spread = [stream_phase_of(i, "spread") for i in range(256)]
+    assert all(0.0 <= p < 1.0 for p in spread) and len(set(spread)) == 256
+    # evenly over the interval: every tenth of it holds about a tenth of the replicas
+    assert all(20 <= sum(k / 10 <= p < (k + 1) / 10 for p in spread) <= 31 for k in range(10))
+    assert {stream_phase_of(i, "aligned") for i in range(256)} == {0.0}
+
+    async def phases(how):
+        fleet = StateFleet(StateFleetConfig(tick_s=0.002, stream_phase=how))
+        await fleet.start(3)
+        try:  # what each replica's app hands serve_state_stream
+            return [fleet._served[f"replica-{i}"].server.app.stream_phase for i in range(3)]
+        finally:
+            await fleet.stop()
+    assert run(phases("spread")) == [stream_phase_of(i, "spread") for i in range(3)]
+    assert run(phases("aligned")) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("argv, phase", [((), "spread"),
+                                          (("--state-stream-phase", "aligned"), "aligned")])
+def test_kvguard_fleet_state_only_passes_the_stream_phase(monkeypatch, argv, phase):
+    import argparse
+
+    from chaos import fleet_cli
+    parser = argparse.ArgumentParser()
+    fleet_cli.configure(parser)
+    configs = []
+
+    async def started(args, config):  # the fleet's config, nothing started
+        configs.append(config)
+        return 0
+    monkeypatch.setattr(fleet_cli, "_state_only", started)
+    assert fleet_cli._run_state_only(parser.parse_args(["--state-only", *argv])) == 0
+    assert [c.stream_phase for c in configs] == [phase]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--state-stream-phase", "random"])
 
 
 def test_kvguard_fleet_state_only_runs_a_proxy_in_front_and_stops_on_sigterm():
