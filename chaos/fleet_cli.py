@@ -10,7 +10,7 @@
 the sim backend, :mod:`chaos.state_fleet`: one port each, advanced on one event loop), which is
 how 256 of them fit on two cores; proxies and Redis are still processes. ``--replica-args`` does
 not apply to them (``--state-model``, ``--state-gpu``, ``--state-tick-s``,
-``--state-time-scale`` and ``--state-kv-blocks`` do).
+``--state-time-scale``, ``--state-kv-blocks`` and ``--state-held-running`` do).
 
 Prints one line per process (``replica-0 http://127.0.0.1:PORT pid N``, ``proxy-0 ...``,
 ``redis redis://...``), then ``fleet ready``, and waits. ``--front envoy`` puts one Envoy (the
@@ -82,6 +82,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="state-only replicas' KV blocks of 16 tokens each (default: what "
                              "the GPU's memory holds); a few hundred fill a replica with one "
                              "long request")
+    parser.add_argument("--state-held-running", type=int, default=0, metavar="R",
+                        help="state-only replicas each run R sequences of their own from the "
+                             "start, each replaced when it ends (default 0): a busy fleet "
+                             "without R x replicas client connections")
 
 
 def spec_from(args: argparse.Namespace) -> TopologySpec:
@@ -127,6 +131,8 @@ def _envoy_front(fleet: Topology, args: argparse.Namespace, stack: contextlib.Ex
 def run(args: argparse.Namespace) -> int:
     if args.state_only:
         return _run_state_only(args)
+    if args.state_held_running:
+        raise ValueError("--state-held-running: only with --state-only")
     spec = spec_from(args)
     exit_on_sigterm()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
@@ -156,7 +162,8 @@ def _run_state_only(args: argparse.Namespace) -> int:
         raise ValueError("--proxies: a proxy needs at least one replica (--replicas >= 1)")
     config = StateFleetConfig(model=args.state_model, gpu=args.state_gpu,
                               tick_s=args.state_tick_s, time_scale=args.state_time_scale,
-                              num_kv_blocks=args.state_kv_blocks)
+                              num_kv_blocks=args.state_kv_blocks,
+                              held_running=args.state_held_running)
     return asyncio.run(_state_only(args, config))
 
 
