@@ -256,10 +256,27 @@ class LazySeqLoads(Sequence):
     def _make(self) -> tuple[SeqLoad, ...]:
         """The records, once (the subclass's rows as :class:`SeqLoad`)."""
 
+    @abstractmethod
+    def _row_tuples(self) -> Iterator[tuple]:
+        """(output, max_tokens, context, prefill, the guard's cost or None) per sequence, in
+        order (before :meth:`_make`)."""
+
     def _loads(self) -> tuple[SeqLoad, ...]:
         if self._seqs is None:
             self._seqs = self._make()
         return self._seqs
+
+    def finish_ends(self, block_size: int, chunk_tokens: int) -> list[tuple[int, int]]:
+        """``SeqTotals.ends`` of these sequences (``chunk_tokens`` >= 1), from the rows when
+        no record was made yet: the fleet's ranking forecasts every changed replica, and a
+        record per sequence would cost it more than the forecast."""
+        from guard.replicas.documents import finish_ends, seq_ends
+
+        if self._seqs is None:
+            return finish_ends(self._row_tuples(), block_size, chunk_tokens)
+        return seq_ends(((s.num_remaining_output_tokens, s.num_context_tokens,
+                          s.num_prefill_tokens_remaining) for s in self._seqs),
+                        block_size, chunk_tokens)
 
     def __len__(self) -> int:
         return self._n
@@ -294,6 +311,8 @@ class CapturedSeqs(LazySeqLoads):
     def _make(self) -> tuple[SeqLoad, ...]:
         from guard.replicas.documents import seq_fields
 
+        return tuple(seq_fields(*row) for row in self._row_tuples())
+
+    def _row_tuples(self) -> Iterator[tuple]:
         cost_of = self._costs.get
-        return tuple(seq_fields(o, m, c, p, cost_of(rid))
-                     for rid, o, m, c, p in self._capture.rows())
+        return ((o, m, c, p, cost_of(rid)) for rid, o, m, c, p in self._capture.rows())
