@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from chaos.bench.scale import fleet_document
 from engine.compact_state import compact_state
 from guard.replicas.load_state import LoadState
@@ -29,20 +31,23 @@ def _records_ends(totals: SeqTotals) -> list[tuple[int, int]]:
                   for s in totals.seqs)
 
 
-def _document(index: int) -> dict:
+def _document(index: int, irregular: bool = True) -> dict:
     doc = fleet_document(index, 40)
     running = doc["running"]
     running[3]["request_id"], running[7]["request_id"] = "ours-a", "ours-b"  # the guard's
     running[5].update(num_prefill_tokens_remaining=700, num_output_tokens=0)  # in prefill
-    running[9]["max_tokens"] = None  # not given: one token assumed
-    running[11].update(num_output_tokens=300)  # past its max_tokens
+    if irregular:  # (a streamed group with such rows is summed from its columns)
+        running[9]["max_tokens"] = None  # not given: one token assumed
+        running[11].update(num_output_tokens=300)  # past its max_tokens
     doc["waiting"].append({**running[0], "request_id": "ours-c", "num_output_tokens": 0,
                            "num_context_tokens": 0, "num_prefill_tokens_remaining": 900})
     return doc
 
 
-def _load_state() -> LoadState:
+def _load_state(ours: bool) -> LoadState:
     load = LoadState()
+    if not ours:
+        return load
     for rid, prompt, max_tokens in (("ours-a", 200, 900), ("ours-b", 250, 40),
                                     ("ours-c", 900, 64)):
         load.reserve("r0", rid, make_cost(rid, prompt=prompt, max_tokens=max_tokens), 0.0)
@@ -54,7 +59,7 @@ def _groups(snapshot) -> list[SeqTotals]:  # noqa: ANN001 - a ReplicaSnapshot
     return [load.running, load.waiting]
 
 
-def _check(snapshot) -> None:  # noqa: ANN001 - a ReplicaSnapshot
+def _check(snapshot, ours: bool) -> None:  # noqa: ANN001 - a ReplicaSnapshot
     for group in _groups(snapshot):
         fresh = SeqTotals(group.seqs, group.block_size, group.chunk_tokens,
                           group.num_context_tokens, group.num_prefill_tokens,
@@ -66,18 +71,22 @@ def _check(snapshot) -> None:  # noqa: ANN001 - a ReplicaSnapshot
                           group.num_context_tokens, group.num_prefill_tokens,
                           group.num_committed_blocks, group.min_itl_s)
         assert again.ends == reference  # from the records, now made
-    assert any(s.itl_s is not None for s in snapshot.load.running.seqs)  # ours were priced
+    # the guard's requests were priced as its own, or none is
+    assert any(s.itl_s is not None for s in snapshot.load.running.seqs) == ours
 
 
-def test_a_compact_documents_schedule_from_its_columns_equals_the_records():
-    load = _load_state()
+@pytest.mark.parametrize("ours", [True, False])
+def test_a_compact_documents_schedule_from_its_columns_equals_the_records(ours):
+    load = _load_state(ours)
     snapshot = load.update_from_kvguard_state("r0", compact_state(_document(0)), 0.0)
-    _check(snapshot)
+    _check(snapshot, ours)
 
 
-def test_a_streamed_groups_schedule_from_its_rows_equals_the_records():
-    load = _load_state()
-    doc, encoder, source = _document(0), StateDeltas(), StreamStateSource("http://r0")
+@pytest.mark.parametrize("ours", [True, False])
+def test_a_streamed_groups_schedule_from_its_rows_equals_the_records(ours):
+    load = _load_state(ours)
+    doc, encoder = _document(0, irregular=False), StateDeltas()
+    source = StreamStateSource("http://r0")
     for step in range(4):
         if step:
             for seq in doc["running"]:
@@ -86,7 +95,9 @@ def test_a_streamed_groups_schedule_from_its_rows_equals_the_records():
                     seq["num_context_tokens"] += 3
         source.feed(json.loads(json.dumps(encoder.event(compact_state(doc)))))
         snapshot = load.update_from_kvguard_state("r0", source.take(), 0.1 * step)
-        _check(snapshot)
+        # the groups as the stream keeps them (rows and advances), not as columns
+        assert {type(g.seqs).__name__ for g in _groups(snapshot)} == {"CapturedSeqs"}
+        _check(snapshot, ours)
 
 
 def test_ranking_the_fleet_makes_no_record_per_sequence(monkeypatch):
