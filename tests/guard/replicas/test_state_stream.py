@@ -415,3 +415,84 @@ def test_aclose_ends_a_reader_that_swallowed_a_cancellation():
         return swallowed, bool(done), ended
 
     assert asyncio.run(main()) == ([True], True, True)
+
+
+async def _silent_after(num_events: int, interval_s: float):
+    """A loopback stream server: each connection gets the head, then ``num_events`` events
+    (a full document, then empty deltas) ``interval_s`` apart, then silence, held open."""
+    doc = compact_state(StateReplica(lambda *a: 0.01, num_total_blocks=100).state())
+    connections = []
+
+    async def handle(reader, writer):
+        connections.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+        for seq in range(num_events):
+            event = {"seq": 0, "full": doc} if seq == 0 else {"seq": seq, "delta": {}}
+            writer.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await asyncio.sleep(interval_s)
+        with contextlib.suppress(Exception):
+            await reader.read()  # silent until the client goes
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], connections
+
+
+def test_a_stream_that_goes_silent_resyncs_after_stale_after_s():
+    """No byte for ``stale_after_s``: the connection is dropped and a new stream opened; a
+    stream whose events keep coming, each well within the bound, is kept though it lasts
+    longer than the bound."""
+    async def main():
+        server, port, connections = await _silent_after(num_events=8, interval_s=0.05)
+        source = StreamStateSource(f"http://127.0.0.1:{port}", stale_after_s=0.2)
+        try:
+            assert await source.opened(5.0) is None
+            start_s = time.monotonic()
+            while source.num_resyncs == 0 and time.monotonic() - start_s < 10:
+                await asyncio.sleep(0.01)
+            silent_for_s = time.monotonic() - start_s
+            first_events = source.num_events
+            await asyncio.sleep(0.1)
+            return source.num_resyncs, len(connections), first_events, silent_for_s
+        finally:
+            await source.aclose()
+            server.close()
+
+    num_resyncs, num_connections, first_events, waited_s = asyncio.run(
+        asyncio.wait_for(main(), 30))
+    assert num_resyncs >= 1 and num_connections >= 2
+    assert first_events >= 8  # the first stream's 8 events (0.35 s) all came, on one stream
+    assert waited_s >= 0.2  # not before the bound
+
+
+def test_reading_a_stream_makes_no_task_per_read():
+    """The staleness bound is one timer per stream, not ``asyncio.wait_for`` around each read
+    (a task per read in Python 3.11)."""
+    async def main():
+        server, port, _ = await _silent_after(num_events=30, interval_s=0.01)
+        loop = asyncio.get_running_loop()
+        made = []
+
+        def factory(loop, coro, **kwargs):  # noqa: ANN001, ANN202 - asyncio's signature
+            made.append(getattr(coro, "__qualname__", repr(coro)))
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        source = StreamStateSource(f"http://127.0.0.1:{port}", stale_after_s=5.0)
+        try:
+            assert await source.opened(5.0) is None
+            while source.num_events < 5:
+                await asyncio.sleep(0.01)
+            loop.set_task_factory(factory)
+            before = source.num_events
+            while source.num_events < 28:
+                await asyncio.sleep(0.01)
+            loop.set_task_factory(None)
+            return source.num_events - before, made
+        finally:
+            loop.set_task_factory(None)
+            await source.aclose()
+            server.close()
+
+    num_events, made = asyncio.run(asyncio.wait_for(main(), 30))
+    assert num_events >= 20
+    assert [name for name in made if "read" in name] == []
