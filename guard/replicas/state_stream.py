@@ -117,6 +117,14 @@ class StreamStateSource:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), left_s)
 
+    @property
+    def answers_now(self) -> bool:
+        """Whether :meth:`fetch` answers without waiting on anything: the stream is read and
+        has its full document (the poller's round then reads it in line, with no task)."""
+        task = self._task
+        return (task is not None and not task.done() and self._top is not None
+                and self._unavailable is None)
+
     def listen(self, listener: Any) -> None:
         """Hand every event over as it arrives: ``listener(self.take())`` (the poller's
         rounds then find nothing new; freshness is the stream's, not the rounds')."""

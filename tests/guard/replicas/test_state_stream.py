@@ -496,3 +496,56 @@ def test_reading_a_stream_makes_no_task_per_read():
     num_events, made = asyncio.run(asyncio.wait_for(main(), 30))
     assert num_events >= 20
     assert [name for name in made if "read" in name] == []
+
+
+def test_a_round_reads_live_streams_in_line_and_the_others_as_before():
+    """The poller's round reads a stream that is live (its full document in, its events
+    handed over as they came) in line, with no task per replica; a stream that is not live
+    yet (nothing listens on its port) is fetched as before, and its failures counted."""
+    from guard.proxy.health import GatedSource, ReplicaHealth
+    from guard.replicas.auto_source import AutoStateSource
+    from guard.replicas.poller import StatePoller
+
+    async def main():
+        fleet = StateFleet(StateFleetConfig(tick_s=0.002))
+        await fleet.start(2)
+        sources = {f"r{i}": StreamStateSource(url, interval_ms=20)
+                   for i, url in enumerate(fleet.urls.values())}
+        client = httpx.AsyncClient(trust_env=False)
+        auto = AutoStateSource(fleet.urls["replica-1"], client=client, stream_interval_ms=20)
+        health = ReplicaHealth(["auto"], 3, 1.0, lambda rid: None, None, time.monotonic)
+        sources["auto"] = GatedSource("auto", auto, health)
+        sources["dead"] = StreamStateSource("http://127.0.0.1:9", timeout_s=0.2)
+        load = LoadState()
+        poller = StatePoller(load, sources, interval_s=60.0, timeout_s=0.5)
+        loop = asyncio.get_running_loop()
+        made = []
+
+        def factory(loop, coro, **kwargs):  # noqa: ANN001, ANN202 - asyncio's signature
+            made.append(getattr(coro, "__qualname__", repr(coro)))
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        try:
+            for _ in range(100):  # until the three streams are live
+                await poller.refresh_now()
+                if all(sources[r].answers_now for r in ("r0", "r1", "auto")):
+                    break
+                await asyncio.sleep(0.02)
+            assert auto.choice == "stream" and not sources["dead"].answers_now
+            loop.set_task_factory(factory)
+            await poller.refresh_now()
+            loop.set_task_factory(None)
+            assert all(load.replica_snapshot(r).capacity_known for r in ("r0", "r1", "auto"))
+            assert [poller.consecutive_errors(r) for r in ("r0", "r1", "auto")] == [0, 0, 0]
+            assert poller.consecutive_errors("dead") >= 1 and "dead" in poller.unreadable
+            return made
+        finally:
+            loop.set_task_factory(None)
+            await poller.stop()
+            await client.aclose()
+            await fleet.stop()
+
+    made = asyncio.run(asyncio.wait_for(main(), 30))
+    # the one replica not live was fetched as before: one task for it (gather's) and one for
+    # its bounded fetch (wait_for's, Python 3.11), none for the three live streams
+    assert [name for name in made if "_refresh_one" in name] == ["StatePoller._refresh_one"]
