@@ -117,3 +117,33 @@ def test_ranking_the_fleet_makes_no_record_per_sequence(monkeypatch):
     fleet = load.snapshot(0.0).fleet
     assert fleet is not None and len(fleet.ranked) == MIN_RANKED_REPLICAS + 4
     assert made == []
+
+
+def _full_fleet(num_replicas: int) -> LoadState:
+    load = LoadState()
+    for k in range(num_replicas):
+        doc = fleet_document(k, 64)
+        doc["num_free_blocks"] = 2  # full: a forecast waits for sequences to finish
+        load.update_from_kvguard_state(f"r{k}", compact_state(doc), 0.0)
+    return load
+
+
+def test_a_state_rounds_limits_read_the_fleet_without_ranking_it(monkeypatch):
+    """After every state round the guard re-reads the replicas' limits
+    (``ReplicaLimits.update``); ranking every replica changed since the last view is the next
+    decision's work, at its own time. The rules are what the snapshot's replicas and step-time
+    model give, as before."""
+    from guard.admission.replica_limits import ReplicaLimits
+    from guard.replicas import fleet_ranking
+
+    load = _full_fleet(MIN_RANKED_REPLICAS + 4)
+    ranked = []
+    real = fleet_ranking.rank_key
+    monkeypatch.setattr(fleet_ranking, "rank_key", lambda *a: ranked.append(a) or real(*a))
+    rules = ReplicaLimits(load, itl_s=0.05).update()
+    assert ranked == []
+    replicas, step_time = load.views()
+    snapshot = load.snapshot(0.0)
+    assert len(ranked) >= MIN_RANKED_REPLICAS + 4  # the decision's snapshot ranks them
+    assert (replicas, step_time) == (snapshot.replicas, snapshot.step_time)
+    assert (rules.max_model_len, rules.block_size) == (4096, 16)
