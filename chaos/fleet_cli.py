@@ -10,7 +10,8 @@
 the sim backend, :mod:`chaos.state_fleet`: one port each, advanced on one event loop), which is
 how 256 of them fit on two cores; proxies and Redis are still processes. ``--replica-args`` does
 not apply to them (``--state-model``, ``--state-gpu``, ``--state-tick-s``,
-``--state-time-scale``, ``--state-kv-blocks`` and ``--state-stream-phase`` do).
+``--state-time-scale``, ``--state-kv-blocks``, ``--state-stream-phase`` and
+``--state-held-running`` do).
 
 Prints one line per process (``replica-0 http://127.0.0.1:PORT pid N``, ``proxy-0 ...``,
 ``redis redis://...``), then ``fleet ready``, and waits. ``--front envoy`` puts one Envoy (the
@@ -88,6 +89,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "the interval (spread: as separate replicas drift apart), or all "
                              "in step (aligned: every interval the guard gets every replica's "
                              "event at once) (default: spread)")
+    parser.add_argument("--state-held-running", type=int, default=0, metavar="R",
+                        help="state-only replicas each run R sequences of their own from the "
+                             "start, each replaced when it ends (default 0): a busy fleet "
+                             "without R x replicas client connections")
 
 
 def spec_from(args: argparse.Namespace) -> TopologySpec:
@@ -133,6 +138,8 @@ def _envoy_front(fleet: Topology, args: argparse.Namespace, stack: contextlib.Ex
 def run(args: argparse.Namespace) -> int:
     if args.state_only:
         return _run_state_only(args)
+    if args.state_held_running:
+        raise ValueError("--state-held-running: only with --state-only")
     spec = spec_from(args)
     exit_on_sigterm()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
@@ -163,7 +170,8 @@ def _run_state_only(args: argparse.Namespace) -> int:
     config = StateFleetConfig(model=args.state_model, gpu=args.state_gpu,
                               tick_s=args.state_tick_s, time_scale=args.state_time_scale,
                               num_kv_blocks=args.state_kv_blocks,
-                              stream_phase=args.state_stream_phase)
+                              stream_phase=args.state_stream_phase,
+                              held_running=args.state_held_running)
     return asyncio.run(_state_only(args, config))
 
 

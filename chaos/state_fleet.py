@@ -40,8 +40,10 @@ from serving.limited_protocol import ConnectionTable
 from serving.server_limits import ServerLimits
 from serving.state_delta import serve_state_stream
 
-__all__ = ["STREAM_PHASES", "StateFleet", "StateFleetConfig", "stream_phase_of"]
+__all__ = ["HELD_PROMPT_TOKENS", "STREAM_PHASES", "StateFleet", "StateFleetConfig",
+           "stream_phase_of"]
 
+HELD_PROMPT_TOKENS = 16  # the prompt of every held sequence (StateFleetConfig.held_running)
 STREAM_PHASES = ("spread", "aligned")
 _GOLDEN = (5 ** 0.5 - 1) / 2  # successive multiples, mod 1, fill [0, 1) evenly for any count
 
@@ -76,6 +78,11 @@ class StateFleetConfig:
     # interval the guard would get all of the fleet's events together — where separate
     # replica processes drift apart
     stream_phase: str = "spread"
+    # sequences every replica runs from its start without a client, each replaced by a new
+    # one when it ends, so R stay running (``kvguard fleet --state-held-running R``): a fleet
+    # busy with R × replicas sequences without that many open client connections. Prompts of
+    # HELD_PROMPT_TOKENS, max_tokens spread over the upper half of max_model_len
+    held_running: int = 0
 
     def __post_init__(self) -> None:
         if self.stream_phase not in STREAM_PHASES:
@@ -87,6 +94,11 @@ class StateFleetConfig:
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not (
                 0 < scale < float("inf")):
             raise ValueError(f"time_scale must be a number > 0, got {scale!r}")
+        held = self.held_running
+        if isinstance(held, bool) or not isinstance(held, int) or held < 0:
+            raise ValueError(f"held_running must be an int >= 0, got {held!r}")
+        if held > self.max_num_seqs:
+            raise ValueError(f"held_running {held} is over max_num_seqs {self.max_num_seqs}")
         keys = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
         for key in keys + (("num_kv_blocks",) if self.num_kv_blocks is not None else ()):
             value = getattr(self, key)
@@ -114,6 +126,8 @@ class StateFleet:
             config.max_num_seqs)
         if self._num_blocks < 1:
             raise ValueError(f"model {config.model!r} does not fit on gpu {config.gpu!r}")
+        if config.held_running and config.max_model_len < 2 * HELD_PROMPT_TOKENS:
+            raise ValueError(f"held_running needs max_model_len >= {2 * HELD_PROMPT_TOKENS}")
         self.config = config
         self._clock = clock
         self._served: dict[str, _Served] = {}
@@ -124,6 +138,7 @@ class StateFleet:
         self._due: list[tuple[float, int, str]] = []
         self._woken: set[str] = set()
         self._pushes = itertools.count()
+        self._held_ids = itertools.count()
 
     @property
     def urls(self) -> dict[str, str]:
@@ -155,7 +170,23 @@ class StateFleet:
         port = sock.getsockname()[1]
         await server.start([sock])
         self._served[replica_id] = _Served(replica, server, f"http://{cfg.host}:{port}")
+        for index in range(cfg.held_running):
+            self._hold(replica_id, replica, index)
         return replica_id
+
+    def _hold(self, replica_id: str, replica: StateReplica, index: int) -> None:
+        """Start held sequence ``index`` of ``replica`` (its next one when it ends)."""
+        top = self.config.max_model_len - HELD_PROMPT_TOKENS
+        # spread over [top/2, top] so that the held sequences end at different steps
+        max_tokens = top - (index * 7919) % (top // 2 + 1)
+        request_id = f"held-{index}-{next(self._held_ids)}"
+
+        def on_tokens(_: int, finished: bool) -> None:
+            if finished and self._served.get(replica_id) is not None:
+                self._hold(replica_id, replica, index)
+
+        replica.submit(request_id, HELD_PROMPT_TOKENS, max_tokens, on_tokens, self._clock())
+        self._woken.add(replica_id)
 
     async def remove_replica(self, replica_id: str) -> None:
         """Stop serving ``replica_id`` (its connections closed, its port refused)."""

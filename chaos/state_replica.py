@@ -30,7 +30,7 @@ __all__ = ["StateReplica"]
 OnTokens = Callable[[int, bool], None]  # (new tokens, finished)
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: membership tests compare identities, not fields
 class _Seq:
     request_id: str
     num_prompt_tokens: int
@@ -39,6 +39,7 @@ class _Seq:
     num_computed_tokens: int = 0  # prompt tokens prefilled so far
     num_output_tokens: int = 0
     num_blocks: int = 0
+    aborted: bool = False  # its client left (a step in flight that scheduled it skips it)
 
     @property
     def num_context_tokens(self) -> int:
@@ -100,6 +101,7 @@ class StateReplica:
             for seq in group:
                 if seq.request_id == request_id:
                     group.remove(seq)
+                    seq.aborted = True
                     self.num_free_blocks += seq.num_blocks
                     seq.num_blocks = 0
                     return
@@ -177,7 +179,7 @@ class StateReplica:
             self.iterations.append(record)
             del self.iterations[:-self._num_iteration_records]
         for seq, chunk, decodes in effects:
-            if seq not in self.running:  # aborted while the step ran
+            if seq.aborted:  # while the step ran
                 continue
             seq.num_computed_tokens += chunk
             new = decodes + (1 if chunk and seq.num_computed_tokens == seq.num_prompt_tokens

@@ -203,7 +203,7 @@ class AdmissionController:
         self._id_prefix = str(uuid.uuid4())[:24]
         self._next_id = itertools.count(1)
         self.replica_limits = ReplicaLimits(
-            self.load_state, self.clock, min(c.itl_s for c in config.classes),
+            self.load_state, min(c.itl_s for c in config.classes),
             {r.replica_id: r.max_model_len for r in config.replicas if r.max_model_len})
         self.rules = self.replica_limits.rules  # what the replicas accept, from their latest state
         self._sources = dict(sources) if sources is not None else None

@@ -83,6 +83,10 @@ class SeqTotals:
     def ends(self) -> list[tuple[int, int]]:
         """``(steps until finished, final blocks)`` per sequence, sorted."""
         bs, chunk = self.block_size, max(1, self.chunk_tokens)
+        # the guard's column-backed groups (guard.replicas) give the same list from their rows
+        from_rows = getattr(self.seqs, "finish_ends", None)
+        if from_rows is not None:
+            return from_rows(bs, chunk)
         return sorted(
             (
                 (s.num_prefill_tokens_remaining + chunk - 1) // chunk

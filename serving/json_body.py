@@ -11,7 +11,7 @@ only a body with more brackets than the limit is scanned (strings skipped, in C 
 ``loads(raw)`` is the parse the guard's hot paths use (request bodies, replica state documents):
 orjson first (one C call); the stdlib for
 what strict RFC 8259 refuses and Python's JSON allows (NaN, lone surrogate escapes, UTF-16...)
-and wherever a number may pass 64 bits (orjson would make it a float). Errors are the stdlib's
+and wherever an integer may pass 64 bits (orjson would make it a float). Errors are the stdlib's
 (``ValueError``, ``UnicodeDecodeError``, ``RecursionError``).
 """
 
@@ -30,10 +30,15 @@ MAX_JSON_DEPTH = 64  # OpenAI bodies nest ~5 levels; JSON schemas in tools rarel
 # a JSON string (skipped whole), or one structural bracket
 _TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
 # 18 digits always fit in 64 bits: a run of 19 is looked for in the body with every digit
-# mapped to "0" and every other byte to " " (two linear C passes; a regex for the run restarts
-# at every digit of every number, and state documents are full of 17-digit floats)
-_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+# mapped to "0", "." kept and every other byte mapped to " " (two linear C passes; a regex for
+# the run restarts at every digit of every number, and state documents are full of 17-digit
+# floats). A float's fraction runs to 19-20 digits below 0.01 (0.007123456789012345: every
+# step duration in a state delta), and orjson parses it as the stdlib does: when every run
+# found follows a "." (as many runs as runs after a ".": each shorter than 38 digits), orjson
+_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else b if b == 0x2E else 0x20
+                        for b in range(256))
 _LONG_DIGIT_RUN = b"0" * 19
+_LONG_FRACTION = b"." + _LONG_DIGIT_RUN
 _OPENERS = frozenset(b"[{")
 _CLOSERS = frozenset(b"]}")
 
@@ -51,7 +56,9 @@ class JsonBodyError(ValueError):
 def loads(raw: bytes) -> object:
     """``raw`` parsed as JSON: orjson where it parses exactly as the stdlib would, else the
     stdlib (see the module docstring)."""
-    if _LONG_DIGIT_RUN not in raw.translate(_DIGITS_AS_ZERO):
+    mapped = raw.translate(_DIGITS_AS_ZERO)
+    if _LONG_DIGIT_RUN not in mapped or \
+            mapped.count(_LONG_DIGIT_RUN) == mapped.count(_LONG_FRACTION):
         try:
             return orjson.loads(raw)
         except ValueError:

@@ -44,6 +44,9 @@ proxy in front of the largest ``--e2e-replicas`` state-only fleet at ``--time-sc
 smaller fleet at the same offered ÷ C, with ``--json`` keys per fleet (``fleets``).
 ``--shed-flood`` floods one proxy in front of a saturated state-only fleet in wall time instead
 (:mod:`chaos.bench.scale_flood`): the shed latency at ``--flood-rate`` req/s.
+``--proxy-state-cpu`` measures a real idle proxy's CPU per streamed state event instead, in
+front of state-only fleets of ``--replicas`` replicas each running ``--running`` sequences
+(:mod:`chaos.bench.scale_proxy_state`).
 Results and their commands go to docs/benchmarks.md.
 """
 
@@ -56,7 +59,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from chaos.bench import scale_e2e, scale_flood
+from chaos.bench import scale_e2e, scale_flood, scale_proxy_state
 from chaos.bench.candidate_gap import candidate_gap
 from engine.compact_state import compact_state
 from guard.replicas.load_state import LoadState
@@ -287,6 +290,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "(the largest --running) into this PNG (default: none)")
     scale_e2e.add_arguments(parser)
     scale_flood.add_arguments(parser)
+    scale_proxy_state.add_arguments(parser)
 
 
 def plot_scale(rows: list[dict], running: int, path: str) -> None:
@@ -347,7 +351,32 @@ def _run_flood(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_proxy_state(args: argparse.Namespace) -> int:
+    if args.shed_flood or args.e2e_rate is not None:
+        raise ValueError("--proxy-state-cpu, --shed-flood and --e2e-rate: one at a time")
+    # the in-process bench's own flags would do nothing here
+    defaults = vars(_defaults())
+    for key in ("calls", "policies", "learned_limit", "gap_decisions", "plot"):
+        if getattr(args, key) != defaults[key]:
+            raise ValueError(f"--{key.replace('_', '-')} does not apply to --proxy-state-cpu")
+    if not args.refresh_hz > 0:
+        raise ValueError("--refresh-hz must be > 0")
+    report = scale_proxy_state.run_proxy_state(args, _int_list(args.replicas, "replicas"),
+                                                _int_list(args.running, "running"))
+    print(json.dumps(report, indent=1) if args.json else scale_proxy_state.render(report))
+    return 0
+
+
+def _defaults() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    return parser.parse_args([])
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.proxy_state_cpu:
+        return _run_proxy_state(args)
+    scale_proxy_state.refuse_without_proxy_state(args)
     if args.shed_flood:
         if args.e2e_rate is not None:
             raise ValueError("--shed-flood and --e2e-rate: one at a time")

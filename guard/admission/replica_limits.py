@@ -21,6 +21,7 @@ from guard.replicas.documents import UNKNOWN_MAX_MODEL_LEN
 from guard.replicas.load_state import LoadState
 from guard.request.rules import ReplicaRules
 from policies.prefill_pacing import full_step_s
+from policies.step_time import StepTimeModel
 
 __all__ = ["ReplicaLimits"]
 
@@ -32,10 +33,9 @@ class ReplicaLimits:
 
     MAX_CACHED_GROUPS = 1024  # (replicas, model) rules kept between two state refreshes
 
-    def __init__(self, load_state: LoadState, clock: Callable[[], float], itl_s: float,
+    def __init__(self, load_state: LoadState, itl_s: float,
                  configured_lengths: Mapping[str, int] | None = None) -> None:
         self._load_state = load_state
-        self._clock = clock
         self._itl_s = itl_s  # the tightest class ITL
         self.rules = ReplicaRules()
         self._warned: set[str] = set()  # replicas warned about their chunk budget
@@ -48,7 +48,8 @@ class ReplicaLimits:
 
     def update(self) -> ReplicaRules:
         """Read the replicas' latest state: the rules (kept when no replica is known yet)."""
-        replicas = self._load_state.snapshot(self._clock()).replicas
+        # (no ranked fleet: this runs after every state round, and ranking is the decisions')
+        replicas, step_time = self._load_state.views()
         if not replicas:
             return self.rules
         # a length no replica published (UNKNOWN_MAX_MODEL_LEN) is no limit
@@ -60,7 +61,7 @@ class ReplicaLimits:
         served = self._load_state.served_models()
         self.rules = ReplicaRules(min(lengths) if lengths else None, replicas[0].block_size,
                                   served, strict=served is not None)
-        self._warn_chunk_budget(replicas)
+        self._warn_chunk_budget(replicas, step_time)
         return self.rules
 
     def rules_for(self, replica_ids: frozenset[str] | None, model: object) -> ReplicaRules:
@@ -90,8 +91,7 @@ class ReplicaLimits:
         length = self._published.get(replica_id)
         return length if length is not None else self._configured.get(replica_id)
 
-    def _warn_chunk_budget(self, replicas: tuple) -> None:
-        step_time = self._load_state.snapshot(self._clock()).step_time
+    def _warn_chunk_budget(self, replicas: tuple, step_time: StepTimeModel) -> None:
         for r in replicas:
             # only what a replica published: assumed limits (vLLM) would warn about nothing real
             if r.limits_published and r.replica_id not in self._warned:

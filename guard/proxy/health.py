@@ -75,6 +75,11 @@ class GatedSource:
     def pushes(self) -> bool:
         return hasattr(self._inner, "listen")
 
+    @property
+    def answers_now(self) -> bool:
+        """The inner source's (a live stream's fetch waits on nothing: StatePoller)."""
+        return getattr(self._inner, "answers_now", False)
+
     async def aclose(self) -> None:
         """Close the inner source's own connection, where it holds one (a stream)."""
         close = getattr(self._inner, "aclose", None)

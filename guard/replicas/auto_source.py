@@ -91,6 +91,12 @@ class AutoStateSource:
         ``/kvguard/state``)."""
         return self._source if isinstance(self._source, StreamStateSource) else None
 
+    @property
+    def answers_now(self) -> bool:
+        """Whether :meth:`fetch` answers without waiting on anything (a chosen stream that
+        does: no probe, no poll)."""
+        return getattr(self._source, "answers_now", False)
+
     def listen(self, listener: Any) -> None:
         """The poller's push hook: handed to the stream once one is chosen."""
         self._listener = listener

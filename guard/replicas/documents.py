@@ -13,7 +13,7 @@ their stale-state rule).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import Any
 
 from guard.replicas.engine_metrics import EngineLoad
@@ -134,11 +134,14 @@ class SeqColumns(LazySeqLoads):
         self._costs = costs  # row index -> the guard's cost of it, as of the document
 
     def _make(self) -> tuple[SeqLoad, ...]:
-        cost_of = self._costs.get
-        seqs = tuple(seq_fields(int(out), max_tokens, int(ctx), int(pre), cost_of(i))
-                     for i, (_, out, max_tokens, ctx, pre) in enumerate(self._rows))
+        seqs = tuple(seq_fields(*row) for row in self._row_tuples())
         self._rows = None  # the records replace the rows
         return seqs
+
+    def _row_tuples(self) -> Iterator[tuple]:
+        cost_of = self._costs.get
+        return ((int(out), max_tokens, int(ctx), int(pre), cost_of(i))
+                for i, (_, out, max_tokens, ctx, pre) in enumerate(self._rows))
 
 
 def _column_group(columns: Mapping[str, list], our_cost: Callable[[str], RequestCost | None],
@@ -182,23 +185,41 @@ def _seq_load(seq: Mapping[str, Any], cost: RequestCost | None) -> SeqLoad:
                        cost)
 
 
+def remaining_output(num_output: int, max_tokens: Any, cost: RequestCost | None) -> int:
+    """A listed sequence's decode tokens still to come, as a policy counts them
+    (``SeqLoad.num_remaining_output_tokens``; ``cost``: the guard's, when it is its own)."""
+    remaining_max = max(0, int(max_tokens) - num_output) if max_tokens is not None else None
+    if cost is not None:  # ours: we know its expected length
+        expected = max(1, cost.num_expected_output_tokens - num_output)
+        return expected if remaining_max is None else min(remaining_max, expected)
+    return remaining_max if remaining_max is not None else 1
+
+
 def seq_fields(num_output: int, max_tokens: Any, num_context: int, num_prefill: int,
                cost: RequestCost | None) -> SeqLoad:
     """One listed sequence as a policy sees it (``cost``: the guard's, when it is its own)."""
-    remaining_max = max(0, int(max_tokens) - num_output) if max_tokens is not None else None
-    itl_s = None
-    if cost is not None:  # ours: we know its class and expected length
-        expected = max(1, cost.num_expected_output_tokens - num_output)
-        remaining = expected if remaining_max is None else min(remaining_max, expected)
-        itl_s = cost.request_class.itl_s
-    else:
-        remaining = remaining_max if remaining_max is not None else 1
     return SeqLoad(
         num_context_tokens=num_context,
         num_prefill_tokens_remaining=num_prefill,
-        num_remaining_output_tokens=remaining,
-        itl_s=itl_s,
+        num_remaining_output_tokens=remaining_output(num_output, max_tokens, cost),
+        itl_s=None if cost is None else cost.request_class.itl_s,
     )
+
+
+def finish_ends(rows: Iterable[tuple], block_size: int,
+                chunk_tokens: int) -> list[tuple[int, int]]:
+    """``SeqTotals.ends`` of the sequences ``rows`` lists as (output, max_tokens, context,
+    prefill, the guard's cost or None), without a :class:`SeqLoad` each: ``(steps until
+    finished, final blocks)`` per sequence, sorted (``chunk_tokens`` >= 1)."""
+    return seq_ends(((remaining_output(o, m, cost), c, p) for o, m, c, p, cost in rows),
+                    block_size, chunk_tokens)
+
+
+def seq_ends(seqs: Iterable[tuple[int, int, int]], block_size: int,
+             chunk_tokens: int) -> list[tuple[int, int]]:
+    """``SeqTotals.ends`` of sequences given as (remaining output, context, prefill)."""
+    bs, chunk = block_size, chunk_tokens
+    return sorted(((p + chunk - 1) // chunk + r, (c + p + r + bs - 1) // bs) for r, c, p in seqs)
 
 
 def vllm_snapshot(replica_id: str, text: str, now_s: float, *, max_model_len: int | None,

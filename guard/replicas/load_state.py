@@ -566,6 +566,16 @@ class LoadState:
             self._mean_model(replicas)
         return replicas
 
+    def views(self) -> tuple[tuple[ReplicaSnapshot, ...], StepTimeModel]:
+        """Every replica's snapshot and the mean step-time model, as :meth:`snapshot` gives
+        them, without the ranked fleet: ranking forecasts every replica changed since the
+        last view, which the next decision's snapshot does at its own time (a state round's
+        reader of the replicas' limits needs none of it)."""
+        replicas = self._snapshots
+        if replicas is None or self._step_time is None:
+            replicas = self._views()
+        return replicas, self._step_time
+
     def snapshot(self, now_s: float, num_queued: int = 0, drain_rate_rps: float = 0.0,
                  retry_budget: RetryBudgetView = NO_RETRY_OVER_BUDGET,
                  queued_ahead: QueuedAhead = NOTHING_AHEAD) -> LoadSnapshot:

@@ -343,10 +343,17 @@ class StatePoller:
         """Refresh all replicas once, concurrently."""
         for rid, src in self._local.items():
             await self._refresh_one(rid, src, bounded=False)
-        if self._remote:  # gathered even when one: a cancellation that meets a fetch just
+        remote = []
+        for rid, src in list(self._remote.items()):
+            # a live stream's fetch waits on nothing (its events came as they arrived): read
+            # in line, without the task and timer per replica per round of the others
+            if getattr(src, "answers_now", False):
+                await self._refresh_one(rid, src, bounded=False)
+            else:
+                remote.append((rid, src))
+        if remote:  # gathered even when one: a cancellation that meets a fetch just
             # done is then still raised (asyncio.wait_for alone would swallow it, Python 3.11)
-            await asyncio.gather(*(self._refresh_one(rid, src)
-                                   for rid, src in self._remote.items()))
+            await asyncio.gather(*(self._refresh_one(rid, src) for rid, src in remote))
         self.num_refreshes += 1
         if self._on_refresh is not None:
             try:

@@ -117,6 +117,14 @@ class StreamStateSource:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), left_s)
 
+    @property
+    def answers_now(self) -> bool:
+        """Whether :meth:`fetch` answers without waiting on anything: the stream is read and
+        has its full document (the poller's round then reads it in line, with no task)."""
+        task = self._task
+        return (task is not None and not task.done() and self._top is not None
+                and self._unavailable is None)
+
     def listen(self, listener: Any) -> None:
         """Hand every event over as it arrives: ``listener(self.take())`` (the poller's
         rounds then find nothing new; freshness is the stream's, not the rounds')."""
@@ -254,23 +262,27 @@ class StreamStateSource:
                 raise ConnectionError(f"{self.url} answered {status}")
             chunked = b"transfer-encoding: chunked" in head.lower()
             raw = body = b""
-            while True:
-                data = await asyncio.wait_for(reader.read(65536), self._stale_after_s)
-                if not data:
-                    raise ConnectionError(f"{self.url}: the stream ended")
-                if chunked:
-                    raw += data
-                    more, raw = _dechunk(raw)
-                    body += more
-                else:
-                    body += data
-                *events, body = body.split(b"\n\n")
-                for event in events:
-                    for line in event.split(b"\n"):
-                        if line.startswith(b"data: "):
-                            self.feed(loads(line[6:]))
-                            self._error = None
-                    self._arrived()
+            stale = _Staleness(self._stale_after_s, writer.transport)
+            try:
+                while True:
+                    data = await stale.read(reader)
+                    if not data:
+                        raise ConnectionError(f"{self.url}: the stream ended")
+                    if chunked:
+                        raw += data
+                        more, raw = _dechunk(raw)
+                        body += more
+                    else:
+                        body += data
+                    *events, body = body.split(b"\n\n")
+                    for event in events:
+                        for line in event.split(b"\n"):
+                            if line.startswith(b"data: "):
+                                self.feed(loads(line[6:]))
+                                self._error = None
+                        self._arrived()
+            finally:
+                stale.close()
         finally:
             writer.close()
 
@@ -287,6 +299,46 @@ class StreamStateSource:
         if self._own_client and self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
+
+
+class _Staleness:
+    """The bound on how long a stream may stay silent (``stale_after_s``), kept by one timer
+    per stream: when it fires it checks how long ago the last read returned and, within the
+    bound, is set again for that read plus the bound; past it, it aborts the connection and
+    the read raises TimeoutError (a new stream follows). A read costs a clock reading, where
+    ``asyncio.wait_for`` around each made a task and a timer (Python 3.11): 2,560 of them a
+    second at 256 replicas × 10 Hz."""
+
+    def __init__(self, after_s: float, transport: asyncio.BaseTransport) -> None:
+        self._after_s = after_s
+        self._transport = transport
+        self._loop = asyncio.get_running_loop()
+        self._last_s = self._loop.time()
+        self._expired = False
+        self._handle = self._loop.call_at(self._last_s + after_s, self._check)
+
+    async def read(self, reader: asyncio.StreamReader) -> bytes:
+        """``reader.read(65536)``; TimeoutError once nothing came for the bound."""
+        try:
+            data = await reader.read(65536)
+        except OSError:  # ConnectionResetError and kin: the abort's, if it expired
+            if not self._expired:
+                raise
+        if self._expired:
+            raise TimeoutError(f"no bytes for {self._after_s:g} s")
+        self._last_s = self._loop.time()
+        return data
+
+    def close(self) -> None:
+        self._handle.cancel()
+
+    def _check(self) -> None:
+        due_s = self._last_s + self._after_s
+        if self._loop.time() >= due_s:
+            self._expired = True
+            self._transport.abort()  # the read in progress returns, or raises
+        else:
+            self._handle = self._loop.call_at(due_s, self._check)
 
 
 def _dechunk(raw: bytes) -> tuple[bytes, bytes]:

@@ -204,6 +204,23 @@ class GroupCapture:
             out.append((rid, o + k, m, c + k, p))
         return out
 
+    def finish_ends(self, block_size: int, chunk_tokens: int) -> list[tuple[int, int]]:
+        """``SeqTotals.ends`` of the group when none of its sequences is the guard's (every
+        remaining output is ``max_tokens`` less the output; one token without one): ``(steps
+        until finished, final blocks)`` per sequence, sorted, straight from the rows."""
+        a, advances, bs, chunk = self._advance, self._advances, block_size, chunk_tokens
+        ends = []
+        for o, m, c, p, at in self._rows.values():
+            if p:  # in prefill: its chunks, then its output
+                r = 1 if m is None else m - o if m > o else 0
+                ends.append(((p + chunk - 1) // chunk + r, (c + p + r + bs - 1) // bs))
+            else:  # decoding: the advances since its row was written count
+                k = a - at if advances else 0
+                r = 1 if m is None else m - o - k if m > o + k else 0
+                ends.append((r, (c + k + r + bs - 1) // bs))
+        ends.sort()
+        return ends
+
     def columns(self) -> dict[str, list]:
         """The compact document's columns of this group."""
         rows = self.rows()
@@ -256,10 +273,27 @@ class LazySeqLoads(Sequence):
     def _make(self) -> tuple[SeqLoad, ...]:
         """The records, once (the subclass's rows as :class:`SeqLoad`)."""
 
+    @abstractmethod
+    def _row_tuples(self) -> Iterator[tuple]:
+        """(output, max_tokens, context, prefill, the guard's cost or None) per sequence, in
+        order (before :meth:`_make`)."""
+
     def _loads(self) -> tuple[SeqLoad, ...]:
         if self._seqs is None:
             self._seqs = self._make()
         return self._seqs
+
+    def finish_ends(self, block_size: int, chunk_tokens: int) -> list[tuple[int, int]]:
+        """``SeqTotals.ends`` of these sequences (``chunk_tokens`` >= 1), from the rows when
+        no record was made yet: the fleet's ranking forecasts every changed replica, and a
+        record per sequence would cost it more than the forecast."""
+        from guard.replicas.documents import finish_ends, seq_ends
+
+        if self._seqs is None:
+            return finish_ends(self._row_tuples(), block_size, chunk_tokens)
+        return seq_ends(((s.num_remaining_output_tokens, s.num_context_tokens,
+                          s.num_prefill_tokens_remaining) for s in self._seqs),
+                        block_size, chunk_tokens)
 
     def __len__(self) -> int:
         return self._n
@@ -294,6 +328,13 @@ class CapturedSeqs(LazySeqLoads):
     def _make(self) -> tuple[SeqLoad, ...]:
         from guard.replicas.documents import seq_fields
 
+        return tuple(seq_fields(*row) for row in self._row_tuples())
+
+    def _row_tuples(self) -> Iterator[tuple]:
         cost_of = self._costs.get
-        return tuple(seq_fields(o, m, c, p, cost_of(rid))
-                     for rid, o, m, c, p in self._capture.rows())
+        return ((o, m, c, p, cost_of(rid)) for rid, o, m, c, p in self._capture.rows())
+
+    def finish_ends(self, block_size: int, chunk_tokens: int) -> list[tuple[int, int]]:
+        if self._costs or self._seqs is not None:
+            return super().finish_ends(block_size, chunk_tokens)
+        return self._capture.finish_ends(block_size, chunk_tokens)  # the replica's own alone

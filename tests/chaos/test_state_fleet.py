@@ -205,3 +205,43 @@ def test_a_fleet_with_few_kv_blocks_is_full_with_one_long_request():
     run(main())
     with pytest.raises(ValueError, match="num_kv_blocks"):
         StateFleetConfig(num_kv_blocks=0)
+
+
+def test_held_sequences_keep_every_replica_running_r_of_its_own():
+    """``held_running`` R: every replica runs R sequences without a client from its start, and
+    one that ends is replaced, so R stay running."""
+    async def main():
+        fleet = StateFleet(StateFleetConfig(tick_s=0.002, held_running=3, max_model_len=40,
+                                            time_scale=0.01))
+        await fleet.start(2)
+        try:
+            async with httpx.AsyncClient(trust_env=False) as client:
+                seen: set[str] = set()
+                for _ in range(200):  # until a held sequence ended and its successor runs
+                    await asyncio.sleep(0.01)
+                    for url in fleet.urls.values():
+                        state = (await client.get(url + "/kvguard/state")).json()
+                        assert len(state["running"]) + len(state["waiting"]) == 3
+                        assert all(s["num_prompt_tokens"] == 16 for s in state["running"])
+                        seen.update(s["request_id"] for s in state["running"])
+                    if len(seen) > 6:
+                        break
+                assert len(seen) > 6  # replaced: more than the 2 × 3 started
+        finally:
+            await fleet.stop()
+    run(main())
+    with pytest.raises(ValueError, match="held_running"):
+        StateFleetConfig(held_running=-1)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        StateFleetConfig(held_running=9, max_num_seqs=8)
+
+
+def test_kvguard_fleet_refuses_held_running_without_state_only():
+    import argparse
+
+    from chaos import fleet_cli
+
+    parser = argparse.ArgumentParser()
+    fleet_cli.configure(parser)
+    with pytest.raises(ValueError, match="--state-held-running"):
+        fleet_cli.run(parser.parse_args(["--state-held-running", "4"]))

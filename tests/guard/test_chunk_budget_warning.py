@@ -51,7 +51,7 @@ def test_no_warning_from_limits_assumed_for_a_vllm_replica(caplog):
                'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0\n')
     load_state = LoadState(2.0)
     load_state.update_from_vllm_metrics("v0", metrics, 0.0, max_num_batched_tokens=65536)
-    limits = ReplicaLimits(load_state, lambda: 0.0, itl_s=0.001)
+    limits = ReplicaLimits(load_state, itl_s=0.001)
     with caplog.at_level(logging.WARNING, logger="guard.controller"):
         rules = limits.update()
     assert not [r for r in caplog.records if "max-num-batched-tokens" in r.getMessage()]

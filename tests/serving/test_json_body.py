@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from serving import json_body
 from serving.json_body import JsonBodyError, decode_json_object, loads, nesting_depth_exceeds
 
 
@@ -40,6 +41,9 @@ def test_a_plain_object_decodes():
     b'{"n": 123456789012345678, "x": 0.020000999999999998}',  # 18 digits: fits 64 bits
     b'{"n": 1234567890123456789012, "m": -98765432109876543210}',  # past 64 bits
     b'{"x": 0.00012345678901234567, "s": "12345678901234567890"}',  # long runs, not ints
+    b'{"duration_s": 0.007123456789012345, "y": [0.00012345678901234567, -0.0012345678901]}',
+    b'12345678901234567890',  # a top-level integer past 64 bits
+    b'[1.5, 12345678901234567890.25, 1e0000000000000000000005]',
     b'[1e400, NaN, -Infinity]',  # the stdlib's extensions
     "{\"\u00e9\": [1, 2.5, true, null]}".encode(),
 ])
@@ -68,3 +72,18 @@ def _leaves(value):
 def test_loads_keeps_integers_of_any_length_exact(raw, expected):
     parsed = loads(raw)
     assert parsed["n"] == expected and isinstance(parsed["n"], int)
+
+
+def test_long_fractions_are_parsed_by_orjson(monkeypatch):
+    """A float's fraction runs to 19-20 digits below 0.01 (a step's ``duration_s`` in every
+    state delta); it cannot be an integer past 64 bits, so orjson parses it (the stdlib fallback
+    is not called); an integer part of 19 digits still goes to the stdlib."""
+    calls = []
+    monkeypatch.setattr(json_body.json, "loads", lambda raw: calls.append(raw) or "stdlib")
+    raw = b'{"iterations": [{"duration_s": 0.007123456789012345, "x": 0.00012345678901234567}]}'
+    assert loads(raw) == {"iterations": [{"duration_s": 0.007123456789012345,
+                                          "x": 0.00012345678901234567}]}
+    assert calls == []
+    assert loads(b'{"n": 1234567890123456789}') == "stdlib"
+    assert loads(b'1234567890123456789') == "stdlib"
+    assert loads(b'{"n": -1234567890123456789.5}') == "stdlib"

@@ -415,3 +415,137 @@ def test_aclose_ends_a_reader_that_swallowed_a_cancellation():
         return swallowed, bool(done), ended
 
     assert asyncio.run(main()) == ([True], True, True)
+
+
+async def _silent_after(num_events: int, interval_s: float):
+    """A loopback stream server: each connection gets the head, then ``num_events`` events
+    (a full document, then empty deltas) ``interval_s`` apart, then silence, held open."""
+    doc = compact_state(StateReplica(lambda *a: 0.01, num_total_blocks=100).state())
+    connections = []
+
+    async def handle(reader, writer):
+        connections.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+        for seq in range(num_events):
+            event = {"seq": 0, "full": doc} if seq == 0 else {"seq": seq, "delta": {}}
+            writer.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await asyncio.sleep(interval_s)
+        with contextlib.suppress(Exception):
+            await reader.read()  # silent until the client goes
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], connections
+
+
+def test_a_stream_that_goes_silent_resyncs_after_stale_after_s():
+    """No byte for ``stale_after_s``: the connection is dropped and a new stream opened; a
+    stream whose events keep coming, each well within the bound, is kept though it lasts
+    longer than the bound."""
+    async def main():
+        server, port, connections = await _silent_after(num_events=8, interval_s=0.05)
+        source = StreamStateSource(f"http://127.0.0.1:{port}", stale_after_s=0.2)
+        try:
+            assert await source.opened(5.0) is None
+            start_s = time.monotonic()
+            while source.num_resyncs == 0 and time.monotonic() - start_s < 10:
+                await asyncio.sleep(0.01)
+            silent_for_s = time.monotonic() - start_s
+            first_events = source.num_events
+            await asyncio.sleep(0.1)
+            return source.num_resyncs, len(connections), first_events, silent_for_s
+        finally:
+            await source.aclose()
+            server.close()
+
+    num_resyncs, num_connections, first_events, waited_s = asyncio.run(
+        asyncio.wait_for(main(), 30))
+    assert num_resyncs >= 1 and num_connections >= 2
+    assert first_events >= 8  # the first stream's 8 events (0.35 s) all came, on one stream
+    assert waited_s >= 0.2  # not before the bound
+
+
+def test_reading_a_stream_makes_no_task_per_read():
+    """The staleness bound is one timer per stream, not ``asyncio.wait_for`` around each read
+    (a task per read in Python 3.11)."""
+    async def main():
+        server, port, _ = await _silent_after(num_events=30, interval_s=0.01)
+        loop = asyncio.get_running_loop()
+        made = []
+
+        def factory(loop, coro, **kwargs):  # noqa: ANN001, ANN202 - asyncio's signature
+            made.append(getattr(coro, "__qualname__", repr(coro)))
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        source = StreamStateSource(f"http://127.0.0.1:{port}", stale_after_s=5.0)
+        try:
+            assert await source.opened(5.0) is None
+            while source.num_events < 5:
+                await asyncio.sleep(0.01)
+            loop.set_task_factory(factory)
+            before = source.num_events
+            while source.num_events < 28:
+                await asyncio.sleep(0.01)
+            loop.set_task_factory(None)
+            return source.num_events - before, made
+        finally:
+            loop.set_task_factory(None)
+            await source.aclose()
+            server.close()
+
+    num_events, made = asyncio.run(asyncio.wait_for(main(), 30))
+    assert num_events >= 20
+    assert [name for name in made if "read" in name] == []
+
+
+def test_a_round_reads_live_streams_in_line_and_the_others_as_before():
+    """The poller's round reads a stream that is live (its full document in, its events
+    handed over as they came) in line, with no task per replica; a stream that is not live
+    yet (nothing listens on its port) is fetched as before, and its failures counted."""
+    from guard.proxy.health import GatedSource, ReplicaHealth
+    from guard.replicas.auto_source import AutoStateSource
+    from guard.replicas.poller import StatePoller
+
+    async def main():
+        fleet = StateFleet(StateFleetConfig(tick_s=0.002))
+        await fleet.start(2)
+        sources = {f"r{i}": StreamStateSource(url, interval_ms=20)
+                   for i, url in enumerate(fleet.urls.values())}
+        client = httpx.AsyncClient(trust_env=False)
+        auto = AutoStateSource(fleet.urls["replica-1"], client=client, stream_interval_ms=20)
+        health = ReplicaHealth(["auto"], 3, 1.0, lambda rid: None, None, time.monotonic)
+        sources["auto"] = GatedSource("auto", auto, health)
+        sources["dead"] = StreamStateSource("http://127.0.0.1:9", timeout_s=0.2)
+        load = LoadState()
+        poller = StatePoller(load, sources, interval_s=60.0, timeout_s=0.5)
+        loop = asyncio.get_running_loop()
+        made = []
+
+        def factory(loop, coro, **kwargs):  # noqa: ANN001, ANN202 - asyncio's signature
+            made.append(getattr(coro, "__qualname__", repr(coro)))
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        try:
+            for _ in range(100):  # until the three streams are live
+                await poller.refresh_now()
+                if all(sources[r].answers_now for r in ("r0", "r1", "auto")):
+                    break
+                await asyncio.sleep(0.02)
+            assert auto.choice == "stream" and not sources["dead"].answers_now
+            loop.set_task_factory(factory)
+            await poller.refresh_now()
+            loop.set_task_factory(None)
+            assert all(load.replica_snapshot(r).capacity_known for r in ("r0", "r1", "auto"))
+            assert [poller.consecutive_errors(r) for r in ("r0", "r1", "auto")] == [0, 0, 0]
+            assert poller.consecutive_errors("dead") >= 1 and "dead" in poller.unreadable
+            return made
+        finally:
+            loop.set_task_factory(None)
+            await poller.stop()
+            await client.aclose()
+            await fleet.stop()
+
+    made = asyncio.run(asyncio.wait_for(main(), 30))
+    # the one replica not live was fetched as before: one task for it (gather's) and one for
+    # its bounded fetch (wait_for's, Python 3.11), none for the three live streams
+    assert [name for name in made if "_refresh_one" in name] == ["StatePoller._refresh_one"]
