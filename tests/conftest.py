@@ -23,6 +23,10 @@ addopts; ``-n 0`` runs everything in this one process, in the natural order).
   file with ``cpu_heavy`` tests followed by its share of the other ``slow`` files (so the
   worker beside a heavy file has light work, not another heavy test to wait for), then the
   many fast files, which fill in at the end.
+* Where the environment says not to write bytecode (``PYTHONDONTWRITEBYTECODE``), the suite
+  and every process it starts write theirs under a prefix in the temp dir instead
+  (``tests/support/bytecode.py``): otherwise each of the several hundred processes compiles
+  every kvguard module it imports from source, and each worker rewrites every test file again.
 * Chaos quick tests that need a valid run (``needs_valid_run``) and skipped because theirs was
   invalid are counted in one line of the summary, and the session fails when every one of them
   skipped (``tests/support/invalid_runs.py``): a run that is always invalid cannot pass.
@@ -33,11 +37,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 
 import pytest
 
+from tests.support.bytecode import pycache_prefix
 from tests.support.file_order import FileMarks, file_order
 from tests.support.invalid_runs import InvalidRunsReport
 
@@ -45,6 +51,12 @@ _HEAVY_MARKS = ("cpu_heavy", "smollm2")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+_PYCACHE_PREFIX = pycache_prefix(os.environ, tempfile.gettempdir())
+if _PYCACHE_PREFIX is not None:  # before xdist starts its workers: they inherit it
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+    os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix = _PYCACHE_PREFIX
+    sys.dont_write_bytecode = False
 
 
 def pytest_configure(config: pytest.Config) -> None:
