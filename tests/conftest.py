@@ -18,10 +18,15 @@ addopts; ``-n 0`` runs everything in this one process, in the natural order).
   running a test of its own, and two OpenMP threads on a 2-core machine that is also running
   that test spin at every barrier (a 135 M-parameter decode step measured 10-30x slower than
   on one thread while the other core was busy).
-* Under xdist the work is handed out in this order: the file with the most slow ``cpu_heavy``
-  tests (the chaos runs), the files of other ``slow`` tests (the other worker runs these meanwhile),
-  the other heavy files, then the many fast files, which fill in at the end; so the long ones
-  start early and a heavy test rarely waits for another.
+* Under xdist the files are handed out in the order of ``tests/support/file_order.py``: the
+  exclusive files first (the other worker idles beside them wherever they come), then each
+  file with ``cpu_heavy`` tests followed by its share of the other ``slow`` files (so the
+  worker beside a heavy file has light work, not another heavy test to wait for), then the
+  many fast files, which fill in at the end.
+* Where the environment says not to write bytecode (``PYTHONDONTWRITEBYTECODE``), the suite
+  and every process it starts write theirs under a prefix in the temp dir instead
+  (``tests/support/bytecode.py``): otherwise each of the several hundred processes compiles
+  every kvguard module it imports from source, and each worker rewrites every test file again.
 * Chaos quick tests that need a valid run (``needs_valid_run``) and skipped because theirs was
   invalid are counted in one line of the summary, and the session fails when every one of them
   skipped (``tests/support/invalid_runs.py``): a run that is always invalid cannot pass.
@@ -32,17 +37,26 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 
 import pytest
 
+from tests.support.bytecode import pycache_prefix
+from tests.support.file_order import FileMarks, file_order
 from tests.support.invalid_runs import InvalidRunsReport
 
 _HEAVY_MARKS = ("cpu_heavy", "smollm2")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+_PYCACHE_PREFIX = pycache_prefix(os.environ, tempfile.gettempdir())
+if _PYCACHE_PREFIX is not None:  # before xdist starts its workers: they inherit it
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+    os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix = _PYCACHE_PREFIX
+    sys.dont_write_bytecode = False
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -118,9 +132,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    heavy = [f for f, its in files.items() if any(map(_is_heavy, its))]
-    heavy.sort(key=lambda f: -sum(_is_heavy(i) and _is_slow(i) for i in files[f]))
-    slow = [f for f, its in files.items() if f not in heavy and any(map(_is_slow, its))]
-    first = heavy[:1] + slow + heavy[1:]
-    order = first + [f for f in files if f not in first]
-    items[:] = [item for f in order for item in files[f]]
+    marks = {f: FileMarks(num_tests=len(its),
+                          exclusive=any(i.get_closest_marker("exclusive") for i in its),
+                          heavy=any(map(_is_heavy, its)), slow=any(map(_is_slow, its)))
+             for f, its in files.items()}
+    items[:] = [item for f in file_order(marks) for item in files[f]]

@@ -41,3 +41,20 @@ def test_serving_imports_neither_torch_nor_engine_nor_guard():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_guard_without_redis_does_not_import_redis_py():
+    """What ``kvguard proxy`` and ``kvguard epp`` import to start (their CLIs, the proxy's app,
+    the EPP's server, the controller, the budget package) leaves redis-py (~50 ms of every
+    start) to a guard that uses Redis: the Redis stores and clients load on first use."""
+    code = (
+        "import sys\n"
+        "import guard.proxy.cli, guard.proxy.app, guard.epp.cli, guard.epp.server\n"
+        "import guard.controller, guard.config\n"
+        "from guard.budget import MemoryStore, build_budget_store\n"
+        "bad = [k for k in ('redis', 'tenacity') if k in sys.modules]\n"
+        "assert not bad, bad\n"
+        "from guard.budget import FallbackStore, RedisStore\n"
+        "assert FallbackStore.__module__ == 'guard.budget.fallback' and 'redis' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from guard.budget.fallback import FallbackStore
 from guard.budget.memory_store import MemoryStore
 from guard.budget.metrics import BudgetMetrics
 from guard.budget.store import BudgetStore
@@ -35,4 +34,7 @@ def build_budget_store(config: GuardConfig, clock: Callable[[], float],
         if metrics is not None:
             metrics.watch_remaining(store.remaining_by_tenant, store.remaining_requests_by_tenant)
         return store
+    # imported only here: it imports redis-py (~50 ms), which a guard without Redis never needs
+    from guard.budget.fallback import FallbackStore
+
     return FallbackStore(config.redis_url, config.budget_limits, config.budget, clock, metrics)

@@ -40,9 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from guard.background import cancel_and_wait
-from guard.budget.connection import connect
 from guard.budget.keys import PREFIX
-from guard.budget.scripts import ScriptSet
 from guard.errors import StateUnavailable
 from guard.redact import redact_text
 from guard.replicas.engine_metrics import EngineLoad
@@ -90,6 +88,10 @@ class PollingShards:
             f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.live: tuple[str, ...] = ()  # empty: Redis not reached, poll everything
         self._client: Any = None
+        # imported here, not at the top: they import redis-py (~50 ms), which a proxy or EPP
+        # started without Redis never needs (this class exists only with a Redis URL)
+        from guard.budget.scripts import ScriptSet
+
         self._scripts = ScriptSet("guard.replicas",
                                   ("shard_heartbeat", "shard_publish", "shard_read"))
         self._task: asyncio.Task | None = None
@@ -109,6 +111,8 @@ class PollingShards:
     async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         try:
             if self._client is None:
+                from guard.budget.connection import connect  # redis-py: see __init__
+
                 self._client = await asyncio.wait_for(
                     connect(self.redis_url, self.timeout_s), self.timeout_s)
                 await self._scripts.load(self._client)

@@ -37,9 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from guard.budget.connection import connect
 from guard.budget.keys import PREFIX
-from guard.budget.scripts import ScriptSet
 from guard.redact import redact_url
 from policies.cost import RequestClass, RequestCost
 
@@ -94,6 +92,10 @@ class SharedReservations:
         self._sync_interval_s = sync_interval_s
         self.instance = uuid.uuid4().hex[:12]
         self._prefix = self.instance + "|"
+        # imported here, not at the top: it imports redis-py (~50 ms), which a proxy or EPP
+        # started without Redis never needs (this class exists only with a Redis URL)
+        from guard.budget.scripts import ScriptSet
+
         self._scripts = ScriptSet("guard.replicas", ("kv_sync",))
         self._client: Any = None
         self.shared = False  # syncing through Redis (False: local-only reservations)
@@ -260,6 +262,8 @@ class SharedReservations:
         while not self._closing:
             try:
                 if self._client is None:
+                    from guard.budget.connection import connect  # redis-py: see __init__
+
                     self._client = await asyncio.wait_for(connect(self._url, CONNECT_TIMEOUT_S),
                                                           CONNECT_TIMEOUT_S * 2)
                 if not self.shared:

@@ -92,9 +92,10 @@ def test_row_counts_goodput_rejections_and_wasted_tokens_inside_the_window():
 @pytest.mark.slow
 def test_demo_runs_end_to_end_and_writes_its_table(tmp_path, capsys):
     out = tmp_path / "demo"
-    # The demo's own code path at a small size: 8 s wall per run (probe flood, no guard,
-    # guard), clients give up after 8 s, so the drains after each run stay short too.
-    rc = kvguard(["demo", "--duration", "2", "--warmup", "0.5", "--time-scale", "4",
+    # The demo's own code path at a small size: 4 s wall per run (probe flood, no guard,
+    # guard), clients give up after 8 s, so the drains after each run stay short too. What is
+    # asserted is that path and the files it writes, not the overload itself.
+    rc = kvguard(["demo", "--duration", "1", "--warmup", "0.5", "--time-scale", "4",
                   "--client-timeout", "2", "--prompt-tokens", "256:512",
                   "--output-tokens", "8:16", "--out", str(out)])
     assert rc == 0
