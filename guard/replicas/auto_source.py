@@ -61,7 +61,7 @@ class AutoStateSource:
         self._reprobe_s = reprobe_s
         self._clock = clock
         self._stream_interval_ms = stream_interval_ms
-        self._stream_phase = stream_phase  # StreamStateSource's phase, if it streams
+        self.stream_phase = stream_phase  # StreamStateSource's phase, if it streams
         self._source: HttpStateSource | StreamStateSource | None = None
         self._listener: Any = None  # the poller's, handed to a chosen stream
         self._probed_s: float | None = None
@@ -130,7 +130,7 @@ class AutoStateSource:
         """A kvguard engine: its state stream when it offers one, else ``/kvguard/state``
         polled."""
         stream = StreamStateSource(self.url, interval_ms=self._stream_interval_ms,
-                                   timeout_s=self._timeout_s, phase=self._stream_phase)
+                                   timeout_s=self._timeout_s, phase=self.stream_phase)
         try:
             why = await stream.opened(self._timeout_s)
         except BaseException:  # cancelled while waiting: its reader task ends too
