@@ -128,7 +128,7 @@ class ProxyApp:
             sources = {rid: self._shared(self.urls[rid], source) for rid, source in sources.items()}
         self._sources = sources  # what each replica's state source found (``auto``)
         # the index of the next replica to join, for its state stream's phase (state_sources)
-        self._joined = itertools.count(len(config.replicas))
+        self._next_phase_index = itertools.count(len(config.replicas))
         gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
         shared = None
         if config.redis_url is not None:  # the same Redis as the budgets: KV reservations too
@@ -192,7 +192,7 @@ class ProxyApp:
         source, = state_sources((replica,), self._state_client,
                                 timeout_s=self.config.state_timeout_s,
                                 stream_interval_s=self.config.refresh_interval_s,
-                                first_index=next(self._joined)).values()
+                                first_index=next(self._next_phase_index)).values()
         if self.shards is not None:
             source = self._shared(replica.url, source)
         self._sources[replica.replica_id] = source

@@ -156,3 +156,26 @@ def test_auto_asks_the_replica_for_its_phase():
     with LoopbackServer(app) as server:
         choice = asyncio.run(asyncio.wait_for(main(server.url), 30))
     assert choice == "stream" and queries[0]["phase"] == ["0.250000"]
+
+
+def test_a_replica_that_joins_a_running_proxy_asks_the_next_phase():
+    from guard.config import GuardConfig
+    from guard.proxy.app import ProxyApp
+
+    def replica(i):
+        return {"replica_id": f"r{i}", "url": f"http://127.0.0.1:{9000 + i}",
+                "state_source": "stream"}
+
+    async def main():
+        proxy = ProxyApp(GuardConfig.from_dict({
+            "allow_anonymous": True, "replicas": [replica(0), replica(1)]}))
+        try:
+            config = GuardConfig.from_dict({"allow_anonymous": True,
+                                            "replicas": [replica(0), replica(1), replica(2)]})
+            proxy.apply_replicas(config.replicas)
+            return {rid: source.phase for rid, source in proxy._sources.items()}
+        finally:
+            await proxy.aclose()
+
+    phases = asyncio.run(asyncio.wait_for(main(), 30))
+    assert phases == {f"r{i}": spread_phase(i) for i in range(3)}
