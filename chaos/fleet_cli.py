@@ -87,8 +87,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         default="spread",
                         help="state-only replicas' state streams: each at its own phase of "
                              "the interval (spread: as separate replicas drift apart), or all "
-                             "in step (aligned: every interval the guard gets every replica's "
-                             "event at once) (default: spread)")
+                             "in step (aligned: every interval a guard that asks no phase of "
+                             "its own gets every replica's event at once; a stream's ?phase= "
+                             "wins either way) (default: spread)")
     parser.add_argument("--state-held-running", type=int, default=0, metavar="R",
                         help="state-only replicas each run R sequences of their own from the "
                              "start, each replaced when it ends (default 0): a busy fleet "

@@ -38,22 +38,22 @@ from serving.h1server import H1Server
 from serving.json_body import loads
 from serving.limited_protocol import ConnectionTable
 from serving.server_limits import ServerLimits
-from serving.state_delta import serve_state_stream
+from serving.state_delta import serve_state_stream, spread_phase
 
 __all__ = ["HELD_PROMPT_TOKENS", "STREAM_PHASES", "StateFleet", "StateFleetConfig",
            "stream_phase_of"]
 
 HELD_PROMPT_TOKENS = 16  # the prompt of every held sequence (StateFleetConfig.held_running)
 STREAM_PHASES = ("spread", "aligned")
-_GOLDEN = (5 ** 0.5 - 1) / 2  # successive multiples, mod 1, fill [0, 1) evenly for any count
 
 
 def stream_phase_of(index: int, how: str) -> float:
     """The state stream phase (a fraction of its interval) of the fleet's ``index``-th
     replica: 0 when ``aligned``; ``spread``: ``index`` times the golden ratio's fraction, mod
-    1, so any number of replicas spread their events evenly over the interval, the same in
-    every run."""
-    return (index * _GOLDEN) % 1.0 if how == "spread" else 0.0
+    1 (:func:`serving.state_delta.spread_phase`), so any number of replicas spread their
+    events evenly over the interval, the same in every run. A guard that asks a phase of its
+    own (the ``phase`` query value) gets that one instead."""
+    return spread_phase(index) if how == "spread" else 0.0
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,8 @@ class StateFleetConfig:
     # its own phase (see ``stream_phase_of``), "aligned" none. One event loop serves every
     # replica here, so streams a guard opened at once would stay in step for good — every
     # interval the guard would get all of the fleet's events together — where separate
-    # replica processes drift apart
+    # replica processes drift apart. Either way a guard that asks each stream for a phase of
+    # its own (``?phase=``, as kvguard's does) gets that one
     stream_phase: str = "spread"
     # sequences every replica runs from its start without a client, each replaced by a new
     # one when it ends, so R stay running (``kvguard fleet --state-held-running R``): a fleet

@@ -1,7 +1,9 @@
 """``GET /kvguard/state/stream``: the compact state once, then only what changed.
 
 One long-lived response (``text/event-stream``); every ``interval_ms`` (default 100, 10–5000)
-one event ``data: {json}``:
+one event ``data: {json}``, the first at once, the second ``phase`` (a fraction of the
+interval, default 0, in [0, 1)) of an interval late, so that the streams a guard opens at once
+need not send in step: ``?interval_ms=100&phase=0.618``. Anything else for either is a 400.
 
 * ``{"seq": 0, "full": DOC}``: the compact document (``?compact=1``'s form) — always
   the first event of a stream;
@@ -29,12 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections import Counter
 from typing import Any
 from urllib.parse import parse_qs
 
 __all__ = ["DEFAULT_INTERVAL_MS", "SEQUENCE_COLUMNS", "StateDeltas", "apply_delta",
-           "serve_state_stream", "stream_interval_s"]
+           "serve_state_stream", "spread_phase", "stream_interval_s", "stream_phase"]
 
 # the compact document's per-sequence columns (engine.compact_state's), in order
 SEQUENCE_COLUMNS = ("request_id", "num_output_tokens", "max_tokens", "num_context_tokens",
@@ -42,6 +45,7 @@ SEQUENCE_COLUMNS = ("request_id", "num_output_tokens", "max_tokens", "num_contex
 
 DEFAULT_INTERVAL_MS = 100
 _GROUPS = ("running", "waiting")
+_DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")  # no sign, exponent, space or "_"
 _FIELDS = SEQUENCE_COLUMNS[1:]  # a row: every column but the request id
 _OUT, _CTX, _PREFILL = (_FIELDS.index(n) for n in (
     "num_output_tokens", "num_context_tokens", "num_prefill_tokens_remaining"))
@@ -54,6 +58,27 @@ def stream_interval_s(value: str | None) -> float:
     if not value.isdigit() or not 10 <= int(value) <= 5000:
         raise ValueError(f"interval_ms: an integer from 10 to 5000, got {value!r}")
     return int(value) / 1000
+
+
+def stream_phase(value: str | None, default: float = 0.0) -> float:
+    """The ``phase`` query value (a fraction of the interval); ``default`` when absent;
+    ValueError unless it is a plain decimal number (``0.25``, ``.5``, ``0``) in [0, 1)."""
+    if value is None:
+        return default
+    if not _DECIMAL.fullmatch(value) or float(value) >= 1.0:
+        raise ValueError(f"phase: a decimal fraction of the interval, at least 0 and below 1 "
+                         f"(e.g. 0.25), got {value!r}")
+    return float(value)
+
+
+_GOLDEN = (5 ** 0.5 - 1) / 2  # successive multiples, mod 1, fill [0, 1) evenly for any count
+
+
+def spread_phase(index: int) -> float:
+    """The ``index``-th of a sequence of phases that spreads any number of streams evenly over
+    the interval: ``index`` times the golden ratio's fraction, mod 1 (0, 0.618, 0.236, 0.854,
+    …; each new one falls in one of the widest gaps the ones before left)."""
+    return (index * _GOLDEN) % 1.0
 
 
 def _rows(columns: dict[str, list]) -> dict[str, tuple]:
@@ -174,20 +199,24 @@ def apply_delta(compact: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any
 
 async def serve_state_stream(scope: dict, receive: Any, send: Any, compact: Any,
                              serving: Any = None, phase: float = 0.0) -> None:
-    """Answer ``GET /kvguard/state/stream[?interval_ms=N]`` on ASGI: ``compact()`` (the
-    compact document of now) encoded as events every ``interval_ms`` until the client goes
-    away or ``serving()`` (optional) turns false — a draining replica ends its streams, so
-    they do not hold its shutdown. A bad ``interval_ms`` is a 400.
+    """Answer ``GET /kvguard/state/stream[?interval_ms=N][&phase=F]`` on ASGI: ``compact()``
+    (the compact document of now) encoded as events every ``interval_ms`` until the client
+    goes away or ``serving()`` (optional) turns false — a draining replica ends its streams,
+    so they do not hold its shutdown. A bad ``interval_ms`` or ``phase`` is a 400 (and no
+    stream).
 
-    ``phase`` (a fraction of the interval, in [0, 1)) moves the events after the first that
+    The phase (a fraction of the interval, in [0, 1)) moves the events after the first that
     much later: the first at once, the second ``1 + phase`` intervals after it, then one every
-    interval. Streams a guard opens at once keep in step otherwise; replicas served from one
-    event loop (``chaos.state_fleet``) never drift apart, so they pass each its own phase."""
+    interval. Streams a guard opens at once keep in step otherwise. The client's ``phase``
+    query value wins; without one the ``phase`` argument holds (default 0): replicas served
+    from one event loop (``chaos.state_fleet``) never drift apart, so they pass each its own,
+    for guards that ask none (those before the query parameter)."""
     if not 0.0 <= phase < 1.0:
         raise ValueError(f"phase must be in [0, 1), got {phase!r}")
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     try:
         interval_s = stream_interval_s((query.get("interval_ms") or [None])[0])
+        phase = stream_phase((query.get("phase") or [None])[0], phase)
     except ValueError as exc:
         body = json.dumps({"error": {"message": str(exc),
                                      "type": "invalid_request_error"}}).encode()

@@ -29,7 +29,9 @@ once would stay in step for good and each refresh would bring the proxy all of t
 events together (and the fleet process would encode them together); separate replica processes
 drift apart. By default each replica's stream sends at its own phase of the interval
 (``--flood-stream-phase spread``, ``kvguard fleet --state-stream-phase``); ``aligned`` keeps
-them in step (what this bench did before; measured in docs/benchmarks.md §17).
+them in step (what this bench did before; measured in docs/benchmarks.md §17) for a guard that
+asks no phase of its own: kvguard's proxy now asks each stream for one (``?phase=``), which
+wins, so it spreads an aligned fleet itself.
 
 One ``kvguard proxy`` (``slo``, the state refreshed every ``--flood-refresh-s`` — default
 0.1 s, the proxy's own — over the replicas' streams, the connection caps lifted as in the
@@ -104,8 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--flood-stream-phase", choices=STREAM_PHASES, default="spread",
                    help="the replicas' state streams: each at its own phase of the interval "
                         "(default spread, as separate replicas drift apart) or all in step "
-                        "(aligned: every refresh brings the proxy every replica's event at "
-                        "once); kvguard fleet --state-stream-phase")
+                        "(aligned: a proxy that asks no phase of its own gets every "
+                        "replica's event at once; kvguard's asks one per stream, which wins); "
+                        "kvguard fleet --state-stream-phase")
     g.add_argument("--flood-client", choices=("raw", "aiohttp"), default="raw",
                    help="the load generator's client (default raw: least CPU per request)")
     g.add_argument("--flood-seed", type=int, default=0, help="arrival seed")

@@ -34,6 +34,7 @@ when asked (:meth:`EppServer.serve_metrics`, ``--metrics-port``).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -96,6 +97,8 @@ class EppServer:
                                     clock)
         sources = state_sources(config.replicas, self._client, timeout_s=config.state_timeout_s,
                                 stream_interval_s=config.refresh_interval_s)
+        # the index of the next replica to join, for its state stream's phase (state_sources)
+        self._next_phase_index = itertools.count(len(config.replicas))
         self.shards = shards_for(config)  # the EPPs (and proxies) share the fleet's polling
         if self.shards is not None:
             sources = {rid: SharedStateSource(source, self.urls[rid], self.shards, clock=clock)
@@ -152,7 +155,8 @@ class EppServer:
 
     def _make_source(self, replica: ReplicaConfig) -> Any:
         source, = state_sources((replica,), self._client, timeout_s=self.config.state_timeout_s,
-                                stream_interval_s=self.config.refresh_interval_s).values()
+                                stream_interval_s=self.config.refresh_interval_s,
+                                first_index=next(self._next_phase_index)).values()
         if self.shards is not None:
             source = SharedStateSource(source, replica.url, self.shards, clock=self._clock)
         self.sources[replica.replica_id] = source

@@ -38,6 +38,7 @@ like the middleware's (:class:`guard.operational_access.OperationalAccess`).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -126,6 +127,8 @@ class ProxyApp:
         if self.shards is not None:
             sources = {rid: self._shared(self.urls[rid], source) for rid, source in sources.items()}
         self._sources = sources  # what each replica's state source found (``auto``)
+        # the index of the next replica to join, for its state stream's phase (state_sources)
+        self._next_phase_index = itertools.count(len(config.replicas))
         gated = {rid: self.health.gate(rid, source) for rid, source in sources.items()}
         shared = None
         if config.redis_url is not None:  # the same Redis as the budgets: KV reservations too
@@ -188,7 +191,8 @@ class ProxyApp:
     def _make_source(self, replica: ReplicaConfig) -> Any:
         source, = state_sources((replica,), self._state_client,
                                 timeout_s=self.config.state_timeout_s,
-                                stream_interval_s=self.config.refresh_interval_s).values()
+                                stream_interval_s=self.config.refresh_interval_s,
+                                first_index=next(self._next_phase_index)).values()
         if self.shards is not None:
             source = self._shared(replica.url, source)
         self._sources[replica.replica_id] = source

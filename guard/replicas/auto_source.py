@@ -50,7 +50,7 @@ class AutoStateSource:
     def __init__(self, url: str, *, client: StateClient, timeout_s: float = 1.0,
                  max_model_len: int | None = None, replica_id: str = "",
                  reprobe_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 stream_interval_ms: int = 100):
+                 stream_interval_ms: int = 100, stream_phase: float | None = None):
         if not reprobe_s > 0:
             raise ValueError(f"reprobe_s: must be > 0, got {reprobe_s!r}")
         self.url = url.rstrip("/")
@@ -61,6 +61,7 @@ class AutoStateSource:
         self._reprobe_s = reprobe_s
         self._clock = clock
         self._stream_interval_ms = stream_interval_ms
+        self.stream_phase = stream_phase  # StreamStateSource's phase, if it streams
         self._source: HttpStateSource | StreamStateSource | None = None
         self._listener: Any = None  # the poller's, handed to a chosen stream
         self._probed_s: float | None = None
@@ -129,7 +130,7 @@ class AutoStateSource:
         """A kvguard engine: its state stream when it offers one, else ``/kvguard/state``
         polled."""
         stream = StreamStateSource(self.url, interval_ms=self._stream_interval_ms,
-                                   timeout_s=self._timeout_s)
+                                   timeout_s=self._timeout_s, phase=self.stream_phase)
         try:
             why = await stream.opened(self._timeout_s)
         except BaseException:  # cancelled while waiting: its reader task ends too

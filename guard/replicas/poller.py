@@ -35,6 +35,7 @@ from guard.replicas.engine_metrics import (
 )
 from guard.replicas.state_stream import UNCHANGED
 from serving.json_body import loads
+from serving.state_delta import spread_phase
 
 __all__ = [
     "AsgiStateSource",
@@ -223,16 +224,21 @@ def _state_document(body: bytes, where: str) -> dict:
 def state_sources(replicas: tuple[ReplicaConfig, ...], client: StateClient,
                   app: Callable | None = None, timeout_s: float = 1.0,
                   local_replica_id: str = "local",
-                  stream_interval_s: float = 0.1) -> dict[str, StateSource]:
+                  stream_interval_s: float = 0.1,
+                  first_index: int = 0) -> dict[str, StateSource]:
     """One source per configured replica; no replicas means ``app`` itself is the one replica.
     ``stream_interval_s``: how often a ``stream`` replica sends an event (the refresh
-    interval)."""
+    interval). The ``stream`` (and ``auto``) replicas' streams ask each for its own phase of
+    that interval (the ``index``-th replica's: ``serving.state_delta.spread_phase(index)``;
+    ``first_index`` is the first of ``replicas``' index among those the guard follows: a
+    replica that joins later gets the next), so the streams the guard opens at its start do
+    not all send at the same instant."""
     if not replicas:
         if app is None:
             raise ValueError("state_sources: in-process mode needs the wrapped ASGI app")
         return {local_replica_id: AsgiStateSource(app)}
     sources: dict[str, StateSource] = {}
-    for replica in replicas:
+    for index, replica in enumerate(replicas, first_index):
         if replica.state_source == "none":
             sources[replica.replica_id] = NoStateSource()
         elif replica.state_source == "auto":
@@ -241,13 +247,15 @@ def state_sources(replicas: tuple[ReplicaConfig, ...], client: StateClient,
             sources[replica.replica_id] = AutoStateSource(
                 replica.url, client=client, timeout_s=timeout_s,
                 max_model_len=replica.max_model_len, replica_id=replica.replica_id,
-                stream_interval_ms=max(10, min(5000, round(stream_interval_s * 1000))))
+                stream_interval_ms=max(10, min(5000, round(stream_interval_s * 1000))),
+                stream_phase=spread_phase(index))
         elif replica.state_source == "stream":
             from guard.replicas.state_stream import StreamStateSource
 
             sources[replica.replica_id] = StreamStateSource(
                 replica.url, timeout_s=timeout_s,
-                interval_ms=max(10, min(5000, round(stream_interval_s * 1000))))
+                interval_ms=max(10, min(5000, round(stream_interval_s * 1000))),
+                phase=spread_phase(index))
         elif replica.state_source == "asgi":
             if app is None:
                 raise ValueError(f"replica {replica.replica_id!r}: state_source 'asgi' needs the app")

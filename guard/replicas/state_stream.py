@@ -17,6 +17,12 @@ counts them and ``num_gaps`` the lost deltas among them. Until a stream delivers
 document, :meth:`fetch` raises (the poller counts the replica's errors as for any source).
 A replica that answers 404 has no stream: :class:`guard.errors.StateUnavailable`, as for
 ``/kvguard/state``.
+
+``phase`` (a fraction of the interval; the poller gives each replica its own,
+:func:`serving.state_delta.spread_phase` of its index) is asked of the replica
+(``&phase=F``), by every stream alike, so the replicas a guard opens streams to at once do not
+all send in the same instant of each interval. A replica from before the parameter ignores
+it (an unknown query value) and sends in step with the stream's start, as before.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -59,8 +66,15 @@ class StreamStateSource:
     kind = "kvguard"
 
     def __init__(self, url: str, *, client: Any = None, interval_ms: int = 100,
-                 timeout_s: float = 1.0, stale_after_s: float | None = None) -> None:
+                 timeout_s: float = 1.0, stale_after_s: float | None = None,
+                 phase: float | None = None) -> None:
         self.url = url.rstrip("/") + f"/kvguard/state/stream?interval_ms={interval_ms}"
+        if phase is not None:
+            if not 0.0 <= phase < 1.0:
+                raise ValueError(f"phase must be in [0, 1), got {phase!r}")
+            # six decimals, rounded down: below 1 however close the phase is to it
+            self.url += f"&phase={math.floor(phase * 1e6) / 1e6:.6f}"
+        self.phase = phase  # the one every stream (the first, each resync) asks for
         self._client = client  # an httpx.AsyncClient (None: its own, made on first use)
         self._own_client = client is None
         self._timeout_s = timeout_s
