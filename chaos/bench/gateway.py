@@ -134,19 +134,21 @@ class CpuPinning:
     other_cpus: tuple[int, ...]
 
 
-def cpu_pinning(epp_cpu: int | None, available: set[int] | None = None) -> CpuPinning | None:
+def cpu_pinning(epp_cpu: int | None, available: set[int] | None = None,
+                flag: str = "--pin-epp-cpu") -> CpuPinning | None:
     """``--pin-epp-cpu``: CPU ``epp_cpu`` for the ext_proc servers, the rest of ``available``
     (default: the CPUs this process may run on) for everything else; None without a CPU.
-    Refuses (ValueError) a CPU not available, or fewer than 2 CPUs: the EPP would share its
-    CPU with the rest, which is the unpinned run."""
+    Refuses (ValueError, naming ``flag``: another bench pins its own process the same way) a
+    CPU not available, or fewer than 2 CPUs: the pinned process would share its CPU with the
+    rest, which is the unpinned run."""
     if epp_cpu is None:
         return None
     cpus = set(os.sched_getaffinity(0) if available is None else available)
     if len(cpus) < 2:
-        raise ValueError(f"--pin-epp-cpu needs at least 2 CPUs (the EPP's and one for the "
+        raise ValueError(f"{flag} needs at least 2 CPUs (one of its own and one for the "
                          f"rest); this process may run on {len(cpus)}: {sorted(cpus)}")
     if epp_cpu not in cpus:
-        raise ValueError(f"--pin-epp-cpu {epp_cpu}: not a CPU this process may run on "
+        raise ValueError(f"{flag} {epp_cpu}: not a CPU this process may run on "
                          f"({sorted(cpus)})")
     return CpuPinning((epp_cpu,), tuple(sorted(cpus - {epp_cpu})))
 

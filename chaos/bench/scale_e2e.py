@@ -42,6 +42,7 @@ import math
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -187,8 +188,9 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1000 * seconds, 3)
 
 
-def proxy_child(urls: list[str], config: str) -> ChildProcess:
-    """``kvguard proxy`` (``config``) in front of ``urls``, as a child not yet started."""
+def proxy_child(urls: list[str], config: str, cpus: Sequence[int] = ()) -> ChildProcess:
+    """``kvguard proxy`` (``config``) in front of ``urls``, as a child not yet started (under
+    ``taskset -c`` on ``cpus`` when given)."""
     upstreams = [a for url in urls for a in ("--upstream", url)]
     return ChildProcess("proxy", lambda port: [
         sys.executable, "-m", "guard.cli", "proxy", *upstreams, "--config", config,
@@ -197,7 +199,7 @@ def proxy_child(urls: list[str], config: str) -> ChildProcess:
         # scale), so the per-client and total caps, sized for real clients, are lifted
         "--max-connections", "0", "--max-connections-per-client", "0",
         "--host", "127.0.0.1", "--port", str(port)],
-        http_health, ready_pattern=r"kvguard proxy listening on (\S+)")
+        http_health, ready_pattern=r"kvguard proxy listening on (\S+)", cpus=cpus)
 
 
 def wait_routable(url: str, num_replicas: int, timeout_s: float = 120.0) -> None:

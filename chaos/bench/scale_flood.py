@@ -42,7 +42,12 @@ admitted, shed, refused and unanswered, the shed latency at the client (p50/p99/
 the proxy's and the fleet process's cores over the flood (and the proxy's over 2 s before it,
 with only the state to keep), the proxy's CPU per offered request, the generator's CPU and
 whether it flagged itself (kept waiting for a CPU, behind its schedule). The generator, the
-proxy and the fleet share the machine's cores.
+proxy and the fleet share the machine's cores, unless ``--flood-pin-proxy-cpu N`` gives the
+proxy CPU N of its own (started under ``taskset -c N``) and this process (the generator) and
+the fleet, which it starts, the other CPUs: the guard's own capacity, apart from the
+contention for a CPU. Each row records the CPUs each of the three ran on.
+
+    kvguard bench scale --shed-flood --flood-pin-proxy-cpu 1
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import socket
 import sys
 import tempfile
@@ -58,6 +64,7 @@ from pathlib import Path
 
 import httpx
 
+from chaos.bench.gateway import _set_process_affinity, cpu_pinning
 from chaos.bench.scale_e2e import cell, proxy_child, wait_routable
 from chaos.bench.sheds import flood, shed_row
 from chaos.bench.state_cpu import cpu_s, state_only_fleet
@@ -109,6 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(aligned: a proxy that asks no phase of its own gets every "
                         "replica's event at once; kvguard's asks one per stream, which wins); "
                         "kvguard fleet --state-stream-phase")
+    g.add_argument("--flood-pin-proxy-cpu", type=int, default=None, metavar="N",
+                   help="the proxy on CPU N of its own (taskset), the fleet and the load "
+                        "generator on the other CPUs (default: all share every CPU); needs 2 "
+                        "CPUs or more")
     g.add_argument("--flood-client", choices=("raw", "aiohttp"), default="raw",
                    help="the load generator's client (default raw: least CPU per request)")
     g.add_argument("--flood-seed", type=int, default=0, help="arrival seed")
@@ -229,10 +240,27 @@ def flood_row(records: list, summary: dict, args: argparse.Namespace) -> dict:
 
 
 def run_flood(args: argparse.Namespace) -> dict:
-    """The whole run; its report (also ``flood.json`` in the output folder)."""
+    """The whole run; its report (also ``flood.json`` in the output folder). With
+    ``--flood-pin-proxy-cpu``, this process runs on the other CPUs while it lasts (the fleet,
+    started from it, inherits them) and gets its own CPUs back afterwards."""
     _check(args)
+    pinning = cpu_pinning(args.flood_pin_proxy_cpu, flag="--flood-pin-proxy-cpu")
     out = Path(args.flood_out or f"runs/scale-flood-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
+    own_cpus = os.sched_getaffinity(0)
+    if pinning is not None:
+        _set_process_affinity(pinning.other_cpus)
+    try:
+        row = _run_flood(args, out, pinning.epp_cpus if pinning is not None else ())
+    finally:
+        if pinning is not None:
+            _set_process_affinity(own_cpus)
+    row["command"] = " ".join(["kvguard", "bench", "scale", *sys.argv[3:]])
+    (out / "flood.json").write_text(json.dumps(row, indent=1) + "\n")
+    return row
+
+
+def _run_flood(args: argparse.Namespace, out: Path, proxy_cpus: tuple[int, ...]) -> dict:
     num_blocks = _num_kv_blocks(args)
     fleet_args = ("--state-time-scale", repr(args.flood_time_scale),
                   "--state-kv-blocks", str(num_blocks),
@@ -246,9 +274,13 @@ def run_flood(args: argparse.Namespace) -> dict:
                                     ttft_s=args.flood_ttft * k, itl_s=args.flood_itl * k,
                                     settings={"refresh_interval_s": refresh_s,
                                               "max_staleness_s": max(2.0, 20 * refresh_s)})
-        proxy = proxy_child(urls, config)
+        proxy = proxy_child(urls, config, cpus=proxy_cpus)
         stack.callback(proxy.terminate)
         proxy.start(300)
+        # where each ran, as the kernel has it (the generator is this process)
+        row_cpus = {"proxy_cpus": sorted(os.sched_getaffinity(proxy.pid)),
+                    "fleet_cpus": sorted(os.sched_getaffinity(fleet_proc.pid)),
+                    "loadgen_cpus": sorted(os.sched_getaffinity(0))}
         wait_routable(proxy.url, args.flood_replicas)
         stack.enter_context(_held(urls, args))
         full_after_s = _wait_full(proxy.url, args.flood_replicas)
@@ -259,6 +291,7 @@ def run_flood(args: argparse.Namespace) -> dict:
         summary = flood(_load_args(proxy.url, args, out), args.flood_rate, out)
         elapsed_s = time.monotonic() - t0
         row = flood_row(read_records(out / "requests.jsonl"), summary, args)
+        row.update(row_cpus)
         proxy_s = cpu_s(proxy.pid) - proxy_0
         row["proxy_cores"] = round(proxy_s / elapsed_s, 3)
         row["proxy_idle_cores"] = round(proxy_idle_cores, 3)
@@ -271,8 +304,6 @@ def run_flood(args: argparse.Namespace) -> dict:
     row["kv_blocks_per_replica"] = num_blocks
     row["refresh_s"] = args.flood_refresh_s
     row["stream_phase"] = args.flood_stream_phase
-    row["command"] = " ".join(["kvguard", "bench", "scale", *sys.argv[3:]])
-    (out / "flood.json").write_text(json.dumps(row, indent=1) + "\n")
     return row
 
 
@@ -282,7 +313,9 @@ def render(row: dict) -> str:
     flagged = row["loadgen_warnings"]
     return "\n".join([
         f"{row['offered_rps']:g} req/s for a saturated fleet of {row['replicas']} state-only "
-        f"replicas ({row['kv_blocks_per_replica']} KV blocks each, one held request)", "",
+        f"replicas ({row['kv_blocks_per_replica']} KV blocks each, one held request); CPUs: "
+        f"proxy {row['proxy_cpus']}, fleet {row['fleet_cpus']}, generator "
+        f"{row['loadgen_cpus']}", "",
         "| offered | answered | admitted | shed | refused | no answer | shed p50 / p99 / max ms "
         "| proxy cores (idle) | proxy µs / request | fleet cores | loadgen % core "
         "| loadgen flagged |",
