@@ -40,8 +40,9 @@ end-to-end run) is then offered
 by ``kvguard load``'s generator in this process. Reported: requests offered and answered,
 admitted, shed, refused and unanswered, the shed latency at the client (p50/p99/max, wall),
 the proxy's and the fleet process's cores over the flood (and the proxy's over 2 s before it,
-with only the state to keep), the proxy's CPU per offered request, the generator's CPU and
-whether it flagged itself (kept waiting for a CPU, behind its schedule). The generator, the
+with only the state to keep), the proxy's CPU per offered request, how long the OS kept the
+proxy's main thread waiting for a CPU over the flood (Linux's run-queue wait, as the
+generator measures its own), the generator's CPU and whether it flagged itself (kept waiting for a CPU, behind its schedule). The generator, the
 proxy and the fleet share the machine's cores, unless ``--flood-pin-proxy-cpu N`` gives the
 proxy CPU N of its own (started under ``taskset -c N``) and this process (the generator) and
 the fleet, which it starts, the other CPUs: the guard's own capacity, apart from the
@@ -74,7 +75,7 @@ from chaos.report import read_records
 from chaos.state_fleet import STREAM_PHASES
 
 __all__ = ["add_arguments", "refuse_without_flood", "run_flood", "flood_row", "render",
-           "hold_request"]
+           "hold_request", "run_queue_wait_s"]
 
 _BLOCK_SIZE = 16  # chaos.state_replica.StateReplica's
 
@@ -183,6 +184,16 @@ def _held(urls: list[str], args: argparse.Namespace):
             sock.close()
 
 
+def run_queue_wait_s(pid: int) -> float | None:
+    """Seconds process ``pid``'s main thread has spent runnable but off a CPU (Linux's
+    ``/proc/<pid>/schedstat``, second field); None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _wait_full(url: str, num_replicas: int, timeout_s: float = 60.0) -> float:
     """Seconds until the proxy's view shows every replica holding a sequence (free blocks
     below its total); RuntimeError past ``timeout_s``."""
@@ -288,11 +299,15 @@ def _run_flood(args: argparse.Namespace, out: Path, proxy_cpus: tuple[int, ...])
         time.sleep(2.0)  # the proxy with only the state to keep
         proxy_idle_cores = (cpu_s(proxy.pid) - idle_0) / (time.monotonic() - t_idle)
         proxy_0, fleet_0, t0 = cpu_s(proxy.pid), cpu_s(fleet_proc.pid), time.monotonic()
+        proxy_wait_0 = run_queue_wait_s(proxy.pid)
         summary = flood(_load_args(proxy.url, args, out), args.flood_rate, out)
         elapsed_s = time.monotonic() - t0
         row = flood_row(read_records(out / "requests.jsonl"), summary, args)
         row.update(row_cpus)
         proxy_s = cpu_s(proxy.pid) - proxy_0
+        proxy_wait_1 = run_queue_wait_s(proxy.pid)
+        row["proxy_cpu_wait_s"] = (None if proxy_wait_0 is None or proxy_wait_1 is None
+                                   else round(proxy_wait_1 - proxy_wait_0, 4))
         row["proxy_cores"] = round(proxy_s / elapsed_s, 3)
         row["proxy_idle_cores"] = round(proxy_idle_cores, 3)
         # the flood's share: the proxy's CPU less what keeping the state cost it before
@@ -317,12 +332,14 @@ def render(row: dict) -> str:
         f"proxy {row['proxy_cpus']}, fleet {row['fleet_cpus']}, generator "
         f"{row['loadgen_cpus']}", "",
         "| offered | answered | admitted | shed | refused | no answer | shed p50 / p99 / max ms "
-        "| proxy cores (idle) | proxy µs / request | fleet cores | loadgen % core "
+        "| proxy cores (idle) | proxy µs / request | proxy kept off a CPU s "
+        "| fleet cores | loadgen % core "
         "| loadgen flagged |",
-        "|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---|",
+        "|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---|",
         f"| {row['offered']} | {row['answered']} | {row['admitted']} | {row['shed']} | "
         f"{row['refused']} | {row['no_answer']} | {f(row['shed_p50_ms'])} / "
         f"{f(row['shed_p99_ms'])} / {f(row['shed_max_ms'])} | {row['proxy_cores']:.2f} "
         f"({row['proxy_idle_cores']:.2f}) | {row['proxy_cpu_us_per_request']:.0f} | "
+        f"{f(row['proxy_cpu_wait_s'], '.3f')} | "
         f"{row['fleet_cores']:.2f} | {f(row['loadgen_cpu_percent'], '.0f')} | "
         f"{'yes: ' + '; '.join(flagged) if flagged else 'no'} |"])

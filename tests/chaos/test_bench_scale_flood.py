@@ -62,6 +62,16 @@ def test_the_proxy_child_runs_on_the_cpus_it_is_given():
     assert scale_e2e.proxy_child(["http://127.0.0.1:1"], "guard.toml").cpus == ()
 
 
+def test_a_process_run_queue_wait_is_read_from_its_schedstat():
+    """The proxy's wait for a CPU: this process's own second schedstat field, which only
+    grows; None for a process that is not there."""
+    first = scale_flood.run_queue_wait_s(os.getpid())
+    if first is None:
+        pytest.skip("no /proc/<pid>/schedstat here")
+    assert 0 <= first <= scale_flood.run_queue_wait_s(os.getpid())
+    assert scale_flood.run_queue_wait_s(2**22 + 1) is None  # above Linux's largest pid
+
+
 def test_the_held_request_is_one_http_request_of_the_given_length():
     raw = scale_flood.hold_request("llama-7b", 5, 100, "hold-3")
     head, body = raw.split(b"\r\n\r\n", 1)
@@ -87,6 +97,7 @@ def test_a_small_flood_is_shed_whole_and_every_request_answered(tmp_path, capsys
     for key in ("proxy_cores", "fleet_cores", "loadgen_cpu_percent", "loadgen_warnings",
                 "full_after_s", "proxy_idle_cores", "proxy_cpu_us_per_request"):
         assert key in row
+    assert row["proxy_cpu_wait_s"] is None or row["proxy_cpu_wait_s"] >= 0
     own = sorted(os.sched_getaffinity(0))  # unpinned: all three share this process's CPUs
     assert row["proxy_cpus"] == row["fleet_cpus"] == row["loadgen_cpus"] == own
 
