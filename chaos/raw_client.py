@@ -22,10 +22,11 @@ cancel, a malformed stream) is closed.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from chaos.client import _ERROR_BODY_BYTES, CompletionClient, Observation
+from chaos.client import _ERROR_BODY_BYTES, MAX_IDLE_S, CompletionClient, Observation
 from chaos.records import RequestSpec
 from serving.chunked import ChunkedDecoder, ChunkedError
 
@@ -199,23 +200,36 @@ class _Connection(asyncio.Protocol):
 
 
 class RawConnectionPool:
-    """Keep-alive connections to one ``host:port``; at most ``max_connections`` in use."""
+    """Keep-alive connections to one ``host:port``; at most ``max_connections`` in use; one
+    idle for ``max_idle_s`` or longer is closed, not reused (``MAX_IDLE_S``)."""
 
-    def __init__(self, host: str, port: int, max_connections: int) -> None:
+    def __init__(self, host: str, port: int, max_connections: int,
+                 max_idle_s: float = MAX_IDLE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if not max_idle_s > 0:
+            raise ValueError(f"max_idle_s must be > 0, got {max_idle_s}")
         self.host, self.port = host, port
         self.num_opened = 0  # connections opened over the pool's life
-        self._idle: list[_Connection] = []
+        self.num_retired = 0  # idle ones closed for having waited max_idle_s
+        self._max_idle_s = max_idle_s
+        self._clock = clock
+        self._idle: list[tuple[_Connection, float]] = []  # (connection, idle since)
         self._slots = asyncio.Semaphore(max_connections)
 
     async def acquire(self) -> _Connection:
         await self._slots.acquire()
         try:
             while self._idle:
-                conn = self._idle.pop()  # the most recently used: its socket is warm
-                if not conn.closed:
-                    return conn
+                conn, idle_since_s = self._idle.pop()  # the most recently used: warm
+                if conn.closed:
+                    continue
+                if self._clock() - idle_since_s >= self._max_idle_s:
+                    conn.close()  # the server may be closing it right now
+                    self.num_retired += 1
+                    continue
+                return conn
             _, conn = await asyncio.get_running_loop().create_connection(
                 _Connection, self.host, self.port)
             self.num_opened += 1
@@ -226,13 +240,13 @@ class RawConnectionPool:
 
     def release(self, conn: _Connection, reusable: bool) -> None:
         if reusable and not conn.closed:
-            self._idle.append(conn)
+            self._idle.append((conn, self._clock()))
         else:
             conn.close()
         self._slots.release()
 
     def close(self) -> None:
-        for conn in self._idle:
+        for conn, _ in self._idle:
             conn.close()
         self._idle.clear()
 
