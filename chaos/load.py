@@ -31,7 +31,7 @@ from chaos.stats import distribution
 from guard.observe.loop_lag import LoopLag
 
 __all__ = ["LoadConfig", "LoadResult", "LiveCounts", "run_load", "rate_of", "sustained_rate_of",
-           "few_collections", "GcPauses", "loop_lag"]
+           "few_collections", "GcPauses", "loop_lag", "run_queue_wait_s"]
 
 CLIENTS = ("aiohttp", "raw")
 MAX_RATE_SHORTFALL_RATIO = 0.02
@@ -40,7 +40,6 @@ MAX_CPU_WAIT_RATIO = 0.10
 MAX_GC_PAUSE_S = 0.1
 MAX_LOOP_LAG_S = 0.1  # the generator's loop late by more: every stream it measures shows it
 _NO_FULL_COLLECTION = 1_000_000_000  # young collections before a full one: never, in a run
-_SCHEDSTAT = "/proc/self/schedstat"  # Linux: cpu ns, run-queue wait ns, time slices
 
 
 @dataclass(frozen=True)
@@ -154,10 +153,12 @@ class LoadResult:
         return out
 
 
-def _cpu_wait_s() -> float | None:
-    """Seconds this process's main thread has waited on a run queue (None off Linux)."""
+def run_queue_wait_s(pid: int | str = "self") -> float | None:
+    """Seconds process ``pid``'s main thread (default: this one's) has spent runnable but off
+    a CPU: Linux's ``/proc/<pid>/schedstat`` (cpu ns, run-queue wait ns, time slices); None
+    where it cannot be read."""
     try:
-        with open(_SCHEDSTAT) as f:
+        with open(f"/proc/{pid}/schedstat") as f:
             return int(f.read().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return None
@@ -305,7 +306,7 @@ async def run_load(specs: list[RequestSpec], cfg: LoadConfig,
 async def _run(specs, bodies, cfg: LoadConfig, counts: LiveCounts, proc, on_tick, tick_s: float,
                clock) -> LoadResult:
     async with _completion_client(cfg, clock) as client:
-        cpu0, wait0, t0_s = sum(proc.cpu_times()[:2]), _cpu_wait_s(), clock()
+        cpu0, wait0, t0_s = sum(proc.cpu_times()[:2]), run_queue_wait_s(), clock()
         ticker = asyncio.create_task(_tick(on_tick, counts, t0_s, tick_s, clock))
         try:
             with loop_lag() as lag:  # from the run's start: the client is built before it
@@ -314,7 +315,7 @@ async def _run(specs, bodies, cfg: LoadConfig, counts: LiveCounts, proc, on_tick
                                        clock)
         finally:
             ticker.cancel()
-        wall_s, cpu_s, wait1 = clock() - t0_s, sum(proc.cpu_times()[:2]) - cpu0, _cpu_wait_s()
+        wall_s, cpu_s, wait1 = clock() - t0_s, sum(proc.cpu_times()[:2]) - cpu0, run_queue_wait_s()
     if on_tick is not None:
         on_tick(counts, wall_s)
     return LoadResult(

@@ -27,11 +27,11 @@ from chaos.client_factory import make_user_client
 from chaos.clients import ClientConfig, EntryPicker, UserProgress, user_record
 from chaos.load import (
     LoadResult,
-    _cpu_wait_s,
     _raise_fd_limit,
     few_collections,
     loop_lag,
     rate_of,
+    run_queue_wait_s,
     sustained_rate_of,
 )
 from chaos.records import RequestRecord, RequestSpec
@@ -183,7 +183,7 @@ async def _run_users(specs, kinds, client_cfgs, cfg: UserRunConfig, clock, on_st
                                        class_header=cfg.class_header, clock=clock)
                    for k, c in client_cfgs.items() if k in set(kinds)}
         users = _Users(clients, client_cfgs)
-        cpu0, wait0, t0_s = sum(proc.cpu_times()[:2]), _cpu_wait_s(), clock()
+        cpu0, wait0, t0_s = sum(proc.cpu_times()[:2]), run_queue_wait_s(), clock()
         if on_start is not None:
             on_start(t0_s)
         try:
@@ -195,7 +195,7 @@ async def _run_users(specs, kinds, client_cfgs, cfg: UserRunConfig, clock, on_st
             for c in clients.values():
                 if hasattr(c, "aclose"):
                     await c.aclose()
-        wall_s, cpu_s, wait1 = clock() - t0_s, sum(proc.cpu_times()[:2]) - cpu0, _cpu_wait_s()
+        wall_s, cpu_s, wait1 = clock() - t0_s, sum(proc.cpu_times()[:2]) - cpu0, run_queue_wait_s()
     firsts = [_first_attempt(s, u) for s, u in zip(specs, records, strict=True)]
     load = LoadResult(
         records=tuple(firsts), duration_s=cfg.duration_s, wall_s=wall_s, cpu_s=cpu_s,

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from chaos.bench.gateway import _set_process_affinity, cpu_pinning, one_sim_replica
+from chaos.bench.gateway import cpu_pinning, on_other_cpus, one_sim_replica
 from chaos.bench.proxy import _measure_all
 from chaos.child import ChildProcess
 from chaos.envoy_front import (
@@ -131,10 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the node variants need --node-modules (npm install @grpc/grpc-js)")
     pinning = cpu_pinning(args.pin_epp_cpu)
     exit_on_sigterm()
-    if pinning is not None:
-        _set_process_affinity(pinning.other_cpus)
-    epp_cpus = pinning.epp_cpus if pinning is not None else ()
-    with tempfile.TemporaryDirectory(prefix="kvguard-ext-proc-variants-") as work:
+    with on_other_cpus(pinning) as epp_cpus, \
+            tempfile.TemporaryDirectory(prefix="kvguard-ext-proc-variants-") as work:
         rows = _run(args, names, Path(work), epp_cpus, args.node_modules)
     print(f"{'variant':<18} {'TTFT p50':>9} {'paired TTFT':>12} {'paired e2e':>11} "
           f"{'CPU ms/req':>11}  (ms; paired: over Envoy alone, median over rounds)")

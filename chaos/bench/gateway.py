@@ -103,23 +103,16 @@ def run(args: argparse.Namespace) -> int:
     if pinning is not None:
         results["pinning"] = {"epp_cpus": list(pinning.epp_cpus),
                               "other_cpus": list(pinning.other_cpus)}
-    own_cpus = os.sched_getaffinity(0)
-    try:
-        if pinning is not None:  # every child started from here on inherits the other CPUs
-            _set_process_affinity(pinning.other_cpus)
-        with tempfile.TemporaryDirectory(prefix="kvguard-bench-gateway-") as work:
-            config = Path(work) / "guard.toml"
-            config.write_text(_CONFIG)
-            epp_cpus = pinning.epp_cpus if pinning is not None else ()
-            if args.requests > 0:
-                results["latency"] = _latency(args, Path(work), str(config), epp_cpus)
-                _print_latency(results["latency"])
-            if args.rate_s > 0:
-                results["decisions"] = _decisions(args, Path(work), str(config), epp_cpus)
-                print(json.dumps({"decisions": results["decisions"]}, indent=2), flush=True)
-    finally:
-        if pinning is not None:
-            _set_process_affinity(own_cpus)
+    with on_other_cpus(pinning) as epp_cpus, \
+            tempfile.TemporaryDirectory(prefix="kvguard-bench-gateway-") as work:
+        config = Path(work) / "guard.toml"
+        config.write_text(_CONFIG)
+        if args.requests > 0:
+            results["latency"] = _latency(args, Path(work), str(config), epp_cpus)
+            _print_latency(results["latency"])
+        if args.rate_s > 0:
+            results["decisions"] = _decisions(args, Path(work), str(config), epp_cpus)
+            print(json.dumps({"decisions": results["decisions"]}, indent=2), flush=True)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2))
@@ -151,6 +144,22 @@ def cpu_pinning(epp_cpu: int | None, available: set[int] | None = None,
         raise ValueError(f"{flag} {epp_cpu}: not a CPU this process may run on "
                          f"({sorted(cpus)})")
     return CpuPinning((epp_cpu,), tuple(sorted(cpus - {epp_cpu})))
+
+
+@contextlib.contextmanager
+def on_other_cpus(pinning: CpuPinning | None) -> Iterator[tuple[int, ...]]:
+    """With a pinning: every thread of this process on its other CPUs while the block runs
+    (children started in it inherit them), its own CPUs back after. Yields the pinned CPUs
+    for the process the bench pins (empty without a pinning)."""
+    if pinning is None:
+        yield ()
+        return
+    own_cpus = os.sched_getaffinity(0)
+    _set_process_affinity(pinning.other_cpus)
+    try:
+        yield pinning.epp_cpus
+    finally:
+        _set_process_affinity(own_cpus)
 
 
 def _set_process_affinity(cpus: Iterable[int]) -> None:

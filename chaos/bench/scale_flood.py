@@ -65,17 +65,18 @@ from pathlib import Path
 
 import httpx
 
-from chaos.bench.gateway import _set_process_affinity, cpu_pinning
+from chaos.bench.gateway import cpu_pinning, on_other_cpus
 from chaos.bench.scale_e2e import cell, proxy_child, wait_routable
 from chaos.bench.sheds import flood, shed_row
 from chaos.bench.state_cpu import cpu_s, state_only_fleet
+from chaos.load import run_queue_wait_s
 from chaos.load_cli import configure as configure_load
 from chaos.replica import write_guard_config
 from chaos.report import read_records
 from chaos.state_fleet import STREAM_PHASES
 
 __all__ = ["add_arguments", "refuse_without_flood", "run_flood", "flood_row", "render",
-           "hold_request", "run_queue_wait_s"]
+           "hold_request"]
 
 _BLOCK_SIZE = 16  # chaos.state_replica.StateReplica's
 
@@ -184,16 +185,6 @@ def _held(urls: list[str], args: argparse.Namespace):
             sock.close()
 
 
-def run_queue_wait_s(pid: int) -> float | None:
-    """Seconds process ``pid``'s main thread has spent runnable but off a CPU (Linux's
-    ``/proc/<pid>/schedstat``, second field); None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _wait_full(url: str, num_replicas: int, timeout_s: float = 60.0) -> float:
     """Seconds until the proxy's view shows every replica holding a sequence (free blocks
     below its total); RuntimeError past ``timeout_s``."""
@@ -258,14 +249,8 @@ def run_flood(args: argparse.Namespace) -> dict:
     pinning = cpu_pinning(args.flood_pin_proxy_cpu, flag="--flood-pin-proxy-cpu")
     out = Path(args.flood_out or f"runs/scale-flood-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    own_cpus = os.sched_getaffinity(0)
-    if pinning is not None:
-        _set_process_affinity(pinning.other_cpus)
-    try:
-        row = _run_flood(args, out, pinning.epp_cpus if pinning is not None else ())
-    finally:
-        if pinning is not None:
-            _set_process_affinity(own_cpus)
+    with on_other_cpus(pinning) as proxy_cpus:
+        row = _run_flood(args, out, proxy_cpus)
     row["command"] = " ".join(["kvguard", "bench", "scale", *sys.argv[3:]])
     (out / "flood.json").write_text(json.dumps(row, indent=1) + "\n")
     return row

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from chaos.bench import scale, scale_e2e, scale_flood
+from chaos.load import run_queue_wait_s
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -65,11 +66,11 @@ def test_the_proxy_child_runs_on_the_cpus_it_is_given():
 def test_a_process_run_queue_wait_is_read_from_its_schedstat():
     """The proxy's wait for a CPU: this process's own second schedstat field, which only
     grows; None for a process that is not there."""
-    first = scale_flood.run_queue_wait_s(os.getpid())
+    first = run_queue_wait_s(os.getpid())
     if first is None:
         pytest.skip("no /proc/<pid>/schedstat here")
-    assert 0 <= first <= scale_flood.run_queue_wait_s(os.getpid())
-    assert scale_flood.run_queue_wait_s(2**22 + 1) is None  # above Linux's largest pid
+    assert 0 <= first <= run_queue_wait_s(os.getpid())
+    assert run_queue_wait_s(2**22 + 1) is None  # above Linux's largest pid
 
 
 def test_the_held_request_is_one_http_request_of_the_given_length():
