@@ -3,7 +3,12 @@
 One long-lived response (``text/event-stream``); every ``interval_ms`` (default 100, 10–5000)
 one event ``data: {json}``, the first at once, the second ``phase`` (a fraction of the
 interval, default 0, in [0, 1)) of an interval late, so that the streams a guard opens at once
-need not send in step: ``?interval_ms=100&phase=0.618``. Anything else for either is a 400.
+need not send in step: ``?interval_ms=100&phase=0.618``. ``iterations=columns`` asks for the
+iteration samples as columns (``{"batch_id": [...], "duration_s": [...], ...}``, one list per
+field, the i-th entries one sample), the default ``iterations=rows`` for a list of objects:
+at 10 Hz a replica stepping every 10 ms sends ten samples an event, most of its bytes, and a
+reader takes columns in without a Python step per sample. Anything else for any of the three
+is a 400; other query parameters are ignored (a reader newer than the replica).
 
 * ``{"seq": 0, "full": DOC}``: the compact document (``?compact=1``'s form) — always
   the first event of a stream;
@@ -11,7 +16,8 @@ need not send in step: ``?interval_ms=100&phase=0.618``. Anything else for eithe
 
   - ``"set"``: the top-level fields whose value changed (``num_free_blocks``,
     ``step_count``, …; never the sequence groups or the iterations);
-  - ``"iterations"``: the iteration samples recorded since the event before;
+  - ``"iterations"``: the iteration samples recorded since the event before (rows or
+    columns, as asked; the full document's too);
   - ``"advance"``: ``k`` decode steps: every running sequence that stays running, is not in
     ``running.upsert`` and had no prefill left gained ``k`` output and ``k`` context tokens;
   - ``"running"`` / ``"waiting"``: ``"remove"`` (request ids that left the group),
@@ -37,7 +43,8 @@ from typing import Any
 from urllib.parse import parse_qs
 
 __all__ = ["DEFAULT_INTERVAL_MS", "SEQUENCE_COLUMNS", "StateDeltas", "apply_delta",
-           "serve_state_stream", "spread_phase", "stream_interval_s", "stream_phase"]
+           "iteration_columns", "serve_state_stream", "spread_phase", "stream_interval_s",
+           "stream_iterations", "stream_phase"]
 
 # the compact document's per-sequence columns (engine.compact_state's), in order
 SEQUENCE_COLUMNS = ("request_id", "num_output_tokens", "max_tokens", "num_context_tokens",
@@ -71,6 +78,28 @@ def stream_phase(value: str | None, default: float = 0.0) -> float:
     return float(value)
 
 
+def stream_iterations(value: str | None) -> str:
+    """The ``iterations`` query value: ``"rows"`` (the default) or ``"columns"``; ValueError
+    for anything else."""
+    if value is None:
+        return "rows"
+    if value not in ("rows", "columns"):
+        raise ValueError(f"iterations: 'rows' or 'columns', got {value!r}")
+    return value
+
+
+def iteration_columns(records: list[dict[str, Any]]) -> dict[str, list] | list:
+    """Iteration samples (objects with the same fields, as an engine records them) as
+    columns: one list per field, in the first sample's field order. Samples whose fields
+    differ stay the list they were (a reader takes either form)."""
+    if not records:
+        return records
+    fields = records[0].keys()
+    if any(record.keys() != fields for record in records):
+        return records
+    return {name: [record[name] for record in records] for name in fields}
+
+
 _GOLDEN = (5 ** 0.5 - 1) / 2  # successive multiples, mod 1, fill [0, 1) evenly for any count
 
 
@@ -98,7 +127,8 @@ def _advanced(row: tuple, k: int) -> tuple:
 class StateDeltas:
     """One stream's encoder: :meth:`event` for each state, in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, iterations: str = "rows") -> None:
+        self._columns = stream_iterations(iterations) == "columns"
         self.seq = -1
         self._top: dict[str, Any] = {}
         self._groups: dict[str, dict[str, tuple]] = {}
@@ -119,6 +149,9 @@ class StateDeltas:
         if iterations:
             self._last_batch = max(it["batch_id"] for it in iterations)
 
+        if self._columns:
+            iterations = iteration_columns(iterations)
+            compact = {**compact, "iterations": iterations}
         if self.seq == 0:
             event = {"seq": 0, "full": compact}
         else:
@@ -175,7 +208,9 @@ def apply_delta(compact: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any
     """The compact document after ``delta`` (a new one; ``compact`` is left as it was)."""
     out = {k: v for k, v in compact.items() if k not in ("running_columns", "waiting_columns")}
     out.update(delta.get("set", {}))
-    out["iterations"] = list(delta.get("iterations", ()))
+    iterations = delta.get("iterations", ())
+    out["iterations"] = {name: list(values) for name, values in iterations.items()} \
+        if isinstance(iterations, dict) else list(iterations)
     k = delta.get("advance", 0)
     for group in _GROUPS:
         rows = _rows(compact[f"{group}_columns"])
@@ -199,11 +234,11 @@ def apply_delta(compact: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any
 
 async def serve_state_stream(scope: dict, receive: Any, send: Any, compact: Any,
                              serving: Any = None, phase: float = 0.0) -> None:
-    """Answer ``GET /kvguard/state/stream[?interval_ms=N][&phase=F]`` on ASGI: ``compact()``
-    (the compact document of now) encoded as events every ``interval_ms`` until the client
-    goes away or ``serving()`` (optional) turns false — a draining replica ends its streams,
-    so they do not hold its shutdown. A bad ``interval_ms`` or ``phase`` is a 400 (and no
-    stream).
+    """Answer ``GET /kvguard/state/stream[?interval_ms=N][&phase=F][&iterations=columns]`` on
+    ASGI: ``compact()`` (the compact document of now) encoded as events every ``interval_ms``
+    until the client goes away or ``serving()`` (optional) turns false — a draining replica
+    ends its streams, so they do not hold its shutdown. A bad ``interval_ms``, ``phase`` or
+    ``iterations`` is a 400 (and no stream).
 
     The phase (a fraction of the interval, in [0, 1)) moves the events after the first that
     much later: the first at once, the second ``1 + phase`` intervals after it, then one every
@@ -217,6 +252,7 @@ async def serve_state_stream(scope: dict, receive: Any, send: Any, compact: Any,
     try:
         interval_s = stream_interval_s((query.get("interval_ms") or [None])[0])
         phase = stream_phase((query.get("phase") or [None])[0], phase)
+        iterations = stream_iterations((query.get("iterations") or [None])[0])
     except ValueError as exc:
         body = json.dumps({"error": {"message": str(exc),
                                      "type": "invalid_request_error"}}).encode()
@@ -229,7 +265,7 @@ async def serve_state_stream(scope: dict, receive: Any, send: Any, compact: Any,
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream"),
                             (b"cache-control", b"no-cache")]})
-    encoder = StateDeltas()
+    encoder = StateDeltas(iterations)
     loop = asyncio.get_running_loop()
     gap_s = interval_s * (1.0 + phase)  # after the first event; then every interval
     try:

@@ -35,6 +35,7 @@ the poller and its sources live in :mod:`guard.replicas.poller`, the vLLM ``/met
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -95,8 +96,15 @@ class _Replica:
     first_token_s: float | None = None  # learned with it: dispatch -> first token when good
 
 
+# the columns of a streamed replica's iteration records the fitter reads, in its order
+_ITERATION_FIELDS = ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens",
+                     "duration_s")
+
+
 def _default_fitter(prior: StepTimeModel) -> StepTimeFitter:
-    return StepTimeFitter(prior)
+    # a refit once 32 new records and 1 s of engine time are in: a replica stepping every
+    # 5 ms is refitted as often as one stepping every 30 ms (step_time_fitter's docstring)
+    return StepTimeFitter(prior, refit_span_s=1.0)
 
 
 class LoadState:
@@ -256,8 +264,15 @@ class LoadState:
         last_batch_id = replica.last_batch_id
         if 0 <= step_count < replica.last_step_count:  # the engine restarted: ids start over
             last_batch_id = -1
+        iterations = state.get("iterations") or ()
+        if isinstance(iterations, Mapping):  # columns (a stream's form): no Python per record
+            last_batch_id = self._feed_iteration_columns(replica.fitter, iterations,
+                                                         last_batch_id)
+            replica.last_step_count, replica.last_batch_id = step_count, last_batch_id
+            replica.model = replica.fitter.model()
+            return
         records = []
-        for it in state.get("iterations") or ():
+        for it in iterations:
             batch_id = int(it["batch_id"])
             if batch_id <= last_batch_id:
                 continue
@@ -267,6 +282,28 @@ class LoadState:
         replica.last_step_count, replica.last_batch_id = step_count, last_batch_id
         replica.fitter.add_many(records)
         replica.model = replica.fitter.model()
+
+    @staticmethod
+    def _feed_iteration_columns(fitter: StepTimeFitter, columns: Mapping[str, Any],
+                                last_batch_id: int) -> int:
+        """Iteration records as columns (one list per field, :mod:`serving.state_delta`) to
+        ``fitter``: those whose batch id is above ``last_batch_id``, all or none (ValueError
+        for columns that are missing, of unequal length or not numbers). Returns the last
+        batch id now. A replica's batch ids rise, so the new records are the ones after the
+        last id it had reported: found by bisection, the rest handed over as list slices."""
+        batch_ids = columns["batch_id"]
+        selected = [columns[name] for name in _ITERATION_FIELDS]
+        if any(len(column) != len(batch_ids) for column in selected):
+            raise ValueError("iteration columns: every list must be as long as batch_id")
+        if not batch_ids:
+            return last_batch_id
+        if not isinstance(batch_ids[-1], int):
+            raise ValueError("iteration columns: batch ids must be integers")
+        if batch_ids[-1] <= last_batch_id:
+            return last_batch_id
+        start = bisect.bisect_right(batch_ids, last_batch_id)
+        fitter.add_columns(*(column[start:] for column in selected))
+        return batch_ids[-1]
 
     def update_from_vllm_metrics(self, replica_id: str, text: str, now_s: float, *,
                                  max_model_len: int | None = None, max_num_seqs: int = 256,

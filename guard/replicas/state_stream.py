@@ -18,6 +18,11 @@ document, :meth:`fetch` raises (the poller counts the replica's errors as for an
 A replica that answers 404 has no stream: :class:`guard.errors.StateUnavailable`, as for
 ``/kvguard/state``.
 
+The stream is asked for its iteration samples as columns (``&iterations=columns``): they are
+handed on as such (:meth:`guard.replicas.load_state.LoadState.update_from_kvguard_state` takes
+either form), with no Python object per sample on the way. A replica from before the parameter
+sends rows, which are handed on as rows.
+
 ``phase`` (a fraction of the interval; the poller gives each replica its own,
 :func:`serving.state_delta.spread_phase` of its index) is asked of the replica
 (``&phase=F``), by every stream alike, so the replicas a guard opens streams to at once do not
@@ -68,7 +73,8 @@ class StreamStateSource:
     def __init__(self, url: str, *, client: Any = None, interval_ms: int = 100,
                  timeout_s: float = 1.0, stale_after_s: float | None = None,
                  phase: float | None = None) -> None:
-        self.url = url.rstrip("/") + f"/kvguard/state/stream?interval_ms={interval_ms}"
+        self.url = url.rstrip("/") + (f"/kvguard/state/stream?interval_ms={interval_ms}"
+                                      "&iterations=columns")
         if phase is not None:
             if not 0.0 <= phase < 1.0:
                 raise ValueError(f"phase must be in [0, 1), got {phase!r}")
@@ -83,8 +89,10 @@ class StreamStateSource:
         self._top: dict | None = None  # the document's other fields (None: no full one yet)
         self._running = StreamGroup(16, advances=True)
         self._waiting = StreamGroup(16, advances=False)
-        self._iterations: list = []  # the samples the events since the last take brought
-        self._latest_iterations: list = []  # those of the latest event
+        # the samples the events since the last take brought, and those of the latest event:
+        # columns (a dict of lists), or rows (a list of objects) from a replica that sends them
+        self._iterations: dict | list = []
+        self._latest_iterations: dict | list = []
         self._seq = -1
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
@@ -161,7 +169,7 @@ class StreamStateSource:
         if not self._changed:
             return UNCHANGED  # heard from, nothing changed: the same view, fresh again
         self._changed = False
-        iterations, self._iterations = self._iterations, []
+        iterations, self._iterations = self._iterations, []  # handed on: never changed here
         return {**self._top, "running_columns": self._running.capture(),
                 "waiting_columns": self._waiting.capture(), "iterations": iterations}
 
@@ -169,9 +177,11 @@ class StreamStateSource:
         """The compact document as of the latest event (None before a full one)."""
         if self._top is None:
             return None
+        latest = self._latest_iterations
         return {**self._top, "running_columns": self._running.capture().columns(),
                 "waiting_columns": self._waiting.capture().columns(),
-                "iterations": list(self._latest_iterations)}
+                "iterations": {name: list(values) for name, values in latest.items()}
+                if isinstance(latest, dict) else list(latest)}
 
     def feed(self, event: dict) -> None:
         """One decoded event (the stream task's; tests may call it). StreamGap when it does
@@ -187,8 +197,7 @@ class StreamStateSource:
                 group.load(full[f"{name}_columns"])
             self._top = {k: v for k, v in full.items()
                          if k not in ("running_columns", "waiting_columns", "iterations")}
-            self._iterations = list(full.get("iterations") or ())
-            self._latest_iterations = self._iterations
+            self._iterations = self._latest_iterations = _iterations(full.get("iterations"))
             self._seq = 0
             self._changed = True
             self._settled.set()
@@ -200,8 +209,8 @@ class StreamStateSource:
             self._top.update(delta.get("set", ()))
             if "block_size" in delta.get("set", ()):
                 raise StreamGap("the block size changed")  # rebuilt from a full document
-            self._latest_iterations = delta.get("iterations", [])
-            self._iterations += self._latest_iterations
+            self._latest_iterations = latest = _iterations(delta.get("iterations"))
+            self._iterations = _joined(self._iterations, latest)
             k = delta.get("advance", 0)
             self._running.apply(delta.get("running", {}), k)
             self._waiting.apply(delta.get("waiting", {}), 0)
@@ -353,6 +362,35 @@ class _Staleness:
             self._transport.abort()  # the read in progress returns, or raises
         else:
             self._handle = self._loop.call_at(due_s, self._check)
+
+
+def _iterations(value: Any) -> dict | list:
+    """An event's iteration samples as sent: columns (a dict of lists) or rows (a list); none
+    is an empty list. StreamGap for anything else (a malformed event); what the lists hold is
+    checked where they are read (:class:`guard.replicas.load_state.LoadState`)."""
+    if not value:
+        return []
+    if isinstance(value, (list, dict)):
+        return value
+    raise StreamGap(f"iterations neither rows nor columns: {type(value).__name__}")
+
+
+def _joined(before: dict | list, more: dict | list) -> dict | list:
+    """The samples of two events in order: columns stay columns (a new dict: the ones handed
+    on are never changed), rows rows; mixed forms (never from one replica) become rows."""
+    if not before:
+        return more
+    if not more:
+        return before
+    if isinstance(before, dict) and isinstance(more, dict) and before.keys() == more.keys():
+        return {name: before[name] + more[name] for name in before}
+    return _rows(before) + _rows(more)
+
+
+def _rows(samples: dict | list) -> list:
+    if isinstance(samples, list):
+        return samples
+    return [dict(zip(samples, values, strict=True)) for values in zip(*samples.values(), strict=True)]
 
 
 def _dechunk(raw: bytes) -> tuple[bytes, bytes]:

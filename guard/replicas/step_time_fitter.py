@@ -21,23 +21,32 @@ moment (the one :meth:`StepTimeFitter.model` last returned, before the record is
 the relative errors are kept for export.
 
 Adding a record is cheap: :meth:`StepTimeFitter.add` checks it and appends one
-tuple. The window is kept as the arrays a fit reads, and the records added since the last
+tuple; :meth:`StepTimeFitter.add_columns` takes a state refresh's records as columns (a
+streamed replica's form) and checks them with a few builtins over each list, no Python step
+per record.
+The window is kept as the arrays a fit reads, and the records added since the last
 fit join them — and are scored against the model in use, which cannot have changed since
 they came — in one vectorised step when the model is next refitted, or when the error is
 read. A refit happens in :meth:`StepTimeFitter.model` only, once ``refit_every`` (32) new
-records are in, an eighth of the window: a fit is a dozen numpy calls run on the event loop
-the requests wait on, and the model moves slowly. A batch of records (one state refresh's
-iterations) therefore costs at most one fit. The fit computes on the same arrays, in the same
-order, with the same operations as one made from the whole window at once, so its estimates
-are the same to the last bit (``tests/guard/replicas/test_step_time_fitter.py`` compares it
-with such a fit at every query).
+records are in, an eighth of the window, and ``refit_span_s`` of engine time (their
+durations summed, default 0: the count alone): a fit is a dozen numpy calls run on the event
+loop the requests wait on, and the model moves slowly. The span keeps a fast-stepping engine
+from costing more fits than a slow one: at 256 replicas that each step every 5–10 ms, 32
+records are 0.2–0.3 s and the fits were a tenth of a proxy's CPU for state; the guard's
+fitters (:mod:`guard.replicas.load_state`) wait for 1 s of engine time, which a replica
+stepping every 30 ms or more reaches with the 32 records anyway. A batch of records (one
+state refresh's iterations) therefore costs at most one fit. The fit computes on the same
+arrays, in the same order, with the same operations as one made from the whole window at
+once, so its estimates are the same to the last bit
+(``tests/guard/replicas/test_step_time_fitter.py`` compares it with such a fit at every
+query).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,11 +120,13 @@ class StepTimeFitter:
     """Sliding-window, prior-regularised, non-negative least squares for the step-time model."""
 
     def __init__(self, prior: StepTimeModel, window: int = 256, min_samples: int = 16,
-                 refit_every: int = 32, ridge: float = 3e-5):
+                 refit_every: int = 32, ridge: float = 3e-5, refit_span_s: float = 0.0):
         if window < 4 or min_samples < 4 or min_samples > window:
             raise ValueError("StepTimeFitter: need 4 <= min_samples <= window")
         if refit_every < 1 or ridge <= 0:
             raise ValueError("StepTimeFitter: refit_every must be >= 1 and ridge > 0")
+        if not 0.0 <= refit_span_s < math.inf:
+            raise ValueError("StepTimeFitter: refit_span_s must be a finite number >= 0")
         self.prior = prior
         self._window = window
         # the window as a fit reads it, oldest first: rows (prefill, decode, context,
@@ -128,9 +139,11 @@ class StepTimeFitter:
         self._num_added = 0
         self._min_samples = min_samples
         self._refit_every = refit_every
+        self._refit_span_s = refit_span_s
         self._ridge = ridge
         self._model = prior
         self._adds_since_fit = 0
+        self._span_since_fit_s = 0.0  # the durations of the records added since the fit
         self._errors: deque[float] = deque(maxlen=window)
         self._batch_ids: deque[int] = deque(maxlen=4 * window)
         self._batch_id_set: set[int] = set()
@@ -148,13 +161,9 @@ class StepTimeFitter:
             return False
         if batch_id is not None and not self._remember(batch_id):
             return False
-        new = self._new
-        new.append((float(num_prefill_tokens), float(num_decode_seqs),
-                    float(num_context_tokens), float(duration_s)))
-        self._num_added += 1
-        self._adds_since_fit += 1
-        if len(new) >= self._window:  # never more than a window waits (model() not asked)
-            self._join()
+        self._new.append((float(num_prefill_tokens), float(num_decode_seqs),
+                          float(num_context_tokens), float(duration_s)))
+        self._added(1, float(duration_s))
         return True
 
     def add_many(self, records: Iterable[tuple[int, int, int, float]]) -> int:
@@ -165,11 +174,47 @@ class StepTimeFitter:
                 for p, d, c, duration_s in records
                 if _usable(p, d, duration_s)]
         self._new += rows
-        self._num_added += len(rows)
-        self._adds_since_fit += len(rows)
-        if len(self._new) >= self._window:
-            self._join()
+        self._added(len(rows), math.fsum(row[3] for row in rows))
         return len(rows)
+
+    def add_columns(self, num_prefill_tokens: Sequence[float], num_decode_seqs: Sequence[float],
+                    num_context_tokens: Sequence[float], duration_s: Sequence[float]) -> int:
+        """Add iteration records given as four lists of equal length (a streamed replica's
+        columns) whose batch ids the caller has already checked; unusable records (as
+        :meth:`add`) skipped. ValueError, adding none, when the lists differ in length or a
+        token count is not a number >= 0 (a malformed document). Returns how many were
+        added. A handful of builtins check the whole batch; only a batch with an unusable
+        record is looked at record by record."""
+        p, d, c, y = num_prefill_tokens, num_decode_seqs, num_context_tokens, duration_s
+        n = len(y)
+        if not len(p) == len(d) == len(c) == n:
+            raise ValueError("iteration columns: four lists of equal length expected")
+        if not n:
+            return 0
+        try:
+            counts_ok = min(p) >= 0 and min(d) >= 0 and min(c) >= 0 \
+                and math.isfinite(sum(p) + sum(d) + sum(c))
+            span_s = sum(y)  # NaN or infinite when any duration is
+            all_usable = min(y) > 0 and math.isfinite(span_s) and (
+                min(d) > 0 or all(a > 0 or b > 0 for a, b in zip(p, d, strict=True)))
+        except TypeError:  # a value that is no number
+            counts_ok = False
+        if not counts_ok:
+            raise ValueError("iteration columns: token counts must be numbers >= 0")
+        rows = list(zip(p, d, c, y, strict=True))  # as sent: _join makes them floats
+        if not all_usable:
+            rows = [row for row in rows if _usable(row[0], row[1], row[3])]
+            span_s = math.fsum(row[3] for row in rows)
+        self._new += rows
+        self._added(len(rows), span_s)
+        return len(rows)
+
+    def _added(self, count: int, span_s: float) -> None:
+        self._num_added += count
+        self._adds_since_fit += count
+        self._span_since_fit_s += span_s
+        if len(self._new) >= self._window:  # never more than a window waits (model() not asked)
+            self._join()
 
     def forget_batch_ids(self) -> None:
         """The replica restarted: its batch ids start over."""
@@ -203,13 +248,17 @@ class StepTimeFitter:
         self._x = np.concatenate((self._x, x_new))[-window:]
 
     def model(self) -> StepTimeModel:
-        """The prior until ``min_samples`` records, then the fit (refreshed every few adds)."""
+        """The prior until ``min_samples`` records, then the fit (refreshed once
+        ``refit_every`` records and ``refit_span_s`` of their durations are in)."""
         if self._num_added >= self._min_samples and (
-            self._adds_since_fit >= self._refit_every or self._model is self.prior
+            (self._adds_since_fit >= self._refit_every
+             and self._span_since_fit_s >= self._refit_span_s)
+            or self._model is self.prior
         ):
             self._join()
             self._model = self._fit()
             self._adds_since_fit = 0
+            self._span_since_fit_s = 0.0
         return self._model
 
     def prediction_error(self) -> PredictionError | None:

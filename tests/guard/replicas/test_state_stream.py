@@ -21,7 +21,7 @@ from engine.compact_state import compact_state
 from guard.replicas.load_state import LoadState
 from guard.replicas.state_stream import UNCHANGED, StreamGap, StreamStateSource
 from policies.slo import SloPolicy
-from serving.state_delta import StateDeltas, apply_delta, stream_interval_s
+from serving.state_delta import StateDeltas, apply_delta, iteration_columns, stream_interval_s
 from tests.policies.policy_builders import make_cost
 
 
@@ -44,9 +44,10 @@ def _trace(seed: int = 7, num_steps: int = 120, step_s: float = 0.05) -> list[di
     return docs
 
 
-def _streamed(docs: list[dict]) -> list[dict]:
-    """What a stream reader holds after each event of ``docs``' stream."""
-    encoder, source, out = StateDeltas(), StreamStateSource("http://r"), []
+def _streamed(docs: list[dict], iterations: str = "rows") -> list[dict]:
+    """What a stream reader holds after each event of ``docs``' stream (its iteration samples
+    sent as ``iterations``: rows or columns)."""
+    encoder, source, out = StateDeltas(iterations), StreamStateSource("http://r"), []
     for doc in docs:
         event = json.loads(json.dumps(encoder.event(compact_state(doc))))  # over the wire
         source.feed(event)
@@ -54,15 +55,22 @@ def _streamed(docs: list[dict]) -> list[dict]:
     return out
 
 
-def test_deltas_rebuild_every_document_of_a_recorded_trace():
+@pytest.mark.parametrize("iterations", ["rows", "columns"])
+def test_deltas_rebuild_every_document_of_a_recorded_trace(iterations):
     docs = _trace()
     assert max(len(d["running"]) for d in docs) >= 10 and any(d["waiting"] for d in docs)
     last_batch = None
-    for doc, streamed in zip(docs, _streamed(docs), strict=True):
+    num_samples = 0
+    for doc, streamed in zip(docs, _streamed(docs, iterations), strict=True):
         expected = compact_state(doc, last_batch)
-        assert streamed == expected
         if expected["iterations"]:
             last_batch = expected["iterations"][-1]["batch_id"]
+            num_samples += len(expected["iterations"])
+            if iterations == "columns":  # one list per field, the i-th entries one sample
+                expected["iterations"] = iteration_columns(expected["iterations"])
+                assert list(expected["iterations"]) == list(doc["iterations"][0])
+        assert streamed == expected
+    assert num_samples > 100
 
 
 def test_deltas_carry_only_what_changed():
@@ -106,12 +114,14 @@ def test_a_reordered_group_and_a_preempted_sequence_come_through():
 _OTHER = _trace(seed=3, num_steps=40)[-1]  # a second replica, steady
 
 
-def test_the_streamed_view_decides_as_the_full_documents_do():
+@pytest.mark.parametrize("iterations", ["rows", "columns"])
+def test_the_streamed_view_decides_as_the_full_documents_do(iterations):
     """The guard fed what the stream source hands the poller (groups kept in O(changes),
-    the guard's own requests corrected) against the guard fed every compact document."""
+    the guard's own requests corrected; the iteration samples as rows or as columns) against
+    the guard fed every compact document: the same snapshots, step-time fits included."""
     docs = _trace(seed=11)
     polled, streamed = LoadState(), LoadState()
-    encoder, source = StateDeltas(), StreamStateSource("http://r")
+    encoder, source = StateDeltas(iterations), StreamStateSource("http://r")
     policy = SloPolicy()
     num_admitted = 0
     for step, doc in enumerate(docs):
@@ -124,6 +134,7 @@ def test_the_streamed_view_decides_as_the_full_documents_do():
         a, b = polled.snapshot(now_s), streamed.snapshot(now_s)
         assert [r.load for r in a.replicas] == [r.load for r in b.replicas]
         assert a.replicas == b.replicas and a.step_time == b.step_time
+        assert polled.step_time_model("r0") == streamed.step_time_model("r0")
         for i in range(3):
             # ids the replica lists from the next step on: the guard's own requests there
             cost = make_cost(f"q{step + 1}-{i}", prompt=100 + 300 * i, max_tokens=64,
@@ -136,6 +147,7 @@ def test_the_streamed_view_decides_as_the_full_documents_do():
                     load.reserve(decision.replica_id, cost.request_id, cost, now_s)
     reported = [r for r in streamed._reservations.values() if r.reported]
     assert num_admitted >= 6 and reported  # some of its own requests were listed, priced as its
+    assert streamed.step_time_model("r0") != streamed.fitter("r0").prior  # fitted, alike
 
 
 def test_rows_decoded_past_their_max_tokens_are_summed_as_the_documents_sum_them():
