@@ -40,6 +40,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from guard.errors import StateUnavailable
+from guard.replicas.event_stream import EventStreamProtocol
 from guard.replicas.stream_view import StreamGroup
 from serving.json_body import loads
 
@@ -66,7 +67,10 @@ class StreamGap(Exception):
 
 
 class StreamStateSource:
-    """One replica's state stream, read by a task of its own (started on first fetch)."""
+    """One replica's state stream, kept open by a task of its own (started on first fetch):
+    it connects, waits while the stream lasts, and opens a new one when it ends. Over plain
+    ``http://`` the events are parsed and fed as the bytes arrive, by
+    :class:`~guard.replicas.event_stream.EventStreamProtocol`, not by that task."""
 
     kind = "kvguard"
 
@@ -184,7 +188,7 @@ class StreamStateSource:
                 if isinstance(latest, dict) else list(latest)}
 
     def feed(self, event: dict) -> None:
-        """One decoded event (the stream task's; tests may call it). StreamGap when it does
+        """One decoded event (the stream's, as it arrives; tests may call it). StreamGap when it does
         not follow the one before."""
         seq = event.get("seq")
         if "full" in event:
@@ -266,48 +270,39 @@ class StreamStateSource:
         await asyncio.sleep(30.0)  # asked again now and then
 
     async def _read_raw(self) -> None:
-        """The stream over a plain asyncio connection (HTTP/1.1, chunked or until close):
-        one read per batch of bytes, no client library on the way of every event."""
+        """The stream over a plain asyncio connection (HTTP/1.1, chunked or until close),
+        parsed by an :class:`~guard.replicas.event_stream.EventStreamProtocol`: each event is
+        fed and handed over in line as its bytes arrive; this task only opens the connection
+        and waits until the stream ends (then why it did is raised here: a new stream)."""
         parts = urlsplit(self.url)
-        host, port = parts.hostname or "", parts.port or 80
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
-                                                self._timeout_s)
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        request = (f"GET {target} HTTP/1.1\r\nhost: {parts.netloc}\r\n"
+                   "accept: text/event-stream\r\n\r\n").encode("latin-1")
+        protocol = EventStreamProtocol(request, self._opened_stream, self._event,
+                                       head_timeout_s=self._timeout_s,
+                                       silent_after_s=self._stale_after_s)
+        loop = asyncio.get_running_loop()
+        transport, _ = await asyncio.wait_for(loop.create_connection(
+            lambda: protocol, parts.hostname or "", parts.port or 80), self._timeout_s)
         try:
-            target = parts.path + (f"?{parts.query}" if parts.query else "")
-            writer.write(f"GET {target} HTTP/1.1\r\nhost: {parts.netloc}\r\n"
-                         "accept: text/event-stream\r\n\r\n".encode("latin-1"))
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._timeout_s)
-            status = int(head.split(b" ", 2)[1])
-            if status == 404:
-                return await self._no_stream()
-            self._unavailable = None
-            if status != 200:
-                raise ConnectionError(f"{self.url} answered {status}")
-            chunked = b"transfer-encoding: chunked" in head.lower()
-            raw = body = b""
-            stale = _Staleness(self._stale_after_s, writer.transport)
-            try:
-                while True:
-                    data = await stale.read(reader)
-                    if not data:
-                        raise ConnectionError(f"{self.url}: the stream ended")
-                    if chunked:
-                        raw += data
-                        more, raw = _dechunk(raw)
-                        body += more
-                    else:
-                        body += data
-                    *events, body = body.split(b"\n\n")
-                    for event in events:
-                        for line in event.split(b"\n"):
-                            if line.startswith(b"data: "):
-                                self.feed(loads(line[6:]))
-                                self._error = None
-                        self._arrived()
-            finally:
-                stale.close()
+            why = await protocol.ended
         finally:
-            writer.close()
+            transport.abort()
+        if protocol.status == 404:
+            return await self._no_stream()
+        if isinstance(why, ConnectionError):  # refused, ended or reset: say whose
+            raise ConnectionError(f"{self.url}: {why}") from why
+        raise why
+
+    def _opened_stream(self) -> None:
+        self._unavailable = None  # a 200 head: the replica has a stream (again)
+
+    def _event(self, payloads: list[bytes]) -> None:
+        """One event's ``data:`` payloads, as the protocol parses them."""
+        for payload in payloads:
+            self.feed(loads(payload))
+            self._error = None
+        self._arrived()
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
@@ -322,46 +317,6 @@ class StreamStateSource:
         if self._own_client and self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
-
-
-class _Staleness:
-    """The bound on how long a stream may stay silent (``stale_after_s``), kept by one timer
-    per stream: when it fires it checks how long ago the last read returned and, within the
-    bound, is set again for that read plus the bound; past it, it aborts the connection and
-    the read raises TimeoutError (a new stream follows). A read costs a clock reading, where
-    ``asyncio.wait_for`` around each made a task and a timer (Python 3.11): 2,560 of them a
-    second at 256 replicas × 10 Hz."""
-
-    def __init__(self, after_s: float, transport: asyncio.BaseTransport) -> None:
-        self._after_s = after_s
-        self._transport = transport
-        self._loop = asyncio.get_running_loop()
-        self._last_s = self._loop.time()
-        self._expired = False
-        self._handle = self._loop.call_at(self._last_s + after_s, self._check)
-
-    async def read(self, reader: asyncio.StreamReader) -> bytes:
-        """``reader.read(65536)``; TimeoutError once nothing came for the bound."""
-        try:
-            data = await reader.read(65536)
-        except OSError:  # ConnectionResetError and kin: the abort's, if it expired
-            if not self._expired:
-                raise
-        if self._expired:
-            raise TimeoutError(f"no bytes for {self._after_s:g} s")
-        self._last_s = self._loop.time()
-        return data
-
-    def close(self) -> None:
-        self._handle.cancel()
-
-    def _check(self) -> None:
-        due_s = self._last_s + self._after_s
-        if self._loop.time() >= due_s:
-            self._expired = True
-            self._transport.abort()  # the read in progress returns, or raises
-        else:
-            self._handle = self._loop.call_at(due_s, self._check)
 
 
 def _iterations(value: Any) -> dict | list:
@@ -390,22 +345,5 @@ def _joined(before: dict | list, more: dict | list) -> dict | list:
 def _rows(samples: dict | list) -> list:
     if isinstance(samples, list):
         return samples
-    return [dict(zip(samples, values, strict=True)) for values in zip(*samples.values(), strict=True)]
-
-
-def _dechunk(raw: bytes) -> tuple[bytes, bytes]:
-    """The payload of the whole chunks at the start of ``raw`` (chunked transfer coding) and
-    what is left of it; ConnectionError at the last chunk (the stream ended)."""
-    out = []
-    while True:
-        end = raw.find(b"\r\n")
-        if end < 0:
-            break
-        size = int(raw[:end].split(b";", 1)[0], 16)
-        if size == 0:
-            raise ConnectionError("the stream ended")
-        if len(raw) < end + 2 + size + 2:
-            break
-        out.append(raw[end + 2:end + 2 + size])
-        raw = raw[end + 2 + size + 2:]
-    return b"".join(out), raw
+    return [dict(zip(samples, values, strict=True))
+            for values in zip(*samples.values(), strict=True)]

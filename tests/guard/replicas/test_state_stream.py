@@ -561,3 +561,133 @@ def test_a_round_reads_live_streams_in_line_and_the_others_as_before():
     # the one replica not live was fetched as before: one task for it (gather's) and one for
     # its bounded fetch (wait_for's, Python 3.11), none for the three live streams
     assert [name for name in made if "_refresh_one" in name] == ["StatePoller._refresh_one"]
+
+
+class _ScriptedStream(asyncio.Protocol):
+    """A loopback stream server with no future or task of its own (timer callbacks write):
+    at the request, connection ``i`` writes ``scripts[i]`` (the last script for any later
+    one) item by item, ``gap_s`` apart; ``None`` closes the connection, the script's end
+    holds it open."""
+
+    def __init__(self, scripts: list[list], connections: list, gap_s: float) -> None:
+        self._scripts, self._connections, self._gap_s = scripts, connections, gap_s
+        self._items: list = []
+
+    def connection_made(self, transport):  # noqa: ANN001, ANN201
+        self._transport = transport
+        self._items = list(self._scripts[min(len(self._connections), len(self._scripts) - 1)])
+        self._connections.append(transport)
+
+    def data_received(self, data):  # noqa: ANN001, ANN201
+        if b"\r\n\r\n" in data:
+            self._next()
+
+    def _next(self) -> None:
+        if self._items and not self._transport.is_closing():
+            item = self._items.pop(0)
+            if item is None:
+                self._transport.close()
+                return
+            self._transport.write(item)
+            asyncio.get_running_loop().call_later(self._gap_s, self._next)
+
+
+async def _scripted(scripts: list[list], gap_s: float = 0.002):
+    connections: list = []
+    server = await asyncio.get_running_loop().create_server(
+        lambda: _ScriptedStream(scripts, connections, gap_s), "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], connections
+
+
+_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+_HEAD_UNTIL_CLOSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
+
+
+def _sse(seq: int) -> bytes:
+    doc = compact_state(StateReplica(lambda *a: 0.01, num_total_blocks=100).state())
+    event = {"seq": 0, "full": doc} if seq == 0 else {"seq": seq, "delta": {}}
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+def _chunk(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+def _closing(source: StreamStateSource, server, connections):  # noqa: ANN001, ANN202
+    async def close():
+        await source.aclose()
+        server.close()
+        for transport in connections:
+            transport.abort()
+    return close()
+
+
+def test_reading_a_stream_makes_no_future_or_task_per_event():
+    """Each event is parsed and fed in line as its bytes arrive (an asyncio.Protocol): while
+    100 events arrive, one by one, the reader makes no future (a StreamReader makes one per
+    read it waits on) and no task."""
+    async def main():
+        events = [_chunk(_sse(seq)) for seq in range(150)]
+        server, port, connections = await _scripted([[_HEAD, *events]])
+        source = StreamStateSource(f"http://127.0.0.1:{port}", stale_after_s=30.0)
+        loop = asyncio.get_running_loop()
+        hundred = loop.create_future()
+        num_heard = []
+
+        def listener(payload):  # noqa: ANN001, ANN202
+            num_heard.append(payload)
+            if len(num_heard) == 100 and not hundred.done():
+                hundred.set_result(None)
+
+        futures, tasks = [], []
+        made_future = loop.create_future
+
+        def counting_future():  # noqa: ANN202
+            futures.append(True)
+            return made_future()
+
+        def factory(loop, coro, **kwargs):  # noqa: ANN001, ANN202 - asyncio's signature
+            tasks.append(getattr(coro, "__qualname__", repr(coro)))
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        try:
+            assert await source.opened(5.0) is None
+            source.listen(listener)
+            loop.create_future = counting_future  # this loop's, for the next 100 events
+            loop.set_task_factory(factory)
+            await hundred  # nothing else on this loop waits meanwhile
+            return len(futures), tasks, source.num_events, source.num_resyncs
+        finally:
+            loop.__dict__.pop("create_future", None)
+            loop.set_task_factory(None)
+            await _closing(source, server, connections)
+
+    num_futures, tasks, num_events, num_resyncs = asyncio.run(asyncio.wait_for(main(), 30))
+    assert num_events >= 101 and num_resyncs == 0
+    assert (num_futures, tasks) == (0, [])
+
+
+@pytest.mark.parametrize("end", [b"zz\r\n", b"0\r\n\r\n", b'c\r\ndata: {"seq"\r\n', None])
+def test_a_stream_that_ends_mid_way_is_followed_by_a_new_one(end):
+    """A bad chunk size, the last chunk, half an event then EOF (chunked or not): the stream
+    ends, with nothing of the half event fed, and a new stream delivers the document."""
+    async def main():
+        if end is None:  # a body until close, cut mid-event
+            first = [_HEAD_UNTIL_CLOSE, _sse(0), _sse(1), _sse(2)[:20], None]
+            again = [_HEAD_UNTIL_CLOSE, _sse(0), _sse(1)]
+        else:
+            first = [_HEAD, _chunk(_sse(0)), _chunk(_sse(1)), end, None]
+            again = [_HEAD, _chunk(_sse(0)), _chunk(_sse(1))]
+        server, port, connections = await _scripted([first, again])
+        source = StreamStateSource(f"http://127.0.0.1:{port}", stale_after_s=30.0)
+        try:
+            assert await source.opened(5.0) is None
+            while source.num_events < 4:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            return (source.num_events, source.num_resyncs, source.num_gaps,
+                    len(connections), source.document() is not None, source.answers_now)
+        finally:
+            await _closing(source, server, connections)
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == (4, 1, 0, 2, True, True)
