@@ -188,8 +188,8 @@ class StreamStateSource:
                 if isinstance(latest, dict) else list(latest)}
 
     def feed(self, event: dict) -> None:
-        """One decoded event (the stream's, as it arrives; tests may call it). StreamGap when it does
-        not follow the one before."""
+        """One decoded event (the stream's, as it arrives; tests may call it). StreamGap when
+        it does not follow the one before."""
         seq = event.get("seq")
         if "full" in event:
             if seq != 0:
@@ -307,8 +307,9 @@ class StreamStateSource:
     async def aclose(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            # cancelled again until it ends: asyncio.wait_for (Python 3.11) swallows a
-            # cancellation that meets a read just done, and the reader would read on
+            # cancelled again until it ends: asyncio.wait_for (Python 3.11, around the
+            # connect and the httpx reader's lines) swallows a cancellation that meets a
+            # result just in, and the task would go on
             while not task.done():
                 task.cancel()
                 await asyncio.wait({task}, timeout=0.1)
