@@ -20,8 +20,10 @@ The fitter also measures itself: each new record is predicted by the model in us
 moment (the one :meth:`StepTimeFitter.model` last returned, before the record is fitted on), and
 the relative errors are kept for export.
 
-Adding a record is cheap: :meth:`StepTimeFitter.add` checks it and appends one
-tuple; :meth:`StepTimeFitter.add_columns` takes a state refresh's records as columns (a
+Adding a record is cheap: :meth:`StepTimeFitter.add` checks it and appends its four
+numbers to four lists (no object per record: at 256 replicas streaming at 10 Hz a tuple per
+record was most of what set off Python's cyclic collector, ~0.04 core of collections that
+found nothing); :meth:`StepTimeFitter.add_columns` takes a state refresh's records as columns (a
 streamed replica's form) and checks them with a few builtins over each list, no Python step
 per record.
 The window is kept as the arrays a fit reads, and the records added since the last
@@ -134,8 +136,11 @@ class StepTimeFitter:
         self._data = np.empty((0, 4))
         self._x = np.empty((0, 4))
         self._prior = np.asarray(prior.as_tuple(), dtype=float)
-        # records added since they were last joined to the arrays (and not yet scored)
-        self._new: list[tuple[float, float, float, float]] = []
+        # records added since they were last joined to the arrays (and not yet scored), as
+        # four columns (prefill, decode, context, duration_s): numbers in lists, where a tuple
+        # per record would be one more object for Python's cyclic collector to walk until the
+        # join (at 256 replicas × 10 Hz most of the objects a state refresh leaves alive)
+        self._new: tuple[list[float], list[float], list[float], list[float]] = ([], [], [], [])
         self._num_added = 0
         self._min_samples = min_samples
         self._refit_every = refit_every
@@ -161,8 +166,9 @@ class StepTimeFitter:
             return False
         if batch_id is not None and not self._remember(batch_id):
             return False
-        self._new.append((float(num_prefill_tokens), float(num_decode_seqs),
-                          float(num_context_tokens), float(duration_s)))
+        for column, value in zip(self._new, (num_prefill_tokens, num_decode_seqs,
+                                             num_context_tokens, duration_s), strict=True):
+            column.append(float(value))
         self._added(1, float(duration_s))
         return True
 
@@ -173,7 +179,9 @@ class StepTimeFitter:
         rows = [(float(p), float(d), float(c), float(duration_s))  # all converted, or none
                 for p, d, c, duration_s in records
                 if _usable(p, d, duration_s)]
-        self._new += rows
+        if rows:
+            for column, values in zip(self._new, zip(*rows, strict=True), strict=True):
+                column.extend(values)
         self._added(len(rows), math.fsum(row[3] for row in rows))
         return len(rows)
 
@@ -201,19 +209,21 @@ class StepTimeFitter:
             counts_ok = False
         if not counts_ok:
             raise ValueError("iteration columns: token counts must be numbers >= 0")
-        rows = list(zip(p, d, c, y, strict=True))  # as sent: _join makes them floats
         if not all_usable:
-            rows = [row for row in rows if _usable(row[0], row[1], row[3])]
-            span_s = math.fsum(row[3] for row in rows)
-        self._new += rows
-        self._added(len(rows), span_s)
-        return len(rows)
+            rows = [row for row in zip(p, d, c, y, strict=True)
+                    if _usable(row[0], row[1], row[3])]
+            p, d, c, y = zip(*rows, strict=True) if rows else ((), (), (), ())
+            span_s = math.fsum(y)
+        for column, values in zip(self._new, (p, d, c, y), strict=True):
+            column.extend(values)  # as sent: _join makes them floats
+        self._added(len(y), span_s)
+        return len(y)
 
     def _added(self, count: int, span_s: float) -> None:
         self._num_added += count
         self._adds_since_fit += count
         self._span_since_fit_s += span_s
-        if len(self._new) >= self._window:  # never more than a window waits (model() not asked)
+        if len(self._new[3]) >= self._window:  # never more than a window waits (model() not asked)
             self._join()
 
     def forget_batch_ids(self) -> None:
@@ -233,11 +243,12 @@ class StepTimeFitter:
     def _join(self) -> None:
         """The new records into the window's arrays, each scored by the model in use (the
         model changes only in :meth:`model`, which joins them first)."""
-        new, self._new = self._new, []
-        if not new:
+        new, self._new = self._new, ([], [], [], [])
+        if not new[3]:
             return
-        block = np.array(new, dtype=float)
-        p, d, c, y = block.T
+        columns = np.array(new, dtype=float)
+        p, d, c, y = columns
+        block = columns.T  # the rows, as the window keeps them
         m = self._model  # the same expression, in the same order, as StepTimeModel.step_s
         predicted = m.base_s + m.per_prefill_token_s * p + m.per_decode_seq_s * d \
             + m.per_context_token_s * c
