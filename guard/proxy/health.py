@@ -77,8 +77,11 @@ class GatedSource:
 
     @property
     def answers_now(self) -> bool:
-        """The inner source's (a live stream's fetch waits on nothing: StatePoller)."""
-        return getattr(self._inner, "answers_now", False)
+        """The inner source's (a live stream's fetch waits on nothing: StatePoller), but never
+        while ejected: the poller's round then fetches it, and records the ejection, where it
+        skips a live stream that pushes."""
+        return not self._health.is_ejected(self.replica_id) \
+            and getattr(self._inner, "answers_now", False)
 
     async def aclose(self) -> None:
         """Close the inner source's own connection, where it holds one (a stream)."""

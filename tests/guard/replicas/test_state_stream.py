@@ -691,3 +691,54 @@ def test_a_stream_that_ends_mid_way_is_followed_by_a_new_one(end):
             await _closing(source, server, connections)
 
     assert asyncio.run(asyncio.wait_for(main(), 30)) == (4, 1, 0, 2, True, True)
+
+
+def test_a_round_skips_live_streams_that_push_and_still_fetches_an_ejected_one():
+    """Events reach the guard as they arrive, so the round has nothing to read from a live
+    stream that pushes them: it fetches none. An ejected replica's stream is fetched as
+    before, and the ejection recorded."""
+    from guard.proxy.health import GatedSource, ReplicaHealth
+    from guard.replicas.poller import StatePoller
+
+    async def main():
+        fleet = StateFleet(StateFleetConfig(tick_s=0.002))
+        await fleet.start(3)
+        health = ReplicaHealth(["r0", "r1", "r2"], 1, 60.0, lambda rid: None, None,
+                               time.monotonic)
+        streams = {f"r{i}": StreamStateSource(url, interval_ms=20)
+                   for i, url in enumerate(fleet.urls.values())}
+        fetched = []
+        for rid, stream in streams.items():
+            real_fetch = stream.fetch
+
+            async def counted(rid=rid, real_fetch=real_fetch):
+                fetched.append(rid)
+                return await real_fetch()
+            stream.fetch = counted
+        sources = {rid: GatedSource(rid, stream, health) for rid, stream in streams.items()}
+        load = LoadState()
+        poller = StatePoller(load, sources, interval_s=60.0, timeout_s=0.5)
+        try:
+            for _ in range(100):  # until the three streams are live
+                await poller.refresh_now()
+                if all(s.answers_now for s in streams.values()):
+                    break
+                await asyncio.sleep(0.02)
+            assert all(s.answers_now for s in streams.values())
+            events = {rid: s.num_events for rid, s in streams.items()}
+            fetched.clear()
+            await poller.refresh_now()
+            assert fetched == []  # every one live and pushing: nothing to fetch
+            health.record_failure("r2")  # ejected after one failure
+            await poller.refresh_now()
+            assert fetched == []  # an ejected replica's fetch raises before the stream's
+            assert "r2" in poller.unreadable and poller.consecutive_errors("r2") == 1
+            assert [poller.consecutive_errors(r) for r in ("r0", "r1")] == [0, 0]
+            await asyncio.sleep(0.1)  # the live ones' events still reach the guard
+            assert all(streams[r].num_events > events[r] for r in ("r0", "r1"))
+            assert all(load.replica_snapshot(r).capacity_known for r in ("r0", "r1"))
+        finally:
+            await poller.stop()
+            await fleet.stop()
+
+    asyncio.run(main())
