@@ -287,8 +287,9 @@ class LoadState:
     def _feed_iteration_columns(fitter: StepTimeFitter, columns: Mapping[str, Any],
                                 last_batch_id: int) -> int:
         """Iteration records as columns (one list per field, :mod:`serving.state_delta`) to
-        ``fitter``: those whose batch id is above ``last_batch_id``, all or none (ValueError
-        for columns that are missing, of unequal length or not numbers). Returns the last
+        ``fitter``: those whose batch id is above ``last_batch_id``, all or none (KeyError
+        for a missing column, ValueError for columns of unequal length or not numbers: the
+        poller counts either as the replica's error). Returns the last
         batch id now. A replica's batch ids rise, so the new records are the ones after the
         last id it had reported: found by bisection, the rest handed over as list slices."""
         batch_ids = columns["batch_id"]

@@ -23,12 +23,11 @@ the relative errors are kept for export.
 Adding a record is cheap: :meth:`StepTimeFitter.add` checks it and appends its four
 numbers to four lists (no object per record: at 256 replicas streaming at 10 Hz a tuple per
 record was most of what set off Python's cyclic collector, ~0.04 core of collections that
-found nothing); :meth:`StepTimeFitter.add_columns` takes a state refresh's records as columns (a
-streamed replica's form) and checks them with a few builtins over each list, no Python step
-per record.
-The window is kept as the arrays a fit reads, and the records added since the last
-fit join them — and are scored against the model in use, which cannot have changed since
-they came — in one vectorised step when the model is next refitted, or when the error is
+found nothing); :meth:`StepTimeFitter.add_columns` takes a state refresh's records as columns
+(a streamed replica's form) and checks them with a few builtins over each list, no Python
+step per record. The window is kept as the arrays a fit reads, and the records added since
+the last fit join them — and are scored against the model in use, which cannot have changed
+since they came — in one vectorised step when the model is next refitted, or when the error is
 read. A refit happens in :meth:`StepTimeFitter.model` only, once ``refit_every`` (32) new
 records are in, an eighth of the window, and ``refit_span_s`` of engine time (their
 durations summed, default 0: the count alone): a fit is a dozen numpy calls run on the event
