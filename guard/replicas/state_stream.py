@@ -332,19 +332,16 @@ def _iterations(value: Any) -> dict | list:
 
 
 def _joined(before: dict | list, more: dict | list) -> dict | list:
-    """The samples of two events in order: columns stay columns (a new dict: the ones handed
-    on are never changed), rows rows; mixed forms (never from one replica) become rows."""
+    """The samples of two events of one stream, in order (a new dict or list: the ones handed
+    on are never changed). A replica sends one form for a stream's life (a new stream starts
+    the samples over), so two forms, or columns with other fields, are a malformed stream:
+    StreamGap."""
     if not before:
         return more
     if not more:
         return before
+    if isinstance(before, list) and isinstance(more, list):
+        return before + more
     if isinstance(before, dict) and isinstance(more, dict) and before.keys() == more.keys():
         return {name: before[name] + more[name] for name in before}
-    return _rows(before) + _rows(more)
-
-
-def _rows(samples: dict | list) -> list:
-    if isinstance(samples, list):
-        return samples
-    return [dict(zip(samples, values, strict=True))
-            for values in zip(*samples.values(), strict=True)]
+    raise StreamGap("the iteration samples changed form within a stream")

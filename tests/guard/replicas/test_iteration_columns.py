@@ -288,3 +288,17 @@ def test_records_waiting_for_the_next_fit_leave_no_object_for_the_collector(how)
             gc.enable()
     assert fitter.num_samples == 316
     assert grown < 10  # a few lists at most, not one object per record
+
+
+def test_samples_that_change_form_within_a_stream_end_it():
+    """A replica sends one form for a stream's life; two forms between takes are a malformed
+    stream (a new one follows, whose full document starts the samples over)."""
+    from guard.replicas.state_stream import StreamGap
+
+    samples = _samples(20)
+    source = StreamStateSource("http://r")
+    source.feed(StateDeltas("columns").event(_document(samples[:5], 5)))
+    rows = StateDeltas()
+    rows.event(_document(samples[:5], 5))
+    with pytest.raises(StreamGap, match="changed form"):
+        source.feed(rows.event(_document(samples[:12], 12)))
