@@ -269,18 +269,17 @@ class LoadState:
             last_batch_id = self._feed_iteration_columns(replica.fitter, iterations,
                                                          last_batch_id)
             replica.last_step_count, replica.last_batch_id = step_count, last_batch_id
-            replica.model = replica.fitter.model()
-            return
-        records = []
-        for it in iterations:
-            batch_id = int(it["batch_id"])
-            if batch_id <= last_batch_id:
-                continue
-            last_batch_id = batch_id
-            records.append((int(it["num_prefill_tokens"]), int(it["num_decode_seqs"]),
-                            int(it["num_context_tokens"]), float(it["duration_s"])))
-        replica.last_step_count, replica.last_batch_id = step_count, last_batch_id
-        replica.fitter.add_many(records)
+        else:
+            records = []
+            for it in iterations:
+                batch_id = int(it["batch_id"])
+                if batch_id <= last_batch_id:
+                    continue
+                last_batch_id = batch_id
+                records.append((int(it["num_prefill_tokens"]), int(it["num_decode_seqs"]),
+                                int(it["num_context_tokens"]), float(it["duration_s"])))
+            replica.last_step_count, replica.last_batch_id = step_count, last_batch_id
+            replica.fitter.add_many(records)
         replica.model = replica.fitter.model()
 
     @staticmethod
