@@ -39,6 +39,7 @@ from serving.json_body import loads
 from serving.limited_protocol import ConnectionTable
 from serving.server_limits import ServerLimits
 from serving.state_delta import serve_state_stream, spread_phase
+from serving.step_time_fit import StepTimeFit
 
 __all__ = ["HELD_PROMPT_TOKENS", "STREAM_PHASES", "StateFleet", "StateFleetConfig",
            "stream_phase_of"]
@@ -235,6 +236,7 @@ class _ReplicaApp:
         self._wake = wake  # the fleet advances this replica at its next tick
         self.created_s = int(time.time())
         self._ids = itertools.count()
+        self.step_time_fit = StepTimeFit()  # one fit of itself for all its state streams
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -248,7 +250,7 @@ class _ReplicaApp:
                  "owned_by": "kvguard", "max_model_len": self.replica.max_model_len}]})
         elif method == "GET" and path == "/kvguard/state/stream":
             await serve_state_stream(scope, receive, send, self._compact,
-                                     phase=self.stream_phase)
+                                     phase=self.stream_phase, fit=self.step_time_fit)
         elif method == "GET" and path == "/kvguard/state":
             await self._state(scope, send)
         elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):

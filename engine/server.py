@@ -38,6 +38,7 @@ from engine.openai_request import ApiError, GenerationRequest, parse_generation_
 from engine.text_stream import TextStream
 from engine.trace import RequestTimeline, TraceWriter
 from serving.state_delta import serve_state_stream
+from serving.step_time_fit import StepTimeFit
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app"]
 
@@ -84,6 +85,7 @@ class _Replica:
         metrics.set_cache_config(state["block_size"], state["num_total_blocks"],
                                  bool(state.get("enable_prefix_caching", False)))
         self.created_s = int(time.time())
+        self.step_time_fit = StepTimeFit()  # one fit of itself for all its state streams
 
     # ---- plain endpoints -------------------------------------------------------------------
 
@@ -124,7 +126,7 @@ class _Replica:
         """``GET /kvguard/state/stream``: :mod:`serving.state_delta`'s events."""
         self.engine.start()
         await serve_state_stream(scope, receive, send, self.compact_state,
-                                 lambda: self.engine.admitting)
+                                 lambda: self.engine.admitting, fit=self.step_time_fit)
 
     async def metrics_text(self, request: Request) -> Response:
         self.metrics.observe_state(self.engine.state())

@@ -7,17 +7,21 @@ need not send in step: ``?interval_ms=100&phase=0.618``. ``iterations=columns`` 
 iteration samples as columns (``{"batch_id": [...], "duration_s": [...], ...}``, one list per
 field, the i-th entries one sample), the default ``iterations=rows`` for a list of objects:
 at 10 Hz a replica stepping every 10 ms sends ten samples an event, most of its bytes, and a
-reader takes columns in without a Python step per sample. Anything else for any of the three
-is a 400; other query parameters are ignored (a reader newer than the replica).
+reader takes columns in without a Python step per sample. ``fit=1`` asks for no samples at
+all but the replica's fit of its own step time (:mod:`serving.step_time_fit`), as the
+document's ``step_time_fit`` field (``fit=0``, the default: the samples). Anything else for
+any of the four is a 400; other query parameters are ignored (a reader newer than the
+replica: one from before ``fit`` sends the samples, which a guard fits itself).
 
 * ``{"seq": 0, "full": DOC}``: the compact document (``?compact=1``'s form) — always
   the first event of a stream;
 * ``{"seq": n, "delta": D}``, ``n`` one more than the event before, with ``D``:
 
   - ``"set"``: the top-level fields whose value changed (``num_free_blocks``,
-    ``step_count``, …; never the sequence groups or the iterations);
+    ``step_count``, ``step_time_fit`` after a refit, …; never the sequence groups or the
+    iterations);
   - ``"iterations"``: the iteration samples recorded since the event before (rows or
-    columns, as asked; the full document's too);
+    columns, as asked; the full document's too; none with ``fit=1``);
   - ``"advance"``: ``k`` decode steps: every running sequence that stays running, is not in
     ``running.upsert`` and had no prefill left gained ``k`` output and ``k`` context tokens;
   - ``"running"`` / ``"waiting"``: ``"remove"`` (request ids that left the group),
@@ -42,9 +46,11 @@ from collections import Counter
 from typing import Any
 from urllib.parse import parse_qs
 
+from serving.step_time_fit import StepTimeFit
+
 __all__ = ["DEFAULT_INTERVAL_MS", "SEQUENCE_COLUMNS", "StateDeltas", "apply_delta",
-           "iteration_columns", "serve_state_stream", "spread_phase", "stream_interval_s",
-           "stream_iterations", "stream_phase"]
+           "iteration_columns", "serve_state_stream", "spread_phase", "stream_fit",
+           "stream_interval_s", "stream_iterations", "stream_phase"]
 
 # the compact document's per-sequence columns (engine.compact_state's), in order
 SEQUENCE_COLUMNS = ("request_id", "num_output_tokens", "max_tokens", "num_context_tokens",
@@ -88,6 +94,16 @@ def stream_iterations(value: str | None) -> str:
     return value
 
 
+def stream_fit(value: str | None) -> bool:
+    """The ``fit`` query value: ``"1"`` (the replica's fit, no samples) or ``"0"`` (the
+    default: the samples); ValueError for anything else."""
+    if value is None or value == "0":
+        return False
+    if value != "1":
+        raise ValueError(f"fit: '0' or '1', got {value!r}")
+    return True
+
+
 def iteration_columns(records: list[dict[str, Any]]) -> dict[str, list] | list:
     """Iteration samples (objects with the same fields, as an engine records them) as
     columns: one list per field, in the first sample's field order. Samples whose fields
@@ -125,10 +141,13 @@ def _advanced(row: tuple, k: int) -> tuple:
 
 
 class StateDeltas:
-    """One stream's encoder: :meth:`event` for each state, in order."""
+    """One stream's encoder: :meth:`event` for each state, in order. With ``fit`` (the
+    replica's :class:`~serving.step_time_fit.StepTimeFit`, which may serve other streams too)
+    its events carry the replica's ``step_time_fit`` instead of iteration samples."""
 
-    def __init__(self, iterations: str = "rows") -> None:
+    def __init__(self, iterations: str = "rows", fit: StepTimeFit | None = None) -> None:
         self._columns = stream_iterations(iterations) == "columns"
+        self._fit = fit
         self.seq = -1
         self._top: dict[str, Any] = {}
         self._groups: dict[str, dict[str, tuple]] = {}
@@ -137,6 +156,10 @@ class StateDeltas:
     def event(self, compact: dict[str, Any]) -> dict[str, Any]:
         """The next event for ``compact`` (the compact ``/kvguard/state`` document of now,
         every iteration sample it keeps included: those sent already are left out here)."""
+        if self._fit is not None:  # the fit of the samples instead of the samples
+            fitted = self._fit.update(compact)
+            compact = {k: v for k, v in compact.items() if k != "iterations"}
+            compact["step_time_fit"] = fitted
         last = self._last_batch
         if last is not None:
             compact = {**compact, "iterations": [
@@ -233,12 +256,15 @@ def apply_delta(compact: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any
 
 
 async def serve_state_stream(scope: dict, receive: Any, send: Any, compact: Any,
-                             serving: Any = None, phase: float = 0.0) -> None:
-    """Answer ``GET /kvguard/state/stream[?interval_ms=N][&phase=F][&iterations=columns]`` on
-    ASGI: ``compact()`` (the compact document of now) encoded as events every ``interval_ms``
-    until the client goes away or ``serving()`` (optional) turns false — a draining replica
-    ends its streams, so they do not hold its shutdown. A bad ``interval_ms``, ``phase`` or
-    ``iterations`` is a 400 (and no stream).
+                             serving: Any = None, phase: float = 0.0,
+                             fit: StepTimeFit | None = None) -> None:
+    """Answer ``GET /kvguard/state/stream[?interval_ms=N][&phase=F][&iterations=columns]
+    [&fit=1]`` on ASGI: ``compact()`` (the compact document of now) encoded as events every
+    ``interval_ms`` until the client goes away or ``serving()`` (optional) turns false — a
+    draining replica ends its streams, so they do not hold its shutdown. A bad
+    ``interval_ms``, ``phase``, ``iterations`` or ``fit`` is a 400 (and no stream).
+    ``fit=1`` streams carry the replica's ``fit`` (one for all its streams: a fit each
+    second, however many guards read it; a stream's own when none is given).
 
     The phase (a fraction of the interval, in [0, 1)) moves the events after the first that
     much later: the first at once, the second ``1 + phase`` intervals after it, then one every
@@ -253,6 +279,7 @@ async def serve_state_stream(scope: dict, receive: Any, send: Any, compact: Any,
         interval_s = stream_interval_s((query.get("interval_ms") or [None])[0])
         phase = stream_phase((query.get("phase") or [None])[0], phase)
         iterations = stream_iterations((query.get("iterations") or [None])[0])
+        fitted = stream_fit((query.get("fit") or [None])[0])
     except ValueError as exc:
         body = json.dumps({"error": {"message": str(exc),
                                      "type": "invalid_request_error"}}).encode()
@@ -265,7 +292,7 @@ async def serve_state_stream(scope: dict, receive: Any, send: Any, compact: Any,
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream"),
                             (b"cache-control", b"no-cache")]})
-    encoder = StateDeltas(iterations)
+    encoder = StateDeltas(iterations, (fit or StepTimeFit()) if fitted else None)
     loop = asyncio.get_running_loop()
     gap_s = interval_s * (1.0 + phase)  # after the first event; then every interval
     try:

@@ -69,6 +69,7 @@ from policies.cost import RequestClass, RequestCost
 from policies.decision import Admit
 from serving.json_body import loads
 from serving.state_delta import StateDeltas
+from serving.step_time_fit import StepTimeFit
 
 __all__ = ["configure", "fleet_document", "run", "measure"]
 
@@ -109,12 +110,13 @@ def fleet_document(index: int, num_running: int) -> dict:
 
 def stream_events(index: int, num_running: int, num_events: int,
                   steps_per_event: int = 5) -> list[bytes]:
-    """Replica ``index``'s ``/kvguard/state/stream`` events as sent (bytes after
-    ``data: ``): its full document, then ``num_events`` deltas of ``steps_per_event`` decode
-    steps each (a refresh at 10 Hz of a replica stepping every ~20 ms), in each of which one
-    sequence finishes, one waiting prompt starts running and one new prompt arrives."""
+    """Replica ``index``'s ``/kvguard/state/stream`` events as sent to a guard (bytes after
+    ``data: ``; the form it asks: the replica's step-time fit, no samples): its full
+    document, then ``num_events`` deltas of ``steps_per_event`` decode steps each (a refresh
+    at 10 Hz of a replica stepping every ~20 ms), in each of which one sequence finishes, one
+    waiting prompt starts running and one new prompt arrives."""
     doc = fleet_document(index, num_running)
-    encoder = StateDeltas()
+    encoder = StateDeltas("columns", StepTimeFit())
     events = [json.dumps(encoder.event(compact_state(doc))).encode()]
     for e in range(num_events):
         for seq in doc["running"]:

@@ -3,7 +3,8 @@
 :class:`LoadState` turns each replica's ``/kvguard/state`` JSON (or, for black-box vLLM
 upstreams, its Prometheus ``/metrics`` text) into an immutable
 :class:`policies.snapshot.ReplicaSnapshot`, feeds the replica's iteration records to its
-:class:`guard.replicas.step_time_fitter.StepTimeFitter`, and adds the requests this guard admitted that the
+:class:`policies.step_time_fitter.StepTimeFitter` (or takes the fit a streamed replica made of
+itself: :mod:`serving.step_time_fit`), and adds the requests this guard admitted that the
 replica has not reported yet (reservations). ``snapshot(now_s)`` is the whole
 :class:`~policies.snapshot.LoadSnapshot`.
 
@@ -55,13 +56,19 @@ from guard.replicas.fleet_ranking import FleetRanking
 from guard.replicas.mean_step_time import MeanStepTime
 from guard.replicas.prefix_cache import PrefixCacheView
 from guard.replicas.reservations import ReplicaReservations, Reservation
-from guard.replicas.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
 from guard.replicas.vllm_metrics import parse_vllm_metrics, served_model_name
 from policies.candidates import MIN_RANKED_REPLICAS
 from policies.cost import RequestCost
 from policies.retry_budget import NO_RETRY_OVER_BUDGET, RetryBudgetView
 from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead, ReplicaSnapshot
 from policies.step_time import StepTimeModel
+from policies.step_time_fitter import (
+    StepTimeFitter,
+    prior_from_timing_model,
+    replica_fitter,
+    roofline_prior,
+)
+from serving.step_time_fit import fitted_model
 
 __all__ = [
     "LoadState",
@@ -84,7 +91,9 @@ class PendingListener(Protocol):
 @dataclass
 class _Replica:
     fitter: StepTimeFitter
-    model: StepTimeModel  # the fitter's model after the last update (refits happen off the hot path)
+    # the fitter's model after the last update (refits happen off the hot path), or the one
+    # the replica published of itself (``fit``: its ``step_time_fit``, as last read)
+    model: StepTimeModel
     base: ReplicaSnapshot | None = None  # the replica's own state, without reservations
     last_batch_id: int = -1
     last_step_count: int = -1
@@ -94,17 +103,12 @@ class _Replica:
     combined: ReplicaSnapshot | None = None  # base + reservations, rebuilt lazily when dirty
     concurrency_limit: int | None = None  # learned by the guard, stamped on every base
     first_token_s: float | None = None  # learned with it: dispatch -> first token when good
+    fit: Any = None
 
 
 # the columns of a streamed replica's iteration records the fitter reads, in its order
 _ITERATION_FIELDS = ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens",
                      "duration_s")
-
-
-def _default_fitter(prior: StepTimeModel) -> StepTimeFitter:
-    # a refit once 32 new records and 1 s of engine time are in: a replica stepping every
-    # 5 ms is refitted as often as one stepping every 30 ms (step_time_fitter's docstring)
-    return StepTimeFitter(prior, refit_span_s=1.0)
 
 
 class LoadState:
@@ -116,7 +120,7 @@ class LoadState:
     """
 
     def __init__(self, max_staleness_s: float = 2.0,
-                 fitter_factory: Callable[[StepTimeModel], StepTimeFitter] = _default_fitter,
+                 fitter_factory: Callable[[StepTimeModel], StepTimeFitter] = replica_fitter,
                  default_prior: StepTimeModel | None = None,
                  weights: Mapping[str, float] | None = None):
         if max_staleness_s <= 0:
@@ -213,6 +217,11 @@ class LoadState:
                                   now_s: float) -> ReplicaSnapshot:
         """Apply one ``/kvguard/state`` document received at ``now_s`` (guard clock)."""
         replica = self._replicas.get(replica_id)
+        # the replica's fit of itself (a stream's ``step_time_fit``): checked before anything
+        # changes, and only when it is new (a stream hands on the same object until a refit)
+        fit = state.get("step_time_fit")
+        fitted = None if fit is None or (replica is not None and fit is replica.fit) \
+            else fitted_model(fit)
         if replica is None:  # the document's prior seeds the fitter of a replica new to it
             replica = self._replica(replica_id, prior_from_timing_model(
                 state.get("timing_model"), state.get("time_scale", 1.0)))
@@ -222,7 +231,12 @@ class LoadState:
         base = kvguard_snapshot(replica_id, state, now_s, self._our_cost, self._reservations)
         if self.cache_view is not None:
             self.cache_view.replica_state(replica_id, state)
-        self._feed_iterations(replica, state)
+        if fit is None:
+            self._feed_iterations(replica, state)
+        else:  # the replica fitted its samples itself (its own ones are not read here)
+            replica.last_step_count = int(state.get("step_count", -1))
+            if fitted is not None:
+                replica.model, replica.fit = fitted, fit
         self._count_preemptions(replica_id, replica, state.get("num_preemptions"))
         book = self._books.get(replica_id)
         if book is not None:

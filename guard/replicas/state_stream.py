@@ -18,10 +18,13 @@ document, :meth:`fetch` raises (the poller counts the replica's errors as for an
 A replica that answers 404 has no stream: :class:`guard.errors.StateUnavailable`, as for
 ``/kvguard/state``.
 
-The stream is asked for its iteration samples as columns (``&iterations=columns``): they are
-handed on as such (:meth:`guard.replicas.load_state.LoadState.update_from_kvguard_state` takes
-either form), with no Python object per sample on the way. A replica from before the parameter
-sends rows, which are handed on as rows.
+The stream is asked for the replica's fit of its own step time instead of the iteration
+samples (``&fit=1``, :mod:`serving.step_time_fit`): the document's ``step_time_fit``, which
+:class:`~guard.replicas.load_state.LoadState` takes as the replica's model, with no sample to
+read and no fit to make here. A replica from before that parameter sends its samples, asked
+as columns (``&iterations=columns``): they are handed on as such (``LoadState`` fits them,
+taking either form), with no Python object per sample on the way; one from before that
+parameter too sends rows, which are handed on as rows.
 
 ``phase`` (a fraction of the interval; the poller gives each replica its own,
 :func:`serving.state_delta.spread_phase` of its index) is asked of the replica
@@ -78,7 +81,7 @@ class StreamStateSource:
                  timeout_s: float = 1.0, stale_after_s: float | None = None,
                  phase: float | None = None) -> None:
         self.url = url.rstrip("/") + (f"/kvguard/state/stream?interval_ms={interval_ms}"
-                                      "&iterations=columns")
+                                      "&iterations=columns&fit=1")
         if phase is not None:
             if not 0.0 <= phase < 1.0:
                 raise ValueError(f"phase must be in [0, 1), got {phase!r}")

@@ -6,7 +6,7 @@ import pytest
 
 from chaos.state_replica import StateReplica
 from guard.replicas.load_state import LoadState
-from guard.replicas.step_time_fitter import prior_from_timing_model
+from policies.step_time_fitter import prior_from_timing_model
 
 
 def step_s(num_prefill: int, num_decode: int, num_context: int) -> float:

@@ -17,8 +17,8 @@ import pytest
 from chaos.state_fleet import StateFleet, StateFleetConfig
 from guard.replicas.load_state import LoadState
 from guard.replicas.state_stream import StreamStateSource
-from guard.replicas.step_time_fitter import StepTimeFitter
 from policies.step_time import StepTimeModel
+from policies.step_time_fitter import StepTimeFitter
 from serving.state_delta import StateDeltas, apply_delta, iteration_columns, stream_iterations
 
 PRIOR = StepTimeModel(base_s=0.004, per_prefill_token_s=2e-6, per_decode_seq_s=2e-4,

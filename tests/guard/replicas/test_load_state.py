@@ -12,11 +12,11 @@ from starlette.routing import Route
 from guard.config import ReplicaConfig
 from guard.replicas.load_state import UNKNOWN_MAX_MODEL_LEN, LoadState, parse_vllm_metrics
 from guard.replicas.poller import AsgiStateSource, HttpStateSource, StatePoller, state_sources
-from guard.replicas.step_time_fitter import StepTimeFitter
 from policies.cost import RequestClass, RequestCost
 from policies.retry_budget import RetryBudgetView
 from policies.snapshot import QueuedAhead, SeqLoad
 from policies.step_time import StepTimeModel
+from policies.step_time_fitter import StepTimeFitter
 from tests.support.loopback import LoopbackServer
 
 PRIOR = StepTimeModel(0.01, 1e-4, 1e-4, 1e-7)

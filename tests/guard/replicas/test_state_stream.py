@@ -22,6 +22,7 @@ from guard.replicas.load_state import LoadState
 from guard.replicas.state_stream import UNCHANGED, StreamGap, StreamStateSource
 from policies.slo import SloPolicy
 from serving.state_delta import StateDeltas, apply_delta, iteration_columns, stream_interval_s
+from serving.step_time_fit import StepTimeFit
 from tests.policies.policy_builders import make_cost
 
 
@@ -114,14 +115,17 @@ def test_a_reordered_group_and_a_preempted_sequence_come_through():
 _OTHER = _trace(seed=3, num_steps=40)[-1]  # a second replica, steady
 
 
-@pytest.mark.parametrize("iterations", ["rows", "columns"])
+@pytest.mark.parametrize("iterations", ["rows", "columns", "fit"])
 def test_the_streamed_view_decides_as_the_full_documents_do(iterations):
     """The guard fed what the stream source hands the poller (groups kept in O(changes),
-    the guard's own requests corrected; the iteration samples as rows or as columns) against
-    the guard fed every compact document: the same snapshots, step-time fits included."""
+    the guard's own requests corrected; the iteration samples as rows or as columns, or none
+    but the replica's fit of them) against the guard fed every compact document: the same
+    snapshots, step-time fits included (the replica's fit is the guard's, to the last bit)."""
     docs = _trace(seed=11)
     polled, streamed = LoadState(), LoadState()
-    encoder, source = StateDeltas(iterations), StreamStateSource("http://r")
+    encoder = StateDeltas("columns", StepTimeFit()) if iterations == "fit" \
+        else StateDeltas(iterations)
+    source = StreamStateSource("http://r")
     policy = SloPolicy()
     num_admitted = 0
     for step, doc in enumerate(docs):

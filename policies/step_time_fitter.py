@@ -33,13 +33,14 @@ records are in, an eighth of the window, and ``refit_span_s`` of engine time (th
 durations summed, default 0: the count alone): a fit is a dozen numpy calls run on the event
 loop the requests wait on, and the model moves slowly. The span keeps a fast-stepping engine
 from costing more fits than a slow one: at 256 replicas that each step every 5–10 ms, 32
-records are 0.2–0.3 s and the fits were a tenth of a proxy's CPU for state; the guard's
-fitters (:mod:`guard.replicas.load_state`) wait for 1 s of engine time, which a replica
-stepping every 30 ms or more reaches with the 32 records anyway. A batch of records (one
+records are 0.2–0.3 s and the fits were a tenth of a proxy's CPU for state;
+:func:`replica_fitter` (a guard's fitter of a replica, and a replica's fitter of itself for
+its state stream: :mod:`serving.step_time_fit`) waits for ``REFIT_SPAN_S`` (1 s) of engine
+time, which a replica stepping every 30 ms or more reaches with the 32 records anyway. A batch of records (one
 state refresh's iterations) therefore costs at most one fit. The fit computes on the same
 arrays, in the same order, with the same operations as one made from the whole window at
 once, so its estimates are the same to the last bit
-(``tests/guard/replicas/test_step_time_fitter.py`` compares it with such a fit at every
+(``tests/policies/test_step_time_fitter.py`` compares it with such a fit at every
 query).
 """
 
@@ -55,7 +56,8 @@ import numpy as np
 
 from policies.step_time import StepTimeModel
 
-__all__ = ["PredictionError", "StepTimeFitter", "prior_from_timing_model", "roofline_prior"]
+__all__ = ["REFIT_SPAN_S", "PredictionError", "StepTimeFitter", "prior_from_timing_model",
+           "replica_fitter", "roofline_prior"]
 
 _FIELDS = ("base_s", "per_prefill_token_s", "per_decode_seq_s", "per_context_token_s")
 
@@ -106,6 +108,16 @@ def prior_from_timing_model(timing_model: Mapping[str, Any] | None,
     if not (isinstance(time_scale, (int, float)) and time_scale > 0):
         return None
     return StepTimeModel(*(float(v) * time_scale for v in values))
+
+
+# the engine time a replica's fitter waits for between refits (the module docstring)
+REFIT_SPAN_S = 1.0
+
+
+def replica_fitter(prior: StepTimeModel) -> StepTimeFitter:
+    """A replica's fitter, starting at ``prior``: the guard's of each replica, and a replica's
+    own (:mod:`serving.step_time_fit`), alike, so a fit made at either end is the same."""
+    return StepTimeFitter(prior, refit_span_s=REFIT_SPAN_S)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""guard.replicas.step_time_fitter: prior, online fit, non-negativity, self-measured error."""
+"""policies.step_time_fitter: prior, online fit, non-negativity, self-measured error."""
 
 import warnings
 from collections import deque
@@ -6,8 +6,8 @@ from collections import deque
 import numpy as np
 import pytest
 
-from guard.replicas.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
 from policies.step_time import StepTimeModel
+from policies.step_time_fitter import StepTimeFitter, prior_from_timing_model, roofline_prior
 
 TRUE = StepTimeModel(base_s=0.004, per_prefill_token_s=2e-5, per_decode_seq_s=3e-4,
                      per_context_token_s=1e-7)
@@ -345,7 +345,7 @@ def test_add_many_takes_all_records_or_none():
 
 
 def test_the_small_solve_answers_as_numpy_and_refuses_a_singular_system():
-    from guard.replicas.step_time_fitter import _solve
+    from policies.step_time_fitter import _solve
 
     rng = np.random.default_rng(7)
     for _ in range(20):
