@@ -376,7 +376,8 @@ class ProxyApp:
         if (self.models.polled_urls or self.watcher is not None) and self._models_task is None:
             self._models_task = asyncio.ensure_future(self.models.run(
                 self.transport.get, config.refresh_interval_s, config.state_timeout_s,
-                busy=self.load_state.num_inflight))  # a read can cut a stream: see the module
+                busy=self.load_state.num_inflight,  # a read can cut a stream: see the module
+                state_model=self.load_state.served_model))  # a list it lacks: read it soon
 
     def drain(self) -> None:
         """Stop admitting (new and queued requests: 503 ``shutting_down``, ``/health`` 503);

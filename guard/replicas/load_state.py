@@ -436,6 +436,12 @@ class LoadState:
             models.append(replica.served_model)
         return frozenset(models) if models else None
 
+    def served_model(self, replica_id: str) -> str | None:
+        """The model name ``replica_id``'s last state document gave (None: it gave none, or no
+        state document came from it)."""
+        replica = self._replicas.get(replica_id)
+        return replica.served_model if replica is not None else None
+
     def mark_unhealthy(self, replica_id: str, now_s: float) -> None:
         """The replica stopped answering: policies no longer pick it until a good state arrives."""
         replica = self._replica(replica_id)

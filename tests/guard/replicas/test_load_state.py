@@ -112,6 +112,18 @@ def test_staleness_and_unhealthy():
     assert [r.replica_id for r in ls.snapshot(13.0).fresh_replicas()] == ["r1"]
 
 
+def test_a_replicas_served_model_is_the_one_its_last_state_named():
+    """What the model catalog compares with a replica's ``/v1/models`` list."""
+    ls = make_state()
+    assert ls.served_model("r0") is None  # no state yet
+    ls.update_from_kvguard_state("r0", state(), now_s=1.0)
+    assert ls.served_model("r0") == "llama-7b"
+    ls.update_from_kvguard_state("r0", {**state(), "model": "llama-13b"}, now_s=2.0)
+    assert ls.served_model("r0") == "llama-13b"
+    ls.update_from_kvguard_state("r0", {**state(), "model": 7}, now_s=3.0)
+    assert ls.served_model("r0") is None  # not a name
+
+
 def test_configured_weights_reach_every_snapshot_of_the_replica():
     ls = make_state(weights={"r0": 3.0})
     ls.update_from_kvguard_state("r0", state(), now_s=1.0)
