@@ -29,9 +29,13 @@ class MeanStepTime:
         return len(self._models)
 
     def count(self, replica_id: str, model: StepTimeModel | None) -> None:
-        """``replica_id``'s model now (None: not counted, e.g. unhealthy)."""
-        old = self._models.pop(replica_id, None)
+        """``replica_id``'s model now (None: not counted, e.g. unhealthy). The same model
+        again (most refreshes: a replica's model moves at its refits, about once a second) is
+        no change: the sums stand, untouched by a rounding step."""
         new = model.as_tuple() if model is not None else None
+        if self._models.get(replica_id) == new:
+            return
+        old = self._models.pop(replica_id, None)
         if new is not None:
             self._models[replica_id] = new
         self._num_changes += 1

@@ -49,3 +49,19 @@ def test_a_resync_sums_the_models_again():
 def test_resync_every_is_validated():
     with pytest.raises(ValueError, match="resync_every"):
         MeanStepTime(resync_every=0)
+
+
+def test_the_same_model_again_leaves_the_sums_as_they_were():
+    """A refresh that brings no new fit is no change: taking a model out of the sums and
+    putting it back rounds (s - a + a is not always s), and the mean would drift from the one
+    the same models give summed once."""
+    models = {name: StepTimeModel(*[x] * 4) for name, x in (
+        ("a", 0.7050030316920598), ("b", 0.9991557362030224), ("c", 0.0008687559141843779))}
+    once, again = MeanStepTime(), MeanStepTime()
+    for means in (once, again):
+        for name, m in models.items():
+            means.count(name, m)
+        means.sum_up()
+    for _ in range(3):
+        again.count("a", models["a"])
+    assert again.mean(PRIOR) == once.mean(PRIOR)
