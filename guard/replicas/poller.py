@@ -267,6 +267,12 @@ def state_sources(replicas: tuple[ReplicaConfig, ...], client: StateClient,
     return sources
 
 
+# a pushed update waits for the others of its batch this long, or this fraction of the
+# refresh interval where that is shorter (StatePoller's docstring)
+PUSH_BATCH_S = 0.005
+PUSH_BATCH_FRACTION = 0.05
+
+
 class StatePoller:
     """Refreshes every replica's state each ``interval_s``; never lets an exception escape.
 
@@ -285,6 +291,14 @@ class StatePoller:
     skips it while it is live (``answers_now``: nothing new would be found, its events came
     already) and fetches it otherwise, which (re)starts it: a round costs what it can find,
     not a fetch per streamed replica (0.21 → 0.065 ms a round at 256 live streams).
+
+    Pushed updates are applied in batches: the first to arrive opens one, applied
+    ``PUSH_BATCH_S`` (5 ms; ``PUSH_BATCH_FRACTION`` of a shorter interval) later with every
+    update that came meanwhile, each as of its arrival (its replica's view is stamped then) and in arrival
+    order; a round applies the open batch first. At 256 replicas streaming at 10 Hz a batch
+    holds ~13 updates, and the load state's Python runs back to back instead of between two
+    socket reads each (~10 % of a proxy's CPU per event, measured); the view of a replica is
+    that much later, against an interval of 100 ms.
     """
 
     def __init__(self, load_state: StateSink, sources: Mapping[str, StateSource],
@@ -311,6 +325,12 @@ class StatePoller:
         for rid, src in self._sources.items():
             self._listen(rid, src)
         self._task: asyncio.Task | None = None
+        # pushed updates not applied yet: (replica id, source, payload, arrival time), and
+        # the timer that applies them
+        self._pushes: list[tuple[str, StateSource, Any, float]] = []
+        self._push_timer: asyncio.TimerHandle | None = None
+        self._push_delay_s = min(PUSH_BATCH_S, interval_s * PUSH_BATCH_FRACTION)
+        self.num_push_batches = 0
         self.num_refreshes = 0
         self.unreadable: dict[str, str] = {}  # replica id -> why its last refresh failed
 
@@ -327,19 +347,38 @@ class StatePoller:
     def _listen(self, replica_id: str, source: StateSource) -> None:
         """A source that pushes (a stream) hands each update over as it arrives."""
         if getattr(source, "pushes", hasattr(source, "listen")):
-            source.listen(lambda payload: self._pushed(replica_id, source, payload))
+            source.listen(lambda payload: self._push(replica_id, source, payload))
             self._pushed_ids.add(replica_id)
         else:
             self._pushed_ids.discard(replica_id)
 
-    def _pushed(self, replica_id: str, source: StateSource, payload: Any) -> None:
+    def _push(self, replica_id: str, source: StateSource, payload: Any) -> None:
+        """A pushed update, into the open batch (the class docstring)."""
+        self._pushes.append((replica_id, source, payload, self._clock()))
+        if self._push_timer is None:
+            self._push_timer = asyncio.get_running_loop().call_later(
+                self._push_delay_s, self.apply_pushed)
+
+    def apply_pushed(self) -> None:
+        """Apply the pushed updates not applied yet, in the order they came."""
+        if self._push_timer is not None:
+            self._push_timer.cancel()
+            self._push_timer = None
+        pushes, self._pushes = self._pushes, []
+        if pushes:
+            self.num_push_batches += 1
+        for replica_id, source, payload, arrived_s in pushes:
+            self._pushed(replica_id, source, payload, arrived_s)
+
+    def _pushed(self, replica_id: str, source: StateSource, payload: Any,
+                arrived_s: float) -> None:
         if self._sources.get(replica_id) is not source:
             return  # it left the fleet
         try:
             if payload is UNCHANGED:
-                self._load_state.touch(replica_id, self._clock())
+                self._load_state.touch(replica_id, arrived_s)
             else:
-                self._apply(replica_id, source, payload, self._clock())
+                self._apply(replica_id, source, payload, arrived_s)
         except Exception as exc:  # the stream reader outlives a bad update
             self._errors[replica_id] += 1
             self._unreadable(replica_id, exc)
@@ -358,7 +397,9 @@ class StatePoller:
         _close_soon(source)
 
     async def refresh_now(self) -> None:
-        """Refresh all replicas once, concurrently."""
+        """Refresh all replicas once, concurrently (the pushed updates not applied yet
+        first)."""
+        self.apply_pushed()
         for rid, src in self._local.items():
             await self._refresh_one(rid, src, bounded=False)
         remote = []
@@ -479,6 +520,7 @@ class StatePoller:
         connection of their own (streams)."""
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        self.apply_pushed()  # what came before the stop, not left to a timer
         for source in self._sources.values():
             close = getattr(source, "aclose", None)
             if close is not None:
