@@ -56,8 +56,8 @@ import numpy as np
 
 from policies.step_time import StepTimeModel
 
-__all__ = ["REFIT_SPAN_S", "PredictionError", "StepTimeFitter", "prior_from_timing_model",
-           "replica_fitter", "roofline_prior"]
+__all__ = ["REFIT_SPAN_S", "PredictionError", "StepTimeFitter", "new_records",
+           "prior_from_timing_model", "replica_fitter", "roofline_prior"]
 
 _FIELDS = ("base_s", "per_prefill_token_s", "per_decode_seq_s", "per_context_token_s")
 
@@ -118,6 +118,22 @@ def replica_fitter(prior: StepTimeModel) -> StepTimeFitter:
     """A replica's fitter, starting at ``prior``: the guard's of each replica, and a replica's
     own (:mod:`serving.step_time_fit`), alike, so a fit made at either end is the same."""
     return StepTimeFitter(prior, refit_span_s=REFIT_SPAN_S)
+
+
+def new_records(iterations: Iterable[Mapping[str, Any]],
+                last_batch_id: int) -> tuple[list[tuple[int, int, int, float]], int]:
+    """A state document's iteration records (rows) whose batch id is above ``last_batch_id``
+    (a replica's ids rise), as :meth:`StepTimeFitter.add_many` takes them, and the last batch
+    id now."""
+    records = []
+    for it in iterations:
+        batch_id = int(it["batch_id"])
+        if batch_id <= last_batch_id:
+            continue
+        last_batch_id = batch_id
+        records.append((int(it["num_prefill_tokens"]), int(it["num_decode_seqs"]),
+                        int(it["num_context_tokens"]), float(it["duration_s"])))
+    return records, last_batch_id
 
 
 @dataclass(frozen=True)

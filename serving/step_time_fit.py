@@ -32,7 +32,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from policies.step_time import StepTimeModel
-from policies.step_time_fitter import prior_from_timing_model, replica_fitter, roofline_prior
+from policies.step_time_fitter import (
+    new_records,
+    prior_from_timing_model,
+    replica_fitter,
+    roofline_prior,
+)
 
 __all__ = ["FIT_FIELDS", "StepTimeFit", "fitted_model"]
 
@@ -61,14 +66,7 @@ class StepTimeFit:
         last = self._last_batch_id
         if 0 <= step_count < self._last_step_count:  # the engine restarted: ids start over
             last = -1
-        records = []
-        for it in compact.get("iterations") or ():
-            batch_id = int(it["batch_id"])
-            if batch_id <= last:
-                continue
-            last = batch_id
-            records.append((int(it["num_prefill_tokens"]), int(it["num_decode_seqs"]),
-                            int(it["num_context_tokens"]), float(it["duration_s"])))
+        records, last = new_records(compact.get("iterations") or (), last)
         self._last_batch_id, self._last_step_count = last, step_count
         self._fitter.add_many(records)
         model = self._fitter.model()

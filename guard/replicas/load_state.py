@@ -64,6 +64,7 @@ from policies.snapshot import NOTHING_AHEAD, LoadSnapshot, QueuedAhead, ReplicaS
 from policies.step_time import StepTimeModel
 from policies.step_time_fitter import (
     StepTimeFitter,
+    new_records,
     prior_from_timing_model,
     replica_fitter,
     roofline_prior,
@@ -284,14 +285,7 @@ class LoadState:
                                                          last_batch_id)
             replica.last_step_count, replica.last_batch_id = step_count, last_batch_id
         else:
-            records = []
-            for it in iterations:
-                batch_id = int(it["batch_id"])
-                if batch_id <= last_batch_id:
-                    continue
-                last_batch_id = batch_id
-                records.append((int(it["num_prefill_tokens"]), int(it["num_decode_seqs"]),
-                                int(it["num_context_tokens"]), float(it["duration_s"])))
+            records, last_batch_id = new_records(iterations, last_batch_id)
             replica.last_step_count, replica.last_batch_id = step_count, last_batch_id
             replica.fitter.add_many(records)
         replica.model = replica.fitter.model()
