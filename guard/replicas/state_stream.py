@@ -4,8 +4,9 @@
 (:mod:`serving.state_delta` is the protocol: a full compact document, then deltas numbered
 one by one) and keeps the replica's compact document up to date by applying each delta, so a
 state refresh costs what changed on the wire instead of a request and a whole document per
-poll. The poller hands each event to the guard's view as it arrives (:meth:`listen`), so the
-view is as fresh as the stream; its rounds still call :meth:`fetch`, which returns the
+poll. The poller hands each event to the guard's view as it arrives (:meth:`listen`; applied
+in its batch of a few milliseconds: :class:`~guard.replicas.poller.StatePoller`), so the view
+is as fresh as the stream; its rounds still call :meth:`fetch`, which returns the
 document as of the latest event, :data:`UNCHANGED` when events arrived but changed nothing
 but the replica's clock (its view is then only marked fresh), or None when no event arrived
 since the round before (the view stands, and ages).
