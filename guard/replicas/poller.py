@@ -294,8 +294,8 @@ class StatePoller:
 
     Pushed updates are applied in batches: the first to arrive opens one, applied
     ``PUSH_BATCH_S`` (5 ms; ``PUSH_BATCH_FRACTION`` of a shorter interval) later with every
-    update that came meanwhile, each as of its arrival (its replica's view is stamped then) and in arrival
-    order; a round applies the open batch first. At 256 replicas streaming at 10 Hz a batch
+    update that came meanwhile, in arrival order, each as of its arrival (its replica's view
+    is stamped then); a round applies the open batch first. At 256 replicas streaming at 10 Hz a batch
     holds ~13 updates, and the load state's Python runs back to back instead of between two
     socket reads each (~10 % of a proxy's CPU per event, measured); the view of a replica is
     that much later, against an interval of 100 ms.
