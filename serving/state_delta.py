@@ -172,7 +172,7 @@ class StateDeltas:
         if iterations:
             self._last_batch = max(it["batch_id"] for it in iterations)
 
-        if self._columns:
+        if self._columns and self._fit is None:  # (a fit's events carry no samples)
             iterations = iteration_columns(iterations)
             compact = {**compact, "iterations": iterations}
         if self.seq == 0:

@@ -283,11 +283,10 @@ class LoadState:
         if isinstance(iterations, Mapping):  # columns (a stream's form): no Python per record
             last_batch_id = self._feed_iteration_columns(replica.fitter, iterations,
                                                          last_batch_id)
-            replica.last_step_count, replica.last_batch_id = step_count, last_batch_id
         else:
             records, last_batch_id = new_records(iterations, last_batch_id)
-            replica.last_step_count, replica.last_batch_id = step_count, last_batch_id
             replica.fitter.add_many(records)
+        replica.last_step_count, replica.last_batch_id = step_count, last_batch_id
         replica.model = replica.fitter.model()
 
     @staticmethod
