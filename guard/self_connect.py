@@ -18,7 +18,7 @@ import socket
 import struct
 from typing import Any
 
-__all__ = ["connected_to_itself", "drop"]
+__all__ = ["connected_to_itself", "drop", "reset_on_close", "socket_connected_to_itself"]
 
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends RST, no TIME_WAIT
 
@@ -26,12 +26,21 @@ _RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends RST,
 def connected_to_itself(transport: Any) -> bool:
     """Whether an asyncio transport's socket has the same address at both ends."""
     sock = transport.get_extra_info("socket")
-    if sock is None:
-        return False
+    return sock is not None and socket_connected_to_itself(sock)
+
+
+def socket_connected_to_itself(sock: Any) -> bool:
+    """Whether a socket has the same address at both ends."""
     try:
         return sock.getsockname() == sock.getpeername()
     except OSError:  # not connected any more: whatever reads from it next finds that out
         return False
+
+
+def reset_on_close(sock: Any) -> None:
+    """Make closing ``sock`` send a reset (nothing left in TIME_WAIT on its port)."""
+    with contextlib.suppress(OSError):  # closed already: nothing is left on the port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
 
 
 async def drop(transport: Any) -> None:
@@ -41,7 +50,6 @@ async def drop(transport: Any) -> None:
     that port for a minute; reset, it leaves nothing behind."""
     sock = transport.get_extra_info("socket")
     if sock is not None:
-        with contextlib.suppress(OSError):  # closed already: nothing is left on the port
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+        reset_on_close(sock)
     transport.abort()
     await asyncio.sleep(0)  # the abort's close runs first: it was scheduled before this wakeup

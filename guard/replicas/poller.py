@@ -267,12 +267,6 @@ def state_sources(replicas: tuple[ReplicaConfig, ...], client: StateClient,
     return sources
 
 
-# a pushed update waits for the others of its batch this long, or this fraction of the
-# refresh interval where that is shorter (StatePoller's docstring)
-PUSH_BATCH_S = 0.005
-PUSH_BATCH_FRACTION = 0.05
-
-
 class StatePoller:
     """Refreshes every replica's state each ``interval_s``; never lets an exception escape.
 
@@ -292,13 +286,12 @@ class StatePoller:
     already) and fetches it otherwise, which (re)starts it: a round costs what it can find,
     not a fetch per streamed replica (0.21 → 0.065 ms a round at 256 live streams).
 
-    Pushed updates are applied in batches: the first to arrive opens one, applied
-    ``PUSH_BATCH_S`` (5 ms; ``PUSH_BATCH_FRACTION`` of a shorter interval) later with every
-    update that came meanwhile, in arrival order, each as of its arrival (its replica's view
-    is stamped then); a round applies the open batch first. At 256 replicas streaming at 10 Hz a batch
-    holds ~13 updates, and the load state's Python runs back to back instead of between two
-    socket reads each (~10 % of a proxy's CPU per event, measured); the view of a replica is
-    that much later, against an interval of 100 ms.
+    Pushed updates are applied in batches: the first to arrive opens one, applied at the
+    loop's next turn with every update that came meanwhile, in arrival order, each as of its
+    arrival (its replica's view is stamped then); a round applies the open batch first. The
+    streams are read in rounds (:mod:`guard.replicas.stream_reads`, every 5 ms): a batch is
+    a round's updates, ~13 at 256 replicas streaming at 10 Hz, and the load state's Python
+    runs back to back instead of between two socket reads each.
     """
 
     def __init__(self, load_state: StateSink, sources: Mapping[str, StateSource],
@@ -326,10 +319,9 @@ class StatePoller:
             self._listen(rid, src)
         self._task: asyncio.Task | None = None
         # pushed updates not applied yet: (replica id, source, payload, arrival time), and
-        # the timer that applies them
+        # the loop's call that applies them
         self._pushes: list[tuple[str, StateSource, Any, float]] = []
-        self._push_timer: asyncio.TimerHandle | None = None
-        self._push_delay_s = min(PUSH_BATCH_S, interval_s * PUSH_BATCH_FRACTION)
+        self._push_call: asyncio.Handle | None = None
         self.num_push_batches = 0
         self.num_refreshes = 0
         self.unreadable: dict[str, str] = {}  # replica id -> why its last refresh failed
@@ -355,15 +347,14 @@ class StatePoller:
     def _push(self, replica_id: str, source: StateSource, payload: Any) -> None:
         """A pushed update, into the open batch (the class docstring)."""
         self._pushes.append((replica_id, source, payload, self._clock()))
-        if self._push_timer is None:
-            self._push_timer = asyncio.get_running_loop().call_later(
-                self._push_delay_s, self.apply_pushed)
+        if self._push_call is None:
+            self._push_call = asyncio.get_running_loop().call_soon(self.apply_pushed)
 
     def apply_pushed(self) -> None:
         """Apply the pushed updates not applied yet, in the order they came."""
-        if self._push_timer is not None:
-            self._push_timer.cancel()
-            self._push_timer = None
+        if self._push_call is not None:
+            self._push_call.cancel()
+            self._push_call = None
         pushes, self._pushes = self._pushes, []
         if pushes:
             self.num_push_batches += 1
@@ -520,7 +511,7 @@ class StatePoller:
         connection of their own (streams)."""
         task, self._task = self._task, None
         await cancel_and_wait(task)
-        self.apply_pushed()  # what came before the stop, not left to a timer
+        self.apply_pushed()  # what came before the stop, not left to the loop
         for source in self._sources.values():
             close = getattr(source, "aclose", None)
             if close is not None:

@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 
 from guard.errors import StateUnavailable
 from guard.replicas.event_stream import EventStreamProtocol
+from guard.replicas.stream_reads import read_round_s, stream_reads
 from guard.replicas.stream_view import StreamGroup
 from serving.json_body import loads
 
@@ -73,8 +74,9 @@ class StreamGap(Exception):
 class StreamStateSource:
     """One replica's state stream, kept open by a task of its own (started on first fetch):
     it connects, waits while the stream lasts, and opens a new one when it ends. Over plain
-    ``http://`` the events are parsed and fed as the bytes arrive, by
-    :class:`~guard.replicas.event_stream.EventStreamProtocol`, not by that task."""
+    ``http://`` the events are parsed and fed as they are read, in the loop's rounds of
+    stream reads, by :class:`~guard.replicas.event_stream.EventStreamProtocol`, not by that
+    task."""
 
     kind = "kvguard"
 
@@ -94,6 +96,7 @@ class StreamStateSource:
         self._timeout_s = timeout_s
         self._stale_after_s = stale_after_s if stale_after_s is not None else max(
             1.0, 10 * interval_ms / 1000)
+        self._read_round_s = read_round_s(interval_ms / 1000)
         self._top: dict | None = None  # the document's other fields (None: no full one yet)
         self._running = StreamGroup(16, advances=True)
         self._waiting = StreamGroup(16, advances=False)
@@ -274,10 +277,12 @@ class StreamStateSource:
         await asyncio.sleep(30.0)  # asked again now and then
 
     async def _read_raw(self) -> None:
-        """The stream over a plain asyncio connection (HTTP/1.1, chunked or until close),
-        parsed by an :class:`~guard.replicas.event_stream.EventStreamProtocol`: each event is
-        fed and handed over in line as its bytes arrive; this task only opens the connection
-        and waits until the stream ends (then why it did is raised here: a new stream)."""
+        """The stream over a plain connection (HTTP/1.1, chunked or until close), read in the
+        loop's rounds of stream reads (:mod:`guard.replicas.stream_reads`: at most 5 ms, or 5 %
+        of the interval, after its bytes arrived) and parsed by an
+        :class:`~guard.replicas.event_stream.EventStreamProtocol`: each event is fed and
+        handed over in line as it is read; this task only opens the connection and waits
+        until the stream ends (then why it did is raised here: a new stream)."""
         parts = urlsplit(self.url)
         target = parts.path + (f"?{parts.query}" if parts.query else "")
         request = (f"GET {target} HTTP/1.1\r\nhost: {parts.netloc}\r\n"
@@ -285,9 +290,9 @@ class StreamStateSource:
         protocol = EventStreamProtocol(request, self._opened_stream, self._event,
                                        head_timeout_s=self._timeout_s,
                                        silent_after_s=self._stale_after_s)
-        loop = asyncio.get_running_loop()
-        transport, _ = await asyncio.wait_for(loop.create_connection(
-            lambda: protocol, parts.hostname or "", parts.port or 80), self._timeout_s)
+        transport, _ = await asyncio.wait_for(stream_reads().create_connection(
+            lambda: protocol, parts.hostname or "", parts.port or 80,
+            period_s=self._read_round_s), self._timeout_s)
         try:
             why = await protocol.ended
         finally:
