@@ -200,6 +200,37 @@ def test_a_group_that_churns_keeps_its_sums_and_a_bounded_heap():
         assert len(group._past_max) <= 2 * len(group.rows) + 33
 
 
+def test_captures_keep_their_rows_and_an_advance_copies_none():
+    """A capture shares its group's rows until the group next changes a row: every capture
+    taken along a churning group still gives the rows of its time at the end, and captures
+    with only decode steps between them hold the same dict (no copy per event)."""
+    from guard.replicas.stream_view import StreamGroup
+
+    rng = random.Random(11)
+    group = StreamGroup(16, advances=True)
+    kept = []
+    for i in range(400):
+        if rng.random() < 0.5:
+            group.set(f"q{i}", rng.randint(0, 20), rng.choice((None, 60, 400)),
+                      rng.randint(1, 900), rng.choice((0, 0, 64)))
+        if i >= 10 and rng.random() < 0.3 and group.rows:
+            group.remove(rng.choice(sorted(group.rows)))
+        if rng.random() < 0.1 and group.rows:
+            order = list(group.rows)
+            rng.shuffle(order)
+            group.reorder(order)
+        group.step(rng.randint(0, 3))
+        capture = group.capture()
+        kept.append((capture, capture.rows()))
+        advanced = group.capture()
+        group.step(2)
+        again = group.capture()
+        assert again._rows is advanced._rows  # steps alone: the same dict, not a copy
+        assert [(r[0], r[1] + 2 * (not r[4]), r[2], r[3] + 2 * (not r[4]), r[4])
+                for r in advanced.rows()] == again.rows()
+    assert all(capture.rows() == rows for capture, rows in kept)
+
+
 def test_an_event_out_of_sequence_is_a_gap():
     docs = _trace(num_steps=5)
     encoder = StateDeltas()
