@@ -26,7 +26,6 @@ refused, as the guard's other clients refuse one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import selectors
 import socket
 import weakref
@@ -73,12 +72,7 @@ class RoundTransport(asyncio.Transport):
         self._closing = False
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        if name == "socket":
-            return self._sock
-        if name == "peername" and not self._closing:
-            with contextlib.suppress(OSError):
-                return self._sock.getpeername()
-        return default
+        return self._sock if name == "socket" else default
 
     def is_closing(self) -> bool:
         return self._closing
