@@ -50,9 +50,9 @@ def read_round_s(interval_s: float) -> float:
     return min(READ_ROUND_S, interval_s * READ_ROUND_FRACTION)
 
 
-def stream_reads(loop: asyncio.AbstractEventLoop | None = None) -> StreamReads:
-    """The running (or given) loop's :class:`StreamReads`, made on first use."""
-    loop = loop or asyncio.get_running_loop()
+def stream_reads() -> StreamReads:
+    """The running loop's :class:`StreamReads`, made on first use."""
+    loop = asyncio.get_running_loop()
     reads = _READS.get(loop)
     if reads is None:
         reads = _READS[loop] = StreamReads(loop)
@@ -76,9 +76,6 @@ class RoundTransport(asyncio.Transport):
 
     def is_closing(self) -> bool:
         return self._closing
-
-    def get_protocol(self) -> asyncio.BaseProtocol:
-        return self._protocol
 
     def write(self, data: bytes) -> None:
         """Send ``data`` now, whole (a stream's request), or lose the connection."""
@@ -232,11 +229,9 @@ class StreamReads:
 
     def _round(self) -> None:
         """Read every socket with bytes waiting, once; then the next round."""
-        self._timer = None
-        if self._selector is None:
-            return
+        self._timer = None  # armed only while a socket is held: the selector is there
         self.num_rounds += 1
-        for key, _ in self._selector.select(0):
+        for key, _ in self._selector.select(0):  # type: ignore[union-attr]
             self.num_reads += 1
             key.data.read()
         if self._transports and self._timer is None:
